@@ -1,0 +1,230 @@
+// token_logprobs: CPU kernels and the schemas of the raw kernels (CUDA impls in
+// csrc/cuda/token_logprobs.cu). Semantics: ppo_kernels/token_logprobs/reference.py.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "common/softmax_stats.h"
+#include "common/tensor_checks.h"
+
+namespace ppo_kernels {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row
+
+// Load n values as float32 scaled by inv_t into buf; returns their (NaN-propagating) max.
+template <typename scalar_t>
+float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(x, x + n, buf);
+  } else {
+    at::vec::convert(x, buf, n);
+  }
+  const Vec vt(inv_t);
+  Vec vmax(-INFINITY);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec z = Vec::loadu(buf + i) * vt;
+    z.store(buf + i);
+    vmax = at::vec::maximum(vmax, z);  // propagates NaN
+  }
+  float m = -INFINITY;
+  if (i < n) {
+    Vec z = Vec::loadu(buf + i, n - i) * vt;
+    z.store(buf + i, n - i);
+    for (int64_t j = i; j < n; ++j) m = nan_max(m, buf[j]);
+  }
+  float lanes[Vec::size()];
+  vmax.store(lanes);
+  for (float v : lanes) m = nan_max(m, v);
+  return m;
+}
+
+// Softmax stats of one L1-resident block (values already scaled), relative to its max m.
+SoftmaxStats block_stats(const float* z, int64_t n, float m) {
+  if (m == -INFINITY) return stats_empty();  // all -inf: contributes nothing
+  const Vec vm(m), floor_(-FLT_MAX);
+  Vec vs(0.f), vu(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec d = Vec::loadu(z + i) - vm;
+    const Vec e = d.exp_u20();
+    vs = vs + e;
+    vu = at::vec::fmadd(e, at::vec::maximum(d, floor_), vu);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vs);
+  float u = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vu);
+  for (; i < n; ++i) {
+    const float d = z[i] - m;
+    const float e = std::exp(d);
+    s += e;
+    u += weighted_offset(e, d);
+  }
+  return {m, s, u};
+}
+
+void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
+  AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_labels", [&] {
+    const index_t* lab = labels.data_ptr<index_t>();
+    for (int64_t i = 0; i < labels.numel(); ++i) {
+      const int64_t l = lab[i];
+      TORCH_CHECK_INDEX(l == ignore_index || (l >= 0 && l < V), "labels: value ", l,
+                        " at flat position ", i, " is outside the vocabulary [0, ", V,
+                        ") and is not ignore_index (", ignore_index, ")");
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
+    const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
+    int64_t ignore_index, bool with_entropy) {
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
+              "logits: the last (vocabulary) dimension must be contiguous");
+  const int64_t V = logits_in.size(-1);
+  const int64_t N = leading_numel(logits_in);
+  const at::Tensor labels = labels_in.contiguous();
+  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
+  auto ri = make_row_indexer(logits_in);
+  const at::Tensor logits = ri ? logits_in : logits_in.contiguous();
+  if (!ri) ri = make_row_indexer(logits);
+  const auto f32 = labels.options().dtype(at::kFloat);
+  at::Tensor logprobs = at::empty(labels.sizes(), f32);
+  at::Tensor entropy = with_entropy ? at::empty(labels.sizes(), f32) : at::empty({0}, f32);
+  at::Tensor lse = at::empty(labels.sizes(), f32);
+  if (N == 0) return {logprobs, entropy, lse};
+  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  check_labels(labels, V, ignore_index);
+  const float inv_t = static_cast<float>(inv_temperature);
+  const RowIndexer rows = *ri;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
+    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd", [&] {
+      const scalar_t* x = logits.const_data_ptr<scalar_t>();
+      const index_t* lab = labels.const_data_ptr<index_t>();
+      float* lp = logprobs.data_ptr<float>();
+      float* ent = with_entropy ? entropy.data_ptr<float>() : nullptr;
+      float* ls = lse.data_ptr<float>();
+      const int64_t grain = std::max<int64_t>(1, 16384 / V);
+      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+        float buf[kBlock];
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t label = lab[r];
+          if (label == ignore_index) {
+            lp[r] = 0.f;
+            if (ent) ent[r] = 0.f;
+            ls[r] = 0.f;
+            continue;
+          }
+          const scalar_t* row = x + rows(r);
+          SoftmaxStats st = stats_empty();
+          for (int64_t j = 0; j < V; j += kBlock) {
+            const int64_t n = std::min(kBlock, V - j);
+            const float m = load_scaled(row + j, n, inv_t, buf);
+            st = stats_merge(st, block_stats(buf, n, m));
+          }
+          const float l = stats_lse(st);
+          ls[r] = l;
+          lp[r] = static_cast<float>(row[label]) * inv_t - l;
+          if (ent) ent[r] = stats_entropy(st);
+        }
+      });
+    });
+  });
+  return {logprobs, entropy, lse};
+}
+
+// grad_logits[r, j] = inv_t * (glp * (onehot_j - p_j) - gent * p_j * (z_j - lse + H)),
+// written into grad_logits (which may be the logits buffer itself: each element is read before
+// it is overwritten, by the same thread).
+void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+                            const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
+                            const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
+                            at::Tensor grad_logits) {
+  const int64_t V = logits.size(-1);
+  const int64_t N = leading_numel(logits);
+  if (N == 0) return;
+  auto ri_in = make_row_indexer(logits);
+  auto ri_out = make_row_indexer(grad_logits);
+  TORCH_CHECK(ri_in && ri_out && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
+              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
+  const at::Tensor labels = labels_in.contiguous();
+  const at::Tensor glp_t = grad_logprobs.to(at::kFloat).contiguous();
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  const at::Tensor gent_t = has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor lse_c = lse.contiguous();
+  const at::Tensor ent_c = has_ent ? entropy.contiguous() : at::Tensor();
+  const float inv_t = static_cast<float>(inv_temperature);
+  const RowIndexer rin = *ri_in, rout = *ri_out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
+    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd", [&] {
+      const scalar_t* x = logits.const_data_ptr<scalar_t>();
+      scalar_t* gx = grad_logits.data_ptr<scalar_t>();
+      const index_t* lab = labels.const_data_ptr<index_t>();
+      const float* glp = glp_t.const_data_ptr<float>();
+      const float* gent = has_ent ? gent_t.const_data_ptr<float>() : nullptr;
+      const float* ls = lse_c.const_data_ptr<float>();
+      const float* ent = has_ent ? ent_c.const_data_ptr<float>() : nullptr;
+      const int64_t grain = std::max<int64_t>(1, 16384 / V);
+      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+        float buf[kBlock];
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t label = lab[r];
+          const scalar_t* row = x + rin(r);
+          scalar_t* grow = gx + rout(r);
+          if (label == ignore_index) {
+            std::fill(grow, grow + V, scalar_t(0));
+            continue;
+          }
+          const float l = ls[r];
+          const float a = glp[r] * inv_t;            // weight of onehot - p
+          const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
+          const float c = gent ? ent[r] - l : -l;    // log p + H = z - lse + H
+          // grad_j = p_j * (-a - b * (z_j + c)) + a * onehot_j
+          const float xl = static_cast<float>(row[label]) * inv_t;
+          const Vec vl(l), va(a), vb(b), vc(c);
+          for (int64_t j = 0; j < V; j += kBlock) {
+            const int64_t n = std::min(kBlock, V - j);
+            load_scaled(row + j, n, inv_t, buf);
+            int64_t i = 0;
+            for (; i + Vec::size() <= n; i += Vec::size()) {
+              const Vec z = Vec::loadu(buf + i);
+              const Vec p = (z - vl).exp_u20();
+              (p * (Vec(0.f) - va - vb * (z + vc))).store(buf + i);
+            }
+            for (; i < n; ++i) {
+              const float p = std::exp(buf[i] - l);
+              buf[i] = p * (-a - b * (buf[i] + c));
+            }
+            if (label >= j && label < j + n) {
+              const float p = std::exp(xl - l);
+              buf[label - j] = p * (-a - b * (xl + c)) + a;
+            }
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              std::copy(buf, buf + n, grow + j);
+            } else {
+              at::vec::convert(buf, grow + j, n);
+            }
+          }
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def("token_logprobs_fwd(Tensor logits, Tensor labels, float inv_temperature, int ignore_index, "
+        "bool with_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)");
+  m.def("token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
+        "Tensor lse, Tensor entropy, float inv_temperature, int ignore_index, Tensor(a!) grad_logits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("token_logprobs_fwd", &token_logprobs_fwd_cpu);
+  m.impl("token_logprobs_bwd", &token_logprobs_bwd_cpu);
+}
+
+}  // namespace ppo_kernels

@@ -1,0 +1,13 @@
+// The Python module `ppo_kernels._C`. It exposes no Python functions: every kernel is a
+// torch.library op in the `ppo_kernels_C` namespace, defined (TORCH_LIBRARY_FRAGMENT) next to its
+// CPU kernel in csrc/cpu/<op>.cpp, with its CUDA kernel in csrc/cuda/<op>.cu. Importing the module
+// registers them. The public ops (`torch.ops.ppo_kernels.*`) are defined in Python, which picks a
+// backend (these kernels, Triton or eager) per call.
+#include <Python.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}

@@ -1,0 +1,9 @@
+"""ppo-kernels: fused kernels for PPO-style RL training of language models.
+
+Every op is a torch op in the `ppo_kernels` namespace (`torch.ops.ppo_kernels.*`) with CPU and CUDA
+kernels, a fake kernel for torch.compile and registered autograd; this module is the typed API.
+"""
+from ._backend import BACKENDS, HAS_EXTENSION, resolve as resolve_backend, strict_checks, use_backend  # noqa: F401
+from .token_logprobs import token_logprobs  # noqa: F401
+
+__version__ = "0.1.0"

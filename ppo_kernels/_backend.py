@@ -1,0 +1,188 @@
+"""Extension loading and backend selection.
+
+Every public op runs through one of three backends:
+  "cpp"    the compiled kernels of this extension (C++ on the CPU, CUDA C++ on the GPU; "cuda" is
+           accepted as an alias),
+  "triton" the Triton kernels (GPU; on the CPU only under TRITON_INTERPRET=1, for testing),
+  "eager"  the eager PyTorch reference next to each op.
+Choice, most specific first: `use_backend(...)` context managers (innermost wins), then the
+PPO_KERNELS_BACKEND environment variable ("triton", or "token_logprobs=eager,gae=cpp", or both:
+"triton,gae=eager"), then the op's default for the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("cpp", "triton", "eager")
+_ALIASES = {"cuda": "cpp", "native": "cpp", "c++": "cpp", "auto": "auto"}
+
+
+def _load_extension():
+    try:
+        from ppo_kernels import _C  # noqa: F401  (importing registers torch.ops.ppo_kernels_C.*)
+        return True, None
+    except ImportError as e:  # pragma: no cover - exercised by the no-extension CI job
+        warnings.warn(
+            f"ppo_kernels: the compiled extension is not available ({e}); ops run through Triton "
+            "on the GPU and eager PyTorch on the CPU. Reinstall with `pip install "
+            "--no-build-isolation .` to build it.", RuntimeWarning, stacklevel=3)
+        return False, str(e)
+
+
+HAS_EXTENSION, EXTENSION_ERROR = (False, "disabled by PPO_KERNELS_NO_EXTENSION=1") \
+    if os.environ.get("PPO_KERNELS_NO_EXTENSION") == "1" else _load_extension()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def has_compiled_kernel(kernel: str, device_type: str) -> bool:
+    """Whether `torch.ops.ppo_kernels_C.<kernel>` has a compiled kernel for this device type."""
+    if not HAS_EXTENSION:
+        return False
+    key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
+    name = f"ppo_kernels_C::{kernel}"
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    kernel: str | None   # the ppo_kernels_C kernel whose presence means "cpp" is available
+    triton: bool         # has Triton kernels
+    cuda_default: str    # the measured-fastest backend on CUDA (see bench/results)
+
+
+OPS: dict[str, OpInfo] = {}
+
+
+def register_op(name: str, *, kernel: str | None, triton: bool, cuda_default: str = "cpp") -> OpInfo:
+    info = OpInfo(name, kernel, triton, cuda_default)
+    OPS[name] = info
+    return info
+
+
+def _normalise(name: str, what: str) -> str:
+    b = _ALIASES.get(name.strip().lower(), name.strip().lower())
+    if b not in BACKENDS + ("auto",):
+        raise ValueError(f"{what}: unknown backend {name!r}; expected one of {BACKENDS + ('auto',)}")
+    return b
+
+
+def _parse_spec(spec: str, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" in part:
+            op, b = part.split("=", 1)
+            out[op.strip()] = _normalise(b, what)
+        else:
+            out["*"] = _normalise(part, what)
+    return out
+
+
+_stack: list[dict[str, str]] = []
+_env_cache: tuple[str, dict[str, str]] = ("", {})
+
+
+def _env_choice(op: str) -> str | None:
+    global _env_cache
+    spec = os.environ.get("PPO_KERNELS_BACKEND", "")
+    if spec != _env_cache[0]:
+        _env_cache = (spec, _parse_spec(spec, "PPO_KERNELS_BACKEND"))
+    table = _env_cache[1]
+    return table.get(op, table.get("*"))
+
+
+@contextlib.contextmanager
+def use_backend(default: str | None = None, **per_op: str):
+    """Run ops on a backend: `use_backend("triton")`, `use_backend(gae="eager")`, or both.
+
+    Process-wide (not thread-local) so that autograd's backward threads see it too."""
+    layer = {op: _normalise(b, f"use_backend({op}=...)") for op, b in per_op.items()}
+    for op in layer:
+        if op not in OPS:
+            raise ValueError(f"use_backend: unknown op {op!r}; known ops: {sorted(OPS)}")
+    if default is not None:
+        layer["*"] = _normalise(default, "use_backend")
+    _stack.append(layer)
+    try:
+        yield
+    finally:
+        _stack.remove(layer)
+
+
+def available(op: str, backend: str, device_type: str) -> tuple[bool, str]:
+    info = OPS[op]
+    if backend == "eager":
+        return True, ""
+    if backend == "cpp":
+        if info.kernel is None:
+            return False, f"{op} has no compiled kernel"
+        if not has_compiled_kernel(info.kernel, device_type):
+            why = EXTENSION_ERROR or f"the extension was built without {device_type} kernels"
+            return False, f"no compiled {device_type} kernel for {op} ({why})"
+        return True, ""
+    if backend == "triton":
+        if not info.triton:
+            return False, f"{op} has no Triton kernel"
+        if not HAS_TRITON:
+            return False, "triton is not installed"
+        if device_type != "cuda" and not triton_interpreting():
+            return False, "Triton runs CPU tensors only under TRITON_INTERPRET=1"
+        return True, ""
+    raise AssertionError(backend)
+
+
+def default_backend(op: str, device_type: str) -> str:
+    info = OPS[op]
+    order = ([info.cuda_default] + [b for b in BACKENDS if b != info.cuda_default]
+             if device_type == "cuda" else ["cpp", "eager"])
+    for b in order:
+        if available(op, b, device_type)[0]:
+            return b
+    return "eager"
+
+
+def resolve(op: str, device_type: str) -> str:
+    """The backend `op` runs on for a tensor on `device_type` right now."""
+    choice = None
+    for layer in reversed(_stack):
+        choice = layer.get(op, layer.get("*"))
+        if choice is not None:
+            break
+    if choice is None:
+        choice = _env_choice(op)
+    if choice is None or choice == "auto":
+        return default_backend(op, device_type)
+    ok, why = available(op, choice, device_type)
+    if not ok:
+        raise RuntimeError(f"ppo_kernels: backend {choice!r} requested for {op} on {device_type}, "
+                           f"but it is unavailable: {why}")
+    return choice
+
+
+_strict = [os.environ.get("PPO_KERNELS_STRICT", "0") == "1"]
+
+
+@contextlib.contextmanager
+def strict_checks(enabled: bool = True):
+    """Validate data-dependent input (label ranges, ...) on the GPU too, at the cost of a host sync.
+
+    Without it GPU kernels never read out of bounds and give the documented NaN instead."""
+    _strict.append(enabled)
+    try:
+        yield
+    finally:
+        _strict.pop()
+
+
+def strict() -> bool:
+    return _strict[-1]

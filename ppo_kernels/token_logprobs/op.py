@@ -1,0 +1,169 @@
+"""token_logprobs as torch ops: `ppo_kernels::token_logprobs` (forward) and its backward ops, with
+fake kernels and registered autograd. Each call picks a backend (see ppo_kernels/_backend.py)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from . import reference
+
+OP = _backend.register_op("token_logprobs", kernel="token_logprobs_fwd", triton=True,
+                          cuda_default="cpp")
+
+
+def _backend_for(logits: Tensor) -> str:
+    # float64 always takes the float64 reference: the kernels accumulate in float32.
+    if logits.dtype == torch.float64:
+        return "eager"
+    return _backend.resolve("token_logprobs", logits.device.type)
+
+
+def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        pos = int(bad.flatten().nonzero()[0])
+        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
+                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
+
+
+@torch.library.custom_op("ppo_kernels::token_logprobs", mutates_args=())
+def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
+                      with_entropy: bool, inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (logprobs, entropy or an empty tensor, lse); lse is saved for backward."""
+    backend = _backend_for(logits)
+    inv_t = 1.0 / temperature
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.token_logprobs_fwd(logits, labels, inv_t, ignore_index,
+                                                         with_entropy)
+    if logits.device.type == "cpu":
+        _check_labels_cpu(labels, logits.shape[-1], ignore_index)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.forward(logits, labels, inv_t, ignore_index, with_entropy)
+    lp, ent, lse = reference.forward(logits, labels, temperature, ignore_index, with_entropy)
+    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return lp.to(out), ent.to(out), lse.to(out)
+
+
+@token_logprobs_op.register_fake
+def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
+    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    lp = logits.new_empty(labels.shape, dtype=out)
+    ent = logits.new_empty(labels.shape if with_entropy else (0,), dtype=out)
+    return lp, ent, logits.new_empty(labels.shape, dtype=out)
+
+
+def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
+                  ignore_index, grad_logits):
+    backend = _backend_for(logits)
+    inv_t = 1.0 / temperature
+    if backend == "cpp":
+        torch.ops.ppo_kernels_C.token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
+                                                  entropy, inv_t, ignore_index, grad_logits)
+    elif backend == "triton":
+        from . import triton_kernels
+        triton_kernels.backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_t,
+                                ignore_index, grad_logits)
+    else:
+        grad_logits.copy_(reference.backward(grad_logprobs, grad_entropy, logits, labels, lse,
+                                             entropy, temperature, ignore_index))
+
+
+@torch.library.custom_op("ppo_kernels::token_logprobs_backward", mutates_args=())
+def token_logprobs_backward_op(grad_logprobs: Tensor, grad_entropy: Tensor | None, logits: Tensor,
+                               labels: Tensor, lse: Tensor, entropy: Tensor, temperature: float,
+                               ignore_index: int) -> Tensor:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
+                  ignore_index, grad)
+    return grad
+
+
+@token_logprobs_backward_op.register_fake
+def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("ppo_kernels::token_logprobs_backward_", mutates_args=("logits",))
+def token_logprobs_backward_inplace_op(grad_logprobs: Tensor, grad_entropy: Tensor | None,
+                                       logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
+                                       temperature: float, ignore_index: int) -> None:
+    """Overwrites `logits` with the gradient (flash-attn's inplace_backward)."""
+    _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
+                  ignore_index, logits)
+
+
+@token_logprobs_backward_inplace_op.register_fake
+def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, ignore_index, with_entropy, inplace_backward = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.inplace = inplace_backward
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_lp, grad_ent, grad_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    if grad_lp is None:
+        grad_lp = torch.zeros_like(lse, dtype=torch.float32)
+    if grad_ent is not None and grad_ent.numel() == 0:
+        grad_ent = None
+    args = (grad_lp, grad_ent, logits, labels, lse, entropy, ctx.temperature, ctx.ignore_index)
+    if ctx.inplace:
+        torch.ops.ppo_kernels.token_logprobs_backward_(*args)
+        grad = logits
+    else:
+        grad = torch.ops.ppo_kernels.token_logprobs_backward(*args)
+    return grad, None, None, None, None, None
+
+
+token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
+                   ignore_index: int = -100, return_entropy: bool = False,
+                   inplace_backward: bool = False):
+    """Log-probability of each label under softmax(logits / temperature), fused in one pass.
+
+    Args:
+        logits: `[..., V]` float32, bfloat16 or float16 (float64 runs the float64 reference). The
+            leading dimensions may have any strides (e.g. `logits[:, :-1]` is read without a
+            copy); the last dimension must be contiguous.
+        labels: int64 or int32 with shape `logits.shape[:-1]`.
+        temperature: positive float, a runtime value (no kernel recompiles).
+        ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
+        return_entropy: also return the entropy of softmax(logits / temperature).
+        inplace_backward: write the gradient into the logits buffer instead of allocating one
+            (the logits must not be needed by anything else afterwards).
+
+    Returns:
+        float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
+        `(logprobs, entropy)` when `return_entropy=True`.
+    See ppo_kernels/token_logprobs/reference.py for the documented edge cases.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
+    check_same_device(logits=logits, labels=labels)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
+                         f"got {tuple(labels.shape)}")
+    if logits.shape[-1] == 0 and labels.numel() > 0:
+        raise ValueError("logits: the vocabulary dimension (last) is empty")
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        raise ValueError("logits: the last (vocabulary) dimension must be contiguous (stride 1); "
+                         f"got strides {tuple(logits.stride())}")
+    check_positive("temperature", float(temperature))
+    if logits.device.type == "cuda" and _backend.strict():
+        _check_labels_cpu(labels, logits.shape[-1], int(ignore_index))  # host sync, by request
+    lp, ent, _ = torch.ops.ppo_kernels.token_logprobs(logits, labels, float(temperature),
+                                                      int(ignore_index), bool(return_entropy),
+                                                      bool(inplace_backward))
+    return (lp, ent) if return_entropy else lp

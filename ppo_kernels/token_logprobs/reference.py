@@ -1,0 +1,77 @@
+"""Eager PyTorch reference for token_logprobs: the semantics, the `eager` backend and the
+benchmark baseline. Float64 inputs are computed in float64, everything else in float32.
+
+Documented edge cases (every backend matches them):
+  * label == ignore_index: logprob 0, entropy 0, gradient 0.
+  * label outside [0, V): on the CPU an IndexError; on the GPU NaN for that row (logprob, entropy
+    and gradient), never an out-of-bounds read; `strict_checks()` raises instead.
+  * a row of all -inf logits (undefined distribution): logprob NaN, entropy NaN.
+  * some -inf logits: those entries have probability 0; a label on one gives logprob -inf.
+  * a row containing NaN or +inf: logprob NaN, entropy NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _label_masks(labels, V, ignore_index):
+    ignored = labels == ignore_index
+    valid = (labels >= 0) & (labels < V) & ~ignored
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    return ignored, valid, safe
+
+
+def forward(logits, labels, temperature=1.0, ignore_index=-100, with_entropy=True):
+    """(logprobs, entropy, lse) with labels.shape; entropy is empty when not requested."""
+    V = logits.shape[-1]
+    z = logits.to(_acc(logits.dtype)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    ignored, valid, safe = _label_masks(labels, V, ignore_index)
+    zl = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    nan = torch.full_like(lse, float("nan"))
+    lp = torch.where(valid, zl - lse, nan).masked_fill(ignored, 0.0)
+    if with_entropy:
+        p = torch.softmax(z, dim=-1)
+        pz = torch.where(p > 0, p * z, torch.zeros_like(p))
+        ent = torch.where(valid, lse - pz.sum(-1), nan).masked_fill(ignored, 0.0)
+    else:
+        ent = lse.new_empty(0)
+    return lp, ent, lse.masked_fill(ignored, 0.0)
+
+
+def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature=1.0,
+             ignore_index=-100):
+    """Gradient w.r.t. logits, in logits' dtype:
+    inv_t * (g_lp * (onehot - p) - g_ent * p * (log p + H))."""
+    V = logits.shape[-1]
+    acc = _acc(logits.dtype)
+    z = logits.to(acc) / temperature
+    logp = z - lse.to(acc).unsqueeze(-1)
+    p = logp.exp()
+    glp = grad_logprobs.to(acc).unsqueeze(-1)
+    g = -glp * p
+    if grad_entropy is not None and grad_entropy.numel() > 0:
+        t = torch.where(p > 0, p * (logp + entropy.to(acc).unsqueeze(-1)), torch.zeros_like(p))
+        g = g - grad_entropy.to(acc).unsqueeze(-1) * t
+    ignored, valid, safe = _label_masks(labels, V, ignore_index)
+    g = g.scatter_add(-1, safe.unsqueeze(-1), glp)
+    g = g / temperature
+    g = torch.where(valid.unsqueeze(-1), g, torch.full_like(g, float("nan")))
+    g = g.masked_fill(ignored.unsqueeze(-1), 0.0)
+    return g.to(logits.dtype)
+
+
+def eager_logprobs(logits, labels, temperature=1.0):
+    """What trainers do today (the benchmark baseline): upcast, log_softmax, gather."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def eager_entropy(logits, temperature=1.0):
+    z = logits.float() / temperature
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)

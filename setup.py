@@ -1,0 +1,134 @@
+"""Build ppo-kernels: one compiled extension, `ppo_kernels._C`.
+
+C++ CPU kernels always; CUDA kernels from csrc/cuda/*.cu whenever torch is a CUDA build and nvcc is
+found -- also on a machine without a GPU. Switches (environment variables):
+  PPO_KERNELS_SKIP_CUDA_BUILD=1  never compile the CUDA kernels
+  PPO_KERNELS_FORCE_CUDA=1       fail (instead of skipping) when the CUDA kernels cannot be built
+  PPO_KERNELS_CPU_ARCH=generic   do not compile the CPU kernels for AVX2 even if this CPU has it
+  TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
+  MAX_JOBS                       parallel compile jobs (ninja)
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _nvcc_version(cuda_home):
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    out = subprocess.check_output([nvcc, "--version"], text=True)
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _pip_cuda_include_dirs():
+    """CUDA headers (cusparse.h, cublas_v2.h, ...) shipped in pip's nvidia-* packages.
+
+    torch's CUDA headers include some of them, and a bare nvcc toolkit may lack them."""
+    import site
+
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    dirs = []
+    for root in roots:
+        for pattern in ("nvidia/cu*/include", "nvidia/*/include"):
+            for d in sorted(glob.glob(os.path.join(root, pattern))):
+                if os.path.isdir(d) and d not in dirs:
+                    dirs.append(d)
+    return dirs
+
+
+def _host_has_avx2():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return " avx2" in flags and " fma" in flags
+    except OSError:
+        return False
+
+
+def _extensions():
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+
+    cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-DPPO_KERNELS_BUILD"]
+    if os.environ.get("PPO_KERNELS_CPU_ARCH", "auto") != "generic" and _host_has_avx2():
+        # at::vec picks its 256-bit implementation from these two macros.
+        cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+
+    build_cuda = False
+    why_not = None
+    if _flag("PPO_KERNELS_SKIP_CUDA_BUILD"):
+        why_not = "PPO_KERNELS_SKIP_CUDA_BUILD=1"
+    elif torch.version.cuda is None:
+        why_not = f"torch {torch.__version__} is a CPU-only build"
+    elif cpp_extension.CUDA_HOME is None:
+        why_not = "nvcc not found (set CUDA_HOME)"
+    elif not cuda_sources:
+        why_not = "no csrc/cuda/*.cu"
+    else:
+        build_cuda = True
+    if not build_cuda and _flag("PPO_KERNELS_FORCE_CUDA"):
+        raise RuntimeError(f"PPO_KERNELS_FORCE_CUDA=1 but the CUDA kernels cannot be built: {why_not}")
+
+    if build_cuda:
+        nvcc_ver = _nvcc_version(cpp_extension.CUDA_HOME)
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if nvcc_ver is not None and nvcc_ver[0] != torch_major:
+            raise RuntimeError(
+                f"CUDA major version mismatch: nvcc at {cpp_extension.CUDA_HOME} is "
+                f"{nvcc_ver[0]}.{nvcc_ver[1]} but torch {torch.__version__} was built with CUDA "
+                f"{torch.version.cuda}. Point CUDA_HOME at a CUDA {torch_major}.x toolkit, install a "
+                f"torch built for CUDA {nvcc_ver[0]}, or set PPO_KERNELS_SKIP_CUDA_BUILD=1."
+            )
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+        include_dirs += _pip_cuda_include_dirs()
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DPPO_KERNELS_BUILD",
+                "--expt-relaxed-constexpr", "-std=c++17"]
+        print(f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
+        return [cpp_extension.CUDAExtension(
+            "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx,
+                                "nvcc": nvcc},
+            extra_link_args=["-fopenmp"])]
+    print(f"ppo-kernels: building CPU kernels only ({why_not})")
+    return [cpp_extension.CppExtension(
+        "ppo_kernels._C", sources, include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
+
+
+def _build_ext():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(
+    name="ppo-kernels",
+    version="0.1.0",
+    description="Fused CUDA / Triton / C++ kernels for PPO-style RL training of language models",
+    packages=find_packages(include=["ppo_kernels", "ppo_kernels.*"]),
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": _build_ext()},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={
+        "triton": ["triton>=3.6"],
+        "test": ["pytest", "pytest-benchmark", "numpy", "expecttest"],
+        "train": ["transformers>=4.45", "tqdm", "matplotlib"],
+    },
+    zip_safe=False,
+)
