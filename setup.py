@@ -97,7 +97,7 @@ def _extensions():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         include_dirs += _pip_cuda_include_dirs()
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DPPO_KERNELS_BUILD",
-                "--expt-relaxed-constexpr", "-std=c++17"]
+                "--expt-relaxed-constexpr"]
         print(f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
         return [cpp_extension.CUDAExtension(
             "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs,

@@ -6,6 +6,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "common/alloc.h"
 #include "common/softmax_stats.h"
 #include "common/tensor_checks.h"
 
@@ -91,9 +92,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   const at::Tensor logits = ri ? logits_in : logits_in.contiguous();
   if (!ri) ri = make_row_indexer(logits);
   const auto f32 = labels.options().dtype(at::kFloat);
-  at::Tensor logprobs = at::empty(labels.sizes(), f32);
-  at::Tensor entropy = with_entropy ? at::empty(labels.sizes(), f32) : at::empty({0}, f32);
-  at::Tensor lse = at::empty(labels.sizes(), f32);
+  at::Tensor logprobs = new_output(labels.sizes(), f32);
+  at::Tensor entropy = with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32);
+  at::Tensor lse = new_output(labels.sizes(), f32);
   if (N == 0) return {logprobs, entropy, lse};
   TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
   check_labels(labels, V, ignore_index);

@@ -75,7 +75,7 @@ def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, tem
 def token_logprobs_backward_op(grad_logprobs: Tensor, grad_entropy: Tensor | None, logits: Tensor,
                                labels: Tensor, lse: Tensor, entropy: Tensor, temperature: float,
                                ignore_index: int) -> Tensor:
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = _backend.new_output(logits.shape, logits.dtype, logits.device)
     _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
                   ignore_index, grad)
     return grad

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import new_output
 from .._triton_utils import row_indexer
 
 FLT_MAX = 3.4028234663852886e38
@@ -89,9 +90,9 @@ def forward(logits, labels, inv_temperature, ignore_index, with_entropy):
     labels = labels.contiguous()
     N = labels.numel()
     f32 = dict(dtype=torch.float32, device=logits.device)
-    lp = torch.empty(labels.shape, **f32)
-    lse = torch.empty(labels.shape, **f32)
-    ent = torch.empty(labels.shape, **f32) if with_entropy else torch.empty(0, **f32)
+    lp = new_output(labels.shape, **f32)
+    lse = new_output(labels.shape, **f32)
+    ent = new_output(labels.shape, **f32) if with_entropy else torch.empty(0, **f32)
     if N > 0:
         block = _block(V)
         _fwd_kernel[(N,)](logits, labels, lp, ent if with_entropy else lp, lse, V, *idx,
