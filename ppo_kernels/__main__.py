@@ -1,0 +1,63 @@
+"""`python -m ppo_kernels {info,train}` (benchmarks: bench/run.py)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _info(args):
+    import platform
+
+    import torch
+
+    import ppo_kernels
+    from ppo_kernels import _backend
+
+    print(f"ppo-kernels {ppo_kernels.__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__} "
+          f"(CUDA {torch.version.cuda or 'none'})")
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    print(f"triton {tv}{' (TRITON_INTERPRET=1)' if _backend.triton_interpreting() else ''}")
+    if _backend.HAS_EXTENSION:
+        cuda_built = any(_backend.has_compiled_kernel(o.kernel, "cuda") for o in _backend.OPS.values() if o.kernel)
+        print(f"compiled extension: yes (CPU kernels; CUDA kernels: {'yes' if cuda_built else 'no'})")
+    else:
+        print(f"compiled extension: no ({_backend.EXTENSION_ERROR})")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    print(f"GPU: {gpu}")
+    print()
+    devices = ["cpu", "cuda"]
+    print(f"{'op':28s} " + " ".join(f"{d:>8s}" for d in devices))
+    for name in sorted(_backend.OPS):
+        row = []
+        for d in devices:
+            if d == "cuda" and not torch.cuda.is_available():
+                b = _backend.default_backend(name, "cuda") + "*"
+            else:
+                b = _backend.resolve(name, d)
+            row.append(f"{b:>8s}")
+        print(f"{name:28s} " + " ".join(row))
+    if not torch.cuda.is_available():
+        print("\n* no GPU here: the backend a CUDA tensor would get with this build")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ppo_kernels")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions, compiled backends, and the backend each op uses")
+    pt = sub.add_parser("train", help="the thin PPO / GRPO / DPO / RM trainer", add_help=False)
+    pt.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.cmd == "info":
+        return _info(args)
+    if args.cmd == "train":
+        from ppo_kernels.trainer.cli import main as train_main
+        return train_main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
