@@ -1,0 +1,307 @@
+// PPO policy / value losses and GRPO / RLOO group advantages: CPU kernels and the schemas of the
+// raw kernels. Semantics: ppo_kernels/losses/reference.py, ppo_kernels/group_advantages/reference.py.
+//
+// The losses take one pass over the tokens: rows are cut into chunks of kChunk tokens, each chunk
+// (a parallel work item) produces the partial sums of LossPartial (masked loss, mask, statistics)
+// in double, then one serial pass over the rows combines them into the per-row aggregation weights,
+// the loss and the statistics -- deterministic whatever the thread count. The backward pass
+// recomputes the per-token gradient from the inputs: grad = g * row_coef[b] * mask * dloss/dlp.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <array>
+#include <vector>
+
+#include "common/alloc.h"
+#include "common/loss_math.h"
+
+namespace ppo_kernels {
+namespace {
+
+constexpr int64_t kChunk = 1024;
+
+enum Agg : int64_t { kTokenMean = 0, kSeqMeanTokenSum = 1, kSeqMeanTokenMean = 2, kSeqMeanTokenSumNorm = 3 };
+
+// n elements of t (contiguous, any real dtype) from flat offset off, as float.
+void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
+  AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kBFloat16, at::kHalf, t.scalar_type(), "ppo_load", [&] {
+    const scalar_t* p = t.const_data_ptr<scalar_t>() + off;
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  });
+}
+
+void store_float(at::Tensor& t, int64_t off, int64_t n, const float* buf) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "ppo_store", [&] {
+    scalar_t* p = t.data_ptr<scalar_t>() + off;
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
+  });
+}
+
+struct TokenOut {
+  float loss, grad;
+  float stat[4];
+};
+
+struct Shape2 {
+  int64_t B, T, nch;
+};
+
+Shape2 rows_of(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "loss kernels expect contiguous [B, T] inputs");
+  const int64_t B = x.size(0), T = x.size(1);
+  return {B, T, T == 0 ? 0 : (T + kChunk - 1) / kChunk};
+}
+
+void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK(b.sizes() == a.sizes() && b.is_contiguous(), name, ": expected a contiguous tensor of shape ",
+              a.sizes(), ", got ", b.sizes());
+}
+
+// One pass: per-chunk partial sums of (loss, mask, 4 statistics), then the serial combine.
+template <typename Fn>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, const at::Tensor& y,
+                                                        const at::Tensor& z, const at::Tensor& mask,
+                                                        int64_t agg, double scale,
+                                                        const std::optional<at::Tensor>& global_denom,
+                                                        double global_denom_value, int64_t n_stats, Fn fn) {
+  const Shape2 s = rows_of(x);
+  check_like(x, y, "second input");
+  check_like(x, z, "third input");
+  check_like(x, mask, "mask");
+  TORCH_CHECK(agg >= 0 && agg <= 3, "agg: unknown mode ", agg);
+  const int64_t items = s.B * s.nch;
+  std::vector<std::array<double, kNumPartials>> part(items);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    float a[kChunk], b[kChunk], c[kChunk], m[kChunk];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t row = it / s.nch, t0 = (it % s.nch) * kChunk;
+      const int64_t n = std::min(kChunk, s.T - t0), off = row * s.T + t0;
+      load_float(mask, off, n, m);
+      load_float(x, off, n, a);
+      load_float(y, off, n, b);
+      load_float(z, off, n, c);
+      std::array<double, kNumPartials> acc{};
+      for (int64_t i = 0; i < n; ++i) {
+        if (m[i] == 0.f) continue;  // masked positions never contribute, even if NaN
+        const TokenOut o = fn(a[i], b[i], c[i]);
+        acc[kSumLoss] += double(m[i]) * o.loss;
+        acc[kSumMask] += m[i];
+        for (int k = 0; k < 4; ++k) acc[kSumClip + k] += double(m[i]) * o.stat[k];
+      }
+      part[it] = acc;
+    }
+  });
+  // Serial combine over rows (cheap: B * nch items).
+  std::vector<double> row_loss(s.B, 0.0), row_n(s.B, 0.0);
+  std::array<double, 4> stat{};
+  double n_total = 0.0, n_seqs = 0.0;
+  for (int64_t r = 0; r < s.B; ++r) {
+    for (int64_t c = 0; c < s.nch; ++c) {
+      const auto& p = part[r * s.nch + c];
+      row_loss[r] += p[kSumLoss];
+      row_n[r] += p[kSumMask];
+      for (int k = 0; k < 4; ++k) stat[k] += p[kSumClip + k];
+    }
+    n_total += row_n[r];
+    n_seqs += row_n[r] > 0.0 ? 1.0 : 0.0;
+  }
+  double denom = agg == kTokenMean ? n_total : n_seqs;
+  if (global_denom.has_value() && global_denom->defined()) {
+    denom = global_denom->to(at::kDouble).item<double>();  // a CPU tensor: no device sync
+  } else if (global_denom_value >= 0.0) {
+    denom = global_denom_value;
+  }
+  const double per = denom != 0.0 ? scale / denom : 0.0;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor coef = new_output({s.B}, f32);
+  at::Tensor loss = new_output({}, f32);
+  at::Tensor stats = new_output({n_stats}, f32);
+  float* cp = coef.data_ptr<float>();
+  double total = 0.0;
+  for (int64_t r = 0; r < s.B; ++r) {
+    double c;
+    if (agg == kTokenMean) c = per;
+    else if (!(row_n[r] > 0.0)) c = 0.0;
+    else c = agg == kSeqMeanTokenMean ? per / row_n[r] : per;
+    cp[r] = static_cast<float>(c);
+    total += c * row_loss[r];
+  }
+  loss.fill_(total);
+  float* sp = stats.data_ptr<float>();
+  for (int64_t k = 0; k < n_stats; ++k) sp[k] = n_total != 0.0 ? static_cast<float>(stat[k] / n_total) : 0.f;
+  return {loss, stats, coef};
+}
+
+template <typename Fn>
+at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& y,
+                    const at::Tensor& z, const at::Tensor& mask, const at::Tensor& row_coef, Fn fn) {
+  const Shape2 s = rows_of(x);
+  check_like(x, y, "second input");
+  check_like(x, z, "third input");
+  check_like(x, mask, "mask");
+  TORCH_CHECK(row_coef.numel() == s.B && row_coef.scalar_type() == at::kFloat, "row_coef: expected float32 [B]");
+  at::Tensor grad = new_output(x.sizes(), x.options());
+  const float g = grad_loss.to(at::kFloat).item<float>();
+  const at::Tensor coef_c = row_coef.contiguous();
+  const float* coef = coef_c.const_data_ptr<float>();
+  at::parallel_for(0, s.B * s.nch, 1, [&](int64_t begin, int64_t end) {
+    float a[kChunk], b[kChunk], c[kChunk], m[kChunk];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t row = it / s.nch, t0 = (it % s.nch) * kChunk;
+      const int64_t n = std::min(kChunk, s.T - t0), off = row * s.T + t0;
+      load_float(mask, off, n, m);
+      load_float(x, off, n, a);
+      load_float(y, off, n, b);
+      load_float(z, off, n, c);
+      const float w = g * coef[row];
+      for (int64_t i = 0; i < n; ++i) a[i] = m[i] == 0.f ? 0.f : w * m[i] * fn(a[i], b[i], c[i]).grad;
+      store_float(grad, off, n, a);
+    }
+  });
+  return grad;
+}
+
+auto policy_fn(double clip_low, double clip_high, double dual_clip, double lr_clamp) {
+  const float lo = static_cast<float>(1.0 - clip_low), hi = static_cast<float>(1.0 + clip_high);
+  const float dc = static_cast<float>(dual_clip), lrc = static_cast<float>(lr_clamp);
+  return [=](float lp, float old, float adv) {
+    const PolicyToken p = policy_token(lp, old, adv, lo, hi, dc, lrc);
+    return TokenOut{p.loss, p.grad, {p.clipped, p.clipped_lo, p.neg_log_ratio, p.ratio}};
+  };
+}
+
+auto value_fn(double clip) {
+  const float c = static_cast<float>(clip);
+  return [=](float v, float vo, float ret) {
+    const ValueToken o = value_token(v, vo, ret, c);
+    return TokenOut{o.loss, o.grad, {o.clipped, 0.f, 0.f, 0.f}};
+  };
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
+    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+    const at::Tensor& mask, double clip_low, double clip_high, double dual_clip, double log_ratio_clamp,
+    int64_t agg, double scale, const std::optional<at::Tensor>& global_denom, double global_denom_value) {
+  return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom, global_denom_value, 4,
+                  policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+}
+
+at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
+                                   const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                                   const at::Tensor& mask, const at::Tensor& row_coef, double clip_low,
+                                   double clip_high, double dual_clip, double log_ratio_clamp) {
+  return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef,
+                  policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
+    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
+    double clip, int64_t agg, double scale, const std::optional<at::Tensor>& global_denom,
+    double global_denom_value) {
+  return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value, 1,
+                  value_fn(clip));
+}
+
+at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& values,
+                                  const at::Tensor& old_values, const at::Tensor& returns,
+                                  const at::Tensor& mask, const at::Tensor& row_coef, double clip) {
+  return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, value_fn(clip));
+}
+
+// GRPO (kind 0) / RLOO (kind 1) advantages. Groups: group_index[i] in [0, B) or i / group_size.
+// Statistics in double (so a group of equal scores has an exact mean and gives exactly 0).
+at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional<at::Tensor>& group_index,
+                                int64_t group_size, double eps, bool norm_by_std, int64_t kind,
+                                const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
+  const int64_t B = scores_in.size(0);
+  const bool by_index = group_index.has_value() && group_index->defined();
+  TORCH_CHECK(by_index || group_size >= 1, "group_size: expected >= 1");
+  std::vector<float> x(B);
+  const at::Tensor scores = scores_in.contiguous();
+  load_float(scores, 0, B, x.data());
+  std::vector<int64_t> gid(B);
+  if (by_index) {
+    const at::Tensor gi = group_index->contiguous();
+    TORCH_CHECK(gi.numel() == B, "group_index: expected ", B, " elements");
+    AT_DISPATCH_INDEX_TYPES(gi.scalar_type(), "group_index", [&] {
+      const index_t* p = gi.const_data_ptr<index_t>();
+      for (int64_t i = 0; i < B; ++i) {
+        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < B, "group_index: value ", int64_t(p[i]), " at position ", i,
+                          " is outside [0, B) = [0, ", B, ")");
+        gid[i] = p[i];
+      }
+    });
+  } else {
+    for (int64_t i = 0; i < B; ++i) gid[i] = i / group_size;
+  }
+  std::vector<double> cnt(B, 0.0), sum(B, 0.0), ss(B, 0.0);
+  for (int64_t i = 0; i < B; ++i) {
+    cnt[gid[i]] += 1.0;
+    sum[gid[i]] += x[i];
+  }
+  for (int64_t g = 0; g < B; ++g) sum[g] = cnt[g] > 0 ? sum[g] / cnt[g] : 0.0;  // now the mean
+  for (int64_t i = 0; i < B; ++i) {
+    const double c = x[i] - sum[gid[i]];
+    ss[gid[i]] += c * c;
+  }
+  std::vector<float> adv(B);
+  for (int64_t i = 0; i < B; ++i) {
+    const double n = cnt[gid[i]], c = x[i] - sum[gid[i]];
+    double a;
+    if (kind == 0) {
+      if (n <= 1.0) a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
+      else a = norm_by_std ? c / (std::sqrt(ss[gid[i]] / (n - 1.0)) + eps) : c;
+    } else {
+      a = n <= 1.0 ? double(x[i]) : c * n / (n - 1.0);  // verl's rloo: a singleton keeps its score
+    }
+    adv[i] = static_cast<float>(a);
+  }
+  const auto f32 = scores.options().dtype(at::kFloat);
+  if (!(mask.has_value() && mask->defined())) {
+    at::Tensor out = new_output({B}, f32);
+    std::copy(adv.begin(), adv.end(), out.data_ptr<float>());
+    return out;
+  }
+  const at::Tensor m = mask->contiguous();
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == B, "mask: expected [B, T]");
+  const int64_t T = m.size(1);
+  at::Tensor out = new_output({B, T}, f32);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      load_float(m, r * T, T, o + r * T);
+      for (int64_t t = 0; t < T; ++t) o[r * T + t] *= adv[r];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def("ppo_policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+        "float clip_low, float clip_high, float dual_clip, float log_ratio_clamp, int agg, float scale, "
+        "Tensor? global_denom, float global_denom_value) -> (Tensor loss, Tensor stats, Tensor row_coef)");
+  m.def("ppo_policy_loss_bwd(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
+        "Tensor mask, Tensor row_coef, float clip_low, float clip_high, float dual_clip, "
+        "float log_ratio_clamp) -> Tensor");
+  m.def("ppo_value_loss_fwd(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, "
+        "int agg, float scale, Tensor? global_denom, float global_denom_value) "
+        "-> (Tensor loss, Tensor stats, Tensor row_coef)");
+  m.def("ppo_value_loss_bwd(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, "
+        "Tensor mask, Tensor row_coef, float clip) -> Tensor");
+  m.def("group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool norm_by_std, "
+        "int kind, Tensor? mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("ppo_policy_loss_fwd", &ppo_policy_loss_fwd_cpu);
+  m.impl("ppo_policy_loss_bwd", &ppo_policy_loss_bwd_cpu);
+  m.impl("ppo_value_loss_fwd", &ppo_value_loss_fwd_cpu);
+  m.impl("ppo_value_loss_bwd", &ppo_value_loss_bwd_cpu);
+  m.impl("group_advantages", &group_advantages_cpu);
+}
+
+}  // namespace ppo_kernels

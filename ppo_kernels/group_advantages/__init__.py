@@ -1,0 +1,1 @@
+from .op import grpo_advantages, rloo_advantages  # noqa: F401

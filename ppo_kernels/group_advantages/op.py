@@ -1,0 +1,110 @@
+"""GRPO / RLOO group advantages as a torch op: `ppo_kernels::group_advantages`. No gradient (the
+advantages are targets); the scores are detached. Backends: "cpp" (C++ on the CPU), "triton" (the
+GPU default), "eager" (reference.py, and always for float64)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import INDEX_DTYPES, check_same_device, check_tensor
+from . import reference
+from .reference import KINDS
+
+_backend.register_op("group_advantages", kernel="group_advantages", triton=True, cuda_default="triton")
+
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + SCORE_DTYPES
+
+
+def _out_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("ppo_kernels::group_advantages", mutates_args=())
+def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: int, eps: float,
+                        norm_by_std: bool, kind: int, mask: Tensor | None) -> Tensor:
+    """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None."""
+    backend = "eager" if scores.dtype == torch.float64 else _backend.resolve("group_advantages", scores.device.type)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.group_advantages(scores, group_index, group_size, eps, norm_by_std,
+                                                       kind, mask)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std, kind, mask)
+    adv = reference.group_advantages(scores, group_index, group_size if group_index is None else None, eps,
+                                     norm_by_std, mask, KINDS[kind])
+    return adv.to(_out_dtype(scores))
+
+
+@group_advantages_op.register_fake
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    shape = (scores.shape[0],) if mask is None else tuple(mask.shape)
+    return scores.new_empty(shape, dtype=_out_dtype(scores))
+
+
+def _check_index_cpu(group_index, B):
+    bad = (group_index < 0) | (group_index >= B)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        raise IndexError(f"group_index: value {int(group_index[pos])} at position {pos} is outside "
+                         f"[0, B) = [0, {B}); pass e.g. torch.unique(ids, return_inverse=True)[1]")
+
+
+def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask):
+    check_tensor("scores", scores, dtypes=SCORE_DTYPES, dim=1)
+    B = scores.shape[0]
+    if (group_index is None) == (group_size is None):
+        raise ValueError("pass exactly one of group_index (a group id per response) and group_size "
+                         "(contiguous groups of that many responses)")
+    if group_index is not None:
+        check_tensor("group_index", group_index, dtypes=INDEX_DTYPES, dim=1)
+        if group_index.shape[0] != B:
+            raise ValueError(f"group_index: expected shape ({B},) (like scores), got {tuple(group_index.shape)}")
+        check_same_device(scores=scores, group_index=group_index)
+        if group_index.device.type == "cpu" or _backend.strict():
+            _check_index_cpu(group_index, B)  # on the GPU a host sync, by request only
+        group_index = group_index.contiguous()
+        gs = 0
+    else:
+        if not (isinstance(group_size, int) and group_size >= 1):
+            raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+        if B % group_size != 0:
+            raise ValueError(f"group_size: {group_size} does not divide the batch size {B}")
+        gs = group_size
+    if not (float(eps) >= 0):
+        raise ValueError(f"eps: expected a non-negative number, got {eps!r}")
+    if mask is not None:
+        check_tensor("mask", mask, dtypes=MASK_DTYPES, dim=2)
+        if mask.shape[0] != B:
+            raise ValueError(f"mask: expected shape ({B}, T) (one row per score), got {tuple(mask.shape)}")
+        check_same_device(scores=scores, mask=mask)
+        mask = mask.contiguous()
+    return torch.ops.ppo_kernels.group_advantages(scores.detach().contiguous(), group_index, gs, float(eps),
+                                                  bool(norm_by_std), kind, mask)
+
+
+def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
+                    eps: float = 1e-6, norm_by_std: bool = True, mask: Tensor | None = None) -> Tensor:
+    """GRPO outcome advantages (verl's `compute_grpo_outcome_advantage`), without a Python loop.
+
+    `A_i = (R_i - mean_g) / (std_g + eps)` with the unbiased std of the response's group
+    (`R_i - mean_g` when `norm_by_std=False`, Dr. GRPO). A singleton group uses mean 0 and std 1
+    (A_i = R_i / (1 + eps)); a group of equal scores gives 0.
+
+    Args:
+        scores: [B] one score per response (sum token-level rewards first), any float dtype.
+        group_index: [B] int32/int64 group id per response, values in [0, B); or
+        group_size: responses come in contiguous groups of this size (B % group_size == 0).
+        mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
+    Returns float32 [B] (or [B, T]); float64 for float64 scores. No gradient.
+    """
+    return _group_advantages(0, scores, group_index, group_size, eps, norm_by_std, mask)
+
+
+def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
+                    mask: Tensor | None = None) -> Tensor:
+    """RLOO advantages (verl's `compute_rloo_outcome_advantage`): `A_i = R_i - mean of the other
+    members of its group` = n / (n - 1) * (R_i - mean_g). A singleton keeps its score (A_i = R_i,
+    as verl's `rloo`). Arguments and result as `grpo_advantages`."""
+    return _group_advantages(1, scores, group_index, group_size, 0.0, False, mask)

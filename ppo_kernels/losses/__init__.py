@@ -1,0 +1,1 @@
+from .op import dpo_loss, ppo_policy_loss, ppo_value_loss, reward_model_loss  # noqa: F401

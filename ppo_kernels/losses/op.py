@@ -1,0 +1,402 @@
+"""PPO policy / value losses, reward-model and DPO losses as torch ops.
+
+`ppo_kernels::ppo_policy_loss` and `ppo_kernels::ppo_value_loss` return (loss, stats, row_coef):
+one fused pass over the tokens computes the per-token loss, the per-row partial sums and the
+aggregation (verl's four `agg_loss` modes) with no host synchronisation; `row_coef` (the weight
+d loss / d token-loss of each row, non-differentiable) is saved for the backward op, which
+recomputes the per-token gradient from the inputs. Backends: "cpp" (C++ on the CPU), "triton" (the
+GPU default; CPU under TRITON_INTERPRET=1), "eager" (reference.py, and always for float64).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import check_same_device, check_tensor
+from . import reference
+from .reference import AGG_MODES, STAT_NAMES_POLICY, STAT_NAMES_VALUE
+
+_backend.register_op("ppo_policy_loss", kernel="ppo_policy_loss_fwd", triton=True, cuda_default="triton")
+_backend.register_op("ppo_value_loss", kernel="ppo_value_loss_fwd", triton=True, cuda_default="triton")
+
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + VALUE_DTYPES
+
+
+def _out_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _backend_for(name, x):
+    if x.dtype == torch.float64 or x.numel() == 0:
+        return "eager"  # float64 reference; empty inputs need no kernel
+    return _backend.resolve(name, x.device.type)
+
+
+def _gden(global_denom, global_denom_value, like):
+    if global_denom is not None:
+        return global_denom.reshape(())
+    if global_denom_value >= 0:
+        return torch.tensor(global_denom_value, dtype=_out_dtype(like))
+    return None
+
+
+def _fake_outputs(x, n_stats):
+    out = _out_dtype(x)
+    return (x.new_empty((), dtype=out), x.new_empty((n_stats,), dtype=out),
+            x.new_empty((x.shape[0],), dtype=out))
+
+
+# --------------------------------------------------------------------------- policy loss
+@torch.library.custom_op("ppo_kernels::ppo_policy_loss", mutates_args=())
+def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float, clip_high: float, dual_clip: float, log_ratio_clamp: float,
+                       agg: int, scale: float, global_denom: Tensor | None,
+                       global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
+    """[B, T] contiguous inputs; dual_clip <= 0 disables dual clip; global_denom_value < 0 and no
+    global_denom: local denominators. Returns (loss [], stats [4], row_coef [B])."""
+    backend = _backend_for("ppo_policy_loss", logprobs)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.ppo_policy_loss_fwd(
+            logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+            agg, scale, global_denom, global_denom_value)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.loss_forward(0, logprobs, old_logprobs, advantages, mask,
+                                           (clip_low, clip_high, dual_clip, log_ratio_clamp), agg,
+                                           scale, global_denom, global_denom_value, 4)
+    gd = _gden(global_denom, global_denom_value, logprobs)
+    loss, stats, coef = reference.policy_loss(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high,
+        dual_clip if dual_clip > 0 else None, AGG_MODES[agg], log_ratio_clamp, scale,
+        None if gd is None else gd.to(logprobs.device))
+    out = _out_dtype(logprobs)
+    return loss.to(out), stats.to(out), coef.to(out)
+
+
+@ppo_policy_loss_op.register_fake
+def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+      agg, scale, global_denom, global_denom_value):
+    return _fake_outputs(logprobs, 4)
+
+
+def _eager_grad(token_grad, x, mask, row_coef, grad_loss):
+    """grad_loss * row_coef[b] * mask * d loss / dx, zero where mask == 0."""
+    g = token_grad
+    m = mask.to(g.dtype)
+    out = torch.where(m != 0, row_coef.to(g.dtype)[:, None] * m * g, 0.0) * grad_loss.to(g.dtype)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("ppo_kernels::ppo_policy_loss_backward", mutates_args=())
+def ppo_policy_loss_backward_op(grad_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor,
+                                advantages: Tensor, mask: Tensor, row_coef: Tensor, clip_low: float,
+                                clip_high: float, dual_clip: float, log_ratio_clamp: float) -> Tensor:
+    backend = _backend_for("ppo_policy_loss", logprobs)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.ppo_policy_loss_bwd(
+            grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
+            dual_clip, log_ratio_clamp)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.loss_backward(0, grad_loss, logprobs, old_logprobs, advantages, mask,
+                                            row_coef, (clip_low, clip_high, dual_clip, log_ratio_clamp))
+
+    g = reference.policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high,
+                                    dual_clip if dual_clip > 0 else None, log_ratio_clamp)
+    return _eager_grad(g, logprobs, mask, row_coef, grad_loss)
+
+
+@ppo_policy_loss_backward_op.register_fake
+def _(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high, dual_clip,
+      log_ratio_clamp):
+    return torch.empty_like(logprobs)
+
+
+def _policy_setup(ctx, inputs, output):
+    lp, old, adv, mask, clip_low, clip_high, dual_clip, lrc, *_ = inputs
+    _, stats, coef = output
+    ctx.save_for_backward(lp, old, adv, mask, coef)
+    ctx.params = (clip_low, clip_high, dual_clip, lrc)
+    ctx.mark_non_differentiable(stats, coef)
+
+
+def _policy_backward(ctx, grad_loss, grad_stats, grad_coef):
+    lp, old, adv, mask, coef = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 12
+    g = torch.ops.ppo_kernels.ppo_policy_loss_backward(grad_loss, lp, old, adv, mask, coef, *ctx.params)
+    return (g,) + (None,) * 11
+
+
+ppo_policy_loss_op.register_autograd(_policy_backward, setup_context=_policy_setup)
+
+
+# --------------------------------------------------------------------------- value loss
+@torch.library.custom_op("ppo_kernels::ppo_value_loss", mutates_args=())
+def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
+                      agg: int, scale: float, global_denom: Tensor | None,
+                      global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
+    """clip <= 0: unclipped. Returns (loss [], stats [1], row_coef [B])."""
+    backend = _backend_for("ppo_value_loss", values)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
+                                                         scale, global_denom, global_denom_value)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.loss_forward(1, values, old_values, returns, mask, (clip, 0.0, 0.0, 0.0),
+                                           agg, scale, global_denom, global_denom_value, 1)
+    gd = _gden(global_denom, global_denom_value, values)
+    loss, stats, coef = reference.value_loss(values, old_values, returns, mask, clip if clip > 0 else None,
+                                             AGG_MODES[agg], scale,
+                                             None if gd is None else gd.to(values.device))
+    out = _out_dtype(values)
+    return loss.to(out), stats.to(out), coef.to(out)
+
+
+@ppo_value_loss_op.register_fake
+def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
+    return _fake_outputs(values, 1)
+
+
+@torch.library.custom_op("ppo_kernels::ppo_value_loss_backward", mutates_args=())
+def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Tensor, returns: Tensor,
+                               mask: Tensor, row_coef: Tensor, clip: float) -> Tensor:
+    backend = _backend_for("ppo_value_loss", values)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
+                                                         row_coef, clip)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.loss_backward(1, grad_loss, values, old_values, returns, mask, row_coef,
+                                            (clip, 0.0, 0.0, 0.0))
+
+    g = reference.value_token_grad(values, old_values, returns, clip if clip > 0 else None)
+    return _eager_grad(g, values, mask, row_coef, grad_loss)
+
+
+@ppo_value_loss_backward_op.register_fake
+def _(grad_loss, values, old_values, returns, mask, row_coef, clip):
+    return torch.empty_like(values)
+
+
+def _value_setup(ctx, inputs, output):
+    v, vo, ret, mask, clip, *_ = inputs
+    _, stats, coef = output
+    ctx.save_for_backward(v, vo, ret, mask, coef)
+    ctx.clip = clip
+    ctx.mark_non_differentiable(stats, coef)
+
+
+def _value_backward(ctx, grad_loss, grad_stats, grad_coef):
+    v, vo, ret, mask, coef = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 9
+    g = torch.ops.ppo_kernels.ppo_value_loss_backward(grad_loss, v, vo, ret, mask, coef, ctx.clip)
+    return (g,) + (None,) * 8
+
+
+ppo_value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
+
+
+# --------------------------------------------------------------------------- public API
+def _check_loss_inputs(names, tensors, mask):
+    x = tensors[0]
+    for n, t in zip(names, tensors):
+        check_tensor(n, t, dtypes=VALUE_DTYPES, min_dim=1)
+        if tuple(t.shape) != tuple(x.shape):
+            raise ValueError(f"{n}: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(t.shape)}")
+    check_tensor("mask", mask, dtypes=MASK_DTYPES)
+    if tuple(mask.shape) != tuple(x.shape):
+        raise ValueError(f"mask: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(mask.shape)}")
+    check_same_device(**dict(zip(names, tensors)), mask=mask)
+
+
+def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
+    """(agg index, scale, global_denom tensor or None, global_denom value or -1)."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_MODES}")
+    if not (isinstance(dp_size, int) and dp_size >= 1):
+        raise ValueError(f"dp_size: expected a positive int, got {dp_size!r}")
+    token = agg == "token-mean"
+    denom, name = (global_num_tokens, "global_num_tokens") if token else (global_batch_size, "global_batch_size")
+    other, other_name = (global_batch_size, "global_batch_size") if token else (global_num_tokens, "global_num_tokens")
+    if other is not None:
+        raise ValueError(f"{other_name}: not used by agg={agg!r} (pass {name})")
+    if denom is None and dp_size > 1:
+        raise ValueError(f"{name}: required when dp_size > 1 (the data-parallel total of "
+                         f"{'action tokens' if token else 'non-empty sequences'})")
+    scale = float(dp_size)
+    if agg == "seq-mean-token-sum-norm":
+        lsf = T if loss_scale_factor is None else loss_scale_factor
+        if not (float(lsf) > 0):
+            raise ValueError(f"loss_scale_factor: expected a positive number, got {loss_scale_factor!r}")
+        scale /= float(lsf)
+    elif loss_scale_factor is not None:
+        raise ValueError(f"loss_scale_factor: only used by agg='seq-mean-token-sum-norm', not {agg!r}")
+    if isinstance(denom, Tensor):
+        if denom.numel() != 1:
+            raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
+        if denom.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {denom.device}")
+        return AGG_MODES.index(agg), scale, denom.reshape(()), -1.0
+    if denom is not None:
+        if not (float(denom) >= 0):
+            raise ValueError(f"{name}: expected a non-negative number, got {denom!r}")
+        return AGG_MODES.index(agg), scale, None, float(denom)
+    return AGG_MODES.index(agg), scale, None, -1.0
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                    clip_low: float = 0.2, clip_high: float | None = None,
+                    dual_clip: float | None = None, agg: str = "token-mean",
+                    log_ratio_clamp: float = 20.0, dp_size: int = 1,
+                    global_num_tokens: int | float | Tensor | None = None,
+                    global_batch_size: int | float | Tensor | None = None,
+                    loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
+
+    Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
+    `max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`, and for A < 0 with dual clip
+    `min(that, -A * dual_clip)`; aggregated over `mask` by `agg`:
+      token-mean               sum(mask * l) / N * dp_size     (N = global_num_tokens or sum(mask))
+      seq-mean-token-sum       sum_b sum_t(mask * l) / S * dp_size
+      seq-mean-token-mean      sum_b [sum_t(mask * l) / sum_t mask] / S * dp_size
+      seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor   (default: T, as verl)
+    where S = global_batch_size or the number of rows with a non-empty mask; rows with an empty
+    mask never count. Pass the data-parallel totals (numbers, or 0-dim tensors for no host sync)
+    with dp_size > 1, as verl does.
+
+    Args:
+        logprobs: `[..., T]` float32 / bfloat16 / float16 / float64; the gradient flows to it.
+        old_logprobs, advantages: same shape, any float dtype (no gradient).
+        mask: same shape, bool / integer / float (a float mask weights tokens).
+        clip_high: defaults to clip_low. dual_clip: None (off; verl's default is 3.0) or > 1.
+    Returns:
+        `(loss, stats)`: a 0-dim float32 loss (float64 for float64 logprobs) and 0-dim tensors
+        `clip_frac`, `clip_frac_lower` (dual clip; 0 without it), `approx_kl` (masked mean of
+        -log-ratio, verl's ppo_kl) and `ratio_mean`, all over the local mask, no host sync.
+    See ppo_kernels/losses/reference.py for the documented edge cases (all-zero mask: loss 0).
+    """
+    _check_loss_inputs(("logprobs", "old_logprobs", "advantages"), (logprobs, old_logprobs, advantages), mask)
+    clip_high = clip_low if clip_high is None else clip_high
+    if not (0 <= float(clip_low) < 1):
+        raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
+    if not (float(clip_high) >= 0):
+        raise ValueError(f"clip_high: expected a non-negative number, got {clip_high!r}")
+    if dual_clip is not None and not (float(dual_clip) > 1):
+        raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
+    if not (float(log_ratio_clamp) > 0):
+        raise ValueError(f"log_ratio_clamp: expected a positive number, got {log_ratio_clamp!r}")
+    agg_i, scale, gd, gdv = _aggregation(agg, logprobs.shape[-1], dp_size, global_num_tokens,
+                                         global_batch_size, loss_scale_factor, logprobs.device)
+    loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
+        _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
+        float(clip_high), float(dual_clip) if dual_clip is not None else 0.0, float(log_ratio_clamp),
+        agg_i, scale, gd, gdv)
+    return loss, dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+
+
+def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+                   clip: float | None = None, agg: str = "token-mean", dp_size: int = 1,
+                   global_num_tokens: int | float | Tensor | None = None,
+                   global_batch_size: int | float | Tensor | None = None,
+                   loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss (verl's `compute_value_loss`), fused: per token
+    `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
+    clip is None), aggregated like `ppo_policy_loss`. The gradient flows to `values`.
+
+    Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
+    _check_loss_inputs(("values", "old_values", "returns"), (values, old_values, returns), mask)
+    if clip is not None and not (float(clip) > 0):
+        raise ValueError(f"clip: expected None or a positive number, got {clip!r}")
+    agg_i, scale, gd, gdv = _aggregation(agg, values.shape[-1], dp_size, global_num_tokens,
+                                         global_batch_size, loss_scale_factor, values.device)
+    loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
+        _rows(values), _rows(old_values), _rows(returns), _rows(mask),
+        float(clip) if clip is not None else 0.0, agg_i, scale, gd, gdv)
+    return loss, dict(zip(STAT_NAMES_VALUE, stats.unbind(0)))
+
+
+# --------------------------------------------------------------------------- reward model / DPO
+# Small elementwise ops (one value per pair): eager compositions inside a custom op with analytic
+# gradients. A kernel would not pay here: there are B values, not B x T.
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduce_grad(grad, n, reduction):
+    if reduction == 0:
+        return grad / max(n, 1)
+    return grad
+
+
+@torch.library.custom_op("ppo_kernels::pairwise_logsigmoid_loss", mutates_args=())
+def pairwise_logsigmoid_loss_op(z: Tensor, reduction: int) -> Tensor:
+    """-logsigmoid(z) reduced (0 mean, 1 sum, 2 none); z is the (scaled) preference margin."""
+    loss = -torch.nn.functional.logsigmoid(z.to(_out_dtype(z)))
+    return reference._reduce(loss, _REDUCTIONS[reduction])
+
+
+@pairwise_logsigmoid_loss_op.register_fake
+def _(z, reduction):
+    return z.new_empty(z.shape if reduction == 2 else (), dtype=_out_dtype(z))
+
+
+def _pls_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.reduction = inputs[1]
+
+
+def _pls_backward(ctx, grad):
+    (z,) = ctx.saved_tensors
+    # d/dz -logsigmoid(z) = -sigmoid(-z), finite for any z
+    g = -torch.sigmoid(-z.to(_out_dtype(z))) * grad
+    return _reduce_grad(g, z.numel(), ctx.reduction).to(z.dtype), None
+
+
+pairwise_logsigmoid_loss_op.register_autograd(_pls_backward, setup_context=_pls_setup)
+
+
+def _check_pairs(**tensors):
+    first = next(iter(tensors))
+    for n, t in tensors.items():
+        check_tensor(n, t, dtypes=VALUE_DTYPES)
+        if tuple(t.shape) != tuple(tensors[first].shape):
+            raise ValueError(f"{n}: expected shape {tuple(tensors[first].shape)} (like {first}), got {tuple(t.shape)}")
+    check_same_device(**tensors)
+
+
+def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reduction: str = "mean") -> Tensor:
+    """Bradley-Terry reward-model loss `-log sigmoid(r_chosen - r_rejected)`, stable for any margin.
+
+    reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
+    float64 inputs); gradients to both scores."""
+    _check_pairs(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    acc = _out_dtype(chosen_scores)
+    z = chosen_scores.to(acc) - rejected_scores.to(acc)
+    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))
+
+
+def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp: Tensor,
+             ref_rejected_lp: Tensor, *, beta: float, reduction: str = "mean") -> Tensor:
+    """DPO loss `-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))`, stable for any margin.
+
+    The inputs are the summed log-probs of each response's action tokens (e.g. a masked sum of
+    `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
+    _check_pairs(policy_chosen_lp=policy_chosen_lp, policy_rejected_lp=policy_rejected_lp,
+                 ref_chosen_lp=ref_chosen_lp, ref_rejected_lp=ref_rejected_lp)
+    if not (float(beta) > 0):
+        raise ValueError(f"beta: expected a positive number, got {beta!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    acc = _out_dtype(policy_chosen_lp)
+    z = float(beta) * ((policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
+                       - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc)))
+    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))

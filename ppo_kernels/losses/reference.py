@@ -1,0 +1,240 @@
+"""Eager PyTorch reference for the PPO / reward-model / DPO losses: the semantics, the `eager`
+backend and the benchmark baseline. Float64 inputs are computed in float64, everything else in
+float32. Everything is differentiable by torch autograd; the fused kernels reproduce exactly the
+gradient autograd gives for these compositions (including torch's half-and-half rule at ties of
+torch.maximum / torch.minimum, see csrc/common/loss_math.h).
+
+Layout: inputs are `[..., T]`; every leading index is one sequence (row), the last dimension its
+tokens. `mask` is bool, integer or float; a float mask weights tokens (as in verl's masked_sum).
+
+Documented edge cases (every backend matches them):
+  * positions with mask == 0 contribute nothing, even when their inputs are NaN or inf (verl's
+    masked_sum does the same for token-mean; its seq-mean modes would propagate such a NaN);
+  * a denominator of 0 (all-zero mask, no non-empty row, or a global count of 0) gives a loss of 0
+    and a gradient of 0 -- not NaN (verl gives 0/0 = NaN here);
+  * statistics are means over the local mask (like verl's masked_mean); 0 for an all-zero mask;
+  * the log-ratio is clamped to [-log_ratio_clamp, log_ratio_clamp] (verl: 20) before exp, so
+    |logprob - old_logprob| > 20 gives a finite ratio (and no gradient through the clamp).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+STAT_NAMES_POLICY = ("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean")
+STAT_NAMES_VALUE = ("clip_frac",)
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _masked(x, keep):
+    return torch.where(keep, x, torch.zeros_like(x))
+
+
+def row_coefficients(mask, agg, scale=1.0, global_denominator=None):
+    """Per-row weight c_b such that loss = sum_b c_b * sum_t mask[b, t] * loss[b, t] equals verl's
+    agg_loss(loss, mask, agg, ...) * (the caller's scale). mask: [B, T] in the accumulation dtype.
+
+    token-mean:              c_b = scale / N,   N = global_denominator or sum(mask)
+    seq-mean-token-sum(-norm): c_b = scale / S for rows with sum(mask[b]) > 0, S = global or #such rows
+    seq-mean-token-mean:     c_b = scale / (S * sum(mask[b]))
+    (for -norm the caller folds 1 / loss_scale_factor into scale). A zero denominator gives 0."""
+    n_b = mask.sum(-1)
+    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+    if agg == "token-mean":
+        denom = n_b.sum() if global_denominator is None else global_denominator.to(mask.dtype)
+        c = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+        return c.expand(n_b.shape).clone()
+    nonempty = n_b > 0
+    denom = nonempty.to(mask.dtype).sum() if global_denominator is None else global_denominator.to(mask.dtype)
+    per = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+    c = torch.where(nonempty, per, zero)
+    if agg == "seq-mean-token-mean":
+        c = torch.where(nonempty, c / torch.where(nonempty, n_b, 1.0), zero)
+    elif agg not in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_MODES}")
+    return c
+
+
+def policy_token_terms(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None,
+                       log_ratio_clamp=20.0):
+    """Per-token (loss, clipped, clipped_lower, neg_log_ratio, ratio), verl's vanilla PPO loss."""
+    acc = _acc(logprobs.dtype)
+    lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
+    d = torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(d)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clip1 = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).to(acc)
+    if dual_clip is not None:
+        pg3 = -adv * dual_clip
+        loss = torch.where(adv < 0, torch.minimum(pg3, clip1), clip1)
+        clipped_lo = ((clip1 > pg3) & (adv < 0)).to(acc)
+    else:
+        loss = clip1
+        clipped_lo = torch.zeros_like(clipped)
+    return loss, clipped, clipped_lo, -d, ratio
+
+
+def value_token_terms(values, old_values, returns, clip=None):
+    """Per-token (loss, clipped): 0.5 * max((v - G)^2, (clip(v, v_old -+ eps) - G)^2)."""
+    acc = _acc(values.dtype)
+    v, vo, g = values.to(acc), old_values.to(acc), returns.to(acc)
+    l1 = (v - g) ** 2
+    if clip is None:
+        return 0.5 * l1, torch.zeros_like(l1)
+    vc = torch.max(torch.min(v, vo + clip), vo - clip)  # verl's clip_by_value
+    l2 = (vc - g) ** 2
+    return 0.5 * torch.maximum(l1, l2), (l2 > l1).to(acc)
+
+
+def _max_w(a, b):
+    """d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie."""
+    return torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).to(a.dtype)
+
+
+def policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None,
+                      log_ratio_clamp=20.0):
+    """d loss[t] / d logprob[t] in closed form: what autograd gives for policy_token_terms (the
+    eager backend's backward; custom-op kernels run below autograd, so they cannot call it)."""
+    acc = _acc(logprobs.dtype)
+    lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
+    d = lp - old
+    ratio = torch.exp(torch.clamp(d, -log_ratio_clamp, log_ratio_clamp))
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, lo, hi)
+    w1 = _max_w(pg1, pg2)
+    in_clip = ((ratio >= lo) & (ratio <= hi)).to(acc)
+    g = -adv * (w1 + (1 - w1) * in_clip)
+    if dual_clip is not None:
+        clip1 = torch.maximum(pg1, pg2)
+        g = torch.where(adv < 0, g * _max_w(-adv * dual_clip, clip1), g)
+    in_lr = ((d >= -log_ratio_clamp) & (d <= log_ratio_clamp)).to(acc)
+    return g * ratio * in_lr
+
+
+def value_token_grad(values, old_values, returns, clip=None):
+    """d loss[t] / d v[t] in closed form (what autograd gives for value_token_terms)."""
+    acc = _acc(values.dtype)
+    v, vo, g = values.to(acc), old_values.to(acc), returns.to(acc)
+    e1 = v - g
+    if clip is None:
+        return e1
+    hi, lo = vo + clip, vo - clip
+    mn = torch.min(v, hi)
+    vc = torch.max(mn, lo)
+    dvc = (1 - _max_w(v, hi)) * _max_w(mn, lo)
+    e2 = vc - g
+    w1 = _max_w(e1 * e1, e2 * e2)
+    return w1 * e1 + (1 - w1) * e2 * dvc
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1)
+
+
+def aggregate(token_loss, stats, mask, agg, scale, global_denominator):
+    """(loss, stats vector, row coefficients) from per-token terms, over the mask."""
+    acc = token_loss.dtype
+    m = _rows(mask).to(acc)
+    keep = m != 0
+    coef = row_coefficients(m, agg, scale, global_denominator)
+    row_sums = _masked(_rows(token_loss) * m, keep).sum(-1)
+    loss = (coef * row_sums).sum()
+    n = m.sum()
+    inv = torch.where(n != 0, 1.0 / torch.where(n != 0, n, 1.0), torch.zeros_like(n))
+    st = torch.stack([_masked(_rows(s) * m, keep).sum() for s in stats]) * inv
+    return loss, st, coef
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=None,
+                dual_clip=None, agg="token-mean", log_ratio_clamp=20.0, scale=1.0,
+                global_denominator=None):
+    """(loss, stats [clip_frac, clip_frac_lower, approx_kl, ratio_mean], row coefficients)."""
+    clip_high = clip_low if clip_high is None else clip_high
+    loss, *stats = policy_token_terms(logprobs, old_logprobs, advantages, clip_low, clip_high,
+                                      dual_clip, log_ratio_clamp)
+    return aggregate(loss, stats, mask, agg, scale, global_denominator)
+
+
+def value_loss(values, old_values, returns, mask, clip=None, agg="token-mean", scale=1.0,
+               global_denominator=None):
+    """(loss, stats [clip_frac], row coefficients)."""
+    loss, clipped = value_token_terms(values, old_values, returns, clip)
+    return aggregate(loss, [clipped], mask, agg, scale, global_denominator)
+
+
+def reward_model_loss(chosen, rejected, reduction="mean"):
+    """-log sigmoid(r_chosen - r_rejected) per pair (Bradley-Terry), stable for any margin."""
+    acc = _acc(chosen.dtype)
+    loss = -F.logsigmoid(chosen.to(acc) - rejected.to(acc))
+    return _reduce(loss, reduction)
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, reduction="mean"):
+    """-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))) per pair."""
+    acc = _acc(policy_chosen.dtype)
+    z = beta * ((policy_chosen.to(acc) - ref_chosen.to(acc)) - (policy_rejected.to(acc) - ref_rejected.to(acc)))
+    return _reduce(-F.logsigmoid(z), reduction)
+
+
+def _reduce(loss, reduction):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        # the mean of zero pairs is 0 (not NaN), like the policy loss's empty mask
+        return loss.sum() / max(loss.numel(), 1)
+    raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark baseline: the policy loss as trainers write it today (verl's vanilla loss: clamp,
+# exp, three masked means with .item(), dual clip, agg_loss). Written from the documented
+# semantics, for timing only.
+def _masked_mean(x, m):
+    return (torch.where(m.bool(), x, 0.0) * m).sum() / (m.sum() + 1e-8)
+
+
+def eager_policy_loss_verl_style(logprobs, old_logprobs, advantages, mask, clip_low=0.2,
+                                 clip_high=0.2, dual_clip=3.0, agg="token-mean", sync=True):
+    nlk = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
+    ratio = torch.exp(nlk)
+    kl = _masked_mean(-nlk, mask)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    c1 = torch.maximum(pg1, pg2)
+    cf = _masked_mean(torch.gt(pg2, pg1).float(), mask)
+    pg3 = -advantages * dual_clip
+    c2 = torch.min(pg3, c1)
+    cfl = _masked_mean(torch.gt(c1, pg3) * (advantages < 0).float(), mask)
+    pg = torch.where(advantages < 0, c2, c1)
+    if agg == "token-mean":
+        loss = (torch.where(mask.bool(), pg, 0.0) * mask).sum() / mask.sum()
+    else:
+        seq = (pg * mask).sum(-1)
+        if agg == "seq-mean-token-mean":
+            seq = seq / (mask.sum(-1) + 1e-8)
+        sm = (mask.sum(-1) > 0).float()
+        loss = (torch.where(sm.bool(), seq, 0.0) * sm).sum() / sm.sum()
+        if agg == "seq-mean-token-sum-norm":
+            loss = loss / mask.shape[-1]
+    if sync:
+        stats = {"clip_frac": cf.item(), "approx_kl": kl.item(), "clip_frac_lower": cfl.item()}
+    else:
+        stats = {"clip_frac": cf, "approx_kl": kl, "clip_frac_lower": cfl}
+    return loss, stats
+
+
+def eager_value_loss_verl_style(values, old_values, returns, mask, clip=0.2):
+    vc = torch.max(torch.min(values, old_values + clip), old_values - clip)
+    l1 = (values - returns) ** 2
+    l2 = (vc - returns) ** 2
+    loss = 0.5 * (torch.where(mask.bool(), torch.max(l1, l2), 0.0) * mask).sum() / mask.sum()
+    return loss, _masked_mean(torch.gt(l2, l1).float(), mask)
