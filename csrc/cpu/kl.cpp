@@ -1,0 +1,232 @@
+// kl_penalty and kl_penalized_rewards: CPU kernels and the schemas of the raw kernels.
+// Semantics: ppo_kernels/kl/reference.py; the estimator math is csrc/common/kl_stats.h.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "common/alloc.h"
+#include "common/kl_stats.h"
+
+namespace ppo_kernels {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 256;
+
+template <typename scalar_t>
+void to_float(const scalar_t* x, float* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(x, x + n, out);
+  } else {
+    at::vec::convert(x, out, n);
+  }
+}
+
+template <typename scalar_t>
+void from_float(const float* x, scalar_t* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(x, x + n, out);
+  } else {
+    at::vec::convert(x, out, n);
+  }
+}
+
+// d = lp - ref for one tile, and (k3 only) ex = exp(-clamp(d)) computed vectorised: the one
+// transcendental; everything else is the shared scalar math, which the compiler vectorises.
+template <typename scalar_t, int EST>
+void tile_prepare(const scalar_t* lp, const scalar_t* ref, int64_t n, const KLClampSpec& c,
+                  float* d, float* ex) {
+  float tmp[kTile];
+  to_float(lp, d, n);
+  to_float(ref, tmp, n);
+  for (int64_t i = 0; i < n; ++i) d[i] -= tmp[i];
+  if constexpr (EST == kK3) {
+    for (int64_t i = 0; i < n; ++i) ex[i] = k3_exp_arg(d[i], c);
+    int64_t i = 0;
+    for (; i + Vec::size() <= n; i += Vec::size()) Vec::loadu(ex + i).exp().store(ex + i);
+    if (i < n) Vec::loadu(ex + i, n - i).exp().store(ex + i, n - i);
+  }
+}
+
+// Calls f(std::integral_constant<int, EST>) for the runtime estimator code.
+template <typename F>
+void dispatch_estimator(int64_t est, F&& f) {
+  switch (est) {
+    case kK1: f(std::integral_constant<int, kK1>()); break;
+    case kAbs: f(std::integral_constant<int, kAbs>()); break;
+    case kK2: f(std::integral_constant<int, kK2>()); break;
+    case kK3: f(std::integral_constant<int, kK3>()); break;
+    default: TORCH_CHECK(false, "kl: unknown estimator code ", est);
+  }
+}
+
+KLClampSpec make_spec(double in_lo, double in_hi, double out_lo, double out_hi) {
+  return {static_cast<float>(in_lo), static_cast<float>(in_hi), static_cast<float>(out_lo),
+          static_cast<float>(out_hi)};
+}
+
+void check_pair(const at::Tensor& lp, const at::Tensor& ref) {
+  TORCH_CHECK(lp.sizes() == ref.sizes(), "ref_logprobs: expected shape ", lp.sizes(), ", got ", ref.sizes());
+  TORCH_CHECK(lp.scalar_type() == ref.scalar_type(), "ref_logprobs: expected dtype ", lp.scalar_type());
+}
+
+at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in, int64_t est,
+                              bool straight_through, double in_lo, double in_hi, double out_lo,
+                              double out_hi) {
+  check_pair(lp_in, ref_in);
+  const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
+  at::Tensor out = new_output(lp.sizes(), lp.options().dtype(at::kFloat));
+  const int64_t n = lp.numel();
+  if (n == 0) return out;
+  const KLClampSpec c = make_spec(in_lo, in_hi, out_lo, out_hi);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, lp.scalar_type(), "kl_penalty_fwd", [&] {
+    const scalar_t* a = lp.const_data_ptr<scalar_t>();
+    const scalar_t* b = ref.const_data_ptr<scalar_t>();
+    float* o = out.data_ptr<float>();
+    dispatch_estimator(est, [&](auto E) {
+      constexpr int EST = decltype(E)::value;
+      at::parallel_for(0, (n + kTile - 1) / kTile, 16, [&](int64_t t0, int64_t t1) {
+        float d[kTile], ex[kTile];
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t s = t * kTile, m = std::min(kTile, n - s);
+          tile_prepare<scalar_t, EST>(a + s, b + s, m, c, d, ex);
+          for (int64_t i = 0; i < m; ++i) o[s + i] = kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, false).value;
+        }
+      });
+    });
+  });
+  return out;
+}
+
+// grad_lp = grad * dv/dd, grad_ref = -grad_lp (each only when asked for; else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& lp_in,
+                                                      const at::Tensor& ref_in, int64_t est,
+                                                      bool straight_through, double in_lo, double in_hi,
+                                                      double out_lo, double out_hi, bool need_lp,
+                                                      bool need_ref) {
+  check_pair(lp_in, ref_in);
+  const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
+  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(grad.numel() == lp.numel(), "kl_penalty backward: grad has the wrong size");
+  at::Tensor glp = need_lp ? new_output(lp.sizes(), lp.options()) : at::empty({0}, lp.options());
+  at::Tensor gref = need_ref ? new_output(lp.sizes(), lp.options()) : at::empty({0}, lp.options());
+  const int64_t n = lp.numel();
+  if (n == 0 || (!need_lp && !need_ref)) return {glp, gref};
+  const KLClampSpec c = make_spec(in_lo, in_hi, out_lo, out_hi);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, lp.scalar_type(), "kl_penalty_bwd", [&] {
+    const scalar_t* a = lp.const_data_ptr<scalar_t>();
+    const scalar_t* b = ref.const_data_ptr<scalar_t>();
+    const float* g = grad.const_data_ptr<float>();
+    scalar_t* ga = need_lp ? glp.data_ptr<scalar_t>() : nullptr;
+    scalar_t* gb = need_ref ? gref.data_ptr<scalar_t>() : nullptr;
+    dispatch_estimator(est, [&](auto E) {
+      constexpr int EST = decltype(E)::value;
+      at::parallel_for(0, (n + kTile - 1) / kTile, 16, [&](int64_t t0, int64_t t1) {
+        float d[kTile], ex[kTile], out[kTile];
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t s = t * kTile, m = std::min(kTile, n - s);
+          tile_prepare<scalar_t, EST>(a + s, b + s, m, c, d, ex);
+          for (int64_t i = 0; i < m; ++i) out[i] = g[s + i] * kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, straight_through).grad;
+          if (ga) from_float(out, ga + s, m);
+          if (gb) {
+            for (int64_t i = 0; i < m; ++i) out[i] = -out[i];
+            from_float(out, gb + s, m);
+          }
+        }
+      });
+    });
+  });
+  return {glp, gref};
+}
+
+// One pass per row: kl (masked), rewards with the score on the last action, mean kl over the mask.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
+    const at::Tensor& scores_in, const at::Tensor& lp_in, const at::Tensor& ref_in,
+    const at::Tensor& mask_in, const std::optional<at::Tensor>& beta_t, double beta, int64_t est,
+    double in_lo, double in_hi, double out_lo, double out_hi) {
+  check_pair(lp_in, ref_in);
+  TORCH_CHECK(lp_in.dim() == 2, "logprobs: expected [B, T]");
+  TORCH_CHECK(mask_in.sizes() == lp_in.sizes(), "mask: expected shape ", lp_in.sizes());
+  const int64_t B = lp_in.size(0), T = lp_in.size(1);
+  TORCH_CHECK(scores_in.numel() == B, "scores: expected ", B, " elements");
+  const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
+  const at::Tensor scores = scores_in.to(at::kFloat).contiguous();
+  at::Tensor mask = mask_in.contiguous();
+  if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
+  at::Tensor betas;
+  if (beta_t.has_value() && beta_t->defined()) {
+    TORCH_CHECK(beta_t->numel() == 1 || beta_t->numel() == B, "beta: expected 1 or ", B, " elements");
+    betas = beta_t->to(at::kFloat).contiguous();
+  }
+  const auto f32 = lp.options().dtype(at::kFloat);
+  at::Tensor rewards = new_output({B, T}, f32), kl = new_output({B, T}, f32), mean = new_output({B}, f32);
+  if (B == 0) return {rewards, kl, mean};
+  const KLClampSpec c = make_spec(in_lo, in_hi, out_lo, out_hi);
+  const float beta_f = static_cast<float>(beta);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, lp.scalar_type(), "kl_rewards_fwd", [&] {
+    const scalar_t* a = lp.const_data_ptr<scalar_t>();
+    const scalar_t* b = ref.const_data_ptr<scalar_t>();
+    const float* sc = scores.const_data_ptr<float>();
+    const float* bt = betas.defined() ? betas.const_data_ptr<float>() : nullptr;
+    const int64_t bstride = betas.defined() && betas.numel() == B ? 1 : 0;
+    float* r = rewards.data_ptr<float>();
+    float* k = kl.data_ptr<float>();
+    float* mk = mean.data_ptr<float>();
+    const bool mbool = mask.scalar_type() == at::kBool;
+    const bool* mb = mbool ? mask.const_data_ptr<bool>() : nullptr;
+    const float* mf = mbool ? nullptr : mask.const_data_ptr<float>();
+    dispatch_estimator(est, [&](auto E) {
+      constexpr int EST = decltype(E)::value;
+      at::parallel_for(0, B, std::max<int64_t>(1, 4096 / std::max<int64_t>(T, 1)), [&](int64_t r0, int64_t r1) {
+        float d[kTile], ex[kTile];
+        for (int64_t row = r0; row < r1; ++row) {
+          const float be = bt ? bt[row * bstride] * beta_f : beta_f;
+          const int64_t o = row * T;
+          float sum = 0.f, cnt = 0.f;
+          int64_t last = -1;
+          for (int64_t s = 0; s < T; s += kTile) {
+            const int64_t m = std::min(kTile, T - s);
+            tile_prepare<scalar_t, EST>(a + o + s, b + o + s, m, c, d, ex);
+            for (int64_t i = 0; i < m; ++i) {
+              const float w = mbool ? static_cast<float>(mb[o + s + i]) : mf[o + s + i];
+              const bool act = w != 0.f;
+              const float v = act ? kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, false).value : 0.f;
+              const float wv = act ? v * w : 0.f;
+              k[o + s + i] = v;
+              r[o + s + i] = act ? -be * wv : 0.f;
+              sum += wv;
+              cnt += w;
+              last = act ? s + i : last;
+            }
+          }
+          if (last >= 0) r[o + last] += sc[row];
+          mk[row] = last >= 0 ? sum / cnt : 0.f;
+        }
+      });
+    });
+  });
+  return {rewards, kl, mean};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def("kl_penalty_fwd(Tensor logprobs, Tensor ref_logprobs, int estimator, bool straight_through, "
+        "float in_lo, float in_hi, float out_lo, float out_hi) -> Tensor");
+  m.def("kl_penalty_bwd(Tensor grad, Tensor logprobs, Tensor ref_logprobs, int estimator, "
+        "bool straight_through, float in_lo, float in_hi, float out_lo, float out_hi, bool need_lp, "
+        "bool need_ref) -> (Tensor, Tensor)");
+  m.def("kl_rewards_fwd(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor mask, Tensor? beta_t, "
+        "float beta, int estimator, float in_lo, float in_hi, float out_lo, float out_hi) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("kl_penalty_fwd", &kl_penalty_fwd_cpu);
+  m.impl("kl_penalty_bwd", &kl_penalty_bwd_cpu);
+  m.impl("kl_rewards_fwd", &kl_rewards_fwd_cpu);
+}
+
+}  // namespace ppo_kernels

@@ -1,0 +1,196 @@
+"""kl_penalty and kl_penalized_rewards as torch ops (`ppo_kernels::kl_penalty`,
+`ppo_kernels::kl_penalized_rewards`) with fake kernels, registered autograd (kl_penalty) and a
+backend per call. Semantics and edge cases: ppo_kernels/kl/reference.py."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from . import reference
+from .reference import KLClamp, parse_estimator, resolve_clamp
+
+# Elementwise / one-row ops: Triton is the GPU kernel (a CUDA C++ kernel would not read less).
+_backend.register_op("kl_penalty", kernel="kl_penalty_fwd", triton=True, cuda_default="triton")
+_backend.register_op("kl_penalized_rewards", kernel="kl_rewards_fwd", triton=True, cuda_default="triton")
+
+
+def _backend_for(op: str, t: Tensor) -> str:
+    if t.dtype == torch.float64:  # the kernels compute in float32
+        return "eager"
+    return _backend.resolve(op, t.device.type)
+
+
+def _out_dtype(t: Tensor):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("ppo_kernels::kl_penalty", mutates_args=())
+def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straight_through: bool,
+                  in_lo: float, in_hi: float, out_lo: float, out_hi: float) -> Tensor:
+    bounds = (in_lo, in_hi, out_lo, out_hi)
+    backend = _backend_for("kl_penalty", logprobs)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.kl_penalty_fwd(logprobs, ref_logprobs, estimator,
+                                                      straight_through, *bounds)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.forward(logprobs, ref_logprobs, estimator, bounds)
+    v = reference.kl_penalty(logprobs, ref_logprobs, estimator, False, bounds)
+    return v.to(_out_dtype(logprobs)).contiguous()
+
+
+@kl_penalty_op.register_fake
+def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
+    return torch.empty(logprobs.shape, dtype=_out_dtype(logprobs), device=logprobs.device)
+
+
+@torch.library.custom_op("ppo_kernels::kl_penalty_backward", mutates_args=())
+def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor, estimator: int,
+                           straight_through: bool, in_lo: float, in_hi: float, out_lo: float,
+                           out_hi: float, need_lp: bool, need_ref: bool) -> tuple[Tensor, Tensor]:
+    """(grad_logprobs, grad_ref_logprobs), each an empty tensor when not needed."""
+    bounds = (in_lo, in_hi, out_lo, out_hi)
+    backend = _backend_for("kl_penalty", logprobs)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
+                                                      straight_through, *bounds, need_lp, need_ref)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.backward(grad, logprobs, ref_logprobs, estimator, straight_through,
+                                       bounds, need_lp, need_ref)
+    g = grad * reference.kl_penalty_grad(logprobs, ref_logprobs, estimator, straight_through, bounds)
+    empty = logprobs.new_empty(0)
+    return (g.to(logprobs.dtype) if need_lp else empty), ((-g).to(logprobs.dtype) if need_ref else logprobs.new_empty(0))
+
+
+@kl_penalty_backward_op.register_fake
+def _(grad, logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi,
+      need_lp, need_ref):
+    def out(need):
+        return torch.empty(logprobs.shape if need else (0,), dtype=logprobs.dtype, device=logprobs.device)
+    return out(need_lp), out(need_ref)
+
+
+def _setup_context(ctx, inputs, output):
+    logprobs, ref_logprobs, *args = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs)
+    ctx.args = args
+
+
+def _backward(ctx, grad):
+    logprobs, ref_logprobs = ctx.saved_tensors
+    need_lp, need_ref = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ga, gb = torch.ops.ppo_kernels.kl_penalty_backward(grad, logprobs, ref_logprobs, *ctx.args,
+                                                       need_lp, need_ref)
+    return (ga if need_lp else None), (gb if need_ref else None), None, None, None, None, None, None
+
+
+kl_penalty_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _common_pair(logprobs: Tensor, ref_logprobs: Tensor, what: str):
+    check_tensor("logprobs", logprobs, dtypes=FLOAT_DTYPES)
+    check_tensor("ref_logprobs", ref_logprobs, dtypes=FLOAT_DTYPES)
+    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape, what)
+    dt = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
+    return logprobs.to(dt), ref_logprobs.to(dt)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
+               clamp: str | KLClamp | None = "none") -> Tensor:
+    """Per-token KL estimate between the policy and the reference from sampled-token log-probs.
+
+    Args:
+        logprobs, ref_logprobs: same shape, float32 / bfloat16 / float16 / float64 (mixed dtypes
+            are promoted). Gradients flow to both.
+        estimator: "k1" ("kl"), "abs", "k2" ("mse"), "k3" ("low_var_kl"), or any of them with a
+            "+" suffix (straight-through: this value, the gradient of k2).
+        clamp: the peers' clamp conventions by name -- "none" (= "trl"), "verl", "openrlhf" -- or
+            explicit bounds `KLClamp(log_ratio=(lo, hi), value=(lo, hi))` (None: unbounded).
+
+    Returns:
+        float32 tensor of logprobs' shape (float64 for float64 input). Gradients are exact,
+        including through clamps (zero where a clamp is active, as torch.clamp).
+    See ppo_kernels/kl/reference.py for the formulas, presets and edge cases.
+    """
+    code, st = parse_estimator(estimator)
+    bounds = resolve_clamp(clamp, code)
+    logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
+    return torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, code, st, *bounds)
+
+
+@torch.library.custom_op("ppo_kernels::kl_penalized_rewards", mutates_args=())
+def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                            beta_t: Tensor | None, beta: float, estimator: int, in_lo: float,
+                            in_hi: float, out_lo: float, out_hi: float) -> tuple[Tensor, Tensor, Tensor]:
+    bounds = (in_lo, in_hi, out_lo, out_hi)
+    backend = _backend_for("kl_penalized_rewards", logprobs)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t,
+                                                      beta, estimator, *bounds)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.rewards(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, bounds)
+    b = beta if beta_t is None else beta_t * beta
+    r, k, m = reference.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
+    out = _out_dtype(logprobs)
+    return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
+
+
+@kl_penalized_rewards_op.register_fake
+def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
+    out = _out_dtype(logprobs)
+    B, T = logprobs.shape
+    return (logprobs.new_empty((B, T), dtype=out), logprobs.new_empty((B, T), dtype=out),
+            logprobs.new_empty((B,), dtype=out))
+
+
+def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *,
+                         beta: float | Tensor, estimator: str = "k1",
+                         clamp: str | KLClamp | None = "none") -> tuple[Tensor, Tensor, Tensor]:
+    """RLHF-PPO per-token rewards in one pass:
+    `r[t] = -beta * kl[t] * mask[t] + score * [t == last position with mask != 0]`.
+
+    Args:
+        scores: `[B]` sequence scores (reward model or verifier), any float dtype.
+        logprobs, ref_logprobs: `[B, T]` sampled-token log-probs of the policy and the reference.
+        mask: `[B, T]` action mask: bool, integer 0/1, or float weights.
+        beta: KL coefficient: a float, or a 0-dim / `[B]` tensor (e.g. an adaptive KL controller's
+            value, read on the device: no sync, no recompile).
+        estimator, clamp: as in `kl_penalty` (straight-through "+" variants equal their base here).
+
+    Returns:
+        `(token_rewards [B, T], kl [B, T], mean_kl_per_sequence [B])`, float32 (float64 for
+        float64 log-probs); kl is 0 where mask == 0. A row with no action: all zeros, its score
+        dropped, mean kl 0. No gradient flows (the inputs are detached).
+    """
+    code, _ = parse_estimator(estimator)
+    bounds = resolve_clamp(clamp, code)
+    logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
+    check_tensor("logprobs", logprobs, dim=2)
+    B = logprobs.shape[0]
+    check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
+    check_tensor("mask", mask)
+    check_same_device(logprobs=logprobs, scores=scores, mask=mask)
+    check_shape("scores", scores, (B,), "[B]")
+    check_shape("mask", mask, logprobs.shape, "logprobs.shape")
+    if mask.dtype.is_complex:
+        raise TypeError("mask: complex masks are not supported")
+    if mask.dtype not in (torch.bool, torch.float32) and not (mask.dtype == torch.float64
+                                                              and logprobs.dtype == torch.float64):
+        mask = mask.to(torch.float32)
+    beta_t = None
+    if isinstance(beta, torch.Tensor):
+        check_tensor("beta", beta, dtypes=FLOAT_DTYPES)
+        check_same_device(logprobs=logprobs, beta=beta)
+        if beta.dim() > 1 or (beta.dim() == 1 and beta.shape[0] != B):
+            raise ValueError(f"beta: expected a float, a 0-dim tensor or shape ({B},), got {tuple(beta.shape)}")
+        beta_t, beta_f = beta.detach(), 1.0
+    else:
+        beta_f = float(beta)
+    return torch.ops.ppo_kernels.kl_penalized_rewards(scores.detach(), logprobs.detach(),
+                                                      ref_logprobs.detach(), mask, beta_t, beta_f,
+                                                      code, *bounds)
