@@ -1,0 +1,195 @@
+// linear_token_logprobs: CPU kernels for one vocabulary chunk of a float32 logits tile
+// (tile = hidden_chunk @ weight_chunk^T [+ bias], computed by the caller with a BLAS matmul).
+// The op (ppo_kernels/linear_logprobs/op.py) walks the tiles; these kernels only reduce them:
+//   * linear_logprobs_tile_stats_: merge the tile's softmax stats (m, s, u) into a running per-row
+//     state (csrc/common/softmax_stats.h) and pick out the label's logit when it lies in the tile;
+//   * linear_logprobs_tile_bwd_: overwrite the tile with d(out)/d(logits) for that chunk, given the
+//     final lse / entropy of each row (the gradient is elementwise once those are known).
+// When the whole vocabulary fits in one tile the op uses token_logprobs_fwd/bwd instead.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "common/softmax_stats.h"
+
+namespace ppo_kernels {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row
+
+// buf = x * inv_t; returns the NaN-propagating max.
+float scale_block(const float* x, int64_t n, float inv_t, float* buf) {
+  const Vec vt(inv_t);
+  Vec vmax(-INFINITY);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec z = Vec::loadu(x + i) * vt;
+    z.store(buf + i);
+    vmax = at::vec::maximum(vmax, z);
+  }
+  float m = -INFINITY;
+  for (; i < n; ++i) {
+    buf[i] = x[i] * inv_t;
+    m = nan_max(m, buf[i]);
+  }
+  float lanes[Vec::size()];
+  vmax.store(lanes);
+  for (float v : lanes) m = nan_max(m, v);
+  return m;
+}
+
+// Softmax stats of one block of scaled values relative to its max m (as in token_logprobs.cpp).
+SoftmaxStats block_stats(const float* z, int64_t n, float m) {
+  if (m == -INFINITY) return stats_empty();
+  if (m == INFINITY || m != m) return {m, NAN, NAN};  // +inf / NaN poison the row
+  const Vec vm(m), floor_(-FLT_MAX);
+  Vec vs(0.f), vu(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec d = Vec::loadu(z + i) - vm;
+    const Vec e = d.exp_u20();
+    vs = vs + e;
+    vu = at::vec::fmadd(e, at::vec::maximum(d, floor_), vu);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vs);
+  float u = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vu);
+  for (; i < n; ++i) {
+    const float d = z[i] - m;
+    const float e = std::exp(d);
+    s += e;
+    u += weighted_offset(e, d);
+  }
+  return {m, s, u};
+}
+
+void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
+  TORCH_CHECK(tile.scalar_type() == at::kFloat && tile.dim() == 2 && tile.stride(1) == 1,
+              "linear_logprobs: tile must be a float32 [rows, vocab_chunk] tensor with stride(1) == 1");
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == tile.size(0),
+              "linear_logprobs: labels must be [rows] matching the tile");
+}
+
+// state: float32 [3, rows] = (m, s, u) of the scaled logits seen so far; zlabel: float32 [rows].
+void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t v_start,
+                    double inv_temperature, int64_t ignore_index, at::Tensor state, at::Tensor zlabel) {
+  check_tile(tile, labels_in);
+  const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 2 &&
+                  state.size(0) == 3 && state.size(1) == R,
+              "linear_logprobs: state must be a contiguous float32 [3, rows] tensor");
+  TORCH_CHECK(zlabel.scalar_type() == at::kFloat && zlabel.is_contiguous() && zlabel.numel() == R,
+              "linear_logprobs: zlabel must be a contiguous float32 [rows] tensor");
+  if (R == 0 || Vt == 0) return;
+  const at::Tensor labels = labels_in.contiguous();
+  const float inv_t = static_cast<float>(inv_temperature);
+  AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "linear_logprobs_tile_stats", [&] {
+    const float* x = tile.const_data_ptr<float>();
+    const index_t* lab = labels.const_data_ptr<index_t>();
+    float* sm = state.data_ptr<float>();
+    float* ss = sm + R;
+    float* su = sm + 2 * R;
+    float* zl = zlabel.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 16384 / Vt);
+    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+      float buf[kBlock];
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t label = lab[r];
+        if (label == ignore_index) continue;
+        const float* row = x + r * ld;
+        SoftmaxStats st{sm[r], ss[r], su[r]};
+        for (int64_t j = 0; j < Vt; j += kBlock) {
+          const int64_t n = std::min(kBlock, Vt - j);
+          const float m = scale_block(row + j, n, inv_t, buf);
+          st = stats_merge(st, block_stats(buf, n, m));
+        }
+        sm[r] = st.m;
+        ss[r] = st.s;
+        su[r] = st.u;
+        const int64_t k = label - v_start;
+        if (k >= 0 && k < Vt) zl[r] = row[k] * inv_t;
+      }
+    });
+  });
+}
+
+// tile[r, j] <- inv_t * (glp * (onehot - p_j) - gent * p_j * (z_j - lse + H)), p_j = exp(z_j - lse),
+// onehot at column label - v_start; rows with label == ignore_index become 0.
+void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start, const at::Tensor& lse_in,
+                  const std::optional<at::Tensor>& entropy, const at::Tensor& grad_logprobs,
+                  const std::optional<at::Tensor>& grad_entropy, double inv_temperature,
+                  int64_t ignore_index) {
+  check_tile(tile, labels_in);
+  const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
+  if (R == 0 || Vt == 0) return;
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  TORCH_CHECK(!has_ent || (entropy.has_value() && entropy->numel() == R),
+              "linear_logprobs: grad_entropy needs the forward entropy");
+  TORCH_CHECK(lse_in.numel() == R && grad_logprobs.numel() == R,
+              "linear_logprobs: lse and grad_logprobs must have one value per row");
+  const at::Tensor labels = labels_in.contiguous();
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+  const at::Tensor glp_t = grad_logprobs.to(at::kFloat).contiguous();
+  const at::Tensor gent_t = has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor ent_t = has_ent ? entropy->to(at::kFloat).contiguous() : at::Tensor();
+  const float inv_t = static_cast<float>(inv_temperature);
+  AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "linear_logprobs_tile_bwd", [&] {
+    float* x = tile.data_ptr<float>();
+    const index_t* lab = labels.const_data_ptr<index_t>();
+    const float* ls = lse.const_data_ptr<float>();
+    const float* glp = glp_t.const_data_ptr<float>();
+    const float* gent = has_ent ? gent_t.const_data_ptr<float>() : nullptr;
+    const float* ent = has_ent ? ent_t.const_data_ptr<float>() : nullptr;
+    const int64_t grain = std::max<int64_t>(1, 16384 / Vt);
+    at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* row = x + r * ld;
+        const int64_t label = lab[r];
+        if (label == ignore_index) {
+          std::fill(row, row + Vt, 0.f);
+          continue;
+        }
+        const float l = ls[r];
+        const float a = glp[r] * inv_t;
+        const float b = gent ? gent[r] * inv_t : 0.f;
+        const float c = gent ? ent[r] - l : -l;
+        const int64_t k = label - v_start;
+        const float zk = (k >= 0 && k < Vt) ? row[k] * inv_t : 0.f;
+        const Vec vt(inv_t), vl(l), va(a), vb(b), vc(c), zero(0.f);
+        int64_t i = 0;
+        for (; i + Vec::size() <= Vt; i += Vec::size()) {
+          const Vec z = Vec::loadu(row + i) * vt;
+          const Vec p = (z - vl).exp_u20();
+          (p * (zero - va - vb * (z + vc))).store(row + i);
+        }
+        for (; i < Vt; ++i) {
+          const float z = row[i] * inv_t;
+          const float p = std::exp(z - l);
+          row[i] = p * (-a - b * (z + c));
+        }
+        if (k >= 0 && k < Vt) {
+          const float p = std::exp(zk - l);
+          row[k] = p * (-a - b * (zk + c)) + a;
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def("linear_logprobs_tile_stats_(Tensor tile, Tensor labels, int v_start, float inv_temperature, "
+        "int ignore_index, Tensor(a!) state, Tensor(b!) zlabel) -> ()");
+  m.def("linear_logprobs_tile_bwd_(Tensor(a!) tile, Tensor labels, int v_start, Tensor lse, "
+        "Tensor? entropy, Tensor grad_logprobs, Tensor? grad_entropy, float inv_temperature, "
+        "int ignore_index) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("linear_logprobs_tile_stats_", &tile_stats_cpu);
+  m.impl("linear_logprobs_tile_bwd_", &tile_bwd_cpu);
+}
+
+}  // namespace ppo_kernels

@@ -1,0 +1,95 @@
+"""causal_lm_logprobs: per-token log-probs (and entropy) of a `transformers` causal LM's own tokens,
+through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .op import linear_token_logprobs
+
+# Config fields through which a model post-processes its logits in ways the LM head matmul alone
+# does not reproduce; refused rather than silently giving different numbers.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def _backbone(model):
+    """The decoder that produces the last hidden states (model.model, model.transformer, ...)."""
+    dec = None
+    if hasattr(model, "get_decoder"):
+        try:
+            dec = model.get_decoder()
+        except (AttributeError, NotImplementedError):
+            dec = None
+    if dec is None or dec is model:
+        prefix = getattr(model, "base_model_prefix", "")
+        dec = getattr(model, prefix, None) if prefix else None
+    if dec is None or dec is model:
+        raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (tried "
+                         "get_decoder() and base_model_prefix); pass a transformers *ForCausalLM")
+    return dec
+
+
+def _lm_head(model):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"model: {type(model).__name__} has no accessible LM head "
+                         "(get_output_embeddings() returned no module with a [V, H] weight)")
+    return weight, getattr(head, "bias", None)
+
+
+def _check_logit_transforms(model):
+    cfg = getattr(model, "config", None)
+    configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
+    for c in configs:
+        for name in _LOGIT_TRANSFORMS:
+            val = getattr(c, name, None)
+            if val is None or ("scal" in name and val == 1):  # a scale of 1 changes nothing
+                continue
+            raise NotImplementedError(
+                f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
+                "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
+                "does not support; compute the logits with the model instead")
+
+
+def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                       labels: Tensor | None = None, temperature: float = 1.0,
+                       return_entropy: bool = False, ignore_index: int = -100,
+                       max_chunk_bytes: int | None = None, **model_kwargs):
+    """Log-probs of each next token under a causal LM, without materialising the logits.
+
+    Runs the model's backbone on `input_ids` [B, T], then `linear_token_logprobs` of the last
+    hidden states through the LM head (tied or untied, with its bias if any). Position t of the
+    result is log p(target[t + 1] | tokens[: t + 1]), so the result has shape [B, T - 1]:
+    targets are `labels[:, 1:]` when labels are given (HF convention, `ignore_index` ignored),
+    else `input_ids[:, 1:]`; targets whose attention_mask is 0 are ignored (0, no gradient).
+    Gradients flow to every parameter of the model.
+
+    Extra keyword arguments go to the backbone (e.g. position_ids). Raises NotImplementedError
+    for models that soft-cap or rescale their final logits (Gemma 2's final_logit_softcapping,
+    Granite's logits_scaling, Cohere's logit_scale).
+    Returns float32 log-probs [B, T - 1], or (logprobs, entropy).
+    """
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids: expected a [batch, seq] tensor of token ids")
+    if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels: expected shape {tuple(input_ids.shape)} (input_ids.shape), "
+                         f"got {tuple(labels.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} "
+                         f"(input_ids.shape), got {tuple(attention_mask.shape)}")
+    _check_logit_transforms(model)
+    weight, bias = _lm_head(model)
+    backbone = _backbone(model)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   **model_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = hidden[:, :-1]
+    if hidden.dtype != weight.dtype:  # e.g. autocast: run the head in the weight's dtype
+        hidden = hidden.to(weight.dtype)
+    target = (labels if labels is not None else input_ids)[:, 1:]
+    if attention_mask is not None:
+        target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
+    return linear_token_logprobs(hidden, weight, target, bias=bias, temperature=temperature,
+                                 ignore_index=ignore_index, return_entropy=return_entropy,
+                                 max_chunk_bytes=max_chunk_bytes)

@@ -1,0 +1,401 @@
+"""linear_token_logprobs: token log-probs (and entropy) of `hidden @ weight.T + bias` without ever
+building the [N, V] logits. Torch ops `ppo_kernels::linear_token_logprobs` (forward) and
+`ppo_kernels::linear_token_logprobs_backward`, with fake kernels and registered autograd.
+
+How: the rows (tokens) are walked in chunks, and when a chunk of rows times the whole vocabulary
+does not fit the memory budget, the vocabulary is walked in chunks too. Each [rows, vocab_chunk]
+tile of the logits is computed by a BLAS / cuBLAS matmul into a reused float32 buffer and reduced
+right away:
+  * whole vocabulary in one tile, `cpp` backend: the fused token_logprobs kernels
+    (torch.ops.ppo_kernels_C.token_logprobs_fwd / _bwd) reduce the tile;
+  * vocabulary chunks (or the triton / eager backends): per-chunk kernels merge the softmax stats
+    (m, s, u) of csrc/common/softmax_stats.h across chunks (C++: csrc/cpu/linear_logprobs.cpp,
+    Triton: triton_kernels.py, eager: reference.py), then one elementwise finish.
+The backward recomputes each tile, turns it into d(out)/d(logits) in place (the gradient is
+elementwise once lse and entropy are known), and accumulates grad_hidden += g @ W_chunk,
+grad_weight[chunk] += g^T @ h_chunk (float32), grad_bias[chunk] += sum(g).
+
+Precision: float32 accumulation everywhere. On the CPU (and for float32 inputs) bf16/fp16 inputs
+are upcast chunk by chunk and all matmuls run in float32. On CUDA bf16/fp16 matmuls use cuBLAS with
+float32 output (torch.mm(..., out_dtype=float32)); the logits-gradient tile is rounded to the input
+dtype for the two backward matmuls, as the materialised path (bf16 grad_logits) does.
+GPU choice: chunked cuBLAS + reduction kernels, not a fused tl.dot kernel -- see the docstring of
+triton_kernels.py; bench/gpu_checks/linear_logprobs.py measures it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from . import reference
+
+OP = _backend.register_op("linear_token_logprobs", kernel="linear_logprobs_tile_stats_",
+                          triton=True, cuda_default="cpp")
+
+# Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
+# CPU: a few hundred rows of a 32k-152k vocabulary; GPU: large enough (~600 rows at V = 152k) that
+# the cuBLAS matmuls stay efficient.
+DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
+_MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _backend_for(hidden: Tensor) -> str:
+    if hidden.dtype == torch.float64:  # the kernels accumulate in float32
+        return "eager"
+    return _backend.resolve("linear_token_logprobs", hidden.device.type)
+
+
+def _lowp_gemm(hidden: Tensor) -> bool:
+    """bf16/fp16 matmuls with float32 output (cuBLAS); elsewhere chunks are upcast to float32."""
+    return hidden.device.type == "cuda" and hidden.dtype in (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: int      # rows per chunk
+    vocab: int     # vocabulary entries per tile (V: one tile covers the vocabulary)
+    sub: int       # vocabulary entries per upcast weight block (CPU bf16/fp16)
+    upcast: bool
+
+
+def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
+                max_chunk_bytes: int) -> Plan:
+    """Chunk sizes whose buffers fit in max_chunk_bytes: the logits tile, the upcast copies of the
+    hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator."""
+    acc = 8 if dtype == torch.float64 else 4
+    lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    upcast = dtype not in (torch.float32, torch.float64) and not lowp
+    tile_elem = acc + (2 if lowp else 0)           # + the rounded gradient tile on the GPU
+    row_fixed = acc * H * (2 if upcast else 1)     # upcast hidden chunk + grad_hidden accumulator
+    B = max(int(max_chunk_bytes), 1)
+    sub = max(1, min(V, (B // 4) // max(acc * H, 1))) if upcast else V
+    avail = max(B - (sub * acc * H if upcast else 0), 0)
+    rows = avail // (V * tile_elem + row_fixed)
+    if rows >= min(N, _MIN_ROWS):
+        return Plan(max(1, min(N, rows)), V, sub, upcast)
+    rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + tile_elem * min(V, 64))))
+    vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
+    return Plan(rows, vocab, min(sub, vocab), upcast)
+
+
+def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        pos = int(bad.flatten().nonzero()[0])
+        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
+                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
+
+
+class _TileOps:
+    """The per-tile kernels of one backend (contract: reference.tile_stats_ / tile_bwd_)."""
+
+    def __init__(self, backend: str, device_type: str, dtype: torch.dtype):
+        self.fused = False  # whole-vocabulary tiles through the token_logprobs kernels
+        if dtype == torch.float64:
+            self.mod = reference
+            return
+        if backend == "cpp":
+            self.fused = _backend.has_compiled_kernel("token_logprobs_fwd", device_type)
+            if _backend.has_compiled_kernel("linear_logprobs_tile_stats_", device_type):
+                self.mod = _CppTiles
+                return
+            backend = "triton" if device_type == "cuda" and _backend.HAS_TRITON else "eager"
+        if backend == "triton":
+            from . import triton_kernels
+            self.mod = triton_kernels
+        else:
+            self.mod = reference
+
+    def stats_(self, *args):
+        self.mod.tile_stats_(*args)
+
+    def bwd_(self, *args):
+        self.mod.tile_bwd_(*args)
+
+
+class _CppTiles:
+    @staticmethod
+    def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
+        torch.ops.ppo_kernels_C.linear_logprobs_tile_stats_(tile, labels, v_start, inv_t,
+                                                            ignore_index, state, zlabel)
+
+    @staticmethod
+    def tile_bwd_(tile, labels, v_start, lse, entropy, glp, gent, inv_t, ignore_index, V):
+        torch.ops.ppo_kernels_C.linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy, glp,
+                                                          gent, inv_t, ignore_index)
+
+
+class _Tiler:
+    """Computes logits tiles (and the two gradient matmuls of a tile) for one call."""
+
+    def __init__(self, hidden, weight, bias, plan: Plan):
+        self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
+        self.acc = _acc(hidden.dtype)
+        self.lowp = _lowp_gemm(hidden)
+        self.buf = torch.empty(plan.rows * plan.vocab, dtype=self.acc, device=hidden.device)
+
+    def rows(self, r0, r1):
+        hc = self.h[r0:r1]
+        return hc.to(self.acc) if self.plan.upcast else hc
+
+    def _w(self, s0, s1):
+        w = self.W[s0:s1]
+        return w.to(self.acc) if self.plan.upcast else w
+
+    def logits(self, hc, v0, v1):
+        """float32 tile [rows, v1 - v0] of hc @ W[v0:v1].T + b[v0:v1] (in the reused buffer)."""
+        R = hc.shape[0]
+        tile = self.buf[: R * (v1 - v0)].view(R, v1 - v0)
+        if self.lowp:
+            torch.mm(hc, self.W[v0:v1].T, out_dtype=torch.float32, out=tile)
+            if self.b is not None:
+                tile += self.b[v0:v1].to(self.acc)
+            return tile
+        step = self.plan.sub if self.plan.upcast else v1 - v0
+        for s0 in range(v0, v1, step):
+            s1 = min(v1, s0 + step)
+            out = tile[:, s0 - v0:s1 - v0]
+            if self.b is not None:
+                torch.addmm(self.b[s0:s1].to(self.acc), hc, self._w(s0, s1).T, out=out)
+            else:
+                torch.mm(hc, self._w(s0, s1).T, out=out)
+        return tile
+
+    def grad_matmuls(self, g, hc, v0, v1, gh, gW, gb):
+        """gh += g @ W[v0:v1]; gW[v0:v1] += g^T @ hc; gb[v0:v1] += sum(g) (float32 accumulators;
+        empty ones are skipped)."""
+        if gb.numel():
+            gb[v0:v1] += g.sum(0)
+        if self.lowp:
+            gc = g.to(hc.dtype)
+            if gh.numel():
+                torch.addmm(gh, gc, self.W[v0:v1], out_dtype=torch.float32, out=gh)
+            if gW.numel():
+                gw = gW[v0:v1]
+                torch.addmm(gw, gc.T, hc, out_dtype=torch.float32, out=gw)
+            return
+        step = self.plan.sub if self.plan.upcast else v1 - v0
+        for s0 in range(v0, v1, step):
+            s1 = min(v1, s0 + step)
+            gs = g[:, s0 - v0:s1 - v0]
+            if gh.numel():
+                gh.addmm_(gs, self._w(s0, s1))
+            if gW.numel():
+                gW[s0:s1].addmm_(gs.T, hc)
+
+
+def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
+    if max_chunk_bytes > 0:
+        return max_chunk_bytes
+    return DEFAULT_MAX_CHUNK_BYTES.get(device.type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
+
+
+@torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
+def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+                             temperature: float, ignore_index: int, with_entropy: bool,
+                             max_chunk_bytes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], labels [N], bias [V] or None. Returns (logprobs, entropy or an
+    empty tensor, lse), float32 (float64 for float64 input); lse is saved for backward."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    acc = _acc(hidden.dtype)
+    dev = hidden.device
+    if dev.type == "cpu":
+        _check_labels_cpu(labels, V, ignore_index)
+    lp = _backend.new_output((N,), acc, dev)
+    ent = _backend.new_output((N,) if with_entropy else (0,), acc, dev)
+    lse = _backend.new_output((N,), acc, dev)
+    if N == 0:
+        return lp, ent, lse
+    plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev))
+    ops = _TileOps(_backend_for(hidden), dev.type, hidden.dtype)
+    tiler = _Tiler(hidden, weight, bias, plan)
+    inv_t = 1.0 / temperature
+    for r0 in range(0, N, plan.rows):
+        r1 = min(N, r0 + plan.rows)
+        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
+        if plan.vocab == V and ops.fused:
+            tile = tiler.logits(hc, 0, V)
+            a, e, s = torch.ops.ppo_kernels_C.token_logprobs_fwd(tile, lc, inv_t, ignore_index,
+                                                                with_entropy)
+        else:
+            state = torch.zeros(3, r1 - r0, dtype=acc, device=dev)
+            state[0] = float("-inf")
+            zl = torch.full((r1 - r0,), float("nan"), dtype=acc, device=dev)
+            for v0 in range(0, V, plan.vocab):
+                v1 = min(V, v0 + plan.vocab)
+                ops.stats_(tiler.logits(hc, v0, v1), lc, v0, inv_t, ignore_index, state, zl)
+            a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
+        lp[r0:r1] = a
+        lse[r0:r1] = s
+        if with_entropy:
+            ent[r0:r1] = e
+    return lp, ent, lse
+
+
+@linear_token_logprobs_op.register_fake
+def _(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max_chunk_bytes):
+    acc = _acc(hidden.dtype)
+    N = hidden.shape[0]
+    lp = hidden.new_empty((N,), dtype=acc)
+    ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
+    return lp, ent, hidden.new_empty((N,), dtype=acc)
+
+
+@torch.library.custom_op("ppo_kernels::linear_token_logprobs_backward", mutates_args=())
+def linear_token_logprobs_backward_op(
+        grad_logprobs: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
+        labels: Tensor, bias: Tensor | None, lse: Tensor, entropy: Tensor, temperature: float,
+        ignore_index: int, max_chunk_bytes: int, need_hidden: bool, need_weight: bool,
+        need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32); a gradient that is
+    not needed comes back as an empty tensor. The float32 weight gradient is what this op returns;
+    autograd hands the weight its own dtype."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    acc = _acc(hidden.dtype)
+    dev = hidden.device
+    need_bias = need_bias and bias is not None
+    gh_out = _backend.new_output((N, H) if need_hidden else (0,), hidden.dtype, dev)
+    gW = torch.zeros((V, H) if need_weight else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((V,) if need_bias else (0,), dtype=acc, device=dev)
+    if N == 0:
+        return gh_out.zero_(), gW, gb
+    plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev))
+    ops = _TileOps(_backend_for(hidden), dev.type, hidden.dtype)
+    tiler = _Tiler(hidden, weight, bias, plan)
+    inv_t = 1.0 / temperature
+    with_ent = grad_entropy is not None and grad_entropy.numel() > 0
+    glp_all = grad_logprobs.to(acc)
+    gent_all = grad_entropy.to(acc) if with_ent else None
+    gh = torch.empty((plan.rows, H) if need_hidden else (0,), dtype=acc, device=dev)
+    for r0 in range(0, N, plan.rows):
+        r1 = min(N, r0 + plan.rows)
+        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
+        glp, ls = glp_all[r0:r1], lse[r0:r1]
+        gent = gent_all[r0:r1] if with_ent else None
+        en = entropy[r0:r1] if with_ent else None
+        ghc = gh[: r1 - r0].zero_() if need_hidden else gh
+        for v0 in range(0, V, plan.vocab):
+            v1 = min(V, v0 + plan.vocab)
+            g = tiler.logits(hc, v0, v1)
+            if plan.vocab == V and ops.fused:
+                torch.ops.ppo_kernels_C.token_logprobs_bwd(glp, gent, g, lc, ls,
+                                                          en if with_ent else ls, inv_t,
+                                                          ignore_index, g)
+            else:
+                ops.bwd_(g, lc, v0, ls, en, glp, gent, inv_t, ignore_index, V)
+            tiler.grad_matmuls(g, hc, v0, v1, ghc, gW, gb)
+        if need_hidden:
+            gh_out[r0:r1] = ghc
+    return gh_out, gW, gb
+
+
+@linear_token_logprobs_backward_op.register_fake
+def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
+      ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    acc = _acc(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    gh = hidden.new_empty((N, H) if need_hidden else (0,))
+    gW = hidden.new_empty((V, H) if need_weight else (0,), dtype=acc)
+    gb = hidden.new_empty((V,) if (need_bias and bias is not None) else (0,), dtype=acc)
+    return gh, gW, gb
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, temperature, ignore_index, with_entropy, budget = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    ctx.args = (temperature, ignore_index, budget)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_lp, grad_ent, grad_lse):
+    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    if not (need_h or need_w or need_b):
+        return (None,) * 8
+    if grad_lp is None:
+        grad_lp = torch.zeros_like(lse)
+    if grad_ent is not None and grad_ent.numel() == 0:
+        grad_ent = None
+    temperature, ignore_index, budget = ctx.args
+    gh, gW, gb = torch.ops.ppo_kernels.linear_token_logprobs_backward(
+        grad_lp, grad_ent, hidden, weight, labels, bias, lse, entropy, temperature, ignore_index,
+        budget, need_h, need_w, need_b and bias is not None)
+    return (gh if need_h else None, gW.to(weight.dtype) if need_w else None, None,
+            gb.to(bias.dtype) if (need_b and bias is not None) else None,
+            None, None, None, None)
+
+
+linear_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
+                          bias: Tensor | None = None, temperature: float = 1.0,
+                          ignore_index: int = -100, return_entropy: bool = False,
+                          max_chunk_bytes: int | None = None):
+    """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
+    equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
+    [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
+
+    Args:
+        hidden: `[..., H]` float32, bfloat16 or float16 (float64 runs in float64).
+        weight: `[V, H]` (the LM head), same dtype and device as hidden.
+        labels: int64 or int32 with shape `hidden.shape[:-1]`.
+        bias: optional `[V]`.
+        temperature: positive float.
+        ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
+        return_entropy: also return the entropy of softmax(logits / temperature).
+        max_chunk_bytes: cap on the chunk buffers (logits tile, upcast copies, per-chunk gradient
+            accumulator); default 64 MiB on the CPU, 512 MiB on the GPU. Extra memory beyond it
+            is O(N + V) plus, in backward, the float32 weight-gradient accumulator [V, H].
+
+    Returns:
+        float32 log-probs with `labels.shape`, or `(logprobs, entropy)`. Gradients flow to
+        hidden, weight and bias (the weight gradient is accumulated in float32 and handed to
+        autograd in the weight's dtype; `torch.ops.ppo_kernels.linear_token_logprobs_backward`
+        returns it in float32).
+    """
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, dim=2)
+    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, dim=1)
+    check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    H = hidden.shape[-1]
+    V = weight.shape[0]
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"bias: dtype {bias.dtype} differs from hidden's {hidden.dtype}")
+    if weight.shape[1] != H:
+        raise ValueError(f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None and bias.shape[0] != V:
+        raise ValueError(f"bias: expected shape ({V},) (weight.shape[0]), got {tuple(bias.shape)}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
+                         f"got {tuple(labels.shape)}")
+    if V == 0 and labels.numel() > 0:
+        raise ValueError("weight: the vocabulary dimension (first) is empty")
+    check_positive("temperature", float(temperature))
+    if max_chunk_bytes is not None and int(max_chunk_bytes) <= 0:
+        raise ValueError(f"max_chunk_bytes: expected a positive number of bytes, got {max_chunk_bytes}")
+    if hidden.device.type == "cuda" and _backend.strict():
+        _check_labels_cpu(labels, V, int(ignore_index))  # host sync, by request
+    h2 = hidden.reshape(-1, H)
+    lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
+        h2, weight, labels.reshape(-1), bias, float(temperature), int(ignore_index),
+        bool(return_entropy), int(max_chunk_bytes or 0))
+    lp = lp.view(labels.shape)
+    return (lp, ent.view(labels.shape)) if return_entropy else lp
