@@ -20,6 +20,20 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
 
+def _default_cuda_home():
+    """torch guesses CUDA_HOME from `which nvcc`; a wrapper such as /usr/local/bin/nvcc then gives
+    /usr/local, which has no lib64/libcudart. Prefer a real toolkit directory."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for cand in ("/usr/local/cuda",):
+        if os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = cand
+            return
+
+
+_default_cuda_home()
+
+
 def _flag(name):
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 

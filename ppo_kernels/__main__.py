@@ -46,6 +46,11 @@ def _info(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        # argparse's REMAINDER does not pass on flags like --out through a subparser
+        from ppo_kernels.trainer.cli import main as train_main
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m ppo_kernels")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, compiled backends, and the backend each op uses")

@@ -56,10 +56,13 @@ PPO_HD void stats_add(SoftmaxStats& st, float z) {
   st.u += weighted_offset(e, d);
 }
 
-// logsumexp; -inf for an all -inf row, NaN if any value was NaN or +inf.
-PPO_HD float stats_lse(SoftmaxStats st) { return st.m + logf(st.s); }
+// logsumexp; -inf for an all -inf row, NaN if any value was NaN or +inf (checked explicitly: fast
+// vector exp implementations need not map exp(inf - inf) to NaN).
+PPO_HD float stats_lse(SoftmaxStats st) { return st.m == INFINITY ? NAN : st.m + logf(st.s); }
 
-// Entropy of softmax(z); NaN for an all -inf row (undefined distribution).
-PPO_HD float stats_entropy(SoftmaxStats st) { return logf(st.s) - st.u / st.s; }
+// Entropy of softmax(z); NaN for an all -inf row (undefined distribution), NaN or +inf values.
+PPO_HD float stats_entropy(SoftmaxStats st) {
+  return st.m == INFINITY ? NAN : logf(st.s) - st.u / st.s;
+}
 
 }  // namespace ppo_kernels

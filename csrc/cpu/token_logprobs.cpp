@@ -182,9 +182,10 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
           const float a = glp[r] * inv_t;            // weight of onehot - p
           const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
           const float c = gent ? ent[r] - l : -l;    // log p + H = z - lse + H
-          // grad_j = p_j * (-a - b * (z_j + c)) + a * onehot_j
+          // grad_j = -a p_j - b p_j (z_j + c) + a onehot_j; p_j (z_j + c) is taken as 0 where
+          // p_j = 0 (z_j = -inf), as in the reference.
           const float xl = static_cast<float>(row[label]) * inv_t;
-          const Vec vl(l), va(a), vb(b), vc(c);
+          const Vec vl(l), va(a), vb(b), vc(c), floor_(-FLT_MAX);
           for (int64_t j = 0; j < V; j += kBlock) {
             const int64_t n = std::min(kBlock, V - j);
             load_scaled(row + j, n, inv_t, buf);
@@ -192,15 +193,15 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
             for (; i + Vec::size() <= n; i += Vec::size()) {
               const Vec z = Vec::loadu(buf + i);
               const Vec p = (z - vl).exp_u20();
-              (p * (Vec(0.f) - va - vb * (z + vc))).store(buf + i);
+              (Vec(0.f) - va * p - vb * (p * at::vec::maximum(z + vc, floor_))).store(buf + i);
             }
             for (; i < n; ++i) {
               const float p = std::exp(buf[i] - l);
-              buf[i] = p * (-a - b * (buf[i] + c));
+              buf[i] = -a * p - b * weighted_offset(p, buf[i] + c);
             }
             if (label >= j && label < j + n) {
               const float p = std::exp(xl - l);
-              buf[label - j] = p * (-a - b * (xl + c)) + a;
+              buf[label - j] = -a * p - b * weighted_offset(p, xl + c) + a;
             }
             if constexpr (std::is_same_v<scalar_t, float>) {
               std::copy(buf, buf + n, grow + j);

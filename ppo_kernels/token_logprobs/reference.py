@@ -33,11 +33,13 @@ def forward(logits, labels, temperature=1.0, ignore_index=-100, with_entropy=Tru
     ignored, valid, safe = _label_masks(labels, V, ignore_index)
     zl = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     nan = torch.full_like(lse, float("nan"))
-    lp = torch.where(valid, zl - lse, nan).masked_fill(ignored, 0.0)
+    lp = torch.where(valid & lse.isfinite(), zl - lse, nan).masked_fill(ignored, 0.0)
     if with_entropy:
-        p = torch.softmax(z, dim=-1)
-        pz = torch.where(p > 0, p * z, torch.zeros_like(p))
-        ent = torch.where(valid, lse - pz.sum(-1), nan).masked_fill(ignored, 0.0)
+        # H = -sum p log p: every term is >= 0, no cancellation (unlike lse - E[z]).
+        logp = z - lse.unsqueeze(-1)
+        p = logp.exp()
+        plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
+        ent = torch.where(valid & lse.isfinite(), -plogp.sum(-1), nan).masked_fill(ignored, 0.0)
     else:
         ent = lse.new_empty(0)
     return lp, ent, lse.masked_fill(ignored, 0.0)

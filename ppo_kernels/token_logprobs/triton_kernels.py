@@ -70,7 +70,8 @@ def _bwd_kernel(X, G, LAB, GLP, GENT, LSE, ENT, V, inner, stride_outer, stride_i
         msk = offs < V
         z = tl.load(base + offs, mask=msk, other=0.0).to(tl.float32) * inv_t
         p = tl.exp(z - lse)
-        g = p * (-a - b * (z + c)) + tl.where(offs == label, a, 0.0)
+        # p (z + c) is 0 where p = 0 (z = -inf), as in the reference
+        g = -a * p - b * (p * tl.maximum(z + c, -FLT_MAX)) + tl.where(offs == label, a, 0.0)
         g = tl.where(valid, g, float("nan"))
         g = tl.where(ignored, 0.0, g)
         tl.store(gbase + offs, g.to(G.dtype.element_ty), mask=msk)

@@ -1,0 +1,62 @@
+"""Run the CPU benchmarks at their embedded default sizes and print a side-by-side table (median
+time, speed-up over eager, peak extra memory); also writes bench/results/cpu_<op>.csv and .md.
+
+    python bench/run.py [--ops token_logprobs,gae,...] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import machine  # noqa: E402
+
+
+def discover():
+    return sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", default="", help="comma-separated (default: every bench/bench_<op>.py)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    ops = [o for o in args.ops.split(",") if o] or discover()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}\n")
+    for op in ops:
+        mod = importlib.import_module(f"bench_{op}")
+        if not hasattr(mod, "table_rows"):
+            continue
+        rows = mod.table_rows(reps=args.reps)
+        base = {}
+        for r in rows:
+            if r["impl"].startswith("eager"):
+                base.setdefault(r["case"], r["seconds"])
+        lines = [f"### {op} ({machine()})", "",
+                 "| case | impl | median ms | vs eager | peak extra MiB |", "|---|---|---|---|---|"]
+        for r in rows:
+            b = base.get(r["case"])
+            speed = f"{b / r['seconds']:.2f}x" if b and r["seconds"] == r["seconds"] and r["seconds"] > 0 else ""
+            lines.append(f"| {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | {speed} | "
+                         f"{r['peak_extra_mb']:.1f} |")
+        text = "\n".join(lines)
+        print(text + "\n", flush=True)
+        (out / f"cpu_{op}.md").write_text(text + "\n")
+        with open(out / f"cpu_{op}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+    main()

@@ -1,0 +1,223 @@
+// token_logprobs: CUDA kernels (schemas in csrc/cpu/token_logprobs.cpp).
+// One block per row (grid-stride over rows), 16-byte vector loads, one pass over the vocabulary
+// with the online softmax state of csrc/common/softmax_stats.h, warp-shuffle + shared-memory
+// block reduction. Out-of-range labels never index memory: their rows give NaN.
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "common/alloc.h"
+#include "common/softmax_stats.h"
+#include "common/tensor_checks.h"
+
+namespace ppo_kernels {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kN = 16 / sizeof(T);
+  T v[kN];
+};
+
+__device__ __forceinline__ SoftmaxStats shfl_xor(SoftmaxStats st, int o) {
+  return {__shfl_xor_sync(kFull, st.m, o), __shfl_xor_sync(kFull, st.s, o),
+          __shfl_xor_sync(kFull, st.u, o)};
+}
+
+// Merge every thread's state; the result is valid in thread 0.
+__device__ SoftmaxStats block_reduce(SoftmaxStats st) {
+  __shared__ SoftmaxStats partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) st = stats_merge(st, shfl_xor(st, o));
+  if (lane == 0) partial[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    st = lane < nwarps ? partial[lane] : stats_empty();
+    for (int o = 16; o > 0; o >>= 1) st = stats_merge(st, shfl_xor(st, o));
+  }
+  __syncthreads();  // `partial` is reused by the next row
+  return st;
+}
+
+// Elements [0, head) are scalar until the row pointer is 16-byte aligned; then nvec packs; then a
+// scalar tail. Works for any V and any row alignment.
+template <typename T>
+__device__ __forceinline__ int64_t head_len(const T* p, int64_t V) {
+  const int64_t mis = (reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T);
+  const int64_t head = mis == 0 ? 0 : Pack<T>::kN - mis;
+  return head < V ? head : V;
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ labels,
+                           float* __restrict__ lp, float* __restrict__ ent, float* __restrict__ lse,
+                           int64_t N, int64_t V, RowIndexer rows, float inv_t, int64_t ignore_index) {
+  using P = Pack<scalar_t>;
+  for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+    const int64_t label = labels[r];
+    if (label == ignore_index) {  // uniform across the block: no partial reduction
+      if (threadIdx.x == 0) {
+        lp[r] = 0.f;
+        lse[r] = 0.f;
+        if (ent) ent[r] = 0.f;
+      }
+      continue;
+    }
+    const scalar_t* p = x + rows(r);
+    const int64_t head = head_len(p, V);
+    const int64_t nvec = (V - head) / P::kN;
+    const int64_t tail = head + nvec * P::kN;
+    SoftmaxStats st = stats_empty();
+    for (int64_t j = threadIdx.x; j < head; j += blockDim.x) stats_add(st, static_cast<float>(p[j]) * inv_t);
+    const P* pv = reinterpret_cast<const P*>(p + head);
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const P pk = pv[i];
+#pragma unroll
+      for (int k = 0; k < P::kN; ++k) stats_add(st, static_cast<float>(pk.v[k]) * inv_t);
+    }
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) stats_add(st, static_cast<float>(p[j]) * inv_t);
+    st = block_reduce(st);
+    if (threadIdx.x == 0) {
+      const float l = stats_lse(st);
+      const bool valid = label >= 0 && label < V;
+      lse[r] = l;
+      lp[r] = valid ? static_cast<float>(p[label]) * inv_t - l : NAN;
+      if (ent) ent[r] = valid ? stats_entropy(st) : NAN;
+    }
+  }
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g, const index_t* __restrict__ labels,
+                           const float* __restrict__ glp, const float* __restrict__ gent,
+                           const float* __restrict__ lse, const float* __restrict__ ent, int64_t N,
+                           int64_t V, RowIndexer rows, RowIndexer grows, float inv_t, int64_t ignore_index) {
+  using P = Pack<scalar_t>;
+  // g may alias x (inplace_backward): every element is read, then written, by the same thread.
+  for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+    const int64_t label = labels[r];
+    const scalar_t* p = x + rows(r);
+    scalar_t* q = g + grows(r);
+    const bool ignored = label == ignore_index;
+    const bool valid = !ignored && label >= 0 && label < V;
+    const float l = lse[r];
+    const float a = ignored ? 0.f : glp[r] * inv_t;       // weight of (onehot - p)
+    const float b = (gent && !ignored) ? gent[r] * inv_t : 0.f;  // weight of -p (log p + H)
+    const float c = gent ? ent[r] - l : -l;                // log p + H = z + c
+    auto grad = [&](float xv, int64_t j) -> float {
+      if (ignored) return 0.f;
+      if (!valid) return NAN;
+      const float z = xv * inv_t;
+      const float pj = __expf(z - l);
+      return -a * pj - b * weighted_offset(pj, z + c) + (j == label ? a : 0.f);
+    };
+    const int64_t head = head_len(p, V);
+    const bool vec_ok = head == head_len(q, V);  // same alignment: vectorise both sides
+    const int64_t nvec = vec_ok ? (V - head) / P::kN : 0;
+    const int64_t tail = vec_ok ? head + nvec * P::kN : 0;
+    if (vec_ok) {
+      for (int64_t j = threadIdx.x; j < head; j += blockDim.x) q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
+      const P* pv = reinterpret_cast<const P*>(p + head);
+      P* qv = reinterpret_cast<P*>(q + head);
+      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const P pk = pv[i];
+        P out;
+#pragma unroll
+        for (int k = 0; k < P::kN; ++k) out.v[k] = static_cast<scalar_t>(grad(static_cast<float>(pk.v[k]), head + i * P::kN + k));
+        qv[i] = out;
+      }
+    }
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
+  }
+}
+
+int threads_for(int64_t V, int vec) {
+  int64_t want = (V / vec + 3) / 4;  // ~4 packs per thread
+  int t = 32;
+  while (t < want && t < 1024) t <<= 1;
+  return t;
+}
+
+int64_t grid_for(int64_t N) { return std::min<int64_t>(N, int64_t(1) << 20); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
+    const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
+    int64_t ignore_index, bool with_entropy) {
+  TORCH_CHECK(logits_in.is_cuda() && labels_in.is_cuda(), "logits and labels must be CUDA tensors");
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
+              "logits: the last (vocabulary) dimension must be contiguous");
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const int64_t V = logits_in.size(-1);
+  const int64_t N = leading_numel(logits_in);
+  const at::Tensor labels = labels_in.contiguous();
+  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
+  auto ri = make_row_indexer(logits_in);
+  const at::Tensor logits = ri ? logits_in : logits_in.contiguous();
+  if (!ri) ri = make_row_indexer(logits);
+  const auto f32 = labels.options().dtype(at::kFloat);
+  at::Tensor logprobs = new_output(labels.sizes(), f32);
+  at::Tensor entropy = with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32);
+  at::Tensor lse = new_output(labels.sizes(), f32);
+  if (N == 0) return {logprobs, entropy, lse};
+  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
+      const int threads = threads_for(V, Pack<scalar_t>::kN);
+      fwd_kernel<scalar_t, index_t><<<grid_for(N), threads, 0, stream>>>(
+          logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
+          logprobs.data_ptr<float>(), with_entropy ? entropy.data_ptr<float>() : nullptr,
+          lse.data_ptr<float>(), N, V, *ri, static_cast<float>(inv_temperature), ignore_index);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {logprobs, entropy, lse};
+}
+
+void token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+                             const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
+                             const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
+                             at::Tensor grad_logits) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t V = logits.size(-1);
+  const int64_t N = leading_numel(logits);
+  if (N == 0) return;
+  auto ri_in = make_row_indexer(logits);
+  auto ri_out = make_row_indexer(grad_logits);
+  TORCH_CHECK(ri_in && ri_out && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
+              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
+  const at::Tensor labels = labels_in.contiguous();
+  const at::Tensor glp = grad_logprobs.to(at::kFloat).contiguous();
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  const at::Tensor gent = has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor lse_c = lse.contiguous();
+  const at::Tensor ent_c = has_ent ? entropy.contiguous() : at::Tensor();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd_cuda", [&] {
+      const int threads = threads_for(V, Pack<scalar_t>::kN);
+      bwd_kernel<scalar_t, index_t><<<grid_for(N), threads, 0, stream>>>(
+          logits.const_data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>(),
+          labels.const_data_ptr<index_t>(), glp.const_data_ptr<float>(),
+          has_ent ? gent.const_data_ptr<float>() : nullptr, lse_c.const_data_ptr<float>(),
+          has_ent ? ent_c.const_data_ptr<float>() : nullptr, N, V, *ri_in, *ri_out,
+          static_cast<float>(inv_temperature), ignore_index);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CUDA, m) {
+  m.impl("token_logprobs_fwd", &token_logprobs_fwd_cuda);
+  m.impl("token_logprobs_bwd", &token_logprobs_bwd_cuda);
+}
+
+}  // namespace ppo_kernels
