@@ -1,0 +1,51 @@
+"""The package as a user meets it: import without the compiled extension, `info`, backends."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import ppo_kernels
+from ppo_kernels import _backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, **env):
+    e = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_imports_and_works_without_the_extension_with_one_warning():
+    code = ("import torch, ppo_kernels as pk\n"
+            "x = torch.randn(3, 17); y = torch.randint(0, 17, (3,))\n"
+            "ref = torch.log_softmax(x, -1).gather(-1, y[:, None])[:, 0]\n"
+            "assert torch.allclose(pk.token_logprobs(x, y), ref, atol=1e-6)\n"
+            "from ppo_kernels import _backend\n"
+            "assert not _backend.HAS_EXTENSION\n"
+            "assert _backend.resolve('token_logprobs', 'cpu') == 'eager'\n"
+            "print('OK')\n")
+    r = _run(code, PPO_KERNELS_NO_EXTENSION="1")
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout
+    assert r.stderr.count("compiled extension is not available") == 1, r.stderr
+
+
+def test_info_lists_every_op_and_backend():
+    r = _run("from ppo_kernels.__main__ import main; main(['info'])")
+    assert r.returncode == 0, r.stderr
+    assert f"torch {torch.__version__}" in r.stdout
+    for op in _backend.OPS:
+        assert op in r.stdout
+
+
+def test_every_public_op_is_a_torch_op():
+    for op in _backend.OPS:
+        assert hasattr(torch.ops.ppo_kernels, op), op
+
+
+def test_cpp_backend_is_the_cpu_default_when_compiled():
+    if _backend.HAS_EXTENSION:
+        assert _backend.resolve("token_logprobs", "cpu") == "cpp"
+    assert ppo_kernels.__version__
