@@ -1,0 +1,141 @@
+"""The four roles on transformers models: Actor (causal LM), Reference (frozen copy of the Actor
+after SFT), Critic and reward model (a backbone with a scalar head)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from .config import ConfigError, TrainConfig
+from .task import CharTokenizer
+
+
+class HFTokenizer:
+    """The few tokenizer calls the trainer makes, on a Hugging Face tokenizer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        self.pad_token_id, self.eos_token_id = tok.pad_token_id, tok.eos_token_id
+        self.bos_token_id = tok.bos_token_id
+
+    def __len__(self):
+        return len(self.tok)
+
+    def encode(self, text, add_special_tokens=False):
+        return self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def save_pretrained(self, path):
+        self.tok.save_pretrained(path)
+
+
+def tiny_model(cfg: TrainConfig, vocab_size: int):
+    """A random-init Llama- or Qwen2-style causal LM."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
+              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+              num_key_value_heads=cfg.heads, max_position_embeddings=256,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if cfg.arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**kw))
+    return LlamaForCausalLM(LlamaConfig(**kw))
+
+
+def load_actor(cfg: TrainConfig):
+    """(actor, tokenizer): the tiny model + character tokenizer, or `--model PATH`."""
+    if cfg.model is None:
+        tok = CharTokenizer()
+        torch.manual_seed(cfg.seed)
+        return tiny_model(cfg, len(tok)), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isdir(cfg.model):
+        raise ConfigError(f"--model: {cfg.model!r} is not a local directory with a transformers "
+                          f"model and tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
+    lm_head(model)  # raises for a model without an LM head
+    return model, HFTokenizer(AutoTokenizer.from_pretrained(cfg.model))
+
+
+def lm_head(model) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"--model: {type(model).__name__} has no linear LM head "
+                          f"(get_output_embeddings() is {type(head).__name__}); the Actor must "
+                          f"be a causal LM (AutoModelForCausalLM)")
+    return head
+
+
+def backbone(model) -> nn.Module:
+    return model.base_model
+
+
+def needs_full_logits(model) -> bool:
+    """Models that post-process logits (soft-capping, scaling) cannot go hidden -> log-probs."""
+    c = model.config
+    return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
+
+
+def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
+    out = model_backbone(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, temperature=1.0,
+                   return_entropy=False):
+    """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:]."""
+    labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    if needs_full_logits(actor):
+        logits = actor(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids).logits[:, :-1]
+        return ops.logprobs_from_logits(logits, labels, temperature=temperature,
+                                        return_entropy=return_entropy)
+    h = hidden_states(backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+    head = lm_head(actor)
+    return ops.logprobs_from_hidden(h, head.weight, head.bias, labels, temperature=temperature,
+                                    return_entropy=return_entropy)
+
+
+class ValueModel(nn.Module):
+    """A transformers backbone with a scalar head: the Critic (a value per prefix) and the reward
+    model (the value at the last token). Causal attention restricts each value to its prefix."""
+
+    def __init__(self, body: nn.Module, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_causal_lm(cls, model) -> "ValueModel":
+        return cls(copy.deepcopy(backbone(model)), model.config.hidden_size)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        h = hidden_states(self.body, input_ids, attention_mask, position_ids)
+        return self.head(h).squeeze(-1).float()
+
+    def score(self, input_ids, attention_mask, position_ids):
+        """Reward-model score: the value at each row's last real token."""
+        v = self.forward(input_ids, attention_mask, position_ids)
+        last = last_index(attention_mask)
+        return v.gather(1, last[:, None]).squeeze(1)
+
+
+def last_index(attention_mask):
+    pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return torch.where(attention_mask > 0, pos, -1).amax(1)
+
+
+def frozen_copy(model):
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

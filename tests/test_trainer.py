@@ -1,0 +1,312 @@
+"""The thin trainer: task and verifier, rollout masks in the tool environment, prefix restriction,
+reward placement, GAE over tool tokens, truncation bootstrap, config errors."""
+import random
+
+import pytest
+import torch
+
+from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
+from ppo_kernels.trainer import ops as tops
+from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
+from ppo_kernels.trainer.config import config_from_args
+from ppo_kernels.trainer.models import ValueModel, frozen_copy, last_index, lm_head, tiny_model
+from ppo_kernels.trainer.models import token_logprobs as model_logprobs
+from ppo_kernels.trainer.rollout import generate
+from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask, Problem, calculator
+
+MODES = ["eager", "fused"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is faster, and the CI machine's cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+
+def tiny_cfg(**kw):
+    base = dict(hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
+                max_new_tokens=40, eval_prompts=4, progress=False, plot=False)
+    base.update(kw)
+    return TrainConfig(**base).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# task
+# ---------------------------------------------------------------------------------------------
+def test_task_running_example():
+    task = DecimalAdditionTask()
+    p = Problem("0.10", "0.20")
+    assert p.prompt == "0.10+0.20="
+    assert p.answer == "0.30"
+    assert calculator("0.10+0.20") == "0.30000000000000004"
+    assert task.tool_response("{0.10+0.20}") == "0.30000000000000004|"
+    assert task.tool_response("{0.10+0.20") is None
+    resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))  # noqa: E731
+    assert resp("format") == "{0.10+0.20}0.30000000000000004|0.30$"
+    assert task.verify(p, resp("format")) == 1.0
+    assert task.verify(p, resp("copy")) == 0.0       # execution B: the float printed verbatim
+    assert task.verify(p, resp("direct")) == 1.0
+    assert task.verify(p, "0.30") == 0.0              # no end marker: truncated, no answer
+    assert task.verify(p, "0.3$") == 0.0
+    # the calculator's float rounds the right way when formatted (0.1 + 0.7 = 0.7999999999999999)
+    q = Problem("0.10", "0.70")
+    assert calculator("0.10+0.70") == "0.7999999999999999"
+    assert task.verify(q, "".join(t for t, _ in task.segments(q, "format"))) == 1.0
+
+
+def test_preference_pairs_prefer_the_right_answer():
+    task = DecimalAdditionTask()
+    rng = random.Random(0)
+    for p in task.problems(50, seed=1):
+        ch, rj = task.preference_pair(p, rng)
+        assert task.verify(p, "".join(t for t, _ in ch)) == 1.0
+        assert task.verify(p, "".join(t for t, _ in rj)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# rollouts: a scripted "model" that writes a given response, so the masks can be checked exactly
+# ---------------------------------------------------------------------------------------------
+class ScriptedLM(torch.nn.Module):
+    """Emits, for each row, the next character of a target response (actions and tool output;
+    the environment forces the tool part, so only the action characters are really sampled)."""
+
+    def __init__(self, tok, prompts, targets):
+        super().__init__()
+        self.tok, self.targets = tok, targets
+        self.prompt_len = [len(p) for p in prompts]
+        self.hist = [[] for _ in prompts]
+
+    def forward(self, input_ids, attention_mask, position_ids=None, past_key_values=None,
+                use_cache=False):
+        B, n = input_ids.shape
+        am = attention_mask[:, -n:]
+        logits = torch.full((B, n, len(self.tok)), -30.0)
+        for i in range(B):
+            self.hist[i] += [int(t) for t, a in zip(input_ids[i], am[i]) if a]
+            done = len(self.hist[i]) - self.prompt_len[i]
+            nxt = self.targets[i][done] if done < len(self.targets[i]) else "$"
+            logits[i, -1, self.tok.index[nxt]] = 30.0
+
+        class Out:
+            pass
+        out = Out()
+        out.logits, out.past_key_values = logits, past_key_values
+        return out
+
+
+def _rollout(targets, max_new_tokens=40):
+    tok, task = CharTokenizer(), DecimalAdditionTask()
+    problems = [Problem("0.10", "0.20"), Problem("1.25", "2.50"), Problem("0.10", "0.70")][:len(targets)]
+    prompts = prompt_tokens(tok, problems)
+    model = ScriptedLM(tok, prompts, targets)
+    b = generate(model, tok, task, prompts, max_new_tokens=max_new_tokens, temperature=1.0,
+                 generator=torch.Generator().manual_seed(0))
+    return tok, task, problems, b
+
+
+def test_rollout_masks_tool_tokens():
+    targets = ["{0.10+0.20}0.30000000000000004|0.30$", "3.75$"]
+    tok, task, problems, b = _rollout(targets)
+    assert b.responses == targets
+    assert [task.verify(p, r) for p, r in zip(problems, b.responses)] == [1.0, 1.0]
+    assert not b.truncated.any()
+    P = len(prompt_tokens(tok, problems[:1])[0])  # prompts are the same length here
+    for i, t in enumerate(targets):
+        labels = b.input_ids[i, 1:]
+        mask = b.action_mask[i]
+        # prompt (with BOS) and padding: 0; the response positions: 1 for actions only
+        assert mask[:P - 1].sum() == 0
+        resp_mask = mask[P - 1:P - 1 + len(t)]
+        expected = [0 if (j >= t.find("}") + 1 and j <= t.find("|")) and "|" in t else 1
+                    for j in range(len(t))]
+        assert resp_mask.tolist() == expected
+        assert tok.decode(labels[P - 1:P - 1 + len(t)]) == t
+        assert mask[P - 1 + len(t):].sum() == 0
+        assert b.attention_mask[i].sum() == P + len(t)
+
+
+def test_rollout_truncation_flags():
+    # the second row never writes the end marker; the third is cut inside the tool output
+    targets = ["0.30$", "1.0000000000000000000", "{0.10+0.70}"]
+    _, _, _, b = _rollout(targets, max_new_tokens=14)
+    assert b.truncated.tolist() == [False, True, True]
+    assert b.responses[2] == "{0.10+0.70}0.7"  # 14 tokens: 11 of action, 3 of tool output
+    # the truncated tool output is still context (mask 0), the call itself is action
+    assert b.action_mask[2].sum() == len("{0.10+0.70}")
+
+
+# ---------------------------------------------------------------------------------------------
+# models: every prediction restricted to its prefix
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_restriction(mode):
+    cfg = tiny_cfg()
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    actor = tiny_model(cfg, len(tok))
+    critic = ValueModel.from_causal_lm(actor)
+    torch.nn.init.normal_(critic.head.weight)
+    _, _, _, b = _rollout(["{0.10+0.20}0.30000000000000004|0.30$", "3.75$"])
+    ops = Ops(mode)
+    with torch.no_grad():
+        v = critic(*b.model_inputs())
+        lp = model_logprobs(ops, actor, *b.model_inputs())
+        for k in (5, 14, 30):
+            cut = [x[:, :k] for x in b.model_inputs()]
+            torch.testing.assert_close(critic(*cut), v[:, :k], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model_logprobs(ops, actor, *cut), lp[:, :k - 1],
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_model_without_head_is_refused():
+    from transformers import LlamaConfig, LlamaModel
+    m = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ConfigError, match="no linear LM head"):
+        lm_head(m)
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards and advantages
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_reward_placement_after_tool_tokens(mode):
+    # actions, then tool output (mask 0), then actions, then padding
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    lp = torch.randn(2, 9) * 0.1
+    ref = lp + torch.randn(2, 9) * 0.1
+    scores = torch.tensor([2.0, -1.0])
+    r, kl, mkl = Ops(mode).kl_penalized_rewards(scores, lp, ref, mask, beta=0.1, estimator="k1")
+    d = (lp - ref) * mask
+    expected = -0.1 * d
+    expected[0, 6] += 2.0
+    expected[1, 3] += -1.0
+    torch.testing.assert_close(r, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kl, d, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(mkl, d.sum(1) / mask.sum(1), atol=1e-6, rtol=1e-6)
+
+
+def _gae_by_hand(r, v, m, gamma, lam, boot):
+    """Literal per-row recursion over the list of action positions (ppo-math.md)."""
+    A = [0.0] * len(r)
+    acts = [t for t in range(len(r)) if m[t]]
+    a_next, v_next = 0.0, boot
+    for t in reversed(acts):
+        delta = r[t] + gamma * v_next - v[t]
+        a_next = delta + gamma * lam * a_next
+        v_next = v[t]
+        A[t] = a_next
+    carry = 0.0
+    for t in reversed(range(len(r))):  # mask-0 positions carry the next action's advantage
+        if m[t]:
+            carry = A[t]
+        else:
+            A[t] = carry
+    return A
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("boot", [0.0, 0.7])
+def test_gae_skips_tool_tokens_and_bootstraps(mode, boot):
+    torch.manual_seed(1)
+    m = torch.tensor([[0, 1, 1, 0, 0, 0, 1, 1, 0, 0]], dtype=torch.float32)
+    r = torch.randn(1, 10) * m
+    v = torch.randn(1, 10) * m
+    adv, ret = Ops(mode).gae(r, v, m, gamma=0.9, lam=0.8, bootstrap_value=torch.tensor([boot]))
+    ref = torch.tensor([_gae_by_hand(r[0].tolist(), v[0].tolist(), m[0].tolist(), 0.9, 0.8, boot)])
+    torch.testing.assert_close(adv, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, ref + v, atol=1e-5, rtol=1e-5)
+    # tool tokens do not count as steps: same result as with them cut out
+    keep = m[0] > 0
+    adv_cut, _ = Ops(mode).gae(r[:, keep], v[:, keep], m[:, keep], gamma=0.9, lam=0.8,
+                               bootstrap_value=torch.tensor([boot]))
+    torch.testing.assert_close(adv[:, keep], adv_cut, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncation_bootstraps_from_the_critic(mode):
+    """A truncated row's last action sees V(final state); a terminated row sees 0."""
+    cfg = tiny_cfg(whiten_advantages=False, kl_coef=0.0, gamma=0.9, lam=1.0)
+    tok, task = CharTokenizer(), DecimalAdditionTask()
+    torch.manual_seed(0)
+    actor = tiny_model(cfg, len(tok))
+    critic = ValueModel.from_causal_lm(actor)
+    torch.nn.init.normal_(critic.head.weight, std=0.5)
+    torch.nn.init.constant_(critic.head.bias, 0.3)
+    tr = RLTrainer(cfg, actor, frozen_copy(actor), critic, tok, task, Ops(mode))
+    _, _, _, b = _rollout(["0.30$", "1.00000000"], max_new_tokens=8)
+    assert b.truncated.tolist() == [False, True]
+    scores = torch.tensor([1.0, 0.0])
+    d = tr.score_batch(b, scores)
+    with torch.no_grad():
+        v_all = critic(*b.model_inputs())
+    last = last_index(b.attention_mask)
+    torch.testing.assert_close(d["bootstrap"], torch.stack([torch.tensor(0.0), v_all[1, last[1]]]))
+    for i, boot in ((0, 0.0), (1, v_all[1, last[1]].item())):
+        t = int(last[i]) - 1  # the last action, in label-aligned columns
+        expected = d["rewards"][i, t] + 0.9 * boot - d["values"][i, t]
+        assert abs(d["advantages"][i, t].item() - expected.item()) < 1e-5
+        assert d["rewards"][i, t].item() == scores[i].item()
+
+
+# ---------------------------------------------------------------------------------------------
+# eager references agree with the ops on the trainer's other per-token pieces
+# ---------------------------------------------------------------------------------------------
+def test_ops_modes_agree_on_losses():
+    torch.manual_seed(0)
+    B, T = 4, 12
+    mask = (torch.rand(B, T) > 0.3).float()
+    lp, old = torch.randn(B, T) * 0.2, torch.randn(B, T) * 0.2
+    adv, v, ov, ret = (torch.randn(B, T) for _ in range(4))
+    outs = {}
+    for mode in MODES:
+        o = Ops(mode)
+        pl, pst = o.ppo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+        vl, vst = o.ppo_value_loss(v, ov, ret, mask, clip=0.2)
+        outs[mode] = [pl, pst["clipfrac"], pst["approx_kl"], vl, vst["vf_clipfrac"],
+                      o.masked_whiten(adv, mask), o.masked_mean(adv, mask),
+                      o.grpo_advantages(torch.tensor([1., 0., 1., 1.]), 2),
+                      o.kl_penalty(lp, old, "k3"),
+                      o.reward_model_loss(adv[:, 0], adv[:, 1]),
+                      o.dpo_loss(adv[:, 0], adv[:, 1], adv[:, 2], adv[:, 3], beta=0.1)]
+    for a, b in zip(outs["eager"], outs["fused"]):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, match", [
+    (["--algo", "grpo", "--group-size", "1"], "group-size.*>= 2"),
+    (["--prompts-per-step", "10", "--minibatch-size", "4"], "not divisible into minibatches"),
+    (["--algo", "dpo", "--pairs", "100", "--pref-batch", "32"], "pref-batch"),
+    (["--device", "tpu"], "--device"),
+    (["--lam", "1.5"], "--lam"),
+    (["--hidden", "30", "--heads", "4"], "--hidden"),
+    (["--dual-clip", "0.5"], "--dual-clip"),
+])
+def test_bad_configs_name_the_flag(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_args(argv)
+
+
+def test_cli_reports_bad_config(capsys):
+    from ppo_kernels.trainer.cli import main
+    assert main(["--algo", "grpo", "--group-size", "1", "--out", "/nonexistent"]) == 2
+    assert "group-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--ops", "fast"])
+
+
+def test_eager_gae_matches_literal_loop_batched():
+    torch.manual_seed(3)
+    m = (torch.rand(5, 17) > 0.4).float()
+    r, v, boot = torch.randn(5, 17), torch.randn(5, 17), torch.randn(5)
+    adv, _ = tops.eager_gae(r, v, m, 0.97, 0.9, boot)
+    for i in range(5):
+        ref = _gae_by_hand(r[i].tolist(), v[i].tolist(), m[i].tolist(), 0.97, 0.9, boot[i].item())
+        torch.testing.assert_close(adv[i], torch.tensor(ref), atol=1e-5, rtol=1e-5)
