@@ -1,7 +1,9 @@
 // Per-token math of the PPO losses, written once for the CPU kernels (csrc/cpu/losses.cpp) and any
 // CUDA kernel. Semantics: ppo_kernels/losses/reference.py. The gradients are exactly what torch
-// autograd gives for the reference composition, including its tie rule: at a tie, torch.maximum /
-// torch.minimum send half of the gradient to each side (measure-zero, but a drop-in must agree).
+// autograd gives for the reference composition, including its rules at measure-zero points:
+//  * at a tie, torch.maximum / torch.minimum send half of the gradient to each side;
+//  * torch.clamp with scalar bounds passes no gradient at exactly a bound (torch >= 2.14; older
+//    torch passed it there: an exact-boundary-only difference).
 #pragma once
 #include <cmath>
 
@@ -42,7 +44,7 @@ PPO_HD PolicyToken policy_token(float lp, float old_lp, float adv, float lo, flo
   const float clip1 = (pg1 != pg1 || pg1 > pg2) ? pg1 : pg2;  // torch.maximum (NaN propagates)
   // d clip1 / d r = -adv * (w1 + w2 * [lo <= r <= hi])
   const float w1 = max_weight_first(pg1, pg2);
-  const float in_clip = (r >= lo && r <= hi) ? 1.f : 0.f;
+  const float in_clip = (r > lo && r < hi) ? 1.f : 0.f;
   float g = -adv * (w1 + (1.f - w1) * in_clip);
   float loss = clip1;
   o.clipped = pg2 > pg1 ? 1.f : 0.f;
@@ -53,7 +55,7 @@ PPO_HD PolicyToken policy_token(float lp, float old_lp, float adv, float lo, flo
     loss = (clip1 != clip1 || clip1 < pg3) ? clip1 : pg3;  // torch.minimum
     g *= max_weight_first(pg3, clip1);  // torch.minimum's share for clip1
   }
-  const float in_lr = (d >= -lr_clamp && d <= lr_clamp) ? 1.f : 0.f;  // clamp passes its gradient
+  const float in_lr = (d > -lr_clamp && d < lr_clamp) ? 1.f : 0.f;  // clamp's pass-through
   o.loss = loss;
   o.grad = g * r * in_lr;
   o.neg_log_ratio = -dc;

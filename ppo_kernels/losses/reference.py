@@ -14,7 +14,11 @@ Documented edge cases (every backend matches them):
     and a gradient of 0 -- not NaN (verl gives 0/0 = NaN here);
   * statistics are means over the local mask (like verl's masked_mean); 0 for an all-zero mask;
   * the log-ratio is clamped to [-log_ratio_clamp, log_ratio_clamp] (verl: 20) before exp, so
-    |logprob - old_logprob| > 20 gives a finite ratio (and no gradient through the clamp).
+    |logprob - old_logprob| > 20 gives a finite ratio (and no gradient through the clamp);
+  * gradients at measure-zero points follow torch 2.14's autograd of these compositions: a tie of
+    torch.maximum / torch.minimum splits the gradient in half, and a scalar-bound torch.clamp
+    passes no gradient at exactly a bound (|log-ratio| == 20, ratio == 1 -+ clip). torch <= 2.13
+    passed the gradient at a clamp bound; only exact-boundary tokens can differ.
 """
 from __future__ import annotations
 
@@ -109,12 +113,12 @@ def policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high, d
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, lo, hi)
     w1 = _max_w(pg1, pg2)
-    in_clip = ((ratio >= lo) & (ratio <= hi)).to(acc)
+    in_clip = ((ratio > lo) & (ratio < hi)).to(acc)
     g = -adv * (w1 + (1 - w1) * in_clip)
     if dual_clip is not None:
         clip1 = torch.maximum(pg1, pg2)
         g = torch.where(adv < 0, g * _max_w(-adv * dual_clip, clip1), g)
-    in_lr = ((d >= -log_ratio_clamp) & (d <= log_ratio_clamp)).to(acc)
+    in_lr = ((d > -log_ratio_clamp) & (d < log_ratio_clamp)).to(acc)
     return g * ratio * in_lr
 
 

@@ -34,7 +34,7 @@ def _policy_tok(lp, old, adv, lo, hi, dual_c, lrc, DUAL: tl.constexpr):
     pg2 = -adv * rc
     clip1 = tl.where((pg1 != pg1) | (pg1 > pg2), pg1, pg2)
     w1 = _max_w(pg1, pg2)
-    in_clip = tl.where((r >= lo) & (r <= hi), 1.0, 0.0)
+    in_clip = tl.where((r > lo) & (r < hi), 1.0, 0.0)
     g = -adv * (w1 + (1.0 - w1) * in_clip)
     loss = clip1
     clipped = tl.where(pg2 > pg1, 1.0, 0.0)
@@ -45,7 +45,7 @@ def _policy_tok(lp, old, adv, lo, hi, dual_c, lrc, DUAL: tl.constexpr):
         clipped_lo = tl.where(neg & (clip1 > pg3), 1.0, 0.0)
         loss = tl.where(neg, tl.where((clip1 != clip1) | (clip1 < pg3), clip1, pg3), clip1)
         g = tl.where(neg, g * _max_w(pg3, clip1), g)
-    g = tl.where((d >= -lrc) & (d <= lrc), g * r, 0.0)
+    g = tl.where((d > -lrc) & (d < lrc), g * r, 0.0)
     return loss, g, clipped, clipped_lo, -dc, r
 
 
@@ -134,7 +134,7 @@ def _combine_kernel(P, COEF, LOSS, STATS, GDEN, B, nch, scale, gden_value, AGG: 
     if HAS_GDEN:
         denom = tl.load(GDEN).to(tl.float64)
     elif gden_value >= 0:
-        denom = gden_value.to(tl.float64) + tl.zeros([], dtype=tl.float64)
+        denom = tl.zeros([], dtype=tl.float64) + gden_value
     elif AGG == 0:
         denom = n_total
     else:
