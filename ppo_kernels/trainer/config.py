@@ -35,8 +35,8 @@ class TrainConfig:
     layers: int = _f(2, "tiny model layers")
     heads: int = _f(4, "tiny model attention heads")
     # -- SFT warm-up (embedded task) ---------------------------------------------------------
-    sft_steps: int = _f(500, "SFT steps on generated demonstrations (0: none)")
-    sft_batch: int = _f(64, "SFT batch size")
+    sft_steps: int = _f(800, "SFT steps on generated demonstrations (0: none)")
+    sft_batch: int = _f(32, "SFT batch size")
     sft_lr: float = _f(3e-3, "SFT learning rate")
     sft_cache: Optional[str] = _f(None, "dir to cache / reuse the SFT model (keyed by config)")
     p_tool: float = _f(0.5, "fraction of demonstrations that call the calculator")
@@ -49,7 +49,7 @@ class TrainConfig:
     # -- PPO ----------------------------------------------------------------------------------
     ppo_epochs: int = _f(2, "passes over each rollout batch")
     minibatch_size: int = _f(32, "sequences per optimiser step")
-    actor_lr: float = _f(1e-3, "Actor AdamW learning rate")
+    actor_lr: float = _f(5e-4, "Actor AdamW learning rate")
     critic_lr: float = _f(3e-3, "Critic AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_low: float = _f(0.2, "policy ratio clip below 1")
@@ -62,7 +62,7 @@ class TrainConfig:
     gamma: float = _f(1.0, "discount")
     lam: float = _f(0.95, "GAE lambda")
     whiten_advantages: bool = _f(True, "masked whitening of advantages (PPO)")
-    kl_coef: float = _f(0.02, "beta: KL penalty in the reward (PPO) or loss (GRPO)")
+    kl_coef: float = _f(0.05, "beta: KL penalty in the reward (PPO) or loss (GRPO)")
     kl_estimator: str = _f("k1", "k1 | abs | k2 | k3", choices=("k1", "abs", "k2", "k3"))
     adaptive_kl: bool = _f(False, "adaptive KL controller (Ziegler et al.)")
     kl_target: float = _f(0.1, "adaptive KL target (per-sequence mean KL)")
