@@ -33,7 +33,11 @@ from .. import _backend
 from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
 from . import reference
 
-OP = _backend.register_op("linear_token_logprobs", kernel="linear_logprobs_tile_stats_",
+# "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
+# vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA
+# (there is no CUDA C++ version of those). Default on CUDA for now: no GPU measurement yet says
+# Triton or a fused tl.dot kernel would beat cuBLAS + the fused CUDA reduction.
+OP = _backend.register_op("linear_token_logprobs", kernel="token_logprobs_fwd",
                           triton=True, cuda_default="cpp")
 
 # Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
