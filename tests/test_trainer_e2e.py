@@ -124,6 +124,7 @@ def test_cli_smoke(tmp_path, algo, extra):
     steps = int(extra[extra.index("--steps") + 1])
     assert len(lines) == steps and all(json.loads(x)["phase"] == algo for x in lines)
     assert (out / "curves.png").stat().st_size > 1000
+    assert len((out / "metrics.csv").read_text().splitlines()) == steps + 1
     if algo == "rm":
         assert os.path.exists(out / "reward_model.pt")
 
@@ -160,3 +161,13 @@ def test_local_hf_model_path(tmp_path):
     out = tmp_path / "out"
     assert main(["--model", str(path), "--out", str(out), "--steps", "1", *TINY]) == 0
     assert json.loads((out / "summary.json").read_text())["eval_reward_after"] is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ops", ["fused", "eager"])
+def test_cuda_smoke(tmp_path, ops):
+    out = tmp_path / ops
+    assert main(["--device", "cuda", "--ops", ops, "--out", str(out), "--steps", "2",
+                 "--sft-cache", str(tmp_path / "sft"), *TINY]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["peak_memory_kind"] == "cuda_max_memory_allocated" and s["peak_memory_bytes"] > 0

@@ -240,6 +240,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         config=dataclasses.asdict(cfg))
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    write_csv(_read_rows(writer.path) if os.path.exists(writer.path) else [],
+              os.path.join(cfg.out, "metrics.csv"))
     if cfg.plot:
         try:
             plot(writer.rows if resume is None else _read_rows(writer.path), summary,
@@ -247,6 +249,15 @@ def run(cfg: TrainConfig, log=print) -> dict:
         except Exception as e:  # a plot must never fail a finished run
             log(f"plot skipped: {e}")
     return summary
+
+
+def write_csv(rows, path):
+    import csv
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _read_rows(path):

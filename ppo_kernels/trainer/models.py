@@ -115,7 +115,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_causal_lm(cls, model) -> "ValueModel":
-        return cls(copy.deepcopy(backbone(model)), model.config.hidden_size)
+        p = next(model.parameters())
+        return cls(copy.deepcopy(backbone(model)), model.config.hidden_size).to(p.device)
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = hidden_states(self.body, input_ids, attention_mask, position_ids)

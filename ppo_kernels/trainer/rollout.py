@@ -7,6 +7,7 @@ are 0.
 """
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -92,9 +93,11 @@ def generate(model, tok, task, prompts: list[list[int]], *, max_new_tokens: int,
         attn[i, P - len(p):] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = position_ids_for(attn)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                use_cache=True)
+    # newer transformers call the KV cache argument `cache`, older ones `past_key_values`; the
+    # DynamicCache is updated in place either way
+    params = inspect.signature(model.forward).parameters
+    cache = {("cache" if "cache" in params else "past_key_values"): DynamicCache()}
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **cache)
     logits = out.logits[:, -1]
     next_pos = pos[:, -1] + 1
     resp = [[] for _ in range(B)]
@@ -132,7 +135,7 @@ def generate(model, tok, task, prompts: list[list[int]], *, max_new_tokens: int,
         step_ids = torch.tensor(feed, device=device)[:, None]
         attn = torch.cat([attn, torch.tensor(live, device=device)[:, None]], 1)
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=next_pos[:, None],
-                    past_key_values=out.past_key_values, use_cache=True)
+                    use_cache=True, **cache)
         logits = out.logits[:, -1]
         next_pos = next_pos + torch.tensor(live, device=device)
     truncated = [not d for d in done]
