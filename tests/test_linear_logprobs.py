@@ -49,7 +49,7 @@ def test_plan_respects_budget_and_chunks_vocabulary():
         p = plan_chunks(N, V_, H_, dt, "cpu", budget)
         assert 1 <= p.rows <= N and 1 <= p.vocab <= V_ and 1 <= p.sub <= p.vocab
         used = p.rows * p.vocab * 4 + p.rows * H_ * 4 * (2 if p.upcast else 1) \
-            + (p.sub * H_ * 4 if p.upcast else 0)
+            + ((V_ if p.whole_weight else p.sub) * H_ * 4 if p.upcast else 0)
         assert used <= max(budget, 4 * (V_ + 2 * H_ + H_)), (p, used, budget)
     assert plan_chunks(18, V, H, torch.float32, "cpu", TINY).vocab < V
     assert plan_chunks(18, V, H, torch.float32, "cpu", 1 << 20).vocab == V
@@ -266,3 +266,24 @@ def test_peak_memory_bounded_where_logits_would_not_fit(tmp_path):
     assert peak_mat >= logits_bytes  # the profiler sees the logits: the measurement works
     assert peak <= budget + unavoidable + (1 << 20), (peak, budget, unavoidable)
     assert peak < logits_bytes / 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_vocabulary_several_blocks_per_tile(backend):
+    """V beyond one kernel block (C++: 2048, Triton: 4096 entries): the in-tile merge runs too."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(4, 8, generator=g)
+    W = torch.randn(9001, 8, generator=g)
+    labels = torch.tensor([0, 9000, 4500, -100])
+    ref_lp, ref_ent = _ref(h, W, None, labels, 1.0, -100)
+    hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+    for budget in (None, 100_000):  # whole vocabulary; two vocabulary chunks
+        hh.grad = WW.grad = None
+        with use_backend(linear_token_logprobs=backend), poisoned():
+            lp, ent = ppo_kernels.linear_token_logprobs(hh, WW, labels, return_entropy=True,
+                                                        max_chunk_bytes=budget)
+            (lp.sum() + ent.sum()).backward()
+        torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
+        torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
+        assert hh.grad.isfinite().all() and WW.grad.isfinite().all()
+    assert plan_chunks(4, 9001, 8, torch.float32, "cpu", 100_000).vocab < 9001

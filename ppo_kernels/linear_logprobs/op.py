@@ -68,6 +68,7 @@ class Plan:
     vocab: int     # vocabulary entries per tile (V: one tile covers the vocabulary)
     sub: int       # vocabulary entries per upcast weight block (CPU bf16/fp16)
     upcast: bool
+    whole_weight: bool = False  # upcast the whole weight once (it fits in half the budget)
 
 
 def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
@@ -80,14 +81,17 @@ def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
     tile_elem = acc + (2 if lowp else 0)           # + the rounded gradient tile on the GPU
     row_fixed = acc * H * (2 if upcast else 1)     # upcast hidden chunk + grad_hidden accumulator
     B = max(int(max_chunk_bytes), 1)
-    sub = max(1, min(V, (B // 4) // max(acc * H, 1))) if upcast else V
+    # Upcast weight blocks: the whole weight once when its copy takes at most half the budget
+    # (then each row chunk reuses it), else blocks of a quarter of the budget per row chunk.
+    whole = upcast and V * H * acc <= B // 2
+    sub = V if (whole or not upcast) else max(1, min(V, (B // 4) // max(acc * H, 1)))
     avail = max(B - (sub * acc * H if upcast else 0), 0)
     rows = avail // (V * tile_elem + row_fixed)
     if rows >= min(N, _MIN_ROWS):
-        return Plan(max(1, min(N, rows)), V, sub, upcast)
+        return Plan(max(1, min(N, rows)), V, sub, upcast, whole)
     rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + tile_elem * min(V, 64))))
     vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
-    return Plan(rows, vocab, min(sub, vocab), upcast)
+    return Plan(rows, vocab, min(sub, vocab), upcast, whole)
 
 
 def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
@@ -145,12 +149,16 @@ class _Tiler:
         self.acc = _acc(hidden.dtype)
         self.lowp = _lowp_gemm(hidden)
         self.buf = torch.empty(plan.rows * plan.vocab, dtype=self.acc, device=hidden.device)
+        # the plan keeps a whole upcast weight only when it fits in half the budget
+        self.W_acc = weight.to(self.acc) if plan.whole_weight else None
 
     def rows(self, r0, r1):
         hc = self.h[r0:r1]
         return hc.to(self.acc) if self.plan.upcast else hc
 
     def _w(self, s0, s1):
+        if self.W_acc is not None:
+            return self.W_acc[s0:s1]
         w = self.W[s0:s1]
         return w.to(self.acc) if self.plan.upcast else w
 
