@@ -1,13 +1,20 @@
-// Per-token math of the PPO losses, written once for the CPU kernels (csrc/cpu/losses.cpp) and any
-// CUDA kernel. Semantics: ppo_kernels/losses/reference.py. The gradients are exactly what torch
-// autograd gives for the reference composition, including its rules at measure-zero points:
+// Per-token math of the PPO losses, written once, generic over the lane type V: `float` (a CUDA
+// thread, or a scalar loop) and `at::vec::Vectorized<float>` (the CPU kernels in
+// csrc/cpu/losses.cpp, 8 tokens per AVX2 instruction). Semantics: ppo_kernels/losses/reference.py.
+// The gradients are what torch (>= 2.14) autograd gives for the reference composition, including
+// its rules at measure-zero points:
 //  * at a tie, torch.maximum / torch.minimum send half of the gradient to each side;
-//  * torch.clamp with scalar bounds passes no gradient at exactly a bound (torch >= 2.14; older
-//    torch passed it there: an exact-boundary-only difference).
+//  * torch.clamp with scalar bounds passes no gradient at exactly a bound (older torch passed it
+//    there: an exact-boundary-only difference).
+// NaN propagates like torch: a NaN input gives a NaN loss and gradient.
 #pragma once
 #include <cmath>
 
 #include "common/macros.h"
+
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+#include <ATen/cpu/vec/vec.h>
+#endif
 
 namespace ppo_kernels {
 
@@ -15,85 +22,109 @@ namespace ppo_kernels {
 enum LossPartial { kSumLoss = 0, kSumMask, kSumClip, kSumClipLower, kSumNegLogRatio, kSumRatio,
                    kNumPartials };
 
+// ---- lane primitives: a condition is `bool` for float and a bit mask for Vectorized<float> ----
+PPO_HD float lane_select(bool c, float a, float b) { return c ? a : b; }  // a where c
+PPO_HD float lane_ind(bool c) { return c ? 1.f : 0.f; }
+PPO_HD bool lane_or(bool a, bool b) { return a || b; }
+PPO_HD float lane_exp(float x) { return expf(x); }
+
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+using VecF = at::vec::Vectorized<float>;
+inline VecF lane_select(const VecF& c, const VecF& a, const VecF& b) { return VecF::blendv(b, a, c); }
+inline VecF lane_ind(const VecF& c) { return VecF::blendv(VecF(0.f), VecF(1.f), c); }
+inline VecF lane_or(const VecF& a, const VecF& b) { return a | b; }
+inline VecF lane_exp(const VecF& x) { return x.exp(); }
+#endif
+
 // clamp that keeps NaN (fminf / fmaxf would drop it), like torch.clamp.
-PPO_HD float clamp_nan(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+template <typename V>
+PPO_HD V clamp_nan(V x, V lo, V hi) {
+  return lane_select(x < lo, lo, lane_select(x > hi, hi, x));
+}
 
-// d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie.
-PPO_HD float max_weight_first(float a, float b) { return a > b ? 1.f : (a < b ? 0.f : 0.5f); }
+// d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie (and for NaN).
+template <typename V>
+PPO_HD V max_weight_first(V a, V b) {
+  const V gt = lane_ind(a > b), lt = lane_ind(a < b);
+  return gt + V(0.5f) * (V(1.f) - gt - lt);
+}
 
-struct PolicyToken {
-  float loss;        // per-token policy loss
-  float grad;        // d loss / d logprob
-  float clipped;     // 1 where the clipped branch is strictly larger (verl's pg_clipfrac)
-  float clipped_lo;  // 1 where dual clip bounds the loss (A < 0 and clip1 > -A * c)
-  float neg_log_ratio;
-  float ratio;
+// torch.maximum / torch.minimum (NaN in either argument propagates).
+template <typename V>
+PPO_HD V max_nan(V a, V b) { return lane_select(lane_or(a != a, a > b), a, b); }
+template <typename V>
+PPO_HD V min_nan(V a, V b) { return lane_select(lane_or(a != a, a < b), a, b); }
+
+template <typename V>
+struct TokenTerms {
+  V loss;   // per-token loss
+  V grad;   // d loss / d (logprob or value)
+  V stat[4];  // policy: clipped, clipped_lo, -log-ratio, ratio; value: clipped, 0, 0, 0
 };
 
-// lo = 1 - clip_low, hi = 1 + clip_high; dual_c <= 0 disables dual clip; lr_clamp bounds the
-// log-ratio (verl: 20) before exp.
-PPO_HD PolicyToken policy_token(float lp, float old_lp, float adv, float lo, float hi,
-                                float dual_c, float lr_clamp) {
-  PolicyToken o;
-  const float d = lp - old_lp;
-  const float dc = clamp_nan(d, -lr_clamp, lr_clamp);
-  const float r = expf(dc);
-  const float rc = clamp_nan(r, lo, hi);
-  const float pg1 = -adv * r;
-  const float pg2 = -adv * rc;
-  const float clip1 = (pg1 != pg1 || pg1 > pg2) ? pg1 : pg2;  // torch.maximum (NaN propagates)
-  // d clip1 / d r = -adv * (w1 + w2 * [lo <= r <= hi])
-  const float w1 = max_weight_first(pg1, pg2);
-  const float in_clip = (r > lo && r < hi) ? 1.f : 0.f;
-  float g = -adv * (w1 + (1.f - w1) * in_clip);
-  float loss = clip1;
-  o.clipped = pg2 > pg1 ? 1.f : 0.f;
-  o.clipped_lo = 0.f;
-  if (dual_c > 0.f && adv < 0.f) {
-    const float pg3 = -adv * dual_c;
-    o.clipped_lo = clip1 > pg3 ? 1.f : 0.f;
-    loss = (clip1 != clip1 || clip1 < pg3) ? clip1 : pg3;  // torch.minimum
-    g *= max_weight_first(pg3, clip1);  // torch.minimum's share for clip1
+// Policy loss. lo = 1 - clip_low, hi = 1 + clip_high; dual_c <= 0 disables dual clip; lr_clamp
+// bounds the log-ratio (verl: 20) before exp. Statistics: clipped (verl's pg_clipfrac: the clipped
+// branch strictly larger), clipped_lo (dual clip bounds the loss: A < 0 and clip1 > -A * c).
+template <typename V>
+PPO_HD TokenTerms<V> policy_token(V lp, V old_lp, V adv, float lo, float hi, float dual_c, float lr_clamp) {
+  TokenTerms<V> o;
+  const V zero(0.f), one(1.f), vlo(lo), vhi(hi), vlr(lr_clamp), vnlr(-lr_clamp);
+  const V d = lp - old_lp;
+  const V dc = clamp_nan(d, vnlr, vlr);
+  const V r = lane_exp(dc);
+  const V nadv = zero - adv;
+  const V pg1 = nadv * r;
+  const V pg2 = nadv * clamp_nan(r, vlo, vhi);
+  const V clip1 = max_nan(pg1, pg2);
+  // d clip1 / d r = -A * (w1 + (1 - w1) * [lo < r < hi])
+  const V w1 = max_weight_first(pg1, pg2);
+  V g = nadv * (w1 + (one - w1) * (lane_ind(r > vlo) * lane_ind(r < vhi)));
+  V loss = clip1;
+  o.stat[0] = lane_ind(pg2 > pg1);
+  o.stat[1] = zero;
+  if (dual_c > 0.f) {
+    const auto neg = adv < zero;
+    const V pg3 = nadv * V(dual_c);
+    o.stat[1] = lane_ind(neg) * lane_ind(clip1 > pg3);
+    loss = lane_select(neg, min_nan(clip1, pg3), clip1);
+    g = lane_select(neg, g * max_weight_first(pg3, clip1), g);  // torch.minimum's share for clip1
   }
-  const float in_lr = (d > -lr_clamp && d < lr_clamp) ? 1.f : 0.f;  // clamp's pass-through
   o.loss = loss;
-  o.grad = g * r * in_lr;
-  o.neg_log_ratio = -dc;
-  o.ratio = r;
+  o.grad = g * r * (lane_ind(d > vnlr) * lane_ind(d < vlr));  // the clamp's pass-through
+  o.stat[2] = zero - dc;
+  o.stat[3] = r;
   return o;
 }
 
-struct ValueToken {
-  float loss;     // 0.5 * max((v - G)^2, (clip(v) - G)^2)
-  float grad;     // d loss / d v
-  float clipped;  // 1 where the clipped error is strictly larger (verl's vf_clipfrac)
-};
-
-// clip <= 0: no clipping. clip(v) = max(min(v, v_old + eps), v_old - eps), as verl's clip_by_value.
-PPO_HD ValueToken value_token(float v, float v_old, float ret, float clip) {
-  ValueToken o;
-  const float e1 = v - ret;
-  const float l1 = e1 * e1;
+// Value loss: 0.5 * max((v - G)^2, (clip(v) - G)^2) with clip(v) = max(min(v, v_old + eps),
+// v_old - eps) (verl's clip_by_value); clip <= 0: 0.5 * (v - G)^2. Statistic: clipped error
+// strictly larger (verl's vf_clipfrac).
+template <typename V>
+PPO_HD TokenTerms<V> value_token(V v, V v_old, V ret, float clip) {
+  TokenTerms<V> o;
+  const V zero(0.f), one(1.f), half(0.5f);
+  const V e1 = v - ret;
+  const V l1 = e1 * e1;
+  o.stat[1] = zero;
+  o.stat[2] = zero;
+  o.stat[3] = zero;
   if (!(clip > 0.f)) {
-    o.loss = 0.5f * l1;
+    o.loss = half * l1;
     o.grad = e1;
-    o.clipped = 0.f;
+    o.stat[0] = zero;
     return o;
   }
-  const float hi = v_old + clip, lo = v_old - clip;
-  const float mn = (v != v || v < hi) ? v : hi;    // torch.min(v, hi)
-  const float vc = (mn != mn || mn > lo) ? mn : lo;  // torch.max(., lo)
-  const float dvc = (1.f - max_weight_first(v, hi)) * max_weight_first(mn, lo);
-  const float e2 = vc - ret;
-  const float l2 = e2 * e2;
-  const float w1 = max_weight_first(l1, l2);
-  o.loss = 0.5f * ((l1 != l1 || l1 > l2) ? l1 : l2);
-  o.grad = w1 * e1 + (1.f - w1) * e2 * dvc;
-  o.clipped = l2 > l1 ? 1.f : 0.f;
+  const V hi = v_old + V(clip), lo = v_old - V(clip);
+  const V mn = min_nan(v, hi);
+  const V vc = max_nan(mn, lo);
+  const V dvc = (one - max_weight_first(v, hi)) * max_weight_first(mn, lo);
+  const V e2 = vc - ret;
+  const V l2 = e2 * e2;
+  const V w1 = max_weight_first(l1, l2);
+  o.loss = half * max_nan(l1, l2);
+  o.grad = w1 * e1 + (one - w1) * e2 * dvc;
+  o.stat[0] = lane_ind(l2 > l1);
   return o;
 }
-
-// -log(sigmoid(z)) = softplus(-z), stable for any z.
-PPO_HD float neg_log_sigmoid(float z) { return fmaxf(-z, 0.f) + log1pf(expf(-fabsf(z))); }
 
 }  // namespace ppo_kernels

@@ -6,6 +6,7 @@
 // in double, then one serial pass over the rows combines them into the per-row aggregation weights,
 // the loss and the statistics -- deterministic whatever the thread count. The backward pass
 // recomputes the per-token gradient from the inputs: grad = g * row_coef[b] * mask * dloss/dlp.
+// The per-token math (csrc/common/loss_math.h) runs on at::vec lanes, 8 tokens at a time.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,11 +38,6 @@ void store_float(at::Tensor& t, int64_t off, int64_t n, const float* buf) {
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
   });
 }
-
-struct TokenOut {
-  float loss, grad;
-  float stat[4];
-};
 
 struct Shape2 {
   int64_t B, T, nch;
@@ -81,15 +77,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
       load_float(x, off, n, a);
       load_float(y, off, n, b);
       load_float(z, off, n, c);
-      std::array<double, kNumPartials> acc{};
-      for (int64_t i = 0; i < n; ++i) {
-        if (m[i] == 0.f) continue;  // masked positions never contribute, even if NaN
-        const TokenOut o = fn(a[i], b[i], c[i]);
-        acc[kSumLoss] += double(m[i]) * o.loss;
-        acc[kSumMask] += m[i];
-        for (int k = 0; k < 4; ++k) acc[kSumClip + k] += double(m[i]) * o.stat[k];
+      // 8 tokens per step; the tail is a partial load whose missing lanes have mask 0
+      const VecF vzero(0.f);
+      VecF acc[kNumPartials] = {vzero, vzero, vzero, vzero, vzero, vzero};
+      for (int64_t i = 0; i < n; i += VecF::size()) {
+        const int64_t k = std::min<int64_t>(VecF::size(), n - i);
+        const VecF vm = VecF::loadu(m + i, k);
+        const VecF keep = vm != vzero;  // masked positions never contribute, even if NaN
+        const TokenTerms<VecF> o = fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
+        acc[kSumLoss] = acc[kSumLoss] + VecF::blendv(vzero, vm * o.loss, keep);
+        acc[kSumMask] = acc[kSumMask] + vm;
+        for (int s = 0; s < 4; ++s) acc[kSumClip + s] = acc[kSumClip + s] + VecF::blendv(vzero, vm * o.stat[s], keep);
       }
-      part[it] = acc;
+      std::array<double, kNumPartials> sums{};
+      for (int s = 0; s < kNumPartials; ++s) {
+        float lanes[VecF::size()];
+        acc[s].store(lanes);
+        for (float x : lanes) sums[s] += x;
+      }
+      part[it] = sums;
     }
   });
   // Serial combine over rows (cheap: B * nch items).
@@ -154,8 +160,13 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
       load_float(x, off, n, a);
       load_float(y, off, n, b);
       load_float(z, off, n, c);
-      const float w = g * coef[row];
-      for (int64_t i = 0; i < n; ++i) a[i] = m[i] == 0.f ? 0.f : w * m[i] * fn(a[i], b[i], c[i]).grad;
+      const VecF w(g * coef[row]), vzero(0.f);
+      for (int64_t i = 0; i < n; i += VecF::size()) {
+        const int64_t k = std::min<int64_t>(VecF::size(), n - i);
+        const VecF vm = VecF::loadu(m + i, k);
+        const TokenTerms<VecF> o = fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
+        VecF::blendv(vzero, w * vm * o.grad, vm != vzero).store(a + i, k);
+      }
       store_float(grad, off, n, a);
     }
   });
@@ -165,18 +176,14 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
 auto policy_fn(double clip_low, double clip_high, double dual_clip, double lr_clamp) {
   const float lo = static_cast<float>(1.0 - clip_low), hi = static_cast<float>(1.0 + clip_high);
   const float dc = static_cast<float>(dual_clip), lrc = static_cast<float>(lr_clamp);
-  return [=](float lp, float old, float adv) {
-    const PolicyToken p = policy_token(lp, old, adv, lo, hi, dc, lrc);
-    return TokenOut{p.loss, p.grad, {p.clipped, p.clipped_lo, p.neg_log_ratio, p.ratio}};
+  return [=](const VecF& lp, const VecF& old, const VecF& adv) {
+    return policy_token(lp, old, adv, lo, hi, dc, lrc);
   };
 }
 
 auto value_fn(double clip) {
   const float c = static_cast<float>(clip);
-  return [=](float v, float vo, float ret) {
-    const ValueToken o = value_token(v, vo, ret, c);
-    return TokenOut{o.loss, o.grad, {o.clipped, 0.f, 0.f, 0.f}};
-  };
+  return [=](const VecF& v, const VecF& vo, const VecF& ret) { return value_token(v, vo, ret, c); };
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
