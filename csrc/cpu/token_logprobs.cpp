@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16-math.h>
 #include <torch/library.h>
 
 #include "common/alloc.h"
@@ -16,14 +17,47 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row
 
+// dtype <-> float32 conversion of a block, vectorised for bf16 / fp16 (at::vec::convert's
+// generic path is scalar).
+template <typename scalar_t>
+void to_float(const scalar_t* x, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(x, x + n, buf);
+  } else if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i));
+      a.store(buf + i);
+      b.store(buf + i + Vec::size());
+    }
+    for (; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+  }
+}
+
+template <typename scalar_t>
+void from_float(const float* buf, scalar_t* y, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(buf, buf + n, y);
+  } else if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      at::vec::convert_from_float<scalar_t>(Vec::loadu(buf + i), Vec::loadu(buf + i + Vec::size()))
+          .store(y + i);
+    }
+    for (; i < n; ++i) y[i] = static_cast<scalar_t>(buf[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
 // Load n values as float32 scaled by inv_t into buf; returns their (NaN-propagating) max.
 template <typename scalar_t>
 float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(x, x + n, buf);
-  } else {
-    at::vec::convert(x, buf, n);
-  }
+  to_float(x, buf, n);
   const Vec vt(inv_t);
   Vec vmax(-INFINITY);
   int64_t i = 0;
@@ -203,11 +237,7 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
               const float p = std::exp(xl - l);
               buf[label - j] = -a * p - b * weighted_offset(p, xl + c) + a;
             }
-            if constexpr (std::is_same_v<scalar_t, float>) {
-              std::copy(buf, buf + n, grow + j);
-            } else {
-              at::vec::convert(buf, grow + j, n);
-            }
+            from_float(buf, grow + j, n);
           }
         }
       });

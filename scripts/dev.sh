@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up ppo-kernels on a fresh machine and run something, in one command:
+#   bash scripts/dev.sh test     # build, then the whole test suite
+#   bash scripts/dev.sh demo     # build, then the main job: PPO demo (fused vs eager) + benchmarks
+#   bash scripts/dev.sh bench    # build, then the CPU benchmark table
+#   bash scripts/dev.sh setup    # only create the venv and build
+# Environment: VENV (default .venv), TORCH (default 2.14.1, the CUDA 13.0 build; 2.13.0 is the
+# CPU-only build), PYTHON (default python3), MAX_JOBS, PPO_KERNELS_FORCE_CUDA / _SKIP_CUDA_BUILD.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH=${TORCH:-2.14.1}
+PY=${PYTHON:-python3}
+export MAX_JOBS=${MAX_JOBS:-2}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+  fi
+  "$VENV/bin/pip" install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest \
+    "transformers>=4.45" tqdm matplotlib
+  # Compiled against the torch just installed: C++ kernels, plus CUDA kernels if torch is a CUDA
+  # build and nvcc is found (no GPU needed).
+  "$VENV/bin/pip" install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -c "import ppo_kernels._C" || { echo "the extension did not build" >&2; exit 1; }
+  "$VENV/bin/python" -m ppo_kernels info
+}
+
+cmd=${1:-test}
+setup
+case "$cmd" in
+  setup) ;;
+  test) "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+  bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
+  demo)
+    if [ -f ppo_kernels/trainer/cli.py ]; then
+      "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo "${@:2}"
+    fi
+    "$VENV/bin/python" bench/run.py --ops token_logprobs ;;
+  *) echo "usage: $0 {setup|test|bench|demo}" >&2; exit 2 ;;
+esac
