@@ -7,6 +7,7 @@ from ._backend import BACKENDS, HAS_EXTENSION, resolve as resolve_backend, stric
 from .token_logprobs import token_logprobs  # noqa: F401
 from .linear_logprobs import causal_lm_logprobs, linear_token_logprobs  # noqa: F401
 from .kl import KLClamp, kl_penalized_rewards, kl_penalty  # noqa: F401
+from .full_kl import full_kl  # noqa: F401
 from .losses import dpo_loss, ppo_policy_loss, ppo_value_loss, reward_model_loss  # noqa: F401
 from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
 from .gae import gae, masked_mean, masked_whiten  # noqa: F401

@@ -31,20 +31,28 @@ PPO_HD bool clamp_passes(float v, float lo, float hi) {
 // NaN-propagating clamp (fminf / fmaxf would drop a NaN).
 PPO_HD float clamp_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// exp(x) - 1 - x by its Taylor series: error < 1e-9 relative for |x| < 0.25.
+PPO_HD float expm1_minus_x_series(float x) {
+  float t = fmaf(x, 1.f / 40320.f, 1.f / 5040.f);
+  t = fmaf(x, t, 1.f / 720.f);
+  t = fmaf(x, t, 1.f / 120.f);
+  t = fmaf(x, t, 1.f / 24.f);
+  t = fmaf(x, t, 1.f / 6.f);
+  t = fmaf(x, t, 0.5f);
+  return x * x * t;
+}
+
+constexpr float kSeriesBound = 0.25f;  // below it the series, above it exp(x) (no cancellation)
+
 // k3 = exp(x) - x - 1 with x = -d, given ex = exp(x). Near 0 the difference cancels (float32 would
-// keep ~1 correct digit at |x| = 1e-3), so there it is a Taylor series with error < 1e-9 relative.
+// keep ~1 correct digit at |x| = 1e-3), so there it is the series.
 PPO_HD float k3_value(float x, float ex) {
-  if (fabsf(x) < 0.25f) {
-    const float p = 1.f / 40320.f;
-    float t = fmaf(x, p, 1.f / 5040.f);
-    t = fmaf(x, t, 1.f / 720.f);
-    t = fmaf(x, t, 1.f / 120.f);
-    t = fmaf(x, t, 1.f / 24.f);
-    t = fmaf(x, t, 1.f / 6.f);
-    t = fmaf(x, t, 0.5f);
-    return x * x * t;
-  }
-  return (ex - 1.f) - x;
+  return fabsf(x) < kSeriesBound ? expm1_minus_x_series(x) : (ex - 1.f) - x;
+}
+
+// expm1(x) given ex = exp(x), accurate near 0.
+PPO_HD float expm1_from(float x, float ex) {
+  return fabsf(x) < kSeriesBound ? x + expm1_minus_x_series(x) : ex - 1.f;
 }
 
 // The argument whose exp k3 needs (the only transcendental), so vectorised callers can compute
@@ -81,29 +89,42 @@ PPO_HD KLValueGrad kl_estimate(float d, float ex, int est, const KLClampSpec& c,
 // ---------------------------------------------------------------------------------------------
 // Full-vocabulary KL(p || q), p = softmax(z), q = softmax(w), in one pass over both.
 // State relative to the running maxes mz, mw, with a_j = z_j - mz and b_j = w_j - mw:
-//   sz = sum_j exp(a_j)     sw = sum_j exp(b_j)     u = sum_j exp(a_j) * (a_j - b_j)
-// so KL = u / sz - log(sz) + log(sw). Keeping a - b relative to the maxes cancels a constant shift
-// between z and w exactly (z = w + c gives KL = 0, not c - c in float32). Terms with p_j = 0
-// contribute 0; p_j > 0 with q_j = 0 gives +inf (the true KL). Empty state: {-inf, 0, -inf, 0, 0}.
+//   sz = sum_j e^a_j     v = sum_j (e^b_j - e^a_j)  (= sw - sz)     u = sum_j e^a_j (a_j - b_j)
+// so KL = E_p[a - b] + log(sw / sz) = u / sz + log1p(v / sz). Each term of v is computed as
+// e^a expm1(b - a) where b ~ a, so near-identical distributions (the common case: policy close to
+// the reference) keep full relative accuracy, where log(sw) - log(sz) would leave ~eps * log V of
+// absolute error; a - b relative to the maxes also cancels a constant shift z = w + c exactly.
+// Terms with p_j = 0 contribute 0 to u; p_j > 0 with q_j = 0 gives +inf (the true KL).
+// Empty state: {-inf, 0, -inf, 0, 0}.
 struct KLStats {
-  float mz, sz, mw, sw, u;
+  float mz, sz, mw, v, u;
 };
 
 PPO_HD KLStats kl_stats_empty() { return {-INFINITY, 0.f, -INFINITY, 0.f, 0.f}; }
 
+// exp(m_old - m_new) for a max that can only grow; 1 when unchanged (also -inf to -inf).
+PPO_HD float max_shift(float m_old, float m_new, float& d) {
+  d = (m_old == m_new) ? 0.f : m_old - m_new;
+  return expf(d);
+}
+
 // Move a state to maxes (mz2, mw2) that are >= its own (or NaN).
 PPO_HD KLStats kl_stats_rescale(KLStats a, float mz2, float mw2) {
-  KLStats r{mz2, 0.f, mw2, 0.f, 0.f};
+  float dz, dw;
+  const float fz = max_shift(a.mz, mz2, dz);
+  const float fw = max_shift(a.mw, mw2, dw);
+  const float sw = a.sz + a.v;
+  KLStats r{mz2, 0.f, mw2, sw * fw, 0.f};  // no p mass: v = sw
   if (a.sz != 0.f) {
-    const float dz = a.mz - mz2;
-    const float f = expf(dz);
-    // a_j - b_j grows by (mz - mz2) - (mw - mw2); if mw was -inf every old p-mass term is already
-    // +inf (q_j = 0), and the +inf shift keeps it so.
-    const float shift = dz - (a.mw == mw2 ? 0.f : a.mw - mw2);
-    r.sz = a.sz * f;
-    r.u = a.u == INFINITY ? INFINITY : f * (a.u + shift * a.sz);
+    r.sz = a.sz * fz;
+    // v' = sw fw - sz fz = v fw + sz fz expm1(dw - dz): the second form when both maxes moved
+    // (almost) together, where the first would cancel
+    const float x = dw - dz;
+    r.v = fabsf(x) < kSeriesBound ? a.v * fw + r.sz * (x + expm1_minus_x_series(x)) : sw * fw - r.sz;
+    // a_j - b_j grows by dz - dw; if mw was -inf every old p-mass term is already +inf (q_j = 0),
+    // and the +inf shift keeps it so.
+    r.u = a.u == INFINITY ? INFINITY : fz * (a.u + (dz - dw) * a.sz);
   }
-  if (a.sw != 0.f) r.sw = a.sw * expf(a.mw - mw2);
   return r;
 }
 
@@ -112,11 +133,17 @@ PPO_HD KLStats kl_stats_merge(KLStats a, KLStats b) {
   const float mw = nan_max(a.mw, b.mw);
   const KLStats ra = kl_stats_rescale(a, mz, mw);
   const KLStats rb = kl_stats_rescale(b, mz, mw);
-  return {mz, ra.sz + rb.sz, mw, ra.sw + rb.sw, ra.u + rb.u};
+  return {mz, ra.sz + rb.sz, mw, ra.v + rb.v, ra.u + rb.u};
 }
 
 // One term's contribution to u, given e = exp(a) and a, b (b = -inf where q_j = 0).
 PPO_HD float kl_term(float e, float a, float b) { return e > 0.f ? e * (a - b) : 0.f; }
+
+// One term's contribution to v = e^b - e^a, given e = exp(a), eb = exp(b).
+PPO_HD float kl_v_term(float e, float eb, float a, float b) {
+  const float d = b - a;
+  return fabsf(d) < kSeriesBound ? e * (d + expm1_minus_x_series(d)) : eb - e;
+}
 
 // Add one pair (z_j, w_j), both already divided by the temperature.
 PPO_HD void kl_stats_add(KLStats& st, float z, float w) {
@@ -124,22 +151,21 @@ PPO_HD void kl_stats_add(KLStats& st, float z, float w) {
   const float mw = (w <= st.mw) ? st.mw : w;
   if (mz != st.mz || mw != st.mw) st = kl_stats_rescale(st, mz, mw);
   const float b = (st.mw == -INFINITY) ? -INFINITY : w - st.mw;
-  if (st.mw != -INFINITY) st.sw += expf(b);
-  if (st.mz == -INFINITY) return;  // z = -inf so far: no p mass
-  const float a = z - st.mz;
-  const float e = expf(a);
+  const float a = (st.mz == -INFINITY) ? -INFINITY : z - st.mz;
+  const float e = expf(a), eb = expf(b);
   st.sz += e;
+  st.v += kl_v_term(e, eb, a, b);
   st.u += kl_term(e, a, b);
 }
 
 // KL(p || q); NaN when either row is all -inf (undefined distribution) or holds NaN / +inf.
 PPO_HD float kl_stats_value(KLStats st) {
   if (st.mz == -INFINITY || st.mw == -INFINITY) return NAN;
-  return st.u / st.sz - logf(st.sz) + logf(st.sw);
+  return st.u / st.sz + log1pf(st.v / st.sz);
 }
 
 PPO_HD float kl_stats_lse_z(KLStats st) { return st.mz + logf(st.sz); }
-PPO_HD float kl_stats_lse_w(KLStats st) { return st.mw + logf(st.sw); }
+PPO_HD float kl_stats_lse_w(KLStats st) { return st.mw + logf(st.sz + st.v); }
 
 // Backward, per element: with c = lse_z - lse_w + KL (per row),
 //   dKL/dz_j = p_j * ((z_j - w_j) - c),   dKL/dw_j = q_j - p_j,   (both times 1/temperature)

@@ -1,0 +1,243 @@
+// full_kl: CPU kernels and the schemas of the raw kernels (CUDA impls in csrc/cuda/full_kl.cu).
+// Semantics: ppo_kernels/full_kl/reference.py; the online math: csrc/common/kl_stats.h.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "common/alloc.h"
+#include "common/kl_stats.h"
+#include "common/tensor_checks.h"
+
+namespace ppo_kernels {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row (x2 tensors)
+
+// Load n values as float32 scaled by inv_t into buf; returns their max (NaN if any is NaN).
+template <typename scalar_t>
+float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::copy(x, x + n, buf);
+  } else {
+    at::vec::convert(x, buf, n);
+  }
+  const Vec vt(inv_t);
+  Vec vmax(-INFINITY);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec z = Vec::loadu(buf + i) * vt;
+    z.store(buf + i);
+    vmax = at::vec::maximum(vmax, z);  // propagates NaN
+  }
+  float m = -INFINITY;
+  for (; i < n; ++i) {
+    buf[i] *= inv_t;
+    m = nan_max(m, buf[i]);
+  }
+  float lanes[Vec::size()];
+  vmax.store(lanes);
+  for (float v : lanes) m = nan_max(m, v);
+  return m;
+}
+
+float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
+}
+
+// expm1(x) - x on vectors, the series of kl_stats.h (only used where |x| < kSeriesBound).
+Vec series(const Vec& x) {
+  Vec t = at::vec::fmadd(x, Vec(1.f / 40320.f), Vec(1.f / 5040.f));
+  t = at::vec::fmadd(x, t, Vec(1.f / 720.f));
+  t = at::vec::fmadd(x, t, Vec(1.f / 120.f));
+  t = at::vec::fmadd(x, t, Vec(1.f / 24.f));
+  t = at::vec::fmadd(x, t, Vec(1.f / 6.f));
+  t = at::vec::fmadd(x, t, Vec(0.5f));
+  return x * x * t;
+}
+
+// KLStats of one block relative to its own maxes (mz, mw); the same terms as kl_stats_add.
+KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float mw) {
+  KLStats st{mz, 0.f, mw, 0.f, 0.f};
+  const bool w_empty = mw == -INFINITY, z_empty = mz == -INFINITY;
+  const Vec vmz(mz), vmw(mw), zero(0.f), ninf(-INFINITY), bound(kSeriesBound);
+  Vec vsz(0.f), vv(0.f), vu(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec a = z_empty ? ninf : Vec::loadu(z + i) - vmz;
+    const Vec b = w_empty ? ninf : Vec::loadu(w + i) - vmw;
+    const Vec e = a.exp(), eb = b.exp(), d = b - a;
+    vsz = vsz + e;
+    vv = vv + Vec::blendv(eb - e, e * (d + series(d)), d.abs() < bound);
+    vu = vu + Vec::blendv(zero, e * (a - b), e > zero);
+  }
+  st.sz = hsum(vsz);
+  st.v = hsum(vv);
+  st.u = hsum(vu);
+  for (; i < n; ++i) {
+    const float a = z_empty ? -INFINITY : z[i] - mz;
+    const float b = w_empty ? -INFINITY : w[i] - mw;
+    const float e = std::exp(a), eb = std::exp(b);
+    st.sz += e;
+    st.v += kl_v_term(e, eb, a, b);
+    st.u += kl_term(e, a, b);
+  }
+  return st;
+}
+
+struct Rows {
+  at::Tensor logits, ref;
+  RowIndexer rz, rw;
+};
+
+Rows prepare_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1,
+              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
+  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes());
+  TORCH_CHECK(logits_in.scalar_type() == ref_in.scalar_type(), "ref_logits: expected dtype ",
+              logits_in.scalar_type());
+  auto rz = make_row_indexer(logits_in);
+  auto rw = make_row_indexer(ref_in);
+  const at::Tensor z = rz ? logits_in : logits_in.contiguous();
+  const at::Tensor w = rw ? ref_in : ref_in.contiguous();
+  if (!rz) rz = make_row_indexer(z);
+  if (!rw) rw = make_row_indexer(w);
+  return {z, w, *rz, *rw};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(const at::Tensor& logits_in,
+                                                               const at::Tensor& ref_in,
+                                                               const std::optional<at::Tensor>& mask_in,
+                                                               double inv_temperature) {
+  const Rows R = prepare_rows(logits_in, ref_in);
+  const int64_t V = R.logits.size(-1);
+  const int64_t N = leading_numel(R.logits);
+  std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
+  const auto f32 = R.logits.options().dtype(at::kFloat);
+  at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
+  if (N == 0) return {kl, lz, lw};
+  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  at::Tensor mask;
+  if (mask_in.has_value() && mask_in->defined()) {
+    TORCH_CHECK(mask_in->numel() == N, "mask: expected ", N, " elements (logits.shape[:-1])");
+    mask = mask_in->to(at::kBool).contiguous();
+  }
+  const float inv_t = static_cast<float>(inv_temperature);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
+    const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
+    const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
+    const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+    float* o = kl.data_ptr<float>();
+    float* oz = lz.data_ptr<float>();
+    float* ow = lw.data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
+      std::vector<float> bz(kBlock), bw(kBlock);
+      for (int64_t r = begin; r < end; ++r) {
+        if (mk && !mk[r]) {
+          o[r] = oz[r] = ow[r] = 0.f;
+          continue;
+        }
+        const scalar_t* zr = x + R.rz(r);
+        const scalar_t* wr = y + R.rw(r);
+        KLStats st = kl_stats_empty();
+        for (int64_t j = 0; j < V; j += kBlock) {
+          const int64_t n = std::min(kBlock, V - j);
+          const float mz = load_scaled(zr + j, n, inv_t, bz.data());
+          const float mw = load_scaled(wr + j, n, inv_t, bw.data());
+          st = kl_stats_merge(st, block_stats(bz.data(), bw.data(), n, mz, mw));
+        }
+        o[r] = kl_stats_value(st);
+        oz[r] = kl_stats_lse_z(st);
+        ow[r] = kl_stats_lse_w(st);
+      }
+    });
+  });
+  return {kl, lz, lw};
+}
+
+// grad_logits = g/T * p (z - w - c), grad_ref = g/T * (q - p), c = lse_z - lse_w + KL.
+void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& ref_in,
+                     const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in,
+                     const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
+                     at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
+  const Rows R = prepare_rows(logits_in, ref_in);
+  const int64_t V = R.logits.size(-1);
+  const int64_t N = leading_numel(R.logits);
+  if (N == 0 || V == 0) return;
+  const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
+  TORCH_CHECK(grad_logits.is_contiguous() && (!need_ref || grad_ref->is_contiguous()),
+              "full_kl backward: gradient buffers must be contiguous");
+  const at::Tensor g = grad_in.to(at::kFloat).contiguous();
+  const at::Tensor klc = kl_in.contiguous(), lzc = lz_in.contiguous(), lwc = lw_in.contiguous();
+  at::Tensor mask;
+  if (mask_in.has_value() && mask_in->defined()) mask = mask_in->to(at::kBool).contiguous();
+  const float inv_t = static_cast<float>(inv_temperature);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd", [&] {
+    const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
+    const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
+    scalar_t* gx = grad_logits.data_ptr<scalar_t>();
+    scalar_t* gy = need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr;
+    const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+    const float *gp = g.const_data_ptr<float>(), *klp = klc.const_data_ptr<float>();
+    const float *lzp = lzc.const_data_ptr<float>(), *lwp = lwc.const_data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
+      std::vector<float> bz(kBlock), bw(kBlock);
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* gxr = gx + r * V;
+        scalar_t* gyr = gy ? gy + r * V : nullptr;
+        if (mk && !mk[r]) {
+          std::fill(gxr, gxr + V, scalar_t(0));
+          if (gyr) std::fill(gyr, gyr + V, scalar_t(0));
+          continue;
+        }
+        const float a = gp[r] * inv_t, lz = lzp[r], lw = lwp[r];
+        const float c = lz - lw + klp[r];
+        const Vec va(a), vlz(lz), vlw(lw), vc(c), zero(0.f);
+        for (int64_t j = 0; j < V; j += kBlock) {
+          const int64_t n = std::min(kBlock, V - j);
+          load_scaled(x + R.rz(r) + j, n, inv_t, bz.data());
+          load_scaled(y + R.rw(r) + j, n, inv_t, bw.data());
+          int64_t i = 0;
+          for (; i + Vec::size() <= n; i += Vec::size()) {
+            const Vec z = Vec::loadu(bz.data() + i), w = Vec::loadu(bw.data() + i);
+            const Vec p = (z - vlz).exp();
+            if (gyr) (va * ((w - vlw).exp() - p)).store(bw.data() + i);
+            Vec::blendv(zero, va * p * ((z - w) - vc), p > zero).store(bz.data() + i);
+          }
+          for (; i < n; ++i) {
+            const float z = bz[i], w = bw[i];
+            const float p = std::exp(z - lz);
+            if (gyr) bw[i] = a * (std::exp(w - lw) - p);
+            bz[i] = a * full_kl_grad_z(p, z, w, c);
+          }
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            std::copy(bz.begin(), bz.begin() + n, gxr + j);
+            if (gyr) std::copy(bw.begin(), bw.begin() + n, gyr + j);
+          } else {
+            at::vec::convert(bz.data(), gxr + j, n);
+            if (gyr) at::vec::convert(bw.data(), gyr + j, n);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def("full_kl_fwd(Tensor logits, Tensor ref_logits, Tensor? mask, float inv_temperature) "
+        "-> (Tensor kl, Tensor lse_z, Tensor lse_w)");
+  m.def("full_kl_bwd(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, Tensor kl, "
+        "Tensor lse_z, Tensor lse_w, float inv_temperature, Tensor(a!) grad_logits, "
+        "Tensor(b!)? grad_ref_logits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("full_kl_fwd", &full_kl_fwd_cpu);
+  m.impl("full_kl_bwd", &full_kl_bwd_cpu);
+}
+
+}  // namespace ppo_kernels

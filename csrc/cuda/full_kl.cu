@@ -1,0 +1,310 @@
+// full_kl: CUDA kernels (schemas in csrc/cpu/full_kl.cpp).
+// One block per row (grid-stride over rows), 16-byte vector loads of both logits rows in lockstep,
+// one pass with the online KL state of csrc/common/kl_stats.h (rescaled once per pack, not per
+// element), warp-shuffle + shared-memory block reduction. Backward: one pass, vector stores.
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "common/alloc.h"
+#include "common/kl_stats.h"
+#include "common/tensor_checks.h"
+
+namespace ppo_kernels {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kN = 16 / sizeof(T);
+  T v[kN];
+};
+
+__device__ __forceinline__ KLStats shfl_xor(KLStats st, int o) {
+  return {__shfl_xor_sync(kFull, st.mz, o), __shfl_xor_sync(kFull, st.sz, o),
+          __shfl_xor_sync(kFull, st.mw, o), __shfl_xor_sync(kFull, st.v, o),
+          __shfl_xor_sync(kFull, st.u, o)};
+}
+
+// Merge every thread's state; the result is valid in thread 0.
+__device__ KLStats block_reduce(KLStats st) {
+  __shared__ KLStats partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) st = kl_stats_merge(st, shfl_xor(st, o));
+  if (lane == 0) partial[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    st = lane < nwarps ? partial[lane] : kl_stats_empty();
+    for (int o = 16; o > 0; o >>= 1) st = kl_stats_merge(st, shfl_xor(st, o));
+  }
+  __syncthreads();  // `partial` is reused by the next row
+  return st;
+}
+
+// Scalar elements [0, head) until p is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ int64_t head_len(const T* p, int64_t V) {
+  const int64_t mis = (reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T);
+  const int64_t head = mis == 0 ? 0 : Pack<T>::kN - mis;
+  return head < V ? head : V;
+}
+
+// Add K pairs: one rescale to the pack's maxes, then the terms of kl_stats_add without per-element
+// max checks.
+template <int K>
+__device__ __forceinline__ void add_pack(KLStats& st, const float* z, const float* w) {
+  float mz = st.mz, mw = st.mw;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    mz = (z[k] <= mz) ? mz : z[k];  // larger or NaN
+    mw = (w[k] <= mw) ? mw : w[k];
+  }
+  if (mz != st.mz || mw != st.mw) st = kl_stats_rescale(st, mz, mw);
+  const bool w_empty = st.mw == -INFINITY, z_empty = st.mz == -INFINITY;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const float a = z_empty ? -INFINITY : z[k] - st.mz;
+    const float b = w_empty ? -INFINITY : w[k] - st.mw;
+    const float e = __expf(a), eb = __expf(b);
+    st.sz += e;
+    st.v += kl_v_term(e, eb, a, b);
+    st.u += kl_term(e, a, b);
+  }
+}
+
+template <typename scalar_t>
+__global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
+                           const bool* __restrict__ mask, float* __restrict__ kl, float* __restrict__ lz,
+                           float* __restrict__ lw, int64_t N, int64_t V, RowIndexer rx, RowIndexer ry,
+                           float inv_t) {
+  using P = Pack<scalar_t>;
+  constexpr int kN = P::kN;
+  for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+    if (mask != nullptr && !mask[r]) {  // uniform across the block: no partial reduction
+      if (threadIdx.x == 0) kl[r] = lz[r] = lw[r] = 0.f;
+      continue;
+    }
+    const scalar_t* p = x + rx(r);
+    const scalar_t* q = y + ry(r);
+    const int64_t head = head_len(p, V);
+    const bool vec_ok = head == head_len(q, V);  // same alignment: vector-load both in lockstep
+    const int64_t nvec = vec_ok ? (V - head) / kN : 0;
+    const int64_t tail = vec_ok ? head + nvec * kN : 0;
+    KLStats st = kl_stats_empty();
+    if (vec_ok) {
+      for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
+        kl_stats_add(st, static_cast<float>(p[j]) * inv_t, static_cast<float>(q[j]) * inv_t);
+      }
+      const P* pv = reinterpret_cast<const P*>(p + head);
+      const P* qv = reinterpret_cast<const P*>(q + head);
+      int64_t i = threadIdx.x;
+      // two packs of each row in flight per thread
+      for (; i + blockDim.x < nvec; i += 2 * blockDim.x) {
+        const P a0 = pv[i], b0 = qv[i], a1 = pv[i + blockDim.x], b1 = qv[i + blockDim.x];
+        float z[2 * kN], w[2 * kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          z[k] = static_cast<float>(a0.v[k]) * inv_t;
+          w[k] = static_cast<float>(b0.v[k]) * inv_t;
+          z[kN + k] = static_cast<float>(a1.v[k]) * inv_t;
+          w[kN + k] = static_cast<float>(b1.v[k]) * inv_t;
+        }
+        add_pack<2 * kN>(st, z, w);
+      }
+      if (i < nvec) {
+        const P a0 = pv[i], b0 = qv[i];
+        float z[kN], w[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          z[k] = static_cast<float>(a0.v[k]) * inv_t;
+          w[k] = static_cast<float>(b0.v[k]) * inv_t;
+        }
+        add_pack<kN>(st, z, w);
+      }
+    }
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) {
+      kl_stats_add(st, static_cast<float>(p[j]) * inv_t, static_cast<float>(q[j]) * inv_t);
+    }
+    st = block_reduce(st);
+    if (threadIdx.x == 0) {
+      kl[r] = kl_stats_value(st);
+      lz[r] = kl_stats_lse_z(st);
+      lw[r] = kl_stats_lse_w(st);
+    }
+  }
+}
+
+// gx = g/T * p (z - w - c), gy = g/T * (q - p); gx, gy are contiguous [N, V] (gy may be null).
+template <typename scalar_t>
+__global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __restrict__ x,
+                           const scalar_t* __restrict__ y, const bool* __restrict__ mask,
+                           const float* __restrict__ kl, const float* __restrict__ lzs,
+                           const float* __restrict__ lws, scalar_t* __restrict__ gx,
+                           scalar_t* __restrict__ gy, int64_t N, int64_t V, RowIndexer rx, RowIndexer ry,
+                           float inv_t) {
+  using P = Pack<scalar_t>;
+  constexpr int kN = P::kN;
+  for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+    const bool keep = mask == nullptr || mask[r];
+    const scalar_t* p = x + rx(r);
+    const scalar_t* q = y + ry(r);
+    scalar_t* op = gx + r * V;
+    scalar_t* oq = gy != nullptr ? gy + r * V : nullptr;
+    const float a = keep ? grad[r] * inv_t : 0.f;
+    const float lz = keep ? lzs[r] : 0.f, lw = keep ? lws[r] : 0.f;
+    const float c = keep ? lz - lw + kl[r] : 0.f;
+    // Masked rows: zeros, without reading the logits.
+    auto gz = [&](float zr, float wr) -> float {
+      if (!keep) return 0.f;
+      const float z = zr * inv_t, w = wr * inv_t;
+      return a * full_kl_grad_z(__expf(z - lz), z, w, c);
+    };
+    auto gw = [&](float zr, float wr) -> float {
+      if (!keep) return 0.f;
+      return a * (__expf(wr * inv_t - lw) - __expf(zr * inv_t - lz));
+    };
+    const int64_t head = head_len(p, V);
+    const bool vec_ok = head == head_len(q, V) && head == head_len(op, V) &&
+                        (oq == nullptr || head == head_len(oq, V));
+    const int64_t nvec = vec_ok ? (V - head) / kN : 0;
+    const int64_t tail = vec_ok ? head + nvec * kN : 0;
+    if (vec_ok) {
+      for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
+        const float zr = keep ? static_cast<float>(p[j]) : 0.f, wr = keep ? static_cast<float>(q[j]) : 0.f;
+        op[j] = static_cast<scalar_t>(gz(zr, wr));
+        if (oq) oq[j] = static_cast<scalar_t>(gw(zr, wr));
+      }
+      const P* pv = reinterpret_cast<const P*>(p + head);
+      const P* qv = reinterpret_cast<const P*>(q + head);
+      P* opv = reinterpret_cast<P*>(op + head);
+      P* oqv = oq ? reinterpret_cast<P*>(oq + head) : nullptr;
+      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+        P zp, wp, o1, o2;
+        if (keep) {
+          zp = pv[i];
+          wp = qv[i];
+        }
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float zr = keep ? static_cast<float>(zp.v[k]) : 0.f;
+          const float wr = keep ? static_cast<float>(wp.v[k]) : 0.f;
+          o1.v[k] = static_cast<scalar_t>(gz(zr, wr));
+          if (oqv) o2.v[k] = static_cast<scalar_t>(gw(zr, wr));
+        }
+        opv[i] = o1;
+        if (oqv) oqv[i] = o2;
+      }
+    }
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) {
+      const float zr = keep ? static_cast<float>(p[j]) : 0.f, wr = keep ? static_cast<float>(q[j]) : 0.f;
+      op[j] = static_cast<scalar_t>(gz(zr, wr));
+      if (oq) oq[j] = static_cast<scalar_t>(gw(zr, wr));
+    }
+  }
+}
+
+int threads_for(int64_t V, int vec) {
+  const int64_t want = (V / vec + 3) / 4;  // ~4 packs per thread
+  int t = 32;
+  while (t < want && t < 1024) t <<= 1;
+  return t;
+}
+
+int64_t grid_for(int64_t N) { return std::min<int64_t>(N, int64_t(1) << 20); }
+
+struct CudaRows {
+  at::Tensor logits, ref;
+  RowIndexer rx, ry;
+};
+
+CudaRows rows_of(const at::Tensor& logits_in, const at::Tensor& ref_in) {
+  TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1,
+              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
+  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes());
+  TORCH_CHECK(logits_in.scalar_type() == ref_in.scalar_type(), "ref_logits: expected dtype ",
+              logits_in.scalar_type());
+  auto rx = make_row_indexer(logits_in);
+  auto ry = make_row_indexer(ref_in);
+  const at::Tensor x = rx ? logits_in : logits_in.contiguous();
+  const at::Tensor y = ry ? ref_in : ref_in.contiguous();
+  if (!rx) rx = make_row_indexer(x);
+  if (!ry) ry = make_row_indexer(y);
+  return {x, y, *rx, *ry};
+}
+
+at::Tensor bool_mask(const std::optional<at::Tensor>& mask_in, int64_t N) {
+  if (!mask_in.has_value() || !mask_in->defined()) return at::Tensor();
+  TORCH_CHECK(mask_in->is_cuda(), "mask: expected a CUDA tensor");
+  TORCH_CHECK(mask_in->numel() == N, "mask: expected ", N, " elements (logits.shape[:-1])");
+  return mask_in->to(at::kBool).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor& logits_in,
+                                                                const at::Tensor& ref_in,
+                                                                const std::optional<at::Tensor>& mask_in,
+                                                                double inv_temperature) {
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const CudaRows R = rows_of(logits_in, ref_in);
+  const int64_t V = R.logits.size(-1);
+  const int64_t N = leading_numel(R.logits);
+  std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
+  const auto f32 = R.logits.options().dtype(at::kFloat);
+  at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
+  if (N == 0) return {kl, lz, lw};
+  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  const at::Tensor mask = bool_mask(mask_in, N);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
+    const int threads = threads_for(V, Pack<scalar_t>::kN);
+    fwd_kernel<scalar_t><<<grid_for(N), threads, 0, stream>>>(
+        R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
+        mask.defined() ? mask.const_data_ptr<bool>() : nullptr, kl.data_ptr<float>(),
+        lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rx, R.ry,
+        static_cast<float>(inv_temperature));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {kl, lz, lw};
+}
+
+void full_kl_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& ref_in,
+                      const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in,
+                      const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
+                      at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const CudaRows R = rows_of(logits_in, ref_in);
+  const int64_t V = R.logits.size(-1);
+  const int64_t N = leading_numel(R.logits);
+  if (N == 0 || V == 0) return;
+  const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
+  TORCH_CHECK(grad_logits.is_contiguous() && (!need_ref || grad_ref->is_contiguous()),
+              "full_kl backward: gradient buffers must be contiguous");
+  const at::Tensor g = grad_in.to(at::kFloat).contiguous();
+  const at::Tensor klc = kl_in.contiguous(), lzc = lz_in.contiguous(), lwc = lw_in.contiguous();
+  const at::Tensor mask = bool_mask(mask_in, N);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd_cuda", [&] {
+    const int threads = threads_for(V, Pack<scalar_t>::kN);
+    bwd_kernel<scalar_t><<<grid_for(N), threads, 0, stream>>>(
+        g.const_data_ptr<float>(), R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
+        mask.defined() ? mask.const_data_ptr<bool>() : nullptr, klc.const_data_ptr<float>(),
+        lzc.const_data_ptr<float>(), lwc.const_data_ptr<float>(), grad_logits.data_ptr<scalar_t>(),
+        need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rx, R.ry,
+        static_cast<float>(inv_temperature));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CUDA, m) {
+  m.impl("full_kl_fwd", &full_kl_fwd_cuda);
+  m.impl("full_kl_bwd", &full_kl_bwd_cuda);
+}
+
+}  // namespace ppo_kernels

@@ -1,0 +1,135 @@
+"""full_kl as torch ops: `ppo_kernels::full_kl` (forward) and `ppo_kernels::full_kl_backward`, with
+fake kernels, registered autograd and a backend per call. Semantics: reference.py next to this."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, check_positive, check_same_device, check_tensor
+from . import reference
+
+_backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="cpp")
+
+
+def _backend_for(logits: Tensor) -> str:
+    if logits.dtype == torch.float64:  # the kernels accumulate in float32
+        return "eager"
+    return _backend.resolve("full_kl", logits.device.type)
+
+
+def _out(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("ppo_kernels::full_kl", mutates_args=())
+def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
+               mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
+    backend = _backend_for(logits)
+    if backend == "cpp":
+        return torch.ops.ppo_kernels_C.full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.forward(logits, ref_logits, mask, 1.0 / temperature)
+    kl, lz, lw = reference.forward(logits, ref_logits, temperature, mask)
+    o = _out(logits)
+    return kl.to(o), lz.to(o), lw.to(o)
+
+
+@full_kl_op.register_fake
+def _(logits, ref_logits, temperature, mask):
+    shape, o = logits.shape[:-1], _out(logits)
+    return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
+
+
+@torch.library.custom_op("ppo_kernels::full_kl_backward", mutates_args=())
+def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: Tensor | None,
+                        kl: Tensor, lse_z: Tensor, lse_w: Tensor, temperature: float,
+                        need_ref: bool) -> tuple[Tensor, Tensor]:
+    """(grad_logits, grad_ref_logits or an empty tensor)."""
+    backend = _backend_for(logits)
+    if backend == "eager":
+        gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature, mask, need_ref)
+        return gz.contiguous(), (gw.contiguous() if need_ref else ref_logits.new_empty(0))
+    gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
+    gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) if need_ref \
+        else ref_logits.new_empty(0)
+    if backend == "cpp":
+        torch.ops.ppo_kernels_C.full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+                                            1.0 / temperature, gz, gw if need_ref else None)
+    else:
+        from . import triton_kernels
+        triton_kernels.backward(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature,
+                                gz, gw if need_ref else None)
+    return gz, gw
+
+
+@full_kl_backward_op.register_fake
+def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+    return (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
+            torch.empty(ref_logits.shape if need_ref else (0,), dtype=ref_logits.dtype, device=ref_logits.device))
+
+
+def _setup_context(ctx, inputs, output):
+    logits, ref_logits, temperature, mask = inputs
+    kl, lse_z, lse_w = output
+    ctx.save_for_backward(logits, ref_logits, mask, kl, lse_z, lse_w)
+    ctx.temperature = temperature
+    ctx.mark_non_differentiable(lse_z, lse_w)
+
+
+def _backward(ctx, grad_kl, _gz, _gw):
+    logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
+    need_ref = ctx.needs_input_grad[1]
+    gz, gw = torch.ops.ppo_kernels.full_kl_backward(grad_kl, logits, ref_logits, mask, kl, lse_z,
+                                                    lse_w, ctx.temperature, need_ref)
+    return gz, (gw if need_ref else None), None, None
+
+
+full_kl_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
+            mask: Tensor | None = None) -> Tensor:
+    """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
+    tensors (online max and sums for both distributions; no N x V temporary).
+
+    Args:
+        logits: `[..., V]` policy logits, float32 / bfloat16 / float16 (float64 runs the float64
+            reference). Leading dims may have any strides (e.g. `logits[:, :-1]`), the last must be
+            contiguous. Gradient flows to it.
+        ref_logits: the reference model's logits, same shape and dtype, own strides. Gradient
+            flows to it only if it requires grad.
+        temperature: positive float applied to both (a runtime value: no recompiles).
+        mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
+            and are not read.
+
+    Returns:
+        float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
+    See ppo_kernels/full_kl/reference.py for the documented edge cases.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_tensor("ref_logits", ref_logits, dtypes=FLOAT_DTYPES)
+    check_same_device(logits=logits, ref_logits=ref_logits, mask=mask)
+    if ref_logits.dtype != logits.dtype:
+        raise TypeError(f"ref_logits: expected dtype {logits.dtype} (like logits), got {ref_logits.dtype}")
+    if tuple(ref_logits.shape) != tuple(logits.shape):
+        raise ValueError(f"ref_logits: expected shape {tuple(logits.shape)} (logits.shape), "
+                         f"got {tuple(ref_logits.shape)}")
+    V = logits.shape[-1]
+    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
+        if t.stride(-1) != 1 and V > 1:
+            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
+                             f"got strides {tuple(t.stride())}")
+    if V == 0 and logits.shape[:-1].numel() > 0:
+        raise ValueError("logits: the vocabulary dimension (last) is empty")
+    check_positive("temperature", float(temperature))
+    if mask is not None:
+        check_tensor("mask", mask)
+        if tuple(mask.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(f"mask: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
+                             f"got {tuple(mask.shape)}")
+        mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+    kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)
+    return kl

@@ -1,0 +1,70 @@
+"""Eager PyTorch reference for full_kl: the semantics, the `eager` backend and the benchmark
+baseline. Float64 inputs are computed in float64, everything else in float32.
+
+    KL(pi || pi_ref)[t] = sum_j p_j (log p_j - log q_j),  p = softmax(z), q = softmax(w),
+    z = logits / temperature, w = ref_logits / temperature.
+Gradients (times 1 / temperature): dKL/dz_j = p_j ((log p_j - log q_j) - KL), dKL/dw_j = q_j - p_j.
+
+Documented edge cases (every backend matches them):
+  * mask[t] == 0: KL 0 and no gradient; the kernels do not read that row.
+  * entries with p_j = 0 (logit -inf) contribute 0; p_j > 0 where q_j = 0 gives KL = +inf.
+  * a row of all -inf logits or all -inf ref_logits (undefined distribution): NaN.
+  * a row containing NaN or +inf: NaN.
+  * rounding: KL of (nearly) identical distributions may come out a few 1e-7 below 0 in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def forward(logits, ref_logits, temperature=1.0, mask=None):
+    """(kl, lse_z, lse_w) with logits.shape[:-1]; masked rows give 0 for all three. Computed in
+    float64 whatever the input dtype: this is the exact reference (the kernels accumulate in
+    float32 with the cancellation-free state of csrc/common/kl_stats.h)."""
+    acc = torch.float64
+    z = logits.to(acc) / temperature
+    w = ref_logits.to(acc) / temperature
+    # relative to each row's max, as the kernels: a - b cancels a constant shift between z and w
+    # exactly, where (z - lse_z) - (w - lse_w) would lose it to the rounding of |lse| in float32
+    mz = z.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    mw = w.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    a, b = z - mz, w - mw
+    lsa, lsb = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
+    lse_z, lse_w = lsa + mz.squeeze(-1), lsb + mw.squeeze(-1)
+    p = (a - lsa.unsqueeze(-1)).exp()
+    terms = torch.where(p == 0, torch.zeros_like(p), p * ((a - b) - (lsa - lsb).unsqueeze(-1)))
+    kl = terms.sum(-1)
+    undefined = (lse_z == -float("inf")) | (lse_w == -float("inf"))
+    kl = torch.where(undefined, torch.full_like(kl, float("nan")), kl)
+    if mask is not None:
+        keep = mask != 0
+        kl, lse_z, lse_w = (torch.where(keep, x, torch.zeros_like(x)) for x in (kl, lse_z, lse_w))
+    return kl, lse_z, lse_w
+
+
+def backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature=1.0, mask=None, need_ref=True):
+    """(grad_logits, grad_ref_logits or None) in the logits' dtypes."""
+    acc = _acc(logits.dtype)
+    z = logits.to(acc) / temperature
+    w = ref_logits.to(acc) / temperature
+    g = (grad.to(acc) / temperature).unsqueeze(-1)
+    p = (z - lse_z.to(acc).unsqueeze(-1)).exp()
+    c = (lse_z.to(acc) - lse_w.to(acc) + kl.to(acc)).unsqueeze(-1)
+    gz = torch.where(p > 0, g * p * ((z - w) - c), torch.zeros_like(p))
+    gw = g * ((w - lse_w.to(acc).unsqueeze(-1)).exp() - p) if need_ref else None
+    if mask is not None:
+        keep = (mask != 0).unsqueeze(-1)
+        gz = torch.where(keep, gz, torch.zeros_like(gz))
+        gw = torch.where(keep, gw, torch.zeros_like(gw)) if need_ref else None
+    return gz.to(logits.dtype), (gw.to(ref_logits.dtype) if need_ref else None)
+
+
+def eager_full_kl(logits, ref_logits, temperature=1.0):
+    """What a trainer writes today (the benchmark baseline): two log_softmax and an N x V product."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    logq = torch.log_softmax(ref_logits.float() / temperature, -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
