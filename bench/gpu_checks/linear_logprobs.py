@@ -18,30 +18,33 @@ from ppo_kernels.linear_logprobs import reference as ref
 from ppo_kernels.token_logprobs import reference as tl_ref
 
 OP = "linear_token_logprobs"
+DEVICE = "cuda"  # a CPU dry run of this file sets "cpu"
 
 
 def _inputs(N, H, V, dtype, bias, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(N, H, device="cuda", generator=g).to(dtype)
-    W = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(dtype)
-    b = torch.randn(V, device="cuda", generator=g).to(dtype) if bias else None
-    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = torch.randn(N, H, device=DEVICE, generator=g).to(dtype)
+    W = (torch.randn(V, H, device=DEVICE, generator=g) / H ** 0.5).to(dtype)
+    b = torch.randn(V, device=DEVICE, generator=g).to(dtype) if bias else None
+    y = torch.randint(0, V, (N,), device=DEVICE, generator=g)
     y[::7] = -100
     return h, W, b, y
 
 
 def _backends():
-    return [b for b in _backend.BACKENDS if _backend.available(OP, b, "cuda")[0]]
+    return [b for b in _backend.BACKENDS if _backend.available(OP, b, DEVICE)[0]]
 
 
-def correctness(ctx):
-    cases = [(300, 257, 5003, torch.float32, True, None), (300, 257, 5003, torch.bfloat16, False, None),
-             (300, 257, 5003, torch.float16, True, 200_000), (300, 257, 5003, torch.bfloat16, True, 200_000),
-             (1024, 4096, 152064, torch.bfloat16, False, None)]
+CASES = [(300, 257, 5003, torch.float32, True, None), (300, 257, 5003, torch.bfloat16, False, None),
+         (300, 257, 5003, torch.float16, True, 200_000), (300, 257, 5003, torch.bfloat16, True, 200_000),
+         (1024, 4096, 152064, torch.bfloat16, False, None)]
+
+
+def correctness(ctx, cases=CASES):
     for N, H, V, dtype, bias, budget in cases:
         h, W, b, y = _inputs(N, H, V, dtype, bias)
-        g_lp = torch.randn(N, device="cuda")
-        g_ent = torch.randn(N, device="cuda")
+        g_lp = torch.randn(N, device=DEVICE)
+        g_ent = torch.randn(N, device=DEVICE)
         leaves = [t.detach().double().requires_grad_() for t in (h, W, b) if t is not None]
         hd, Wd = leaves[0], leaves[1]
         bd = leaves[2] if bias else None
@@ -59,7 +62,8 @@ def correctness(ctx):
                                                        temperature=0.9, return_entropy=True,
                                                        max_chunk_bytes=budget)
                     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-                torch.cuda.synchronize()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 ctx.fail(OP, case, backend, f"{type(e).__name__}: {e}")
                 continue
@@ -75,8 +79,8 @@ def correctness(ctx):
         cfg = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                        tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(cfg).cuda()
-        ids = torch.randint(0, 1001, (2, 33), device="cuda")
+        model = transformers.Qwen2ForCausalLM(cfg).to(DEVICE)
+        ids = torch.randint(0, 1001, (2, 33), device=DEVICE)
         lp = pk.causal_lm_logprobs(model, ids)
         logp = model(ids).logits[:, :-1].double().log_softmax(-1)
         ctx.compare("causal_lm_logprobs", "qwen2 tiny fp32", "default", lp,
@@ -119,6 +123,26 @@ def timing(ctx):
         "eager: logits + log_softmax": fwd_bwd(mat_eager),
     }
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 +entropy fwd+bwd", fns, warmup=1, rep=5)
+
+    # log-probs only, next to Liger's fused linear cross-entropy (a summed loss: no entropy, and
+    # per-token upstream gradients are not supported there)
+    def ours_lp():
+        h.grad = W.grad = None
+        pk.linear_token_logprobs(h, W, y).sum().backward()
+
+    fns = {"linear_token_logprobs": ours_lp}
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+        def liger_run():
+            h.grad = W.grad = None
+            out = liger(W, h, y)
+            (out[0] if isinstance(out, tuple) else out).backward()
+        fns["liger FusedLinearCrossEntropy (sum)"] = liger_run
+    except ImportError:
+        pass
+    ctx.bench(OP, f"N={N} H={H} V={V} bf16 logprobs-only fwd+bwd", fns, warmup=1, rep=5)
     with torch.no_grad():
         ctx.bench(OP, f"N={N} H={H} V={V} bf16 forward", {
             "linear_token_logprobs": lambda: pk.linear_token_logprobs(h, W, y),
