@@ -275,3 +275,45 @@ def test_more_than_2_pow_31_elements():
     _close(ent[-3:], want_ent, TOL[torch.bfloat16])
     import math
     assert torch.allclose(lp[:-3], torch.full((N - 3,), -math.log(V)))
+
+
+def test_temperature_is_a_runtime_argument_of_the_triton_kernels():
+    pytest.importorskip("triton")
+    from ppo_kernels.token_logprobs import triton_kernels as tk
+    import inspect
+    for kernel in (tk._fwd_kernel, tk._bwd_kernel):
+        params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+
+        def is_constexpr(name):
+            return "constexpr" in str(params[name].annotation)
+
+        assert not is_constexpr("inv_t") and not is_constexpr("ignore_index")
+        assert is_constexpr("BLOCK")  # the check can tell them apart
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="needs the compiled CPU kernel")
+def test_no_n_by_v_temporary():
+    import sys, os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from _common import peak_extra_bytes
+    N, V = 2048, 32000
+    logits = torch.randn(N, V)
+    labels = torch.randint(0, V, (N,))
+    nv_bytes = N * V * 4
+    with use_backend("cpp"):
+        with torch.no_grad():
+            pk.token_logprobs(logits[:4], labels[:4])  # first-call initialisation is not the op's
+            fwd = peak_extra_bytes(lambda: pk.token_logprobs(logits, labels, return_entropy=True))
+        x = logits.clone().requires_grad_(True)
+        y = x * 1
+
+        def fwd_bwd_inplace():
+            lp, ent = pk.token_logprobs(y, labels, return_entropy=True, inplace_backward=True)
+            torch.autograd.grad((lp + ent).sum(), y)
+
+        fwd_bwd_inplace()
+        bwd = peak_extra_bytes(fwd_bwd_inplace)
+    if fwd != fwd:  # NaN: /proc/self/clear_refs unavailable
+        pytest.skip("cannot measure peak RSS here")
+    assert fwd < nv_bytes / 16, fwd
+    assert bwd < nv_bytes / 8, bwd  # the gradient went into the logits buffer
