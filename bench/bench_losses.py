@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -82,24 +83,54 @@ def run_fwd_bwd(fn, x, *rest):
 
 
 class CountOps(TorchDispatchMode):
-    """Top-level torch ops dispatched (our fused ops count as one each) and host syncs."""
+    """Top-level torch ops dispatched (each of our fused ops counts as one), host syncs, and the
+    peak bytes of live tensors those ops create (intermediates and saved-for-backward tensors: a
+    CPU stand-in for CUDA's max_memory_allocated, which RSS is too coarse to show)."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
         self.syncs = 0
+        self.live = {}   # data_ptr -> [tensors alive, nbytes]
+        self.cur = 0
+        self.peak = 0
+
+    def _release(self, ptr):
+        ent = self.live.get(ptr)
+        if ent is None:
+            return
+        ent[0] -= 1
+        if ent[0] == 0:
+            self.cur -= ent[1]
+            del self.live[ptr]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             self.syncs += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in inputs and ptr not in self.live:
+                    continue  # a view of an input: no new memory
+                ent = self.live.get(ptr)
+                if ent is None:
+                    self.live[ptr] = ent = [0, t.untyped_storage().nbytes()]
+                    self.cur += ent[1]
+                    self.peak = max(self.peak, self.cur)
+                ent[0] += 1
+                weakref.finalize(t, self._release, ptr)
+        return out
 
 
 def count_ops(fn):
+    """(torch ops, host syncs, peak live bytes) of one call."""
     with CountOps() as c:
         fn()
-    return c.ops, c.syncs
+    return c.ops, c.syncs, c.peak
 
 
 def table_rows(reps=5):
@@ -110,13 +141,13 @@ def table_rows(reps=5):
         try:
             sec = median_seconds(call, warmup=warmup, reps=reps)
             mem = peak_extra_bytes(call)
-            n_ops, n_sync = count_ops(call)
+            n_ops, n_sync, live = count_ops(call)
         except Exception as e:  # noqa: BLE001
-            sec = mem = float("nan")
+            sec = mem = live = float("nan")
             n_ops = n_sync = -1
             name = f"{name} ({type(e).__name__}: {e})"
         rows.append(dict(op=op, case=case, impl=name, seconds=sec, peak_extra_mb=mem / 2**20,
-                         torch_ops=n_ops, host_syncs=n_sync))
+                         peak_live_tensor_mb=live / 2**20, torch_ops=n_ops, host_syncs=n_sync))
 
     lp, old, adv, mask = make_inputs()
     for agg in ("token-mean", "seq-mean-token-mean"):
@@ -140,8 +171,8 @@ def test_policy_loss(benchmark, impl, agg):
     fn = policy_impls(agg)[impl]
     benchmark.group = f"ppo_policy_loss B={B} T={T} {agg} fwd+bwd"
     benchmark.extra_info["peak_extra_mb"] = peak_extra_bytes(lambda: run_fwd_bwd(fn, lp, old, adv, mask)) / 2**20
-    benchmark.extra_info["torch_ops"], benchmark.extra_info["host_syncs"] = count_ops(
-        lambda: run_fwd_bwd(fn, lp, old, adv, mask))
+    (benchmark.extra_info["torch_ops"], benchmark.extra_info["host_syncs"],
+     benchmark.extra_info["peak_live_tensor_bytes"]) = count_ops(lambda: run_fwd_bwd(fn, lp, old, adv, mask))
     benchmark.pedantic(run_fwd_bwd, args=(fn, lp, old, adv, mask), rounds=5, warmup_rounds=1)
 
 
@@ -163,10 +194,17 @@ def test_grpo_advantages(benchmark, impl):
 
 
 if __name__ == "__main__":
+    import argparse
     from _common import machine
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(machine())
-    print("| op | case | impl | median ms | peak extra MiB | torch ops / call | host syncs |")
+    print("| op | case | impl | median ms | peak live tensors MiB | torch ops / call | host syncs |")
     print("|---|---|---|---|---|---|---|")
-    for r in table_rows():
-        print(f"| {r['op']} | {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | {r['peak_extra_mb']:.1f} | "
-              f"{r['torch_ops']} | {r['host_syncs']} |")
+    for r in table_rows(reps=a.reps):
+        print(f"| {r['op']} | {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | "
+              f"{r['peak_live_tensor_mb']:.1f} | {r['torch_ops']} | {r['host_syncs']} |")
