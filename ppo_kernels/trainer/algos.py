@@ -151,6 +151,10 @@ class RLTrainer:
             out["advantages"] = seq_adv[:, None] * mask
             out["kl"] = ops.kl_penalty(old_lp, ref_lp, cfg.kl_estimator) * mask
             return out
+        # a truncated row has no final answer to score: its future comes from the Critic's
+        # bootstrap value instead (for the verifier its score is 0 anyway)
+        scores = scores * ~b.truncated
+        out["scores"] = scores
         v = self.critic(*inputs)
         values = v[:, :-1] * mask
         # truncated rows: the future after the last token still has value -> bootstrap from V
@@ -251,7 +255,8 @@ def rm_accuracy(cfg, rm, tok, problems, pairs):
     right = 0
     for lo in range(0, len(problems), 64):
         ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + 64)
-        right += (rm.score(*ch.model_inputs()) > rm.score(*rj.model_inputs())).sum().item()
+        rc, rr = rm.score(*ch.model_inputs()), rm.score(*rj.model_inputs())
+        right += ((rc > rr).float() + 0.5 * (rc == rr).float()).sum().item()  # a tie: a coin flip
     return right / len(problems)
 
 
@@ -292,7 +297,7 @@ def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None):
     """Offline DPO on the preference pairs; the Reference is the frozen SFT Actor."""
     ref = frozen_copy(actor)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
-    opt = _adamw(actor.parameters(), cfg.pref_lr, cfg.weight_decay)
+    opt = _adamw(actor.parameters(), cfg.dpo_lr, cfg.weight_decay)
     nb = cfg.pairs // cfg.pref_batch
     for step in range(cfg.steps):
         actor.train()

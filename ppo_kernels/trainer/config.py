@@ -76,7 +76,8 @@ class TrainConfig:
     pairs: int = _f(2048, "preference pairs for dpo / rm training")
     eval_pairs: int = _f(256, "held-out preference pairs (rm accuracy)")
     pref_batch: int = _f(32, "pairs per optimiser step (dpo / rm)")
-    pref_lr: float = _f(1e-3, "dpo / rm learning rate")
+    pref_lr: float = _f(1e-3, "reward-model learning rate")
+    dpo_lr: float = _f(3e-4, "DPO learning rate (higher drifts the policy off the pairs)")
     # -- eval / checkpoints -------------------------------------------------------------------
     eval_prompts: int = _f(200, "held-out prompts for eval_reward_before / after")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
@@ -96,7 +97,8 @@ class TrainConfig:
                      "hidden", "layers", "heads"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("temperature", "actor_lr", "critic_lr", "sft_lr", "pref_lr", "max_grad_norm",
+        for name in ("temperature", "actor_lr", "critic_lr", "sft_lr", "pref_lr", "dpo_lr",
+                     "max_grad_norm",
                      "dpo_beta", "kl_target"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")

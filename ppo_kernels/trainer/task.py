@@ -150,13 +150,26 @@ class DecimalAdditionTask:
         return self.segments(problem, "format" if rng.random() < self.p_format else "copy")
 
     def preference_pair(self, problem: Problem, rng: random.Random):
-        """(chosen, rejected) segments: A (tool + formatted) is preferred to a wrong answer (the
-        float copied verbatim when that is wrong, else a direct answer off by one cent)."""
+        """(chosen, rejected) segments. Chosen: A (tool + formatted answer). Rejected, one of: the
+        float copied verbatim (execution B, when that is wrong), a direct answer off by a cent or
+        a dime, the tool's output formatted to a wrong value, or A cut off before it finished (an
+        RM must not reward unfinished work, or PPO learns to never stop)."""
         chosen = self.segments(problem, "format")
         copied = calculator(f"{problem.a}+{problem.b}")
-        if copied != problem.answer and rng.random() < 0.7:
+        off = f"{Decimal(problem.answer) + Decimal(rng.choice(['0.01', '-0.01', '0.10'])):.2f}"
+        kind = rng.choice(["copy", "direct", "tool_wrong", "unfinished"])
+        if kind == "copy" and copied != problem.answer:
             rejected = self.segments(problem, "copy")
+        elif kind == "tool_wrong":
+            rejected = chosen[:2] + [(off + EOS, True)]
+        elif kind == "unfinished":
+            text = "".join(t for t, _ in chosen)
+            cut = rng.randint(1, len(text) - 1)
+            rejected, pos = [], 0
+            for t, a in chosen:  # keep the segments' action flags up to the cut
+                if pos < cut:
+                    rejected.append((t[:cut - pos], a))
+                pos += len(t)
         else:
-            wrong = f"{Decimal(problem.answer) + Decimal(rng.choice(['0.01', '-0.01', '0.10'])):.2f}"
-            rejected = [(wrong + EOS, True)]
+            rejected = [(off + EOS, True)]
         return chosen, rejected
