@@ -310,3 +310,29 @@ def test_eager_gae_matches_literal_loop_batched():
     for i in range(5):
         ref = _gae_by_hand(r[i].tolist(), v[i].tolist(), m[i].tolist(), 0.97, 0.9, boot[i].item())
         torch.testing.assert_close(adv[i], torch.tensor(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_kl_controller():
+    from ppo_kernels.trainer.algos import AdaptiveKL
+    c = AdaptiveKL(0.1, target=0.5, horizon=100, adaptive=True)
+    c.update(1.0, 10)                     # KL above target: beta grows, error clipped at +0.2
+    assert c.beta == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
+    c.update(0.25, 10)                    # below target: shrinks by 1 + (-0.5 -> -0.2) * 0.1
+    assert c.beta == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = AdaptiveKL(0.1, target=0.5, horizon=100, adaptive=False)
+    fixed.update(5.0, 10)
+    assert fixed.beta == 0.1
+
+
+def test_fused_mode_reports_what_it_ran(monkeypatch):
+    monkeypatch.setenv("PPO_TRAINER_EAGER_OPS", "gae")
+    o = Ops("fused")
+    m = torch.ones(1, 4)
+    o.gae(torch.zeros(1, 4), torch.zeros(1, 4), m, gamma=1.0, lam=1.0)
+    o.masked_mean(torch.ones(1, 4), m)
+    assert "gae" in o.fallbacks and "masked_mean" in o.used
+    e = Ops("eager")
+    e.masked_mean(torch.ones(1, 4), m)
+    assert not e.used and not e.fallbacks
+    with pytest.raises(ValueError, match="ops"):
+        Ops("fast")
