@@ -58,13 +58,14 @@ PPO_HD GaeMap gae_element(bool action, bool done, float r, float v, float g, flo
 // One sequential step, in the exact operation order of verl's loop
 // (delta = r + gamma * nextvalues - v; adv = delta + (gamma * lam) * lastgaelam).
 // gl is gamma * lam (for scalar gamma and lam computed in double and rounded once, as Python does).
+// Written with selects, not branches: masks and dones are data-dependent and a mispredicted
+// branch costs more than computing both sides.
 PPO_HD GaeState gae_step(GaeState s, bool action, bool done, float r, float v, float g, float gl) {
-  if (done) s = {0.f, 0.f};
-  if (action) {
-    const float delta = (r + g * s.nv) - v;
-    s = {v, delta + gl * s.adv};
-  }
-  return s;
+  const float nv = done ? 0.f : s.nv;
+  const float a = done ? 0.f : s.adv;
+  const float delta = (r + g * nv) - v;
+  const float an = delta + gl * a;
+  return {action ? v : nv, action ? an : a};
 }
 
 }  // namespace ppo_kernels

@@ -42,6 +42,10 @@ struct Task {
   bool rightmost;       // the chunk at the row's right edge (its carry is the row's init)
 };
 
+// Tasks run in groups of kGroup: the recursion is a chain of dependent float ops (latency-bound,
+// ~8 cycles a position), so a thread advances kGroup independent rows / chunks in lockstep.
+constexpr int kGroup = 4;
+
 template <typename scalar_t, bool kMask, bool kDones, bool kTokenGL>
 struct Kernel {
   const scalar_t* r;
@@ -57,75 +61,122 @@ struct Kernel {
         mk(in.mask), dn(in.dones), gt(in.gamma_t), lt(in.lam_t), gamma(in.gamma), lam(in.lam),
         gl(in.gl) {}
 
-  // The recursion over [lo, hi) from state s; writes adv and ret; returns the state at lo.
-  GaeState run(int64_t lo, int64_t hi, GaeState s, float* adv, float* ret) const {
-    for (int64_t t = hi - 1; t >= lo; --t) {
-      const bool action = kMask ? mk[t] != 0 : true;
-      const bool done = kDones ? dn[t] != 0 : false;
-      const float g = kTokenGL ? gt[t] : gamma;
-      const float glt = kTokenGL ? gt[t] * lt[t] : gl;
-      const float vt = static_cast<float>(v[t]);
-      s = gae_step(s, action, done, static_cast<float>(r[t]), vt, g, glt);
-      adv[t] = s.adv;
-      ret[t] = s.adv + vt;
-    }
+  // One position of the recursion; writes adv[t] and ret[t].
+  inline GaeState step(int64_t t, GaeState s, float* adv, float* ret) const {
+    const bool action = kMask ? mk[t] != 0 : true;
+    const bool done = kDones ? dn[t] != 0 : false;
+    const float g = kTokenGL ? gt[t] : gamma;
+    const float glt = kTokenGL ? gt[t] * lt[t] : gl;
+    const float vt = static_cast<float>(v[t]);
+    s = gae_step(s, action, done, static_cast<float>(r[t]), vt, g, glt);
+    adv[t] = s.adv;
+    ret[t] = s.adv + vt;
     return s;
   }
 
-  // The composed map of [lo, hi) (pass 1): reads only.
-  GaeMap compose(int64_t lo, int64_t hi) const {
-    GaeMap f = gae_identity();
-    for (int64_t t = hi - 1; t >= lo; --t) {
-      const bool action = kMask ? mk[t] != 0 : true;
-      const bool done = kDones ? dn[t] != 0 : false;
-      const float g = kTokenGL ? gt[t] : gamma;
-      const float l = kTokenGL ? lt[t] : lam;
-      f = gae_compose(f, gae_element(action, done, static_cast<float>(r[t]),
-                                     static_cast<float>(v[t]), g, l));
+  inline GaeMap element(int64_t t) const {
+    const bool action = kMask ? mk[t] != 0 : true;
+    const bool done = kDones ? dn[t] != 0 : false;
+    const float g = kTokenGL ? gt[t] : gamma;
+    const float l = kTokenGL ? lt[t] : lam;
+    return gae_element(action, done, static_cast<float>(r[t]), static_cast<float>(v[t]), g, l);
+  }
+
+  // The recursion over each task of a group from its carry; writes adv and ret; leaves in s the
+  // state at each task's left edge. Tasks of equal length run interleaved.
+  template <int K>
+  void run(const Task* ts, GaeState* s, float* adv, float* ret) const {
+    const int64_t len = ts[0].hi - ts[0].lo;
+    bool equal = true;
+    for (int k = 1; k < K; ++k) equal &= (ts[k].hi - ts[k].lo) == len;
+    if (!equal) {
+      for (int k = 0; k < K; ++k) {
+        for (int64_t t = ts[k].hi - 1; t >= ts[k].lo; --t) s[k] = step(t, s[k], adv, ret);
+      }
+      return;
     }
-    return f;
+    int64_t hi[K];
+    GaeState st[K];
+    for (int k = 0; k < K; ++k) hi[k] = ts[k].hi, st[k] = s[k];
+    for (int64_t i = 1; i <= len; ++i) {
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) st[k] = step(hi[k] - i, st[k], adv, ret);
+    }
+    for (int k = 0; k < K; ++k) s[k] = st[k];
+  }
+
+  // The composed map of each task of a group (pass 1): reads only.
+  template <int K>
+  void compose(const Task* ts, GaeMap* f) const {
+    const int64_t len = ts[0].hi - ts[0].lo;
+    bool equal = true;
+    for (int k = 1; k < K; ++k) equal &= (ts[k].hi - ts[k].lo) == len;
+    if (!equal) {
+      for (int k = 0; k < K; ++k) {
+        f[k] = gae_identity();
+        for (int64_t t = ts[k].hi - 1; t >= ts[k].lo; --t) f[k] = gae_compose(f[k], element(t));
+      }
+      return;
+    }
+    int64_t hi[K];
+    GaeMap acc[K];
+    for (int k = 0; k < K; ++k) hi[k] = ts[k].hi, acc[k] = gae_identity();
+    for (int64_t i = 1; i <= len; ++i) {
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) acc[k] = gae_compose(acc[k], element(hi[k] - i));
+    }
+    for (int k = 0; k < K; ++k) f[k] = acc[k];
   }
 };
+
+// Calls fn(first_task, count) for groups of up to kGroup consecutive tasks, in parallel.
+template <typename F>
+void for_groups(int64_t n_tasks, const F& fn) {
+  const int64_t n_groups = (n_tasks + kGroup - 1) / kGroup;
+  at::parallel_for(0, n_groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) {
+      const int64_t first = g * kGroup;
+      fn(first, std::min<int64_t>(kGroup, n_tasks - first));
+    }
+  });
+}
 
 template <typename scalar_t, bool kMask, bool kDones, bool kTokenGL>
 void run_tasks(const Inputs& in, const std::vector<Task>& tasks, const std::vector<GaeState>& init,
                float* adv, float* ret, float* carry_v, float* carry_a) {
   const Kernel<scalar_t, kMask, kDones, kTokenGL> k(in);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  auto leftmost = [&](int64_t i) { return i == 0 || tasks[i - 1].row != tasks[i].row; };
   bool chunked = false;
   for (const Task& t : tasks) chunked |= !t.rightmost;
-  std::vector<GaeState> carry_in(n_tasks);
+  std::vector<GaeState> carry(n_tasks);
   if (chunked) {
+    // Pass 1: every chunk but a row's leftmost hands its map to the chunk on its left.
     std::vector<GaeMap> maps(n_tasks, gae_identity());
-    at::parallel_for(0, n_tasks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        // Every chunk but a row's leftmost hands its map to the chunk on its left.
-        const bool leftmost = (i == 0) || tasks[i - 1].row != tasks[i].row;
-        if (!leftmost) maps[i] = k.compose(tasks[i].lo, tasks[i].hi);
+    for_groups(n_tasks, [&](int64_t first, int64_t n) {
+      if (n == kGroup) return k.template compose<kGroup>(&tasks[first], &maps[first]);
+      for (int64_t i = first; i < first + n; ++i) {
+        if (!leftmost(i)) k.template compose<1>(&tasks[i], &maps[i]);
       }
     });
-    // Tasks of a row are consecutive, left to right; walk each row's chunks right to left.
+    // Pass 2: the carry entering each chunk, right to left within each row.
     for (int64_t i = n_tasks - 1; i >= 0; --i) {
-      if (tasks[i].rightmost) {
-        carry_in[i] = init[tasks[i].row];
-      } else {
-        // The chunk to the right of i is i + 1; its map applied to its own carry.
-        const Task& right = tasks[i + 1];
-        carry_in[i] = right.rightmost ? gae_apply(maps[i + 1], init[right.row])
-                                      : gae_apply(maps[i + 1], carry_in[i + 1]);
-      }
+      carry[i] = tasks[i].rightmost ? init[tasks[i].row] : gae_apply(maps[i + 1], carry[i + 1]);
     }
   } else {
-    for (int64_t i = 0; i < n_tasks; ++i) carry_in[i] = init[tasks[i].row];
+    for (int64_t i = 0; i < n_tasks; ++i) carry[i] = init[tasks[i].row];
   }
-  at::parallel_for(0, n_tasks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Task& t = tasks[i];
-      const GaeState s = k.run(t.lo, t.hi, carry_in[i], adv, ret);
-      const bool leftmost = (i == 0) || tasks[i - 1].row != t.row;
-      if (leftmost) {
-        carry_v[t.row] = s.nv;
-        carry_a[t.row] = s.adv;
+  // Pass 3: the recursion from each chunk's carry; a row's leftmost chunk gives its carry out.
+  for_groups(n_tasks, [&](int64_t first, int64_t n) {
+    if (n == kGroup) {
+      k.template run<kGroup>(&tasks[first], &carry[first], adv, ret);
+    } else {
+      for (int64_t i = first; i < first + n; ++i) k.template run<1>(&tasks[i], &carry[i], adv, ret);
+    }
+    for (int64_t i = first; i < first + n; ++i) {
+      if (leftmost(i)) {
+        carry_v[tasks[i].row] = carry[i].nv;
+        carry_a[tasks[i].row] = carry[i].adv;
       }
     }
   });
@@ -212,9 +263,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
     }
   }
 
-  // Chunk long rows so that every thread has work: aim at 4 tasks per thread, chunks >= 16K.
+  // Chunk long rows so that every thread has work: aim at 2 groups of tasks per thread, chunks of
+  // at least 16K positions (the chunk maps cost one extra read of the inputs).
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(16384, (N + 4 * threads - 1) / (4 * threads));
+  const int64_t want = 2 * kGroup * threads;
+  const int64_t chunk = std::max<int64_t>(16384, (N + want - 1) / want);
   std::vector<Task> tasks;
   tasks.reserve(n_rows + N / chunk + 1);
   for (int64_t row = 0; row < n_rows; ++row) {
