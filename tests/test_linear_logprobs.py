@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ppo_kernels
-from ppo_kernels import _backend, use_backend
+from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
 from ppo_kernels.linear_logprobs.op import plan_chunks
 

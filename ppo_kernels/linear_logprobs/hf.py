@@ -2,7 +2,6 @@
 through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .op import linear_token_logprobs

@@ -20,7 +20,11 @@ are upcast chunk by chunk and all matmuls run in float32. On CUDA bf16/fp16 matm
 float32 output (torch.mm(..., out_dtype=float32)); the logits-gradient tile is rounded to the input
 dtype for the two backward matmuls, as the materialised path (bf16 grad_logits) does.
 GPU choice: chunked cuBLAS + reduction kernels, not a fused tl.dot kernel -- see the docstring of
-triton_kernels.py; bench/gpu_checks/linear_logprobs.py measures it.
+triton_kernels.py; bench/gpu_checks/linear_logprobs.py measures it. Unmeasured cost to watch: the
+backward walks rows outermost, so each row chunk reads and writes the whole float32 weight-gradient
+accumulator once (beta = 1 GEMM): (N / rows) x V x H x 8 bytes. If the GPU check shows it, use
+squarer tiles (rows ~ vocab chunk ~ sqrt(budget / 6)) or walk the vocabulary outermost (then the
+float32 accumulator is grad_hidden [N, H] instead of grad_weight [V, H]).
 """
 from __future__ import annotations
 
