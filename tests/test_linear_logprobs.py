@@ -287,3 +287,25 @@ def test_long_vocabulary_several_blocks_per_tile(backend):
         torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
         assert hh.grad.isfinite().all() and WW.grad.isfinite().all()
     assert plan_chunks(4, 9001, 8, torch.float32, "cpu", 100_000).vocab < 9001
+
+
+def test_square_tiles_plan(monkeypatch):
+    """The "square" tiling (PPO_KERNELS_LINEAR_TILES=square, for GPU measurements) is exact too."""
+    p = plan_chunks(32768, 152064, 4096, torch.bfloat16, "cuda", 1 << 30, tiles="square")
+    assert 8000 < p.rows < 16000 and 8000 < p.vocab < 16000
+    monkeypatch.setenv("PPO_KERNELS_LINEAR_TILES", "square")
+    h, W, b, labels = _inputs(torch.float32)
+    assert plan_chunks(B * T, V, H, torch.float32, "cpu", 4000).vocab < V
+    ref_lp, ref_ent = _ref(h, W, b, labels, 1.0, -100)
+    hh = h.clone().requires_grad_()
+    lp, ent = ppo_kernels.linear_token_logprobs(hh, W, labels, bias=b, return_entropy=True,
+                                                max_chunk_bytes=4000)
+    torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
+    torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
+    (lp.sum() + ent.sum()).backward()
+    hd = h.double().requires_grad_()
+    sum(_ref(hd, W, b, labels, 1.0, -100)).sum().backward()
+    torch.testing.assert_close(hh.grad.double(), hd.grad, atol=2e-5, rtol=1e-4)
+    monkeypatch.setenv("PPO_KERNELS_LINEAR_TILES", "bogus")
+    with pytest.raises(ValueError, match="PPO_KERNELS_LINEAR_TILES"):
+        ppo_kernels.linear_token_logprobs(h, W, labels)

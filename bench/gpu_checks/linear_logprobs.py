@@ -98,6 +98,20 @@ def sanitize_workload():
             (lp.sum() + ent.sum()).backward()
 
 
+def _square(f):
+    """Run f with square-ish tiles (rows ~ vocabulary chunk) instead of whole-vocabulary tiles."""
+    import os
+    old = os.environ.get("PPO_KERNELS_LINEAR_TILES")
+    os.environ["PPO_KERNELS_LINEAR_TILES"] = "square"
+    try:
+        return f()
+    finally:
+        if old is None:
+            del os.environ["PPO_KERNELS_LINEAR_TILES"]
+        else:
+            os.environ["PPO_KERNELS_LINEAR_TILES"] = old
+
+
 def timing(ctx):
     N, H, V = 32768, 4096, 152064
     dtype = torch.bfloat16
@@ -119,6 +133,8 @@ def timing(ctx):
         "linear_token_logprobs": fwd_bwd(lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)),
         "linear_token_logprobs 2GiB chunks": fwd_bwd(lambda: pk.linear_token_logprobs(
             h, W, y, return_entropy=True, max_chunk_bytes=2 << 30)),
+        "linear_token_logprobs square 1GiB tiles": lambda: _square(fwd_bwd(
+            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True, max_chunk_bytes=1 << 30))),
         "logits + token_logprobs": fwd_bwd(lambda: pk.token_logprobs(h @ W.T, y, return_entropy=True)),
         "eager: logits + log_softmax": fwd_bwd(mat_eager),
     }

@@ -28,6 +28,8 @@ float32 accumulator is grad_hidden [N, H] instead of grad_weight [V, H]).
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +78,18 @@ class Plan:
 
 
 def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
-                max_chunk_bytes: int) -> Plan:
+                max_chunk_bytes: int, tiles: str | None = None) -> Plan:
     """Chunk sizes whose buffers fit in max_chunk_bytes: the logits tile, the upcast copies of the
-    hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator."""
+    hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator.
+
+    tiles: "rows" (default) takes as many rows as fit with the whole vocabulary (the fused
+    token_logprobs kernels then reduce each tile); "square" takes rows ~ vocabulary chunk, which
+    cuts the weight-gradient accumulator traffic (see the module docstring). Default from the
+    environment variable PPO_KERNELS_LINEAR_TILES, for measuring both on a GPU."""
+    if tiles is None:
+        tiles = os.environ.get("PPO_KERNELS_LINEAR_TILES", "rows")
+    if tiles not in ("rows", "square"):
+        raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
     acc = 8 if dtype == torch.float64 else 4
     lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     upcast = dtype not in (torch.float32, torch.float64) and not lowp
@@ -90,6 +101,10 @@ def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
     whole = upcast and V * H * acc <= B // 2
     sub = V if (whole or not upcast) else max(1, min(V, (B // 4) // max(acc * H, 1)))
     avail = max(B - (sub * acc * H if upcast else 0), 0)
+    if tiles == "square":
+        rows = max(1, min(N, math.isqrt(avail // tile_elem)))
+        vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
+        return Plan(rows, vocab, min(sub, vocab), upcast, whole)
     rows = avail // (V * tile_elem + row_fixed)
     if rows >= min(N, _MIN_ROWS):
         return Plan(max(1, min(N, rows)), V, sub, upcast, whole)
