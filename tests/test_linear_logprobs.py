@@ -309,3 +309,29 @@ def test_square_tiles_plan(monkeypatch):
     monkeypatch.setenv("PPO_KERNELS_LINEAR_TILES", "bogus")
     with pytest.raises(ValueError, match="PPO_KERNELS_LINEAR_TILES"):
         ppo_kernels.linear_token_logprobs(h, W, labels)
+
+
+@pytest.mark.parametrize("kernels", ["eager", "triton"])
+def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
+    """The GPU contract (no host check there): a label outside [0, V) gives NaN for that row's
+    log-prob, entropy and gradient, never an out-of-bounds read; other rows are unaffected."""
+    if kernels == "triton" and "triton" not in BACKENDS:
+        pytest.skip("no Triton")
+    from ppo_kernels.linear_logprobs import triton_kernels
+    mod = reference if kernels == "eager" else triton_kernels
+    V_ = 10
+    tile = torch.randn(4, V_)
+    labels = torch.tensor([3, V_ + 2, -100, -7])
+    state = torch.zeros(3, 4)
+    state[0] = float("-inf")
+    zl = torch.full((4,), float("nan"))
+    for v0 in (0, 6):  # two vocabulary chunks
+        mod.tile_stats_(tile[:, v0:min(V_, v0 + 6)].contiguous(), labels, v0, 1.0, -100, state, zl)
+    lp, ent, lse = reference.finalize(state, zl, labels, V_, -100)
+    ref = torch.log_softmax(tile.double(), -1)
+    torch.testing.assert_close(lp[0].double(), ref[0, 3], atol=1e-6, rtol=1e-6)
+    assert lp[1].isnan() and ent[1].isnan() and lp[3].isnan() and ent[3].isnan()
+    assert lp[2] == 0 and ent[2] == 0
+    g = tile[:, :6].contiguous()
+    mod.tile_bwd_(g, labels, 0, lse, ent, torch.ones(4), None, 1.0, -100, V_)
+    assert g[1].isnan().all() and g[3].isnan().all() and (g[2] == 0).all() and g[0].isfinite().all()
