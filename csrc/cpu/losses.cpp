@@ -87,13 +87,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
         const TokenTerms<VecF> o = fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
         acc[kSumLoss] = acc[kSumLoss] + VecF::blendv(vzero, vm * o.loss, keep);
         acc[kSumMask] = acc[kSumMask] + vm;
-        for (int s = 0; s < 4; ++s) acc[kSumClip + s] = acc[kSumClip + s] + VecF::blendv(vzero, vm * o.stat[s], keep);
+        for (int q = 0; q < 4; ++q) acc[kSumClip + q] = acc[kSumClip + q] + VecF::blendv(vzero, vm * o.stat[q], keep);
       }
       std::array<double, kNumPartials> sums{};
-      for (int s = 0; s < kNumPartials; ++s) {
+      for (int q = 0; q < kNumPartials; ++q) {
         float lanes[VecF::size()];
-        acc[s].store(lanes);
-        for (float x : lanes) sums[s] += x;
+        acc[q].store(lanes);
+        for (float v : lanes) sums[q] += v;
       }
       part[it] = sums;
     }
