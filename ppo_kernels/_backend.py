@@ -50,8 +50,12 @@ def has_compiled_kernel(kernel: str, device_type: str) -> bool:
     if not HAS_EXTENSION:
         return False
     key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
-    name = f"ppo_kernels_C::{kernel}"
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+    if key is None:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_kernels_C::{kernel}", key)
+    except RuntimeError:  # an extension built before this kernel existed: not registered at all
+        return False
 
 
 @dataclass(frozen=True)
