@@ -270,6 +270,7 @@ def test_ops_modes_agree_on_losses():
         outs[mode] = [pl, pst["clipfrac"], pst["approx_kl"], vl, vst["vf_clipfrac"],
                       o.masked_whiten(adv, mask), o.masked_mean(adv, mask),
                       o.grpo_advantages(torch.tensor([1., 0., 1., 1.]), 2),
+                      o.rloo_advantages(torch.tensor([1., 0., 3., 1.]), 2),
                       o.kl_penalty(lp, old, "k3"),
                       o.reward_model_loss(adv[:, 0], adv[:, 1]),
                       o.dpo_loss(adv[:, 0], adv[:, 1], adv[:, 2], adv[:, 3], beta=0.1)]

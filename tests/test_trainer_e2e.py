@@ -43,9 +43,10 @@ PARITY = dict(rtol=1e-4, atol=1e-5)
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_eager_fused_parity_of_one_update(algo):
-    """Same seed, same start: one rollout + update under each --ops gives the same metrics."""
+    """Same seed, same start: two rollout + update steps under each --ops give the same metrics."""
     tok, task = CharTokenizer(), DecimalAdditionTask()
-    cfg = _tiny_cfg(algo=algo, group_size=4 if algo == "grpo" else 1, prompts_per_step=4 if algo == "grpo" else 8,
+    grpo = algo == "grpo"
+    cfg = _tiny_cfg(algo=algo, group_size=4 if grpo else 1, prompts_per_step=4 if grpo else 8,
                     kl_coef=0.05)
     torch.manual_seed(0)
     actor0 = tiny_model(cfg, len(tok))
@@ -109,7 +110,8 @@ def test_checkpoint_resume_gives_the_same_continuation(tmp_path):
 
 @pytest.mark.parametrize("algo, extra", [
     ("ppo", ["--steps", "2", "--ops", "fused"]),
-    ("grpo", ["--steps", "1", "--group-size", "4", "--prompts-per-step", "2"]),
+    ("grpo", ["--steps", "1", "--group-size", "4", "--prompts-per-step", "2",
+              "--group-advantage", "rloo"]),
     ("dpo", ["--steps", "2", "--pairs", "16", "--pref-batch", "8"]),
     ("rm", ["--steps", "2", "--pairs", "16", "--pref-batch", "8", "--eval-pairs", "8"]),
 ])

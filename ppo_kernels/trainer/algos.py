@@ -147,7 +147,8 @@ class RLTrainer:
         mask = b.action_mask
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
-            seq_adv = ops.grpo_advantages(scores, cfg.group_size)
+            seq_adv = (ops.rloo_advantages(scores, cfg.group_size) if cfg.group_advantage == "rloo"
+                       else ops.grpo_advantages(scores, cfg.group_size))
             out["advantages"] = seq_adv[:, None] * mask
             out["kl"] = ops.kl_penalty(old_lp, ref_lp, cfg.kl_estimator) * mask
             return out

@@ -44,6 +44,8 @@ class TrainConfig:
     # -- rollouts -----------------------------------------------------------------------------
     prompts_per_step: int = _f(64, "prompts per RL step")
     group_size: int = _f(1, "responses per prompt (GRPO needs >= 2)")
+    group_advantage: str = _f("grpo", "critic-free advantage: grpo (mean/std of the group) or "
+                              "rloo (leave-one-out mean)", choices=("grpo", "rloo"))
     max_new_tokens: int = _f(40, "response budget incl. tool output; beyond it: truncated")
     temperature: float = _f(1.0, "sampling temperature (log-probs use the same)")
     # -- PPO ----------------------------------------------------------------------------------

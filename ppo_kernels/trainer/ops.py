@@ -225,6 +225,12 @@ class Ops:
             return fn(scores, group_size=group_size)
         return eager_grpo_advantages(scores, group_size)
 
+    def rloo_advantages(self, scores, group_size):
+        fn = self._fused("rloo_advantages")
+        if fn is not None:
+            return fn(scores, group_size=group_size)
+        return eager_rloo_advantages(scores, group_size)
+
     # -- losses -------------------------------------------------------------------------------
     def ppo_policy_loss(self, logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
                         dual_clip=None):
