@@ -11,7 +11,43 @@
 #include "common/macros.h"
 #include "common/softmax_stats.h"
 
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#endif
+
 namespace ppo_kernels {
+
+// ---------------------------------------------------------------------------------------------
+// Lane primitives: the estimator math below is generic over the lane type V, `float` (a CUDA
+// thread, a scalar loop) or `at::vec::Vectorized<float>` (the CPU kernels, 8 tokens per AVX2
+// instruction, branch-free). A condition is `bool` for float and a bit mask for Vectorized.
+namespace kl_lanes {
+PPO_HD float sel(bool c, float a, float b) { return c ? a : b; }  // a where c
+PPO_HD float absv(float x) { return fabsf(x); }
+PPO_HD float fma_(float a, float b, float c) { return fmaf(a, b, c); }
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+using VecF = at::vec::Vectorized<float>;
+inline VecF sel(const VecF& c, const VecF& a, const VecF& b) { return VecF::blendv(b, a, c); }
+inline VecF absv(const VecF& x) { return x.abs(); }
+inline VecF fma_(const VecF& a, const VecF& b, const VecF& c) { return at::vec::fmadd(a, b, c); }
+#endif
+}  // namespace kl_lanes
+
+// exp(x) - 1 - x by its Taylor series: error < 1e-9 relative for |x| < kSeriesBound.
+constexpr float kSeriesBound = 0.25f;  // below it the series, above it exp(x) (no cancellation)
+
+template <typename V>
+PPO_HD V expm1_minus_x_series(V x) {
+  using namespace kl_lanes;
+  V t = fma_(x, V(1.f / 40320.f), V(1.f / 5040.f));
+  t = fma_(x, t, V(1.f / 720.f));
+  t = fma_(x, t, V(1.f / 120.f));
+  t = fma_(x, t, V(1.f / 24.f));
+  t = fma_(x, t, V(1.f / 6.f));
+  t = fma_(x, t, V(0.5f));
+  return x * x * t;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Sampled-token estimators, d = logprob - ref_logprob.
@@ -19,71 +55,74 @@ enum KLEstimator : int { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
 
 // Clamps of one estimator call: d is clamped to [in_lo, in_hi] before the estimator and the value
 // to [out_lo, out_hi] after it; an infinite bound is no bound. Like torch.clamp, a finite bound
-// stops the gradient where it is active (strictly outside (lo, hi), NaN included).
+// stops the gradient where it is active (outside the open interval (lo, hi), NaN included).
 struct KLClampSpec {
   float in_lo, in_hi, out_lo, out_hi;
 };
 
-PPO_HD bool clamp_passes(float v, float lo, float hi) {
-  return (lo == -INFINITY || v > lo) && (hi == INFINITY || v < hi);
-}
-
 // NaN-propagating clamp (fminf / fmaxf would drop a NaN).
-PPO_HD float clamp_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-// exp(x) - 1 - x by its Taylor series: error < 1e-9 relative for |x| < 0.25.
-PPO_HD float expm1_minus_x_series(float x) {
-  float t = fmaf(x, 1.f / 40320.f, 1.f / 5040.f);
-  t = fmaf(x, t, 1.f / 720.f);
-  t = fmaf(x, t, 1.f / 120.f);
-  t = fmaf(x, t, 1.f / 24.f);
-  t = fmaf(x, t, 1.f / 6.f);
-  t = fmaf(x, t, 0.5f);
-  return x * x * t;
+template <typename V>
+PPO_HD V clamp_keep_nan(V v, float lo, float hi) {
+  using namespace kl_lanes;
+  return sel(v < V(lo), V(lo), sel(v > V(hi), V(hi), v));
 }
 
-constexpr float kSeriesBound = 0.25f;  // below it the series, above it exp(x) (no cancellation)
+// g where v is strictly inside the finite bounds, else 0 (the bounds are uniform: plain branches).
+template <typename V>
+PPO_HD V clamp_gate(V g, V v, float lo, float hi) {
+  using namespace kl_lanes;
+  if (lo != -INFINITY) g = sel(v > V(lo), g, V(0.f));
+  if (hi != INFINITY) g = sel(v < V(hi), g, V(0.f));
+  return g;
+}
 
 // k3 = exp(x) - x - 1 with x = -d, given ex = exp(x). Near 0 the difference cancels (float32 would
 // keep ~1 correct digit at |x| = 1e-3), so there it is the series.
-PPO_HD float k3_value(float x, float ex) {
-  return fabsf(x) < kSeriesBound ? expm1_minus_x_series(x) : (ex - 1.f) - x;
+template <typename V>
+PPO_HD V k3_value(V x, V ex) {
+  using namespace kl_lanes;
+  return sel(absv(x) < V(kSeriesBound), expm1_minus_x_series(x), (ex - V(1.f)) - x);
 }
 
-// expm1(x) given ex = exp(x), accurate near 0.
-PPO_HD float expm1_from(float x, float ex) {
-  return fabsf(x) < kSeriesBound ? x + expm1_minus_x_series(x) : ex - 1.f;
-}
+// The argument whose exp k3 needs (the only transcendental), so callers compute exp in bulk.
+template <typename V>
+PPO_HD V k3_exp_arg(V d, const KLClampSpec& c) { return V(0.f) - clamp_keep_nan(d, c.in_lo, c.in_hi); }
 
-// The argument whose exp k3 needs (the only transcendental), so vectorised callers can compute
-// exp in bulk: x = -clamp(d).
-PPO_HD float k3_exp_arg(float d, const KLClampSpec& c) { return -clamp_nan(d, c.in_lo, c.in_hi); }
-
-// Value and derivative d(value)/d(d) of one estimator. `ex` = exp(k3_exp_arg(d)) (only read for
-// k3). straight_through: the value of `est`, the gradient of k2 (d, unclamped), as verl's "k3+".
+// Value and derivative d(value)/d(d) of one estimator EST. `ex` = exp(k3_exp_arg(d)) (only read
+// for k3). straight_through: the value of EST, the gradient of k2 (d, unclamped), as verl's "k3+".
+template <typename V>
 struct KLValueGrad {
-  float value;
-  float grad;
+  V value;
+  V grad;
 };
 
-PPO_HD KLValueGrad kl_estimate(float d, float ex, int est, const KLClampSpec& c,
-                               bool straight_through) {
-  const float dc = clamp_nan(d, c.in_lo, c.in_hi);
-  float v, g;
-  switch (est) {
-    case kK1: v = dc; g = 1.f; break;
-    case kAbs: v = fabsf(dc); g = dc > 0.f ? 1.f : (dc < 0.f ? -1.f : 0.f); break;
-    case kK2: v = 0.5f * dc * dc; g = dc; break;
-    default: {  // k3, d/dd (exp(-d) + d - 1) = 1 - exp(-d) = d - k3 (no cancellation near 0)
-      v = k3_value(-dc, ex);
-      g = dc - v;
-      break;
-    }
+template <int EST, typename V>
+PPO_HD KLValueGrad<V> kl_estimate(V d, V ex, const KLClampSpec& c, bool straight_through) {
+  using namespace kl_lanes;
+  const V dc = clamp_keep_nan(d, c.in_lo, c.in_hi);
+  V v, g;
+  if constexpr (EST == kK1) {
+    v = dc;
+    g = V(1.f);
+  } else if constexpr (EST == kAbs) {
+    v = absv(dc);
+    g = sel(dc > V(0.f), V(1.f), sel(dc < V(0.f), V(-1.f), V(0.f)));
+  } else if constexpr (EST == kK2) {
+    v = V(0.5f) * dc * dc;
+    g = dc;
+  } else {  // k3: d/dd (exp(-d) + d - 1) = 1 - exp(-d) = d - k3 (no cancellation near 0)
+    v = k3_value(V(0.f) - dc, ex);
+    g = dc - v;
   }
-  g = clamp_passes(d, c.in_lo, c.in_hi) ? g : 0.f;
-  g = clamp_passes(v, c.out_lo, c.out_hi) ? g : 0.f;
-  v = clamp_nan(v, c.out_lo, c.out_hi);
+  g = clamp_gate(g, d, c.in_lo, c.in_hi);
+  g = clamp_gate(g, v, c.out_lo, c.out_hi);
+  v = clamp_keep_nan(v, c.out_lo, c.out_hi);
   return {v, straight_through ? d : g};
+}
+
+// expm1(x) given ex = exp(x), accurate near 0 (scalar: the full_kl state).
+PPO_HD float expm1_from(float x, float ex) {
+  return fabsf(x) < kSeriesBound ? x + expm1_minus_x_series(x) : ex - 1.f;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,17 +47,6 @@ float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
 }
 
-// expm1(x) - x on vectors, the series of kl_stats.h (only used where |x| < kSeriesBound).
-Vec series(const Vec& x) {
-  Vec t = at::vec::fmadd(x, Vec(1.f / 40320.f), Vec(1.f / 5040.f));
-  t = at::vec::fmadd(x, t, Vec(1.f / 720.f));
-  t = at::vec::fmadd(x, t, Vec(1.f / 120.f));
-  t = at::vec::fmadd(x, t, Vec(1.f / 24.f));
-  t = at::vec::fmadd(x, t, Vec(1.f / 6.f));
-  t = at::vec::fmadd(x, t, Vec(0.5f));
-  return x * x * t;
-}
-
 // KLStats of one block relative to its own maxes (mz, mw); the same terms as kl_stats_add.
 KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float mw) {
   KLStats st{mz, 0.f, mw, 0.f, 0.f};
@@ -70,7 +59,7 @@ KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float m
     const Vec b = w_empty ? ninf : Vec::loadu(w + i) - vmw;
     const Vec e = a.exp(), eb = b.exp(), d = b - a;
     vsz = vsz + e;
-    vv = vv + Vec::blendv(eb - e, e * (d + series(d)), d.abs() < bound);
+    vv = vv + Vec::blendv(eb - e, e * (d + expm1_minus_x_series(d)), d.abs() < bound);
     vu = vu + Vec::blendv(zero, e * (a - b), e > zero);
   }
   st.sz = hsum(vsz);

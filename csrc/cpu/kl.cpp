@@ -33,21 +33,24 @@ void from_float(const float* x, scalar_t* out, int64_t n) {
   }
 }
 
-// d = lp - ref for one tile, and (k3 only) ex = exp(-clamp(d)) computed vectorised: the one
-// transcendental; everything else is the shared scalar math, which the compiler vectorises.
-template <typename scalar_t, int EST>
-void tile_prepare(const scalar_t* lp, const scalar_t* ref, int64_t n, const KLClampSpec& c,
-                  float* d, float* ex) {
+// d = lp - ref for one tile, as float32.
+template <typename scalar_t>
+void tile_log_ratio(const scalar_t* lp, const scalar_t* ref, int64_t n, float* d) {
   float tmp[kTile];
   to_float(lp, d, n);
   to_float(ref, tmp, n);
   for (int64_t i = 0; i < n; ++i) d[i] -= tmp[i];
+}
+
+// Estimator value and gradient for one lane group (Vec or float): the shared math of kl_stats.h.
+template <int EST, typename V>
+KLValueGrad<V> estimate(V d, const KLClampSpec& c, bool st) {
+  V ex(1.f);
   if constexpr (EST == kK3) {
-    for (int64_t i = 0; i < n; ++i) ex[i] = k3_exp_arg(d[i], c);
-    int64_t i = 0;
-    for (; i + Vec::size() <= n; i += Vec::size()) Vec::loadu(ex + i).exp().store(ex + i);
-    if (i < n) Vec::loadu(ex + i, n - i).exp().store(ex + i, n - i);
+    if constexpr (std::is_same_v<V, float>) ex = std::exp(k3_exp_arg(d, c));
+    else ex = k3_exp_arg(d, c).exp();
   }
+  return kl_estimate<EST>(d, ex, c, st);
 }
 
 // Calls f(std::integral_constant<int, EST>) for the runtime estimator code.
@@ -88,11 +91,15 @@ at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in,
     dispatch_estimator(est, [&](auto E) {
       constexpr int EST = decltype(E)::value;
       at::parallel_for(0, (n + kTile - 1) / kTile, 16, [&](int64_t t0, int64_t t1) {
-        float d[kTile], ex[kTile];
+        float d[kTile];
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t s = t * kTile, m = std::min(kTile, n - s);
-          tile_prepare<scalar_t, EST>(a + s, b + s, m, c, d, ex);
-          for (int64_t i = 0; i < m; ++i) o[s + i] = kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, false).value;
+          tile_log_ratio(a + s, b + s, m, d);
+          int64_t i = 0;
+          for (; i + Vec::size() <= m; i += Vec::size()) {
+            estimate<EST>(Vec::loadu(d + i), c, false).value.store(o + s + i);
+          }
+          for (; i < m; ++i) o[s + i] = estimate<EST>(d[i], c, false).value;
         }
       });
     });
@@ -124,11 +131,15 @@ std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in,
     dispatch_estimator(est, [&](auto E) {
       constexpr int EST = decltype(E)::value;
       at::parallel_for(0, (n + kTile - 1) / kTile, 16, [&](int64_t t0, int64_t t1) {
-        float d[kTile], ex[kTile], out[kTile];
+        float d[kTile], out[kTile];
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t s = t * kTile, m = std::min(kTile, n - s);
-          tile_prepare<scalar_t, EST>(a + s, b + s, m, c, d, ex);
-          for (int64_t i = 0; i < m; ++i) out[i] = g[s + i] * kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, straight_through).grad;
+          tile_log_ratio(a + s, b + s, m, d);
+          int64_t i = 0;
+          for (; i + Vec::size() <= m; i += Vec::size()) {
+            (Vec::loadu(g + s + i) * estimate<EST>(Vec::loadu(d + i), c, straight_through).grad).store(out + i);
+          }
+          for (; i < m; ++i) out[i] = g[s + i] * estimate<EST>(d[i], c, straight_through).grad;
           if (ga) from_float(out, ga + s, m);
           if (gb) {
             for (int64_t i = 0; i < m; ++i) out[i] = -out[i];
@@ -180,27 +191,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
     dispatch_estimator(est, [&](auto E) {
       constexpr int EST = decltype(E)::value;
       at::parallel_for(0, B, std::max<int64_t>(1, 4096 / std::max<int64_t>(T, 1)), [&](int64_t r0, int64_t r1) {
-        float d[kTile], ex[kTile];
+        float d[kTile], w[kTile];
         for (int64_t row = r0; row < r1; ++row) {
           const float be = bt ? bt[row * bstride] * beta_f : beta_f;
           const int64_t o = row * T;
+          Vec vsum(0.f), vcnt(0.f);
           float sum = 0.f, cnt = 0.f;
           int64_t last = -1;
           for (int64_t s = 0; s < T; s += kTile) {
             const int64_t m = std::min(kTile, T - s);
-            tile_prepare<scalar_t, EST>(a + o + s, b + o + s, m, c, d, ex);
-            for (int64_t i = 0; i < m; ++i) {
-              const float w = mbool ? static_cast<float>(mb[o + s + i]) : mf[o + s + i];
-              const bool act = w != 0.f;
-              const float v = act ? kl_estimate(d[i], EST == kK3 ? ex[i] : 1.f, EST, c, false).value : 0.f;
-              const float wv = act ? v * w : 0.f;
+            tile_log_ratio(a + o + s, b + o + s, m, d);
+            if (mbool) {
+              for (int64_t i = 0; i < m; ++i) w[i] = mb[o + s + i] ? 1.f : 0.f;
+            } else {
+              std::copy(mf + o + s, mf + o + s + m, w);
+            }
+            for (int64_t i = m - 1; i >= 0; --i) {
+              if (w[i] != 0.f) {
+                last = s + i;
+                break;
+              }
+            }
+            // kl where the mask is nonzero (else 0, never 0 * inf), rewards -beta * kl * mask
+            auto terms = [&](auto dv, auto wv) {
+              using V = decltype(dv);
+              using namespace kl_lanes;
+              const auto act = wv != V(0.f);
+              const V v = sel(act, estimate<EST>(dv, c, false).value, V(0.f));
+              const V wk = sel(act, v * wv, V(0.f));
+              return std::make_tuple(v, wk, sel(act, V(-be) * wk, V(0.f)));
+            };
+            int64_t i = 0;
+            for (; i + Vec::size() <= m; i += Vec::size()) {
+              const Vec wv = Vec::loadu(w + i);
+              auto [v, wk, rr] = terms(Vec::loadu(d + i), wv);
+              v.store(k + o + s + i);
+              rr.store(r + o + s + i);
+              vsum = vsum + wk;
+              vcnt = vcnt + wv;
+            }
+            for (; i < m; ++i) {
+              auto [v, wk, rr] = terms(d[i], w[i]);
               k[o + s + i] = v;
-              r[o + s + i] = act ? -be * wv : 0.f;
-              sum += wv;
-              cnt += w;
-              last = act ? s + i : last;
+              r[o + s + i] = rr;
+              sum += wk;
+              cnt += w[i];
             }
           }
+          sum += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, vsum);
+          cnt += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, vcnt);
           if (last >= 0) r[o + last] += sc[row];
           mk[row] = last >= 0 ? sum / cnt : 0.f;
         }
