@@ -207,6 +207,23 @@ def test_kl_penalized_rewards(backend, estimator, mask_kind, beta_kind):
 
 
 @pytest.mark.parametrize("backend", cpu_backends("kl_penalized_rewards"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kl_penalized_rewards_low_precision_long_rows(backend, dtype):
+    B, T = 3, 2600  # longer than one Triton block / CPU tile
+    lp, ref = _pairs(B * T, dtype)
+    lp, ref = lp.view(B, T), ref.view(B, T)
+    mask = torch.rand(B, T) > 0.5
+    mask[2, 2000:] = False
+    scores = torch.randn(B)
+    with use_backend(kl_penalized_rewards=backend), poisoned():
+        r, k, mk = kl_penalized_rewards(scores, lp, ref, mask, beta=0.1, estimator="k3", clamp="openrlhf")
+    rr, kr, mr = _rewards_ref(scores, lp, ref, mask, 0.1, "k3", "openrlhf")
+    torch.testing.assert_close(r.double(), rr, atol=1e-5, rtol=2e-5)
+    torch.testing.assert_close(k.double(), kr, atol=1e-5, rtol=2e-5)
+    torch.testing.assert_close(mk.double(), mr, atol=1e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", cpu_backends("kl_penalized_rewards"))
 def test_kl_penalized_rewards_edge_shapes_and_infinite_padding(backend):
     with use_backend(kl_penalized_rewards=backend), poisoned():
         r, k, m = kl_penalized_rewards(torch.randn(3), torch.empty(3, 0), torch.empty(3, 0),
@@ -395,3 +412,19 @@ def test_parity_openrlhf_compute_reward_on_rows_with_actions():
     for fn in fns:
         torch.testing.assert_close(r, fn(scores, 0.07, kl, action_mask=mask), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k, kl)
+
+
+def test_parity_trl_literal_no_clamps():
+    """TRL (GRPO's per-token KL, PPO's k1 / k3 estimators) clamps nothing."""
+    lp, ref = _pairs(400)
+    keep = (lp - ref).abs() < 60  # float64 stays finite; float32 k3 overflows beyond ~88
+    lp, ref = lp[keep].requires_grad_(), ref[keep]
+    for name, literal in (("k1", lambda a, b: a - b),
+                          ("k3", lambda a, b: torch.exp(b - a) - (b - a) - 1)):
+        v = kl_penalty(lp, ref, name, clamp="trl")
+        (g,) = torch.autograd.grad(v.sum(), lp)
+        a = lp.detach().double().requires_grad_()
+        want = literal(a, ref.double())
+        (gw,) = torch.autograd.grad(want.sum(), a)
+        torch.testing.assert_close(v.double(), want.detach(), **VTOL)
+        torch.testing.assert_close(g.double(), gw, **GTOL)

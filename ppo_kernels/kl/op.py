@@ -159,7 +159,8 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         logprobs, ref_logprobs: `[B, T]` sampled-token log-probs of the policy and the reference.
         mask: `[B, T]` action mask: bool, integer 0/1, or float weights.
         beta: KL coefficient: a float, or a 0-dim / `[B]` tensor (e.g. an adaptive KL controller's
-            value, read on the device: no sync, no recompile).
+            value, read on the device: no sync, no recompile). Under torch.compile a float beta is
+            a constant of the graph, so pass a changing beta as a tensor.
         estimator, clamp: as in `kl_penalty` (straight-through "+" variants equal their base here).
 
     Returns:
