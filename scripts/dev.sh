@@ -28,11 +28,26 @@ setup() {
   "$VENV/bin/python" -m ppo_kernels info
 }
 
+# Peers' own source for the parity tests (their packages do not import without ray & co, so the
+# tests read the functions they compare against out of the downloaded wheels).
+peers() {
+  local dir="$VENV/peers"
+  if [ ! -d "$dir/verl" ]; then
+    mkdir -p "$dir"
+    if "$VENV/bin/pip" download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 2>/dev/null; then
+      (cd "$dir" && "$VENV/bin/python" -m zipfile -e verl-*.whl .) || true
+    else
+      echo "peer wheels unavailable: the peer parity tests will skip" >&2
+    fi
+  fi
+  export VERL_SRC="$PWD/$dir" PPO_KERNELS_PEER_WHEELS="$PWD/$dir"
+}
+
 cmd=${1:-test}
 setup
 case "$cmd" in
   setup) ;;
-  test) "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+  test) peers; "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     if [ -f ppo_kernels/trainer/cli.py ]; then
