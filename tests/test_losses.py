@@ -533,3 +533,17 @@ def test_torch_compile_inductor_fullgraph():
     b[0].backward()
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_policy_loss_entropy_mean_statistic():
+    B, T = 3, 7
+    lp, old, adv = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T)
+    mask = torch.rand(B, T) > 0.4
+    ent = torch.rand(B, T) * 3
+    _, stats = pk.ppo_policy_loss(lp, old, adv, mask, entropy=ent)
+    want = (ent.double() * mask).sum() / mask.sum()
+    torch.testing.assert_close(stats["entropy_mean"].double(), want, atol=1e-6, rtol=1e-6)
+    _, stats = pk.ppo_policy_loss(lp, old, adv, mask)
+    assert "entropy_mean" not in stats
+    with pytest.raises(ValueError, match="entropy"):
+        pk.ppo_policy_loss(lp, old, adv, mask, entropy=ent[:, :3])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_same_device, check_tensor
+from .._checks import check_same_device, check_shape, check_tensor
 from . import reference
 from .reference import AGG_MODES, STAT_NAMES_POLICY, STAT_NAMES_VALUE
 
@@ -258,7 +258,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     log_ratio_clamp: float = 20.0, dp_size: int = 1,
                     global_num_tokens: int | float | Tensor | None = None,
                     global_batch_size: int | float | Tensor | None = None,
-                    loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                    loss_scale_factor: float | None = None,
+                    entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
 
     Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
@@ -277,6 +278,9 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         old_logprobs, advantages: same shape, any float dtype (no gradient).
         mask: same shape, bool / integer / float (a float mask weights tokens).
         clip_high: defaults to clip_low. dual_clip: None (off; verl's default is 3.0) or > 1.
+        entropy: optional per-token entropy (same shape); adds the `entropy_mean` statistic
+            (masked mean, no host sync). It does not enter the loss: add an entropy bonus with
+            `masked_mean` / your aggregation as verl does.
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 logprobs) and 0-dim tensors
         `clip_frac`, `clip_frac_lower` (dual clip; 0 without it), `approx_kl` (masked mean of
@@ -299,7 +303,12 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
         float(clip_high), float(dual_clip) if dual_clip is not None else 0.0, float(log_ratio_clamp),
         agg_i, scale, gd, gdv)
-    return loss, dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+    out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+    if entropy is not None:
+        from ..gae import masked_mean
+        check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
+        out["entropy_mean"] = masked_mean(entropy.detach().float(), mask)
+    return loss, out
 
 
 def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
