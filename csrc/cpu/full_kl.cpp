@@ -7,41 +7,17 @@
 #include <torch/library.h>
 
 #include "common/alloc.h"
+#include "common/cpu_softmax.h"
 #include "common/kl_stats.h"
 #include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using cpu::Vec;
+using cpu::from_float;
+using cpu::load_scaled;
 constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row (x2 tensors)
-
-// Load n values as float32 scaled by inv_t into buf; returns their max (NaN if any is NaN).
-template <typename scalar_t>
-float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(x, x + n, buf);
-  } else {
-    at::vec::convert(x, buf, n);
-  }
-  const Vec vt(inv_t);
-  Vec vmax(-INFINITY);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec z = Vec::loadu(buf + i) * vt;
-    z.store(buf + i);
-    vmax = at::vec::maximum(vmax, z);  // propagates NaN
-  }
-  float m = -INFINITY;
-  for (; i < n; ++i) {
-    buf[i] *= inv_t;
-    m = nan_max(m, buf[i]);
-  }
-  float lanes[Vec::size()];
-  vmax.store(lanes);
-  for (float v : lanes) m = nan_max(m, v);
-  return m;
-}
 
 float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
@@ -201,13 +177,8 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, con
             if (gyr) bw[i] = a * (std::exp(w - lw) - p);
             bz[i] = a * full_kl_grad_z(p, z, w, c);
           }
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            std::copy(bz.begin(), bz.begin() + n, gxr + j);
-            if (gyr) std::copy(bw.begin(), bw.begin() + n, gyr + j);
-          } else {
-            at::vec::convert(bz.data(), gxr + j, n);
-            if (gyr) at::vec::convert(bw.data(), gyr + j, n);
-          }
+          from_float(bz.data(), gxr + j, n);
+          if (gyr) from_float(bw.data(), gyr + j, n);
         }
       }
     });

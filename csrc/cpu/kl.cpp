@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "common/alloc.h"
+#include "common/cpu_softmax.h"
 #include "common/kl_stats.h"
 
 namespace ppo_kernels {
@@ -15,23 +16,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 256;
 
-template <typename scalar_t>
-void to_float(const scalar_t* x, float* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(x, x + n, out);
-  } else {
-    at::vec::convert(x, out, n);
-  }
-}
-
-template <typename scalar_t>
-void from_float(const float* x, scalar_t* out, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(x, x + n, out);
-  } else {
-    at::vec::convert(x, out, n);
-  }
-}
+using cpu::from_float;
+using cpu::to_float;
 
 // d = lp - ref for one tile, as float32.
 template <typename scalar_t>

@@ -11,58 +11,15 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "common/softmax_stats.h"
+#include "common/cpu_softmax.h"
 
 namespace ppo_kernels {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row
-
-// buf = x * inv_t; returns the NaN-propagating max.
-float scale_block(const float* x, int64_t n, float inv_t, float* buf) {
-  const Vec vt(inv_t);
-  Vec vmax(-INFINITY);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec z = Vec::loadu(x + i) * vt;
-    z.store(buf + i);
-    vmax = at::vec::maximum(vmax, z);
-  }
-  float m = -INFINITY;
-  for (; i < n; ++i) {
-    buf[i] = x[i] * inv_t;
-    m = nan_max(m, buf[i]);
-  }
-  float lanes[Vec::size()];
-  vmax.store(lanes);
-  for (float v : lanes) m = nan_max(m, v);
-  return m;
-}
-
-// Softmax stats of one block of scaled values relative to its max m (as in token_logprobs.cpp).
-SoftmaxStats block_stats(const float* z, int64_t n, float m) {
-  if (m == -INFINITY) return stats_empty();
-  if (m == INFINITY || m != m) return {m, NAN, NAN};  // +inf / NaN poison the row
-  const Vec vm(m), floor_(-FLT_MAX);
-  Vec vs(0.f), vu(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec d = Vec::loadu(z + i) - vm;
-    const Vec e = d.exp_u20();
-    vs = vs + e;
-    vu = at::vec::fmadd(e, at::vec::maximum(d, floor_), vu);
-  }
-  float s = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vs);
-  float u = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vu);
-  for (; i < n; ++i) {
-    const float d = z[i] - m;
-    const float e = std::exp(d);
-    s += e;
-    u += weighted_offset(e, d);
-  }
-  return {m, s, u};
-}
+using cpu::Vec;
+using cpu::kBlock;
+using cpu::block_stats;
+using cpu::load_scaled;
 
 void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
   TORCH_CHECK(tile.scalar_type() == at::kFloat && tile.dim() == 2 && tile.stride(1) == 1,
@@ -101,7 +58,7 @@ void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t
         SoftmaxStats st{sm[r], ss[r], su[r]};
         for (int64_t j = 0; j < Vt; j += kBlock) {
           const int64_t n = std::min(kBlock, Vt - j);
-          const float m = scale_block(row + j, n, inv_t, buf);
+          const float m = load_scaled(row + j, n, inv_t, buf);
           st = stats_merge(st, block_stats(buf, n, m));
         }
         sm[r] = st.m;

@@ -8,98 +8,17 @@
 #include <torch/library.h>
 
 #include "common/alloc.h"
-#include "common/softmax_stats.h"
+#include "common/cpu_softmax.h"
 #include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row
-
-// dtype <-> float32 conversion of a block, vectorised for bf16 / fp16 (at::vec::convert's
-// generic path is scalar).
-template <typename scalar_t>
-void to_float(const scalar_t* x, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(x, x + n, buf);
-  } else if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    int64_t i = 0;
-    for (; i + bVec::size() <= n; i += bVec::size()) {
-      auto [a, b] = at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i));
-      a.store(buf + i);
-      b.store(buf + i + Vec::size());
-    }
-    for (; i < n; ++i) buf[i] = static_cast<float>(x[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
-  }
-}
-
-template <typename scalar_t>
-void from_float(const float* buf, scalar_t* y, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::copy(buf, buf + n, y);
-  } else if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    int64_t i = 0;
-    for (; i + bVec::size() <= n; i += bVec::size()) {
-      at::vec::convert_from_float<scalar_t>(Vec::loadu(buf + i), Vec::loadu(buf + i + Vec::size()))
-          .store(y + i);
-    }
-    for (; i < n; ++i) y[i] = static_cast<scalar_t>(buf[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<scalar_t>(buf[i]);
-  }
-}
-
-// Load n values as float32 scaled by inv_t into buf; returns their (NaN-propagating) max.
-template <typename scalar_t>
-float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
-  to_float(x, buf, n);
-  const Vec vt(inv_t);
-  Vec vmax(-INFINITY);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec z = Vec::loadu(buf + i) * vt;
-    z.store(buf + i);
-    vmax = at::vec::maximum(vmax, z);  // propagates NaN
-  }
-  float m = -INFINITY;
-  if (i < n) {
-    Vec z = Vec::loadu(buf + i, n - i) * vt;
-    z.store(buf + i, n - i);
-    for (int64_t j = i; j < n; ++j) m = nan_max(m, buf[j]);
-  }
-  float lanes[Vec::size()];
-  vmax.store(lanes);
-  for (float v : lanes) m = nan_max(m, v);
-  return m;
-}
-
-// Softmax stats of one L1-resident block (values already scaled), relative to its max m.
-SoftmaxStats block_stats(const float* z, int64_t n, float m) {
-  if (m == -INFINITY) return stats_empty();  // all -inf: contributes nothing
-  const Vec vm(m), floor_(-FLT_MAX);
-  Vec vs(0.f), vu(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec d = Vec::loadu(z + i) - vm;
-    const Vec e = d.exp_u20();
-    vs = vs + e;
-    vu = at::vec::fmadd(e, at::vec::maximum(d, floor_), vu);
-  }
-  float s = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vs);
-  float u = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vu);
-  for (; i < n; ++i) {
-    const float d = z[i] - m;
-    const float e = std::exp(d);
-    s += e;
-    u += weighted_offset(e, d);
-  }
-  return {m, s, u};
-}
+using cpu::Vec;
+using cpu::kBlock;
+using cpu::block_stats;
+using cpu::from_float;
+using cpu::load_scaled;
 
 void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
   AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_labels", [&] {

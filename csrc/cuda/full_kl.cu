@@ -10,48 +10,18 @@
 #include <cstdint>
 
 #include "common/alloc.h"
+#include "common/cuda_utils.cuh"
 #include "common/kl_stats.h"
 #include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
+using dev::Pack;
+using dev::head_len;
 
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kN = 16 / sizeof(T);
-  T v[kN];
-};
-
-__device__ __forceinline__ KLStats shfl_xor(KLStats st, int o) {
-  return {__shfl_xor_sync(kFull, st.mz, o), __shfl_xor_sync(kFull, st.sz, o),
-          __shfl_xor_sync(kFull, st.mw, o), __shfl_xor_sync(kFull, st.v, o),
-          __shfl_xor_sync(kFull, st.u, o)};
-}
-
-// Merge every thread's state; the result is valid in thread 0.
-__device__ KLStats block_reduce(KLStats st) {
-  __shared__ KLStats partial[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) st = kl_stats_merge(st, shfl_xor(st, o));
-  if (lane == 0) partial[warp] = st;
-  __syncthreads();
-  if (warp == 0) {
-    const int nwarps = (blockDim.x + 31) >> 5;
-    st = lane < nwarps ? partial[lane] : kl_stats_empty();
-    for (int o = 16; o > 0; o >>= 1) st = kl_stats_merge(st, shfl_xor(st, o));
-  }
-  __syncthreads();  // `partial` is reused by the next row
-  return st;
-}
-
-// Scalar elements [0, head) until p is 16-byte aligned.
-template <typename T>
-__device__ __forceinline__ int64_t head_len(const T* p, int64_t V) {
-  const int64_t mis = (reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T);
-  const int64_t head = mis == 0 ? 0 : Pack<T>::kN - mis;
-  return head < V ? head : V;
+__device__ __forceinline__ KLStats block_reduce(KLStats st) {
+  return dev::block_reduce(st, kl_stats_empty(), [](const KLStats& a, const KLStats& b) { return kl_stats_merge(a, b); });
 }
 
 // Add K pairs: one rescale to the pack's maxes, then the terms of kl_stats_add without per-element

@@ -1,0 +1,58 @@
+// Device-only building blocks shared by the CUDA vocabulary kernels (token_logprobs, full_kl):
+// 16-byte packs, the scalar head before a row becomes 16-byte aligned, and a block-wide
+// reduction of any online state (SoftmaxStats, KLStats) with its merge.
+#pragma once
+#include <cstdint>
+
+namespace ppo_kernels {
+namespace dev {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kN = 16 / sizeof(T);
+  T v[kN];
+};
+
+// Elements [0, head) of a row are handled as scalars until p is 16-byte aligned; then packs; then
+// a scalar tail. Works for any V and any row alignment.
+template <typename T>
+__device__ __forceinline__ int64_t head_len(const T* p, int64_t V) {
+  const int64_t mis = (reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T);
+  const int64_t head = mis == 0 ? 0 : Pack<T>::kN - mis;
+  return head < V ? head : V;
+}
+
+// Lane shuffle of a plain struct of floats.
+template <typename S>
+__device__ __forceinline__ S shfl_xor(S st, int offset) {
+  static_assert(sizeof(S) % sizeof(float) == 0, "state must be a struct of floats");
+  S out;
+  const float* in = reinterpret_cast<const float*>(&st);
+  float* o = reinterpret_cast<float*>(&out);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(S) / sizeof(float)); ++i) o[i] = __shfl_xor_sync(kFullMask, in[i], offset);
+  return out;
+}
+
+// Merge every thread's state (warp shuffles, then one warp over the per-warp partials); the
+// result is valid in thread 0. Every thread of the block must call it.
+template <typename S, typename Merge>
+__device__ S block_reduce(S st, S empty, Merge merge) {
+  __shared__ S partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
+  if (lane == 0) partial[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    st = lane < nwarps ? partial[lane] : empty;
+    for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
+  }
+  __syncthreads();  // `partial` is reused by the next row
+  return st;
+}
+
+}  // namespace dev
+}  // namespace ppo_kernels
