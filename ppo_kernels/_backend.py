@@ -156,6 +156,19 @@ def default_backend(op: str, device_type: str) -> str:
     return "eager"
 
 
+def backend_for(op: str, t: torch.Tensor) -> str:
+    """The backend `op` runs on for input `t`. float64 inputs always take the float64 eager
+    reference (the kernels accumulate in float32), which is also what gradcheck exercises."""
+    if t.dtype == torch.float64:
+        return "eager"
+    return resolve(op, t.device.type)
+
+
+def out_dtype(t: torch.Tensor) -> torch.dtype:
+    """Per-token outputs are float32, float64 for float64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def resolve(op: str, device_type: str) -> str:
     """The backend `op` runs on for a tensor on `device_type` right now."""
     choice = None

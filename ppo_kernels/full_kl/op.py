@@ -12,34 +12,26 @@ from . import reference
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="cpp")
 
 
-def _backend_for(logits: Tensor) -> str:
-    if logits.dtype == torch.float64:  # the kernels accumulate in float32
-        return "eager"
-    return _backend.resolve("full_kl", logits.device.type)
-
-
-def _out(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("ppo_kernels::full_kl", mutates_args=())
 def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
-    backend = _backend_for(logits)
+    backend = _backend.backend_for("full_kl", logits)
     if backend == "cpp":
         return torch.ops.ppo_kernels_C.full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
     if backend == "triton":
         from . import triton_kernels
         return triton_kernels.forward(logits, ref_logits, mask, 1.0 / temperature)
     kl, lz, lw = reference.forward(logits, ref_logits, temperature, mask)
-    o = _out(logits)
+    o = _backend.out_dtype(logits)
     return kl.to(o), lz.to(o), lw.to(o)
 
 
 @full_kl_op.register_fake
 def _(logits, ref_logits, temperature, mask):
-    shape, o = logits.shape[:-1], _out(logits)
+    shape, o = logits.shape[:-1], _backend.out_dtype(logits)
     return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
 
 
@@ -48,7 +40,7 @@ def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: 
                         kl: Tensor, lse_z: Tensor, lse_w: Tensor, temperature: float,
                         need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logits, grad_ref_logits or an empty tensor)."""
-    backend = _backend_for(logits)
+    backend = _backend.backend_for("full_kl", logits)
     if backend == "eager":
         gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature, mask, need_ref)
         return gz.contiguous(), (gw.contiguous() if need_ref else ref_logits.new_empty(0))

@@ -14,12 +14,6 @@ from . import reference
 OP = _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp")
 
 
-def _backend_for(rewards: Tensor) -> str:
-    # float64 takes the float64 reference: the kernels compute in float32.
-    if rewards.dtype == torch.float64:
-        return "eager"
-    return _backend.resolve("gae", rewards.device.type)
-
 
 @torch.library.custom_op("ppo_kernels::gae", mutates_args=())
 def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor | None,
@@ -29,7 +23,7 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
     """Normalised inputs (see gae()): rewards/values one dtype, [B, T] or flat [N] with
     cu_seqlens; mask/dones bool; gamma_t/lam_t float32 like rewards or None (then the floats);
     init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv)."""
-    backend = _backend_for(rewards)
+    backend = _backend.backend_for("gae", rewards)
     n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else rewards.shape[0]
     row_len = rewards.shape[-1] if cu_seqlens is None else -1
     if backend == "eager":

@@ -17,9 +17,6 @@ SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + SCORE_DTYPES
 
 
-def _out_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 @torch.library.custom_op("ppo_kernels::group_advantages", mutates_args=())
 def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: int, eps: float,
@@ -34,13 +31,13 @@ def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: 
         return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std, kind, mask)
     adv = reference.group_advantages(scores, group_index, group_size if group_index is None else None, eps,
                                      norm_by_std, mask, KINDS[kind])
-    return adv.to(_out_dtype(scores))
+    return adv.to(_backend.out_dtype(scores))
 
 
 @group_advantages_op.register_fake
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     shape = (scores.shape[0],) if mask is None else tuple(mask.shape)
-    return scores.new_empty(shape, dtype=_out_dtype(scores))
+    return scores.new_empty(shape, dtype=_backend.out_dtype(scores))
 
 
 def _check_index_cpu(group_index, B):

@@ -16,21 +16,13 @@ _backend.register_op("kl_penalty", kernel="kl_penalty_fwd", triton=True, cuda_de
 _backend.register_op("kl_penalized_rewards", kernel="kl_rewards_fwd", triton=True, cuda_default="triton")
 
 
-def _backend_for(op: str, t: Tensor) -> str:
-    if t.dtype == torch.float64:  # the kernels compute in float32
-        return "eager"
-    return _backend.resolve(op, t.device.type)
-
-
-def _out_dtype(t: Tensor):
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalty", mutates_args=())
 def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straight_through: bool,
                   in_lo: float, in_hi: float, out_lo: float, out_hi: float) -> Tensor:
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend_for("kl_penalty", logprobs)
+    backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
         return torch.ops.ppo_kernels_C.kl_penalty_fwd(logprobs, ref_logprobs, estimator,
                                                       straight_through, *bounds)
@@ -38,12 +30,12 @@ def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straig
         from . import triton_kernels
         return triton_kernels.forward(logprobs, ref_logprobs, estimator, bounds)
     v = reference.kl_penalty(logprobs, ref_logprobs, estimator, False, bounds)
-    return v.to(_out_dtype(logprobs)).contiguous()
+    return v.to(_backend.out_dtype(logprobs)).contiguous()
 
 
 @kl_penalty_op.register_fake
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
-    return torch.empty(logprobs.shape, dtype=_out_dtype(logprobs), device=logprobs.device)
+    return torch.empty(logprobs.shape, dtype=_backend.out_dtype(logprobs), device=logprobs.device)
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalty_backward", mutates_args=())
@@ -52,7 +44,7 @@ def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
                            out_hi: float, need_lp: bool, need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logprobs, grad_ref_logprobs), each an empty tensor when not needed."""
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend_for("kl_penalty", logprobs)
+    backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
         return torch.ops.ppo_kernels_C.kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
                                                       straight_through, *bounds, need_lp, need_ref)
@@ -127,7 +119,7 @@ def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tens
                             beta_t: Tensor | None, beta: float, estimator: int, in_lo: float,
                             in_hi: float, out_lo: float, out_hi: float) -> tuple[Tensor, Tensor, Tensor]:
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend_for("kl_penalized_rewards", logprobs)
+    backend = _backend.backend_for("kl_penalized_rewards", logprobs)
     if backend == "cpp":
         return torch.ops.ppo_kernels_C.kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t,
                                                       beta, estimator, *bounds)
@@ -136,13 +128,13 @@ def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tens
         return triton_kernels.rewards(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, bounds)
     b = beta if beta_t is None else beta_t * beta
     r, k, m = reference.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
-    out = _out_dtype(logprobs)
+    out = _backend.out_dtype(logprobs)
     return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
 
 
 @kl_penalized_rewards_op.register_fake
 def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
-    out = _out_dtype(logprobs)
+    out = _backend.out_dtype(logprobs)
     B, T = logprobs.shape
     return (logprobs.new_empty((B, T), dtype=out), logprobs.new_empty((B, T), dtype=out),
             logprobs.new_empty((B,), dtype=out))

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
+from ..token_logprobs.op import _check_labels_cpu
 from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
 from . import reference
 
@@ -56,11 +57,6 @@ _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
-
-def _backend_for(hidden: Tensor) -> str:
-    if hidden.dtype == torch.float64:  # the kernels accumulate in float32
-        return "eager"
-    return _backend.resolve("linear_token_logprobs", hidden.device.type)
 
 
 def _lowp_gemm(hidden: Tensor) -> bool:
@@ -112,13 +108,6 @@ def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
     vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
     return Plan(rows, vocab, min(sub, vocab), upcast, whole)
 
-
-def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-    if bool(bad.any()):
-        pos = int(bad.flatten().nonzero()[0])
-        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
-                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
 
 
 class _TileOps:
@@ -247,7 +236,7 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
     if N == 0:
         return lp, ent, lse
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev))
-    ops = _TileOps(_backend_for(hidden), dev.type, hidden.dtype)
+    ops = _TileOps(_backend.backend_for("linear_token_logprobs", hidden), dev.type, hidden.dtype)
     tiler = _Tiler(hidden, weight, bias, plan)
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
@@ -301,7 +290,7 @@ def linear_token_logprobs_backward_op(
     if N == 0:
         return gh_out.zero_(), gW, gb
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev))
-    ops = _TileOps(_backend_for(hidden), dev.type, hidden.dtype)
+    ops = _TileOps(_backend.backend_for("linear_token_logprobs", hidden), dev.type, hidden.dtype)
     tiler = _Tiler(hidden, weight, bias, plan)
     inv_t = 1.0 / temperature
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0

@@ -24,26 +24,20 @@ VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + VALUE_DTYPES
 
 
-def _out_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _backend_for(name, x):
-    if x.dtype == torch.float64 or x.numel() == 0:
-        return "eager"  # float64 reference; empty inputs need no kernel
-    return _backend.resolve(name, x.device.type)
+    return "eager" if x.numel() == 0 else _backend.backend_for(name, x)  # empty: no kernel needed
 
 
 def _gden(global_denom, global_denom_value, like):
     if global_denom is not None:
         return global_denom.reshape(())
     if global_denom_value >= 0:
-        return torch.tensor(global_denom_value, dtype=_out_dtype(like))
+        return torch.tensor(global_denom_value, dtype=_backend.out_dtype(like))
     return None
 
 
 def _fake_outputs(x, n_stats):
-    out = _out_dtype(x)
+    out = _backend.out_dtype(x)
     return (x.new_empty((), dtype=out), x.new_empty((n_stats,), dtype=out),
             x.new_empty((x.shape[0],), dtype=out))
 
@@ -71,7 +65,7 @@ def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
         logprobs, old_logprobs, advantages, mask, clip_low, clip_high,
         dual_clip if dual_clip > 0 else None, AGG_MODES[agg], log_ratio_clamp, scale,
         None if gd is None else gd.to(logprobs.device))
-    out = _out_dtype(logprobs)
+    out = _backend.out_dtype(logprobs)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
@@ -151,7 +145,7 @@ def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask:
     loss, stats, coef = reference.value_loss(values, old_values, returns, mask, clip if clip > 0 else None,
                                              AGG_MODES[agg], scale,
                                              None if gd is None else gd.to(values.device))
-    out = _out_dtype(values)
+    out = _backend.out_dtype(values)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
@@ -347,13 +341,13 @@ def _reduce_grad(grad, n, reduction):
 @torch.library.custom_op("ppo_kernels::pairwise_logsigmoid_loss", mutates_args=())
 def pairwise_logsigmoid_loss_op(z: Tensor, reduction: int) -> Tensor:
     """-logsigmoid(z) reduced (0 mean, 1 sum, 2 none); z is the (scaled) preference margin."""
-    loss = -torch.nn.functional.logsigmoid(z.to(_out_dtype(z)))
+    loss = -torch.nn.functional.logsigmoid(z.to(_backend.out_dtype(z)))
     return reference._reduce(loss, _REDUCTIONS[reduction])
 
 
 @pairwise_logsigmoid_loss_op.register_fake
 def _(z, reduction):
-    return z.new_empty(z.shape if reduction == 2 else (), dtype=_out_dtype(z))
+    return z.new_empty(z.shape if reduction == 2 else (), dtype=_backend.out_dtype(z))
 
 
 def _pls_setup(ctx, inputs, output):
@@ -364,7 +358,7 @@ def _pls_setup(ctx, inputs, output):
 def _pls_backward(ctx, grad):
     (z,) = ctx.saved_tensors
     # d/dz -logsigmoid(z) = -sigmoid(-z), finite for any z
-    g = -torch.sigmoid(-z.to(_out_dtype(z))) * grad
+    g = -torch.sigmoid(-z.to(_backend.out_dtype(z))) * grad
     return _reduce_grad(g, z.numel(), ctx.reduction).to(z.dtype), None
 
 
@@ -388,7 +382,7 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reducti
     _check_pairs(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
-    acc = _out_dtype(chosen_scores)
+    acc = _backend.out_dtype(chosen_scores)
     z = chosen_scores.to(acc) - rejected_scores.to(acc)
     return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))
 
@@ -405,7 +399,7 @@ def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp
         raise ValueError(f"beta: expected a positive number, got {beta!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
-    acc = _out_dtype(policy_chosen_lp)
+    acc = _backend.out_dtype(policy_chosen_lp)
     z = float(beta) * ((policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
                        - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc)))
     return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))

@@ -13,12 +13,6 @@ OP = _backend.register_op("token_logprobs", kernel="token_logprobs_fwd", triton=
                           cuda_default="cpp")
 
 
-def _backend_for(logits: Tensor) -> str:
-    # float64 always takes the float64 reference: the kernels accumulate in float32.
-    if logits.dtype == torch.float64:
-        return "eager"
-    return _backend.resolve("token_logprobs", logits.device.type)
-
 
 def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
@@ -32,7 +26,7 @@ def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
 def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
                       with_entropy: bool, inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (logprobs, entropy or an empty tensor, lse); lse is saved for backward."""
-    backend = _backend_for(logits)
+    backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
         return torch.ops.ppo_kernels_C.token_logprobs_fwd(logits, labels, inv_t, ignore_index,
@@ -43,13 +37,13 @@ def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore
         from . import triton_kernels
         return triton_kernels.forward(logits, labels, inv_t, ignore_index, with_entropy)
     lp, ent, lse = reference.forward(logits, labels, temperature, ignore_index, with_entropy)
-    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = _backend.out_dtype(logits)
     return lp.to(out), ent.to(out), lse.to(out)
 
 
 @token_logprobs_op.register_fake
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
-    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = _backend.out_dtype(logits)
     lp = logits.new_empty(labels.shape, dtype=out)
     ent = logits.new_empty(labels.shape if with_entropy else (0,), dtype=out)
     return lp, ent, logits.new_empty(labels.shape, dtype=out)
@@ -57,7 +51,7 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
 
 def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
                   ignore_index, grad_logits):
-    backend = _backend_for(logits)
+    backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
         torch.ops.ppo_kernels_C.token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
