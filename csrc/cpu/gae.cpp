@@ -11,7 +11,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <numeric>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define PPO_GAE_AVX2 1
+#endif
 
 #include "common/alloc.h"
 
@@ -30,7 +36,7 @@ namespace {
 struct Inputs {
   const void* rewards;
   const void* values;
-  const uint8_t* mask;    // nullptr: every position is an action
+  const void* mask;       // uint8 (bool) or float32 (nonzero = action); nullptr: all actions
   const uint8_t* dones;   // nullptr: no dones
   const float* gamma_t;   // nullptr: scalar gamma
   const float* lam_t;     // nullptr: scalar lam
@@ -43,14 +49,71 @@ struct Task {
 };
 
 // Tasks run in groups of kGroup: the recursion is a chain of dependent float ops (latency-bound,
-// ~8 cycles a position), so a thread advances kGroup independent rows / chunks in lockstep.
-constexpr int kGroup = 4;
+// ~8 cycles a position), so a thread advances kGroup independent rows / chunks in lockstep: with
+// AVX2 as the 8 lanes of one vector (8x8 tiles of [task, time] transposed on the way in and out),
+// otherwise interleaved scalar chains.
+constexpr int kGroup = 8;
 
-template <typename scalar_t, bool kMask, bool kDones, bool kTokenGL>
+#ifdef PPO_GAE_AVX2
+// ---- AVX2 helpers: lane k of a vector belongs to task k of the group ----
+inline void transpose8(__m256 (&x)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// 8 consecutive elements as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const double* p) {  // rounded to float32 like static_cast<float>
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// 8 flags as all-ones (nonzero, NaN included, like `x != 0`) or all-zeros lanes.
+inline __m256 flags8(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(
+      _mm256_xor_si256(_mm256_cmpeq_epi32(w, _mm256_setzero_si256()), _mm256_set1_epi32(-1)));
+}
+inline __m256 flags8(const float* p) {
+  return _mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NEQ_UQ);
+}
+
+// Loads an 8x8 tile: x[j] lane k = p[base[k] + j].
+template <typename T, typename L>
+inline void tile_in(const T* p, const int64_t* base, __m256 (&x)[8], L load) {
+  for (int k = 0; k < 8; ++k) x[k] = load(p + base[k]);
+  transpose8(x);
+}
+
+// The vector form of GaeMap (gae_combine.h), one map per lane.
+struct GaeMap8 {
+  __m256 p, q, m, cv, ca;
+};
+#endif
+
+template <typename scalar_t, typename mask_t, bool kMask, bool kDones, bool kTokenGL>
 struct Kernel {
   const scalar_t* r;
   const scalar_t* v;
-  const uint8_t* mk;
+  const mask_t* mk;
   const uint8_t* dn;
   const float* gt;
   const float* lt;
@@ -58,7 +121,7 @@ struct Kernel {
 
   explicit Kernel(const Inputs& in)
       : r(static_cast<const scalar_t*>(in.rewards)), v(static_cast<const scalar_t*>(in.values)),
-        mk(in.mask), dn(in.dones), gt(in.gamma_t), lt(in.lam_t), gamma(in.gamma), lam(in.lam),
+        mk(static_cast<const mask_t*>(in.mask)), dn(in.dones), gt(in.gamma_t), lt(in.lam_t), gamma(in.gamma), lam(in.lam),
         gl(in.gl) {}
 
   // One position of the recursion; writes adv[t] and ret[t].
@@ -82,22 +145,22 @@ struct Kernel {
     return gae_element(action, done, static_cast<float>(r[t]), static_cast<float>(v[t]), g, l);
   }
 
-  // The recursion over each task of a group from its carry; writes adv and ret; leaves in s the
-  // state at each task's left edge. Tasks of equal length run interleaved.
+  // The recursion over the K tasks ts[0..K) from their carries s[k]; writes adv and ret; leaves in
+  // s[k] the state at each task's left edge. Tasks of equal length run interleaved.
   template <int K>
-  void run(const Task* ts, GaeState* s, float* adv, float* ret) const {
-    const int64_t len = ts[0].hi - ts[0].lo;
+  void run(const Task* const* ts, GaeState* s, float* adv, float* ret) const {
+    const int64_t len = ts[0]->hi - ts[0]->lo;
     bool equal = true;
-    for (int k = 1; k < K; ++k) equal &= (ts[k].hi - ts[k].lo) == len;
+    for (int k = 1; k < K; ++k) equal &= (ts[k]->hi - ts[k]->lo) == len;
     if (!equal) {
       for (int k = 0; k < K; ++k) {
-        for (int64_t t = ts[k].hi - 1; t >= ts[k].lo; --t) s[k] = step(t, s[k], adv, ret);
+        for (int64_t t = ts[k]->hi - 1; t >= ts[k]->lo; --t) s[k] = step(t, s[k], adv, ret);
       }
       return;
     }
     int64_t hi[K];
     GaeState st[K];
-    for (int k = 0; k < K; ++k) hi[k] = ts[k].hi, st[k] = s[k];
+    for (int k = 0; k < K; ++k) hi[k] = ts[k]->hi, st[k] = s[k];
     for (int64_t i = 1; i <= len; ++i) {
 #pragma GCC unroll 8
       for (int k = 0; k < K; ++k) st[k] = step(hi[k] - i, st[k], adv, ret);
@@ -105,59 +168,207 @@ struct Kernel {
     for (int k = 0; k < K; ++k) s[k] = st[k];
   }
 
-  // The composed map of each task of a group (pass 1): reads only.
+  // The composed map of each task (pass 1): reads only.
   template <int K>
-  void compose(const Task* ts, GaeMap* f) const {
-    const int64_t len = ts[0].hi - ts[0].lo;
+  void compose(const Task* const* ts, GaeMap* f) const {
+    const int64_t len = ts[0]->hi - ts[0]->lo;
     bool equal = true;
-    for (int k = 1; k < K; ++k) equal &= (ts[k].hi - ts[k].lo) == len;
+    for (int k = 1; k < K; ++k) equal &= (ts[k]->hi - ts[k]->lo) == len;
     if (!equal) {
       for (int k = 0; k < K; ++k) {
         f[k] = gae_identity();
-        for (int64_t t = ts[k].hi - 1; t >= ts[k].lo; --t) f[k] = gae_compose(f[k], element(t));
+        for (int64_t t = ts[k]->hi - 1; t >= ts[k]->lo; --t) f[k] = gae_compose(f[k], element(t));
       }
       return;
     }
     int64_t hi[K];
     GaeMap acc[K];
-    for (int k = 0; k < K; ++k) hi[k] = ts[k].hi, acc[k] = gae_identity();
+    for (int k = 0; k < K; ++k) hi[k] = ts[k]->hi, acc[k] = gae_identity();
     for (int64_t i = 1; i <= len; ++i) {
 #pragma GCC unroll 8
       for (int k = 0; k < K; ++k) acc[k] = gae_compose(acc[k], element(hi[k] - i));
     }
     for (int k = 0; k < K; ++k) f[k] = acc[k];
   }
+
+#ifdef PPO_GAE_AVX2
+  // One 8x8 tile of every input: lane k of x[j] is position base[k] + j of task k.
+  struct Tile {
+    __m256 r[8], v[8], m[8], d[8], g[8], l[8];
+  };
+  inline void load_tile(const int64_t* base, Tile& x) const {
+    tile_in(r, base, x.r, [](const scalar_t* p) { return load8(p); });
+    tile_in(v, base, x.v, [](const scalar_t* p) { return load8(p); });
+    if (kMask) tile_in(mk, base, x.m, [](const mask_t* p) { return flags8(p); });
+    if (kDones) tile_in(dn, base, x.d, [](const uint8_t* p) { return flags8(p); });
+    if (kTokenGL) {
+      tile_in(gt, base, x.g, [](const float* p) { return load8(p); });
+      tile_in(lt, base, x.l, [](const float* p) { return load8(p); });
+    }
+  }
+
+  // run<8> with the 8 tasks in the lanes of one vector: each instruction advances 8 independent
+  // recursions by one position, with exactly gae_step's operations (no FMA), so every lane gives
+  // the scalar kernel's bits. The rightmost 8*floor(min length / 8) positions of each task run
+  // vectorised, the rest of each task (its left end) with the scalar step. Lanes k >= n are
+  // padding (copies of real tasks: they store the same bytes to the same places).
+  void run8(const Task* const* ts, int n, GaeState* s, float* adv, float* ret) const {
+    int64_t len = ts[0]->hi - ts[0]->lo;
+    for (int k = 1; k < 8; ++k) len = std::min(len, ts[k]->hi - ts[k]->lo);
+    const int64_t nblk = len / 8;
+    alignas(32) float nv0[8], a0[8];
+    for (int k = 0; k < 8; ++k) nv0[k] = s[k].nv, a0[k] = s[k].adv;
+    __m256 NV = _mm256_load_ps(nv0), A = _mm256_load_ps(a0);
+    const __m256 G = _mm256_set1_ps(gamma), GL = _mm256_set1_ps(gl);
+    int64_t base[8];
+    Tile x;
+    for (int64_t b = 1; b <= nblk; ++b) {
+      for (int k = 0; k < 8; ++k) base[k] = ts[k]->hi - 8 * b;
+      load_tile(base, x);
+      __m256 oa[8], orr[8];
+      for (int j = 7; j >= 0; --j) {
+        if (kDones) NV = _mm256_andnot_ps(x.d[j], NV), A = _mm256_andnot_ps(x.d[j], A);
+        const __m256 g = kTokenGL ? x.g[j] : G;
+        const __m256 glj = kTokenGL ? _mm256_mul_ps(x.g[j], x.l[j]) : GL;
+        const __m256 delta = _mm256_sub_ps(_mm256_add_ps(x.r[j], _mm256_mul_ps(g, NV)), x.v[j]);
+        const __m256 an = _mm256_add_ps(delta, _mm256_mul_ps(glj, A));
+        if (kMask) {
+          NV = _mm256_blendv_ps(NV, x.v[j], x.m[j]);
+          A = _mm256_blendv_ps(A, an, x.m[j]);
+        } else {
+          NV = x.v[j];
+          A = an;
+        }
+        oa[j] = A;
+        orr[j] = _mm256_add_ps(A, x.v[j]);
+      }
+      transpose8(oa);
+      transpose8(orr);
+      for (int k = 0; k < 8; ++k) {
+        _mm256_storeu_ps(adv + base[k], oa[k]);
+        _mm256_storeu_ps(ret + base[k], orr[k]);
+      }
+    }
+    _mm256_store_ps(nv0, NV);
+    _mm256_store_ps(a0, A);
+    for (int k = 0; k < n; ++k) {
+      GaeState st{nv0[k], a0[k]};
+      for (int64_t t = ts[k]->hi - 8 * nblk - 1; t >= ts[k]->lo; --t) st = step(t, st, adv, ret);
+      s[k] = st;
+    }
+  }
+
+  // compose<8> in the lanes of one vector: gae_element and gae_compose with their operations.
+  void compose8(const Task* const* ts, int n, GaeMap* f) const {
+    int64_t len = ts[0]->hi - ts[0]->lo;
+    for (int k = 1; k < 8; ++k) len = std::min(len, ts[k]->hi - ts[k]->lo);
+    const int64_t nblk = len / 8;
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    const __m256 G = _mm256_set1_ps(gamma), L = _mm256_set1_ps(lam);
+    GaeMap8 acc{one, zero, one, zero, zero};
+    int64_t base[8];
+    Tile x;
+    for (int64_t b = 1; b <= nblk; ++b) {
+      for (int k = 0; k < 8; ++k) base[k] = ts[k]->hi - 8 * b;
+      load_tile(base, x);
+      for (int j = 7; j >= 0; --j) {
+        const __m256 kk = kDones ? _mm256_andnot_ps(x.d[j], one) : one;
+        const __m256 g = kTokenGL ? x.g[j] : G;
+        const __m256 l = kTokenGL ? x.l[j] : L;
+        GaeMap8 e{zero, _mm256_mul_ps(g, kk), _mm256_mul_ps(_mm256_mul_ps(g, l), kk), x.v[j],
+                  _mm256_sub_ps(x.r[j], x.v[j])};
+        if (kMask) {
+          e.p = _mm256_blendv_ps(kk, zero, x.m[j]);
+          e.q = _mm256_blendv_ps(zero, e.q, x.m[j]);
+          e.m = _mm256_blendv_ps(kk, e.m, x.m[j]);
+          e.cv = _mm256_blendv_ps(zero, e.cv, x.m[j]);
+          e.ca = _mm256_blendv_ps(zero, e.ca, x.m[j]);
+        }
+        acc = {_mm256_mul_ps(e.p, acc.p),
+               _mm256_add_ps(_mm256_mul_ps(e.q, acc.p), _mm256_mul_ps(e.m, acc.q)),
+               _mm256_mul_ps(e.m, acc.m),
+               _mm256_add_ps(_mm256_mul_ps(e.p, acc.cv), e.cv),
+               _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(e.q, acc.cv), _mm256_mul_ps(e.m, acc.ca)),
+                             e.ca)};
+      }
+    }
+    alignas(32) float p[8], q[8], m[8], cv[8], ca[8];
+    _mm256_store_ps(p, acc.p);
+    _mm256_store_ps(q, acc.q);
+    _mm256_store_ps(m, acc.m);
+    _mm256_store_ps(cv, acc.cv);
+    _mm256_store_ps(ca, acc.ca);
+    for (int k = 0; k < n; ++k) {
+      GaeMap fk{p[k], q[k], m[k], cv[k], ca[k]};
+      for (int64_t t = ts[k]->hi - 8 * nblk - 1; t >= ts[k]->lo; --t) fk = gae_compose(fk, element(t));
+      f[k] = fk;
+    }
+  }
+#endif
+
+  // A group of n <= kGroup tasks: ts[0..n), carries / maps s[0..n).
+  void run_group(const Task* const* ts, int n, GaeState* s, float* adv, float* ret) const {
+#ifdef PPO_GAE_AVX2
+    // A partial group pads its lanes with copies of its first task (same writes, results dropped).
+    const Task* t8[8];
+    GaeState s8[8];
+    for (int k = 0; k < 8; ++k) t8[k] = ts[k < n ? k : 0], s8[k] = s[k < n ? k : 0];
+    run8(t8, n, s8, adv, ret);
+    for (int k = 0; k < n; ++k) s[k] = s8[k];
+#else
+    if (n == kGroup) return run<kGroup>(ts, s, adv, ret);
+    for (int k = 0; k < n; ++k) run<1>(ts + k, s + k, adv, ret);
+#endif
+  }
+
+  void compose_group(const Task* const* ts, int n, GaeMap* f) const {
+#ifdef PPO_GAE_AVX2
+    const Task* t8[8];
+    for (int k = 0; k < 8; ++k) t8[k] = ts[k < n ? k : 0];
+    compose8(t8, n, f);
+#else
+    if (n == kGroup) return compose<kGroup>(ts, f);
+    for (int k = 0; k < n; ++k) compose<1>(ts + k, f + k);
+#endif
+  }
 };
 
-// Calls fn(first_task, count) for groups of up to kGroup consecutive tasks, in parallel.
+// Calls fn(first, count) for groups of up to kGroup consecutive entries of n, in parallel.
 template <typename F>
-void for_groups(int64_t n_tasks, const F& fn) {
-  const int64_t n_groups = (n_tasks + kGroup - 1) / kGroup;
+void for_groups(int64_t n, const F& fn) {
+  const int64_t n_groups = (n + kGroup - 1) / kGroup;
   at::parallel_for(0, n_groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       const int64_t first = g * kGroup;
-      fn(first, std::min<int64_t>(kGroup, n_tasks - first));
+      fn(first, static_cast<int>(std::min<int64_t>(kGroup, n - first)));
     }
   });
 }
 
-template <typename scalar_t, bool kMask, bool kDones, bool kTokenGL>
+template <typename scalar_t, typename mask_t, bool kMask, bool kDones, bool kTokenGL>
 void run_tasks(const Inputs& in, const std::vector<Task>& tasks, const std::vector<GaeState>& init,
                float* adv, float* ret, float* carry_v, float* carry_a) {
-  const Kernel<scalar_t, kMask, kDones, kTokenGL> k(in);
+  const Kernel<scalar_t, mask_t, kMask, kDones, kTokenGL> k(in);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   auto leftmost = [&](int64_t i) { return i == 0 || tasks[i - 1].row != tasks[i].row; };
   bool chunked = false;
   for (const Task& t : tasks) chunked |= !t.rightmost;
+  // Groups take tasks longest first, so that the tasks of a group are of about one length (packed
+  // rows): the vector code runs to the shortest and leaves the rest of the others to scalar code.
+  std::vector<const Task*> order(n_tasks);
+  for (int64_t i = 0; i < n_tasks; ++i) order[i] = &tasks[i];
+  std::stable_sort(order.begin(), order.end(), [](const Task* a, const Task* b) {
+    return a->hi - a->lo > b->hi - b->lo;
+  });
+  auto index = [&](const Task* t) { return t - tasks.data(); };
   std::vector<GaeState> carry(n_tasks);
   if (chunked) {
-    // Pass 1: every chunk but a row's leftmost hands its map to the chunk on its left.
+    // Pass 1: every chunk's map (the leftmost of a row is not needed).
     std::vector<GaeMap> maps(n_tasks, gae_identity());
-    for_groups(n_tasks, [&](int64_t first, int64_t n) {
-      if (n == kGroup) return k.template compose<kGroup>(&tasks[first], &maps[first]);
-      for (int64_t i = first; i < first + n; ++i) {
-        if (!leftmost(i)) k.template compose<1>(&tasks[i], &maps[i]);
-      }
+    for_groups(n_tasks, [&](int64_t first, int n) {
+      GaeMap f[kGroup];
+      k.compose_group(&order[first], n, f);
+      for (int j = 0; j < n; ++j) maps[index(order[first + j])] = f[j];
     });
     // Pass 2: the carry entering each chunk, right to left within each row.
     for (int64_t i = n_tasks - 1; i >= 0; --i) {
@@ -167,16 +378,15 @@ void run_tasks(const Inputs& in, const std::vector<Task>& tasks, const std::vect
     for (int64_t i = 0; i < n_tasks; ++i) carry[i] = init[tasks[i].row];
   }
   // Pass 3: the recursion from each chunk's carry; a row's leftmost chunk gives its carry out.
-  for_groups(n_tasks, [&](int64_t first, int64_t n) {
-    if (n == kGroup) {
-      k.template run<kGroup>(&tasks[first], &carry[first], adv, ret);
-    } else {
-      for (int64_t i = first; i < first + n; ++i) k.template run<1>(&tasks[i], &carry[i], adv, ret);
-    }
-    for (int64_t i = first; i < first + n; ++i) {
+  for_groups(n_tasks, [&](int64_t first, int n) {
+    GaeState s[kGroup];
+    for (int j = 0; j < n; ++j) s[j] = carry[index(order[first + j])];
+    k.run_group(&order[first], n, s, adv, ret);
+    for (int j = 0; j < n; ++j) {
+      const int64_t i = index(order[first + j]);
       if (leftmost(i)) {
-        carry_v[tasks[i].row] = carry[i].nv;
-        carry_a[tasks[i].row] = carry[i].adv;
+        carry_v[tasks[i].row] = s[j].nv;
+        carry_a[tasks[i].row] = s[j].adv;
       }
     }
   });
@@ -184,12 +394,15 @@ void run_tasks(const Inputs& in, const std::vector<Task>& tasks, const std::vect
 
 // The kernel specialised on which optional inputs are present.
 template <typename scalar_t>
-void dispatch_flags(const Inputs& in, const std::vector<Task>& tasks,
+void dispatch_flags(const Inputs& in, bool float_mask, const std::vector<Task>& tasks,
                     const std::vector<GaeState>& init, float* a, float* rt, float* pv, float* pa) {
   const bool m = in.mask != nullptr, d = in.dones != nullptr, tg = in.gamma_t != nullptr;
-#define PPO_GAE_CASE(M, D, G)                                    \
-  if (m == M && d == D && tg == G) {                             \
-    return run_tasks<scalar_t, M, D, G>(in, tasks, init, a, rt, pv, pa); \
+#define PPO_GAE_CASE(M, D, G)                                                       \
+  if (m == M && d == D && tg == G) {                                                \
+    if constexpr (M) {                                                              \
+      if (float_mask) return run_tasks<scalar_t, float, M, D, G>(in, tasks, init, a, rt, pv, pa); \
+    }                                                                               \
+    return run_tasks<scalar_t, uint8_t, M, D, G>(in, tasks, init, a, rt, pv, pa);   \
   }
   PPO_GAE_CASE(true, false, false)
   PPO_GAE_CASE(true, true, false)
@@ -225,7 +438,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
                 "gae_fwd: ", name, " must be a contiguous float32 tensor of ", n, " elements");
     return t->const_data_ptr<float>();
   };
-  Inputs in{rewards.const_data_ptr(), values.const_data_ptr(), flat_u8(mask, "mask"),
+  // The mask may also be float32 (nonzero = action), read as it is: no conversion pass.
+  const bool float_mask = mask.has_value() && mask->defined() && mask->scalar_type() == at::kFloat;
+  const void* mask_ptr = nullptr;
+  if (float_mask) {
+    TORCH_CHECK(mask->is_contiguous() && mask->numel() == N,
+                "gae_fwd: mask must be a contiguous tensor of ", N, " elements");
+    mask_ptr = mask->const_data_ptr();
+  } else {
+    mask_ptr = flat_u8(mask, "mask");
+  }
+  Inputs in{rewards.const_data_ptr(), values.const_data_ptr(), mask_ptr,
             flat_u8(dones, "dones"), flat_f32(gamma_t, N, "gamma"), flat_f32(lam_t, N, "lam"),
             static_cast<float>(gamma), static_cast<float>(lam), static_cast<float>(gamma * lam)};
   TORCH_CHECK((in.gamma_t == nullptr) == (in.lam_t == nullptr),
@@ -284,7 +507,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
   float* pv = cv.data_ptr<float>();
   float* pa = ca.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rewards.scalar_type(), "gae_fwd", [&] {
-    dispatch_flags<scalar_t>(in, tasks, init, a, rt, pv, pa);
+    dispatch_flags<scalar_t>(in, float_mask, tasks, init, a, rt, pv, pa);
   });
   return {adv, ret, cv, ca};
 }
@@ -292,8 +515,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  // Flat inputs: rewards/values [N] (f32/bf16/f16), mask/dones bool [N] or None, gamma_t/lam_t
-  // float32 [N] or None (then the scalars), init_value/init_adv float32 [n_rows] or None (0).
+  // Flat inputs: rewards/values [N] (f32/bf16/f16), mask bool or float32 [N] or None, dones bool
+  // [N] or None, gamma_t/lam_t float32 [N] or None (then the scalars), init_value/init_adv
+  // float32 [n_rows] or None (0).
   // Rows: cu_seqlens (int32/int64 [n_rows + 1]) or n_rows rows of row_len.
   // Returns advantages [N], returns [N] (float32) and the left-edge carry (value, adv) [n_rows].
   m.def("gae_fwd(Tensor rewards, Tensor values, Tensor? mask, Tensor? dones, Tensor? gamma_t, "
