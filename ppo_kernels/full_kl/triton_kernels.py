@@ -8,21 +8,10 @@ import triton
 import triton.language as tl
 
 from .._backend import new_output
+from .._triton_math import SERIES_BOUND, expm1_minus_x_series
 from .._triton_utils import row_indexer
 
-NINF = -float("inf")
 
-
-@triton.jit
-def _expm1_minus_x(x):
-    # the series of kl_stats.h (expm1_minus_x_series), used where |x| < 0.25
-    t = x * (1.0 / 40320.0) + (1.0 / 5040.0)
-    t = x * t + (1.0 / 720.0)
-    t = x * t + (1.0 / 120.0)
-    t = x * t + (1.0 / 24.0)
-    t = x * t + (1.0 / 6.0)
-    t = x * t + 0.5
-    return x * x * t
 
 
 @triton.jit
@@ -64,7 +53,7 @@ def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, i
             sw = sz + v
             x = dw - dz
             sz2 = sz * fz
-            v_moved = tl.where(tl.abs(x) < 0.25, v * fw + sz2 * (x + _expm1_minus_x(x)), sw * fw - sz2)
+            v_moved = tl.where(tl.abs(x) < SERIES_BOUND, v * fw + sz2 * (x + expm1_minus_x_series(x)), sw * fw - sz2)
             v = tl.where(sz != 0.0, v_moved, sw * fw)
             u = tl.where(sz != 0.0, tl.where(u == float("inf"), u, fz * (u + (dz - dw) * sz)), 0.0)
             sz = tl.where(sz != 0.0, sz2, 0.0)
@@ -77,7 +66,7 @@ def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, i
             eb = tl.exp(b)
             d = b - a
             sz += tl.sum(e, 0)
-            v += tl.sum(tl.where(tl.abs(d) < 0.25, e * (d + _expm1_minus_x(d)), eb - e), 0)
+            v += tl.sum(tl.where(tl.abs(d) < SERIES_BOUND, e * (d + expm1_minus_x_series(d)), eb - e), 0)
             u += tl.sum(tl.where(e > 0.0, e * (a - b), 0.0), 0)
         undefined = (mz == -float("inf")) | (mw == -float("inf"))
         kl = tl.where(undefined, float("nan"), u / sz + _log1p(v / sz))

@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from .._backend import new_output
+from .._triton_math import SERIES_BOUND, expm1_minus_x_series
 
-INF = float("inf")
 
 
 @triton.jit
@@ -20,18 +20,6 @@ def _clamp_nan(v, lo, hi):
 def _passes(v, lo, hi):
     return ((lo == -float("inf")) | (v > lo)) & ((hi == float("inf")) | (v < hi))
 
-
-@triton.jit
-def _k3_value(x):
-    # exp(x) - 1 - x, a Taylor series near 0 where float32 would cancel (kl_stats.h: k3_value)
-    t = x * (1.0 / 40320.0) + (1.0 / 5040.0)
-    t = x * t + (1.0 / 720.0)
-    t = x * t + (1.0 / 120.0)
-    t = x * t + (1.0 / 24.0)
-    t = x * t + (1.0 / 6.0)
-    t = x * t + 0.5
-    series = x * x * t
-    return tl.where(tl.abs(x) < 0.25, series, (tl.exp(x) - 1.0) - x)
 
 
 @triton.jit
@@ -48,7 +36,7 @@ def _estimate(d, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, ST: tl.constex
         v = 0.5 * dc * dc
         g = dc
     else:
-        v = _k3_value(-dc)
+        v = tl.where(tl.abs(-dc) < SERIES_BOUND, expm1_minus_x_series(-dc), (tl.exp(-dc) - 1.0) + dc)
         g = dc - v
     g = tl.where(_passes(d, in_lo, in_hi), g, 0.0)
     g = tl.where(_passes(v, out_lo, out_hi), g, 0.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
+from .._triton_math import softmax_grad, softmax_stats_update
 
 
 @triton.jit
@@ -28,16 +28,7 @@ def _tile_stats_kernel(X, LAB, ST, ZL, R, Vt, ld, v_start, inv_t, ignore_index,
         for start in range(0, Vt, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = tl.load(base + offs, mask=offs < Vt, other=-float("inf")).to(tl.float32) * inv_t
-            m_new = tl.maximum(m, tl.max(z, 0))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no inf - inf
-            d_old = m - m_safe
-            f = tl.where(s == 0.0, 0.0, tl.exp(d_old))
-            d = z - m_safe
-            e = tl.exp(d)
-            u = tl.where(s == 0.0, 0.0, f * (u + tl.maximum(d_old, -FLT_MAX) * s)) \
-                + tl.sum(e * tl.maximum(d, -FLT_MAX), 0)
-            s = f * s + tl.sum(e, 0)
-            m = m_new
+            m, s, u = softmax_stats_update(m, s, u, z)
         tl.store(ST + row, m)
         tl.store(ST + R + row, s)
         tl.store(ST + 2 * R + row, u)
@@ -67,8 +58,7 @@ def _tile_bwd_kernel(X, LAB, LSE, ENT, GLP, GENT, Vt, ld, v_start, V, inv_t, ign
         offs = start + tl.arange(0, BLOCK)
         msk = offs < Vt
         z = tl.load(base + offs, mask=msk, other=0.0).to(tl.float32) * inv_t
-        p = tl.exp(z - lse)
-        g = p * (-a - b * (z + c)) + tl.where(offs == k, a, 0.0)
+        g = softmax_grad(z, lse, a, b, c) + tl.where(offs == k, a, 0.0)
         g = tl.where(valid, g, float("nan"))
         g = tl.where(ignored, 0.0, g)
         tl.store(base + offs, g, mask=msk)

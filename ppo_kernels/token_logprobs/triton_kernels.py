@@ -7,10 +7,8 @@ import triton
 import triton.language as tl
 
 from .._backend import new_output
+from .._triton_math import softmax_grad, softmax_stats_update
 from .._triton_utils import row_indexer
-
-FLT_MAX = 3.4028234663852886e38
-
 
 @triton.jit
 def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_t, ignore_index,
@@ -30,14 +28,7 @@ def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32) * inv_t
-            m_new = tl.maximum(m, tl.max(z, 0))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no inf - inf
-            f = tl.exp(m - m_safe)
-            d = z - m_safe
-            e = tl.exp(d)
-            u = f * (u + tl.maximum(m - m_safe, -FLT_MAX) * s) + tl.sum(e * tl.maximum(d, -FLT_MAX), 0)
-            s = f * s + tl.sum(e, 0)
-            m = m_new
+            m, s, u = softmax_stats_update(m, s, u, z)
         lse = m + tl.log(s)
         valid = (label >= 0) & (label < V)
         zl = tl.load(base + tl.where(valid, label, 0)).to(tl.float32) * inv_t
@@ -69,9 +60,7 @@ def _bwd_kernel(X, G, LAB, GLP, GENT, LSE, ENT, V, inner, stride_outer, stride_i
         offs = start + tl.arange(0, BLOCK)
         msk = offs < V
         z = tl.load(base + offs, mask=msk, other=0.0).to(tl.float32) * inv_t
-        p = tl.exp(z - lse)
-        # p (z + c) is 0 where p = 0 (z = -inf), as in the reference
-        g = -a * p - b * (p * tl.maximum(z + c, -FLT_MAX)) + tl.where(offs == label, a, 0.0)
+        g = softmax_grad(z, lse, a, b, c) + tl.where(offs == label, a, 0.0)
         g = tl.where(valid, g, float("nan"))
         g = tl.where(ignored, 0.0, g)
         tl.store(gbase + offs, g.to(G.dtype.element_ty), mask=msk)
