@@ -8,7 +8,7 @@
 # CPU-only build), PYTHON (default python3), MAX_JOBS, PPO_KERNELS_FORCE_CUDA / _SKIP_CUDA_BUILD.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
+VENV=$(realpath -m "${VENV:-.venv}")
 TORCH=${TORCH:-2.14.1}
 PY=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-2}
@@ -40,7 +40,7 @@ peers() {
       echo "peer wheels unavailable: the peer parity tests will skip" >&2
     fi
   fi
-  export VERL_SRC="$PWD/$dir" PPO_KERNELS_PEER_WHEELS="$PWD/$dir"
+  export VERL_SRC="$dir" PPO_KERNELS_PEER_WHEELS="$dir"
 }
 
 cmd=${1:-test}
