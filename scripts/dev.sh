@@ -28,19 +28,15 @@ setup() {
   "$VENV/bin/python" -m ppo_kernels info
 }
 
-# Peers' own source for the parity tests (their packages do not import without ray & co, so the
-# tests read the functions they compare against out of the downloaded wheels).
+# Peers' own source for the parity tests: verl and OpenRLHF do not import without ray & co, so the
+# tests read the functions they compare against out of the wheels (tests/_peers.py).
 peers() {
   local dir="$VENV/peers"
-  if [ ! -d "$dir/verl" ]; then
-    mkdir -p "$dir"
-    if "$VENV/bin/pip" download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 2>/dev/null; then
-      (cd "$dir" && "$VENV/bin/python" -m zipfile -e verl-*.whl .) || true
-    else
-      echo "peer wheels unavailable: the peer parity tests will skip" >&2
-    fi
+  if ! ls "$dir"/verl-*.whl >/dev/null 2>&1; then
+    "$VENV/bin/pip" download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 2>/dev/null \
+      || echo "peer wheels unavailable: the peer parity tests will skip" >&2
   fi
-  export VERL_SRC="$dir" PPO_KERNELS_PEER_WHEELS="$dir"
+  export PPO_KERNELS_PEER_WHEELS="$dir"
 }
 
 cmd=${1:-test}

@@ -6,8 +6,8 @@ source with `ast`, take the function definitions we test (decorators dropped) an
 namespace that supplies the few helpers they call (verl_F.masked_sum / masked_mean / clip_by_value,
 also taken from verl's own source). Nothing of verl is copied into this repository.
 
-Where verl comes from: $VERL_SRC (a folder holding `verl/`, e.g. an unzipped
-`pip download --no-deps verl` wheel), else an installed `verl` package (found without importing it).
+Where peers come from: a wheel (`pip download --no-deps verl openrlhf`) or an unzipped tree in
+$PPO_KERNELS_PEER_WHEELS (or $VERL_SRC), else an installed package (found without importing it).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import importlib.util
 import os
 import pathlib
 import types
+import zipfile
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -23,37 +24,53 @@ import numpy as np
 import pytest
 import torch
 
-SKIP_REASON = ("verl not found: its trainer module needs ray/omegaconf/tensordict to import, so "
-               "these tests read its source instead; run `pip download --no-deps verl`, unzip the "
-               "wheel and set VERL_SRC to the folder holding verl/ (the literal re-implementations "
-               "of verl's semantics run either way)")
 
 
-def verl_root():
-    cands = []
-    if os.environ.get("VERL_SRC"):
-        cands.append(pathlib.Path(os.environ["VERL_SRC"]))
+def _peer_dirs():
+    return [pathlib.Path(os.environ[v]) for v in ("PPO_KERNELS_PEER_WHEELS", "VERL_SRC")
+            if os.environ.get(v)]
+
+
+def peer_source(pkg, relpath):
+    """(source text, where) of `pkg/relpath` from, in order: a wheel or an unzipped tree in
+    $PPO_KERNELS_PEER_WHEELS (or $VERL_SRC), or the installed package (found without importing
+    it); (None, None) when none has it."""
+    for d in _peer_dirs():
+        tree = d / pkg / relpath
+        if tree.is_file():
+            return tree.read_text(), str(tree)
+        for whl in sorted(d.glob(f"{pkg}-*.whl")):
+            with zipfile.ZipFile(whl) as z:  # pkg/... or pkg-X.data/purelib/pkg/...
+                for member in z.namelist():
+                    if member == f"{pkg}/{relpath}" or member.endswith(f"/purelib/{pkg}/{relpath}"):
+                        return z.read(member).decode(), f"{whl}!{member}"
     try:
-        spec = importlib.util.find_spec("verl")
+        spec = importlib.util.find_spec(pkg)
     except (ImportError, ValueError):
         spec = None
-    if spec is not None and spec.submodule_search_locations:
-        cands += [pathlib.Path(p).parent for p in spec.submodule_search_locations]
-    for c in cands:
-        if (c / "verl" / "trainer" / "ppo" / "core_algos.py").is_file():
-            return c
-    return None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        f = pathlib.Path(loc) / relpath
+        if f.is_file():
+            return f.read_text(), str(f)
+    return None, None
 
 
-def _extract(path, names, ns):
-    tree = ast.parse(path.read_text())
-    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    found = {n.name for n in nodes}
-    if found != set(names):
-        pytest.skip(f"verl at {path} lacks {sorted(set(names) - found)} (a different verl version)")
+def load_functions(pkg, relpath, names, ns):
+    """The named top-level functions of a peer's source file, run in namespace `ns` (decorators
+    dropped); skips the calling test when the source or a function is not there."""
+    src, where = peer_source(pkg, relpath)
+    if src is None:
+        pytest.skip(f"{pkg}/{relpath} not found: {pkg} does not import here without its heavy "
+                    "dependencies, so the test reads its source; put a wheel from `pip download "
+                    f"--no-deps {pkg}` in $PPO_KERNELS_PEER_WHEELS (the literal re-implementations of "
+                    "its semantics run either way)")
+    nodes = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in nodes}
+    if missing:
+        pytest.skip(f"{where} lacks {sorted(missing)} (a different {pkg} version)")
     for n in nodes:
         n.decorator_list = []
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec"), ns)
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), where, "exec"), ns)  # noqa: S102
     return {n: ns[n] for n in names}
 
 
@@ -73,19 +90,15 @@ _cache = {}
 def load_verl():
     if "verl" in _cache:
         return _cache["verl"]
-    root = verl_root()
-    if root is None:
-        pytest.skip(SKIP_REASON)
     base = {"torch": torch, "np": np, "defaultdict": defaultdict, "Optional": Optional, "Any": Any}
-    fns = _extract(root / "verl/utils/torch_functional.py", ["masked_sum", "masked_mean", "clip_by_value"],
-                   dict(base))
+    fns = load_functions("verl", "utils/torch_functional.py",
+                         ["masked_sum", "masked_mean", "clip_by_value"], dict(base))
     ns = dict(base, verl_F=types.SimpleNamespace(**fns), AlgoConfig=type("AlgoConfig", (), {}),
               ActorConfig=Config, DictConfig=Config)
     names = ["agg_loss", "compute_policy_loss_vanilla", "compute_value_loss",
              "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage"]
-    out = _extract(root / "verl/trainer/ppo/core_algos.py", names, ns)
+    out = load_functions("verl", "trainer/ppo/core_algos.py", names, ns)
     gw = dict(base, _resolve_device=lambda device: torch.device("cpu") if device is None else torch.device(device))
-    out.update(_extract(root / "verl/utils/groupwise.py", ["group_mean_std"], gw))
-    out["root"] = root
+    out.update(load_functions("verl", "utils/groupwise.py", ["group_mean_std"], gw))
     _cache["verl"] = types.SimpleNamespace(**out)
     return _cache["verl"]

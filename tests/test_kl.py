@@ -1,12 +1,8 @@
 """kl_penalty and kl_penalized_rewards against float64 references written from the formulas
 (ppo_kernels/kl/reference.py), the peers' literal semantics, and the peers' own functions when
 their source is available."""
-import ast
-import glob
 import math
-import os
 import typing
-import zipfile
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from ppo_kernels import KLClamp, kl_penalized_rewards, kl_penalty, use_backend
 from ppo_kernels.kl import reference as R
 
 from conftest import cpu_backends
+from _peers import load_functions
 from _utils import poisoned
 
 BACKENDS = cpu_backends("kl_penalty")
@@ -329,28 +326,9 @@ def openrlhf_literal_reward(r, kl_coef, kl, action_mask):
     return out
 
 
-def _load_peer(pkg, module, names):
-    try:
-        mod = __import__(f"{pkg}.{module}", fromlist=names)
-        return {n: getattr(mod, n) for n in names}
-    except Exception:  # noqa: BLE001 - not installed, or its heavy imports fail
-        pass
-    wheels = glob.glob(os.path.join(os.environ.get("PPO_KERNELS_PEER_WHEELS", "/nonexistent"), f"{pkg}-*.whl"))
-    if not wheels:
-        pytest.skip(f"{pkg} is not importable here (heavy dependencies) and no wheel in "
-                    "$PPO_KERNELS_PEER_WHEELS (fetch one with `pip download --no-deps {pkg}`)")
-    path = module.replace(".", "/") + ".py"
-    with zipfile.ZipFile(wheels[0]) as z:
-        member = next(n for n in z.namelist() if n.endswith(f"{pkg}/{path}"))
-        src = z.read(member).decode()
-    tree = ast.parse(src)
-    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    ns = {"torch": torch, **{k: getattr(typing, k) for k in ("Optional", "Union", "Tuple", "Any")}}
-    exec(compile(ast.Module(body=keep, type_ignores=[]), member, "exec"), ns)  # noqa: S102
-    missing = [n for n in names if n not in ns]
-    if missing:
-        pytest.skip(f"{pkg}: functions {missing} not found in {member}")
-    return {n: ns[n] for n in names}
+
+def _peer_ns():
+    return {"torch": torch, **{k: getattr(typing, k) for k in ("Optional", "Union", "Tuple", "Any")}}
 
 
 @pytest.mark.parametrize("name", ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+", "k1+", "k2+"])
@@ -359,7 +337,7 @@ def test_parity_verl_kl_penalty(name):
     lp.requires_grad_()
     fns = [verl_literal_kl]
     try:
-        peer = _load_peer("verl", "trainer.ppo.core_algos", ["kl_penalty", "kl_penalty_forward"])
+        peer = load_functions("verl", "trainer/ppo/core_algos.py", ["kl_penalty", "kl_penalty_forward"], _peer_ns())
         fns.append(peer["kl_penalty"])
     except pytest.skip.Exception:
         pass
@@ -380,7 +358,7 @@ def test_parity_openrlhf_compute_approx_kl(name):
     lp, ref = _pairs(400)
     fns = [openrlhf_literal_kl]
     try:
-        fns.append(_load_peer("openrlhf", "models.utils", ["compute_approx_kl"])["compute_approx_kl"])
+        fns.append(load_functions("openrlhf", "models/utils.py", ["compute_approx_kl"], _peer_ns())["compute_approx_kl"])
     except pytest.skip.Exception:
         pass
     lp.requires_grad_()
@@ -405,7 +383,7 @@ def test_parity_openrlhf_compute_reward_on_rows_with_actions():
     kl = openrlhf_literal_kl(lp, ref, "k1") * mask
     fns = [openrlhf_literal_reward]
     try:
-        fns.append(_load_peer("openrlhf", "models.utils", ["compute_reward"])["compute_reward"])
+        fns.append(load_functions("openrlhf", "models/utils.py", ["compute_reward"], _peer_ns())["compute_reward"])
     except pytest.skip.Exception:
         pass
     r, k, _ = kl_penalized_rewards(scores, lp, ref, mask, beta=0.07, clamp="openrlhf")
