@@ -14,16 +14,20 @@ PY=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-2}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+pip_() {  # pip without this machine's "Location ... is ignored" noise; failures still fail
+  "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+    pip_ install -q --upgrade pip setuptools wheel
   fi
-  "$VENV/bin/pip" install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest \
+  pip_ install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest \
     "transformers>=4.45" tqdm matplotlib
   # Compiled against the torch just installed: C++ kernels, plus CUDA kernels if torch is a CUDA
   # build and nvcc is found (no GPU needed).
-  "$VENV/bin/pip" install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  pip_ install -q --no-build-isolation -e .
   "$VENV/bin/python" -c "import ppo_kernels._C" || { echo "the extension did not build" >&2; exit 1; }
   "$VENV/bin/python" -m ppo_kernels info
 }
@@ -33,7 +37,7 @@ setup() {
 peers() {
   local dir="$VENV/peers"
   if ! ls "$dir"/verl-*.whl >/dev/null 2>&1; then
-    "$VENV/bin/pip" download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 2>/dev/null \
+    pip_ download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 >/dev/null \
       || echo "peer wheels unavailable: the peer parity tests will skip" >&2
   fi
   export PPO_KERNELS_PEER_WHEELS="$dir"
