@@ -11,7 +11,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -94,6 +96,23 @@ inline __m256 flags8(const uint8_t* p) {
 }
 inline __m256 flags8(const float* p) {
   return _mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NEQ_UQ);
+}
+
+// The 8 bool flags at p + base[k] of each task k as bytes 0/1 (any nonzero byte counts as 1):
+// byte j of lane k of lo is flag j of task k, hi holds flags 4..7. Cheaper than a transpose.
+inline void flag_tile(const uint8_t* p, const int64_t* base, __m256i& lo, __m256i& hi) {
+  int64_t w[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(&w[k], p + base[k], 8);
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // low dwords, then high
+  const __m256i a = _mm256_permutevar8x32_epi32(_mm256_setr_epi64x(w[0], w[1], w[2], w[3]), split);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_setr_epi64x(w[4], w[5], w[6], w[7]), split);
+  const __m256i one = _mm256_set1_epi8(1);
+  lo = _mm256_min_epu8(_mm256_permute2x128_si256(a, b, 0x20), one);
+  hi = _mm256_min_epu8(_mm256_permute2x128_si256(a, b, 0x31), one);
+}
+// Flag j of a flag_tile in the sign bit of each lane (all blendv reads).
+inline __m256 flag_at(const __m256i& lo, const __m256i& hi, int j) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(j < 4 ? lo : hi, 31 - 8 * (j & 3)));
 }
 
 // Loads an 8x8 tile: x[j] lane k = p[base[k] + j].
@@ -193,19 +212,28 @@ struct Kernel {
 
 #ifdef PPO_GAE_AVX2
   // One 8x8 tile of every input: lane k of x[j] is position base[k] + j of task k.
+  // Masks and dones are sign-bit lane masks: action(x, j), done(x, j).
+  static constexpr bool kFloatMask = std::is_same_v<mask_t, float>;
   struct Tile {
-    __m256 r[8], v[8], m[8], d[8], g[8], l[8];
+    __m256 r[8], v[8], m[8], g[8], l[8];
+    __m256i mlo, mhi, dlo, dhi;
   };
   inline void load_tile(const int64_t* base, Tile& x) const {
     tile_in(r, base, x.r, [](const scalar_t* p) { return load8(p); });
     tile_in(v, base, x.v, [](const scalar_t* p) { return load8(p); });
-    if (kMask) tile_in(mk, base, x.m, [](const mask_t* p) { return flags8(p); });
-    if (kDones) tile_in(dn, base, x.d, [](const uint8_t* p) { return flags8(p); });
+    if constexpr (kMask && kFloatMask) tile_in(mk, base, x.m, [](const float* p) { return flags8(p); });
+    if constexpr (kMask && !kFloatMask) flag_tile(mk, base, x.mlo, x.mhi);
+    if (kDones) flag_tile(dn, base, x.dlo, x.dhi);
     if (kTokenGL) {
       tile_in(gt, base, x.g, [](const float* p) { return load8(p); });
       tile_in(lt, base, x.l, [](const float* p) { return load8(p); });
     }
   }
+  static inline __m256 action(const Tile& x, int j) {
+    if constexpr (kFloatMask) return x.m[j];
+    else return flag_at(x.mlo, x.mhi, j);
+  }
+  static inline __m256 done(const Tile& x, int j) { return flag_at(x.dlo, x.dhi, j); }
 
   // run<8> with the 8 tasks in the lanes of one vector: each instruction advances 8 independent
   // recursions by one position, with exactly gae_step's operations (no FMA), so every lane gives
@@ -227,14 +255,19 @@ struct Kernel {
       load_tile(base, x);
       __m256 oa[8], orr[8];
       for (int j = 7; j >= 0; --j) {
-        if (kDones) NV = _mm256_andnot_ps(x.d[j], NV), A = _mm256_andnot_ps(x.d[j], A);
+        if (kDones) {
+          const __m256 d = done(x, j);
+          NV = _mm256_blendv_ps(NV, _mm256_setzero_ps(), d);
+          A = _mm256_blendv_ps(A, _mm256_setzero_ps(), d);
+        }
         const __m256 g = kTokenGL ? x.g[j] : G;
         const __m256 glj = kTokenGL ? _mm256_mul_ps(x.g[j], x.l[j]) : GL;
         const __m256 delta = _mm256_sub_ps(_mm256_add_ps(x.r[j], _mm256_mul_ps(g, NV)), x.v[j]);
         const __m256 an = _mm256_add_ps(delta, _mm256_mul_ps(glj, A));
         if (kMask) {
-          NV = _mm256_blendv_ps(NV, x.v[j], x.m[j]);
-          A = _mm256_blendv_ps(A, an, x.m[j]);
+          const __m256 act = action(x, j);
+          NV = _mm256_blendv_ps(NV, x.v[j], act);
+          A = _mm256_blendv_ps(A, an, act);
         } else {
           NV = x.v[j];
           A = an;
@@ -272,17 +305,18 @@ struct Kernel {
       for (int k = 0; k < 8; ++k) base[k] = ts[k]->hi - 8 * b;
       load_tile(base, x);
       for (int j = 7; j >= 0; --j) {
-        const __m256 kk = kDones ? _mm256_andnot_ps(x.d[j], one) : one;
+        const __m256 kk = kDones ? _mm256_blendv_ps(one, zero, done(x, j)) : one;
         const __m256 g = kTokenGL ? x.g[j] : G;
         const __m256 l = kTokenGL ? x.l[j] : L;
         GaeMap8 e{zero, _mm256_mul_ps(g, kk), _mm256_mul_ps(_mm256_mul_ps(g, l), kk), x.v[j],
                   _mm256_sub_ps(x.r[j], x.v[j])};
         if (kMask) {
-          e.p = _mm256_blendv_ps(kk, zero, x.m[j]);
-          e.q = _mm256_blendv_ps(zero, e.q, x.m[j]);
-          e.m = _mm256_blendv_ps(kk, e.m, x.m[j]);
-          e.cv = _mm256_blendv_ps(zero, e.cv, x.m[j]);
-          e.ca = _mm256_blendv_ps(zero, e.ca, x.m[j]);
+          const __m256 act = action(x, j);
+          e.p = _mm256_blendv_ps(kk, zero, act);
+          e.q = _mm256_blendv_ps(zero, e.q, act);
+          e.m = _mm256_blendv_ps(kk, e.m, act);
+          e.cv = _mm256_blendv_ps(zero, e.cv, act);
+          e.ca = _mm256_blendv_ps(zero, e.ca, act);
         }
         acc = {_mm256_mul_ps(e.p, acc.p),
                _mm256_add_ps(_mm256_mul_ps(e.q, acc.p), _mm256_mul_ps(e.m, acc.q)),

@@ -22,8 +22,12 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
            cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Normalised inputs (see gae()): rewards/values one dtype, [B, T] or flat [N] with
     cu_seqlens; mask/dones bool; gamma_t/lam_t float32 like rewards or None (then the floats);
-    init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv)."""
+    init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv).
+    The mask may also be float32 on the CPU: the C++ kernel reads it as it is (nonzero = action),
+    the other backends get it as bool."""
     backend = _backend.backend_for("gae", rewards)
+    if mask is not None and mask.dtype != torch.bool and not (backend == "cpp" and mask.is_cpu):
+        mask = mask != 0
     n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else rewards.shape[0]
     row_len = rewards.shape[-1] if cu_seqlens is None else -1
     if backend == "eager":
@@ -153,7 +157,12 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
     if values.dtype != rewards.dtype:
         acc = torch.float64 if torch.float64 in (rewards.dtype, values.dtype) else torch.float32
         rewards, values = rewards.to(acc), values.to(acc)
-    m = None if mask is None else _as_bool("mask", mask, rewards)
+    if mask is not None and mask.dtype == torch.float32 and mask.is_cpu:
+        check_tensor("mask", mask)  # a float 0/1 mask (verl's) is read directly: no conversion pass
+        check_shape("mask", mask, rewards.shape, "like rewards")
+        m = mask
+    else:
+        m = None if mask is None else _as_bool("mask", mask, rewards)
     d = None if dones is None else _as_bool("dones", dones, rewards)
     g = _per_token("gamma", gamma, rewards)
     lm = _per_token("lam", lam, rewards)
