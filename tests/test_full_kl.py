@@ -138,6 +138,11 @@ def test_opcheck(backend):
         torch.library.opcheck(torch.ops.ppo_kernels.full_kl.default, (z, w, 0.9, None))
         torch.library.opcheck(torch.ops.ppo_kernels.full_kl.default,
                               (z, w, 1.0, torch.tensor([[True, False, True], [False, True, True]])))
+        kl, lz, lw = torch.ops.ppo_kernels.full_kl(z.detach(), w.detach(), 0.9, None)
+        for need_ref in (True, False):
+            torch.library.opcheck(torch.ops.ppo_kernels.full_kl_backward.default,
+                                  (torch.randn_like(kl), z.detach(), w.detach(), None, kl, lz, lw, 0.9,
+                                   need_ref))
 
 
 def test_only_logits_gradient_when_ref_is_frozen():

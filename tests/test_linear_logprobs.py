@@ -143,6 +143,13 @@ def test_opcheck(backend):
                                   (h, W, labels.reshape(-1), b, 0.8, -100, True, budget))
         torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs,
                               (h, W, labels.reshape(-1), None, 1.0, -100, False, 0))
+        y = labels.reshape(-1)
+        lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(h.detach(), W.detach(), y, b.detach(),
+                                                                   0.8, -100, True, TINY)
+        for budget in (0, TINY):
+            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
+                                  (torch.randn_like(lp), torch.randn_like(ent), h.detach(), W.detach(), y,
+                                   b.detach(), lse, ent, 0.8, -100, budget, True, True, True))
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -49,3 +49,14 @@ def test_cpp_backend_is_the_cpu_default_when_compiled():
     if _backend.HAS_EXTENSION:
         assert _backend.resolve("token_logprobs", "cpu") == "cpp"
     assert ppo_kernels.__version__
+
+
+def test_every_registered_op_is_opchecked_somewhere():
+    """Guard for new ops: each torch.ops.ppo_kernels op must appear in an opcheck call."""
+    import glob
+    import re
+    src = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
+    checked = set(re.findall(r"opcheck\(\s*torch\.ops\.ppo_kernels\.(\w+)", src))
+    ops = {n for n in dir(torch.ops.ppo_kernels) if not n.startswith("_") and n != "name"}
+    assert ops, "no ops registered"
+    assert ops <= checked, f"ops without an opcheck test: {sorted(ops - checked)}"

@@ -147,6 +147,8 @@ def test_opcheck(backend):
         g = torch.randn_like(lp)
         torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_backward.default,
                               (g, g, logits, labels, lse, e, 0.9, -100))
+        torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_backward_.default,
+                              (g, g, logits.clone(), labels, lse, e, 0.9, -100))
 
 
 def test_torch_compile_fullgraph():
