@@ -1,8 +1,8 @@
 """Shared benchmark helpers: medians and peak memory, on the CPU and the GPU.
 
-Peak memory on the CPU is the rise of the process's peak resident set (VmHWM, reset through
-/proc/self/clear_refs) over its resident set just before the call: the memory a call needs beyond
-its inputs, outputs included. On CUDA it is torch.cuda.max_memory_allocated over the baseline.
+Peak memory is the most bytes a call holds in tensors beyond what existed before it (outputs
+included): on CUDA torch.cuda.max_memory_allocated over the baseline; on the CPU the running sum of
+the torch profiler's allocation events (exact; the resident set misses memory the allocator reuses).
 """
 from __future__ import annotations
 
@@ -14,16 +14,8 @@ import time
 import torch
 
 
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def peak_extra_bytes(fn, device="cpu"):
-    """Peak memory `fn()` needs above what is allocated before it runs."""
+    """Peak bytes of tensors `fn()` allocates above what is allocated before it runs."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -33,16 +25,22 @@ def peak_extra_bytes(fn, device="cpu"):
         torch.cuda.synchronize()
         del out
         return torch.cuda.max_memory_allocated() - base
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        return float("nan")
-    base = _status_kb("VmRSS")
-    out = fn()
-    peak = _status_kb("VmHWM")
-    del out
-    return max(0, peak - base) * 1024
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        live += e["args"]["Bytes"]
+        peak = max(peak, live)
+    return peak
 
 
 def median_seconds(fn, *, warmup=1, reps=5, device="cpu", min_time=0.0):

@@ -14,26 +14,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ppo_kernels as pk  # noqa: E402
+from _common import peak_extra_bytes  # noqa: E402
 from ppo_kernels.token_logprobs import reference as tl_ref  # noqa: E402
 
-
-def peak_alloc_bytes(fn):
-    """Peak live bytes the CPU allocator hands out while fn runs (torch profiler memory events):
-    exact, unlike the resident-set measure, which misses memory the allocator reuses."""
-    import json
-    import tempfile
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        del out
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        live += e["args"]["Bytes"]
-        peak = max(peak, live)
-    return peak
 
 N, H, V = 1024, 256, 32000  # CPU size: the fp32 logits are 125 MiB
 
@@ -95,7 +78,7 @@ def table_rows(n=N, h=H, v=V, reps=3):
                 call = lambda: runner(fn, x, w, y)  # noqa: E731
                 try:
                     sec = median_seconds(call, warmup=1, reps=reps)
-                    mem = peak_alloc_bytes(call)
+                    mem = peak_extra_bytes(call)
                 except Exception as e:  # noqa: BLE001
                     sec, mem = float("nan"), float("nan")
                     name = f"{name} ({type(e).__name__})"
@@ -115,7 +98,7 @@ def test_linear_token_logprobs(benchmark, impl, dtype, entropy, mode):
     fn = impls(entropy)[impl]
     runner = run_forward if mode == "forward" else run_fwd_bwd
     benchmark.group = f"linear_token_logprobs {str(dtype)[6:]} entropy={entropy} {mode}"
-    benchmark.extra_info["peak_extra_mb"] = peak_alloc_bytes(lambda: runner(fn, x, w, y)) / 2**20
+    benchmark.extra_info["peak_extra_mb"] = peak_extra_bytes(lambda: runner(fn, x, w, y)) / 2**20
     benchmark.pedantic(runner, args=(fn, x, w, y), rounds=3, warmup_rounds=1)
 
 

@@ -14,6 +14,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the checkout, when ppo_kernels is not installed
 
 from _common import machine  # noqa: E402
 

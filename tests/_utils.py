@@ -1,9 +1,14 @@
 """Test helpers: NaN-poisoning of kernel outputs and the documented tolerances."""
 import contextlib
+import os
+import sys
 
 import torch
 
 from ppo_kernels import _backend
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from _common import peak_extra_bytes  # noqa: E402,F401  (the benchmarks' exact peak-memory probe)
 
 # Tolerances of a float32-accumulating kernel against the float64 reference, per input dtype. The
 # inputs are rounded to the dtype before the reference sees them, so forward outputs (float32)

@@ -7,7 +7,7 @@ from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
 from ppo_kernels.linear_logprobs.op import plan_chunks
 
-from _utils import poisoned
+from _utils import poisoned, peak_extra_bytes
 from conftest import cpu_backends
 
 BACKENDS = cpu_backends("linear_token_logprobs")
@@ -232,24 +232,7 @@ def test_bad_inputs():
         f(h, W, labels, max_chunk_bytes=-1)
 
 
-def _peak_cpu_bytes(fn, tmp_path):
-    """Peak of the CPU allocator's live bytes (relative to the start) while fn runs: the torch
-    profiler records every allocation and free as a "[memory]" event with its size."""
-    import json
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    path = tmp_path / f"trace_{fn.__name__}.json"
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        live += e["args"]["Bytes"]
-        peak = max(peak, live)
-    return peak
-
-
-def test_peak_memory_bounded_where_logits_would_not_fit(tmp_path):
+def test_peak_memory_bounded_where_logits_would_not_fit():
     N, H_, V_ = 1024, 32, 8192
     budget = 2 << 20
     h = torch.randn(N, H_, requires_grad=True)
@@ -268,8 +251,8 @@ def test_peak_memory_bounded_where_logits_would_not_fit(tmp_path):
 
     # outputs and gradients we cannot avoid: grad_hidden, grad_weight (float32), O(N) vectors
     unavoidable = (N * H_ + V_ * H_) * 4 + 16 * N * 4
-    peak = _peak_cpu_bytes(ours, tmp_path)
-    peak_mat = _peak_cpu_bytes(materialised, tmp_path)
+    peak = peak_extra_bytes(ours)
+    peak_mat = peak_extra_bytes(materialised)
     assert peak_mat >= logits_bytes  # the profiler sees the logits: the measurement works
     assert peak <= budget + unavoidable + (1 << 20), (peak, budget, unavoidable)
     assert peak < logits_bytes / 4

@@ -30,6 +30,13 @@ inline std::optional<RowIndexer> make_row_indexer(const at::Tensor& t) {
   return std::nullopt;
 }
 
+// `t` with its RowIndexer, or a contiguous copy of `t` when its leading dims do not collapse.
+inline std::pair<at::Tensor, RowIndexer> rows_of(const at::Tensor& t) {
+  if (auto ri = make_row_indexer(t)) return {t, *ri};
+  at::Tensor c = t.contiguous();
+  return {c, *make_row_indexer(c)};
+}
+
 inline int64_t leading_numel(const at::Tensor& t) {
   int64_t n = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) n *= t.size(d);

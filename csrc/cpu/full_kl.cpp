@@ -8,6 +8,7 @@
 
 #include "common/alloc.h"
 #include "common/cpu_softmax.h"
+#include "common/full_kl_host.h"
 #include "common/kl_stats.h"
 #include "common/tensor_checks.h"
 
@@ -52,31 +53,11 @@ KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float m
   return st;
 }
 
-struct Rows {
-  at::Tensor logits, ref;
-  RowIndexer rz, rw;
-};
-
-Rows prepare_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1,
-              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
-  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes());
-  TORCH_CHECK(logits_in.scalar_type() == ref_in.scalar_type(), "ref_logits: expected dtype ",
-              logits_in.scalar_type());
-  auto rz = make_row_indexer(logits_in);
-  auto rw = make_row_indexer(ref_in);
-  const at::Tensor z = rz ? logits_in : logits_in.contiguous();
-  const at::Tensor w = rw ? ref_in : ref_in.contiguous();
-  if (!rz) rz = make_row_indexer(z);
-  if (!rw) rw = make_row_indexer(w);
-  return {z, w, *rz, *rw};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(const at::Tensor& logits_in,
                                                                const at::Tensor& ref_in,
                                                                const std::optional<at::Tensor>& mask_in,
                                                                double inv_temperature) {
-  const Rows R = prepare_rows(logits_in, ref_in);
+  const KLRows R = prepare_kl_rows(logits_in, ref_in);
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
@@ -127,7 +108,7 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, con
                      const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in,
                      const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
                      at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
-  const Rows R = prepare_rows(logits_in, ref_in);
+  const KLRows R = prepare_kl_rows(logits_in, ref_in);
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   if (N == 0 || V == 0) return;

@@ -10,6 +10,7 @@
 #include "common/alloc.h"
 #include "common/cpu_softmax.h"
 #include "common/tensor_checks.h"
+#include "common/token_logprobs_host.h"
 
 namespace ppo_kernels {
 namespace {
@@ -35,24 +36,14 @@ void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
     int64_t ignore_index, bool with_entropy) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
-              "logits: the last (vocabulary) dimension must be contiguous");
-  const int64_t V = logits_in.size(-1);
-  const int64_t N = leading_numel(logits_in);
-  const at::Tensor labels = labels_in.contiguous();
-  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
-  auto ri = make_row_indexer(logits_in);
-  const at::Tensor logits = ri ? logits_in : logits_in.contiguous();
-  if (!ri) ri = make_row_indexer(logits);
-  const auto f32 = labels.options().dtype(at::kFloat);
-  at::Tensor logprobs = new_output(labels.sizes(), f32);
-  at::Tensor entropy = with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32);
-  at::Tensor lse = new_output(labels.sizes(), f32);
+  LogprobsCall c = prepare_logprobs_call(logits_in, labels_in, with_entropy);
+  const at::Tensor &logits = c.logits, &labels = c.labels;
+  at::Tensor &logprobs = c.logprobs, &entropy = c.entropy, &lse = c.lse;
+  const RowIndexer rows = c.rows;
+  const int64_t N = c.N, V = c.V;
   if (N == 0) return {logprobs, entropy, lse};
-  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
   check_labels(labels, V, ignore_index);
   const float inv_t = static_cast<float>(inv_temperature);
-  const RowIndexer rows = *ri;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd", [&] {
       const scalar_t* x = logits.const_data_ptr<scalar_t>();
@@ -96,30 +87,22 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
                             const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
                             const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
                             at::Tensor grad_logits) {
-  const int64_t V = logits.size(-1);
-  const int64_t N = leading_numel(logits);
-  if (N == 0) return;
-  auto ri_in = make_row_indexer(logits);
-  auto ri_out = make_row_indexer(grad_logits);
-  TORCH_CHECK(ri_in && ri_out && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
-              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
-  const at::Tensor labels = labels_in.contiguous();
-  const at::Tensor glp_t = grad_logprobs.to(at::kFloat).contiguous();
-  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
-  const at::Tensor gent_t = has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor lse_c = lse.contiguous();
-  const at::Tensor ent_c = has_ent ? entropy.contiguous() : at::Tensor();
+  if (leading_numel(logits) == 0) return;
+  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
+                                                        lse, entropy, grad_logits);
+  const at::Tensor& labels = c.labels;
+  const int64_t N = c.N, V = c.V;
+  const RowIndexer rin = c.rows, rout = c.grad_rows;
   const float inv_t = static_cast<float>(inv_temperature);
-  const RowIndexer rin = *ri_in, rout = *ri_out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd", [&] {
       const scalar_t* x = logits.const_data_ptr<scalar_t>();
       scalar_t* gx = grad_logits.data_ptr<scalar_t>();
       const index_t* lab = labels.const_data_ptr<index_t>();
-      const float* glp = glp_t.const_data_ptr<float>();
-      const float* gent = has_ent ? gent_t.const_data_ptr<float>() : nullptr;
-      const float* ls = lse_c.const_data_ptr<float>();
-      const float* ent = has_ent ? ent_c.const_data_ptr<float>() : nullptr;
+      const float* glp = c.glp.const_data_ptr<float>();
+      const float* gent = c.gent_ptr();
+      const float* ls = c.lse.const_data_ptr<float>();
+      const float* ent = c.ent_ptr();
       const int64_t grain = std::max<int64_t>(1, 16384 / V);
       at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
         float buf[kBlock];

@@ -11,6 +11,7 @@
 
 #include "common/alloc.h"
 #include "common/cuda_utils.cuh"
+#include "common/full_kl_host.h"
 #include "common/kl_stats.h"
 #include "common/tensor_checks.h"
 
@@ -187,27 +188,6 @@ int threads_for(int64_t V, int vec) {
 
 int64_t grid_for(int64_t N) { return std::min<int64_t>(N, int64_t(1) << 20); }
 
-struct CudaRows {
-  at::Tensor logits, ref;
-  RowIndexer rx, ry;
-};
-
-CudaRows rows_of(const at::Tensor& logits_in, const at::Tensor& ref_in) {
-  TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1,
-              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
-  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes());
-  TORCH_CHECK(logits_in.scalar_type() == ref_in.scalar_type(), "ref_logits: expected dtype ",
-              logits_in.scalar_type());
-  auto rx = make_row_indexer(logits_in);
-  auto ry = make_row_indexer(ref_in);
-  const at::Tensor x = rx ? logits_in : logits_in.contiguous();
-  const at::Tensor y = ry ? ref_in : ref_in.contiguous();
-  if (!rx) rx = make_row_indexer(x);
-  if (!ry) ry = make_row_indexer(y);
-  return {x, y, *rx, *ry};
-}
-
 at::Tensor bool_mask(const std::optional<at::Tensor>& mask_in, int64_t N) {
   if (!mask_in.has_value() || !mask_in->defined()) return at::Tensor();
   TORCH_CHECK(mask_in->is_cuda(), "mask: expected a CUDA tensor");
@@ -220,7 +200,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor
                                                                 const std::optional<at::Tensor>& mask_in,
                                                                 double inv_temperature) {
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const CudaRows R = rows_of(logits_in, ref_in);
+  TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
+  const KLRows R = prepare_kl_rows(logits_in, ref_in);
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
@@ -235,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor
     fwd_kernel<scalar_t><<<grid_for(N), threads, 0, stream>>>(
         R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
         mask.defined() ? mask.const_data_ptr<bool>() : nullptr, kl.data_ptr<float>(),
-        lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rx, R.ry,
+        lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
         static_cast<float>(inv_temperature));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -247,7 +228,8 @@ void full_kl_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& logits_in, co
                       const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
                       at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const CudaRows R = rows_of(logits_in, ref_in);
+  TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
+  const KLRows R = prepare_kl_rows(logits_in, ref_in);
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   if (N == 0 || V == 0) return;
@@ -264,7 +246,7 @@ void full_kl_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& logits_in, co
         g.const_data_ptr<float>(), R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
         mask.defined() ? mask.const_data_ptr<bool>() : nullptr, klc.const_data_ptr<float>(),
         lzc.const_data_ptr<float>(), lwc.const_data_ptr<float>(), grad_logits.data_ptr<scalar_t>(),
-        need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rx, R.ry,
+        need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rz, R.rw,
         static_cast<float>(inv_temperature));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -13,6 +13,7 @@
 #include "common/cuda_utils.cuh"
 #include "common/softmax_stats.h"
 #include "common/tensor_checks.h"
+#include "common/token_logprobs_host.h"
 
 namespace ppo_kernels {
 namespace {
@@ -120,22 +121,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
     const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
     int64_t ignore_index, bool with_entropy) {
   TORCH_CHECK(logits_in.is_cuda() && labels_in.is_cuda(), "logits and labels must be CUDA tensors");
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
-              "logits: the last (vocabulary) dimension must be contiguous");
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const int64_t V = logits_in.size(-1);
-  const int64_t N = leading_numel(logits_in);
-  const at::Tensor labels = labels_in.contiguous();
-  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
-  auto ri = make_row_indexer(logits_in);
-  const at::Tensor logits = ri ? logits_in : logits_in.contiguous();
-  if (!ri) ri = make_row_indexer(logits);
-  const auto f32 = labels.options().dtype(at::kFloat);
-  at::Tensor logprobs = new_output(labels.sizes(), f32);
-  at::Tensor entropy = with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32);
-  at::Tensor lse = new_output(labels.sizes(), f32);
+  LogprobsCall c = prepare_logprobs_call(logits_in, labels_in, with_entropy);
+  const at::Tensor &logits = c.logits, &labels = c.labels;
+  at::Tensor &logprobs = c.logprobs, &entropy = c.entropy, &lse = c.lse;
+  const RowIndexer rows = c.rows;
+  const int64_t N = c.N, V = c.V;
   if (N == 0) return {logprobs, entropy, lse};
-  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
@@ -143,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
       fwd_kernel<scalar_t, index_t><<<grid_for(N), threads, 0, stream>>>(
           logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
           logprobs.data_ptr<float>(), with_entropy ? entropy.data_ptr<float>() : nullptr,
-          lse.data_ptr<float>(), N, V, *ri, static_cast<float>(inv_temperature), ignore_index);
+          lse.data_ptr<float>(), N, V, rows, static_cast<float>(inv_temperature), ignore_index);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -155,28 +147,19 @@ void token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs, const std::optiona
                              const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
                              at::Tensor grad_logits) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t V = logits.size(-1);
-  const int64_t N = leading_numel(logits);
-  if (N == 0) return;
-  auto ri_in = make_row_indexer(logits);
-  auto ri_out = make_row_indexer(grad_logits);
-  TORCH_CHECK(ri_in && ri_out && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
-              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
-  const at::Tensor labels = labels_in.contiguous();
-  const at::Tensor glp = grad_logprobs.to(at::kFloat).contiguous();
-  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
-  const at::Tensor gent = has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor lse_c = lse.contiguous();
-  const at::Tensor ent_c = has_ent ? entropy.contiguous() : at::Tensor();
+  if (leading_numel(logits) == 0) return;
+  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
+                                                        lse, entropy, grad_logits);
+  const at::Tensor& labels = c.labels;
+  const int64_t N = c.N, V = c.V;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd_cuda", [&] {
       const int threads = threads_for(V, Pack<scalar_t>::kN);
       bwd_kernel<scalar_t, index_t><<<grid_for(N), threads, 0, stream>>>(
           logits.const_data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>(),
-          labels.const_data_ptr<index_t>(), glp.const_data_ptr<float>(),
-          has_ent ? gent.const_data_ptr<float>() : nullptr, lse_c.const_data_ptr<float>(),
-          has_ent ? ent_c.const_data_ptr<float>() : nullptr, N, V, *ri_in, *ri_out,
+          labels.const_data_ptr<index_t>(), c.glp.const_data_ptr<float>(), c.gent_ptr(),
+          c.lse.const_data_ptr<float>(), c.ent_ptr(), N, V, c.rows, c.grad_rows,
           static_cast<float>(inv_temperature), ignore_index);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

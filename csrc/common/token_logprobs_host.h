@@ -1,0 +1,58 @@
+// token_logprobs: the host-side argument handling shared by the CPU and CUDA forward kernels.
+#pragma once
+#include "common/alloc.h"
+#include "common/tensor_checks.h"
+
+namespace ppo_kernels {
+
+struct LogprobsCall {
+  at::Tensor logits, labels;   // logits as read (strided rows), labels contiguous
+  RowIndexer rows;
+  int64_t N, V;
+  at::Tensor logprobs, entropy, lse;  // outputs (entropy empty when not requested)
+};
+
+inline LogprobsCall prepare_logprobs_call(const at::Tensor& logits_in, const at::Tensor& labels_in,
+                                          bool with_entropy) {
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
+              "logits: the last (vocabulary) dimension must be contiguous");
+  const int64_t V = logits_in.size(-1);
+  const int64_t N = leading_numel(logits_in);
+  at::Tensor labels = labels_in.contiguous();
+  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
+  TORCH_CHECK(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  auto [logits, rows] = rows_of(logits_in);
+  const auto f32 = labels.options().dtype(at::kFloat);
+  return {logits, labels, rows, N, V, new_output(labels.sizes(), f32),
+          with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32),
+          new_output(labels.sizes(), f32)};
+}
+
+struct LogprobsGradCall {
+  at::Tensor labels, glp, gent, lse, ent;  // contiguous; gent / ent undefined without entropy grad
+  RowIndexer rows, grad_rows;              // logits rows (read), grad_logits rows (written)
+  int64_t N, V;
+  // Pointers for the kernels (nullptr where there is no entropy gradient).
+  const float* gent_ptr() const { return gent.defined() ? gent.const_data_ptr<float>() : nullptr; }
+  const float* ent_ptr() const { return ent.defined() ? ent.const_data_ptr<float>() : nullptr; }
+};
+
+inline LogprobsGradCall prepare_logprobs_grad_call(const at::Tensor& grad_logprobs,
+                                                   const std::optional<at::Tensor>& grad_entropy,
+                                                   const at::Tensor& logits, const at::Tensor& labels,
+                                                   const at::Tensor& lse, const at::Tensor& entropy,
+                                                   const at::Tensor& grad_logits) {
+  auto rin = make_row_indexer(logits);
+  auto rout = make_row_indexer(grad_logits);
+  TORCH_CHECK(rin && rout && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
+              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  return {labels.contiguous(),
+          grad_logprobs.to(at::kFloat).contiguous(),
+          has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor(),
+          lse.contiguous(),
+          has_ent ? entropy.contiguous() : at::Tensor(),
+          *rin, *rout, leading_numel(logits), logits.size(-1)};
+}
+
+}  // namespace ppo_kernels
