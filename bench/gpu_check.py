@@ -8,7 +8,9 @@ Each op adds bench/gpu_checks/<op>.py with up to three functions:
     correctness(ctx)        ctx.compare(...) every backend against the float64 reference
     sanitize_workload()     small calls of the CUDA (cpp) kernels, run under compute-sanitizer
     timing(ctx)             ctx.bench(...) fused backends vs eager and peers, with bytes moved
-The report (markdown + CSV) goes to bench/results/gpu_check_<date>_<gpu>.{md,csv}.
+The report (markdown + CSV) goes to bench/results/gpu_check_<date>_<gpu>.{md,csv} (or --out, e.g.
+$OUT on the device machine), rewritten after each phase (correctness, timing, sanitizer: the slowest
+last) so a run cut short by its time limit still leaves what it measured.
 """
 from __future__ import annotations
 
@@ -109,13 +111,13 @@ def _build():
     return r.returncode, time.time() - t, (r.stdout + r.stderr)[-3000:]
 
 
-def _sanitize(only):
+def _sanitize(only, tools):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         return [("all", "skipped", "compute-sanitizer not found")]
     out = []
     for name, _ in _modules(only):
-        for tool in ("memcheck", "racecheck", "initcheck"):
+        for tool in tools:
             r = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable, __file__,
                                 "--sanitize-target", name], cwd=ROOT, capture_output=True, text=True,
                                timeout=300)
@@ -124,12 +126,28 @@ def _sanitize(only):
     return out
 
 
+def _write_report(out_dir, lines, ctx, gpu):
+    """The markdown report and the timing CSV (rewritten after each phase)."""
+    import csv
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_check_{datetime.date.today()}_{gpu.replace(' ', '_')}"
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["op", "case", "impl", "ms", "peak_mb", "pct_bw", "error"])
+        w.writeheader()
+        for r in ctx.timings:
+            w.writerow({k: r.get(k) for k in w.fieldnames})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-build", action="store_true")
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--sanitizer-tools", default="memcheck",
+                    help="comma-separated compute-sanitizer tools (memcheck,racecheck,initcheck)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--sanitize-target", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -180,13 +198,7 @@ def main():
               f"{r['max_err']:.3g} | {r['atol']:.0e} | {r['rtol']:.0e} |" for r in ctx.rows]
     lines.append("")
 
-    if not args.skip_sanitizer:
-        t = time.time()
-        san = _sanitize(only)
-        print(f"sanitizer: {time.time() - t:.0f}s", flush=True)
-        lines += ["## compute-sanitizer (CUDA kernels)", "", "| op | tool | result |", "|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in san]
-        lines.append("")
+    _write_report(args.out, lines, ctx, gpu)
 
     if not args.skip_timing:
         bw = ctx.measure_bandwidth()
@@ -209,16 +221,17 @@ def main():
             lines.append(f"| {r['op']} | {r['case']} | {r['impl']}{err} | {r['ms']:.4f} | {r['peak_mb']:.1f} | {pct} |")
         lines.append("")
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_check_{datetime.date.today()}_{gpu.replace(' ', '_')}"
-    (out / f"{stem}.md").write_text("\n".join(lines))
-    import csv
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["op", "case", "impl", "ms", "peak_mb", "pct_bw", "error"])
-        w.writeheader()
-        for r in ctx.timings:
-            w.writerow({k: r.get(k) for k in w.fieldnames})
+    _write_report(args.out, lines, ctx, gpu)
+
+    if not args.skip_sanitizer:
+        t = time.time()
+        san = _sanitize(only, [tool for tool in args.sanitizer_tools.split(",") if tool])
+        print(f"sanitizer: {time.time() - t:.0f}s", flush=True)
+        lines += ["## compute-sanitizer (CUDA kernels)", "", "| op | tool | result |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in san]
+        lines.append("")
+
+    _write_report(args.out, lines, ctx, gpu)
     print("\n".join(lines))
     return 1 if ctx.failures else 0
 
