@@ -29,11 +29,16 @@ def make_inputs(n=N, h=H, v=V, dtype=torch.float32):
     return hidden, weight, labels
 
 
-def impls(entropy=False):
-    """name -> f(hidden, weight, labels) returning the output(s)."""
-    def linear(budget):
+INPUT = "linear_token_logprobs (logits_dtype=input)"
+
+
+def impls(entropy=False, dtype=None):
+    """name -> f(hidden, weight, labels) returning the output(s). The logits_dtype="input" mode
+    (bf16/fp16 matmuls, as the materialised path) only for bf16/fp16 (dtype None: all names)."""
+    def linear(budget, logits_dtype="float32"):
         def f(x, w, y):
-            return pk.linear_token_logprobs(x, w, y, return_entropy=entropy, max_chunk_bytes=budget)
+            return pk.linear_token_logprobs(x, w, y, return_entropy=entropy, max_chunk_bytes=budget,
+                                            logits_dtype=logits_dtype)
         return f
 
     def mat_eager(x, w, y):
@@ -44,10 +49,12 @@ def impls(entropy=False):
     def mat_fused(x, w, y):
         return pk.token_logprobs(x @ w.T, y, return_entropy=entropy)
 
-    return {"linear_token_logprobs": linear(None),
-            "linear_token_logprobs (16 MiB chunks)": linear(16 << 20),
-            "eager: logits + log_softmax": mat_eager,
-            "logits + token_logprobs": mat_fused}
+    out = {"linear_token_logprobs": linear(None),
+           "linear_token_logprobs (16 MiB chunks)": linear(16 << 20)}
+    if dtype is None or dtype in (torch.bfloat16, torch.float16):
+        out[INPUT] = linear(None, "input")
+    out.update({"eager: logits + log_softmax": mat_eager, "logits + token_logprobs": mat_fused})
+    return out
 
 
 def _total(out):
@@ -73,7 +80,7 @@ def table_rows(n=N, h=H, v=V, reps=3):
     rows = []
     for dtype, entropy in CASES:
         x, w, y = make_inputs(n, h, v, dtype)
-        for name, fn in impls(entropy).items():
+        for name, fn in impls(entropy, dtype).items():
             for mode, runner in (("forward", run_forward), ("fwd+bwd", run_fwd_bwd)):
                 call = lambda: runner(fn, x, w, y)  # noqa: E731
                 try:
@@ -94,8 +101,10 @@ def table_rows(n=N, h=H, v=V, reps=3):
 @pytest.mark.parametrize("impl", list(impls()))
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
 def test_linear_token_logprobs(benchmark, impl, dtype, entropy, mode):
+    if impl not in impls(entropy, dtype):
+        pytest.skip(f"{impl}: bf16/fp16 only")
     x, w, y = make_inputs(dtype=dtype)
-    fn = impls(entropy)[impl]
+    fn = impls(entropy, dtype)[impl]
     runner = run_forward if mode == "forward" else run_fwd_bwd
     benchmark.group = f"linear_token_logprobs {str(dtype)[6:]} entropy={entropy} {mode}"
     benchmark.extra_info["peak_extra_mb"] = peak_extra_bytes(lambda: runner(fn, x, w, y)) / 2**20

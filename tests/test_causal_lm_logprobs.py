@@ -139,3 +139,39 @@ def test_bad_shapes():
         ppo_kernels.causal_lm_logprobs(model, ids[0])
     with pytest.raises(ValueError, match="attention_mask"):
         ppo_kernels.causal_lm_logprobs(model, ids, mask[:, :-1])
+
+
+@pytest.mark.parametrize("name,tied", [("llama", False), ("gpt2", True)])
+def test_input_logits_dtype_matches_the_bf16_models_own_logits(name, tied):
+    """logits_dtype="input" on a bf16 model: the LM head runs in bf16 as the model's own logits
+    do, so log-probs, entropy and every parameter gradient match model(...).logits + token_logprobs."""
+    torch.manual_seed(0)
+    model = MODELS[name](tied).bfloat16().eval()
+    ids, mask = _batch()
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g)
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    assert logits.dtype == torch.bfloat16
+    ref_lp, ref_ent = ppo_kernels.token_logprobs(logits, target, temperature=0.8,
+                                                 return_entropy=True)
+    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    for budget in (None, 3000):  # whole-vocabulary tiles, and vocabulary chunks
+        lp, ent = ppo_kernels.causal_lm_logprobs(model, ids, mask, temperature=0.8,
+                                                 return_entropy=True, max_chunk_bytes=budget,
+                                                 logits_dtype="input")
+        torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=2e-5)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        for n, p in model.named_parameters():
+            # bf16 partial sums per chunk are the only difference in the head (see
+            # test_linear_logprobs); the bf16 backbone's backward then carries it a few ulps on
+            scale = ref_grads[n].float().abs().max().item()
+            torch.testing.assert_close(p.grad.float(), ref_grads[n].float(), rtol=0,
+                                       atol=8 * torch.finfo(torch.bfloat16).eps * scale,
+                                       msg=lambda m: f"{n}: {m}")
+        model.zero_grad(set_to_none=True)

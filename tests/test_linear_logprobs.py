@@ -327,3 +327,156 @@ def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
     g = tile[:, :6].contiguous()
     mod.tile_bwd_(g, labels, 0, lse, ent, torch.ones(4), None, 1.0, -100, V_)
     assert g[1].isnan().all() and g[3].isnan().all() and (g[2] == 0).all() and g[0].isfinite().all()
+
+
+# ---- logits_dtype="input": matmuls in the input dtype, as materialised bf16/fp16 logits ----------
+
+# forces vocabulary chunks of ~77 entries x 2 rows with input-dtype tiles
+INPUT_TINY = 1500
+
+def _materialised(h, W, b, labels, temperature, ignore_index):
+    """What a trainer gets today: the logits materialised in the input dtype, then token_logprobs."""
+    z = h @ W.T
+    if b is not None:
+        z = z + b
+    return ppo_kernels.token_logprobs(z, labels, temperature=temperature,
+                                      ignore_index=ignore_index, return_entropy=True)
+
+
+def test_input_logits_dtype_plan_respects_budget():
+    for N, V_, H_, budget in [(4096, 152064, 4096, 64 << 20), (18, 103, 19, INPUT_TINY),
+                              (1000, 50000, 64, 1 << 20), (7, 11, 3, 1)]:
+        for fused in (True, False):
+            p = plan_chunks(N, V_, H_, torch.bfloat16, "cpu", budget, logits_dtype="input",
+                            fused=fused)
+            assert p.input_tiles and not p.upcast
+            assert 1 <= p.rows <= N and 1 <= p.vocab <= V_ and 1 <= p.sub <= p.vocab
+            f32_copy = not fused or p.vocab < V_
+            used = p.rows * p.vocab * (2 + 4 * f32_copy) + p.rows * H_ * 10 + p.sub * H_ * 6
+            assert used <= max(budget, 2 * (3 * V_ + 5 * H_ + 3 * H_)), (p, used, budget)
+    # the float32 copy of vocabulary chunks only when the fused kernels cannot take the tile
+    assert plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input").rows > \
+        plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input",
+                    fused=False).rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("budget", [None, INPUT_TINY])  # whole vocabulary; chunks
+def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, budget):
+    h, W, b, labels = _inputs(dtype, bias)
+    assert (plan_chunks(B * T, V, H, dtype, "cpu", budget or (64 << 20),
+                        logits_dtype="input").vocab < V) == (budget is not None)
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+    ref = [t.clone().requires_grad_() if t is not None else None for t in (h, W, b)]
+    ref_lp, ref_ent = _materialised(*ref, labels, 0.7, -100)
+    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+
+    ours = [t.clone().requires_grad_() if t is not None else None for t in (h, W, b)]
+    with use_backend(linear_token_logprobs=backend), poisoned():
+        lp, ent = ppo_kernels.linear_token_logprobs(ours[0], ours[1], labels, bias=ours[2],
+                                                    temperature=0.7, return_entropy=True,
+                                                    max_chunk_bytes=budget, logits_dtype="input")
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    # Same input-dtype logits, same float32 reduction: float32 rounding only.
+    torch.testing.assert_close(lp, ref_lp, **FWD_TOL)
+    torch.testing.assert_close(ent, ref_ent, **FWD_TOL)
+    # The test can fail: float32 logits tiles give measurably different values.
+    lp32 = ppo_kernels.linear_token_logprobs(h, W, labels, bias=b, temperature=0.7)
+    assert (lp32 - ref_lp).abs().max() > 20 * FWD_TOL["atol"]
+    # Gradients: the same input-dtype products; the only difference allowed is rounding partial
+    # sums to the input dtype per chunk (grad_weight per row chunk, grad_hidden per vocabulary
+    # chunk) before the float32 sum across chunks.
+    eps = torch.finfo(dtype).eps
+    for name, t, r in zip(("hidden", "weight", "bias"), ours, ref):
+        if t is None:
+            continue
+        assert t.grad.dtype == dtype, name
+        scale = r.grad.float().abs().max().item()
+        torch.testing.assert_close(t.grad.float(), r.grad.float(), atol=2 * eps * scale, rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    assert (ours[0].grad[labels == -100] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_input_logits_dtype_is_ignored_for_float32_and_float64(dtype):
+    h, W, b, labels = _inputs(dtype)
+    outs = []
+    for mode in ("float32", "input"):
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        lp, ent = ppo_kernels.linear_token_logprobs(hh, WW, labels, bias=b, return_entropy=True,
+                                                    max_chunk_bytes=TINY, logits_dtype=mode)
+        (lp.sum() + ent.sum()).backward()
+        outs.append((lp, ent, hh.grad, WW.grad))
+    for a, c in zip(*outs):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        ppo_kernels.linear_token_logprobs(h, W, labels, logits_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_input_logits_dtype(backend):
+    h, W, b, labels = _inputs(torch.bfloat16)
+    h, y = h.reshape(-1, H), labels.reshape(-1)
+    with use_backend(linear_token_logprobs=backend):
+        for budget in (0, INPUT_TINY):
+            args = (h.clone().requires_grad_(), W.clone().requires_grad_(),
+                    y, b.clone().requires_grad_(), 0.8, -100, True, budget, "input")
+            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs, args)
+            lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(h, W, y, b, 0.8, -100, True,
+                                                                       budget, "input")
+            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
+                                  (torch.randn_like(lp), torch.randn_like(ent), h, W, y, b, lse,
+                                   ent, 0.8, -100, budget, True, True, True, "input"))
+
+
+def test_torch_compile_fullgraph_input_logits_dtype():
+    torch._dynamo.reset()
+    h, W, b, labels = _inputs(torch.bfloat16, False)
+    grads = []
+    for compiled in (True, False):
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+
+        def f(h, W, labels):
+            lp, ent = ppo_kernels.linear_token_logprobs(h * 1.0, W, labels, return_entropy=True,
+                                                        max_chunk_bytes=INPUT_TINY,
+                                                        logits_dtype="input")
+            return lp.sum() + ent.sum()
+
+        fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
+        fn(hh, WW, labels).backward()
+        grads.append((hh.grad, WW.grad))
+    for a, c in zip(*grads):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+
+
+def test_peak_memory_bounded_with_input_logits_dtype():
+    N, H_, V_ = 1024, 32, 16384
+    budget = 2 << 20
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H_, generator=g).bfloat16().requires_grad_()
+    W = torch.randn(V_, H_, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, V_, (N,), generator=g)
+    logits_bytes = N * V_ * 2  # 32 MiB of bf16 logits
+
+    def ours():
+        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, return_entropy=True,
+                                                    max_chunk_bytes=budget, logits_dtype="input")
+        (lp.sum() + ent.sum()).backward()
+
+    def materialised():
+        lp, ent = ppo_kernels.token_logprobs(h @ W.T, labels, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+
+    # grad_hidden (bf16), the float32 grad_weight accumulator and its bf16 copy, O(N) vectors
+    unavoidable = N * H_ * 2 + V_ * H_ * (4 + 2) + 16 * N * 4
+    h.grad = W.grad = None
+    peak = peak_extra_bytes(ours)
+    h.grad = W.grad = None
+    peak_mat = peak_extra_bytes(materialised)
+    assert peak_mat >= logits_bytes
+    assert peak <= budget + unavoidable + (1 << 20), (peak, budget, unavoidable)
+    assert peak < logits_bytes / 4

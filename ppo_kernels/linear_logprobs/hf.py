@@ -54,7 +54,8 @@ def _check_logit_transforms(model):
 def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                        labels: Tensor | None = None, temperature: float = 1.0,
                        return_entropy: bool = False, ignore_index: int = -100,
-                       max_chunk_bytes: int | None = None, **model_kwargs):
+                       max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
+                       **model_kwargs):
     """Log-probs of each next token under a causal LM, without materialising the logits.
 
     Runs the model's backbone on `input_ids` [B, T], then `linear_token_logprobs` of the last
@@ -64,6 +65,8 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
     else `input_ids[:, 1:]`; targets whose attention_mask is 0 are ignored (0, no gradient).
     Gradients flow to every parameter of the model.
 
+    max_chunk_bytes and logits_dtype ("float32" or "input": the LM-head matmuls in the model's
+    bf16/fp16 dtype, as the model's own logits) are those of linear_token_logprobs.
     Extra keyword arguments go to the backbone (e.g. position_ids). Raises NotImplementedError
     for models that soft-cap or rescale their final logits (Gemma 2's final_logit_softcapping,
     Granite's logits_scaling, Cohere's logit_scale).
@@ -91,4 +94,4 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
         target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
     return linear_token_logprobs(hidden, weight, target, bias=bias, temperature=temperature,
                                  ignore_index=ignore_index, return_entropy=return_entropy,
-                                 max_chunk_bytes=max_chunk_bytes)
+                                 max_chunk_bytes=max_chunk_bytes, logits_dtype=logits_dtype)
