@@ -1,6 +1,6 @@
 """Run the CPU benchmarks at their embedded default sizes and print a side-by-side table (median
-time, speed-up over eager, peak extra memory); also writes bench/results/cpu_benchmarks.md and
-.csv (all ops of the run together).
+time, speed-up over eager, peak extra memory); also updates bench/results/cpu_benchmarks.md and
+.csv (the ops of this run replace their previous rows; the others are kept).
 
     python bench/run.py [--ops token_logprobs,gae,...] [--reps 5]
 """
@@ -56,15 +56,29 @@ def main(argv=None):
         all_rows += [dict(op=op, **{k: v for k, v in r.items() if k != "op"}) for r in rows]
     if not all_rows:
         return
-    (out / "cpu_benchmarks.md").write_text(
+    # Merge into the saved results: the ops of this run replace their old sections and rows.
+    md, csv_path = out / "cpu_benchmarks.md", out / "cpu_benchmarks.csv"
+    sections = {}
+    if md.exists():
+        for part in md.read_text().split("\n### ")[1:]:
+            sections[part.split("\n", 1)[0].strip()] = "### " + part.strip()
+    for text in texts:
+        sections[text.split("\n", 1)[0][4:].strip()] = text
+    md.write_text(
         f"# CPU benchmarks\n\n`python bench/run.py` on {machine()}. Median of the timed runs; peak "
         "extra memory = most bytes held in tensors beyond the inputs (torch profiler allocation "
-        "events; outputs and gradients included).\n\n" + "\n\n".join(texts) + "\n")
-    with open(out / "cpu_benchmarks.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["op", "case", "impl", "seconds", "peak_extra_mb"])
+        "events; outputs and gradients included).\n\n"
+        + "\n\n".join(sections[k] for k in sorted(sections)) + "\n")
+    fields = ["op", "case", "impl", "seconds", "peak_extra_mb"]
+    ran = {r["op"] for r in all_rows}
+    old_rows = []
+    if csv_path.exists():
+        with open(csv_path, newline="") as f:
+            old_rows = [r for r in csv.DictReader(f) if r["op"] not in ran]
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
-        w.writerows({k: r.get(k) for k in w.fieldnames} for r in all_rows)
-
+        w.writerows({k: r.get(k) for k in fields} for r in old_rows + all_rows)
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
