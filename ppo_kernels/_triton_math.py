@@ -24,6 +24,21 @@ def softmax_stats_update(m, s, u, z):
 
 
 @triton.jit
+def softmax_grad_coefs(GLP, GENT, ENT, LSE, row, inv_t, WITH_ENT: tl.constexpr):
+    """One row's (lse, a, b, c) for softmax_grad: a = g_logprob / T, b = g_entropy / T (0 without
+    an entropy gradient), c = H - lse."""
+    lse = tl.load(LSE + row)
+    a = tl.load(GLP + row).to(tl.float32) * inv_t
+    if WITH_ENT:
+        b = tl.load(GENT + row).to(tl.float32) * inv_t
+        c = tl.load(ENT + row) - lse
+    else:
+        b = 0.0
+        c = -lse
+    return lse, a, b, c
+
+
+@triton.jit
 def softmax_grad(z, lse, a, b, c):
     """d/dz of a * logprob + b * entropy without the onehot term: -a p - b p (z + c), with
     c = H - lse and p (z + c) taken as 0 where p = 0 (z = -inf)."""

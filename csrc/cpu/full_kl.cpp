@@ -65,11 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(const at::Tensor&
   at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
   if (N == 0) return {kl, lz, lw};
   TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
-  at::Tensor mask;
-  if (mask_in.has_value() && mask_in->defined()) {
-    TORCH_CHECK(mask_in->numel() == N, "mask: expected ", N, " elements (logits.shape[:-1])");
-    mask = mask_in->to(at::kBool).contiguous();
-  }
+  const at::Tensor mask = kl_bool_mask(mask_in, R.logits, N);
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
     const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
@@ -112,13 +108,9 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, con
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   if (N == 0 || V == 0) return;
-  const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
-  TORCH_CHECK(grad_logits.is_contiguous() && (!need_ref || grad_ref->is_contiguous()),
-              "full_kl backward: gradient buffers must be contiguous");
-  const at::Tensor g = grad_in.to(at::kFloat).contiguous();
-  const at::Tensor klc = kl_in.contiguous(), lzc = lz_in.contiguous(), lwc = lw_in.contiguous();
-  at::Tensor mask;
-  if (mask_in.has_value() && mask_in->defined()) mask = mask_in->to(at::kBool).contiguous();
+  const KLGradInputs in = prepare_kl_grad(grad_in, R, mask_in, kl_in, lz_in, lw_in, grad_logits, grad_ref, N);
+  const bool need_ref = in.need_ref;
+  const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd", [&] {
     const scalar_t* x = R.logits.const_data_ptr<scalar_t>();

@@ -188,13 +188,6 @@ int threads_for(int64_t V, int vec) {
 
 int64_t grid_for(int64_t N) { return std::min<int64_t>(N, int64_t(1) << 20); }
 
-at::Tensor bool_mask(const std::optional<at::Tensor>& mask_in, int64_t N) {
-  if (!mask_in.has_value() || !mask_in->defined()) return at::Tensor();
-  TORCH_CHECK(mask_in->is_cuda(), "mask: expected a CUDA tensor");
-  TORCH_CHECK(mask_in->numel() == N, "mask: expected ", N, " elements (logits.shape[:-1])");
-  return mask_in->to(at::kBool).contiguous();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor& logits_in,
                                                                 const at::Tensor& ref_in,
                                                                 const std::optional<at::Tensor>& mask_in,
@@ -209,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor
   at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
   if (N == 0) return {kl, lz, lw};
   TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
-  const at::Tensor mask = bool_mask(mask_in, N);
+  const at::Tensor mask = kl_bool_mask(mask_in, R.logits, N);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
     const int threads = threads_for(V, Pack<scalar_t>::kN);
@@ -233,12 +226,9 @@ void full_kl_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& logits_in, co
   const int64_t V = R.logits.size(-1);
   const int64_t N = leading_numel(R.logits);
   if (N == 0 || V == 0) return;
-  const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
-  TORCH_CHECK(grad_logits.is_contiguous() && (!need_ref || grad_ref->is_contiguous()),
-              "full_kl backward: gradient buffers must be contiguous");
-  const at::Tensor g = grad_in.to(at::kFloat).contiguous();
-  const at::Tensor klc = kl_in.contiguous(), lzc = lz_in.contiguous(), lwc = lw_in.contiguous();
-  const at::Tensor mask = bool_mask(mask_in, N);
+  const KLGradInputs in = prepare_kl_grad(grad_in, R, mask_in, kl_in, lz_in, lw_in, grad_logits, grad_ref, N);
+  const bool need_ref = in.need_ref;
+  const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd_cuda", [&] {
     const int threads = threads_for(V, Pack<scalar_t>::kN);

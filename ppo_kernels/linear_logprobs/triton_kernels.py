@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._triton_math import softmax_grad, softmax_stats_update
+from .._triton_math import softmax_grad, softmax_grad_coefs, softmax_stats_update
 
 
 @triton.jit
@@ -45,14 +45,7 @@ def _tile_bwd_kernel(X, LAB, LSE, ENT, GLP, GENT, Vt, ld, v_start, V, inv_t, ign
     base = X + row * ld
     ignored = label == ignore_index
     valid = (label >= 0) & (label < V) & (label != ignore_index)
-    lse = tl.load(LSE + row)
-    a = tl.load(GLP + row).to(tl.float32) * inv_t
-    if WITH_ENT:
-        b = tl.load(GENT + row).to(tl.float32) * inv_t
-        c = tl.load(ENT + row) - lse
-    else:
-        b = 0.0
-        c = -lse
+    lse, a, b, c = softmax_grad_coefs(GLP, GENT, ENT, LSE, row, inv_t, WITH_ENT)
     k = label - v_start
     for start in range(0, Vt, BLOCK):
         offs = start + tl.arange(0, BLOCK)

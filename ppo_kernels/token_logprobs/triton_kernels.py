@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .._backend import new_output
-from .._triton_math import softmax_grad, softmax_stats_update
+from .._triton_math import softmax_grad, softmax_grad_coefs, softmax_stats_update
 from .._triton_utils import row_indexer
 
 @triton.jit
@@ -48,14 +48,7 @@ def _bwd_kernel(X, G, LAB, GLP, GENT, LSE, ENT, V, inner, stride_outer, stride_i
     gbase = G + (row // g_inner) * g_stride_outer + (row % g_inner) * g_stride_inner
     ignored = label == ignore_index
     valid = (label >= 0) & (label < V) & (label != ignore_index)
-    lse = tl.load(LSE + row)
-    a = tl.load(GLP + row).to(tl.float32) * inv_t
-    if WITH_ENT:
-        b = tl.load(GENT + row).to(tl.float32) * inv_t
-        c = tl.load(ENT + row) - lse
-    else:
-        b = 0.0
-        c = -lse
+    lse, a, b, c = softmax_grad_coefs(GLP, GENT, ENT, LSE, row, inv_t, WITH_ENT)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < V
