@@ -58,6 +58,25 @@ def has_compiled_kernel(kernel: str, device_type: str) -> bool:
         return False
 
 
+_cpp_namespace = ["ppo_kernels_C"]
+
+
+def cpp_ops():
+    """The op namespace the `cpp` backend calls: `torch.ops.ppo_kernels_C`, unless a test routes
+    it elsewhere with `use_cpp_namespace` (e.g. the SIMT emulator's CUDA kernels run on the CPU)."""
+    return getattr(torch.ops, _cpp_namespace[-1])
+
+
+@contextlib.contextmanager
+def use_cpp_namespace(name: str):
+    """Route the `cpp` backend's raw-kernel calls to `torch.ops.<name>` (same schemas)."""
+    _cpp_namespace.append(name)
+    try:
+        yield
+    finally:
+        _cpp_namespace.pop()
+
+
 @dataclass(frozen=True)
 class OpInfo:
     name: str

@@ -20,7 +20,7 @@ def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
     """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
     backend = _backend.backend_for("full_kl", logits)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
+        return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
     if backend == "triton":
         from . import triton_kernels
         return triton_kernels.forward(logits, ref_logits, mask, 1.0 / temperature)
@@ -48,7 +48,7 @@ def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: 
     gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) if need_ref \
         else ref_logits.new_empty(0)
     if backend == "cpp":
-        torch.ops.ppo_kernels_C.full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+        _backend.cpp_ops().full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
                                             1.0 / temperature, gz, gw if need_ref else None)
     else:
         from . import triton_kernels

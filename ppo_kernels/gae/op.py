@@ -39,7 +39,7 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
     flat = [None if x is None else x.contiguous().view(-1)
             for x in (rewards, values, mask, dones, gamma_t, lam_t)]
     if backend == "cpp":
-        adv, ret, cv, ca = torch.ops.ppo_kernels_C.gae_fwd(*flat, gamma, lam, init_value, init_adv,
+        adv, ret, cv, ca = _backend.cpp_ops().gae_fwd(*flat, gamma, lam, init_value, init_adv,
                                                            cu_seqlens, n_rows, row_len)
     else:
         from . import triton_kernels

@@ -24,7 +24,7 @@ def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: 
     """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None."""
     backend = "eager" if scores.dtype == torch.float64 else _backend.resolve("group_advantages", scores.device.type)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.group_advantages(scores, group_index, group_size, eps, norm_by_std,
+        return _backend.cpp_ops().group_advantages(scores, group_index, group_size, eps, norm_by_std,
                                                        kind, mask)
     if backend == "triton":
         from . import triton_kernels

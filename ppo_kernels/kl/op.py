@@ -24,7 +24,7 @@ def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straig
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.kl_penalty_fwd(logprobs, ref_logprobs, estimator,
+        return _backend.cpp_ops().kl_penalty_fwd(logprobs, ref_logprobs, estimator,
                                                       straight_through, *bounds)
     if backend == "triton":
         from . import triton_kernels
@@ -46,7 +46,7 @@ def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
+        return _backend.cpp_ops().kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
                                                       straight_through, *bounds, need_lp, need_ref)
     if backend == "triton":
         from . import triton_kernels
@@ -121,7 +121,7 @@ def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tens
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalized_rewards", logprobs)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t,
+        return _backend.cpp_ops().kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t,
                                                       beta, estimator, *bounds)
     if backend == "triton":
         from . import triton_kernels

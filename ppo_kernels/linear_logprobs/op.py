@@ -189,12 +189,12 @@ class _TileOps:
 class _CppTiles:
     @staticmethod
     def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
-        torch.ops.ppo_kernels_C.linear_logprobs_tile_stats_(tile, labels, v_start, inv_t,
+        _backend.cpp_ops().linear_logprobs_tile_stats_(tile, labels, v_start, inv_t,
                                                             ignore_index, state, zlabel)
 
     @staticmethod
     def tile_bwd_(tile, labels, v_start, lse, entropy, glp, gent, inv_t, ignore_index, V):
-        torch.ops.ppo_kernels_C.linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy, glp,
+        _backend.cpp_ops().linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy, glp,
                                                           gent, inv_t, ignore_index)
 
 
@@ -340,7 +340,7 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
         hc, lc = tiler.rows(r0, r1), labels[r0:r1]
         if plan.vocab == V and ops.fused:
             tile = tiler.logits(hc, 0, V)
-            a, e, s = torch.ops.ppo_kernels_C.token_logprobs_fwd(tile, lc, inv_t, ignore_index,
+            a, e, s = _backend.cpp_ops().token_logprobs_fwd(tile, lc, inv_t, ignore_index,
                                                                 with_entropy)
         else:
             state = torch.zeros(3, r1 - r0, dtype=acc, device=dev)
@@ -407,7 +407,7 @@ def linear_token_logprobs_backward_op(
             v1 = min(V, v0 + plan.vocab)
             if plan.vocab == V and ops.fused:  # in place, in the tile's dtype
                 g = tiler.logits(hc, v0, v1)
-                torch.ops.ppo_kernels_C.token_logprobs_bwd(glp, gent, g, lc, ls,
+                _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, ls,
                                                           en if with_ent else ls, inv_t,
                                                           ignore_index, g)
             else:

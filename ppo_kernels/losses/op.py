@@ -52,7 +52,7 @@ def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
     global_denom: local denominators. Returns (loss [], stats [4], row_coef [B])."""
     backend = _backend_for("ppo_policy_loss", logprobs)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.ppo_policy_loss_fwd(
+        return _backend.cpp_ops().ppo_policy_loss_fwd(
             logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
             agg, scale, global_denom, global_denom_value)
     if backend == "triton":
@@ -89,7 +89,7 @@ def ppo_policy_loss_backward_op(grad_loss: Tensor, logprobs: Tensor, old_logprob
                                 clip_high: float, dual_clip: float, log_ratio_clamp: float) -> Tensor:
     backend = _backend_for("ppo_policy_loss", logprobs)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.ppo_policy_loss_bwd(
+        return _backend.cpp_ops().ppo_policy_loss_bwd(
             grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
             dual_clip, log_ratio_clamp)
     if backend == "triton":
@@ -135,7 +135,7 @@ def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask:
     """clip <= 0: unclipped. Returns (loss [], stats [1], row_coef [B])."""
     backend = _backend_for("ppo_value_loss", values)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
+        return _backend.cpp_ops().ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
                                                          scale, global_denom, global_denom_value)
     if backend == "triton":
         from . import triton_kernels
@@ -159,7 +159,7 @@ def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Te
                                mask: Tensor, row_coef: Tensor, clip: float) -> Tensor:
     backend = _backend_for("ppo_value_loss", values)
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
+        return _backend.cpp_ops().ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
                                                          row_coef, clip)
     if backend == "triton":
         from . import triton_kernels

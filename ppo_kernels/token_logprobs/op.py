@@ -29,7 +29,7 @@ def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore
     backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
-        return torch.ops.ppo_kernels_C.token_logprobs_fwd(logits, labels, inv_t, ignore_index,
+        return _backend.cpp_ops().token_logprobs_fwd(logits, labels, inv_t, ignore_index,
                                                          with_entropy)
     if logits.device.type == "cpu":
         _check_labels_cpu(labels, logits.shape[-1], ignore_index)
@@ -54,7 +54,7 @@ def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, tem
     backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
-        torch.ops.ppo_kernels_C.token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
+        _backend.cpp_ops().token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
                                                   entropy, inv_t, ignore_index, grad_logits)
     elif backend == "triton":
         from . import triton_kernels
