@@ -1,7 +1,15 @@
 """Argument validation shared by the public ops: metadata only, never a host sync."""
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+try:
+    from numpy import bool_ as numpy_bool
+except ImportError:  # numpy is optional
+    class numpy_bool:  # noqa: N801  (never an instance)
+        pass
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -22,6 +30,8 @@ def check_tensor(name: str, t, *, dtypes=None, dim=None, min_dim=None):
 
 def check_same_device(**tensors):
     items = [(k, v) for k, v in tensors.items() if v is not None]
+    for k, v in items:
+        check_tensor(k, v)
     dev0 = items[0][1].device
     for k, v in items[1:]:
         if v.device != dev0:
@@ -34,5 +44,95 @@ def check_shape(name: str, t, shape, what: str):
 
 
 def check_positive(name: str, x: float):
-    if not (x > 0 and x < float("inf")):
-        raise ValueError(f"{name}: expected a positive finite number, got {x}")
+    return check_float(name, x, positive=True)
+
+
+# Scalar arguments: a string, bool or tensor where a number belongs is a TypeError naming the
+# argument (float("0.7") would accept a string). Symbolic values (torch.compile with dynamic
+# shapes) pass; their range checks use comparisons only (math.isnan cannot trace a SymFloat).
+_SYM_FLOAT = (torch.SymFloat, torch.SymInt)
+_INF = float("inf")
+
+
+def _type_name(x) -> str:
+    return type(x).__name__
+
+
+def check_float(name: str, x, *, positive: bool = False, nonneg: bool = False,
+                finite: bool = True, allow_none: bool = False):
+    """A real number (int or float, not bool / str / tensor), returned as a float; None passes
+    through when allow_none. positive: > 0; nonneg: >= 0; finite: not inf / NaN (NaN never
+    passes a range check)."""
+    if x is None and allow_none:
+        return None
+    if isinstance(x, _SYM_FLOAT):
+        v = x
+    elif isinstance(x, numbers.Real) and not isinstance(x, (bool, numpy_bool)):
+        v = float(x)
+    else:
+        raise TypeError(f"{name}: expected a number, got {_type_name(x)} {x!r}")
+    if not (v == v):
+        raise ValueError(f"{name}: expected a number, got NaN")
+    if finite and not (-_INF < v < _INF):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    if positive and not (v > 0):
+        raise ValueError(f"{name}: expected a positive number, got {v}")
+    if nonneg and not (v >= 0):
+        raise ValueError(f"{name}: expected a non-negative number, got {v}")
+    return v
+
+
+def check_int(name: str, x, *, min_value: int | None = None, allow_none: bool = False):
+    """An integer (not bool / float / str), returned as an int."""
+    if x is None and allow_none:
+        return None
+    if isinstance(x, torch.SymInt):
+        v = x
+    elif isinstance(x, numbers.Integral) and not isinstance(x, (bool, numpy_bool)):
+        v = int(x)
+    else:
+        raise TypeError(f"{name}: expected an int, got {_type_name(x)} {x!r}")
+    if min_value is not None and not (v >= min_value):
+        raise ValueError(f"{name}: expected an int >= {min_value}, got {v}")
+    return v
+
+
+def check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, numpy_bool)):
+        raise TypeError(f"{name}: expected a bool, got {_type_name(x)} {x!r}")
+    return bool(x)
+
+
+def check_str(name: str, x, choices=None) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected a string, got {_type_name(x)} {x!r}")
+    if choices is not None and x not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {x!r}")
+    return x
+
+
+# float32 is what the kernels compute in: 1 / temperature must be finite there.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_temperature(x) -> float:
+    """A positive finite temperature whose inverse is finite in float32 (> ~2.9e-39)."""
+    t = check_float("temperature", x, positive=True)
+    if not isinstance(t, _SYM_FLOAT) and not (1.0 / t <= FLOAT32_MAX):
+        raise ValueError(f"temperature: {t} is too small (1 / temperature overflows float32; "
+                         f"the smallest accepted is {1.0 / FLOAT32_MAX:.3g})")
+    return t
+
+
+def check_arg(name: str, t, device, *, dtypes=None, shape=None, what: str = "",
+              allow_none: bool = False):
+    """One tensor argument of a registered op (forward or backward): type, dtype, device, shape.
+    Metadata only (no sync), so the backward ops can run it on every call."""
+    if t is None and allow_none:
+        return
+    check_tensor(name, t, dtypes=dtypes)
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}{f' ({what})' if what else ''}, "
+                         f"got {tuple(t.shape)}")

@@ -1,5 +1,7 @@
-// full_kl: the host-side argument handling shared by the CPU and CUDA kernels.
+// full_kl: all the host-side argument handling of the CPU and CUDA kernels (checks naming the
+// argument, strided rows, output allocation), so both launchers only launch.
 #pragma once
+#include "common/alloc.h"
 #include "common/tensor_checks.h"
 
 namespace ppo_kernels {
@@ -7,43 +9,92 @@ namespace ppo_kernels {
 struct KLRows {
   at::Tensor logits, ref;  // as read (strided rows; a contiguous copy only when they do not collapse)
   RowIndexer rz, rw;       // rows of logits, of ref_logits
+  int64_t N, V;
 };
 
+inline void check_kl_inv_temperature(double inv_temperature) {
+  TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
+              "inv_temperature: expected a positive value finite in float32, got ", inv_temperature);
+}
+
 inline KLRows prepare_kl_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1,
-              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
-  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes());
+  TORCH_CHECK(logits_in.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
+  check_arg(logits_in, "logits", logits_in.device(), Kind::kFloating);
+  check_arg(ref_in, "ref_logits", logits_in.device());
+  TORCH_CHECK(logits_in.sizes() == ref_in.sizes(), "ref_logits: expected shape ", logits_in.sizes(),
+              " (like logits), got ", ref_in.sizes());
   TORCH_CHECK(logits_in.scalar_type() == ref_in.scalar_type(), "ref_logits: expected dtype ",
-              logits_in.scalar_type());
+              logits_in.scalar_type(), " (like logits), got ", ref_in.scalar_type());
+  const int64_t V = logits_in.size(-1);
+  TORCH_CHECK((logits_in.stride(-1) == 1 && ref_in.stride(-1) == 1) || V <= 1,
+              "logits, ref_logits: the last (vocabulary) dimension must be contiguous");
   auto [z, rz] = rows_of(logits_in);
   auto [w, rw] = rows_of(ref_in);
-  return {z, w, rz, rw};
+  return {z, w, rz, rw, leading_numel(logits_in), V};
 }
 
 // The optional row mask as a contiguous bool tensor (undefined when absent).
 inline at::Tensor kl_bool_mask(const std::optional<at::Tensor>& mask_in, const at::Tensor& logits,
                                int64_t N) {
   if (!mask_in.has_value() || !mask_in->defined()) return at::Tensor();
-  TORCH_CHECK(mask_in->device() == logits.device(), "mask: expected device ", logits.device());
-  TORCH_CHECK(mask_in->numel() == N, "mask: expected ", N, " elements (logits.shape[:-1])");
+  check_arg(*mask_in, "mask", logits.device(), Kind::kAny, N, "logits.shape[:-1]");
   return mask_in->to(at::kBool).contiguous();
 }
 
-// Backward inputs: upstream gradient and the saved per-row results, contiguous float32.
-struct KLGradInputs {
+// Forward: the rows, the mask and the outputs (kl, lse_z, lse_w: float32 logits.shape[:-1]).
+struct KLFwdCall {
+  KLRows R;
+  at::Tensor mask, kl, lz, lw;
+};
+
+inline KLFwdCall prepare_kl_fwd(const at::Tensor& logits_in, const at::Tensor& ref_in,
+                                const std::optional<at::Tensor>& mask_in, double inv_temperature) {
+  KLRows R = prepare_kl_rows(logits_in, ref_in);
+  check_kl_inv_temperature(inv_temperature);
+  TORCH_CHECK(R.V >= 1 || R.N == 0, "logits: the vocabulary dimension is empty but there are ", R.N,
+              " rows");
+  std::vector<int64_t> shape(logits_in.sizes().begin(), logits_in.sizes().end() - 1);
+  const auto f32 = logits_in.options().dtype(at::kFloat);
+  at::Tensor mask = kl_bool_mask(mask_in, logits_in, R.N);
+  return {R, mask, new_output(shape, f32), new_output(shape, f32), new_output(shape, f32)};
+}
+
+// Backward: the rows, upstream gradient and saved per-row results (contiguous float32), the mask,
+// and the checked gradient buffers.
+struct KLGradCall {
+  KLRows R;
   at::Tensor g, kl, lz, lw, mask;
   bool need_ref;  // a ref_logits gradient buffer was passed
 };
 
-inline KLGradInputs prepare_kl_grad(const at::Tensor& grad_in, const KLRows& R,
-                                    const std::optional<at::Tensor>& mask_in, const at::Tensor& kl,
-                                    const at::Tensor& lz, const at::Tensor& lw, const at::Tensor& grad_logits,
-                                    const std::optional<at::Tensor>& grad_ref, int64_t N) {
+inline KLGradCall prepare_kl_bwd(const at::Tensor& grad_in, const at::Tensor& logits_in,
+                                 const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
+                                 const at::Tensor& kl, const at::Tensor& lz, const at::Tensor& lw,
+                                 double inv_temperature, const at::Tensor& grad_logits,
+                                 const std::optional<at::Tensor>& grad_ref) {
+  KLRows R = prepare_kl_rows(logits_in, ref_in);
+  check_kl_inv_temperature(inv_temperature);
+  const at::Device dev = logits_in.device();
+  const int64_t N = R.N;
+  check_arg(grad_in, "grad", dev, Kind::kFloating, N, "logits.shape[:-1]");
+  check_arg(kl, "kl", dev, Kind::kFloat32, N, "logits.shape[:-1]");
+  check_arg(lz, "lse_z", dev, Kind::kFloat32, N, "logits.shape[:-1]");
+  check_arg(lw, "lse_w", dev, Kind::kFloat32, N, "logits.shape[:-1]");
   const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
-  TORCH_CHECK(grad_logits.is_contiguous() && (!need_ref || grad_ref->is_contiguous()),
-              "full_kl backward: gradient buffers must be contiguous");
-  return {grad_in.to(at::kFloat).contiguous(), kl.contiguous(), lz.contiguous(), lw.contiguous(),
-          kl_bool_mask(mask_in, R.logits, N), need_ref};
+  check_arg(grad_logits, "grad_logits", dev);
+  TORCH_CHECK(grad_logits.sizes() == logits_in.sizes() &&
+                  grad_logits.scalar_type() == logits_in.scalar_type() && grad_logits.is_contiguous(),
+              "grad_logits: expected a contiguous tensor of shape ", logits_in.sizes(), " and dtype ",
+              logits_in.scalar_type(), " (like logits)");
+  if (need_ref) {
+    check_arg(*grad_ref, "grad_ref_logits", dev);
+    TORCH_CHECK(grad_ref->sizes() == logits_in.sizes() &&
+                    grad_ref->scalar_type() == logits_in.scalar_type() && grad_ref->is_contiguous(),
+                "grad_ref_logits: expected a contiguous tensor of shape ", logits_in.sizes(),
+                " and dtype ", logits_in.scalar_type(), " (like logits)");
+  }
+  return {R, grad_in.to(at::kFloat).contiguous(), kl.contiguous(), lz.contiguous(), lw.contiguous(),
+          kl_bool_mask(mask_in, logits_in, N), need_ref};
 }
 
 }  // namespace ppo_kernels

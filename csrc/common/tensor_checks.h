@@ -8,26 +8,26 @@
 
 namespace ppo_kernels {
 
-// A RowIndexer for the leading dims of `t` (last dim must be contiguous), or nullopt when the
-// leading dims do not collapse to two strided dims (the caller then makes `t` contiguous).
+// A RowIndexer for the leading dims of `t` (last dim must be contiguous), or nullopt when more
+// than kMaxRowDims leading dims remain after collapsing (the caller then copies or refuses).
 inline std::optional<RowIndexer> make_row_indexer(const at::Tensor& t) {
   const int64_t nd = t.dim();
   TORCH_CHECK(nd >= 1, "expected at least 1 dimension");
+  RowIndexer ri;
   // Collapse leading dims from the innermost out; size-1 dims never matter.
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride), innermost first
   for (int64_t d = nd - 2; d >= 0; --d) {
     const int64_t size = t.size(d), stride = t.stride(d);
     if (size == 1) continue;
-    if (!dims.empty() && dims.back().second * dims.back().first == stride) {
-      dims.back().first *= size;
+    if (ri.ndim > 0 && ri.stride[ri.ndim - 1] * ri.size[ri.ndim - 1] == stride) {
+      ri.size[ri.ndim - 1] *= size;
     } else {
-      dims.push_back({size, stride});
+      if (ri.ndim == kMaxRowDims) return std::nullopt;
+      ri.size[ri.ndim] = size;
+      ri.stride[ri.ndim] = stride;
+      ++ri.ndim;
     }
   }
-  if (dims.empty()) return RowIndexer{1, 0, t.size(-1)};
-  if (dims.size() == 1) return RowIndexer{dims[0].first, 0, dims[0].second};
-  if (dims.size() == 2) return RowIndexer{dims[0].first, dims[1].second, dims[0].second};
-  return std::nullopt;
+  return ri;
 }
 
 // `t` with its RowIndexer, or a contiguous copy of `t` when its leading dims do not collapse.
@@ -35,6 +35,38 @@ inline std::pair<at::Tensor, RowIndexer> rows_of(const at::Tensor& t) {
   if (auto ri = make_row_indexer(t)) return {t, *ri};
   at::Tensor c = t.contiguous();
   return {c, *make_row_indexer(c)};
+}
+
+// Argument checks of the raw kernels (torch.ops.ppo_kernels_C.*): each message names the argument,
+// so a wrong size, dtype or device is an error, never an out-of-bounds read.
+enum class Kind { kAny, kFloat32, kFloating, kIndex };
+
+inline void check_arg(const at::Tensor& t, const char* name, const at::Device& device,
+                      Kind kind = Kind::kAny) {
+  TORCH_CHECK(t.defined(), name, ": expected a tensor");
+  TORCH_CHECK(t.device() == device, name, ": expected device ", device, ", got ", t.device());
+  const at::ScalarType st = t.scalar_type();
+  switch (kind) {
+    case Kind::kAny: break;
+    case Kind::kFloat32:
+      TORCH_CHECK(st == at::kFloat, name, ": expected dtype float32, got ", st);
+      break;
+    case Kind::kFloating:
+      TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
+                  name, ": expected a float dtype (float32, bfloat16, float16, float64), got ", st);
+      break;
+    case Kind::kIndex:
+      TORCH_CHECK(st == at::kLong || st == at::kInt, name, ": expected dtype int64 or int32, got ", st);
+      break;
+  }
+}
+
+// check_arg plus the number of elements (`what` says where that number comes from).
+inline void check_arg(const at::Tensor& t, const char* name, const at::Device& device, Kind kind,
+                      int64_t numel, const char* what) {
+  check_arg(t, name, device, kind);
+  TORCH_CHECK(t.numel() == numel, name, ": expected ", numel, " elements (", what, "), got shape ",
+              t.sizes());
 }
 
 inline int64_t leading_numel(const at::Tensor& t) {

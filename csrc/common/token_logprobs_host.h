@@ -14,12 +14,14 @@ struct LogprobsCall {
 
 inline LogprobsCall prepare_logprobs_call(const at::Tensor& logits_in, const at::Tensor& labels_in,
                                           bool with_entropy) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.stride(-1) == 1,
+  TORCH_CHECK(logits_in.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
+  check_arg(logits_in, "logits", logits_in.device(), Kind::kFloating);
+  TORCH_CHECK(logits_in.stride(-1) == 1 || logits_in.size(-1) <= 1,
               "logits: the last (vocabulary) dimension must be contiguous");
   const int64_t V = logits_in.size(-1);
   const int64_t N = leading_numel(logits_in);
+  check_arg(labels_in, "labels", logits_in.device(), Kind::kIndex, N, "logits.shape[:-1]");
   at::Tensor labels = labels_in.contiguous();
-  TORCH_CHECK(labels.numel() == N, "labels: expected ", N, " elements (logits.shape[:-1])");
   TORCH_CHECK(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N, " rows");
   auto [logits, rows] = rows_of(logits_in);
   const auto f32 = labels.options().dtype(at::kFloat);
@@ -42,17 +44,34 @@ inline LogprobsGradCall prepare_logprobs_grad_call(const at::Tensor& grad_logpro
                                                    const at::Tensor& logits, const at::Tensor& labels,
                                                    const at::Tensor& lse, const at::Tensor& entropy,
                                                    const at::Tensor& grad_logits) {
+  TORCH_CHECK(logits.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
+  const at::Device dev = logits.device();
+  const int64_t N = leading_numel(logits), V = logits.size(-1);
+  check_arg(logits, "logits", dev, Kind::kFloating);
+  check_arg(grad_logits, "grad_logits", dev);
+  TORCH_CHECK(grad_logits.sizes() == logits.sizes() && grad_logits.scalar_type() == logits.scalar_type(),
+              "grad_logits: expected shape ", logits.sizes(), " and dtype ", logits.scalar_type(),
+              " (like logits), got ", grad_logits.sizes(), " ", grad_logits.scalar_type());
+  TORCH_CHECK((logits.stride(-1) == 1 && grad_logits.stride(-1) == 1) || V <= 1,
+              "logits, grad_logits: the last (vocabulary) dimension must be contiguous");
+  check_arg(labels, "labels", dev, Kind::kIndex, N, "logits.shape[:-1]");
+  check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, N, "logits.shape[:-1]");
+  check_arg(lse, "lse", dev, Kind::kFloat32, N, "logits.shape[:-1]");
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  if (has_ent) {
+    check_arg(*grad_entropy, "grad_entropy", dev, Kind::kFloating, N, "logits.shape[:-1]");
+    check_arg(entropy, "entropy", dev, Kind::kFloat32, N, "logits.shape[:-1]");
+  }
   auto rin = make_row_indexer(logits);
   auto rout = make_row_indexer(grad_logits);
-  TORCH_CHECK(rin && rout && logits.stride(-1) == 1 && grad_logits.stride(-1) == 1,
-              "token_logprobs backward: unsupported logits layout (make logits contiguous)");
-  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  TORCH_CHECK(rin && rout, "logits: more than ", kMaxRowDims,
+              " leading dimensions that do not collapse; make logits contiguous");
   return {labels.contiguous(),
           grad_logprobs.to(at::kFloat).contiguous(),
           has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor(),
           lse.contiguous(),
           has_ent ? entropy.contiguous() : at::Tensor(),
-          *rin, *rout, leading_numel(logits), logits.size(-1)};
+          *rin, *rout, N, V};
 }
 
 }  // namespace ppo_kernels

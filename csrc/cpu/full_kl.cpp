@@ -57,15 +57,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(const at::Tensor&
                                                                const at::Tensor& ref_in,
                                                                const std::optional<at::Tensor>& mask_in,
                                                                double inv_temperature) {
-  const KLRows R = prepare_kl_rows(logits_in, ref_in);
-  const int64_t V = R.logits.size(-1);
-  const int64_t N = leading_numel(R.logits);
-  std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
-  const auto f32 = R.logits.options().dtype(at::kFloat);
-  at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
+  const KLFwdCall c = prepare_kl_fwd(logits_in, ref_in, mask_in, inv_temperature);
+  const KLRows& R = c.R;
+  const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
+  const int64_t N = R.N, V = R.V;
   if (N == 0) return {kl, lz, lw};
-  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
-  const at::Tensor mask = kl_bool_mask(mask_in, R.logits, N);
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
     const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
@@ -104,11 +100,11 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, con
                      const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in,
                      const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
                      at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
-  const KLRows R = prepare_kl_rows(logits_in, ref_in);
-  const int64_t V = R.logits.size(-1);
-  const int64_t N = leading_numel(R.logits);
+  const KLGradCall in = prepare_kl_bwd(grad_in, logits_in, ref_in, mask_in, kl_in, lz_in, lw_in,
+                                       inv_temperature, grad_logits, grad_ref);
+  const KLRows& R = in.R;
+  const int64_t N = R.N, V = R.V;
   if (N == 0 || V == 0) return;
-  const KLGradInputs in = prepare_kl_grad(grad_in, R, mask_in, kl_in, lz_in, lw_in, grad_logits, grad_ref, N);
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   const float inv_t = static_cast<float>(inv_temperature);

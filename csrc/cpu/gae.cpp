@@ -22,6 +22,7 @@
 #endif
 
 #include "common/alloc.h"
+#include "common/tensor_checks.h"
 
 // No fused multiply-adds in the recursion: a row that runs as one task then gives bit for bit the
 // numbers of verl's eager loop (separately rounded mul and add), which the tests check.
@@ -456,9 +457,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
     const std::optional<at::Tensor>& init_value, const std::optional<at::Tensor>& init_adv,
     const std::optional<at::Tensor>& cu_seqlens, int64_t n_rows, int64_t row_len) {
   const int64_t N = rewards.numel();
-  TORCH_CHECK(rewards.is_contiguous() && values.is_contiguous() && values.numel() == N &&
+  const at::Device dev = rewards.device();
+  check_arg(rewards, "rewards", dev, Kind::kFloating);
+  check_arg(values, "values", dev, Kind::kAny, N, "like rewards");
+  TORCH_CHECK(rewards.is_contiguous() && values.is_contiguous() &&
                   values.scalar_type() == rewards.scalar_type(),
-              "gae_fwd: rewards and values must be contiguous, of one dtype and size");
+              "gae_fwd: rewards and values must be contiguous and of one dtype");
+  TORCH_CHECK(n_rows >= 0, "n_rows: expected >= 0, got ", n_rows);
+  for (const auto& [t, name] : {std::pair{&mask, "mask"}, {&dones, "dones"}, {&gamma_t, "gamma_t"},
+                                {&lam_t, "lam_t"}, {&init_value, "init_value"},
+                                {&init_adv, "init_adv"}, {&cu_seqlens, "cu_seqlens"}}) {
+    if (t->has_value() && (*t)->defined()) check_arg(**t, name, dev);
+  }
+  auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(present(gamma_t) == present(lam_t), "gamma_t, lam_t: per-token gamma and lam come "
+              "together (pass both tensors, or neither)");
   auto flat_u8 = [&](const std::optional<at::Tensor>& t, const char* name) -> const uint8_t* {
     if (!t.has_value() || !t->defined()) return nullptr;
     TORCH_CHECK(t->is_contiguous() && t->numel() == N &&
@@ -485,8 +498,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
   Inputs in{rewards.const_data_ptr(), values.const_data_ptr(), mask_ptr,
             flat_u8(dones, "dones"), flat_f32(gamma_t, N, "gamma"), flat_f32(lam_t, N, "lam"),
             static_cast<float>(gamma), static_cast<float>(lam), static_cast<float>(gamma * lam)};
-  TORCH_CHECK((in.gamma_t == nullptr) == (in.lam_t == nullptr),
-              "gae_fwd: per-token gamma and lam come together");
   const float* iv = flat_f32(init_value, n_rows, "init_value");
   const float* ia = flat_f32(init_adv, n_rows, "init_adv");
 
@@ -503,7 +514,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
       starts[i] = c[i];
     }
   } else {
-    TORCH_CHECK(n_rows * row_len == N, "gae_fwd: n_rows * row_len != numel");
+    TORCH_CHECK(row_len >= 0 && n_rows * row_len == N, "row_len: expected n_rows * row_len == ", N,
+                " (rewards.numel()), got n_rows ", n_rows, ", row_len ", row_len);
     for (int64_t i = 0; i <= n_rows; ++i) starts[i] = i * row_len;
   }
 

@@ -9,6 +9,7 @@
 #include "common/alloc.h"
 #include "common/cpu_softmax.h"
 #include "common/kl_stats.h"
+#include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -47,7 +48,7 @@ void dispatch_estimator(int64_t est, F&& f) {
     case kAbs: f(std::integral_constant<int, kAbs>()); break;
     case kK2: f(std::integral_constant<int, kK2>()); break;
     case kK3: f(std::integral_constant<int, kK3>()); break;
-    default: TORCH_CHECK(false, "kl: unknown estimator code ", est);
+    default: TORCH_CHECK(false, "estimator: unknown KL estimator code ", est, " (expected 0..3)");
   }
 }
 
@@ -57,6 +58,8 @@ KLClampSpec make_spec(double in_lo, double in_hi, double out_lo, double out_hi) 
 }
 
 void check_pair(const at::Tensor& lp, const at::Tensor& ref) {
+  check_arg(lp, "logprobs", lp.device(), Kind::kFloating);
+  check_arg(ref, "ref_logprobs", lp.device());
   TORCH_CHECK(lp.sizes() == ref.sizes(), "ref_logprobs: expected shape ", lp.sizes(), ", got ", ref.sizes());
   TORCH_CHECK(lp.scalar_type() == ref.scalar_type(), "ref_logprobs: expected dtype ", lp.scalar_type());
 }
@@ -101,8 +104,9 @@ std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in,
                                                       bool need_ref) {
   check_pair(lp_in, ref_in);
   const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
+  check_arg(grad_in, "grad", lp_in.device(), Kind::kFloating, lp_in.numel(), "like logprobs");
   const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(grad.numel() == lp.numel(), "kl_penalty backward: grad has the wrong size");
+
   at::Tensor glp = need_lp ? new_output(lp.sizes(), lp.options()) : at::empty({0}, lp.options());
   at::Tensor gref = need_ref ? new_output(lp.sizes(), lp.options()) : at::empty({0}, lp.options());
   const int64_t n = lp.numel();
@@ -147,13 +151,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
   TORCH_CHECK(lp_in.dim() == 2, "logprobs: expected [B, T]");
   TORCH_CHECK(mask_in.sizes() == lp_in.sizes(), "mask: expected shape ", lp_in.sizes());
   const int64_t B = lp_in.size(0), T = lp_in.size(1);
-  TORCH_CHECK(scores_in.numel() == B, "scores: expected ", B, " elements");
+  check_arg(scores_in, "scores", lp_in.device(), Kind::kFloating, B, "one per row");
+  check_arg(mask_in, "mask", lp_in.device());
   const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
   const at::Tensor scores = scores_in.to(at::kFloat).contiguous();
   at::Tensor mask = mask_in.contiguous();
   if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kFloat) mask = mask.to(at::kFloat);
   at::Tensor betas;
   if (beta_t.has_value() && beta_t->defined()) {
+    check_arg(*beta_t, "beta", lp_in.device(), Kind::kFloating);
     TORCH_CHECK(beta_t->numel() == 1 || beta_t->numel() == B, "beta: expected 1 or ", B, " elements");
     betas = beta_t->to(at::kFloat).contiguous();
   }
@@ -227,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
           sum += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, vsum);
           cnt += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, vcnt);
           if (last >= 0) r[o + last] += sc[row];
-          mk[row] = last >= 0 ? sum / cnt : 0.f;
+          mk[row] = last >= 0 && cnt != 0.f ? sum / cnt : 0.f;  // weights summing to 0: 0
         }
       });
     });

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "common/cpu_softmax.h"
+#include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -22,10 +23,11 @@ using cpu::block_stats;
 using cpu::load_scaled;
 
 void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
-  TORCH_CHECK(tile.scalar_type() == at::kFloat && tile.dim() == 2 && tile.stride(1) == 1,
-              "linear_logprobs: tile must be a float32 [rows, vocab_chunk] tensor with stride(1) == 1");
-  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == tile.size(0),
-              "linear_logprobs: labels must be [rows] matching the tile");
+  check_arg(tile, "tile", tile.device(), Kind::kFloat32);
+  TORCH_CHECK(tile.dim() == 2 && (tile.stride(1) == 1 || tile.size(1) <= 1),
+              "tile: expected a float32 [rows, vocab_chunk] tensor with stride(1) == 1, got shape ",
+              tile.sizes());
+  check_arg(labels, "labels", tile.device(), Kind::kIndex, tile.size(0), "tile.shape[0]");
 }
 
 // state: float32 [3, rows] = (m, s, u) of the scaled logits seen so far; zlabel: float32 [rows].
@@ -33,11 +35,11 @@ void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t
                     double inv_temperature, int64_t ignore_index, at::Tensor state, at::Tensor zlabel) {
   check_tile(tile, labels_in);
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
-  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 2 &&
-                  state.size(0) == 3 && state.size(1) == R,
-              "linear_logprobs: state must be a contiguous float32 [3, rows] tensor");
-  TORCH_CHECK(zlabel.scalar_type() == at::kFloat && zlabel.is_contiguous() && zlabel.numel() == R,
-              "linear_logprobs: zlabel must be a contiguous float32 [rows] tensor");
+  check_arg(state, "state", tile.device(), Kind::kFloat32, 3 * R, "[3, rows]");
+  TORCH_CHECK(state.is_contiguous() && state.dim() == 2 && state.size(0) == 3,
+              "state: expected a contiguous float32 [3, rows] tensor, got shape ", state.sizes());
+  check_arg(zlabel, "zlabel", tile.device(), Kind::kFloat32, R, "one per row");
+  TORCH_CHECK(zlabel.is_contiguous(), "zlabel: expected a contiguous tensor");
   if (R == 0 || Vt == 0) return;
   const at::Tensor labels = labels_in.contiguous();
   const float inv_t = static_cast<float>(inv_temperature);
@@ -81,10 +83,14 @@ void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
   if (R == 0 || Vt == 0) return;
   const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
-  TORCH_CHECK(!has_ent || (entropy.has_value() && entropy->numel() == R),
-              "linear_logprobs: grad_entropy needs the forward entropy");
-  TORCH_CHECK(lse_in.numel() == R && grad_logprobs.numel() == R,
-              "linear_logprobs: lse and grad_logprobs must have one value per row");
+  const at::Device dev = tile.device();
+  check_arg(lse_in, "lse", dev, Kind::kFloating, R, "one per row");
+  check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, R, "one per row");
+  if (has_ent) {
+    TORCH_CHECK(entropy.has_value() && entropy->defined(), "entropy: grad_entropy needs the forward entropy");
+    check_arg(*grad_entropy, "grad_entropy", dev, Kind::kFloating, R, "one per row");
+    check_arg(*entropy, "entropy", dev, Kind::kFloating, R, "one per row");
+  }
   const at::Tensor labels = labels_in.contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor glp_t = grad_logprobs.to(at::kFloat).contiguous();

@@ -16,6 +16,7 @@
 
 #include "common/alloc.h"
 #include "common/loss_math.h"
+#include "common/tensor_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -54,18 +55,39 @@ void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
               a.sizes(), ", got ", b.sizes());
 }
 
+// The names of a loss kernel's three [B, T] inputs, for the argument checks.
+using Names = std::array<const char*, 3>;
+constexpr Names kPolicyNames{"logprobs", "old_logprobs", "advantages"};
+constexpr Names kValueNames{"values", "old_values", "returns"};
+
+void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
+                     const at::Tensor& mask) {
+  check_arg(x, n[0], x.device(), Kind::kFloating);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0], ": expected a contiguous [B, T] tensor, got ",
+              x.sizes());
+  check_arg(y, n[1], x.device(), Kind::kFloating);
+  check_like(x, y, n[1]);
+  check_arg(z, n[2], x.device(), Kind::kFloating);
+  check_like(x, z, n[2]);
+  check_arg(mask, "mask", x.device());
+  check_like(x, mask, "mask");
+  TORCH_CHECK(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
+}
+
 // One pass: per-chunk partial sums of (loss, mask, 4 statistics), then the serial combine.
 template <typename Fn>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, const at::Tensor& y,
                                                         const at::Tensor& z, const at::Tensor& mask,
                                                         int64_t agg, double scale,
                                                         const std::optional<at::Tensor>& global_denom,
-                                                        double global_denom_value, int64_t n_stats, Fn fn) {
+                                                        double global_denom_value, int64_t n_stats,
+                                                        const Names& names, Fn fn) {
+  check_loss_args(names, x, y, z, mask);
   const Shape2 s = rows_of(x);
-  check_like(x, y, "second input");
-  check_like(x, z, "third input");
-  check_like(x, mask, "mask");
   TORCH_CHECK(agg >= 0 && agg <= 3, "agg: unknown mode ", agg);
+  if (global_denom.has_value() && global_denom->defined()) {
+    check_arg(*global_denom, "global_denom", x.device(), Kind::kFloating, 1, "a single value");
+  }
   const int64_t items = s.B * s.nch;
   std::vector<std::array<double, kNumPartials>> part(items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -141,12 +163,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
 
 template <typename Fn>
 at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& y,
-                    const at::Tensor& z, const at::Tensor& mask, const at::Tensor& row_coef, Fn fn) {
+                    const at::Tensor& z, const at::Tensor& mask, const at::Tensor& row_coef,
+                    const Names& names, Fn fn) {
+  check_loss_args(names, x, y, z, mask);
   const Shape2 s = rows_of(x);
-  check_like(x, y, "second input");
-  check_like(x, z, "third input");
-  check_like(x, mask, "mask");
-  TORCH_CHECK(row_coef.numel() == s.B && row_coef.scalar_type() == at::kFloat, "row_coef: expected float32 [B]");
+  check_arg(row_coef, "row_coef", x.device(), Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", x.device(), Kind::kFloating, 1, "the 0-dim loss");
   at::Tensor grad = new_output(x.sizes(), x.options());
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
@@ -191,14 +213,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
     const at::Tensor& mask, double clip_low, double clip_high, double dual_clip, double log_ratio_clamp,
     int64_t agg, double scale, const std::optional<at::Tensor>& global_denom, double global_denom_value) {
   return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom, global_denom_value, 4,
-                  policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+                  kPolicyNames, policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
 at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
                                    const at::Tensor& old_logprobs, const at::Tensor& advantages,
                                    const at::Tensor& mask, const at::Tensor& row_coef, double clip_low,
                                    double clip_high, double dual_clip, double log_ratio_clamp) {
-  return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef,
+  return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, kPolicyNames,
                   policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
@@ -207,13 +229,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
     double clip, int64_t agg, double scale, const std::optional<at::Tensor>& global_denom,
     double global_denom_value) {
   return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value, 1,
-                  value_fn(clip));
+                  kValueNames, value_fn(clip));
 }
 
 at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& values,
                                   const at::Tensor& old_values, const at::Tensor& returns,
                                   const at::Tensor& mask, const at::Tensor& row_coef, double clip) {
-  return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, value_fn(clip));
+  return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, kValueNames, value_fn(clip));
 }
 
 // GRPO (kind 0) / RLOO (kind 1) advantages. Groups: group_index[i] in [0, B) or i / group_size.
@@ -222,8 +244,12 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
                                 int64_t group_size, double eps, bool norm_by_std, int64_t kind,
                                 const std::optional<at::Tensor>& mask) {
   TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
+  check_arg(scores_in, "scores", scores_in.device(), Kind::kFloating);
   const int64_t B = scores_in.size(0);
   const bool by_index = group_index.has_value() && group_index->defined();
+  if (by_index) check_arg(*group_index, "group_index", scores_in.device(), Kind::kIndex);
+  if (mask.has_value() && mask->defined()) check_arg(*mask, "mask", scores_in.device());
+  TORCH_CHECK(kind == 0 || kind == 1, "kind: expected 0 (GRPO) or 1 (RLOO), got ", kind);
   TORCH_CHECK(by_index || group_size >= 1, "group_size: expected >= 1");
   std::vector<float> x(B);
   const at::Tensor scores = scores_in.contiguous();
@@ -259,7 +285,11 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
     double a;
     if (kind == 0) {
       if (n <= 1.0) a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
-      else a = norm_by_std ? c / (std::sqrt(ss[gid[i]] / (n - 1.0)) + eps) : c;
+      else if (!norm_by_std) a = c;
+      else {  // eps = 0 on a group of equal scores: 0 (c is exactly 0 there), not 0 / 0
+        const double den = std::sqrt(ss[gid[i]] / (n - 1.0)) + eps;
+        a = den > 0 ? c / den : 0.0;
+      }
     } else {
       a = n <= 1.0 ? double(x[i]) : c * n / (n - 1.0);  // verl's rloo: a singleton keeps its score
     }

@@ -33,6 +33,38 @@ void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
   });
 }
 
+// A row whose scaled logits overflow float32 (|x| * inv_t > FLT_MAX, e.g. x = 3e38 at temperature
+// 0.5) still has a finite answer: the fast path's lse comes out non-finite there, and the row is
+// recomputed in float64 relative to its unscaled max. Rows with NaN / +inf logits, or all -inf,
+// give NaN here as in the fast path.
+struct RowStats64 {
+  double m, log_s, entropy;  // max x, log sum exp((x - m) * inv_t), entropy; NaN: undefined row
+};
+
+template <typename scalar_t>
+RowStats64 row_stats64(const scalar_t* row, int64_t V, double inv_t) {
+  double m = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) {
+    const double x = static_cast<double>(row[j]);
+    if (std::isnan(x) || x == INFINITY) return {NAN, NAN, NAN};
+    m = std::max(m, x);
+  }
+  if (m == -INFINITY) return {NAN, NAN, NAN};
+  double s = 0, u = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    const double d = (static_cast<double>(row[j]) - m) * inv_t;
+    const double e = std::exp(d);
+    s += e;
+    if (e > 0) u += e * d;
+  }
+  return {m, std::log(s), std::log(s) - u / s};
+}
+
+void check_inv_temperature(double inv_temperature) {
+  TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
+              "inv_temperature: expected a positive value finite in float32, got ", inv_temperature);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
     const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
     int64_t ignore_index, bool with_entropy) {
@@ -41,6 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   at::Tensor &logprobs = c.logprobs, &entropy = c.entropy, &lse = c.lse;
   const RowIndexer rows = c.rows;
   const int64_t N = c.N, V = c.V;
+  check_inv_temperature(inv_temperature);
   if (N == 0) return {logprobs, entropy, lse};
   check_labels(labels, V, ignore_index);
   const float inv_t = static_cast<float>(inv_temperature);
@@ -70,9 +103,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
             st = stats_merge(st, block_stats(buf, n, m));
           }
           const float l = stats_lse(st);
-          ls[r] = l;
-          lp[r] = static_cast<float>(row[label]) * inv_t - l;
-          if (ent) ent[r] = stats_entropy(st);
+          if (std::isfinite(l)) {
+            ls[r] = l;
+            lp[r] = static_cast<float>(row[label]) * inv_t - l;
+            if (ent) ent[r] = stats_entropy(st);
+          } else {
+            const RowStats64 s = row_stats64(row, V, inv_temperature);
+            ls[r] = static_cast<float>(s.m * inv_temperature + s.log_s);
+            lp[r] = static_cast<float>((static_cast<double>(row[label]) - s.m) * inv_temperature - s.log_s);
+            if (ent) ent[r] = static_cast<float>(s.entropy);
+          }
         }
       });
     });
@@ -87,11 +127,13 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
                             const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
                             const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
                             at::Tensor grad_logits) {
-  if (leading_numel(logits) == 0) return;
   const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
                                                         lse, entropy, grad_logits);
   const at::Tensor& labels = c.labels;
   const int64_t N = c.N, V = c.V;
+  check_inv_temperature(inv_temperature);
+  if (N == 0) return;
+  check_labels(labels, V, ignore_index);
   const RowIndexer rin = c.rows, rout = c.grad_rows;
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
@@ -115,6 +157,17 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
             continue;
           }
           const float l = ls[r];
+          if (!std::isfinite(l)) {  // scaled logits overflow float32 (see row_stats64)
+            const RowStats64 s = row_stats64(row, V, inv_temperature);
+            const double a = glp[r] * inv_temperature, b = gent ? gent[r] * inv_temperature : 0.0;
+            for (int64_t j = 0; j < V; ++j) {
+              const double logp = (static_cast<double>(row[j]) - s.m) * inv_temperature - s.log_s;
+              const double p = std::exp(logp);
+              const double w = p > 0 ? p * (logp + s.entropy) : 0.0;
+              grow[j] = static_cast<scalar_t>(a * ((j == label ? 1.0 : 0.0) - p) - b * w);
+            }
+            continue;
+          }
           const float a = glp[r] * inv_t;            // weight of onehot - p
           const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
           const float c = gent ? ent[r] - l : -l;    // log p + H = z - lse + H

@@ -194,15 +194,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cuda(const at::Tensor
                                                                 double inv_temperature) {
   const c10::cuda::CUDAGuard guard(logits_in.device());
   TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
-  const KLRows R = prepare_kl_rows(logits_in, ref_in);
-  const int64_t V = R.logits.size(-1);
-  const int64_t N = leading_numel(R.logits);
-  std::vector<int64_t> shape(R.logits.sizes().begin(), R.logits.sizes().end() - 1);
-  const auto f32 = R.logits.options().dtype(at::kFloat);
-  at::Tensor kl = new_output(shape, f32), lz = new_output(shape, f32), lw = new_output(shape, f32);
+  const KLFwdCall c = prepare_kl_fwd(logits_in, ref_in, mask_in, inv_temperature);
+  const KLRows& R = c.R;
+  const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
+  const int64_t N = R.N, V = R.V;
   if (N == 0) return {kl, lz, lw};
-  TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
-  const at::Tensor mask = kl_bool_mask(mask_in, R.logits, N);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
     const int threads = threads_for(V, Pack<scalar_t>::kN);
@@ -222,11 +218,11 @@ void full_kl_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& logits_in, co
                       at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
   const c10::cuda::CUDAGuard guard(logits_in.device());
   TORCH_CHECK(logits_in.is_cuda() && ref_in.is_cuda(), "logits and ref_logits must be CUDA tensors");
-  const KLRows R = prepare_kl_rows(logits_in, ref_in);
-  const int64_t V = R.logits.size(-1);
-  const int64_t N = leading_numel(R.logits);
+  const KLGradCall in = prepare_kl_bwd(grad_in, logits_in, ref_in, mask_in, kl_in, lz_in, lw_in,
+                                       inv_temperature, grad_logits, grad_ref);
+  const KLRows& R = in.R;
+  const int64_t N = R.N, V = R.V;
   if (N == 0 || V == 0) return;
-  const KLGradInputs in = prepare_kl_grad(grad_in, R, mask_in, kl_in, lz_in, lw_in, grad_logits, grad_ref, N);
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   auto stream = at::cuda::getCurrentCUDAStream();

@@ -147,9 +147,9 @@ void token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs, const std::optiona
                              const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
                              at::Tensor grad_logits) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  if (leading_numel(logits) == 0) return;
   const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
                                                         lse, entropy, grad_logits);
+  if (c.N == 0) return;
   const at::Tensor& labels = c.labels;
   const int64_t N = c.N, V = c.V;
   auto stream = at::cuda::getCurrentCUDAStream();

@@ -6,18 +6,46 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_positive, check_same_device, check_tensor
+from .._checks import (FLOAT_DTYPES, check_arg, check_bool, check_same_device, check_temperature,
+                       check_tensor)
 from . import reference
 
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="cpp")
 
 
+def _check_forward_args(logits, ref_logits, temperature, mask):
+    """What the registered forward op is given, whoever calls it (metadata only)."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_arg("ref_logits", ref_logits, logits.device, dtypes=(logits.dtype,), shape=logits.shape,
+              what="like logits")
+    V = logits.shape[-1]
+    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
+        if t.stride(-1) != 1 and V > 1:
+            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
+                             f"got strides {tuple(t.stride())}")
+    if V == 0 and logits.shape[:-1].numel() > 0:
+        raise ValueError("logits: the vocabulary dimension (last) is empty")
+    check_temperature(temperature)
+    check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]",
+              allow_none=True)
+
+
+def _check_backward_args(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+    """The backward op's arguments: a wrong size, dtype or device is an error naming it, never an
+    out-of-bounds read."""
+    _check_forward_args(logits, ref_logits, temperature, mask)
+    rows, dev, out = logits.shape[:-1], logits.device, (_backend.out_dtype(logits),)
+    check_arg("grad", grad, dev, dtypes=FLOAT_DTYPES, shape=rows, what="logits.shape[:-1]")
+    for name, t in (("kl", kl), ("lse_z", lse_z), ("lse_w", lse_w)):
+        check_arg(name, t, dev, dtypes=out, shape=rows, what="logits.shape[:-1]")
+    check_bool("need_ref", need_ref)
 
 
 @torch.library.custom_op("ppo_kernels::full_kl", mutates_args=())
 def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
+    _check_forward_args(logits, ref_logits, temperature, mask)
     backend = _backend.backend_for("full_kl", logits)
     if backend == "cpp":
         return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
@@ -40,6 +68,7 @@ def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: 
                         kl: Tensor, lse_z: Tensor, lse_w: Tensor, temperature: float,
                         need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logits, grad_ref_logits or an empty tensor)."""
+    _check_backward_args(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref)
     backend = _backend.backend_for("full_kl", logits)
     if backend == "eager":
         gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature, mask, need_ref)
@@ -106,22 +135,10 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
     check_same_device(logits=logits, ref_logits=ref_logits, mask=mask)
     if ref_logits.dtype != logits.dtype:
         raise TypeError(f"ref_logits: expected dtype {logits.dtype} (like logits), got {ref_logits.dtype}")
-    if tuple(ref_logits.shape) != tuple(logits.shape):
-        raise ValueError(f"ref_logits: expected shape {tuple(logits.shape)} (logits.shape), "
-                         f"got {tuple(ref_logits.shape)}")
-    V = logits.shape[-1]
-    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
-        if t.stride(-1) != 1 and V > 1:
-            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
-                             f"got strides {tuple(t.stride())}")
-    if V == 0 and logits.shape[:-1].numel() > 0:
-        raise ValueError("logits: the vocabulary dimension (last) is empty")
-    check_positive("temperature", float(temperature))
+    temperature = check_temperature(temperature)
     if mask is not None:
-        check_tensor("mask", mask)
-        if tuple(mask.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"mask: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
-                             f"got {tuple(mask.shape)}")
+        check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]")
         mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+    _check_forward_args(logits, ref_logits, temperature, mask)
     kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)
     return kl

@@ -2,17 +2,41 @@
 Each call picks a backend (see ppo_kernels/_backend.py)."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_shape, check_tensor
+from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_bool, check_float, check_same_device,
+                       check_shape, check_tensor)
 from . import reference
 
 OP = _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp")
 
+
+
+def _check_op_args(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv,
+                   cu_seqlens):
+    """What the registered op is given, whoever calls it (metadata only; see gae() for the
+    normalised form)."""
+    check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=1 if cu_seqlens is not None else 2)
+    dev, shape = rewards.device, rewards.shape
+    check_arg("values", values, dev, dtypes=(rewards.dtype,), shape=shape, what="like rewards")
+    for name, t in (("mask", mask), ("dones", dones), ("gamma_t", gamma_t), ("lam_t", lam_t)):
+        check_arg(name, t, dev, shape=shape, what="like rewards", allow_none=True)
+    if (gamma_t is None) != (lam_t is None):
+        raise ValueError("gamma_t, lam_t: per-token gamma and lam come together (both or neither)")
+    check_float("gamma", gamma)
+    check_float("lam", lam)
+    if cu_seqlens is not None:
+        check_arg("cu_seqlens", cu_seqlens, dev, dtypes=(torch.int32,))
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens: expected [n + 1] offsets, got shape {tuple(cu_seqlens.shape)}")
+        if dev.type == "cpu":
+            _check_cu_seqlens(cu_seqlens, rewards.numel())
+    n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else shape[0]
+    for name, t in (("init_value", init_value), ("init_adv", init_adv)):
+        check_arg(name, t, dev, dtypes=(torch.float32, torch.float64), shape=(n_rows,),
+                  what="one per row", allow_none=True)
 
 
 @torch.library.custom_op("ppo_kernels::gae", mutates_args=())
@@ -25,6 +49,8 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
     init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv).
     The mask may also be float32 on the CPU: the C++ kernel reads it as it is (nonzero = action),
     the other backends get it as bool."""
+    _check_op_args(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv,
+                   cu_seqlens)
     backend = _backend.backend_for("gae", rewards)
     if mask is not None and mask.dtype != torch.bool and not (backend == "cpp" and mask.is_cpu):
         mask = mask != 0
@@ -81,10 +107,7 @@ def _per_token(name, x, rewards):
             raise ValueError(f"{name}: shape {tuple(x.shape)} does not broadcast to rewards' "
                              f"{tuple(rewards.shape)}") from None
         return x.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name}: expected a finite number, got {x}")
-    return x
+    return check_float(name, x)
 
 
 def _per_row(name, t, n_rows, rewards):
@@ -133,6 +156,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
     """
     check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES)
     check_tensor("values", values, dtypes=FLOAT_DTYPES)
+    return_carry = check_bool("return_carry", return_carry)
+    if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
+        raise TypeError("carry: expected a pair (next_value, next_advantage)")
     check_shape("values", values, rewards.shape, "like rewards")
     check_same_device(rewards=rewards, values=values, mask=mask, dones=dones,
                       bootstrap_value=bootstrap_value, cu_seqlens=cu_seqlens,

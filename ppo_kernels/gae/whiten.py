@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+from .._checks import FLOAT_DTYPES, check_bool, check_float, check_shape, check_tensor
 
 
 def _prep(x, mask):
@@ -18,6 +18,17 @@ def _prep(x, mask):
         raise ValueError(f"mask: expected device {x.device} (like x), got {mask.device}")
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return x.to(acc), (mask != 0)
+
+
+def _pow2_scale(xf, m):
+    """A power of two s with max |x| / s in [1, 2) over the mask (1 when that max is 0 or not
+    finite): dividing by it is exact, and sums of squares of x / s cannot overflow (s = 2^(e - 1)
+    with max |x| = f 2^e, f in [0.5, 1): 2^e itself overflows for max |x| near FLT_MAX)."""
+    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
+    amax = torch.where(m, xf.abs(), zero).amax() if xf.numel() > 0 else zero
+    ok = (amax > 0) & (amax < float("inf"))
+    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
+    return torch.ldexp(torch.ones_like(amax), e - 1)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -38,7 +49,13 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
     `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one.
     verl raises when unbiased and fewer than two positions are unmasked; that needs a host sync, so
     here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
-    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x)."""
+    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x).
+    Any finite input gives a finite, correct result: the statistics are computed on x / s with s a
+    power of two near max |x| (exact), so a spread beyond ~1e19 (whose float32 variance would
+    overflow) is no problem; `(x - mean) * rsqrt(var + eps)` = `y / sqrt(var_y + eps / s^2)`."""
+    check_bool("shift_mean", shift_mean)
+    check_bool("unbiased", unbiased)
+    eps = check_float("eps", eps, nonneg=True)
     xf, m = _prep(x, mask)
     n = m.sum()
     if _backend.strict() and unbiased and int(n) < 2:  # host sync, by request
@@ -46,14 +63,18 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
                          f"positions, got {int(n)}")
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
     nf = n.to(xf.dtype)
-    mean = torch.where(m, xf, zero).sum() / nf.clamp(min=1)
-    var = torch.where(m, (xf - mean).square(), zero).sum() / nf.clamp(min=1)
+    s = _pow2_scale(xf, m)
+    xs = xf / s
+    mean = torch.where(m, xs, zero).sum() / nf.clamp(min=1)
+    y = xs - mean  # |y| < 4 on the mask
+    var = torch.where(m, y.square(), zero).sum() / nf.clamp(min=1)
     if unbiased:
         # n / (n - 1): NaN for n < 2 (no sync), like verl's ValueError under strict_checks().
         bessel = torch.where(n >= 2, nf / (nf - 1), torch.full((), float("nan"), dtype=xf.dtype,
                                                                device=xf.device))
         var = var * bessel
-    out = (xf - mean) * torch.rsqrt(var + eps)
+    # sqrt(var + eps / s^2) as a hypot: eps / s^2 overflows for tiny s (then the result is 0).
+    out = y / torch.hypot(var.sqrt(), (eps ** 0.5) / s)
     if not shift_mean:
-        out = out + mean
+        out = out + mean * s
     return out

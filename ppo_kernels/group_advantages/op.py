@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import INDEX_DTYPES, check_same_device, check_tensor
+from .._checks import INDEX_DTYPES, check_bool, check_float, check_int, check_same_device, check_tensor
 from . import reference
 from .reference import KINDS
 
@@ -64,13 +64,12 @@ def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, m
         group_index = group_index.contiguous()
         gs = 0
     else:
-        if not (isinstance(group_size, int) and group_size >= 1):
-            raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+        group_size = check_int("group_size", group_size, min_value=1)
         if B % group_size != 0:
             raise ValueError(f"group_size: {group_size} does not divide the batch size {B}")
         gs = group_size
-    if not (float(eps) >= 0):
-        raise ValueError(f"eps: expected a non-negative number, got {eps!r}")
+    eps = check_float("eps", eps, nonneg=True)
+    norm_by_std = check_bool("norm_by_std", norm_by_std)
     if mask is not None:
         check_tensor("mask", mask, dtypes=MASK_DTYPES, dim=2)
         if mask.shape[0] != B:

@@ -11,7 +11,8 @@ Documented edge cases:
   * a group of one (singleton): GRPO uses mean 0 and std 1, so A_i = R_i / (1 + eps) (R_i without
     std normalisation), exactly as verl; RLOO keeps A_i = R_i (no other member to form a baseline;
     verl's `rloo` does the same, its `rloo_vectorized` gives 0 instead).
-  * a group of equal scores: A_i = 0 for GRPO (0 / (0 + eps)) and RLOO.
+  * a group of equal scores: A_i = 0 for GRPO (0 / (0 + eps); also with eps = 0, where it would
+    be 0 / 0) and RLOO. Scores are accumulated in float64, so float32 scores have an exact mean.
   * with `mask` [B, T] the advantage is broadcast over the row's tokens: A_i * mask[i, t]
     (verl's `scores.unsqueeze(-1) * response_mask`).
   * group_index values must lie in [0, B) (e.g. the prompt's position in the batch, or
@@ -46,7 +47,8 @@ def group_advantages(scores, group_index=None, group_size=None, eps=1e-6, norm_b
         ss = torch.zeros_like(cnt).index_add_(0, gid, c * c)
         std = (ss[gid] / (n - 1).clamp_min(1.0)).sqrt()
         if norm_by_std:
-            adv = torch.where(single, x / (1.0 + eps), c / (std + eps))
+            den = std + eps  # eps = 0 on equal scores: 0 (c is exactly 0 there), not 0 / 0
+            adv = torch.where(single, x / (1.0 + eps), torch.where(den > 0, c / den, 0.0))
         else:
             adv = torch.where(single, x, c)
     elif kind == "rloo":

@@ -60,7 +60,9 @@ def _group_adv_kernel(S, GI, M, OUT, B, T, group_size, eps, BY_INDEX: tl.constex
                 dj = x_j[None, :] - mean[:, None]
                 ss += tl.sum(tl.where(eq, dj * dj, 0.0), 1)
             std = tl.sqrt(ss / tl.maximum(cnt - 1.0, 1.0))
-            adv = tl.where(single, x_i / (1.0 + eps), c / (std + eps))
+            # eps = 0 on a group of equal scores: 0 (c is exactly 0), not 0 / 0
+            den = std + eps
+            adv = tl.where(single, x_i / (1.0 + eps), tl.where(den > 0, c / den, 0.0))
         else:
             adv = tl.where(single, x_i, c)
     else:

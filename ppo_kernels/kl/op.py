@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from .._checks import (FLOAT_DTYPES, check_arg, check_bool, check_float, check_int,
+                       check_same_device, check_shape, check_tensor)
 from . import reference
 from .reference import KLClamp, parse_estimator, resolve_clamp
 
@@ -16,11 +17,33 @@ _backend.register_op("kl_penalty", kernel="kl_penalty_fwd", triton=True, cuda_de
 _backend.register_op("kl_penalized_rewards", kernel="kl_rewards_fwd", triton=True, cuda_default="triton")
 
 
+def _check_op_args(logprobs, ref_logprobs, estimator, in_lo, in_hi, out_lo, out_hi):
+    """What the registered ops are given, whoever calls them (metadata only)."""
+    check_tensor("logprobs", logprobs, dtypes=FLOAT_DTYPES)
+    check_arg("ref_logprobs", ref_logprobs, logprobs.device, dtypes=(logprobs.dtype,),
+              shape=logprobs.shape, what="like logprobs")
+    if check_int("estimator", estimator) not in reference._NAMES:
+        raise ValueError(f"estimator: unknown code {estimator}; expected one of "
+                         f"{sorted(reference._NAMES)}")
+    for name, lo, hi in (("clamp log_ratio", in_lo, in_hi), ("clamp value", out_lo, out_hi)):
+        if not (check_float(name, lo, finite=False) <= check_float(name, hi, finite=False)):
+            raise ValueError(f"{name}: bounds must satisfy lo <= hi, got ({lo}, {hi})")
+
+
+def _check_backward_args(grad, logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi,
+                         out_lo, out_hi, need_lp, need_ref):
+    _check_op_args(logprobs, ref_logprobs, estimator, in_lo, in_hi, out_lo, out_hi)
+    check_arg("grad", grad, logprobs.device, dtypes=FLOAT_DTYPES, shape=logprobs.shape,
+              what="like logprobs")
+    for name, b in (("straight_through", straight_through), ("need_lp", need_lp),
+                    ("need_ref", need_ref)):
+        check_bool(name, b)
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalty", mutates_args=())
 def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straight_through: bool,
                   in_lo: float, in_hi: float, out_lo: float, out_hi: float) -> Tensor:
+    _check_op_args(logprobs, ref_logprobs, estimator, in_lo, in_hi, out_lo, out_hi)
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
@@ -43,6 +66,8 @@ def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
                            straight_through: bool, in_lo: float, in_hi: float, out_lo: float,
                            out_hi: float, need_lp: bool, need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logprobs, grad_ref_logprobs), each an empty tensor when not needed."""
+    _check_backward_args(grad, logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi,
+                         out_lo, out_hi, need_lp, need_ref)
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalty", logprobs)
     if backend == "cpp":
@@ -114,10 +139,26 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
     return torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, code, st, *bounds)
 
 
+def _check_rewards_args(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo,
+                        in_hi, out_lo, out_hi):
+    _check_op_args(logprobs, ref_logprobs, estimator, in_lo, in_hi, out_lo, out_hi)
+    check_tensor("logprobs", logprobs, dim=2)
+    dev, B = logprobs.device, logprobs.shape[0]
+    check_arg("scores", scores, dev, dtypes=FLOAT_DTYPES, shape=(B,), what="[B]")
+    check_arg("mask", mask, dev, shape=logprobs.shape, what="like logprobs")
+    if beta_t is not None:
+        check_arg("beta", beta_t, dev, dtypes=FLOAT_DTYPES)
+        if beta_t.numel() not in (1, B):
+            raise ValueError(f"beta: expected 1 or {B} values, got shape {tuple(beta_t.shape)}")
+    check_float("beta", beta)
+
+
 @torch.library.custom_op("ppo_kernels::kl_penalized_rewards", mutates_args=())
 def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
                             beta_t: Tensor | None, beta: float, estimator: int, in_lo: float,
                             in_hi: float, out_lo: float, out_hi: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_rewards_args(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi,
+                        out_lo, out_hi)
     bounds = (in_lo, in_hi, out_lo, out_hi)
     backend = _backend.backend_for("kl_penalized_rewards", logprobs)
     if backend == "cpp":
@@ -183,7 +224,7 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
             raise ValueError(f"beta: expected a float, a 0-dim tensor or shape ({B},), got {tuple(beta.shape)}")
         beta_t, beta_f = beta.detach(), 1.0
     else:
-        beta_f = float(beta)
+        beta_f = check_float("beta", beta)
     return torch.ops.ppo_kernels.kl_penalized_rewards(scores.detach(), logprobs.detach(),
                                                       ref_logprobs.detach(), mask, beta_t, beta_f,
                                                       code, *bounds)

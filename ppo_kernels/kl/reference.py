@@ -27,6 +27,8 @@ kl_penalized_rewards (RLHF-PPO rewards), for each row b with action mask m:
   rewards[b, t]   = -beta_b * kl[b, t] * m[b, t] + score_b * [t == last t with m[b, t] != 0]
   mean_kl[b]      = sum_t kl[b, t] * m[b, t] / sum_t m[b, t]
   A row with no action (all m = 0): rewards and kl all 0, the score is dropped, mean_kl = 0.
+  A float mask whose weights sum to 0 (e.g. 1 and -1): mean_kl = 0 (no 0 / 0).
+  beta must be finite (a float; a tensor beta is read on the device as it is).
   (OpenRLHF would put the score on the row's last position; verl divides by count + 1e-8.)
   beta is a float, a 0-dim tensor or a [B] tensor (read on the device: no sync, no recompile).
   No gradient flows (rewards are constants to PPO); use kl_penalty for a differentiable KL loss.
@@ -54,13 +56,20 @@ class KLClamp:
         def pair(p, what):
             if p is None:
                 return -math.inf, math.inf
+            if not (isinstance(p, (tuple, list)) and len(p) == 2):
+                raise TypeError(f"clamp: {what} expected a (lo, hi) pair, got {p!r}")
             lo, hi = p
-            lo = -math.inf if lo is None else float(lo)
-            hi = math.inf if hi is None else float(hi)
-            if math.isnan(lo) or math.isnan(hi) or lo > hi:
+            lo = -math.inf if lo is None else _bound(lo, what)
+            hi = math.inf if hi is None else _bound(hi, what)
+            if not (lo <= hi):  # NaN fails too (comparisons only: traceable by torch.compile)
                 raise ValueError(f"clamp: {what} bounds must satisfy lo <= hi, got {p}")
             return lo, hi
         return pair(self.log_ratio, "log_ratio") + pair(self.value, "value")
+
+
+def _bound(x, what):
+    from .._checks import check_float
+    return check_float(f"clamp: {what} bound", x, finite=False)
 
 
 NO_CLAMP = KLClamp()
@@ -196,7 +205,8 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta, code=0, bou
         is_last = (pos == last.unsqueeze(-1)) & active
         rewards = rewards + torch.where(is_last, scores.to(acc).unsqueeze(-1), torch.zeros_like(kl))
         cnt = m.sum(-1)
-        mean = torch.where(active.any(-1), wkl.sum(-1) / torch.where(cnt == 0, torch.ones_like(cnt), cnt),
+        mean = torch.where(active.any(-1) & (cnt != 0),
+                           wkl.sum(-1) / torch.where(cnt == 0, torch.ones_like(cnt), cnt),
                            torch.zeros_like(cnt))
     return rewards, kl, mean
 

@@ -104,7 +104,8 @@ def _rewards_kernel(SC, LP, REF, M, BETA, R, K, MEAN, T, beta_f, beta_stride, in
         c_v += w
     s = tl.sum(s_v, 0)
     c = tl.sum(c_v, 0)
-    tl.store(MEAN + row, tl.where(last >= 0, s / tl.where(last >= 0, c, 1.0), 0.0))
+    ok = (last >= 0) & (c != 0.0)  # weights summing to 0: mean 0, as a row with no action
+    tl.store(MEAN + row, tl.where(ok, s / tl.where(ok, c, 1.0), 0.0))
 
 
 _BLOCK = 1024

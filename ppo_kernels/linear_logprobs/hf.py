@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .._checks import check_bool, check_int, check_temperature
 from .op import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
@@ -80,6 +81,10 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} "
                          f"(input_ids.shape), got {tuple(attention_mask.shape)}")
+    # the scalars before the (expensive) backbone runs; linear_token_logprobs checks the rest
+    check_temperature(temperature)
+    check_int("ignore_index", ignore_index)
+    check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
     weight, bias = _lm_head(model)
     backbone = _backbone(model)

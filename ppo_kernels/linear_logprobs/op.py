@@ -45,7 +45,8 @@ from torch import Tensor
 
 from .. import _backend
 from ..token_logprobs.op import _check_labels_cpu
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_bool, check_int,
+                       check_same_device, check_str, check_temperature, check_tensor)
 from . import reference
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
@@ -71,8 +72,7 @@ LOGITS_DTYPES = ("float32", "input")
 
 
 def _check_logits_dtype(logits_dtype: str):
-    if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(f"logits_dtype: expected one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+    check_str("logits_dtype", logits_dtype, LOGITS_DTYPES)
 
 
 def _input_tiles(dtype: torch.dtype, logits_dtype: str) -> bool:
@@ -310,6 +310,45 @@ def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
     return DEFAULT_MAX_CHUNK_BYTES.get(device.type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
 
 
+def _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                        logits_dtype):
+    """What the registered ops are given, whoever calls them (metadata only; label range on the
+    CPU): hidden [N, H], weight [V, H], labels [N], bias [V] or None."""
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, dim=2)
+    N, H = hidden.shape
+    dev = hidden.device
+    check_arg("weight", weight, dev, dtypes=(hidden.dtype,))
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), "
+                         f"got {tuple(weight.shape)}")
+    V = weight.shape[0]
+    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=(N,), what="hidden.shape[:-1]")
+    check_arg("bias", bias, dev, dtypes=(hidden.dtype,), shape=(V,), what="weight.shape[0]",
+              allow_none=True)
+    if V == 0 and N > 0:
+        raise ValueError("weight: the vocabulary dimension (first) is empty")
+    check_temperature(temperature)
+    check_int("ignore_index", ignore_index)
+    check_int("max_chunk_bytes", max_chunk_bytes, min_value=0)
+    _check_logits_dtype(logits_dtype)
+    if dev.type == "cpu" or _backend.strict():
+        _check_labels_cpu(labels, V, ignore_index)
+
+
+def _check_backward_args(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
+                         temperature, ignore_index, max_chunk_bytes, logits_dtype):
+    _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                        logits_dtype)
+    rows, dev, acc = labels.shape, hidden.device, (_acc(hidden.dtype),)
+    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows,
+              what="hidden.shape[:-1]")
+    check_arg("lse", lse, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
+    if grad_entropy is not None and grad_entropy.numel() > 0:
+        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows,
+                  what="hidden.shape[:-1]")
+        check_arg("entropy", entropy, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
+
+
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
 def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
                              temperature: float, ignore_index: int, with_entropy: bool,
@@ -318,13 +357,12 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
     """hidden [N, H], weight [V, H], labels [N], bias [V] or None. Returns (logprobs, entropy or an
     empty tensor, lse), float32 (float64 for float64 input); lse is saved for backward.
     logits_dtype: "float32" or "input" (see linear_token_logprobs)."""
+    _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                        logits_dtype)
     N, H = hidden.shape
     V = weight.shape[0]
-    _check_logits_dtype(logits_dtype)
     acc = _acc(hidden.dtype)
     dev = hidden.device
-    if dev.type == "cpu":
-        _check_labels_cpu(labels, V, ignore_index)
     lp = _backend.new_output((N,), acc, dev)
     ent = _backend.new_output((N,) if with_entropy else (0,), acc, dev)
     lse = _backend.new_output((N,), acc, dev)
@@ -376,9 +414,10 @@ def linear_token_logprobs_backward_op(
     """(grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32); a gradient that is
     not needed comes back as an empty tensor. The float32 weight gradient is what this op returns;
     autograd hands the weight its own dtype."""
+    _check_backward_args(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
+                         temperature, ignore_index, max_chunk_bytes, logits_dtype)
     N, H = hidden.shape
     V = weight.shape[0]
-    _check_logits_dtype(logits_dtype)
     acc = _acc(hidden.dtype)
     dev = hidden.device
     need_bias = need_bias and bias is not None
@@ -520,16 +559,17 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                          f"got {tuple(labels.shape)}")
     if V == 0 and labels.numel() > 0:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
-    check_positive("temperature", float(temperature))
+    temperature = check_temperature(temperature)
+    ignore_index = check_int("ignore_index", ignore_index)
+    return_entropy = check_bool("return_entropy", return_entropy)
     _check_logits_dtype(logits_dtype)
-    if max_chunk_bytes is not None and int(max_chunk_bytes) <= 0:
-        raise ValueError(f"max_chunk_bytes: expected a positive number of bytes, got {max_chunk_bytes}")
+    max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
     if hidden.device.type == "cuda" and _backend.strict():
-        _check_labels_cpu(labels, V, int(ignore_index))  # host sync, by request
-    h2 = hidden.reshape(-1, H)
+        _check_labels_cpu(labels, V, ignore_index)  # host sync, by request
+    h2 = hidden.reshape(labels.numel(), H)  # not (-1, H): H may be 0
     lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
-        h2, weight, labels.reshape(-1), bias, float(temperature), int(ignore_index),
-        bool(return_entropy), int(max_chunk_bytes or 0),
+        h2, weight, labels.reshape(-1), bias, float(temperature), ignore_index,
+        return_entropy, int(max_chunk_bytes or 0),
         "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32")
     lp = lp.view(labels.shape)
     return (lp, ent.view(labels.shape)) if return_entropy else lp

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_same_device, check_shape, check_tensor
+from .._checks import (check_arg, check_float, check_int, check_same_device, check_shape, check_str,
+                       check_tensor)
 from . import reference
 from .reference import AGG_MODES, STAT_NAMES_POLICY, STAT_NAMES_VALUE
 
@@ -42,6 +43,32 @@ def _fake_outputs(x, n_stats):
             x.new_empty((x.shape[0],), dtype=out))
 
 
+def _check_op_args(names, x, y, z, mask, agg=None, global_denom=None):
+    """What the registered loss ops are given, whoever calls them: [B, T] inputs of one shape on
+    one device (metadata only)."""
+    check_tensor(names[0], x, dtypes=VALUE_DTYPES, dim=2)
+    for n, t in zip(names[1:], (y, z)):
+        check_arg(n, t, x.device, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {names[0]}")
+    check_arg("mask", mask, x.device, dtypes=MASK_DTYPES, shape=x.shape, what=f"like {names[0]}")
+    if agg is not None and check_int("agg", agg) not in range(len(AGG_MODES)):
+        raise ValueError(f"agg: unknown mode index {agg}; expected 0..{len(AGG_MODES) - 1}")
+    if global_denom is not None:
+        check_arg("global_denom", global_denom, x.device, dtypes=VALUE_DTYPES)
+        if global_denom.numel() != 1:
+            raise ValueError(f"global_denom: expected a single value, got shape {tuple(global_denom.shape)}")
+
+
+def _check_backward_args(names, grad_loss, x, y, z, mask, row_coef):
+    _check_op_args(names, x, y, z, mask)
+    check_arg("grad_loss", grad_loss, x.device, dtypes=VALUE_DTYPES, shape=(), what="the loss")
+    check_arg("row_coef", row_coef, x.device, dtypes=(_backend.out_dtype(x),), shape=x.shape[:1],
+              what="one per row")
+
+
+_POLICY = ("logprobs", "old_logprobs", "advantages")
+_VALUE = ("values", "old_values", "returns")
+
+
 # --------------------------------------------------------------------------- policy loss
 @torch.library.custom_op("ppo_kernels::ppo_policy_loss", mutates_args=())
 def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -50,6 +77,7 @@ def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
                        global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
     """[B, T] contiguous inputs; dual_clip <= 0 disables dual clip; global_denom_value < 0 and no
     global_denom: local denominators. Returns (loss [], stats [4], row_coef [B])."""
+    _check_op_args(_POLICY, logprobs, old_logprobs, advantages, mask, agg, global_denom)
     backend = _backend_for("ppo_policy_loss", logprobs)
     if backend == "cpp":
         return _backend.cpp_ops().ppo_policy_loss_fwd(
@@ -87,6 +115,7 @@ def _eager_grad(token_grad, x, mask, row_coef, grad_loss):
 def ppo_policy_loss_backward_op(grad_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor,
                                 advantages: Tensor, mask: Tensor, row_coef: Tensor, clip_low: float,
                                 clip_high: float, dual_clip: float, log_ratio_clamp: float) -> Tensor:
+    _check_backward_args(_POLICY, grad_loss, logprobs, old_logprobs, advantages, mask, row_coef)
     backend = _backend_for("ppo_policy_loss", logprobs)
     if backend == "cpp":
         return _backend.cpp_ops().ppo_policy_loss_bwd(
@@ -133,6 +162,7 @@ def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask:
                       agg: int, scale: float, global_denom: Tensor | None,
                       global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
     """clip <= 0: unclipped. Returns (loss [], stats [1], row_coef [B])."""
+    _check_op_args(_VALUE, values, old_values, returns, mask, agg, global_denom)
     backend = _backend_for("ppo_value_loss", values)
     if backend == "cpp":
         return _backend.cpp_ops().ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
@@ -157,6 +187,7 @@ def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_
 @torch.library.custom_op("ppo_kernels::ppo_value_loss_backward", mutates_args=())
 def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Tensor, returns: Tensor,
                                mask: Tensor, row_coef: Tensor, clip: float) -> Tensor:
+    _check_backward_args(_VALUE, grad_loss, values, old_values, returns, mask, row_coef)
     backend = _backend_for("ppo_value_loss", values)
     if backend == "cpp":
         return _backend.cpp_ops().ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
@@ -209,10 +240,10 @@ def _check_loss_inputs(names, tensors, mask):
 
 def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
     """(agg index, scale, global_denom tensor or None, global_denom value or -1)."""
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_MODES}")
-    if not (isinstance(dp_size, int) and dp_size >= 1):
-        raise ValueError(f"dp_size: expected a positive int, got {dp_size!r}")
+    check_str("agg", agg, AGG_MODES)
+    dp_size = check_int("dp_size", dp_size, min_value=1)
+    loss_scale_factor = check_float("loss_scale_factor", loss_scale_factor, positive=True,
+                                    allow_none=True)
     token = agg == "token-mean"
     denom, name = (global_num_tokens, "global_num_tokens") if token else (global_batch_size, "global_batch_size")
     other, other_name = (global_batch_size, "global_batch_size") if token else (global_num_tokens, "global_num_tokens")
@@ -223,9 +254,8 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
                          f"{'action tokens' if token else 'non-empty sequences'})")
     scale = float(dp_size)
     if agg == "seq-mean-token-sum-norm":
-        lsf = T if loss_scale_factor is None else loss_scale_factor
-        if not (float(lsf) > 0):
-            raise ValueError(f"loss_scale_factor: expected a positive number, got {loss_scale_factor!r}")
+        # default: T, as verl; T = 0 has no token, the loss is 0 whatever the factor
+        lsf = max(T, 1) if loss_scale_factor is None else loss_scale_factor
         scale /= float(lsf)
     elif loss_scale_factor is not None:
         raise ValueError(f"loss_scale_factor: only used by agg='seq-mean-token-sum-norm', not {agg!r}")
@@ -236,14 +266,13 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
             raise ValueError(f"{name}: expected device {device}, got {denom.device}")
         return AGG_MODES.index(agg), scale, denom.reshape(()), -1.0
     if denom is not None:
-        if not (float(denom) >= 0):
-            raise ValueError(f"{name}: expected a non-negative number, got {denom!r}")
+        check_float(name, denom, nonneg=True)
         return AGG_MODES.index(agg), scale, None, float(denom)
     return AGG_MODES.index(agg), scale, None, -1.0
 
 
 def _rows(t):
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1]).contiguous()  # not (-1, T): T may be 0
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -281,16 +310,15 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         -log-ratio, verl's ppo_kl) and `ratio_mean`, all over the local mask, no host sync.
     See ppo_kernels/losses/reference.py for the documented edge cases (all-zero mask: loss 0).
     """
-    _check_loss_inputs(("logprobs", "old_logprobs", "advantages"), (logprobs, old_logprobs, advantages), mask)
-    clip_high = clip_low if clip_high is None else clip_high
-    if not (0 <= float(clip_low) < 1):
+    _check_loss_inputs(_POLICY, (logprobs, old_logprobs, advantages), mask)
+    clip_low = check_float("clip_low", clip_low, nonneg=True)
+    clip_high = clip_low if clip_high is None else check_float("clip_high", clip_high, nonneg=True)
+    if not (clip_low < 1):
         raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
-    if not (float(clip_high) >= 0):
-        raise ValueError(f"clip_high: expected a non-negative number, got {clip_high!r}")
-    if dual_clip is not None and not (float(dual_clip) > 1):
+    dual_clip = check_float("dual_clip", dual_clip, allow_none=True)
+    if dual_clip is not None and not (dual_clip > 1):
         raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
-    if not (float(log_ratio_clamp) > 0):
-        raise ValueError(f"log_ratio_clamp: expected a positive number, got {log_ratio_clamp!r}")
+    log_ratio_clamp = check_float("log_ratio_clamp", log_ratio_clamp, positive=True, finite=False)
     agg_i, scale, gd, gdv = _aggregation(agg, logprobs.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, logprobs.device)
     loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
@@ -315,9 +343,8 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
     clip is None), aggregated like `ppo_policy_loss`. The gradient flows to `values`.
 
     Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
-    _check_loss_inputs(("values", "old_values", "returns"), (values, old_values, returns), mask)
-    if clip is not None and not (float(clip) > 0):
-        raise ValueError(f"clip: expected None or a positive number, got {clip!r}")
+    _check_loss_inputs(_VALUE, (values, old_values, returns), mask)
+    clip = check_float("clip", clip, positive=True, allow_none=True)
     agg_i, scale, gd, gdv = _aggregation(agg, values.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, values.device)
     loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
@@ -341,6 +368,9 @@ def _reduce_grad(grad, n, reduction):
 @torch.library.custom_op("ppo_kernels::pairwise_logsigmoid_loss", mutates_args=())
 def pairwise_logsigmoid_loss_op(z: Tensor, reduction: int) -> Tensor:
     """-logsigmoid(z) reduced (0 mean, 1 sum, 2 none); z is the (scaled) preference margin."""
+    check_tensor("z", z, dtypes=VALUE_DTYPES)
+    if check_int("reduction", reduction) not in range(len(_REDUCTIONS)):
+        raise ValueError(f"reduction: unknown index {reduction}; expected 0..{len(_REDUCTIONS) - 1}")
     loss = -torch.nn.functional.logsigmoid(z.to(_backend.out_dtype(z)))
     return reference._reduce(loss, _REDUCTIONS[reduction])
 
@@ -380,8 +410,7 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reducti
     reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
     float64 inputs); gradients to both scores."""
     _check_pairs(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    check_str("reduction", reduction, _REDUCTIONS)
     acc = _backend.out_dtype(chosen_scores)
     z = chosen_scores.to(acc) - rejected_scores.to(acc)
     return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))
@@ -395,10 +424,8 @@ def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp
     `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
     _check_pairs(policy_chosen_lp=policy_chosen_lp, policy_rejected_lp=policy_rejected_lp,
                  ref_chosen_lp=ref_chosen_lp, ref_rejected_lp=ref_rejected_lp)
-    if not (float(beta) > 0):
-        raise ValueError(f"beta: expected a positive number, got {beta!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    beta = check_float("beta", beta, positive=True)
+    check_str("reduction", reduction, _REDUCTIONS)
     acc = _backend.out_dtype(policy_chosen_lp)
     z = float(beta) * ((policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
                        - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc)))

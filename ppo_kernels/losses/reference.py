@@ -11,7 +11,8 @@ Documented edge cases (every backend matches them):
   * positions with mask == 0 contribute nothing, even when their inputs are NaN or inf (verl's
     masked_sum does the same for token-mean; its seq-mean modes would propagate such a NaN);
   * a denominator of 0 (all-zero mask, no non-empty row, or a global count of 0) gives a loss of 0
-    and a gradient of 0 -- not NaN (verl gives 0/0 = NaN here);
+    and a gradient of 0 -- not NaN (verl gives 0/0 = NaN here); T = 0 (no token) gives a loss of 0
+    in every mode (seq-mean-token-sum-norm's default loss_scale_factor T is then taken as 1);
   * statistics are means over the local mask (like verl's masked_mean); 0 for an all-zero mask;
   * the log-ratio is clamped to [-log_ratio_clamp, log_ratio_clamp] (verl: 20) before exp, so
     |logprob - old_logprob| > 20 gives a finite ratio (and no gradient through the clamp);
@@ -139,7 +140,7 @@ def value_token_grad(values, old_values, returns, clip=None):
 
 
 def _rows(t):
-    return t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1)
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1)
 
 
 def aggregate(token_loss, stats, mask, agg, scale, global_denominator):

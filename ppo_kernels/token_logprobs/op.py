@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_bool, check_int,
+                       check_same_device, check_temperature, check_tensor)
 from . import reference
 
 OP = _backend.register_op("token_logprobs", kernel="token_logprobs_fwd", triton=True,
                           cuda_default="cpp")
-
 
 
 def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
@@ -22,10 +22,44 @@ def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
                          f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
 
 
+def _check_forward_args(logits, labels, temperature, ignore_index):
+    """What the registered forward op is given, whoever calls it (metadata only)."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES, shape=logits.shape[:-1],
+              what="logits.shape[:-1]")
+    if logits.shape[-1] == 0 and labels.numel() > 0:
+        raise ValueError("logits: the vocabulary dimension (last) is empty")
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        raise ValueError("logits: the last (vocabulary) dimension must be contiguous (stride 1); "
+                         f"got strides {tuple(logits.stride())}")
+    check_temperature(temperature)
+    check_int("ignore_index", ignore_index)
+
+
+def _check_backward_args(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
+                         ignore_index):
+    """The backward ops' arguments (shapes, dtypes, devices; label range on the CPU): a wrong one
+    is an error naming it, never an out-of-bounds read."""
+    _check_forward_args(logits, labels, temperature, ignore_index)
+    rows, dev = logits.shape[:-1], logits.device
+    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows,
+              what="logits.shape[:-1]")
+    check_arg("lse", lse, dev, dtypes=(_backend.out_dtype(logits),), shape=rows,
+              what="logits.shape[:-1]")
+    if grad_entropy is not None and grad_entropy.numel() > 0:
+        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows,
+                  what="logits.shape[:-1]")
+        check_arg("entropy", entropy, dev, dtypes=(_backend.out_dtype(logits),), shape=rows,
+                  what="logits.shape[:-1]")
+    if logits.device.type == "cpu" or _backend.strict():
+        _check_labels_cpu(labels, logits.shape[-1], ignore_index)
+
+
 @torch.library.custom_op("ppo_kernels::token_logprobs", mutates_args=())
 def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
                       with_entropy: bool, inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (logprobs, entropy or an empty tensor, lse); lse is saved for backward."""
+    _check_forward_args(logits, labels, temperature, ignore_index)
     backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
@@ -51,6 +85,8 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
 
 def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
                   ignore_index, grad_logits):
+    _check_backward_args(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
+                         ignore_index)
     backend = _backend.backend_for("token_logprobs", logits)
     inv_t = 1.0 / temperature
     if backend == "cpp":
@@ -146,18 +182,14 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_tensor("labels", labels, dtypes=INDEX_DTYPES)
     check_same_device(logits=logits, labels=labels)
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
-                         f"got {tuple(labels.shape)}")
-    if logits.shape[-1] == 0 and labels.numel() > 0:
-        raise ValueError("logits: the vocabulary dimension (last) is empty")
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
-        raise ValueError("logits: the last (vocabulary) dimension must be contiguous (stride 1); "
-                         f"got strides {tuple(logits.stride())}")
-    check_positive("temperature", float(temperature))
+    temperature = check_temperature(temperature)
+    ignore_index = check_int("ignore_index", ignore_index)
+    return_entropy = check_bool("return_entropy", return_entropy)
+    inplace_backward = check_bool("inplace_backward", inplace_backward)
+    _check_forward_args(logits, labels, temperature, ignore_index)
     if logits.device.type == "cuda" and _backend.strict():
         _check_labels_cpu(labels, logits.shape[-1], int(ignore_index))  # host sync, by request
     lp, ent, _ = torch.ops.ppo_kernels.token_logprobs(logits, labels, float(temperature),
-                                                      int(ignore_index), bool(return_entropy),
-                                                      bool(inplace_backward))
+                                                      ignore_index, return_entropy,
+                                                      inplace_backward)
     return (lp, ent) if return_entropy else lp

@@ -11,6 +11,30 @@ from .._triton_math import softmax_grad, softmax_grad_coefs, softmax_stats_updat
 from .._triton_utils import row_indexer
 
 @triton.jit
+def _unscaled_stats(base, V, inv_t, BLOCK: tl.constexpr):
+    """(max x, log sum exp((x - max x) * inv_t), entropy) of one row, relative to its unscaled max:
+    the slow path of a row whose scaled logits overflow float32 (x = 3e38 at temperature 0.5),
+    as csrc/cpu/token_logprobs.cpp's row_stats64. NaN for a row with NaN / +inf, or all -inf."""
+    mx = -float("inf")
+    bad = 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        bad = tl.maximum(bad, tl.max(tl.where((x != x) | (x == float("inf")), 1.0, 0.0), 0))
+        mx = tl.maximum(mx, tl.max(x, 0))
+    m = -float("inf")
+    s = 0.0
+    u = 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        m, s, u = softmax_stats_update(m, s, u, (x - mx) * inv_t)
+    ok = (bad == 0.0) & (mx > -float("inf"))
+    return (tl.where(ok, mx, float("nan")), tl.where(ok, m + tl.log(s), float("nan")),
+            tl.where(ok, tl.log(s) - u / s, float("nan")))
+
+
+@triton.jit
 def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_t, ignore_index,
                 WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -31,11 +55,17 @@ def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_
             m, s, u = softmax_stats_update(m, s, u, z)
         lse = m + tl.log(s)
         valid = (label >= 0) & (label < V)
-        zl = tl.load(base + tl.where(valid, label, 0)).to(tl.float32) * inv_t
-        tl.store(LP + row, tl.where(valid, zl - lse, float("nan")))
+        xl = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
+        lp = xl * inv_t - lse
+        ent = tl.log(s) - u / s
+        if lse - lse != 0.0:  # lse not finite: the scaled logits overflow (see _unscaled_stats)
+            mx, lsx, ent = _unscaled_stats(base, V, inv_t, BLOCK)
+            lse = mx * inv_t + lsx
+            lp = (xl - mx) * inv_t - lsx
+        tl.store(LP + row, tl.where(valid, lp, float("nan")))
         tl.store(LSE + row, lse)
         if WITH_ENT:
-            tl.store(ENT + row, tl.where(valid, tl.log(s) - u / s, float("nan")))
+            tl.store(ENT + row, tl.where(valid, ent, float("nan")))
 
 
 @triton.jit
@@ -49,10 +79,17 @@ def _bwd_kernel(X, G, LAB, GLP, GENT, LSE, ENT, V, inner, stride_outer, stride_i
     ignored = label == ignore_index
     valid = (label >= 0) & (label < V) & (label != ignore_index)
     lse, a, b, c = softmax_grad_coefs(GLP, GENT, ENT, LSE, row, inv_t, WITH_ENT)
+    shift = tl.where(lse == lse, 0.0, 0.0)  # a float32 0 (the type the branch below assigns)
+    if (lse - lse != 0.0) & valid:  # the scaled logits overflow: p relative to the unscaled max
+        shift, lse, h = _unscaled_stats(base, V, inv_t, BLOCK)
+        if WITH_ENT:
+            c = h - lse
+        else:
+            c = -lse
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < V
-        z = tl.load(base + offs, mask=msk, other=0.0).to(tl.float32) * inv_t
+        z = (tl.load(base + offs, mask=msk, other=0.0).to(tl.float32) - shift) * inv_t
         g = softmax_grad(z, lse, a, b, c) + tl.where(offs == label, a, 0.0)
         g = tl.where(valid, g, float("nan"))
         g = tl.where(ignored, 0.0, g)
@@ -88,8 +125,9 @@ def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_temp
              ignore_index, grad_logits):
     V = logits.shape[-1]
     idx, logits = row_indexer(logits)
+    # rows the kernel cannot address (leading dims that do not collapse to two strided dims, e.g.
+    # an inplace gradient into x[:, :-1, :-1] of a 4-D tensor): write a contiguous copy, then back
     gidx, g = row_indexer(grad_logits)
-    assert g is grad_logits, "grad buffer must be writable in place"
     labels = labels.contiguous()
     N = labels.numel()
     if N == 0:
@@ -99,6 +137,8 @@ def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_temp
     gent = grad_entropy.float().contiguous() if with_ent else glp
     ent = entropy.contiguous() if with_ent else lse
     block = _block(V)
-    _bwd_kernel[(N,)](logits, grad_logits, labels, glp, gent, lse.contiguous(), ent, V, *idx, *gidx,
+    _bwd_kernel[(N,)](logits, g, labels, glp, gent, lse.contiguous(), ent, V, *idx, *gidx,
                       float(inv_temperature), int(ignore_index), WITH_ENT=with_ent, BLOCK=block,
                       num_warps=_warps(block))
+    if g is not grad_logits:
+        grad_logits.copy_(g)
