@@ -1,6 +1,8 @@
 """Masked statistics for advantage post-processing, with no host synchronisation (verl's versions
 check the mask count on the host twice per call). Plain PyTorch: a handful of reductions, traceable
-by torch.compile and CUDA-graph capturable."""
+by torch.compile and CUDA-graph capturable, so the only backend is `eager` (a kernel would read
+the same bytes); the ops are still registered so use_backend / PPO_KERNELS_BACKEND accept their
+names and a request for a backend they do not have fails clearly."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +10,12 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_bool, check_float, check_shape, check_tensor
+
+
+_backend.register_op("masked_mean", kernel=None, triton=False, cuda_default="eager",
+                     folder="masked_stats")
+_backend.register_op("masked_whiten", kernel=None, triton=False, cuda_default="eager",
+                     folder="masked_stats")
 
 
 def _prep(x, mask):
@@ -36,6 +44,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     Masked-out entries never contribute, even when NaN. A set with no position gives 0 (verl
     divides by count + 1e-8 and gets 0 there too). float32 (float64 for float64 x)."""
     xf, m = _prep(x, mask)
+    _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
     s = torch.where(m, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
     if dim is None:
         return s.sum() / m.sum().clamp(min=1).to(xf.dtype)
@@ -57,6 +66,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
     check_bool("unbiased", unbiased)
     eps = check_float("eps", eps, nonneg=True)
     xf, m = _prep(x, mask)
+    _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
     n = m.sum()
     if _backend.strict() and unbiased and int(n) < 2:  # host sync, by request
         raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "
