@@ -141,7 +141,7 @@ setup(
     install_requires=["torch>=2.11"],
     extras_require={
         "triton": ["triton>=3.6"],
-        "test": ["pytest", "pytest-benchmark", "numpy", "expecttest"],
+        "test": ["pytest", "pytest-benchmark", "numpy", "expecttest", "hypothesis"],
         "train": ["transformers>=4.45", "tqdm", "matplotlib"],
     },
     zip_safe=False,

@@ -23,7 +23,7 @@ setup() {
     "$PY" -m venv "$VENV"
     pip_ install -q --upgrade pip setuptools wheel
   fi
-  pip_ install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest \
+  pip_ install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest hypothesis \
     "transformers>=4.45" tqdm matplotlib
   # Compiled against the torch just installed: C++ kernels, plus CUDA kernels if torch is a CUDA
   # build and nvcc is found (no GPU needed).

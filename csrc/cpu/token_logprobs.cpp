@@ -105,7 +105,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
           const float l = stats_lse(st);
           if (std::isfinite(l)) {
             ls[r] = l;
-            lp[r] = static_cast<float>(row[label]) * inv_t - l;
+            // (z_label - max) - log s: exact where z_label is close to the max, even when
+            // |z| is so large that lse = max + log s rounds log s away
+            lp[r] = (static_cast<float>(row[label]) * inv_t - st.m) - std::log(st.s);
             if (ent) ent[r] = stats_entropy(st);
           } else {
             const RowStats64 s = row_stats64(row, V, inv_temperature);

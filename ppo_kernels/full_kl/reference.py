@@ -11,6 +11,9 @@ Documented edge cases (every backend matches them):
   * a row of all -inf logits or all -inf ref_logits (undefined distribution): NaN.
   * a row containing NaN or +inf: NaN.
   * rounding: KL of (nearly) identical distributions may come out a few 1e-7 below 0 in float32.
+  * a temperature whose inverse overflows float32 (< ~2.9e-39) is refused (ValueError naming it).
+  * the backward op checks its saved inputs (grad, kl, lse_z, lse_w, mask: shape, dtype, device)
+    and raises naming the argument instead of reading out of bounds.
 """
 from __future__ import annotations
 

@@ -17,7 +17,10 @@ right edge (nv0 = bootstrap_value or carry[0], default 0; A0 = carry[1], default
     carry through unchanged.
 Documented edge cases: a NaN/inf reward or value at an action position propagates to the left
 until the next done (the kernels' scan form may also carry it across a done: 0 * inf); a NaN value
-at a masked position only affects returns there (the recursion skips it).
+at a masked position only affects returns there (the recursion skips it). An empty time axis
+([B, 0], or packed N = 0), with float or per-token gamma / lam (e.g. a [B, 1] tensor alone),
+gives empty outputs and passes every row's carry through. Bad arguments (a bootstrap_value that is
+not a tensor, a string gamma, wrong shapes) raise TypeError / ValueError naming the argument.
 """
 from __future__ import annotations
 

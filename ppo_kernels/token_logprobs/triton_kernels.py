@@ -56,7 +56,7 @@ def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_
         lse = m + tl.log(s)
         valid = (label >= 0) & (label < V)
         xl = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
-        lp = xl * inv_t - lse
+        lp = (xl * inv_t - m) - tl.log(s)  # exact near the max even when lse rounds log s away
         ent = tl.log(s) - u / s
         if lse - lse != 0.0:  # lse not finite: the scaled logits overflow (see _unscaled_stats)
             mx, lsx, ent = _unscaled_stats(base, V, inv_t, BLOCK)
