@@ -60,6 +60,10 @@ RowStats64 row_stats64(const scalar_t* row, int64_t V, double inv_t) {
   return {m, std::log(s), std::log(s) - u / s};
 }
 
+// x * inv_t rounded as load_scaled rounds it: not fused with a subtraction that follows (an FMA
+// would keep the product's rounding error, ~1e31 for logits near 1e38).
+[[gnu::noinline]] float scaled(float x, float inv_t) { return x * inv_t; }
+
 void check_inv_temperature(double inv_temperature) {
   TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
               "inv_temperature: expected a positive value finite in float32, got ", inv_temperature);
@@ -107,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
             ls[r] = l;
             // (z_label - max) - log s: exact where z_label is close to the max, even when
             // |z| is so large that lse = max + log s rounds log s away
-            lp[r] = (static_cast<float>(row[label]) * inv_t - st.m) - std::log(st.s);
+            lp[r] = (scaled(static_cast<float>(row[label]), inv_t) - st.m) - std::log(st.s);
             if (ent) ent[r] = stats_entropy(st);
           } else {
             const RowStats64 s = row_stats64(row, V, inv_temperature);
