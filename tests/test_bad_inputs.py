@@ -122,6 +122,9 @@ CASES = [
     # --- group advantages
     ("grpo_public_index_1e9", False, None, "pk.grpo_advantages(sc, torch.full((2,), 10**9))", "group_index"),
     ("grpo_public_eps_str", False, None, "pk.grpo_advantages(sc, group_size=2, eps='0')", "eps"),
+    ("grpo_op_index_1e9", False, "each", "ops.group_advantages(sc, torch.full((2,), 10**9), 0, 1e-6, True, 'grpo', None)", "group_index"),
+    ("grpo_op_kind", False, "each", "ops.group_advantages(sc, None, 1, 1e-6, True, 'ppo', None)", "kind"),
+    ("grpo_op_mask_rows", False, "each", "ops.group_advantages(sc, None, 1, 1e-6, True, 'grpo', torch.ones(3, 4))", "mask"),
     ("C_grpo_index_1e9", True, None, "C.group_advantages(sc, torch.full((2,), 10**9), 0, 1e-6, True, 'grpo', None)", "group_index"),
     ("C_grpo_group_size", True, None, "C.group_advantages(sc, None, 0, 1e-6, True, 'grpo', None)", "group_size"),
     ("C_grpo_mask_rows", True, None, "C.group_advantages(sc, None, 1, 1e-6, True, 'grpo', torch.ones(3, 4))", "mask"),

@@ -86,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
   const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
   if (global_denom.has_value() && global_denom->defined()) {
-    check_arg(*global_denom, "global_denom", x.device(), Kind::kFloating, 1, "a single value");
+    check_arg(*global_denom, "global_denom", x.device(), Kind::kAny, 1, "a single value");
   }
   const int64_t items = s.B * s.nch;
   std::vector<std::array<double, kNumPartials>> part(items);

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend, _modes
-from .._checks import INDEX_DTYPES, check_bool, check_float, check_int, check_same_device, check_tensor
+from .._checks import (INDEX_DTYPES, check_arg, check_bool, check_float, check_int,
+                       check_same_device, check_str, check_tensor)
 from . import reference
 
 _backend.register_op("group_advantages", kernel="group_advantages", triton=True,
@@ -45,11 +46,31 @@ def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     return adv.to(_backend.out_dtype(scores))
 
 
+def _check_op_args(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    """What the registered op is given, whoever calls it (metadata; group ids on the CPU)."""
+    check_tensor("scores", scores, dtypes=SCORE_DTYPES, dim=1)
+    B, dev = scores.shape[0], scores.device
+    if group_index is not None:
+        check_arg("group_index", group_index, dev, dtypes=INDEX_DTYPES, shape=(B,), what="like scores")
+        if dev.type == "cpu" or _backend.strict():
+            _check_index_cpu(group_index, B)
+    else:
+        check_int("group_size", group_size, min_value=1)
+    check_float("eps", eps, nonneg=True)
+    check_bool("norm_by_std", norm_by_std)
+    check_str("kind", kind, _modes.GROUP_ADVANTAGES)
+    if mask is not None:
+        check_arg("mask", mask, dev, dtypes=MASK_DTYPES)
+        if mask.dim() != 2 or mask.shape[0] != B:
+            raise ValueError(f"mask: expected shape ({B}, T) (one row per score), got {tuple(mask.shape)}")
+
+
 @torch.library.custom_op("ppo_kernels::group_advantages", mutates_args=())
 def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: int, eps: float,
                         norm_by_std: bool, kind: str, mask: Tensor | None) -> Tensor:
     """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None;
     kind "grpo" or "rloo"."""
+    _check_op_args(scores, group_index, group_size, eps, norm_by_std, kind, mask)
     return forward(scores, group_index, group_size, eps, norm_by_std, kind, mask)
 
 

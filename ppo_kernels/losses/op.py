@@ -55,7 +55,7 @@ def _check_op_args(names, x, y, z, mask, agg=None, global_denom=None):
     if agg is not None:
         check_str("agg", agg, AGG_MODES)
     if global_denom is not None:
-        check_arg("global_denom", global_denom, x.device, dtypes=VALUE_DTYPES)
+        check_arg("global_denom", global_denom, x.device, dtypes=MASK_DTYPES)  # a count
         if global_denom.numel() != 1:
             raise ValueError(f"global_denom: expected a single value, got shape {tuple(global_denom.shape)}")
 
