@@ -6,6 +6,8 @@ def row_indexer(t):
     """(inner, stride_outer, stride_inner) addressing the rows of a [..., V] tensor whose last dim
     is contiguous, like csrc/common/row_indexer.h; makes `t` contiguous when its leading dims do
     not collapse to two strided dims. Returns (indexer, tensor)."""
+    if t.numel() == 0:  # no row is read; .contiguous() would keep any strides of an empty tensor
+        return (1, 0, 0), t
     if t.dim() == 0 or t.stride(-1) != 1:
         t = t.contiguous()
     dims = []  # (size, stride), innermost first

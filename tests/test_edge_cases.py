@@ -34,6 +34,17 @@ def test_token_logprobs_backward_non_collapsing_strides(backend, inplace):
 
 
 @pytest.mark.parametrize("backend", cpu_backends("token_logprobs"))
+def test_token_logprobs_empty_strided_view(backend):
+    """No rows, and strides that do not collapse (an empty tensor keeps any strides, even through
+    .contiguous()): empty outputs and gradient."""
+    x = torch.randn(3, 0, 4, 6).transpose(0, 2)[:, :, :-1].requires_grad_()  # [4, 0, 2, 6]
+    with _backend.use_backend(token_logprobs=backend):
+        lp, ent = pk.token_logprobs(x, torch.zeros(4, 0, 2, dtype=torch.long), return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    assert lp.shape == (4, 0, 2) and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", cpu_backends("token_logprobs"))
 def test_token_logprobs_scaled_logit_overflow_is_finite(backend):
     """Logits of 3e38 at temperature 0.5 overflow float32 once scaled; the answer is finite."""
     x = torch.tensor([[3e38, 2.9e38, -3e38, 1e38, 3e38], [-3e38, -3e38, -2.99e38, 0.0, -1e38]])

@@ -14,6 +14,7 @@ inline std::optional<RowIndexer> make_row_indexer(const at::Tensor& t) {
   const int64_t nd = t.dim();
   TORCH_CHECK(nd >= 1, "expected at least 1 dimension");
   RowIndexer ri;
+  if (t.numel() == 0) return ri;  // no row is read (and an empty tensor's strides can be anything)
   // Collapse leading dims from the innermost out; size-1 dims never matter.
   for (int64_t d = nd - 2; d >= 0; --d) {
     const int64_t size = t.size(d), stride = t.stride(d);
