@@ -8,7 +8,7 @@ import torch
 try:
     from numpy import bool_ as numpy_bool
 except ImportError:  # numpy is optional
-    class numpy_bool:  # noqa: N801  (never an instance)
+    class numpy_bool:  # never an instance
         pass
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -71,7 +71,7 @@ def check_float(name: str, x, *, positive: bool = False, nonneg: bool = False,
         v = float(x)
     else:
         raise TypeError(f"{name}: expected a number, got {_type_name(x)} {x!r}")
-    if not (v == v):
+    if v != v:  # NaN (no math.isnan: it cannot trace a SymFloat)  # noqa: PLR0124
         raise ValueError(f"{name}: expected a number, got NaN")
     if finite and not (-_INF < v < _INF):
         raise ValueError(f"{name}: expected a finite number, got {v}")

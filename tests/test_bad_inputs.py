@@ -203,7 +203,7 @@ print(json.dumps(res), flush=True)
 def _run(cases):
     script = PRELUDE + "".join(_case_code(cid, b, code) for cid, b, code, _ in cases)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ), cwd=os.getcwd())
+                          timeout=600, env=dict(os.environ), cwd=os.getcwd(), check=False)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -214,7 +214,7 @@ def _run(cases):
 
 @pytest.fixture(scope="module")
 def results():
-    proc, res = _run(EXPANDED)
+    _, res = _run(EXPANDED)
     missing = [c for c in EXPANDED if c[0] not in res]
     for c in missing:  # the shared child died: one child per remaining case
         p, r = _run([c])

@@ -3,14 +3,23 @@ gradients to both logits, on random shapes, dtypes, strided views, temperatures 
 (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import (
+    EPS32,
+    LOW_PRECISION,
+    backend_ctx,
+    embed,
+    masks,
+    pads_for,
+    run,
+    small,
+    values,
+)
+from _utils import GRAD_TOL, TOL, poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.full_kl import reference
-
-from _prop import EPS32, LOW_PRECISION, backend_ctx, embed, masks, pads_for, run, small, values
-from _utils import GRAD_TOL, TOL, poisoned
-from conftest import cpu_backends
 
 
 @st.composite

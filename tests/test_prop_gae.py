@@ -3,14 +3,13 @@
 per-token gamma / lam, bootstrap values, carries and packed rows (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
+from _utils import poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.gae import reference
-
-from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
-from _utils import poisoned
-from conftest import cpu_backends
 
 
 @st.composite
@@ -59,7 +58,7 @@ def test_gae_matches_float64_oracle(backend):
             bootstrap_value=boot, cu_seqlens=cu, carry=carry)
         # float32 accumulation along the row: relative to the largest term
         mag = 1.0 + max(rr.abs().max().item() if rr.numel() else 0.0, 1.0) * (rr.shape[-1] + 1)
-        tol = dict(atol=2e-6 * mag, rtol=1e-4)
+        tol = {"atol": 2e-6 * mag, "rtol": 1e-4}
         torch.testing.assert_close(adv.double(), torch.as_tensor(wa).reshape(adv.shape), **tol)
         torch.testing.assert_close(ret.double(), torch.as_tensor(wr).reshape(ret.shape), **tol)
         torch.testing.assert_close(cv.double(), torch.as_tensor(wcv, dtype=torch.float64), **tol)

@@ -3,14 +3,13 @@ reference: random group layouts (indices or contiguous sizes, singletons), equal
 including 0, masks (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import LOW_PRECISION, backend_ctx, masks, run, small
+from _utils import poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.group_advantages import reference
-
-from _prop import LOW_PRECISION, backend_ctx, masks, run, small
-from _utils import poisoned
-from conftest import cpu_backends
 
 
 @st.composite

@@ -3,15 +3,14 @@ kl_penalized_rewards (bool / int / float masks, float or per-row beta) on every 
 against the float64 reference (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
+from _utils import poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.kl import reference
 from ppo_kernels.kl.reference import parse_estimator, resolve_clamp
-
-from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
-from _utils import poisoned
-from conftest import cpu_backends
 
 ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "k3+", "low_var_kl", "mse"]
 
@@ -45,8 +44,8 @@ def test_kl_penalty_matches_float64(backend):
         a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
         want = _ref64(a64, b64, est, clamp)
         # float32 evaluation of d = lp - ref and of exp(-d): relative error ~ 1e-6 of the terms
-        tol = dict(atol=1e-5 + 1e-6 * (a64.detach() - b64.detach()).abs().max().item()
-                   if a64.numel() else 1e-5, rtol=1e-4)
+        tol = {"atol": 1e-5 + 1e-6 * (a64.detach() - b64.detach()).abs().max().item()
+                   if a64.numel() else 1e-5, "rtol": 1e-4}
         # k3 overflows float32 at d < -88 without a value clamp: documented +inf
         finite = want.detach().abs() < 3e38
         torch.testing.assert_close(v.double()[finite], want.detach()[finite], **tol)
@@ -55,7 +54,7 @@ def test_kl_penalty_matches_float64(backend):
             (v * g).sum().backward()
         (want * g.double()).sum().backward()
         ok = finite & a64.grad.isfinite()
-        gtol = dict(atol=tol["atol"] * 4, rtol=2e-2 if dtype != torch.float32 else 1e-4)
+        gtol = {"atol": tol["atol"] * 4, "rtol": 2e-2 if dtype != torch.float32 else 1e-4}
         torch.testing.assert_close(a.grad.double()[ok], a64.grad.to(dtype).double()[ok], **gtol)
         torch.testing.assert_close(b.grad.double()[ok], b64.grad.to(dtype).double()[ok], **gtol)
     run(backend, cases(), body)
@@ -87,8 +86,8 @@ def test_kl_penalized_rewards_matches_float64(backend):
         wr, wk, wm = reference.kl_penalized_rewards(scores.double(), a.double(), b.double(),
                                                     mask, b64, name, resolve_clamp(clamp, name))
         fin = wk.abs() < 3e38
-        tol = dict(atol=1e-5 + 1e-6 * wk[fin].abs().max().item() if fin.any() else 1e-5,
-                   rtol=1e-4)
+        tol = {"atol": 1e-5 + 1e-6 * wk[fin].abs().max().item() if fin.any() else 1e-5,
+               "rtol": 1e-4}
         torch.testing.assert_close(k.double()[fin], wk[fin], **tol)
         torch.testing.assert_close(r.double()[fin], wr[fin], **tol)
         rows = fin.all(-1)

@@ -4,14 +4,13 @@ random shapes (H = 0 and empty batches included), dtypes, chunk budgets small en
 vocabulary, temperatures and ignored labels (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import EPS32, backend_ctx, run, small, values
+from _utils import poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.token_logprobs import reference as tlp_reference
-
-from _prop import EPS32, backend_ctx, run, small, values
-from _utils import poisoned
-from conftest import cpu_backends
 
 
 @st.composite

@@ -3,15 +3,14 @@ data-parallel denominators; loss, statistics and gradient) on every CPU backend,
 reward-model / DPO losses, against the float64 reference (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
+from _utils import poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.losses import reference
 from ppo_kernels.losses.reference import AGG_MODES
-
-from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
-from _utils import poisoned
-from conftest import cpu_backends
 
 
 @st.composite
@@ -39,7 +38,7 @@ def _kw(agg, denom, mask):
 @pytest.mark.parametrize("backend", cpu_backends("ppo_policy_loss"))
 def test_ppo_policy_loss_matches_float64(backend):
     def body(case):
-        shape, lp, old, adv, mask, agg, denom, dtype, dual, _, seed = case
+        shape, lp, old, adv, mask, agg, denom, dtype, dual, _, _ = case
         x = lp.to(dtype).requires_grad_()
         kw, n = _kw(agg, denom, mask)
         with poisoned(), backend_ctx("ppo_policy_loss", backend):
@@ -68,7 +67,7 @@ def test_ppo_policy_loss_matches_float64(backend):
 @pytest.mark.parametrize("backend", cpu_backends("ppo_value_loss"))
 def test_ppo_value_loss_matches_float64(backend):
     def body(case):
-        shape, v, old, ret, mask, agg, denom, dtype, _, clip, seed = case
+        shape, v, old, ret, mask, agg, denom, dtype, _, clip, _ = case
         x = v.to(dtype).requires_grad_()
         kw, n = _kw(agg, denom, mask)
         with poisoned(), backend_ctx("ppo_value_loss", backend):

@@ -1,12 +1,11 @@
 """Property-based: masked_whiten and masked_mean against float64 on random shapes, dtypes, masks
 and magnitudes from 1e-30 to 3e38 (any finite input gives a finite, correct result)."""
 import torch
-from hypothesis import given, settings, HealthCheck
+from _prop import LOW_PRECISION, masks
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-
-from _prop import LOW_PRECISION, masks
 
 
 @st.composite

@@ -3,14 +3,13 @@ backward, on random shapes, dtypes, strided views (leading dims that may not col
 temperatures, ignored labels, -inf entries and large magnitudes (budget: tests/_prop.py)."""
 import pytest
 import torch
+from _prop import EPS32, LOW_PRECISION, backend_ctx, embed, pads_for, run, small, values
+from _utils import GRAD_TOL, TOL, poisoned
+from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels.token_logprobs import reference
-
-from _prop import EPS32, LOW_PRECISION, backend_ctx, embed, pads_for, run, small, values
-from _utils import GRAD_TOL, TOL, poisoned
-from conftest import cpu_backends
 
 
 @st.composite
