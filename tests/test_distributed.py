@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 @pytest.mark.parametrize("case,world", [
-    ("vocab_parallel", 2), ("vocab_parallel", 3),
+    ("vocab_parallel", 2), ("vocab_parallel", 3), ("vocab_parallel_linear", 2),
+    ("vocab_parallel_linear", 3), ("vocab_parallel_full_kl", 2), ("vocab_parallel_full_kl", 3),
     ("sequence_parallel_gae", 2), ("sequence_parallel_gae", 3), ("sequence_parallel_gae", 4),
     ("data_parallel_whiten", 3),
 ])
