@@ -1,6 +1,7 @@
-"""Workers of tests/test_distributed.py: `python tests/_dist_workers.py CASE WORLD` spawns WORLD
-processes on gloo (CPU), each checks the distributed op against the single-process op on the same
-seeded data, and the script exits non-zero if any rank failed."""
+"""Workers of tests/test_distributed.py: `python tests/_dist_workers.py CASE[,CASE...] WORLD`
+spawns WORLD processes on gloo (CPU) once; each runs the cases in turn, checking the distributed
+op against the single-process op on the same seeded data; the script exits non-zero if any rank
+failed (naming the case)."""
 import os
 import sys
 import tempfile
@@ -176,14 +177,16 @@ CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 
 def _worker(rank, world, case, init_file, errors):
+    c = None
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
-        torch.manual_seed(0)
-        CASES[case](rank, world)
-        dist.barrier()
+        for c in case.split(","):
+            torch.manual_seed(0)
+            CASES[c](rank, world)
+            dist.barrier()
     except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        errors.put(f"rank {rank}, case {c}: {traceback.format_exc()}")
         raise
     finally:
         if dist.is_initialized():
