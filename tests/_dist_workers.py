@@ -173,6 +173,28 @@ def case_data_parallel_whiten(rank, world):
     torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_m), atol=1e-3, rtol=1e-6)
 
 
+def case_data_parallel_grpo(rank, world):
+    import ppo_kernels as pk
+
+    g = torch.Generator().manual_seed(9)
+    B = 6
+    scores = torch.randn(world * B, generator=g)
+    ids = torch.randint(0, world * 2, (world * B,), generator=g)  # groups spanning ranks
+    mask = torch.rand(world * B, 4, generator=g) > 0.3
+    mine = slice(rank * B, (rank + 1) * B)
+    for kw in (dict(group_index=ids), dict(group_size=3), dict(group_size=world * B)):
+        want = pk.grpo_advantages(scores, mask=mask, **kw)
+        got = pk.grpo_advantages(scores[mine], mask=mask[mine], process_group=dist.group.WORLD,
+                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
+                                    for k, v in kw.items()})
+        torch.testing.assert_close(got, want[mine])
+        want = pk.rloo_advantages(scores, **kw)
+        got = pk.rloo_advantages(scores[mine], process_group=dist.group.WORLD,
+                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
+                                    for k, v in kw.items()})
+        torch.testing.assert_close(got, want[mine])
+
+
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 

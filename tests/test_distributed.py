@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 ALL = "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae," \
-      "data_parallel_whiten"
+      "data_parallel_whiten,data_parallel_grpo"
 
 
 # one set of processes per world size (process start-up dominates on 2 cores)
