@@ -142,7 +142,7 @@ full_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
-            mask: Tensor | None = None) -> Tensor:
+            mask: Tensor | None = None, process_group=None) -> Tensor:
     """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
     tensors (online max and sums for both distributions; no N x V temporary).
 
@@ -156,6 +156,10 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
             and are not read.
 
+        process_group: vocab-parallel form: both logits hold this rank's contiguous slice of the
+            vocabulary (the same slice); every rank gets the full-vocabulary KL (one all-gather
+            of three numbers per row) and its slice of the gradients.
+
     Returns:
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
     See ppo_kernels/full_kl/reference.py for the documented edge cases.
@@ -165,10 +169,23 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
     check_same_device(logits=logits, ref_logits=ref_logits, mask=mask)
     if ref_logits.dtype != logits.dtype:
         raise TypeError(f"ref_logits: expected dtype {logits.dtype} (like logits), got {ref_logits.dtype}")
+    if tuple(ref_logits.shape) != tuple(logits.shape):
+        raise ValueError(f"ref_logits: expected shape {tuple(logits.shape)} (logits.shape), "
+                         f"got {tuple(ref_logits.shape)}")
+    V = logits.shape[-1]
+    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
+        if t.stride(-1) != 1 and V > 1:
+            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
+                             f"got strides {tuple(t.stride())}")
+    if V == 0 and logits.shape[:-1].numel() > 0 and process_group is None:
+        raise ValueError("logits: the vocabulary dimension (last) is empty")
     temperature = check_temperature(temperature)
     if mask is not None:
         check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]")
         mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+    if process_group is not None:
+        from ..distributed.vocab_parallel import vocab_parallel_full_kl
+        return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     _check_forward_args(logits, ref_logits, temperature, mask)
     kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)
     return kl

@@ -39,12 +39,20 @@ def _pow2_scale(xf, m):
     return torch.ldexp(torch.ones_like(amax), e - 1)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, dim=None, *, process_group=None) -> Tensor:
     """Mean of x over the positions where mask != 0 (over `dim`, or everything when None).
     Masked-out entries never contribute, even when NaN. A set with no position gives 0 (verl
-    divides by count + 1e-8 and gets 0 there too). float32 (float64 for float64 x)."""
+    divides by count + 1e-8 and gets 0 there too). float32 (float64 for float64 x).
+    process_group: the mean over the data of every rank of this torch.distributed group (dim must
+    be None), with one all-gather of three numbers and no host sync."""
     xf, m = _prep(x, mask)
     _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
+    if process_group is not None:
+        if dim is not None:
+            raise ValueError("dim: a data-parallel masked_mean (process_group) reduces everything; "
+                             "pass dim=None")
+        from ..distributed import global_moments
+        return global_moments(xf, m, process_group)[1]
     s = torch.where(m, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
     if dim is None:
         return s.sum() / m.sum().clamp(min=1).to(xf.dtype)
@@ -52,7 +60,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = True,
-                  eps: float = 1e-8) -> Tensor:
+                  eps: float = 1e-8, process_group=None) -> Tensor:
     """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
     the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
     `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one.
@@ -61,12 +69,17 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
     Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x).
     Any finite input gives a finite, correct result: the statistics are computed on x / s with s a
     power of two near max |x| (exact), so a spread beyond ~1e19 (whose float32 variance would
-    overflow) is no problem; `(x - mean) * rsqrt(var + eps)` = `y / sqrt(var_y + eps / s^2)`."""
+    overflow) is no problem; `(x - mean) * rsqrt(var + eps)` = `y / sqrt(var_y + eps / s^2)`.
+    process_group: mean and variance over the data of every rank of this torch.distributed group
+    (global whitening), with one all-gather of three numbers per rank and no host sync."""
     check_bool("shift_mean", shift_mean)
     check_bool("unbiased", unbiased)
     eps = check_float("eps", eps, nonneg=True)
     xf, m = _prep(x, mask)
     _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
+    if process_group is not None:
+        from ..distributed.data_parallel import whiten_global
+        return whiten_global(xf, m, shift_mean, unbiased, eps, process_group)
     n = m.sum()
     if _backend.strict() and unbiased and int(n) < 2:  # host sync, by request
         raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "
