@@ -85,24 +85,25 @@ class Ctx:
 
 
 CUDA_TESTS = ROOT / "tests" / "cuda"
-TEST_TIMEOUT_S = 900  # per op: a hung kernel must not take the whole device time
+TEST_TIMEOUT_S = 600  # per op: a hung kernel must not take the whole device time
 
 
 def _correctness(only):
     """Run the `cuda` tests of each op (tests/cuda/test_cuda_<op>.py) in its own pytest
-    subprocess. Returns (rows, problems): a row per test (op, test, result, seconds, message),
-    and the lines that say why an op, or the whole phase, did not run."""
+    subprocess. Yields, op after op, (rows, problems): a row per test (op, test, result, seconds,
+    message), and the lines that say why an op, or the whole phase, did not run."""
     if importlib.util.find_spec("pytest") is None:
-        return [], ["pytest is not installed here: the correctness tests did NOT run (`pip download "
+        yield [], ["pytest is not installed here: the correctness tests did NOT run (`pip download "
                     "-d wheels/ pytest` on a machine with internet, then `pip install --no-deps "
                     "wheels/*.whl` here; see DEVELOPING.md)"]
+        return
     import xml.etree.ElementTree as ET
     files = sorted(CUDA_TESTS.glob("test_cuda_*.py"))
     if only:
         files = [f for f in files if f.stem.removeprefix("test_cuda_") in only]
-    rows, problems = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
+            rows, problems = [], []
             op = f.stem.removeprefix("test_cuda_")
             xml = pathlib.Path(tmp) / f"{op}.xml"
             cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
@@ -115,7 +116,7 @@ def _correctness(only):
                 rc, tail = "timeout", [f"killed after {TEST_TIMEOUT_S} s"]
             print(f"correctness {op}: rc={rc} in {time.time() - t:.0f}s", flush=True)
             if not xml.exists():  # pytest itself died (e.g. a crash in a kernel), or timed out
-                problems.append(f"{op}: pytest rc={rc}, no results: {' | '.join(tail)}")
+                yield [], [f"{op}: pytest rc={rc}, no results: {' | '.join(tail)}"]
                 continue
             for case in ET.parse(xml).iter("testcase"):
                 result, msg = "passed", ""
@@ -128,7 +129,21 @@ def _correctness(only):
                                  seconds=float(case.get("time") or 0), message=msg[:400]))
             if rc not in (0, 1):  # 1: some tests failed (in the rows); anything else is a problem
                 problems.append(f"{op}: pytest rc={rc}: {' | '.join(tail)}")
-    return rows, problems
+            yield rows, problems
+
+
+def _correctness_section(rows, problems):
+    """The report's correctness lines and the number of failures (failed tests, and ops or a
+    phase that did not run)."""
+    failed = len(problems) + sum(r["result"] in ("**FAILED**", "**ERROR**") for r in rows)
+    count = {k: sum(r["result"] == k for r in rows) for k in ("passed", "skipped")}
+    lines = ["## Correctness against the float64 reference (`pytest -m cuda tests/cuda`)", "",
+             f"{count['passed']} passed, {failed} failed, {count['skipped']} skipped", ""]
+    lines += [f"- {p}" for p in problems] + ([""] if problems else [])
+    lines += ["| op | test | result | s | message |", "|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['test']} | {r['result']} | {r['seconds']:.1f} | "
+              f"{r['message'].replace('|', '/')} |" for r in rows]
+    return lines + [""], failed
 
 
 def _build():
@@ -214,16 +229,12 @@ def main():
     if args.skip_correctness:
         lines += ["## Correctness: skipped (--skip-correctness)", ""]
     else:
-        rows, problems = _correctness(only)
-        failed = len(problems) + sum(r["result"] in ("**FAILED**", "**ERROR**") for r in rows)
-        count = {k: sum(r["result"] == k for r in rows) for k in ("passed", "skipped")}
-        lines += ["## Correctness against the float64 reference (`pytest -m cuda tests/cuda`)", "",
-                  f"{count['passed']} passed, {failed} failed, {count['skipped']} skipped", ""]
-        lines += [f"- {p}" for p in problems] + ([""] if problems else [])
-        lines += ["| op | test | result | s | message |", "|---|---|---|---|---|"]
-        lines += [f"| {r['op']} | {r['test']} | {r['result']} | {r['seconds']:.1f} | "
-                  f"{r['message'].replace('|', '/')} |" for r in rows]
-        lines.append("")
+        rows, problems = [], []
+        for op_rows, op_problems in _correctness(only):  # the report so far after each op
+            rows, problems = rows + op_rows, problems + op_problems
+            _write_report(args.out, lines + _correctness_section(rows, problems)[0], ctx, gpu)
+        section, failed = _correctness_section(rows, problems)
+        lines += section
     mods = _modules(only)
 
     _write_report(args.out, lines, ctx, gpu)
