@@ -1,0 +1,10 @@
+"""The one collective the distributed forms use."""
+import torch.distributed as dist
+
+# torch >= 2.14 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(out, inp, group=None):
+    """Gather `inp` of every rank of `group` into `out` (world * inp.numel(), rank order)."""
+    _gather(out, inp, group=group)
