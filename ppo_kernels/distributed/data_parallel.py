@@ -59,3 +59,26 @@ def whiten_global(xf: Tensor, m: Tensor, shift_mean: bool, unbiased: bool, eps: 
         var = m2 / n.clamp(min=1)
     out = (xf - mean) * torch.rsqrt(var + eps)
     return out + mean if not shift_mean else out
+
+
+def gather_groups(scores: Tensor, group_index: Tensor | None, group):
+    """Every rank's scores (and group ids) in rank order, for group statistics whose groups may
+    span ranks: one all-gather of [1 + 2 B] float64 per rank (B, then scores and ids; float64
+    holds ids exactly). Returns (scores of all ranks, their group ids or None, this rank's rows)."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    B = scores.shape[0]
+    ids = group_index.double() if group_index is not None else torch.zeros_like(scores, dtype=torch.float64)
+    payload = torch.cat([torch.tensor([B], dtype=torch.float64, device=scores.device),
+                         scores.double(), ids.to(scores.device)])
+    out = torch.empty(world * payload.numel(), dtype=torch.float64, device=scores.device)
+    _all_gather(out, payload, group=group)
+    out = out.view(world, -1)
+    if bool((out[:, 0] != B).any()):
+        raise ValueError(f"scores: every rank must hold the same number of responses; got "
+                         f"{out[:, 0].long().tolist()}")
+    all_scores = out[:, 1:1 + B].reshape(-1).to(scores.dtype)
+    all_ids = out[:, 1 + B:].reshape(-1).long() if group_index is not None else None
+    rows = torch.arange(rank * B, (rank + 1) * B, device=scores.device)
+    return all_scores, all_ids, rows

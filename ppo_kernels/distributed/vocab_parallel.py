@@ -135,7 +135,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index, vocab_start, group):
         shape = labels.shape
-        x = logits.reshape(-1, logits.shape[-1])
+        x = logits.reshape(labels.numel(), logits.shape[-1])
         y = labels.reshape(-1)
         inv_t = 1.0 / temperature
         local = local_states(x, y, vocab_start, inv_t, ignore_index)
@@ -153,7 +153,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         logits, labels, lse, ent = ctx.saved_tensors
         inv_t, ignore_index, vocab_start, V = ctx.args
         acc = _acc(logits.dtype)
-        x = logits.reshape(-1, logits.shape[-1])
+        x = logits.reshape(labels.numel(), logits.shape[-1])
         y = labels.reshape(-1)
         N, Vr = x.shape
         glp = (torch.zeros(N, dtype=acc, device=x.device) if grad_lp is None
@@ -207,3 +207,157 @@ def vocab_parallel_token_logprobs(logits: Tensor, labels: Tensor, temperature: f
                                                    int(ignore_index), int(vocab_start),
                                                    process_group)
     return (lp, ent) if return_entropy else lp
+
+
+# ---- from hidden states: a vocab-sharded LM head (the logits are still never built) ----
+
+class _VocabParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, vocab_start, group,
+                budget, logits_dtype, reduce_hidden_grad):
+        from ..linear_logprobs import op as lop
+        N, H = hidden.shape
+        Vr = weight.shape[0]
+        acc = _acc(hidden.dtype)
+        inv_t = 1.0 / temperature
+        local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
+        local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
+        k = labels.long() - vocab_start
+        local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
+        if N and Vr:
+            plan = lop.plan_chunks(N, Vr, H, hidden.dtype, hidden.device.type,
+                                   lop._resolve_budget(budget, hidden.device),
+                                   logits_dtype=logits_dtype, fused=False)
+            tiler = lop.Tiler(hidden, weight, bias, plan, False)
+            for r0 in range(0, N, plan.rows):
+                r1 = min(N, r0 + plan.rows)
+                st, zl = lop.chunk_states(tiler, plan, tiler.rows(r0, r1), labels[r0:r1], Vr,
+                                          inv_t, ignore_index, v_offset=vocab_start)
+                local[0:3, r0:r1] = st
+                local[3, r0:r1] = zl
+        gathered = _gather(local, [vocab_start, Vr, N], group)
+        lp, ent, lse, V = _finish(gathered, labels, vocab_start, ignore_index,
+                                  hidden.device.type == "cpu")
+        ctx.save_for_backward(hidden, weight, labels, bias, lse, ent)
+        ctx.args = (inv_t, ignore_index, vocab_start, V, group, budget, logits_dtype,
+                    reduce_hidden_grad)
+        ctx.mark_non_differentiable(lse)
+        return lp, ent, lse
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent, _grad_lse):
+        from ..linear_logprobs import op as lop
+        hidden, weight, labels, bias, lse, ent = ctx.saved_tensors
+        inv_t, ignore_index, vocab_start, V, group, budget, logits_dtype, reduce_h = ctx.args
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        N, H = hidden.shape
+        Vr = weight.shape[0]
+        acc = _acc(hidden.dtype)
+        dev = hidden.device
+        glp = torch.zeros(N, dtype=acc, device=dev) if grad_lp is None else grad_lp.to(acc)
+        gent = None if grad_ent is None else grad_ent.to(acc)
+        gh = torch.zeros((N, H) if need_h else (0,), dtype=acc, device=dev)
+        gW = torch.zeros((Vr, H) if need_w else (0,), dtype=acc, device=dev)
+        gb = torch.zeros((Vr,) if (need_b and bias is not None) else (0,), dtype=acc, device=dev)
+        if N and Vr:
+            plan = lop.plan_chunks(N, Vr, H, hidden.dtype, dev.type,
+                                   lop._resolve_budget(budget, dev), logits_dtype=logits_dtype,
+                                   fused=False)
+            tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
+            for r0 in range(0, N, plan.rows):
+                r1 = min(N, r0 + plan.rows)
+                lop.chunk_backward(
+                    tiler, plan, False, tiler.rows(r0, r1), labels[r0:r1], glp[r0:r1],
+                    gent[r0:r1] if gent is not None else None, lse[r0:r1],
+                    ent[r0:r1] if gent is not None else None, inv_t, ignore_index, Vr,
+                    gh[r0:r1] if need_h else gh, gW, gb, v_offset=vocab_start, v_total=V)
+        if need_h and reduce_h:
+            # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
+            dist.all_reduce(gh, group=group)
+        return (gh.to(hidden.dtype) if need_h else None, gW.to(weight.dtype) if need_w else None,
+                None, gb.to(bias.dtype) if gb.numel() else None,
+                None, None, None, None, None, None, None)
+
+
+def vocab_parallel_linear_token_logprobs(hidden2d, weight, labels, bias, temperature,
+                                         ignore_index, process_group, vocab_start, budget,
+                                         logits_dtype, reduce_hidden_grad):
+    """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
+    weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
+    Returns (logprobs, entropy) [N]."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+    if vocab_start is None:
+        vocab_start = default_vocab_start(weight.shape[0], process_group)
+    elif not (isinstance(vocab_start, int) and vocab_start >= 0):
+        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+    lp, ent, _ = _VocabParallelLinear.apply(hidden2d, weight, labels, bias, float(temperature),
+                                            int(ignore_index), int(vocab_start), process_group,
+                                            int(budget or 0), logits_dtype,
+                                            bool(reduce_hidden_grad))
+    out = _backend.out_dtype(hidden2d)
+    return lp.to(out), ent.to(out)
+
+
+# ---- full-vocabulary KL with both logits vocab-sharded ----
+# Per rank, the full_kl kernel on its slice gives (kl_r, lse_z_r, lse_w_r), where
+# kl_r + lse_z_r - lse_w_r = sum_{j in r} softmax_r(z)_j (z_j - w_j). With the slice masses
+# a_r = exp(lse_z_r - lse_z): KL = sum_r a_r (kl_r + lse_z_r - lse_w_r) - lse_z + lse_w. One
+# all-gather of those three per-row numbers; the backward is elementwise given the global kl and
+# log-sum-exps (the full_kl backward kernel on each slice), no collective.
+
+def _logsumexp_ranks(x):
+    m = x.amax(0)
+    m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
+    return m_safe + (x - m_safe).exp().sum(0).log()
+
+
+class _VocabParallelFullKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ref_logits, mask, temperature, group):
+        from ..full_kl import op as fop
+        inv_t = 1.0 / temperature
+        if logits.shape[-1] == 0:  # an empty slice: no mass, no cross term
+            lz_r = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+            kl_r, lw_r = torch.zeros_like(lz_r), lz_r.clone()
+        else:
+            kl_r, lz_r, lw_r = fop.forward(logits, ref_logits, None, inv_t)
+        world = dist.get_world_size(group)
+        local = torch.stack([kl_r, lz_r, lw_r]).reshape(3, -1).to(torch.float64 if
+                                                                  logits.dtype == torch.float64
+                                                                  else torch.float32)
+        out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        _all_gather(out, local.reshape(-1), group=group)
+        st = out.view(world, 3, -1)
+        lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
+        a = (st[:, 1] - lse_z).exp()
+        cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))
+        kl = cross.sum(0) - lse_z + lse_w
+        shape = logits.shape[:-1]
+        kl, lse_z, lse_w = kl.view(shape), lse_z.view(shape), lse_w.view(shape)
+        if mask is not None:
+            kl = torch.where(mask, kl, torch.zeros_like(kl))
+        ctx.save_for_backward(logits, ref_logits, mask, kl, lse_z, lse_w)
+        ctx.inv_t = inv_t
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..full_kl import op as fop
+        logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
+        need_ref = ctx.needs_input_grad[1]
+        gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
+        gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) \
+            if need_ref else None
+        if logits.shape[-1]:
+            fop.backward(logits, grad.contiguous(), ref_logits, mask, kl, lse_z, lse_w,
+                         ctx.inv_t, gz, gw)
+        return gz, gw, None, None, None
+
+
+def vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group):
+    """The body of full_kl(..., process_group=...): both logits this rank's vocabulary slice."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+    kl = _VocabParallelFullKL.apply(logits, ref_logits, mask, float(temperature), process_group)
+    return kl.to(_backend.out_dtype(logits))
