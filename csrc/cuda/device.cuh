@@ -6,7 +6,8 @@
 //   PPO_SHARED(type, name, dims)       static shared memory (`__shared__ type name dims`)
 //   dev.launch(name, kernel, grid, block, smem, args...)   kernel<<<grid, block, smem, stream>>>
 //   Dev::accepts(t), Dev::kTensorKind   the tensors this build's kernels take
-//   dev.sm_count()                      multiprocessors (the emulator's is set by its tests)
+//   Dev::sm_count(), Dev::max_row_blocks()  multiprocessors, the grid-stride threshold of the
+//                                       row kernels (the emulator's are set by its tests)
 #pragma once
 #include <ATen/ATen.h>
 
@@ -28,6 +29,7 @@ struct CudaDevice {
   static bool accepts(const at::Tensor& t) { return t.is_cuda(); }
   explicit CudaDevice(const at::Tensor& t) : guard(t.device()) {}
   static int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+  static int64_t max_row_blocks() { return int64_t(1) << 20; }
   template <typename... P, typename... A>
   void launch(const char*, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&... a) {
     kernel<<<grid, block, smem, at::cuda::getCurrentCUDAStream()>>>(std::forward<A>(a)...);

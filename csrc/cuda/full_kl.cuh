@@ -196,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, 
   TORCH_CHECK(V >= 1, "logits: the vocabulary dimension is empty but there are ", N, " rows");
   const at::Tensor mask = kl_bool_mask(mask_in, R.logits, N);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
-    device.launch("full_kl fwd_kernel", &fwd_kernel<scalar_t>, dev::grid_for_rows(N),
+    device.launch("full_kl fwd_kernel", &fwd_kernel<scalar_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
                   dev::threads_for_row(V, Pack<scalar_t>::kN), 0, R.logits.const_data_ptr<scalar_t>(),
                   R.ref.const_data_ptr<scalar_t>(), mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
                   kl.data_ptr<float>(), lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
@@ -221,7 +221,7 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd_cuda", [&] {
-    device.launch("full_kl bwd_kernel", &bwd_kernel<scalar_t>, dev::grid_for_rows(N),
+    device.launch("full_kl bwd_kernel", &bwd_kernel<scalar_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
                   dev::threads_for_row(V, Pack<scalar_t>::kN), 0, g.const_data_ptr<float>(),
                   R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
                   mask.defined() ? mask.const_data_ptr<bool>() : nullptr, klc.const_data_ptr<float>(),

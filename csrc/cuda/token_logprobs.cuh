@@ -123,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, 
   if (N == 0) return {logprobs, entropy, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
-      device.launch("token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N),
+      device.launch("token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
                  dev::threads_for_row(V, Pack<scalar_t>::kN), 0, logits.const_data_ptr<scalar_t>(),
                  labels.const_data_ptr<index_t>(), logprobs.data_ptr<float>(),
                  with_entropy ? entropy.data_ptr<float>() : nullptr, lse.data_ptr<float>(), N, V, rows,
@@ -147,7 +147,7 @@ void bwd(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_
   const int64_t N = c.N, V = c.V;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd_cuda", [&] {
-      device.launch("token_logprobs bwd_kernel", &bwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N),
+      device.launch("token_logprobs bwd_kernel", &bwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
                  dev::threads_for_row(V, Pack<scalar_t>::kN), 0, logits.const_data_ptr<scalar_t>(),
                  grad_logits.data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
                  c.glp.const_data_ptr<float>(), c.gent_ptr(), c.lse.const_data_ptr<float>(), c.ent_ptr(),

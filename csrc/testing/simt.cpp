@@ -360,9 +360,14 @@ void run_launch(Block& B, dim3 grid, dim3 block) {
 
 namespace {
 std::atomic<int> g_sm_count{4};
-}
+std::atomic<int64_t> g_max_row_blocks{int64_t(1) << 20};
+}  // namespace
 int Device::sm_count() { return g_sm_count.load(); }
-void set_sm_count(int n) { g_sm_count.store(n); }
+int64_t Device::max_row_blocks() { return g_max_row_blocks.load(); }
+void set_geometry(int sm_count, int64_t max_row_blocks) {
+  g_sm_count.store(sm_count);
+  g_max_row_blocks.store(max_row_blocks);
+}
 
 void set_seed(uint64_t seed) {
   std::lock_guard<std::mutex> lk(g_rng_mu);
@@ -569,8 +574,9 @@ void* guarded_alloc(size_t n) {
   char* map = static_cast<char*>(m);
   mprotect(map, P, PROT_NONE);
   mprotect(map + P + body, P, PROT_NONE);
-  // The data abut the guard page after them, or (at random) the one before them.
-  const bool tail = (next_random() & 1) != 0;
+  // The data abut the guard page after them (3 times in 4: reads past the end are the common
+  // bug), else the one before them; the other side's slack holds the canary.
+  const bool tail = (next_random() & 3) != 0;
   char* data = tail ? map + P + body - n : map + P;
   std::memset(map + P, kCanary, body);
   std::memset(data, 0xff, n);  // uninitialised memory reads as NaN

@@ -132,8 +132,8 @@ uint64_t next_random();
 
 // ---- global memory guards (simt.cpp) --------------------------------------------------------------
 // While a GuardScope is alive on this thread, CPU tensor allocations go to guarded mappings: the
-// buffer's end (or, at random, its start) abuts a PROT_NONE page, and the slack on the other side
-// holds a canary checked when the buffer is freed.
+// buffer's end (or, at random one time in four, its start) abuts a PROT_NONE page, and the slack
+// on the other side holds a canary checked after every launch.
 struct GuardScope {
   GuardScope();
   ~GuardScope();
@@ -176,12 +176,14 @@ struct Device {
   static constexpr const char* kTensorKind = "CPU (SIMT emulator)";
   static bool accepts(const at::Tensor& t) { return t.device().is_cpu(); }
   explicit Device(const at::Tensor&) {}
-  static int sm_count();  // set_sm_count (the tests choose it to reach every launch plan)
+  // Set by the tests (set_geometry) to reach every launch plan with small inputs.
+  static int sm_count();
+  static int64_t max_row_blocks();
   template <typename... P, typename... A>
   void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&... a) {
     ::simt::launch(name, kernel, grid, block, smem, std::forward<A>(a)...);
   }
 };
-void set_sm_count(int n);
+void set_geometry(int sm_count, int64_t max_row_blocks);
 
 }  // namespace simt

@@ -135,9 +135,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd(
 }
 
 void set_seed(int64_t seed) { simt::set_seed(static_cast<uint64_t>(seed)); }
-void set_sm_count(int64_t n) {
-  TORCH_CHECK(n >= 1, "set_sm_count: expected >= 1");
-  simt::set_sm_count(static_cast<int>(n));
+void set_geometry(int64_t sm_count, int64_t max_row_blocks) {
+  TORCH_CHECK(sm_count >= 1 && max_row_blocks >= 1, "set_geometry: expected positive values");
+  simt::set_geometry(static_cast<int>(sm_count), max_row_blocks);
 }
 
 // The schema of ppo_kernels_C::<name> without its namespace.
@@ -164,7 +164,8 @@ void register_ops() {
   impls.impl("gae_fwd", &gae_fwd);
   // Emulator controls (no tensors: CompositeImplicit through the DEF library).
   defs.def("set_seed(int seed) -> ()", &set_seed);
-  defs.def("set_sm_count(int n) -> ()", &set_sm_count);
+  // Multiprocessor count (GAE's chunk plan) and the row kernels' grid-stride threshold.
+  defs.def("set_geometry(int sm_count=4, int max_row_blocks=1048576) -> ()", &set_geometry);
   register_simt_selftests(defs);
 }
 
