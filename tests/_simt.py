@@ -36,9 +36,15 @@ def emulated(seed, *, sm_count=4, max_row_blocks=1 << 20, **backends):
     ops = torch.ops.ppo_kernels_simt
     ops.set_seed(seed)
     ops.set_geometry(sm_count, max_row_blocks)
+    ops.launches()  # clear the launch log
     try:
         with _backend.use_cpp_namespace("ppo_kernels_simt"), \
                 _backend.use_backend(**(backends or {"default": "cpp"})), poisoned():
             yield
     finally:
         ops.set_geometry()
+
+
+def launches():
+    """["kernel grid=G block=B", ...] of the emulated launches since the last call."""
+    return list(torch.ops.ppo_kernels_simt.launches())

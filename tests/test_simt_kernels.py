@@ -24,6 +24,7 @@ gae (csrc/cuda/gae.cuh): sm_count chooses the plan (4 * sm_count target chunks)
       chunk, rows of 2 tiles per chunk; masks, dones, bootstrap, carries, per-token gamma/lam
   test_gae_chunked               chunk maps (mode 1) + carry scan + final pass (mode 2): rows
       spanning several chunks, chunks of 2 tiles, N prime, all dtypes
+  test_gae_carry_scan_over_many_chunks   292 chunks: the carry kernel's loop over 256-chunk tiles
   test_gae_packed                packed rows (cu_seqlens: binary search, empty rows, rows across
       chunks), carries
 linear_token_logprobs (ppo_kernels/linear_logprobs/op.py): on CUDA its whole-vocabulary tiles go
@@ -39,7 +40,7 @@ from ppo_kernels.gae import reference as GR
 from ppo_kernels.linear_logprobs import reference as LR
 from ppo_kernels.token_logprobs import reference as TR
 
-from _simt import MARKS, SEEDS, emulated
+from _simt import MARKS, SEEDS, emulated, launches
 from _utils import GRAD_TOL, TOL
 
 pytestmark = MARKS
@@ -86,6 +87,10 @@ def test_token_logprobs(seed, dtype, lead, V, strided):
         _close(lp, want_lp, TOL[dtype])
         _close(ent, want_ent, TOL[dtype])
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    N, vec = labels.numel(), 16 // logits.element_size()
+    threads = max(32, min(1024, 1 << max(0, ((V // vec + 3) // 4 - 1).bit_length())))
+    assert launches() == [f"token_logprobs fwd_kernel grid={N} block={threads}",
+                          f"token_logprobs bwd_kernel grid={N} block={threads}"]
     assert x.grad.dtype == dtype
     _close(x.grad, want_g, GRAD_TOL[dtype])
     ignored = labels == -100
@@ -117,6 +122,7 @@ def test_token_logprobs_grid_stride(seed):
     with emulated(seed, max_row_blocks=3, token_logprobs="cpp"):
         lp, ent = pk.token_logprobs(x, labels, return_entropy=True)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert [e.split()[2] for e in launches()] == ["grid=3", "grid=3"]  # 13 rows, 3 blocks
     _close(lp, want_lp, TOL[torch.float32])
     _close(ent, want_ent, TOL[torch.float32])
     _close(x.grad, want_g, GRAD_TOL[torch.float32])
@@ -186,6 +192,7 @@ def test_full_kl_grid_stride_no_ref_grad(seed):
     with emulated(seed, max_row_blocks=3, full_kl="cpp"):
         kl = pk.full_kl(zz, w, mask=mask)
         (gz,) = torch.autograd.grad(kl, (zz,), g)
+    assert [e.split()[2] for e in launches()] == ["grid=3", "grid=3"]  # 11 rows, 3 blocks
     _close(kl, want, KL_TOL)
     _close(gz, rz, _kl_gtol(torch.float32))
 
@@ -209,20 +216,32 @@ def _gae_inputs(shape, dtype=torch.float32):
     return r, v, m, d
 
 
+SINGLE = ["gae_chunk_kernel (single pass)"]
+CHUNKED = ["gae_chunk_kernel (chunk maps)", "gae_carry_kernel", "gae_chunk_kernel (final)"]
+
+
+def _gae_plan(log, n_chunks):
+    """The kernels launched, checking the chunk count of the chunk passes."""
+    for e in log:
+        if e.startswith("gae_chunk_kernel"):
+            assert f"grid={n_chunks} " in e, log
+    return [e.split(" grid=")[0] for e in log]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("shape,sm", [((5, 900), 1), ((6, 300), 1), ((3, 3001), 1)])
-def test_gae_single_pass(seed, shape, sm):
-    # sm_count 1: the plan wants >= 2 chunks of whole rows; 900 -> 2 rows per chunk (3 chunks),
-    # 300 -> 6 rows in one 2048-token tile (1 chunk < 2: chunked, see below), 3001 -> 1 row of 2
-    # tiles per chunk.
+@pytest.mark.parametrize("shape,n_chunks", [((5, 900), 3), ((12, 300), 2), ((3, 3001), 3)])
+def test_gae_single_pass(seed, shape, n_chunks):
+    # sm_count 1: whole rows per chunk when that makes >= 2 chunks. 900: 2 rows per chunk;
+    # 300: 6 rows in one tile; 3001: one row of 2 tiles per chunk.
     r, v, m, d = _gae_inputs(shape)
     B, T = shape
     carry = (torch.randn(B), torch.randn(B))
     g = torch.where(torch.arange(T) % 10 == 9, 0.9, 1.0).expand(B, T)
     lam = torch.rand(B, T)
-    with emulated(seed, sm_count=sm, gae="cpp"):
+    with emulated(seed, sm_count=1, gae="cpp"):
         got = pk.gae(r, v, m, gamma=0.97, lam=0.9, dones=d, carry=carry, return_carry=True)
         got_t = pk.gae(r, v, m, gamma=g, lam=lam, bootstrap_value=carry[0], return_carry=True)
+    assert _gae_plan(launches(), n_chunks) == SINGLE * 2
     ref = GR.gae_sequential(r, v, m, gamma=0.97, lam=0.9, dones=d, carry=carry)
     _gae_check(got, ref, GAE_LONG_TOL)
     ref = GR.gae_sequential(r, v, m, gamma=g, lam=lam, bootstrap_value=carry[0])
@@ -240,8 +259,23 @@ def test_gae_chunked(seed, dtype, shape, sm):
     bv = torch.randn(B)
     with emulated(seed, sm_count=sm, gae="cpp"):
         got = pk.gae(r, v, m, gamma=0.99, lam=0.95, dones=d, bootstrap_value=bv, return_carry=True)
+    assert _gae_plan(launches(), 3) == CHUNKED
     ref = GR.gae_sequential(r, v, m, gamma=0.99, lam=0.95, dones=d, bootstrap_value=bv)
     _gae_check(got, ref, GAE_LONG_TOL)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gae_carry_scan_over_many_chunks(seed):
+    # 199 rows of 3000 with sm_count 100: fewer whole-row chunks (199) than half the target (200),
+    # so chunks of 2048 tokens: 292 of them, which the one-block carry kernel scans in two tiles.
+    B, T = 199, 3000
+    r, v, m, d = _gae_inputs((B, T))
+    with emulated(seed, sm_count=100, gae="cpp"):
+        got = pk.gae(r, v, m, gamma=0.99, lam=0.95, dones=d, return_carry=True)
+    assert _gae_plan(launches(), 292) == CHUNKED
+    ref = GR.gae_eager(r.double(), v.double(), m, 0.99, 0.95, d)
+    for a, b in zip(got[:2], ref[:2]):
+        torch.testing.assert_close(a.double(), b, **GAE_LONG_TOL)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -256,6 +290,7 @@ def test_gae_packed(seed, dtype):
     with emulated(seed, sm_count=2, gae="cpp"):
         got = pk.gae(r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu,
                      return_carry=True)
+    assert _gae_plan(launches(), 3) == CHUNKED
     ref = GR.gae_sequential(r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu)
     _gae_check(got, ref, GAE_LONG_TOL)
     for i in (0, 4):  # empty rows hand their carry through

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 thread_local uint3 threadIdx{0, 0, 0};
@@ -508,7 +509,21 @@ void shared_region(void* p, size_t bytes) {
   std::memset(p, 0xff, bytes);
 }
 
+namespace {
+std::mutex g_log_mu;
+std::vector<std::string> g_log;
+}  // namespace
+
+std::vector<std::string> take_launch_log() {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  return std::exchange(g_log, {});
+}
+
 void run(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+  {
+    std::lock_guard<std::mutex> lk(g_log_mu);
+    g_log.push_back(fmt("%s grid=%u block=%u", name, grid.x, block.x));
+  }
   const uint64_t n = uint64_t(block.x) * block.y * block.z;
   if (n == 0 || n > kMaxThreads || block.z > 64) {
     throw Error(Check::kLaunch, fmt("kernel %s: block (%u,%u,%u) is not 1..1024 threads", name, block.x,

@@ -28,6 +28,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 #include <type_traits>
 
 #define __global__
@@ -124,6 +125,9 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_
   std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
   run(name, grid, block, smem, [&] { std::apply(kernel, args); });
 }
+
+// "kernel grid=G block=B" of every launch since the last call (tests check which path ran).
+std::vector<std::string> take_launch_log();
 
 // Seed of the fiber order, the block order and the guard-page placement (per launch, from a
 // sequence started by set_seed).

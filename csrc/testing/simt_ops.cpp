@@ -166,6 +166,7 @@ void register_ops() {
   defs.def("set_seed(int seed) -> ()", &set_seed);
   // Multiprocessor count (GAE's chunk plan) and the row kernels' grid-stride threshold.
   defs.def("set_geometry(int sm_count=4, int max_row_blocks=1048576) -> ()", &set_geometry);
+  defs.def("launches() -> str[]", &simt::take_launch_log);
   register_simt_selftests(defs);
 }
 
