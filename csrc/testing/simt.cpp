@@ -236,9 +236,21 @@ void run_block(Block& B, Stacks& stacks) {
     f.st = St::kReady;
     B.ready.push_back(t);
   }
+  // Two orders, drawn per block: any ready thread at random, or warps by random priority (a warp
+  // runs ahead of the others as far as it can: races between warps show even when they need many
+  // of its steps in a row).
+  const bool by_warp = (mix(B.rng) & 1) != 0;
+  std::vector<uint64_t> prio(B.warps.size());
+  for (auto& p : prio) p = mix(B.rng);
   while (B.done < B.n) {
     if (B.ready.empty()) diagnose_deadlock(B);
-    const size_t k = mix(B.rng) % B.ready.size();
+    size_t k = mix(B.rng) % B.ready.size();
+    if (by_warp) {
+      for (size_t i = 0; i < B.ready.size(); ++i) {
+        const size_t j = (k + i) % B.ready.size();
+        if (prio[B.ready[j] >> 5] > prio[B.ready[k] >> 5]) k = j;
+      }
+    }
     const int t = B.ready[k];
     B.ready[k] = B.ready.back();
     B.ready.pop_back();
