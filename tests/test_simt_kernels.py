@@ -12,11 +12,12 @@ token_logprobs (csrc/cuda/token_logprobs.cuh)
   test_token_logprobs_inplace    inplace backward (gradient written over the logits: same
       alignment, vector branch), logprob-only gradient (no entropy pointer), int32 labels,
       ignore_index inside the vocabulary
-  test_token_logprobs_grid_stride   more rows than blocks (max_row_blocks = 3, N prime)
+  test_token_logprobs_grid_stride   more rows than blocks (max_row_blocks = 3, N prime, 4 warps:
+      the block reduction's shared partials reused across rows)
   test_token_logprobs_bad_labels    labels outside the vocabulary give NaN rows (GPU contract)
 full_kl (csrc/cuda/full_kl.cuh)
   test_full_kl                   fwd + bwd for both inputs, with / without mask, V=1, 7, 8, 9,
-      4099 (two-packs loop + one-pack remainder), strided logits vs contiguous ref (alignments
+      4099 (two-packs loop + one-pack remainder), 8209 (1024 threads for float32), strided logits vs contiguous ref (alignments
       differ: the scalar-only branch), all dtypes
   test_full_kl_grid_stride_no_ref_grad   more rows than blocks, masked rows, ref without gradient
 gae (csrc/cuda/gae.cuh): sm_count chooses the plan (4 * sm_count target chunks)
@@ -76,7 +77,8 @@ def _tl_ref(logits, labels, T, g_lp, g_ent, ignore_index=-100):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead,V,strided", [((3, 5), 1, False), ((4, 3), 7, True),
                                             ((2, 5), 8, False), ((3, 3), 9, True),
-                                            ((2, 2), 4099, True), ((3,), 4099, False)])
+                                            ((2, 2), 4099, True), ((3,), 4099, False),
+                                            ((2,), 8209, False)])
 def test_token_logprobs(seed, dtype, lead, V, strided):
     logits, labels = _tl_inputs(lead, V, dtype, strided)
     g_lp, g_ent = torch.randn(lead), torch.randn(lead)
@@ -115,7 +117,8 @@ def test_token_logprobs_inplace(seed, dtype):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_token_logprobs_grid_stride(seed):
-    logits, labels = _tl_inputs((13,), 301, torch.float32, False)
+    # 128 threads (4 warps) per row, ~4 rows per block: the reduction's shared partials are reused
+    logits, labels = _tl_inputs((13,), 2003, torch.float32, False)
     g_lp, g_ent = torch.randn(13), torch.randn(13)
     want_lp, want_ent, want_g = _tl_ref(logits, labels, 1.0, g_lp, g_ent)
     x = logits.detach().requires_grad_()
@@ -164,7 +167,8 @@ def _kl_gtol(dtype):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("V,masked", [(1, False), (7, True), (8, False), (9, True), (4099, True)])
+@pytest.mark.parametrize("V,masked", [(1, False), (7, True), (8, False), (9, True), (4099, True),
+                                      (8209, False)])
 def test_full_kl(seed, dtype, V, masked):
     N = 3 if V > 1000 else 5
     z = (torch.randn(N, V + 1) * 3).to(dtype)[:, :V]  # strided rows, unaligned starts
@@ -183,7 +187,7 @@ def test_full_kl(seed, dtype, V, masked):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_full_kl_grid_stride_no_ref_grad(seed):
-    N, V = 11, 517
+    N, V = 11, 2003  # 128 threads (4 warps) per row, ~4 rows per block
     z, w = torch.randn(N, V) * 2, torch.randn(N, V) * 2
     mask = torch.rand(N) > 0.3
     g = torch.randn(N)

@@ -127,6 +127,8 @@ struct Block {
   ucontext_t sched;
   std::exception_ptr error;
   uint64_t rng = 0;
+  std::vector<uint64_t> prio;  // per warp (the by-warp order)
+  uint64_t barriers = 0;       // barriers released in this block
 };
 
 thread_local Block* tb = nullptr;
@@ -239,11 +241,18 @@ void run_block(Block& B, Stacks& stacks) {
   // Two orders, drawn per block: any ready thread at random, or warps by random priority (a warp
   // runs ahead of the others as far as it can: races between warps show even when they need many
   // of its steps in a row).
+  // Priorities are redrawn whenever a barrier releases.
   const bool by_warp = (mix(B.rng) & 1) != 0;
-  std::vector<uint64_t> prio(B.warps.size());
-  for (auto& p : prio) p = mix(B.rng);
+  std::vector<uint64_t>& prio = B.prio;
+  prio.resize(B.warps.size());
+  B.barriers = 0;
+  uint64_t drawn = ~uint64_t(0);
   while (B.done < B.n) {
     if (B.ready.empty()) diagnose_deadlock(B);
+    if (by_warp && drawn != B.barriers) {
+      for (auto& p : prio) p = mix(B.rng);
+      drawn = B.barriers;
+    }
     size_t k = mix(B.rng) % B.ready.size();
     if (by_warp) {
       for (size_t i = 0; i < B.ready.size(); ++i) {
@@ -307,7 +316,11 @@ void on_fault(int sig, siginfo_t* si, void* ctx) {
 #else
   (void)ctx;
 #endif
-  std::string m = describe_address(reinterpret_cast<uintptr_t>(si->si_addr), write);
+  // A general-protection fault has no address: in kernel code, an aligned 16-byte access (a Pack)
+  // at a misaligned address (the GPU's "misaligned address" error).
+  std::string m = si->si_code == SI_KERNEL
+                      ? std::string("general protection fault: a 16-byte vector access at a misaligned address?")
+                      : describe_address(reinterpret_cast<uintptr_t>(si->si_addr), write);
   if (tb != nullptr && tb->cur != nullptr) m += "; " + where(*tb, tb->cur->tid);
   snprintf(t_fault_msg, sizeof t_fault_msg, "%s (signal %d)", m.c_str(), sig);
   siglongjmp(t_fault_jb, 1);
@@ -418,6 +431,7 @@ void syncthreads(const char* file, int line) {
   f.line = line;
   if (++B.at_barrier == B.n) {
     B.at_barrier = 0;
+    ++B.barriers;
     for (int t = 0; t < B.n; ++t) make_ready(B, t);
   }
   yield(B, f);
