@@ -83,3 +83,11 @@ def test_shuffle_with_a_lane_missing_is_caught_by_the_mask_check(seed):
 def test_divergent_barrier_is_caught_by_the_barrier_check(seed):
     with pytest.raises(RuntimeError, match=r"SIMT\[barrier\]"):
         run("divergent_barrier", torch.randn(128), seed)
+
+
+@pytest.mark.parametrize("kernel", ["token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd",
+                                    "full_kl_bwd", "gae_fwd"])
+def test_emulated_kernels_have_the_compiled_kernels_schemas(kernel):
+    simt = str(getattr(torch.ops.ppo_kernels_simt, kernel).default._schema)
+    real = str(getattr(torch.ops.ppo_kernels_C, kernel).default._schema)
+    assert simt.replace("ppo_kernels_simt::", "") == real.replace("ppo_kernels_C::", "")
