@@ -85,6 +85,19 @@ def test_divergent_barrier_is_caught_by_the_barrier_check(seed):
         run("divergent_barrier", torch.randn(128), seed)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_threads_at_different_barriers_are_caught_by_the_barrier_check(seed):
+    with pytest.raises(RuntimeError, match=r"SIMT\[barrier\] thread reached __syncthreads at .* while"):
+        run("split_barrier", torch.randn(128), seed)
+
+
+def test_shared_memory_and_block_size_limits():
+    with pytest.raises(RuntimeError, match=r"SIMT\[shared\] kernel too_much_shared uses 52000 bytes"):
+        run("too_much_shared", torch.randn(128), 0)
+    with pytest.raises(RuntimeError, match=r"SIMT\[launch\] kernel block_too_large: block \(2048"):
+        run("block_too_large", torch.randn(128), 0)
+
+
 @pytest.mark.parametrize("kernel", ["token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd",
                                     "full_kl_bwd", "gae_fwd"])
 def test_emulated_kernels_have_the_compiled_kernels_schemas(kernel):

@@ -94,6 +94,25 @@ __global__ void divergent_barrier(const float* x, float* out, int64_t n) {
   out[t] = x[t % n];
 }
 
+// Broken: the two halves of the block wait at different barriers.
+__global__ void split_barrier(const float* x, float* out, int64_t n) {
+  const int t = threadIdx.x;
+  if (t < 64) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[t] = x[t % n];
+}
+
+// Broken: 52 KB of static shared memory (the limit is 48 KiB).
+__global__ void too_much_shared(const float* x, float* out, int64_t n) {
+  PPO_SHARED(float, big, [13000]);
+  big[threadIdx.x] = x[threadIdx.x % n];
+  __syncthreads();
+  out[threadIdx.x] = big[(threadIdx.x + 1) % blockDim.x];
+}
+
 at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blocks) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 1 && x_in.numel() > 0, "selftest: x");
   simt::GuardScope guard;
@@ -115,6 +134,12 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blo
   else if (name == "off_by_one_write") run(&off_by_one_write, n, 1);
   else if (name == "shuffle_lane_missing") run(&shuffle_lane_missing, kBlock, 1);
   else if (name == "divergent_barrier") run(&divergent_barrier, kBlock, 1);
+  else if (name == "split_barrier") run(&split_barrier, kBlock, 1);
+  else if (name == "too_much_shared") run(&too_much_shared, kBlock, 1);
+  else if (name == "block_too_large") {
+    out = at::full({n}, NAN, x.options());
+    dev.launch(name.c_str(), &warp_sum, 1, 2048, 0, xp, out.data_ptr<float>(), n);
+  }
   else TORCH_CHECK(false, "selftest: unknown kernel ", name);
   return out;
 }
