@@ -54,6 +54,8 @@ def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature
 @backward.impl("triton")
 def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature, ignore_index,
       grad_logits):
+    if logits.device.type == "cpu":
+        check_labels_in_range(labels, logits.shape[-1], ignore_index)
     from . import triton_kernels
     triton_kernels.backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy,
                             inv_temperature, ignore_index, grad_logits)
@@ -62,6 +64,8 @@ def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature
 @backward.impl("eager")
 def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature, ignore_index,
       grad_logits):
+    if logits.device.type == "cpu":
+        check_labels_in_range(labels, logits.shape[-1], ignore_index)
     grad_logits.copy_(reference.backward(grad_logprobs, grad_entropy, logits, labels, lse,
                                          entropy, 1.0 / inv_temperature, ignore_index))
 
@@ -82,8 +86,9 @@ def _check_forward_args(logits, labels, temperature, ignore_index):
 
 def _check_backward_args(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
                          ignore_index):
-    """The backward ops' arguments (shapes, dtypes, devices; label range on the CPU): a wrong one
-    is an error naming it, never an out-of-bounds read."""
+    """The backward ops' arguments (shapes, dtypes, devices): a wrong one is an error naming it,
+    never an out-of-bounds read. Label ranges are checked where the forward checks them: by every
+    CPU kernel (an IndexError), on the GPU only under strict_checks() (else NaN rows)."""
     _check_forward_args(logits, labels, temperature, ignore_index)
     rows, dev = logits.shape[:-1], logits.device
     check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows,
@@ -95,7 +100,7 @@ def _check_backward_args(grad_logprobs, grad_entropy, logits, labels, lse, entro
                   what="logits.shape[:-1]")
         check_arg("entropy", entropy, dev, dtypes=(_backend.out_dtype(logits),), shape=rows,
                   what="logits.shape[:-1]")
-    if logits.device.type == "cpu" or _backend.strict():
+    if logits.device.type == "cuda" and _backend.strict():  # the CPU kernels check it themselves
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
 
 
