@@ -6,6 +6,7 @@ NaN contract for labels is tests/test_simt_kernels.py::test_token_logprobs_bad_l
 import pytest
 import torch
 
+import test_edge_cases as EC
 import test_full_kl as FK
 import test_gae as GA
 import test_token_logprobs as TL
@@ -20,6 +21,8 @@ CASES = [
     (TL.test_strided_logits_are_read_without_copy, {"dtype": torch.bfloat16}),
     (TL.test_inplace_backward_writes_gradient_into_logits, {}),
     (TL.test_empty_inputs, {}),
+    (EC.test_token_logprobs_backward_non_collapsing_strides, {"inplace": False}),
+    (EC.test_token_logprobs_backward_non_collapsing_strides, {"inplace": True}),
     (FK.test_identical_and_shifted_distributions_are_exactly_zero, {}),
     (FK.test_small_kl_relative_accuracy, {}),
     (FK.test_mask_and_strided_rows, {}),
