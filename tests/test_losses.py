@@ -254,7 +254,11 @@ def test_policy_loss_argument_errors():
     with pytest.raises(ValueError, match="global_batch_size"):
         pk.ppo_policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum", dp_size=2)
     with pytest.raises(ValueError, match="loss_scale_factor"):
-        pk.ppo_policy_loss(lp, old, adv, mask, loss_scale_factor=10)
+        pk.ppo_policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum-norm", loss_scale_factor=0)
+    with pytest.raises(ValueError, match="empty"):
+        pk.ppo_policy_loss(lp, old, adv, mask, empty="inf")
+    with pytest.raises(ValueError, match="approx_kl"):
+        pk.ppo_policy_loss(lp, old, adv, mask, approx_kl="k3")
     with pytest.raises(ValueError, match="clip_low"):
         pk.ppo_policy_loss(lp, old, adv, mask, clip_low=1.5)
 

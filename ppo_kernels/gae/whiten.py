@@ -11,47 +11,65 @@ from .._checks import FLOAT_DTYPES, check_shape, check_tensor
 
 
 def _prep(x, mask):
+    """(x in the accumulation dtype, selection mask, weights): a float mask weights each position
+    by its value (as verl's and OpenRLHF's `x * mask` sums do); bool / integer masks select."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     check_tensor("mask", mask)
     check_shape("mask", mask, x.shape, "like x")
     if mask.device != x.device:
         raise ValueError(f"mask: expected device {x.device} (like x), got {mask.device}")
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.to(acc), (mask != 0)
+    m = mask != 0
+    w = mask.to(acc) if mask.is_floating_point() else m.to(acc)
+    return x.to(acc), m, w
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
-    """Mean of x over the positions where mask != 0 (over `dim`, or everything when None).
-    Masked-out entries never contribute, even when NaN. A set with no position gives 0 (verl
-    divides by count + 1e-8 and gets 0 there too). float32 (float64 for float64 x)."""
-    xf, m = _prep(x, mask)
-    s = torch.where(m, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
-    if dim is None:
-        return s.sum() / m.sum().clamp(min=1).to(xf.dtype)
-    return s.sum(dim) / m.sum(dim).clamp(min=1).to(xf.dtype)
+_EMPTY = ("zero", "nan")
+
+
+def _check_empty(empty):
+    if empty not in _EMPTY:
+        raise ValueError(f"empty: expected one of {_EMPTY}, got {empty!r}")
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero") -> Tensor:
+    """Mean of x over the positions where mask != 0 (over `dim`, or everything when None),
+    weighted by the mask's values when it is a float mask: `sum(x * mask) / sum(mask)`.
+    Masked-out entries never contribute, even when NaN. A set with no position (zero total weight)
+    gives 0 with `empty="zero"` (verl divides by count + 1e-8 and gets 0 too) and NaN with
+    `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x)."""
+    _check_empty(empty)
+    xf, m, w = _prep(x, mask)
+    s = torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device))
+    s, n = (s.sum(), w.sum()) if dim is None else (s.sum(dim), w.sum(dim))
+    if empty == "nan":
+        return s / n
+    return torch.where(n != 0, s / torch.where(n != 0, n, 1.0), 0.0)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = True,
                   eps: float = 1e-8) -> Tensor:
     """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
     the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
-    `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one.
-    verl raises when unbiased and fewer than two positions are unmasked; that needs a host sync, so
+    `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one. A float mask
+    weights each position by its value, n being the total weight (verl's formulas).
+    verl raises when unbiased and the mask total is 0 or 1; that needs a host sync, so
     here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
     Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x)."""
-    xf, m = _prep(x, mask)
-    n = m.sum()
-    if _backend.strict() and unbiased and int(n) < 2:  # host sync, by request
+    xf, m, w = _prep(x, mask)
+    n = w.sum()
+    if _backend.strict() and unbiased and float(n) in (0.0, 1.0):  # host sync, by request
         raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "
-                         f"positions, got {int(n)}")
+                         f"positions, got {float(n):g}")
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
     nf = n.to(xf.dtype)
-    mean = torch.where(m, xf, zero).sum() / nf.clamp(min=1)
-    var = torch.where(m, (xf - mean).square(), zero).sum() / nf.clamp(min=1)
+    mean = torch.where(m, xf * w, zero).sum() / torch.where(nf != 0, nf, 1.0)
+    var = torch.where(m, (xf - mean).square() * w, zero).sum() / torch.where(nf != 0, nf, 1.0)
     if unbiased:
-        # n / (n - 1): NaN for n < 2 (no sync), like verl's ValueError under strict_checks().
-        bessel = torch.where(n >= 2, nf / (nf - 1), torch.full((), float("nan"), dtype=xf.dtype,
-                                                               device=xf.device))
+        # n / (n - 1): NaN for a total weight of 0 or 1 (no sync), where verl raises (as
+        # strict_checks() does).
+        nan = torch.full((), float("nan"), dtype=xf.dtype, device=xf.device)
+        bessel = torch.where((n != 0) & (n != 1), nf / (nf - 1), nan)
         var = var * bessel
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:

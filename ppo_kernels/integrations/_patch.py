@@ -1,0 +1,238 @@
+"""The patch machinery shared by the peer adapters: one `Target` per peer function, replaced
+wherever the peer can reach it, counted, and put back by `revert`.
+
+A target's replacement receives the call's arguments bound by name to the original's signature
+(defaults applied). It raises `Fallback(argument, reason)` -- before doing anything -- when the
+call uses something our ops cannot express; under strict=True that becomes `Unsupported` naming
+the argument, under strict=False the original runs for that call and the reason is counted.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import sys
+import warnings
+from typing import Any, Callable
+
+import torch
+
+
+class Unsupported(ValueError):
+    """A peer call uses an argument value the ppo_kernels op cannot express (strict=True)."""
+
+    def __init__(self, where: str, argument: str, reason: str):
+        super().__init__(f"{where}: argument {argument!r}: {reason} (ppo_kernels cannot express "
+                         "this; apply(..., strict=False) runs the peer's own code for such calls)")
+        self.argument = argument
+        self.reason = reason
+
+
+class UnsupportedVersion(RuntimeError):
+    pass
+
+
+class Fallback(Exception):
+    def __init__(self, argument: str, reason: str):
+        super().__init__(argument, reason)
+        self.argument, self.reason = argument, reason
+
+
+@dataclasses.dataclass
+class Options:
+    strict: bool
+    dtype: str  # "peer": the dtype the peer's function returns; "float32": ours
+
+    def out(self, t, dtype):
+        """Our float32 result in the dtype the peer would return (dtype="peer")."""
+        if self.dtype == "peer" and t is not None and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+
+@dataclasses.dataclass
+class Target:
+    """`module.attr` (attr may be "Class.method") replaced by `make(original, options)`, a
+    function `(bound: dict, original, options) -> result`. `registries`: names of dicts in
+    `module` whose values may hold the original (verl's ADV_ESTIMATOR_REGISTRY, ...)."""
+    module: str
+    attr: str
+    impl: Callable[..., Any]
+    registries: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class _Stats:
+    calls: int = 0
+    replaced: int = 0
+    fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    places: list = dataclasses.field(default_factory=list)
+
+
+class Peer:
+    """One peer: its distribution name, supported versions (prefixes) and targets."""
+
+    def __init__(self, name: str, dist: str, versions: tuple[str, ...], targets: list[Target],
+                 prepare: Callable[[], None] | None = None):
+        self.name, self.dist, self.versions, self.targets = name, dist, versions, targets
+        self.prepare = prepare
+        self.active: dict | None = None  # attr -> (stats, [(holder, key, original, kind)])
+        self.options: Options | None = None
+
+    # ------------------------------------------------------------------ version
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def check_version(self, strict: bool):
+        v = self.version()
+        if v is None:
+            raise UnsupportedVersion(f"{self.name}: the {self.dist!r} distribution is not installed")
+        if not any(v == p or v.startswith(p) for p in self.versions):
+            msg = (f"{self.name} {v} is not a supported version (supported: "
+                   f"{', '.join(p + 'x' if p.endswith('.') else p for p in self.versions)}); its "
+                   "functions may have changed semantics")
+            if strict:
+                raise UnsupportedVersion(msg + "; apply(..., strict=False) patches it anyway, with a warning")
+            warnings.warn(msg + "; patching anyway (strict=False)", stacklevel=3)
+        return v
+
+    # ------------------------------------------------------------------ apply / revert
+    def apply(self, strict: bool, dtype: str):
+        if dtype not in ("peer", "float32"):
+            raise ValueError(f"dtype: expected 'peer' or 'float32', got {dtype!r}")
+        if self.active is not None:
+            self.revert()
+        self.check_version(strict)
+        if self.prepare is not None:
+            self.prepare()
+        self.options = Options(strict=strict, dtype=dtype)
+        self.active = {}
+        try:
+            for t in self.targets:
+                self._apply_target(t)
+        except Exception:
+            self.revert()
+            raise
+
+    def _apply_target(self, t: Target):
+        mod = importlib.import_module(t.module)
+        owner, _, name = t.attr.rpartition(".")
+        holder = getattr(mod, owner) if owner else mod
+        original = inspect.getattr_static(holder, name) if owner else getattr(mod, name)
+        func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+        stats = _Stats()
+        wrapper = _make_wrapper(self, t, func, stats)
+        if isinstance(original, staticmethod):
+            wrapper = staticmethod(wrapper)
+        places = []
+        if owner:  # a class attribute (method): the class is the one place
+            setattr(holder, name, wrapper)
+            places.append((holder, name, original, "attr"))
+        else:
+            for m in list(sys.modules.values()):  # the defining module and every `from` copy
+                d = getattr(m, "__dict__", None)
+                if not isinstance(d, dict):
+                    continue
+                for k, v in list(d.items()):
+                    if v is original:
+                        setattr(m, k, wrapper)
+                        places.append((m, k, original, "attr"))
+            for r in t.registries:
+                reg = getattr(mod, r)
+                for k, v in list(reg.items()):
+                    if v is original:
+                        reg[k] = wrapper
+                        places.append((reg, k, original, "item"))
+        stats.places = [f"{getattr(h, '__name__', t.module + ' registry')}.{k}" if kind == "attr"
+                        else f"{t.module}.{_registry_name(mod, h)}[{k!r}]" for h, k, _, kind in places]
+        self.active[t.attr] = (stats, places, wrapper)
+
+    def revert(self):
+        if not self.active:
+            self.active = None
+            return
+        for stats, places, wrapper in self.active.values():
+            for holder, key, original, kind in places:
+                if kind == "item":
+                    if holder.get(key) is wrapper:
+                        holder[key] = original
+                else:
+                    setattr(holder, key, original)
+        self.active = None
+
+    def report(self) -> dict:
+        if not self.active:
+            return {"peer": self.name, "active": False, "functions": {}}
+        return {
+            "peer": self.name, "active": True, "version": self.version(),
+            "strict": self.options.strict, "dtype": self.options.dtype,
+            "functions": {
+                f"{t.module}.{t.attr}": {
+                    "calls": s.calls, "replaced": s.replaced,
+                    "fallbacks": sum(s.fallbacks.values()),
+                    "fallback_reasons": dict(s.fallbacks), "patched_in": list(s.places)}
+                for t in self.targets for s, _, _ in [self.active[t.attr]]},
+        }
+
+
+def _registry_name(mod, reg):
+    for k, v in vars(mod).items():
+        if v is reg:
+            return k
+    return "registry"
+
+
+def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats):
+    sig = inspect.signature(original)
+    where = f"{peer.name}: {t.module}.{t.attr}"
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        stats.calls += 1
+        opts = peer.options
+        if opts is None:  # reverted while a reference to the wrapper survived somewhere
+            return original(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # the peer's own error message
+        bound.apply_defaults()
+        try:
+            out = t.impl(bound.arguments, original, opts)
+        except Fallback as f:
+            if opts.strict:
+                raise Unsupported(where, f.argument, f.reason) from None
+            stats.fallbacks[f"{f.argument}: {f.reason}"] += 1
+            return original(*args, **kwargs)
+        stats.replaced += 1
+        return out
+
+    wrapper.__ppo_kernels_original__ = original
+    return wrapper
+
+
+# ---------------------------------------------------------------------- helpers for adapters
+
+def need(cond: bool, argument: str, reason: str):
+    """Fall back (or raise under strict) unless cond holds."""
+    if not cond:
+        raise Fallback(argument, reason)
+
+
+def tensor(x, argument: str, reason: str = "expected a torch.Tensor"):
+    need(isinstance(x, torch.Tensor), argument, reason)
+    return x
+
+
+def is_binary_mask(mask: torch.Tensor) -> bool:
+    """bool / integer masks are 0/1 by construction for our ops (nonzero = in); a float mask is
+    checked (one host sync; the peers' own code syncs more than that on the same call)."""
+    if not mask.is_floating_point():
+        return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
+    return bool(((mask == 0) | (mask == 1)).all())
