@@ -1,6 +1,8 @@
 """Run a peer function unpatched and patched on the same inputs and compare, gradients included."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 import ppo_kernels.integrations as pki
@@ -44,10 +46,11 @@ def _run(get, args, kwargs, grad_of):
 
 
 def compare(peer, get, *args, grad_of=lambda o: o[0] if isinstance(o, tuple) else o, rtol=RTOL,
-            atol=ATOL, dtype_check=True, strict=True, expect_replaced=True, **kwargs):
+            atol=ATOL, dtype_check=True, strict=True, expect_replaced=True, grads=True, **kwargs):
     """`get()` returns the peer function as the peer would look it up now. Runs it unpatched, then
     under `patched(peer)`, and checks outputs (tensors, floats) and input gradients agree, and that
-    our op really ran (the call was replaced, not fallen back)."""
+    our op really ran (the call was replaced, not fallen back). grads=False: outputs only (where
+    the peer's gradient is 0/0 = NaN and ours a documented 0)."""
     ref, gref = _run(get, args, kwargs, grad_of)
     with pki.patched(peer, strict=strict):
         got, ggot = _run(get, args, kwargs, grad_of)
@@ -65,13 +68,28 @@ def compare(peer, get, *args, grad_of=lambda o: o[0] if isinstance(o, tuple) els
                 assert a.dtype == b.dtype, (a.dtype, b.dtype)
             torch.testing.assert_close(b.double(), a.double(), rtol=rtol, atol=atol, equal_nan=True)
         elif isinstance(a, float):
-            assert abs(a - b) <= atol + rtol * abs(a) or (a != a and b != b), (a, b)
+            assert abs(a - b) <= atol + rtol * abs(a) or (math.isnan(a) and math.isnan(b)), (a, b)
         else:
             assert a == b
     assert len(gref) == len(ggot)
-    for a, b in zip(gref, ggot):
+    for a, b in zip(gref, ggot) if grads else ():
         if a is None:
             assert b is None or not b.any()
         else:
             torch.testing.assert_close(b.double(), a.double(), rtol=rtol, atol=atol, equal_nan=True)
     return ref, got, rep
+
+
+def batch(B=6, T=9, seed=0, empty_row=True, mask_dtype=torch.int64):
+    """(mask, logprobs, old_logprobs, advantages, generator): a last row with no action, a first
+    column of actions, and one log-ratio beyond the +-20 clamp."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) > 0.3).to(mask_dtype)
+    mask[:, 0] = 1
+    if empty_row:
+        mask[-1] = 0
+    lp = -torch.rand(B, T, generator=g) * 2
+    old = lp + 0.3 * torch.randn(B, T, generator=g)
+    old[0, 1] = lp[0, 1] - 30.0
+    adv = torch.randn(B, T, generator=g)
+    return mask, lp, old, adv, g

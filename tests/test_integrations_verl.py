@@ -6,10 +6,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _integration_utils import batch, compare
+from _peer_stubs import import_peer
+from _peers import Config
 
 import ppo_kernels.integrations as pki
-from _integration_utils import compare
-from _peer_stubs import import_peer
 
 AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -23,24 +24,10 @@ def verl():
 
 
 def _batch(B=6, T=9, seed=0, empty_row=True):
-    g = torch.Generator().manual_seed(seed)
-    mask = (torch.rand(B, T, generator=g) > 0.3).long()
-    mask[:, 0] = 1
-    if empty_row:
-        mask[-1] = 0
-    lp = -torch.rand(B, T, generator=g) * 2
-    old = lp + 0.3 * torch.randn(B, T, generator=g)
-    old[0, 1] = lp[0, 1] - 30.0  # beyond the +-20 log-ratio clamp
-    adv = torch.randn(B, T, generator=g)
-    return mask, lp, old, adv, g
+    return batch(B, T, seed, empty_row)
 
 
-class Cfg(dict):
-    def __getattr__(self, k):
-        try:
-            return self[k]
-        except KeyError as e:
-            raise AttributeError(k) from e
+Cfg = Config  # verl's ActorConfig: attribute access plus .get()
 
 
 def test_apply_reaches_every_copy_and_reverts(verl):

@@ -16,9 +16,12 @@ import importlib.metadata
 import inspect
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+import ppo_kernels as pk
 
 
 class Unsupported(ValueError):
@@ -236,3 +239,44 @@ def is_binary_mask(mask: torch.Tensor) -> bool:
     if not mask.is_floating_point():
         return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
     return bool(((mask == 0) | (mask == 1)).all())
+
+
+# A label value no tokenizer produces: the peers have no ignore_index (a negative label is an error).
+NO_IGNORE = -(2**62)
+
+
+def out_dtype(*ts):
+    """The floating dtype torch's type promotion gives the peer's arithmetic on these tensors."""
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        if t.is_floating_point():
+            dt = torch.promote_types(dt, t.dtype)
+    return dt if dt.is_floating_point else torch.get_default_dtype()
+
+
+def same_shape(x, m, name):
+    need(tuple(m.shape) == tuple(x.shape), name, f"shape {tuple(m.shape)} is not that of the values "
+         f"{tuple(x.shape)} (broadcasting masks are not supported)")
+
+
+def logits_arg(a, name="logits"):
+    x = tensor(a[name], name)
+    need(x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+         name, f"dtype {x.dtype} / {x.dim()} dims")
+    need(x.stride(-1) == 1 or x.shape[-1] == 1, name, "the vocabulary dimension is not contiguous")
+    return x
+
+
+def entropy(x):
+    """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
+    zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+    return pk.token_logprobs(x, zeros, ignore_index=NO_IGNORE, return_entropy=True)[1]
+
+
+
+
+def labels_arg(a, x, name="labels"):
+    y = tensor(a[name], name)
+    need(y.dtype in (torch.int64, torch.int32), name, f"dtype {y.dtype}")
+    need(tuple(y.shape) == tuple(x.shape[:-1]), name, "shape is not logits.shape[:-1]")
+    return y

@@ -11,26 +11,24 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import Fallback, Peer, Target, is_binary_mask, need, tensor
+from ._patch import (
+    NO_IGNORE,
+    Fallback,
+    Peer,
+    Target,
+    entropy,
+    is_binary_mask,
+    labels_arg,
+    logits_arg,
+    need,
+    out_dtype,
+    same_shape,
+    tensor,
+)
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
 REGISTRIES = ("ADV_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY")
-# A label value no tokenizer produces: verl has no ignore_index (a negative label is an error).
-_NO_IGNORE = -(2**62)
-
-
-def _dt(*ts):
-    dt = ts[0].dtype
-    for t in ts[1:]:
-        if t.is_floating_point():
-            dt = torch.promote_types(dt, t.dtype)
-    return dt if dt.is_floating_point else torch.get_default_dtype()
-
-
-def _same_shape(x, m, name):
-    need(tuple(m.shape) == tuple(x.shape), name, f"shape {tuple(m.shape)} is not that of the values "
-         f"{tuple(x.shape)} (broadcasting masks are not supported)")
 
 
 def _labels(index, device):
@@ -46,7 +44,7 @@ def gae(a, orig, o):
     v = tensor(a["values"], "values")
     m = tensor(a["response_mask"], "response_mask")
     need(r.dim() == 2, "token_level_rewards", "expected [batch, response_length]")
-    _same_shape(r, m, "response_mask")
+    same_shape(r, m, "response_mask")
     need(is_binary_mask(m), "response_mask", "a fractional mask: verl's recursion blends values by it")
     gamma, lam = a["gamma"], a["lam"]
     for name, x in (("gamma", gamma), ("lam", lam)):
@@ -57,7 +55,7 @@ def gae(a, orig, o):
     adv, ret = pk.gae(r, v, m, gamma=gamma, lam=lam)
     with pk.strict_checks():  # verl raises on fewer than two action tokens; so do we (one sync)
         adv = pk.masked_whiten(adv, m)
-    dt = _dt(r, v)
+    dt = out_dtype(r, v)
     return o.out(adv, dt), o.out(ret, dt)
 
 
@@ -65,7 +63,7 @@ def _outcome(a, kind, **kw):
     r = tensor(a["token_level_rewards"], "token_level_rewards")
     m = tensor(a["response_mask"], "response_mask")
     need(r.dim() == 2, "token_level_rewards", "expected [batch, response_length]")
-    _same_shape(r, m, "response_mask")
+    same_shape(r, m, "response_mask")
     idx = a["index"]
     need(idx is not None and len(idx) == r.shape[0], "index", "expected one group label per row")
     g = _labels(idx, r.device)
@@ -109,7 +107,7 @@ def kl_penalty(a, orig, o):
     need(est.rstrip("+") in _KL and est.count("+") <= 1, "kl_penalty", f"unknown estimator {est!r}")
     lp, ref = tensor(a["logprob"], "logprob"), tensor(a["ref_logprob"], "ref_logprob")
     need(lp.shape == ref.shape, "ref_logprob", "shape differs from logprob")
-    return o.out(pk.kl_penalty(lp, ref, est, clamp="verl"), _dt(lp, ref))
+    return o.out(pk.kl_penalty(lp, ref, est, clamp="verl"), out_dtype(lp, ref))
 
 
 # ------------------------------------------------------------------ losses
@@ -118,18 +116,18 @@ def _agg_kwargs(info):
     info = dict(info or {})
     unknown = set(info) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
     need(not unknown, "config.global_batch_info", f"unknown keys {sorted(unknown)}")
-    return dict(dp_size=int(info.get("dp_size", 1) or 1),
-                global_num_tokens=info.get("batch_num_tokens"),
-                global_batch_size=info.get("global_batch_size"),
-                loss_scale_factor=info.get("loss_scale_factor"))
+    return {"dp_size": int(info.get("dp_size", 1) or 1),
+            "global_num_tokens": info.get("batch_num_tokens"),
+            "global_batch_size": info.get("global_batch_size"),
+            "loss_scale_factor": info.get("loss_scale_factor")}
 
 
 def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw):
     for n, t in (("log_prob", lp), ("old_log_prob", old), ("advantages", adv)):
         tensor(t, n)
-        _same_shape(lp, t, n)
+        same_shape(lp, t, n)
     tensor(mask, "response_mask")
-    _same_shape(lp, mask, "response_mask")
+    same_shape(lp, mask, "response_mask")
     need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(lo is not None and 0 <= float(lo) < 1, "clip_ratio_low", "expected a number in [0, 1)")
     need(hi is not None and float(hi) >= 0, "clip_ratio_high", "expected a non-negative number")
@@ -175,9 +173,9 @@ def value_loss(a, orig, o):
     vp, ret, old = a["vpreds"], a["returns"], a["values"]
     for n, t in (("vpreds", vp), ("returns", ret), ("values", old)):
         tensor(t, n)
-        _same_shape(vp, t, n)
+        same_shape(vp, t, n)
     m = tensor(a["response_mask"], "response_mask")
-    _same_shape(vp, m, "response_mask")
+    same_shape(vp, m, "response_mask")
     c = a["cliprange_value"]
     need(isinstance(c, numbers.Real) and c > 0, "cliprange_value", "expected a positive number")
     mode = a["loss_agg_mode"]
@@ -192,7 +190,7 @@ def value_loss(a, orig, o):
 def agg_loss(a, orig, o):
     x = tensor(a["loss_mat"], "loss_mat")
     m = tensor(a["loss_mask"], "loss_mask")
-    _same_shape(x, m, "loss_mask")
+    same_shape(x, m, "loss_mask")
     mode = a["loss_agg_mode"]
     need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(x.dim() >= 1 and x.is_floating_point(), "loss_mat", "expected a float tensor")
@@ -205,50 +203,35 @@ def agg_loss(a, orig, o):
 
 # ------------------------------------------------------------------ per-token log-probs
 
-def _logits(a, name="logits"):
-    x = tensor(a[name], name)
-    need(x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
-         name, f"dtype {x.dtype} / {x.dim()} dims")
-    need(x.stride(-1) == 1 or x.shape[-1] == 1, name, "the vocabulary dimension is not contiguous")
-    return x
-
-
 def logprobs_from_logits(a, orig, o):
-    x = _logits(a)
-    y = tensor(a["labels"], "labels")
-    need(y.dtype in (torch.int64, torch.int32), "labels", f"dtype {y.dtype}")
-    need(tuple(y.shape) == tuple(x.shape[:-1]), "labels", "shape is not logits.shape[:-1]")
+    x = logits_arg(a)
+    y = labels_arg(a, x)
     # never inplace_backward: verl's CPU path does not, and callers reuse the logits (entropy)
-    lp = pk.token_logprobs(x, y, ignore_index=_NO_IGNORE)
+    lp = pk.token_logprobs(x, y, ignore_index=NO_IGNORE)
     return o.out(lp, x.dtype)
 
 
-def _entropy(x):
-    zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
-    return pk.token_logprobs(x, zeros, ignore_index=_NO_IGNORE, return_entropy=True)[1]
-
-
 def entropy_from_logits(a, orig, o):
-    x = _logits(a)
-    return o.out(_entropy(x), x.dtype)
+    x = logits_arg(a)
+    return o.out(entropy(x), x.dtype)
 
 
 def entropy_from_logits_chunked(a, orig, o):
-    x = _logits(a)
+    x = logits_arg(a)
     need(x.dim() == 2, "logits", "expected [tokens, vocab] (verl's chunked entropy)")
-    return o.out(_entropy(x), torch.float32)  # verl returns float32 whatever the input
+    return o.out(entropy(x), torch.float32)  # verl returns float32 whatever the input
 
 
 def masked_mean(a, orig, o):
     x, m = tensor(a["values"], "values"), tensor(a["mask"], "mask")
-    _same_shape(x, m, "mask")
+    same_shape(x, m, "mask")
     need(x.is_floating_point(), "values", "expected a float tensor")
     return o.out(pk.masked_mean(x, m, dim=a["axis"]), x.dtype)
 
 
 def masked_whiten(a, orig, o):
     x, m = tensor(a["values"], "values"), tensor(a["mask"], "mask")
-    _same_shape(x, m, "mask")
+    same_shape(x, m, "mask")
     need(x.is_floating_point(), "values", "expected a float tensor")
     with pk.strict_checks():  # verl raises for a mask total of 0 or 1 (it syncs; so do we, once)
         w = pk.masked_whiten(x, m, shift_mean=bool(a["shift_mean"]), unbiased=True, eps=1e-8)

@@ -61,8 +61,8 @@ masked_aggregate_op.register_autograd(_backward, setup_context=_setup)
 
 
 def masked_aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean", *, dp_size: int = 1,
-                     global_num_tokens: int | float | Tensor | None = None,
-                     global_batch_size: int | float | Tensor | None = None,
+                     global_num_tokens: float | Tensor | None = None,
+                     global_batch_size: float | Tensor | None = None,
                      loss_scale_factor: float | None = None, empty: str = "zero") -> Tensor:
     """Aggregate a per-token loss `[..., T]` over `mask` into a scalar, as verl's `agg_loss`:
 

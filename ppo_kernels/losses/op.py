@@ -260,6 +260,16 @@ def _denominator(agg_i, mask, gd, gdv):
     return (m != 0).any(-1).sum()
 
 
+def _empty_stats(stats, mask, empty):
+    if empty == "zero":
+        return stats
+    if empty != "nan":
+        raise ValueError(f"empty_stats: expected 'zero' or 'nan', got {empty!r}")
+    some = (mask != 0).any()
+    return {k: torch.where(some, v, torch.full((), float("nan"), dtype=v.dtype, device=v.device))
+            for k, v in stats.items()}
+
+
 def _empty_value(loss, agg_i, mask, gd, gdv, empty):
     """empty="zero": as computed (0 over a zero denominator); "nan": NaN there, as verl's and
     OpenRLHF's 0 / 0."""
@@ -283,7 +293,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     global_batch_size: int | float | Tensor | None = None,
                     loss_scale_factor: float | None = None,
                     entropy: Tensor | None = None, approx_kl: str = "clamped",
-                    empty: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
+                    empty: str = "zero", empty_stats: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
 
     Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
@@ -334,6 +344,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         out["approx_kl"] = masked_mean((old_logprobs.detach().float() - logprobs.detach().float()), mask)
     elif approx_kl != "clamped":
         raise ValueError(f"approx_kl: expected 'clamped' or 'raw', got {approx_kl!r}")
+    out = _empty_stats(out, mask, empty_stats)
     if entropy is not None:
         from ..gae import masked_mean
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
@@ -346,10 +357,10 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
                    global_num_tokens: int | float | Tensor | None = None,
                    global_batch_size: int | float | Tensor | None = None,
                    loss_scale_factor: float | None = None,
-                   empty: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
+                   empty: str = "zero", empty_stats: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (verl's `compute_value_loss`), fused: per token
     `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
-    clip is None), aggregated like `ppo_policy_loss` (`empty` as there). The gradient flows to
+    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats` as there). The gradient flows to
     `values`.
 
     Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
@@ -362,7 +373,7 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
         _rows(values), _rows(old_values), _rows(returns), _rows(mask),
         float(clip) if clip is not None else 0.0, agg_i, scale, gd, gdv)
     loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
-    return loss, dict(zip(STAT_NAMES_VALUE, stats.unbind(0)))
+    return loss, _empty_stats(dict(zip(STAT_NAMES_VALUE, stats.unbind(0))), mask, empty_stats)
 
 
 # --------------------------------------------------------------------------- reward model / DPO
