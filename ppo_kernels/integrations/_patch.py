@@ -130,7 +130,16 @@ class Peer:
         original = inspect.getattr_static(holder, name) if owner else getattr(mod, name)
         func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
         stats = _Stats()
-        wrapper = _make_wrapper(self, t, func, stats)
+        if inspect.isclass(original) and issubclass(original, torch.autograd.Function):
+            # an autograd Function the peer calls as `F.apply(...)`: replaced by a class whose
+            # apply binds the arguments of F.forward (without ctx)
+            params = list(inspect.signature(original.forward).parameters.values())[1:]
+            apply_fn = _make_wrapper(self, t, original.apply, stats, inspect.Signature(params))
+            wrapper = type(original.__name__, (), {"apply": staticmethod(apply_fn),
+                                                   "__doc__": original.__doc__,
+                                                   "__ppo_kernels_original__": original})
+        else:
+            wrapper = _make_wrapper(self, t, func, stats)
         if isinstance(original, staticmethod):
             wrapper = staticmethod(wrapper)
         places = []
@@ -191,11 +200,11 @@ def _registry_name(mod, reg):
     return "registry"
 
 
-def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats):
-    sig = inspect.signature(original)
+def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
+    sig = sig or inspect.signature(original)
     where = f"{peer.name}: {t.module}.{t.attr}"
 
-    @functools.wraps(original)
+    @functools.wraps(original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
     def wrapper(*args, **kwargs):
         stats.calls += 1
         opts = peer.options
