@@ -36,7 +36,7 @@ def test_selective_log_softmax_and_entropy(trl, temperature):
     for rg in (True, False):
         compare("trl", lambda: utils.selective_log_softmax_and_entropy, x, y,
                 entropy_requires_grad=rg, temperature=temperature, row_mask=row_mask,
-                grad_of=lambda o: o[0] + o[1] if rg else o[0])
+                grad_of=lambda o, rg=rg: o[0] + o[1] if rg else o[0])
 
 
 def test_float64(trl):
