@@ -238,3 +238,16 @@ def test_core_algos_pipeline(verl, adv_est, agg):
         return total, metrics, tf.masked_mean(kld, mask, axis=-1)
 
     compare("verl", lambda: pipeline, logits, vpred)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_end_to_end_training(verl, algo):
+    """bench/e2e_verl.py for a few iterations: same losses step by step, same final parameters."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import e2e_verl
+    lu, pu, _, _ = e2e_verl.run(algo, iters=4)
+    lp, pp, _, replaced = e2e_verl.run(algo, iters=4, patched=True)
+    assert replaced > 0
+    for a, b in zip(lu, lp):
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), (lu, lp)
+    torch.testing.assert_close(pp, pu, rtol=1e-5, atol=1e-5)
