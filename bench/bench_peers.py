@@ -68,8 +68,9 @@ def cases(n, v, dtype):
         def fused():
             h = hidden.clone().requires_grad_(True)
             w = weight.clone().requires_grad_(True)
-            lp, ent, *_ = tu._ChunkedLogProbFunction.apply(h, w, None, labels, 1.0, 4096, None, 1.0,
-                                                           ("log_probs", "entropy"))
+            lp, ent, *_ = tu._ChunkedLogProbFunction.apply(
+                h, w, None, labels, 1.0, tu._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                ("log_probs", "entropy"))  # as add_fused_lm_head calls it
             (lp.sum() + 0.01 * ent.sum()).backward()
             return h.grad, w.grad
         out.append(("trl", f"fused LM head (ChunkedLogProbFunction, H={H})", fused))
