@@ -341,15 +341,17 @@ def test_opcheck(backend):
     lp, old, adv, mask = _opcheck_args()
     with use_backend(backend):
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, 2, 1.0, None, -1.0))
+                              (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, "seq-mean-token-mean", 1.0,
+                               None, None))
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.2, 0.0, 20.0, 0, 2.0, torch.tensor(50.0), -1.0))
+                              (lp, old, adv, mask, 0.2, 0.2, None, 20.0, "token-mean", 2.0,
+                               torch.tensor(50.0), None))
         coef = torch.rand(3)
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss_backward.default,
                               (torch.tensor(1.5), lp.detach(), old, adv, mask, coef, 0.2, 0.2, 3.0, 20.0))
         v = lp.detach().clone().requires_grad_(True)
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss.default,
-                              (v, old, adv, mask, 0.2, 1, 1.0, None, 4.0))
+                              (v, old, adv, mask, 0.2, "seq-mean-token-sum", 1.0, None, 4.0))
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss_backward.default,
                               (torch.tensor(1.0), v.detach(), old, adv, mask, coef, 0.2))
 
@@ -507,7 +509,7 @@ def test_dpo_loss():
 
 def test_pairwise_opcheck_and_compile():
     z = torch.randn(9, requires_grad=True)
-    for red in (0, 1, 2):
+    for red in ("mean", "sum", "none"):
         torch.library.opcheck(torch.ops.ppo_kernels.pairwise_logsigmoid_loss.default, (z, red))
     torch._dynamo.reset()
     f = torch.compile(lambda a, b, c, d: pk.dpo_loss(a, b, c, d, beta=0.2), fullgraph=True, backend="aot_eager")
@@ -551,3 +553,54 @@ def test_policy_loss_entropy_mean_statistic():
     assert "entropy_mean" not in stats
     with pytest.raises(ValueError, match="entropy"):
         pk.ppo_policy_loss(lp, old, adv, mask, entropy=ent[:, :3])
+
+
+# ----------------------------------------------------------------------------- masked_aggregate
+def _agg64(x, m, agg, dp=1, n_tok=None, n_seq=None, lsf=None):
+    """verl's agg_loss written out in float64 (plus token-sum)."""
+    x, m = x.double(), m.double()
+    s = (torch.where(m != 0, x, 0.0) * m)
+    if agg == "token-mean":
+        return s.sum() / (m.sum() if n_tok is None else n_tok) * dp
+    if agg == "token-sum":
+        return s.sum() * dp
+    rows, cnt = s.sum(-1), m.sum(-1)
+    S = (cnt > 0).sum() if n_seq is None else n_seq
+    if agg == "seq-mean-token-mean":
+        rows = torch.where(cnt > 0, rows / cnt.clamp(min=1e-300), 0.0)
+    out = rows.sum() / S * dp
+    return out / (m.shape[-1] if lsf is None else lsf) if agg.endswith("norm") else out
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum",
+                                 "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_masked_aggregate(agg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    m = (torch.rand(5, 7, generator=g) > 0.4).float() * torch.rand(5, 7, generator=g)  # weighted
+    m[3] = 0
+    x_nan = torch.where(m != 0, x, float("nan"))  # masked-out NaN never reach the result
+    kw = dict(dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3)
+    for k in ({}, kw):
+        got = pk.masked_aggregate(x_nan, m, agg, **k)
+        ref = _agg64(x, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-7)
+    xd = x.double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: pk.masked_aggregate(t, m.double(), agg, **kw), (xd,))
+    assert pk.masked_aggregate(x, torch.zeros_like(m), agg).item() == 0.0
+    nan = pk.masked_aggregate(x, torch.zeros_like(m), agg, empty="nan")
+    assert nan.isnan() if agg != "token-sum" else nan.item() == 0.0
+    with pytest.raises(ValueError, match="agg"):
+        pk.masked_aggregate(x, m, "mean")
+    with pytest.raises(ValueError, match="mask"):
+        pk.masked_aggregate(x, m[:, 1:], agg)
+    with pytest.raises(ValueError, match="empty"):
+        pk.masked_aggregate(x, m, agg, empty="inf")
+
+
+def test_masked_aggregate_opcheck_and_compile():
+    x, m = torch.randn(3, 4, requires_grad=True), torch.rand(3, 4) > 0.3
+    torch.library.opcheck(torch.ops.ppo_kernels.masked_aggregate.default,
+                          (x, m, "seq-mean-token-mean", 1.0, None, None))
+    f = torch.compile(lambda a, b: pk.masked_aggregate(a, b, "token-mean"), fullgraph=True)
+    torch.testing.assert_close(f(x, m), pk.masked_aggregate(x, m, "token-mean"))

@@ -6,32 +6,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _backend
+from .. import _backend, _modes
 from .._checks import INDEX_DTYPES, check_same_device, check_tensor
 from . import reference
-from .reference import KINDS
 
-_backend.register_op("group_advantages", kernel="group_advantages", triton=True, cuda_default="triton")
+_backend.register_op("group_advantages", kernel="group_advantages", triton=True,
+                     cuda_default="triton", public=("grpo_advantages", "rloo_advantages"))
 
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + SCORE_DTYPES
 
 
 
+# The kernel, one implementation per backend with one signature. kind: a name of
+# _modes.GROUP_ADVANTAGES; group_index [B] (values in [0, B)) or None and group_size > 0.
+forward = _backend.Kernel("group_advantages", "forward")
+
+
+@forward.impl("cpp")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    return _backend.cpp_ops().group_advantages(scores, group_index, group_size, eps, norm_by_std,
+                                               kind, mask)
+
+
+@forward.impl("triton")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    from . import triton_kernels
+    return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std,
+                                           _modes.index("kind", _modes.GROUP_ADVANTAGES, kind),
+                                           mask)
+
+
+@forward.impl("eager")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    adv = reference.group_advantages(scores, group_index,
+                                     group_size if group_index is None else None, eps,
+                                     norm_by_std, mask, kind)
+    return adv.to(_backend.out_dtype(scores))
+
+
 @torch.library.custom_op("ppo_kernels::group_advantages", mutates_args=())
 def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: int, eps: float,
-                        norm_by_std: bool, kind: int, mask: Tensor | None) -> Tensor:
-    """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None."""
-    backend = "eager" if scores.dtype == torch.float64 else _backend.resolve("group_advantages", scores.device.type)
-    if backend == "cpp":
-        return _backend.cpp_ops().group_advantages(scores, group_index, group_size, eps, norm_by_std,
-                                                       kind, mask)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std, kind, mask)
-    adv = reference.group_advantages(scores, group_index, group_size if group_index is None else None, eps,
-                                     norm_by_std, mask, KINDS[kind])
-    return adv.to(_backend.out_dtype(scores))
+                        norm_by_std: bool, kind: str, mask: Tensor | None) -> Tensor:
+    """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None;
+    kind "grpo" or "rloo"."""
+    return forward(scores, group_index, group_size, eps, norm_by_std, kind, mask)
 
 
 @group_advantages_op.register_fake
@@ -115,7 +134,7 @@ def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
         mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
     Returns float32 [B] (or [B, T]); float64 for float64 scores. No gradient.
     """
-    return _group_advantages(0, scores, group_index, group_size, eps, norm_by_std, mask)
+    return _group_advantages("grpo", scores, group_index, group_size, eps, norm_by_std, mask)
 
 
 def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
@@ -128,7 +147,7 @@ def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
         raise ValueError(f"singleton: expected 'score' or 'zero', got {singleton!r}")
     if group_index is not None and not isinstance(group_index, Tensor):
         group_index = group_ids(group_index, scores.device)
-    adv = _group_advantages(1, scores, group_index, group_size, 0.0, False, mask)
+    adv = _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask)
     if singleton == "zero":
         if group_index is None:
             keep = torch.full((scores.shape[0],), group_size > 1, device=scores.device)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _backend
 from .._checks import check_tensor
 from . import reference
 from .op import AGG_NAMES, MASK_DTYPES, VALUE_DTYPES, _aggregation, _empty_value, _rows
-from .reference import AGG_MODES
+
+_backend.register_op("masked_aggregate", kernel=None, triton=False, cuda_default="eager",
+                     folder="losses")
 
 
 def _masked_weights(mask, dtype):
@@ -23,15 +26,18 @@ def _masked_weights(mask, dtype):
 
 
 @torch.library.custom_op("ppo_kernels::masked_aggregate", mutates_args=())
-def masked_aggregate_op(loss_mat: Tensor, mask: Tensor, agg: int, scale: float,
-                        global_denom: Tensor | None, global_denom_value: float) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs. Returns (loss [], row_coef [B]); row_coef is d loss / d (mask * loss_mat)."""
+def masked_aggregate_op(loss_mat: Tensor, mask: Tensor, agg: str, scale: float,
+                        global_denom: Tensor | None,
+                        global_denom_value: float | None) -> tuple[Tensor, Tensor]:
+    """[B, T] inputs; agg one of reference.AGG_MODES ("token-sum" arrives as token-mean over a
+    denominator of 1). Returns (loss [], row_coef [B]); row_coef is d loss / d (mask * loss_mat)."""
+    _backend.backend_for("masked_aggregate", loss_mat)  # eager; refuses another requested backend
     acc = reference._acc(loss_mat.dtype)
     m = _masked_weights(mask, acc)
     gd = global_denom
-    if gd is None and global_denom_value >= 0:
+    if gd is None and global_denom_value is not None:
         gd = torch.tensor(global_denom_value, dtype=acc, device=loss_mat.device)
-    coef = reference.row_coefficients(m, AGG_MODES[agg], scale, gd)
+    coef = reference.row_coefficients(m, agg, scale, gd)
     x = torch.where(m != 0, loss_mat.to(acc), torch.zeros((), dtype=acc, device=m.device))
     return (coef * (x * m).sum(-1)).sum(), coef
 
@@ -87,9 +93,9 @@ def masked_aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean", *,
         raise ValueError(f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}")
     if agg not in AGG_NAMES:
         raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_NAMES}")
-    agg_i, scale, gd, gdv = _aggregation(agg, loss_mat.shape[-1], dp_size, global_num_tokens,
-                                         global_batch_size, loss_scale_factor, loss_mat.device)
+    mode, scale, gd, gdv = _aggregation(agg, loss_mat.shape[-1], dp_size, global_num_tokens,
+                                        global_batch_size, loss_scale_factor, loss_mat.device)
     if gd is not None:
         gd = gd.to(reference._acc(loss_mat.dtype))
-    loss, _ = torch.ops.ppo_kernels.masked_aggregate(_rows(loss_mat), _rows(mask), agg_i, scale, gd, gdv)
-    return _empty_value(loss, agg_i, mask, gd, gdv, empty)
+    loss, _ = torch.ops.ppo_kernels.masked_aggregate(_rows(loss_mat), _rows(mask), mode, scale, gd, gdv)
+    return _empty_value(loss, mode, mask, gd, gdv, empty)

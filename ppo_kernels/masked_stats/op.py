@@ -1,6 +1,8 @@
 """Masked statistics for advantage post-processing, with no host synchronisation (verl's versions
 check the mask count on the host twice per call). Plain PyTorch: a handful of reductions, traceable
-by torch.compile and CUDA-graph capturable."""
+by torch.compile and CUDA-graph capturable, so the only backend is `eager` (a kernel would read
+the same bytes); the ops are still registered so use_backend / PPO_KERNELS_BACKEND accept their
+names and a request for a backend they do not have fails clearly."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +10,12 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+
+_backend.register_op("masked_mean", kernel=None, triton=False, cuda_default="eager",
+                     folder="masked_stats")
+_backend.register_op("masked_whiten", kernel=None, triton=False, cuda_default="eager",
+                     folder="masked_stats")
 
 
 def _prep(x, mask):
@@ -40,6 +48,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero") -> Te
     `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x)."""
     _check_empty(empty)
     xf, m, w = _prep(x, mask)
+    _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
     s = torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device))
     s, n = (s.sum(), w.sum()) if dim is None else (s.sum(dim), w.sum(dim))
     if empty == "nan":
@@ -57,6 +66,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
     here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
     Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x)."""
     xf, m, w = _prep(x, mask)
+    _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
     n = w.sum()
     if _backend.strict() and unbiased and float(n) in (0.0, 1.0):  # host sync, by request
         raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "
