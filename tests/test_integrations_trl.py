@@ -59,8 +59,8 @@ def test_topk_index_unsupported(trl):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy")])
-@pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_chunked_logprob_function(trl, bias, outputs, scale):
+@pytest.mark.parametrize("scale,cap", [(1.0, None), (0.5, None), (1.0, 2.0)])
+def test_chunked_logprob_function(trl, bias, outputs, scale, cap):
     utils, chunked = trl
     g = torch.Generator().manual_seed(2)
     N, H, V = 13, 16, 70
@@ -69,16 +69,16 @@ def test_chunked_logprob_function(trl, bias, outputs, scale):
     b = torch.randn(V, generator=g, requires_grad=True) if bias else None
     y = torch.randint(0, V, (N,), generator=g)
     get = lambda: utils._ChunkedLogProbFunction.apply
-    compare("trl", lambda: get(), h, w, b, y, 0.8, 32, None, scale, outputs,
+    compare("trl", lambda: get(), h, w, b, y, 0.8, 32, cap, scale, outputs,
             grad_of=lambda o: o[0] + (o[1] if o[1] is not None else 0))
 
 
-def test_chunked_unsupported_outputs_and_softcap(trl):
+def test_chunked_unsupported_outputs_and_scaled_softcap(trl):
     utils, _ = trl
     h, w, y = torch.randn(3, 4), torch.randn(10, 4), torch.randint(0, 10, (3,))
     with pki.patched("trl"):
-        with pytest.raises(pki.Unsupported, match="final_logit_softcapping"):
-            utils._ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, 30.0, 1.0, ("log_probs",))
+        with pytest.raises(pki.Unsupported, match="logit_scale"):
+            utils._ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, 30.0, 0.5, ("log_probs",))
         with pytest.raises(pki.Unsupported, match="'outputs'.*is_top1"):
             utils._ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, None, 1.0, ("log_probs", "is_top1"))
 

@@ -66,14 +66,16 @@ def chunked_logprob_apply(a, orig, o):
     mean_logits, is_top1) on linear_token_logprobs (chunk_size: ours plans its own tiles)."""
     h, w = tensor(a["hidden"], "hidden"), tensor(a["weight"], "weight")
     y = tensor(a["targets"], "targets")
-    need(a["final_logit_softcapping"] is None, "final_logit_softcapping",
-         "soft-capped logits (Gemma-2 style) are not yet supported by linear_token_logprobs")
+    cap = a["final_logit_softcapping"]
+    need(cap is None or (isinstance(cap, numbers.Real) and cap > 0), "final_logit_softcapping",
+         "expected None or a positive number")
     outputs = tuple(a["outputs"] or ())
     extra = sorted(set(outputs) - set(_PROVIDED))
     need(not extra, "outputs", f"{extra} are not computed by linear_token_logprobs")
     scale = a["logit_scale"]
-    need(isinstance(scale, numbers.Real) and scale > 0, "logit_scale",
-         "only a positive scale (folded into the temperature)")
+    need(isinstance(scale, numbers.Real) and scale > 0 and (cap is None or scale == 1), "logit_scale",
+         "only a positive scale (folded into the temperature), and not with soft-capping (TRL "
+         "scales before the cap)")
     need(not torch.is_autocast_enabled(h.device.type), "hidden",
          "autocast is on (TRL computes the tiles in the autocast dtype)")
     need(h.dim() == 2 and w.dim() == 2 and y.dim() == 1, "hidden", "expected [N, H], [V, H], [N]")
@@ -83,7 +85,8 @@ def chunked_logprob_apply(a, orig, o):
     mode = "input" if h.dtype in (torch.bfloat16, torch.float16) else "float32"
     want_ent = "entropy" in outputs
     res = pk.linear_token_logprobs(h, w, y, bias=a["bias"], temperature=t, ignore_index=NO_IGNORE,
-                                   return_entropy=want_ent, logits_dtype=mode)
+                                   return_entropy=want_ent, logits_dtype=mode,
+                                   softcap=None if cap is None else float(cap))
     lp, ent = res if want_ent else (res, None)
     return lp.float(), (ent.float() if ent is not None else None), None, None, None
 
