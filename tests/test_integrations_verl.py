@@ -57,20 +57,19 @@ def test_apply_reaches_every_copy_and_reverts(verl):
 def test_strict_and_fallback(verl):
     core, _ = verl
     mask, lp, old, adv, _ = _batch()
-    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
-              global_batch_info={})
-    w = torch.rand_like(lp)
+    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=1.2, clip_ratio_high=None, clip_ratio_c=3.0,
+              global_batch_info={})  # a lower clip >= 1: ppo_policy_loss refuses it
     with pki.patched("verl"):
-        with pytest.raises(pki.Unsupported, match="rollout_is_weights"):
-            core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg, rollout_is_weights=w)
+        with pytest.raises(pki.Unsupported, match="clip_ratio_low"):
+            core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
         with pytest.raises(pki.Unsupported, match="'kl_penalty'.*full"):
             core.kl_penalty(lp, old, "full")
-    ref = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg, rollout_is_weights=w)
+    ref = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
     with pki.patched("verl", strict=False):
-        got = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg, rollout_is_weights=w)
+        got = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
         s = pki.report("verl")["functions"]["verl.trainer.ppo.core_algos.compute_policy_loss_vanilla"]
         assert s["calls"] == 1 and s["fallbacks"] == 1 and s["replaced"] == 0
-        assert "rollout_is_weights" in next(iter(s["fallback_reasons"]))
+        assert "clip_ratio_low" in next(iter(s["fallback_reasons"]))
     torch.testing.assert_close(got[0], ref[0])
 
 
@@ -144,6 +143,8 @@ def test_policy_loss(verl, agg, glob):
     cfg = Cfg(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0,
               global_batch_info=info)
     compare("verl", lambda: core.get_policy_loss_fn("vanilla"), old, lp, adv, mask, agg, cfg)
+    w = torch.rand(lp.shape, generator=torch.Generator().manual_seed(7)) * 2  # rollout IS weights
+    compare("verl", lambda: core.get_policy_loss_fn("vanilla"), old, lp, adv, mask, agg, cfg, w)
     # the pre-registry entry point (no global batch info)
     compare("verl", lambda: core.compute_policy_loss, old, lp, adv, mask, cliprange=0.2,
             clip_ratio_c=2.5, loss_agg_mode=agg)

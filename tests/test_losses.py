@@ -53,7 +53,8 @@ def lit_masked_mean(x, m):
     return torch.where(n != 0, (torch.where(m != 0, x, 0.0) * m).sum() / torch.where(n != 0, n, 1.0), 0.0)
 
 
-def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg="token-mean", lrc=20.0, **kw):
+def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg="token-mean", lrc=20.0,
+               w=None, **kw):
     clip_high = clip_low if clip_high is None else clip_high
     d = torch.clamp(lp - old, -lrc, lrc)
     r = torch.exp(d)
@@ -69,7 +70,7 @@ def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg=
         lower = torch.zeros((), dtype=lp.dtype)
     stats = dict(clip_frac=lit_masked_mean((pg2 > pg1).to(lp.dtype), mask), clip_frac_lower=lower,
                  approx_kl=lit_masked_mean(-d, mask), ratio_mean=lit_masked_mean(r, mask))
-    return lit_agg(pg, mask, agg, **kw), stats
+    return lit_agg(pg if w is None else pg * w, mask, agg, **kw), stats
 
 
 def lit_value(v, vo, ret, mask, clip=None, agg="token-mean", **kw):
@@ -604,3 +605,41 @@ def test_masked_aggregate_opcheck_and_compile():
                           (x, m, "seq-mean-token-mean", 1.0, None, None))
     f = torch.compile(lambda a, b: pk.masked_aggregate(a, b, "token-mean"), fullgraph=True)
     torch.testing.assert_close(f(x, m), pk.masked_aggregate(x, m, "token-mean"))
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_per_token_weights(agg):
+    """weights (verl's rollout IS weights) multiply each token's loss; denominators and stats
+    stay the mask's."""
+    g = torch.Generator().manual_seed(4)
+    B, T = 4, 9
+    lp = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5 - 1
+    old = lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[-1] = False
+    w = torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg)
+    x = lp.float().requires_grad_(True)
+    loss, st = pk.ppo_policy_loss(x, old.float(), adv.float(), mask, weights=w.float(), **kw)
+    xr = lp.clone().requires_grad_(True)
+    ref, rst = lit_policy(xr, old, adv, mask, 0.2, 0.28, 3.0, agg, w=w)
+    torch.testing.assert_close(loss.double(), ref, **LOSS_TOL)
+    for k in rst:
+        torch.testing.assert_close(st[k].double(), rst[k], **LOSS_TOL)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-7, rtol=1e-5)
+    # weights of one are the unweighted fused kernel
+    one, _ = pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, **kw)
+    torch.testing.assert_close(pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask,
+                                                  weights=torch.ones(B, T), **kw)[0], one)
+    v = torch.randn(B, T, generator=g, requires_grad=True)
+    lv, _ = pk.ppo_value_loss(v, v.detach() + 0.1, adv.float(), mask, clip=0.05, agg=agg,
+                              weights=w.float())
+    vd, vo = v.detach().double(), v.detach().double() + 0.1
+    vc = torch.max(torch.min(vd, vo + 0.05), vo - 0.05)
+    per_token = 0.5 * torch.maximum((vd - adv) ** 2, (vc - adv) ** 2)
+    torch.testing.assert_close(lv.double(), lit_agg(per_token * w, mask, agg), **LOSS_TOL)
+    with pytest.raises(ValueError, match="weights"):
+        pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, weights=w[:, 1:].float())

@@ -122,7 +122,7 @@ def _agg_kwargs(info):
             "loss_scale_factor": info.get("loss_scale_factor")}
 
 
-def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw):
+def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
     for n, t in (("log_prob", lp), ("old_log_prob", old), ("advantages", adv)):
         tensor(t, n)
         same_shape(lp, t, n)
@@ -134,15 +134,16 @@ def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw):
     need(c is not None and float(c) > 1, "clip_ratio_c", "expected a number > 1")
     loss, st = pk.ppo_policy_loss(lp, old, adv, mask, clip_low=float(lo), clip_high=float(hi),
                                   dual_clip=float(c), agg=mode, log_ratio_clamp=20.0, empty="nan",
-                                  **agg_kw)
+                                  weights=weights, **agg_kw)
     return loss, st
 
 
 def policy_loss_vanilla(a, orig, o):
     cfg = a["config"]
     need(cfg is not None, "config", "required (verl asserts it)")
-    need(a["rollout_is_weights"] is None, "rollout_is_weights",
-         "per-token importance weights are not yet an input of ppo_policy_loss")
+    w = a["rollout_is_weights"]
+    if w is not None:
+        same_shape(a["log_prob"], tensor(w, "rollout_is_weights"), "rollout_is_weights")
     clip = cfg.clip_ratio
     lo = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else clip
     hi = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else clip
@@ -150,7 +151,7 @@ def policy_loss_vanilla(a, orig, o):
     lp = a["log_prob"]
     loss, st = _policy(lp, a["old_log_prob"], a["advantages"], a["response_mask"],
                        a["loss_agg_mode"], lo, hi, c,
-                       _agg_kwargs(getattr(cfg, "global_batch_info", None)))
+                       _agg_kwargs(getattr(cfg, "global_batch_info", None)), weights=w)
     # verl returns Python floats: one host sync for the three of them
     cf, kl, cfl = torch.stack([st["clip_frac"], st["approx_kl"], st["clip_frac_lower"]]).tolist()
     metrics = {"actor/pg_clipfrac": cf, "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": cfl}

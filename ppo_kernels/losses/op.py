@@ -356,6 +356,21 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
+    """(loss, stats) of per-token terms (loss, *stats) with the loss weighted per token: the
+    reference composition, differentiable by autograd; denominators and stats from the mask."""
+    check_tensor("weights", weights, dtypes=VALUE_DTYPES)
+    check_shape("weights", weights, like.shape, "like the per-token inputs")
+    check_same_device(weights=weights, mask=mask)
+    token_loss, *stats = terms
+    acc = token_loss.dtype
+    if gd is None and gdv is not None:
+        gd = torch.tensor(gdv, dtype=acc, device=like.device)
+    loss, st, _ = reference.aggregate(token_loss * weights.detach().to(acc),
+                                      [t.detach() for t in stats], mask, agg, scale, gd)
+    return loss, st
+
+
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                     clip_low: float = 0.2, clip_high: float | None = None,
                     dual_clip: float | None = None, agg: str = "token-mean",
@@ -364,7 +379,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     global_batch_size: int | float | Tensor | None = None,
                     loss_scale_factor: float | None = None,
                     entropy: Tensor | None = None, approx_kl: str = "clamped",
-                    empty: str = "zero", empty_stats: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
+                    empty: str = "zero", empty_stats: str = "zero",
+                    weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
 
     Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
@@ -404,10 +420,16 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         raise ValueError(f"log_ratio_clamp: expected a positive number, got {log_ratio_clamp!r}")
     agg_i, scale, gd, gdv = _aggregation(agg, logprobs.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, logprobs.device)
-    loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
-        _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
-        float(clip_high), float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp),
-        agg_i, scale, gd, gdv)
+    if weights is not None:
+        terms = reference.policy_token_terms(
+            logprobs, old_logprobs.detach(), advantages.detach(), float(clip_low), float(clip_high),
+            float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp))
+        loss, stats = _weighted(terms, weights, logprobs, mask, agg_i, scale, gd, gdv)
+    else:
+        loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
+            _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
+            float(clip_high), float(dual_clip) if dual_clip is not None else None,
+            float(log_ratio_clamp), agg_i, scale, gd, gdv)
     loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
     out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
     if approx_kl == "raw":
@@ -428,10 +450,11 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
                    global_num_tokens: int | float | Tensor | None = None,
                    global_batch_size: int | float | Tensor | None = None,
                    loss_scale_factor: float | None = None,
-                   empty: str = "zero", empty_stats: str = "zero") -> tuple[Tensor, dict[str, Tensor]]:
+                   empty: str = "zero", empty_stats: str = "zero",
+                   weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (verl's `compute_value_loss`), fused: per token
     `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
-    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats` as there). The gradient flows to
+    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats`, `weights` as there). The gradient flows to
     `values`.
 
     Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
@@ -440,9 +463,14 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
         raise ValueError(f"clip: expected None or a positive number, got {clip!r}")
     agg_i, scale, gd, gdv = _aggregation(agg, values.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, values.device)
-    loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
-        _rows(values), _rows(old_values), _rows(returns), _rows(mask),
-        float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
+    if weights is not None:
+        terms = reference.value_token_terms(values, old_values.detach(), returns.detach(),
+                                            float(clip) if clip is not None else None)
+        loss, stats = _weighted(terms, weights, values, mask, agg_i, scale, gd, gdv)
+    else:
+        loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
+            _rows(values), _rows(old_values), _rows(returns), _rows(mask),
+            float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
     loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
     return loss, _empty_stats(dict(zip(STAT_NAMES_VALUE, stats.unbind(0))), mask, empty_stats)
 
