@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -37,6 +38,9 @@ def test_apply_reaches_every_copy_and_reverts(verl):
     copies = [m for m in list(sys.modules.values())
               if getattr(m, "__dict__", None) and m.__dict__.get("logprobs_from_logits") is orig_lp]
     rep = pki.apply("verl")
+    late = types.ModuleType("late_importer")  # imports the patched function after apply
+    late.logprobs_from_logits = kept = tf.logprobs_from_logits
+    sys.modules["late_importer"] = late
     try:
         assert core.compute_gae_advantage_return is not orig_gae
         assert core.ADV_ESTIMATOR_REGISTRY["gae"] is core.compute_gae_advantage_return
@@ -51,7 +55,11 @@ def test_apply_reaches_every_copy_and_reverts(verl):
     assert core.compute_gae_advantage_return is orig_gae
     assert core.ADV_ESTIMATOR_REGISTRY["gae"] is orig_gae
     assert all(m.logprobs_from_logits is orig_lp for m in copies)
+    assert late.logprobs_from_logits is orig_lp
+    del sys.modules["late_importer"]
     assert not pki.report("verl")["active"]
+    x, y = torch.randn(2, 5), torch.tensor([1, 2])
+    torch.testing.assert_close(kept(x, y), orig_lp(x, y))  # a surviving reference runs verl's
 
 
 def test_strict_and_fallback(verl):

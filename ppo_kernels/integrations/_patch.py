@@ -84,6 +84,7 @@ class Peer:
         self.prepare = prepare
         self.active: dict | None = None  # attr -> (stats, [(holder, key, original, kind)])
         self.options: Options | None = None
+        self.generation = 0  # wrappers of an earlier apply run the original
 
     # ------------------------------------------------------------------ version
     def version(self) -> str | None:
@@ -115,6 +116,7 @@ class Peer:
         if self.prepare is not None:
             self.prepare()
         self.options = Options(strict=strict, dtype=dtype)
+        self.generation += 1
         self.active = {}
         try:
             for t in self.targets:
@@ -166,17 +168,23 @@ class Peer:
         self.active[t.attr] = (stats, places, wrapper)
 
     def revert(self):
-        if not self.active:
-            self.active = None
-            return
-        for stats, places, wrapper in self.active.values():
+        active, self.active, self.options = self.active, None, None
+        for stats, places, wrapper in (active or {}).values():
             for holder, key, original, kind in places:
                 if kind == "item":
                     if holder.get(key) is wrapper:
                         holder[key] = original
                 else:
                     setattr(holder, key, original)
-        self.active = None
+            if places and places[0][3] == "attr" and not inspect.isclass(places[0][0]):
+                # modules that imported the replacement after apply
+                original = places[0][2]
+                for m in list(sys.modules.values()):
+                    d = getattr(m, "__dict__", None)
+                    if isinstance(d, dict):
+                        for k, v in list(d.items()):
+                            if v is wrapper:
+                                setattr(m, k, original)
 
     def report(self) -> dict:
         if not self.active:
@@ -203,12 +211,13 @@ def _registry_name(mod, reg):
 def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
     sig = sig or inspect.signature(original)
     where = f"{peer.name}: {t.module}.{t.attr}"
+    generation = peer.generation
 
     @functools.wraps(original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
     def wrapper(*args, **kwargs):
         stats.calls += 1
         opts = peer.options
-        if opts is None:  # reverted while a reference to the wrapper survived somewhere
+        if opts is None or peer.generation != generation:  # reverted (a reference survived)
             return original(*args, **kwargs)
         try:
             bound = sig.bind(*args, **kwargs)
