@@ -28,7 +28,7 @@ import importlib
 import os
 import warnings
 
-from ._patch import Unsupported, UnsupportedVersion  # noqa: F401
+from ._patch import Unsupported, UnsupportedVersion  # noqa: F401 (public: pki.Unsupported)
 
 PEERS = ("verl", "trl", "openrlhf")
 _peers: dict = {}

@@ -78,10 +78,8 @@ class _Stats:
 class Peer:
     """One peer: its distribution name, supported versions (prefixes) and targets."""
 
-    def __init__(self, name: str, dist: str, versions: tuple[str, ...], targets: list[Target],
-                 prepare: Callable[[], None] | None = None):
+    def __init__(self, name: str, dist: str, versions: tuple[str, ...], targets: list[Target]):
         self.name, self.dist, self.versions, self.targets = name, dist, versions, targets
-        self.prepare = prepare
         self.active: dict | None = None  # attr -> (stats, [(holder, key, original, kind)])
         self.options: Options | None = None
         self.generation = 0  # wrappers of an earlier apply run the original
@@ -113,8 +111,6 @@ class Peer:
         if self.active is not None:
             self.revert()
         self.check_version(strict)
-        if self.prepare is not None:
-            self.prepare()
         self.options = Options(strict=strict, dtype=dtype)
         self.generation += 1
         self.active = {}
