@@ -111,7 +111,7 @@ full_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
-            mask: Tensor | None = None) -> Tensor:
+            mask: Tensor | None = None, process_group=None) -> Tensor:
     """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
     tensors (online max and sums for both distributions; no N x V temporary).
 
@@ -124,6 +124,10 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         temperature: positive float applied to both (a runtime value: no recompiles).
         mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
             and are not read.
+
+        process_group: vocab-parallel form: both logits hold this rank's contiguous slice of the
+            vocabulary (the same slice); every rank gets the full-vocabulary KL (one all-gather
+            of three numbers per row) and its slice of the gradients.
 
     Returns:
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
@@ -142,7 +146,7 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         if t.stride(-1) != 1 and V > 1:
             raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
                              f"got strides {tuple(t.stride())}")
-    if V == 0 and logits.shape[:-1].numel() > 0:
+    if V == 0 and logits.shape[:-1].numel() > 0 and process_group is None:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     check_positive("temperature", float(temperature))
     if mask is not None:
@@ -151,5 +155,8 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
             raise ValueError(f"mask: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                              f"got {tuple(mask.shape)}")
         mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+    if process_group is not None:
+        from ..distributed.vocab_parallel import vocab_parallel_full_kl
+        return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)
     return kl

@@ -127,7 +127,8 @@ def _check_cu_seqlens(cu: Tensor, total: int):
 def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
         gamma: float | Tensor = 1.0, lam: float | Tensor = 1.0, dones: Tensor | None = None,
         bootstrap_value: Tensor | None = None, cu_seqlens: Tensor | None = None,
-        carry: tuple[Tensor, Tensor] | None = None, return_carry: bool = False):
+        carry: tuple[Tensor, Tensor] | None = None, return_carry: bool = False,
+        process_group=None):
     """Generalised advantage estimation in one chunked reverse scan (no Python loop over time).
 
     Args:
@@ -148,12 +149,26 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
             (or rank) holding the continuation of each row. Excludes bootstrap_value (which is the
             carry `(bootstrap_value, 0)`).
         return_carry: also return the carry at the left edge, `(next_value[B], next_adv[B])`.
+        process_group: sequence-parallel form: each rank of this torch.distributed group holds a
+            contiguous time slice `[B, T_rank]` of the same rows (rank 0 the start); every rank
+            gets its slice of the whole-row result (one all-gather of per-row affine carry maps;
+            see ppo_kernels/distributed/sequence_parallel.py). bootstrap_value / carry belong to
+            the last rank (the right edge); the others' are ignored. Not with cu_seqlens.
 
     Returns:
         `(advantages, returns)` float32 like rewards, or `(advantages, returns, carry)`.
     GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/reference.py for the
     documented semantics and edge cases.
     """
+    if process_group is not None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: packed rows are not supported with process_group; "
+                             "split [B, T] rows along T instead")
+        from ..distributed import sequence_parallel_gae
+        check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=2)
+        return sequence_parallel_gae(gae, rewards, values, mask, gamma=gamma, lam=lam,
+                                     dones=dones, bootstrap_value=bootstrap_value, carry=carry,
+                                     return_carry=return_carry, process_group=process_group)
     check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES)
     check_tensor("values", values, dtypes=FLOAT_DTYPES)
     check_shape("values", values, rewards.shape, "like rewards")

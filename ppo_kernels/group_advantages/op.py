@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend, _modes
-from .._checks import INDEX_DTYPES, check_same_device, check_tensor
+from .._checks import INDEX_DTYPES, check_same_device, check_shape, check_tensor
 from . import reference
 
 _backend.register_op("group_advantages", kernel="group_advantages", triton=True,
@@ -83,8 +83,21 @@ def group_ids(labels, device=None) -> Tensor:
     return torch.from_numpy(np.asarray(inv, dtype=np.int64).reshape(-1)).to(device)
 
 
-def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask):
+def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask,
+                      process_group=None):
     check_tensor("scores", scores, dtypes=SCORE_DTYPES, dim=1)
+    if process_group is not None:
+        if group_index is not None and not isinstance(group_index, Tensor):
+            raise ValueError("group_index: labels are numbered per rank; with process_group pass "
+                             "global integer group ids")
+        from ..distributed.data_parallel import gather_groups
+        if mask is not None:
+            check_tensor("mask", mask, dtypes=MASK_DTYPES, dim=2)
+            check_shape("mask", mask, (scores.shape[0], mask.shape[1]), "one row per score")
+        scores, group_index, rows = gather_groups(scores, group_index, process_group)
+        adv = _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, None)
+        adv = adv[rows]
+        return adv if mask is None else adv[:, None] * mask.to(adv.dtype)
     B = scores.shape[0]
     if group_index is not None and not isinstance(group_index, Tensor):
         group_index = group_ids(group_index, scores.device)
@@ -119,7 +132,8 @@ def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, m
 
 
 def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
-                    eps: float = 1e-6, norm_by_std: bool = True, mask: Tensor | None = None) -> Tensor:
+                    eps: float = 1e-6, norm_by_std: bool = True, mask: Tensor | None = None,
+                    process_group=None) -> Tensor:
     """GRPO outcome advantages (verl's `compute_grpo_outcome_advantage`), without a Python loop.
 
     `A_i = (R_i - mean_g) / (std_g + eps)` with the unbiased std of the response's group
@@ -132,22 +146,31 @@ def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
             numpy array of uid strings, a list of hashables: see `group_ids`); or
         group_size: responses come in contiguous groups of this size (B % group_size == 0).
         mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
+        process_group: groups over the responses of every rank of this torch.distributed group
+            (in rank order; every rank holds the same number B of responses): one all-gather of
+            the scores (and group ids, which are then global: values in [0, world * B)); a group
+            may span ranks. Each rank gets the advantages of its own responses.
     Returns float32 [B] (or [B, T]); float64 for float64 scores. No gradient.
     """
-    return _group_advantages("grpo", scores, group_index, group_size, eps, norm_by_std, mask)
+    return _group_advantages("grpo", scores, group_index, group_size, eps, norm_by_std, mask,
+                             process_group)
 
 
 def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
-                    mask: Tensor | None = None, singleton: str = "score") -> Tensor:
+                    mask: Tensor | None = None, singleton: str = "score",
+                    process_group=None) -> Tensor:
     """RLOO advantages (verl's `compute_rloo_outcome_advantage`): `A_i = R_i - mean of the other
     members of its group` = n / (n - 1) * (R_i - mean_g). A singleton keeps its score (A_i = R_i,
     as verl's `rloo`) with `singleton="score"`, or gets 0 with `"zero"` (verl's
     `rloo_vectorized`). Arguments and result as `grpo_advantages`."""
     if singleton not in ("score", "zero"):
         raise ValueError(f"singleton: expected 'score' or 'zero', got {singleton!r}")
+    if singleton == "zero" and process_group is not None:
+        raise ValueError("singleton: 'zero' needs the global group sizes; not with process_group")
     if group_index is not None and not isinstance(group_index, Tensor):
         group_index = group_ids(group_index, scores.device)
-    adv = _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask)
+    adv = _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask,
+                            process_group)
     if singleton == "zero":
         if group_index is None:
             keep = torch.full((scores.shape[0],), group_size > 1, device=scores.device)

@@ -131,6 +131,44 @@ def _fused(hidden) -> bool:
             and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type))
 
 
+def chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0):
+    """Softmax state (m, s, u) [3, rows] and label logit [rows] (NaN where the label is not in
+    this weight's vocabulary) of one row chunk over the weight's V entries, whose ids start at
+    v_offset (a vocab-parallel shard: ppo_kernels/distributed/vocab_parallel.py)."""
+    acc, dev = tiler.acc, hc.device
+    state = torch.zeros(3, hc.shape[0], dtype=acc, device=dev)
+    state[0] = float("-inf")
+    zl = torch.full((hc.shape[0],), float("nan"), dtype=acc, device=dev)
+    for v0 in range(0, V, plan.vocab):
+        v1 = min(V, v0 + plan.vocab)
+        tile_stats_(tiler.logits_acc(hc, v0, v1), lc, v_offset + v0, inv_t, ignore_index, state,
+                    zl)
+    return state, zl
+
+
+def chunk_backward(tiler, plan, fused, hc, lc, glp, gent, lse, entropy, inv_t, ignore_index, V,
+                   gh, gW, gb, v_offset=0, v_total=None):
+    """Gradients of one row chunk: gh += dL/dh (float32), gW[0:V] += dL/dW, gb += dL/db, over
+    the weight's V entries whose ids start at v_offset in a vocabulary of v_total (default V)."""
+    v_total = V if v_total is None else v_total
+    for v0 in range(0, V, plan.vocab):
+        v1 = min(V, v0 + plan.vocab)
+        if plan.vocab == V and fused and v_total == V:  # in place, in the tile's dtype
+            g = tiler.logits(hc, v0, v1)
+            tiler.softcap_grad(g)
+            _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, lse,
+                                                  entropy if gent is not None else lse, inv_t,
+                                                  ignore_index, g)
+            tiler.apply_softcap_grad(g)
+        else:
+            g = tiler.logits_acc(hc, v0, v1)
+            tiler.softcap_grad(g)
+            tile_bwd_(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index,
+                      v_total)
+            g = tiler.to_input(tiler.apply_softcap_grad(g))
+        tiler.grad_matmuls(g, hc, v0, v1, gh, gW, gb)
+
+
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
 def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
                              temperature: float, ignore_index: int, with_entropy: bool,
@@ -164,12 +202,7 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
             a, e, s = _backend.cpp_ops().token_logprobs_fwd(tile, lc, inv_t, ignore_index,
                                                                 with_entropy)
         else:
-            state = torch.zeros(3, r1 - r0, dtype=acc, device=dev)
-            state[0] = float("-inf")
-            zl = torch.full((r1 - r0,), float("nan"), dtype=acc, device=dev)
-            for v0 in range(0, V, plan.vocab):
-                v1 = min(V, v0 + plan.vocab)
-                tile_stats_(tiler.logits_acc(hc, v0, v1), lc, v0, inv_t, ignore_index, state, zl)
+            state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
         lp[r0:r1] = a
         lse[r0:r1] = s
@@ -225,21 +258,8 @@ def linear_token_logprobs_backward_op(
         gent = gent_all[r0:r1] if with_ent else None
         en = entropy[r0:r1] if with_ent else None
         ghc = gh[: r1 - r0].zero_() if need_hidden else gh
-        for v0 in range(0, V, plan.vocab):
-            v1 = min(V, v0 + plan.vocab)
-            if plan.vocab == V and fused:  # in place, in the tile's dtype
-                g = tiler.logits(hc, v0, v1)
-                tiler.softcap_grad(g)
-                _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, ls,
-                                                          en if with_ent else ls, inv_t,
-                                                          ignore_index, g)
-                tiler.apply_softcap_grad(g)
-            else:
-                g = tiler.logits_acc(hc, v0, v1)
-                tiler.softcap_grad(g)
-                tile_bwd_(g, lc, v0, ls, en, glp, gent, inv_t, ignore_index, V)
-                g = tiler.to_input(tiler.apply_softcap_grad(g))
-            tiler.grad_matmuls(g, hc, v0, v1, ghc, gW, gb)
+        chunk_backward(tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V,
+                       ghc, gW, gb)
         if need_hidden:
             gh_out[r0:r1] = ghc
     return gh_out, gW, gb
@@ -294,7 +314,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                           bias: Tensor | None = None, temperature: float = 1.0,
                           ignore_index: int = -100, return_entropy: bool = False,
                           max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
-                          softcap: float | None = None):
+                          softcap: float | None = None, process_group=None,
+                          vocab_start: int | None = None, reduce_hidden_grad: bool = True):
     """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
     equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
     [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
@@ -323,6 +344,14 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             chunks stay float32. About 2x faster on CPUs with native bf16 matmuls (AVX-512 BF16,
             AMX); on CUDA the default is already fast.
 
+        process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout):
+            `weight` / `bias` hold this rank's contiguous slice of the vocabulary, `hidden` is
+            replicated, labels are global ids; every rank gets the full-vocabulary results (one
+            all-gather of per-row softmax statistics). Each rank's weight / bias gradient is its
+            slice of the unsharded one; the hidden gradient is all-reduced (the full gradient on
+            every rank) unless `reduce_hidden_grad=False` (frameworks whose own layers reduce it).
+        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order).
+
     Returns:
         float32 log-probs with `labels.shape`, or `(logprobs, entropy)`. Gradients flow to
         hidden, weight and bias (the weight gradient is accumulated in float32 and handed to
@@ -349,17 +378,27 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
-    if V == 0 and labels.numel() > 0:
+    if V == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     check_positive("temperature", float(temperature))
     if softcap is not None:
         check_positive("softcap", float(softcap))
+        if process_group is not None:
+            raise ValueError("softcap: not supported with process_group (vocab-parallel) yet")
     _check_logits_dtype(logits_dtype)
     if max_chunk_bytes is not None and int(max_chunk_bytes) <= 0:
         raise ValueError(f"max_chunk_bytes: expected a positive number of bytes, got {max_chunk_bytes}")
-    if hidden.device.type == "cuda" and _backend.strict():
+    if hidden.device.type == "cuda" and _backend.strict() and process_group is None:
         check_labels_in_range(labels, V, int(ignore_index))  # host sync, by request
     h2 = hidden.reshape(-1, H)
+    if process_group is not None:
+        from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
+        lp, ent = vocab_parallel_linear_token_logprobs(
+            h2, weight, labels.reshape(-1), bias, temperature, ignore_index, process_group,
+            vocab_start, max_chunk_bytes, "input" if _input_tiles(hidden.dtype, logits_dtype)
+            else "float32", reduce_hidden_grad)
+        lp = lp.view(labels.shape)
+        return (lp, ent.view(labels.shape)) if return_entropy else lp
     lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
         h2, weight, labels.reshape(-1), bias, float(temperature), int(ignore_index),
         bool(return_entropy), int(max_chunk_bytes or 0),

@@ -40,15 +40,25 @@ def _check_empty(empty):
         raise ValueError(f"empty: expected one of {_EMPTY}, got {empty!r}")
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero") -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
+                process_group=None) -> Tensor:
     """Mean of x over the positions where mask != 0 (over `dim`, or everything when None),
     weighted by the mask's values when it is a float mask: `sum(x * mask) / sum(mask)`.
     Masked-out entries never contribute, even when NaN. A set with no position (zero total weight)
     gives 0 with `empty="zero"` (verl divides by count + 1e-8 and gets 0 too) and NaN with
-    `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x)."""
+    `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x).
+    process_group: the mean over the data of every rank of this torch.distributed group (dim must
+    be None), with one all-gather of three numbers and no host sync."""
     _check_empty(empty)
     xf, m, w = _prep(x, mask)
     _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
+    if process_group is not None:
+        if dim is not None:
+            raise ValueError("dim: a data-parallel masked_mean (process_group) reduces everything; "
+                             "pass dim=None")
+        from ..distributed import global_moments
+        n, mean, _ = global_moments(xf, m, process_group, w)
+        return mean if empty == "zero" else torch.where(n != 0, mean, float("nan"))
     s = torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device))
     s, n = (s.sum(), w.sum()) if dim is None else (s.sum(dim), w.sum(dim))
     if empty == "nan":
@@ -57,16 +67,21 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero") -> Te
 
 
 def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = True,
-                  eps: float = 1e-8) -> Tensor:
+                  eps: float = 1e-8, process_group=None) -> Tensor:
     """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
     the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
     `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one. A float mask
     weights each position by its value, n being the total weight (verl's formulas).
     verl raises when unbiased and the mask total is 0 or 1; that needs a host sync, so
     here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
-    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x)."""
+    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x).
+    process_group: mean and variance over the data of every rank of this torch.distributed group
+    (global whitening), with one all-gather of three numbers per rank and no host sync."""
     xf, m, w = _prep(x, mask)
     _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
+    if process_group is not None:
+        from ..distributed.data_parallel import whiten_global
+        return whiten_global(xf, m, shift_mean, unbiased, eps, process_group, w)
     n = w.sum()
     if _backend.strict() and unbiased and float(n) in (0.0, 1.0):  # host sync, by request
         raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "

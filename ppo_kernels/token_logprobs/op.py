@@ -146,7 +146,8 @@ token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
                    ignore_index: int = -100, return_entropy: bool = False,
-                   inplace_backward: bool = False):
+                   inplace_backward: bool = False, process_group=None,
+                   vocab_start: int | None = None):
     """Log-probability of each label under softmax(logits / temperature), fused in one pass.
 
     Args:
@@ -159,6 +160,13 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
         return_entropy: also return the entropy of softmax(logits / temperature).
         inplace_backward: write the gradient into the logits buffer instead of allocating one
             (the logits must not be needed by anything else afterwards).
+        process_group: vocab-parallel (tensor-parallel) form: `logits` is this rank's contiguous
+            slice `[..., V_rank]` of the vocabulary (slices may be uneven), `labels` are global
+            ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
+            statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
+            rank's slice is its slice of the unsharded gradient.
+        vocab_start: this rank's first vocabulary id; default: from the slice sizes of the ranks
+            in rank order (one extra all-gather of sizes on the first call, then cached).
 
     Returns:
         float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
@@ -171,7 +179,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
-    if logits.shape[-1] == 0 and labels.numel() > 0:
+    if logits.shape[-1] == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         raise ValueError("logits: the last (vocabulary) dimension must be contiguous (stride 1); "
@@ -179,6 +187,12 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
     check_positive("temperature", float(temperature))
     if logits.device.type == "cuda" and _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], int(ignore_index))  # host sync, by request
+    if process_group is not None:
+        if inplace_backward:
+            raise ValueError("inplace_backward: not supported with process_group")
+        from ..distributed import vocab_parallel_token_logprobs
+        return vocab_parallel_token_logprobs(logits, labels, temperature, ignore_index,
+                                             return_entropy, process_group, vocab_start)
     lp, ent, _ = torch.ops.ppo_kernels.token_logprobs(logits, labels, float(temperature),
                                                       int(ignore_index), bool(return_entropy),
                                                       bool(inplace_backward))
