@@ -1,6 +1,7 @@
 """verl adapter: verl.trainer.ppo.core_algos and verl.utils.torch_functional on ppo_kernels ops.
 
-Semantics read from verl 0.9.1's source; each function below states where ours differs.
+Semantics read from verl 0.9.1's source; what differs is listed in the README ("Use with verl / TRL /
+OpenRLHF").
 """
 from __future__ import annotations
 
