@@ -416,15 +416,15 @@ def test_importance_weighted_straight_through():
     old = lp.detach() + torch.randn(3, 6, generator=g, dtype=torch.float64)
     old[0, 0] = lp[0, 0].item() - 5.0  # w = e^5 > is_clip: clipped
     for est in ("k1+", "k3+"):
-        v = ppo_kernels.kl_penalty(lp, ref, est, clamp="openrlhf", is_logprobs=old, is_clip=10.0)
-        torch.testing.assert_close(v, ppo_kernels.kl_penalty(lp, ref, est, clamp="openrlhf"))
+        v = kl_penalty(lp, ref, est, clamp="openrlhf", is_logprobs=old, is_clip=10.0)
+        torch.testing.assert_close(v, kl_penalty(lp, ref, est, clamp="openrlhf"))
         (gl,) = torch.autograd.grad(v.sum(), lp)
         w = (lp.detach() - old).exp().clamp(max=10.0)
         torch.testing.assert_close(gl, w * (lp.detach() - ref))
     with pytest.raises(ValueError, match="is_logprobs"):
-        ppo_kernels.kl_penalty(lp, ref, "k3", is_logprobs=old)
+        kl_penalty(lp, ref, "k3", is_logprobs=old)
     with pytest.raises(ValueError, match="is_logprobs"):
-        ppo_kernels.kl_penalty(lp, ref, "k3+", is_logprobs=old[:, 1:])
+        kl_penalty(lp, ref, "k3+", is_logprobs=old[:, 1:])
 
 
 def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
@@ -435,14 +435,14 @@ def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
     mask[:, 0] = 1
     mask[-1] = 0
     scores = torch.randn(B, generator=g)
-    r, k, m = ppo_kernels.kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl)
-    r2, k2, m2 = ppo_kernels.kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, beta=beta)
+    r, k, m = kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl)
+    r2, k2, m2 = kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, beta=beta)
     torch.testing.assert_close((r, k, m), (r2, k2, m2))
     tok = torch.randn(B, T, generator=g)  # verl's token-level scores
-    rt, _, _ = ppo_kernels.kl_penalized_rewards(tok, None, None, mask, beta=beta, kl=kl)
+    rt, _, _ = kl_penalized_rewards(tok, None, None, mask, beta=beta, kl=kl)
     torch.testing.assert_close(rt, tok - beta * kl * mask)
     # OpenRLHF: the penalty everywhere, the score on the last action (or the last position)
-    ro, _, _ = ppo_kernels.kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl,
+    ro, _, _ = kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl,
                                                 convention="openrlhf")
     exp = -beta * kl
     for b in range(B):
@@ -450,8 +450,8 @@ def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
         exp[b, int(nz[-1]) if len(nz) else T - 1] += scores[b]
     torch.testing.assert_close(ro, exp)
     with pytest.raises(ValueError, match="convention"):
-        ppo_kernels.kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl, convention="trl")
+        kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl, convention="trl")
     with pytest.raises(ValueError, match="kl"):
-        ppo_kernels.kl_penalized_rewards(scores, kl, kl, mask, beta=beta, kl=kl)
+        kl_penalized_rewards(scores, kl, kl, mask, beta=beta, kl=kl)
     with pytest.raises(ValueError, match="logprobs"):
-        ppo_kernels.kl_penalized_rewards(scores, None, None, mask, beta=beta)
+        kl_penalized_rewards(scores, None, None, mask, beta=beta)
