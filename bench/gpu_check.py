@@ -107,7 +107,7 @@ def _correctness(only):
             op = f.stem.removeprefix("test_cuda_")
             xml = pathlib.Path(tmp) / f"{op}.xml"
             cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                   f"--junit-xml={xml}", str(f.relative_to(ROOT))]
+                   f"--junit-xml={xml}", str(f)]
             t = time.time()
             try:
                 r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
