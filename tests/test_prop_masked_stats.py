@@ -29,11 +29,12 @@ def test_masked_whiten_and_mean_match_float64(case):
     x, mask, unbiased, shift_mean = case
     xd = x.double()
     m = mask != 0
-    n = int(m.sum())
+    w = mask.double() if mask.is_floating_point() else m.double()  # a float mask weights
+    W = float(w[m].sum())
     out = pk.masked_whiten(x, mask, unbiased=unbiased, shift_mean=shift_mean)
-    mean = xd[m].mean() if n else torch.tensor(0.0, dtype=torch.float64)
-    if n >= (2 if unbiased else 1):
-        var = xd[m].var(unbiased=unbiased)
+    mean = (xd[m] * w[m]).sum() / W if W else torch.tensor(0.0, dtype=torch.float64)
+    if W and not (unbiased and W == 1.0):
+        var = (w[m] * (xd[m] - mean) ** 2).sum() / W * (W / (W - 1) if unbiased else 1.0)
         want = (xd - mean) * torch.rsqrt(var + 1e-8)
         if not shift_mean:
             want = want + mean
@@ -43,8 +44,8 @@ def test_masked_whiten_and_mean_match_float64(case):
         scale = 1.0 if shift_mean else 1.0 + mean.abs().item()
         torch.testing.assert_close(out.double()[ok], want[ok], atol=2e-5 * scale, rtol=2e-5)
     elif unbiased:
-        assert torch.isnan(out).all()  # fewer than two positions: documented NaN
+        assert torch.isnan(out).all()  # total weight 0 or 1: documented NaN
     mm = pk.masked_mean(x, mask)
-    if n and xd[m].abs().max() < 1e37:
+    if W and xd[m].abs().max() < 1e37:
         torch.testing.assert_close(mm.double(), mean, atol=1e-6 * xd[m].abs().max().item(),
                                    rtol=1e-5)
