@@ -33,17 +33,6 @@ def inputs(b, t):
     return r, v, m
 
 
-def _verl_whiten(x, m):
-    """verl's masked_whiten (unbiased; the two `mask_sum == 0/1` checks are host syncs)."""
-    mean = (x * m).sum() / (m.sum() + 1e-8)
-    var = ((x - mean) ** 2 * m).sum() / (m.sum() + 1e-8)
-    n = m.sum()
-    if n == 0 or n == 1:
-        raise ValueError("too few")
-    var = var * (n / (n - 1))
-    return (x - mean) * torch.rsqrt(var + 1e-8)
-
-
 def _copy_of(n_tokens):
     src = torch.empty(n_tokens * BYTES_PER_TOKEN // 2, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
@@ -79,7 +68,7 @@ def _cases():
             (case, "copy (same bytes moved)", _copy_of(LONG))]
     adv = torch.randn(B, T)
     case = f"masked_whiten B={B} T={T}"
-    out += [(case, "eager (verl masked_whiten)", lambda: _verl_whiten(adv, mf)),
+    out += [(case, "eager (verl masked_whiten)", lambda: R.verl_masked_whiten(adv, mf)),
             (case, "ppo_kernels", lambda: pk.masked_whiten(adv, m))]
     return out
 

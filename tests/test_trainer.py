@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
-from ppo_kernels.trainer import ops as tops
+from ppo_kernels.gae import reference as gae_ref
 from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
 from ppo_kernels.trainer.config import config_from_args
 from ppo_kernels.trainer.models import ValueModel, frozen_copy, last_index, lm_head, tiny_model
@@ -28,7 +28,7 @@ def _one_thread():
 
 
 def tiny_cfg(**kw):
-    base = dict(hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
+    base = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
                 max_new_tokens=40, eval_prompts=4, progress=False, plot=False)
     base.update(kw)
     return TrainConfig(**base).validate()
@@ -166,7 +166,7 @@ def test_model_without_head_is_refused():
     from transformers import LlamaConfig, LlamaModel
     m = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
                                num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(ConfigError, match="no linear LM head"):
+    with pytest.raises(ConfigError, match="no accessible LM head"):
         lm_head(m)
 
 
@@ -307,7 +307,7 @@ def test_eager_gae_matches_literal_loop_batched():
     torch.manual_seed(3)
     m = (torch.rand(5, 17) > 0.4).float()
     r, v, boot = torch.randn(5, 17), torch.randn(5, 17), torch.randn(5)
-    adv, _ = tops.eager_gae(r, v, m, 0.97, 0.9, boot)
+    adv, _ = gae_ref.verl_gae_loop(r, v, m, 0.97, 0.9, boot)
     for i in range(5):
         ref = _gae_by_hand(r[i].tolist(), v[i].tolist(), m[i].tolist(), 0.97, 0.9, boot[i].item())
         torch.testing.assert_close(adv[i], torch.tensor(ref), atol=1e-5, rtol=1e-5)

@@ -23,13 +23,13 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--sft-steps", "20", "--sft-batch", "16",
+TINY = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--heads", "2", "--sft-steps", "20", "--sft-batch", "16",
         "--eval-prompts", "8", "--prompts-per-step", "8", "--minibatch-size", "4",
         "--max-new-tokens", "36", "--no-progress", "--threads", "1"]
 
 
 def _tiny_cfg(**kw):
-    base = dict(hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=8, minibatch_size=4,
+    base = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=8, minibatch_size=4,
                 max_new_tokens=36, progress=False, plot=False, ent_coef=0.01)
     base.update(kw)
     return TrainConfig(**base).validate()
@@ -84,7 +84,7 @@ class _PartialCredit(DecimalAdditionTask):
 
 
 def test_checkpoint_resume_gives_the_same_continuation(tmp_path):
-    args = dict(hidden=32, layers=1, heads=2, sft_steps=10, sft_batch=8, eval_prompts=4,
+    args = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=10, sft_batch=8, eval_prompts=4,
                 prompts_per_step=8, minibatch_size=4, max_new_tokens=36, progress=False,
                 plot=False, sft_cache=str(tmp_path / "sft"), threads=1)
     full = run(TrainConfig(**args, steps=3, out=str(tmp_path / "full")).validate(), log=lambda *a: None)

@@ -159,10 +159,12 @@ def _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv
 
 # ---- peers' loops (benchmark baselines and parity tests), written from their semantics ----
 
-def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
+def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam, bootstrap_value=None):
     """verl's compute_gae_advantage_return before its whitening: masked positions are skipped,
-    carrying the next action's value and advantage (13 tensor ops per step)."""
-    nextvalues = 0
+    carrying the next action's value and advantage (13 tensor ops per step). `bootstrap_value`
+    [B] (not in verl, which always starts from 0): V after each row's last action, for rows
+    truncated by the response budget (the trainer's `--ops eager` passes it)."""
+    nextvalues = 0 if bootstrap_value is None else bootstrap_value
     lastgaelam = 0
     out = []
     for t in reversed(range(token_level_rewards.shape[-1])):
@@ -173,6 +175,18 @@ def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
         out.append(lastgaelam)
     advantages = torch.stack(out[::-1], dim=1)
     return advantages, advantages + values
+
+
+def verl_masked_whiten(x, mask):
+    """verl's masked_whiten: unbiased masked variance, `(x - mean) * rsqrt(var + 1e-8)`; the two
+    `mask_sum == 0 / 1` checks are host syncs."""
+    mean = (x * mask).sum() / (mask.sum() + 1e-8)
+    var = ((x - mean) ** 2 * mask).sum() / (mask.sum() + 1e-8)
+    n = mask.sum()
+    if n == 0 or n == 1:
+        raise ValueError("mask: verl's masked_whiten needs at least two unmasked positions")
+    var = var * (n / (n - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
 def openrlhf_gae_loop(values, rewards, action_mask, gamma, lam):

@@ -1,5 +1,8 @@
 """causal_lm_logprobs: per-token log-probs (and entropy) of a `transformers` causal LM's own tokens,
-through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built."""
+through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built.
+
+The helpers that take a transformers model apart (`backbone`, `lm_head`, `logit_transform`) live
+here once; the trainer (ppo_kernels/trainer/models.py) uses them too."""
 from __future__ import annotations
 
 from torch import Tensor
@@ -11,7 +14,7 @@ from .op import linear_token_logprobs
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logits_scaling", "logit_scale")
 
 
-def _backbone(model):
+def backbone(model):
     """The decoder that produces the last hidden states (model.model, model.transformer, ...)."""
     dec = None
     if hasattr(model, "get_decoder"):
@@ -28,7 +31,8 @@ def _backbone(model):
     return dec
 
 
-def _lm_head(model):
+def lm_head(model):
+    """(weight [V, H], bias or None) of the model's output embedding; ValueError if none."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
@@ -37,7 +41,9 @@ def _lm_head(model):
     return weight, getattr(head, "bias", None)
 
 
-def _check_logit_transforms(model):
+def logit_transform(model):
+    """(config field, value) of a transform the model applies to its logits after the LM head
+    (soft-capping, scaling), or None when the logits are the LM head's output."""
     cfg = getattr(model, "config", None)
     configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
     for c in configs:
@@ -45,10 +51,17 @@ def _check_logit_transforms(model):
             val = getattr(c, name, None)
             if val is None or ("scal" in name and val == 1):  # a scale of 1 changes nothing
                 continue
-            raise NotImplementedError(
-                f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
-                "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
-                "does not support; compute the logits with the model instead")
+            return name, val
+    return None
+
+
+def _check_logit_transforms(model):
+    found = logit_transform(model)
+    if found is not None:
+        raise NotImplementedError(
+            f"causal_lm_logprobs: {type(model).__name__} applies config.{found[0]}={found[1]} to "
+            "its logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
+            "does not support; compute the logits with the model instead")
 
 
 def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None = None, *,
@@ -81,9 +94,8 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
         raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} "
                          f"(input_ids.shape), got {tuple(attention_mask.shape)}")
     _check_logit_transforms(model)
-    weight, bias = _lm_head(model)
-    backbone = _backbone(model)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+    weight, bias = lm_head(model)
+    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                    **model_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     hidden = hidden[:, :-1]

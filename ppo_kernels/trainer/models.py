@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+from ..linear_logprobs import hf
 from .config import ConfigError, TrainConfig
 from .task import CharTokenizer
 
@@ -50,7 +51,7 @@ def tiny_model(cfg: TrainConfig, vocab_size: int):
 def load_actor(cfg: TrainConfig):
     """(actor, tokenizer): the tiny model + character tokenizer, or `--model PATH`."""
     if cfg.model is None:
-        tok = CharTokenizer()
+        tok = CharTokenizer(cfg.vocab)
         torch.manual_seed(cfg.seed)
         return tiny_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,23 +63,13 @@ def load_actor(cfg: TrainConfig):
     return model, HFTokenizer(AutoTokenizer.from_pretrained(cfg.model))
 
 
-def lm_head(model) -> nn.Module:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        raise ConfigError(f"--model: {type(model).__name__} has no linear LM head "
-                          f"(get_output_embeddings() is {type(head).__name__}); the Actor must "
-                          f"be a causal LM (AutoModelForCausalLM)")
-    return head
-
-
-def backbone(model) -> nn.Module:
-    return model.base_model
-
-
-def needs_full_logits(model) -> bool:
-    """Models that post-process logits (soft-capping, scaling) cannot go hidden -> log-probs."""
-    c = model.config
-    return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
+def lm_head(model):
+    """(weight, bias) of the Actor's LM head (ppo_kernels.linear_logprobs.hf), as a ConfigError."""
+    try:
+        return hf.lm_head(model)
+    except ValueError as e:
+        raise ConfigError(f"--model: {e}; the Actor must be a causal LM "
+                          f"(AutoModelForCausalLM)") from None
 
 
 def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
@@ -91,14 +82,14 @@ def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, tempe
                    return_entropy=False):
     """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:]."""
     labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
-    if needs_full_logits(actor):
+    if hf.logit_transform(actor) is not None:  # soft-capped / scaled logits: the model's own
         logits = actor(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids).logits[:, :-1]
         return ops.logprobs_from_logits(logits, labels, temperature=temperature,
                                         return_entropy=return_entropy)
-    h = hidden_states(backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
-    head = lm_head(actor)
-    return ops.logprobs_from_hidden(h, head.weight, head.bias, labels, temperature=temperature,
+    h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+    weight, bias = lm_head(actor)
+    return ops.logprobs_from_hidden(h, weight, bias, labels, temperature=temperature,
                                     return_entropy=return_entropy)
 
 
@@ -116,7 +107,7 @@ class ValueModel(nn.Module):
     @classmethod
     def from_causal_lm(cls, model) -> "ValueModel":
         p = next(model.parameters())
-        return cls(copy.deepcopy(backbone(model)), model.config.hidden_size).to(p.device)
+        return cls(copy.deepcopy(hf.backbone(model)), model.config.hidden_size).to(p.device)
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = hidden_states(self.body, input_ids, attention_mask, position_ids)
