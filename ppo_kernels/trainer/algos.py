@@ -47,7 +47,7 @@ def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print, on_step=None):
     for step in range(cfg.sft_steps):
         probs = [task.sample_problem(rng) for _ in range(cfg.sft_batch)]
         b = pairs_batch(tok, probs, [task.demonstration(p, rng) for p in probs], cfg.device)
-        lp = token_logprobs(ops, actor, *b.model_inputs())
+        lp = token_logprobs(ops, actor, *b.model_inputs(), only=b.action_mask)
         loss = -ops.masked_mean(lp, b.action_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -145,9 +145,9 @@ class RLTrainer:
         """Old and Reference log-probs, values, rewards and advantages, in batch."""
         cfg, ops = self.cfg, self.ops
         inputs = b.model_inputs()
-        old_lp = token_logprobs(ops, self.actor, *inputs, temperature=cfg.temperature)
-        ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature)
         mask = b.action_mask
+        old_lp = token_logprobs(ops, self.actor, *inputs, temperature=cfg.temperature, only=mask)
+        ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature, only=mask)
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
             seq_adv = (ops.rloo_advantages(scores, cfg.group_size) if cfg.group_advantage == "rloo"
@@ -188,7 +188,8 @@ class RLTrainer:
                 mb = b.rows(idx)
                 mask = mb.action_mask
                 lp, ent = token_logprobs(ops, self.actor, *mb.model_inputs(),
-                                         temperature=cfg.temperature, return_entropy=True)
+                                         temperature=cfg.temperature, return_entropy=True,
+                                         only=mask)
                 pg, st = ops.ppo_policy_loss(lp, d["old_logprobs"][idx], d["advantages"][idx],
                                              mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                              dual_clip=cfg.dual_clip)
@@ -297,7 +298,7 @@ def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_ste
 
 
 def seq_logprob_sums(ops, model, b: SeqBatch):
-    lp = token_logprobs(ops, model, *b.model_inputs())
+    lp = token_logprobs(ops, model, *b.model_inputs(), only=b.action_mask)
     return (lp * b.action_mask).sum(1)
 
 

@@ -79,18 +79,30 @@ def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
 
 
 def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, temperature=1.0,
-                   return_entropy=False):
-    """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:]."""
+                   return_entropy=False, only=None):
+    """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:].
+
+    `only` [B, L-1]: compute them (and the entropy) only where it is non-zero, 0 elsewhere -- the
+    action tokens, the only ones a loss uses (packed rows, as a trainer that removes padding
+    does), in both --ops modes."""
     labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    keep = None if only is None else only > 0
     if hf.logit_transform(actor) is not None:  # soft-capped / scaled logits: the model's own
         logits = actor(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids).logits[:, :-1]
-        return ops.logprobs_from_logits(logits, labels, temperature=temperature,
-                                        return_entropy=return_entropy)
-    h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
-    weight, bias = lm_head(actor)
-    return ops.logprobs_from_hidden(h, weight, bias, labels, temperature=temperature,
-                                    return_entropy=return_entropy)
+        rows = logits if keep is None else logits[keep]
+        out = ops.logprobs_from_logits(rows, labels if keep is None else labels[keep],
+                                       temperature=temperature, return_entropy=return_entropy)
+    else:
+        h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+        weight, bias = lm_head(actor)
+        out = ops.logprobs_from_hidden(h if keep is None else h[keep], weight, bias,
+                                       labels if keep is None else labels[keep],
+                                       temperature=temperature, return_entropy=return_entropy)
+    if keep is None:
+        return out
+    unpack = lambda x: x.new_zeros(keep.shape).masked_scatter(keep, x)  # noqa: E731
+    return tuple(map(unpack, out)) if return_entropy else unpack(out)
 
 
 class ValueModel(nn.Module):
