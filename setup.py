@@ -42,9 +42,9 @@ _default_cuda_home()
 def _require_torch():
     """The extension is compiled against the torch it will run with: stop at once, in one line,
     when pip's build isolation hides it (instead of building against another torch)."""
-    hint = ("ppo-kernels: install torch first, then build with `pip install --no-build-isolation "
-            ".` (pip's default build isolation hides your torch, and the extension must be "
-            "compiled against the torch it runs with)")
+    hint = ("ppo-kernels: build with `pip install --no-build-isolation .` (torch installed "
+            "first): pip's default build isolation hides your torch, and the extension must be "
+            "compiled against the torch it runs with")
     try:
         import torch
     except ImportError:

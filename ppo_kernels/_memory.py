@@ -3,8 +3,9 @@
 On CUDA: torch.cuda.max_memory_allocated over what was allocated before. On the CPU: the running
 sum of the torch profiler's allocation events, which sees every allocation of the CPU allocator
 (the kernels' internal temporaries included); the process's resident set would miss memory the
-allocator reuses and count models, Python and libraries. The profiler's own log lines (Kineto
-writes them to stderr, e.g. a CUDA probe failing on a machine without a GPU) are silenced.
+allocator reuses and count models, Python and libraries. Native stderr is silenced while the
+profiler runs: Kineto logs its start and stop (and a failing CUDA probe on a machine without a
+GPU), and the allocator warns about every block freed that was allocated before it started.
 """
 from __future__ import annotations
 
@@ -53,20 +54,14 @@ def tensor_peak(device: str = "cpu"):
         rec.bytes = torch.cuda.max_memory_allocated() - base
         return
     from torch.profiler import ProfilerActivity, profile
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_native_stderr():
-        prof.__enter__()
-    try:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                         profile_memory=True) as prof:
         yield rec
-    finally:
-        with _quiet_native_stderr():
-            prof.__exit__(None, None, None)
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "trace.json")
-                prof.export_chrome_trace(path)
-                with open(path) as fh:
-                    events = [e for e in json.load(fh)["traceEvents"]
-                              if e.get("name") == "[memory]"]
+    with _quiet_native_stderr(), tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
     live = peak = 0
     for e in sorted(events, key=lambda e: e["ts"]):
         live += e["args"]["Bytes"]

@@ -337,3 +337,27 @@ def test_fused_mode_reports_what_it_ran(monkeypatch):
     assert not e.used and not e.fallbacks
     with pytest.raises(ValueError, match="ops"):
         Ops("fast")
+
+
+def test_cli_without_transformers_is_one_line(monkeypatch, capsys, tmp_path):
+    from ppo_kernels.trainer.cli import main
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
+    assert main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'ppo-kernels[train]'" in err, err
+
+
+def test_train_help_ends_with_three_examples(capsys):
+    from ppo_kernels.trainer.cli import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    tail = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert all(line.strip().startswith("python -m ppo_kernels train") for line in tail), tail
+
+
+def test_resume_names_a_missing_checkpoint(tmp_path):
+    from ppo_kernels.trainer.cli import checkpoint_path
+    with pytest.raises(ConfigError, match="--resume"):
+        checkpoint_path(str(tmp_path))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert checkpoint_path(str(tmp_path)) == str(tmp_path / "checkpoint.pt")

@@ -90,7 +90,7 @@ def test_checkpoint_resume_gives_the_same_continuation(tmp_path):
     full = run(TrainConfig(**args, steps=3, out=str(tmp_path / "full")).validate(), log=lambda *a: None)
     run(TrainConfig(**args, steps=1, out=str(tmp_path / "part")).validate(), log=lambda *a: None)
     resumed = run(TrainConfig(**args, steps=3, out=str(tmp_path / "part"),
-                              resume=str(tmp_path / "part" / "checkpoint.pt")).validate(),
+                              resume=str(tmp_path / "part")).validate(),
                   log=lambda *a: None)
 
     def rows(d):

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -394,10 +393,11 @@ def _estimate(cfg: TrainConfig, compare: bool) -> str:
 
 
 def _check_dependencies():
-    missing = [m for m in ("transformers",) if importlib.util.find_spec(m) is None]
-    if missing:
-        return (f"the trainer needs {', '.join(missing)}: pip install 'ppo-kernels[train]' "
-                f"(or pip install transformers tqdm matplotlib)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return ("the trainer needs transformers: pip install 'ppo-kernels[train]' (or pip install "
+                "'transformers>=4.45' tqdm matplotlib)")
     return None
 
 
