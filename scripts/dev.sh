@@ -70,7 +70,7 @@ setup() {
   # the package from this checkout (a .pth, no editable-install machinery), compiled in place
   # against the torch just installed; ninja rebuilds only the sources that changed
   "$VENV/bin/python" -c "import site; open(site.getsitepackages()[0] + '/ppo_kernels_dev.pth', 'w').write('$PWD\n')"
-  say "building the extension (unchanged sources: nothing to do)"
+  say "compiling the extension (ninja: only sources changed since the last build)"
   "$VENV/bin/python" setup.py -q build_ext --inplace 2>&1 | build_filter
   "$VENV/bin/python" -c "import ppo_kernels._C" || { echo "the extension did not build" >&2; exit 1; }
   "$VENV/bin/python" -m ppo_kernels info

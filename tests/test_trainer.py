@@ -361,3 +361,29 @@ def test_resume_names_a_missing_checkpoint(tmp_path):
         checkpoint_path(str(tmp_path))
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     assert checkpoint_path(str(tmp_path)) == str(tmp_path / "checkpoint.pt")
+
+
+def test_eager_ops_materialise_the_logits_and_fused_do_not():
+    """--ops eager is what trainers run today (the [N, V] logits and their float32 softmax), the
+    tensor-peak measurement of --compare sees it, and the fused op stays far below it."""
+    from ppo_kernels._memory import tensor_peak
+    torch.manual_seed(0)
+    N, H, V = 256, 16, 32000
+    h = torch.randn(N, H, requires_grad=True)
+    w = (torch.randn(V, H) / 4).requires_grad_()
+    labels = torch.randint(0, V, (N,))
+    labels[:7] = -100
+    peaks, outs = {}, {}
+    for mode in MODES:
+        with tensor_peak("cpu") as peak:
+            lp, ent = Ops(mode).logprobs_from_hidden(h, w, None, labels, temperature=0.7,
+                                                     return_entropy=True)
+            (lp.sum() + ent.sum()).backward()
+        peaks[mode], outs[mode] = peak.bytes, (lp, ent)
+    logits_bytes = N * V * 4
+    assert peaks["eager"] >= 2 * logits_bytes, peaks
+    # (at this N one vocabulary tile of the fused op is the whole width: it holds ~ one logits)
+    assert 4 * peaks["fused"] < peaks["eager"], peaks
+    for a, b in zip(outs["eager"], outs["fused"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert (outs["eager"][0][:7] == 0).all() and (outs["eager"][1][:7] == 0).all()

@@ -173,3 +173,16 @@ def test_cuda_smoke(tmp_path, ops):
                  "--sft-cache", str(tmp_path / "sft"), *TINY]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["peak_memory_kind"] == "cuda_max_memory_allocated" and s["peak_memory_bytes"] > 0
+
+
+def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["--out", str(out), "--steps", "2", "--compare", "--sft-cache",
+                 str(tmp_path / "sft"), *TINY]) == 0
+    text = capsys.readouterr().out
+    assert "fused/eager" in text and "peak tensor memory" in text, text
+    assert text.rstrip().endswith(f"plot: {out / 'curves.png'}"), text
+    assert (out / "compare.txt").read_text() in text
+    for run in (out, out / "compare_eager"):
+        s = json.loads((run / "summary.json").read_text())
+        assert s["peak_memory_bytes"] > 0 and s["seconds_per_step"] > 0

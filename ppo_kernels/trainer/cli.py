@@ -122,6 +122,9 @@ class _Run:
         self.step_times: list[float] = list(self.resume["step_times"]) if self.resume else []
         self.peak_bytes = self.resume.get("peak_memory_bytes") if self.resume else None
         self.profiled_seconds = None
+        # CPU seconds of the process per step: with one torch thread, about the step's time on an
+        # idle machine, whatever else runs here
+        self.cpu_times: list[float] = list(self.resume.get("cpu_times", [])) if self.resume else []
         self.summary = {"algo": cfg.algo, "ops": cfg.ops, "device": cfg.device,
                         "torch_threads": torch.get_num_threads()}
         # the step whose tensor peak is measured: not the first (optimizer state is created then)
@@ -140,7 +143,7 @@ class _Run:
         left out of seconds_per_step unless it is the only step)."""
         measure = step == self.measured_step and self.peak_bytes is None
         peak = _memory.tensor_peak(self.cfg.device) if measure else contextlib.nullcontext()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with peak as p:
             yield
         self.last_seconds = time.perf_counter() - t0
@@ -148,6 +151,7 @@ class _Run:
             self.peak_bytes, self.profiled_seconds = p.bytes, self.last_seconds
         else:
             self.step_times.append(self.last_seconds)
+            self.cpu_times.append(time.process_time() - c0)
 
     def evaluate(self, actor, tok, problems, seed, when):
         from . import algos
@@ -163,6 +167,8 @@ class _Run:
         self.summary.update(
             seconds_per_step=(sum(self.step_times) / len(self.step_times)) if self.step_times
             else self.profiled_seconds,
+            cpu_seconds_per_step=(sum(self.cpu_times) / len(self.cpu_times)) if self.cpu_times
+            else None,
             steps=cfg.steps, peak_memory_bytes=self.peak_bytes,
             peak_memory_kind=f"tensor peak of step {self.measured_step} above the models and "
                              f"optimizer state ({kind})",
@@ -246,6 +252,7 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             torch.save({"cfg": dataclasses.asdict(cfg), "step": step + 1,
                         "trainer": trainer.state_dict(), "step_times": r.step_times,
+                        "cpu_times": r.cpu_times,
                         "peak_memory_bytes": r.peak_bytes,
                         **{k: r.summary[k] for k in ("eval_reward_before",
                                                      "eval_tool_use_before")}},
@@ -349,6 +356,7 @@ def compare_table(a: dict, b: dict) -> str:
     """Side by side, fused first, with fused / eager ratios."""
     fused, eager = (a, b) if a["ops"] == "fused" else (b, a)
     rows = [("time per step (s)", "seconds_per_step", 1, ".3f"),
+            ("CPU time per step (s)", "cpu_seconds_per_step", 1, ".3f"),
             ("peak tensor memory (MiB)", "peak_memory_bytes", 2 ** -20, ".1f"),
             ("eval reward before", "eval_reward_before", 1, ".3f"),
             ("eval reward after", "eval_reward_after", 1, ".3f")]
@@ -357,8 +365,9 @@ def compare_table(a: dict, b: dict) -> str:
         vf, ve = fused.get(key), eager.get(key)
         f = "-" if vf is None else format(vf * scale, spec)
         e = "-" if ve is None else format(ve * scale, spec)
-        ratio = (f"{vf / ve:.2f}x" if key in ("seconds_per_step", "peak_memory_bytes")
-                 and vf is not None and ve else "")
+        ratio = (f"{vf / ve:.2f}x" if key in ("seconds_per_step", "cpu_seconds_per_step",
+                                               "peak_memory_bytes") and vf is not None and ve
+                 else "")
         lines.append(f"{name:26s} {f:>10s} {e:>10s} {ratio:>12s}")
     lines.append(f"(memory: {fused.get('peak_memory_kind')})")
     return "\n".join(lines)
