@@ -157,13 +157,17 @@ def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
     class BuildExt(BuildExtension.with_options(use_ninja=True)):
-        def build_extension(self, ext):
-            super().build_extension(ext)
-            # read by ppo_kernels._backend before it loads the extension
-            path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)),
-                                TORCH_VERSION_FILE)
-            with open(path, "w") as f:
-                f.write(torch.__version__ + "\n")
+        def run(self):
+            super().run()
+            # next to the extension, in build/ and (--inplace) in the source tree: read by
+            # ppo_kernels._backend before it loads the extension
+            dirs, inplace = set(), self.inplace
+            for self.inplace in {0, inplace}:
+                dirs |= {os.path.dirname(self.get_ext_fullpath(e.name)) for e in self.extensions}
+            self.inplace = inplace
+            for d in dirs:
+                with open(os.path.join(d, TORCH_VERSION_FILE), "w") as f:
+                    f.write(torch.__version__ + "\n")
 
     return BuildExt
 

@@ -44,13 +44,20 @@ pip_() {  # pip without this machine's "Location ... is ignored" noise; failures
 }
 
 build_filter() {  # ninja's [n/m] lines shortened to the source file; other output passes
-  awk '/^\[[0-9]+\/[0-9]+\] / { src = $0; sub(/.* -c /, "", src); sub(/ -o .*/, "", src);
-                                sub(/^.*\/csrc\//, "csrc/", src);
-                                print $1, (index($0, " -shared ") ? "linking" : "compiling " src);
-                                fflush(); next }
-       /^(Emitting ninja|Compiling objects|Allowing ninja|running build_ext|building .ppo_kernels)/ { next }
-       /^(g\+\+|c\+\+|x86_64-linux-gnu-g\+\+) .* -shared / { print "linking"; fflush(); next }
-       { print; fflush() }'
+  local line n src
+  while IFS= read -r line; do
+    case "$line" in
+      "["[0-9]*/[0-9]*"] "*)
+        n=${line%%]*}]
+        if [[ $line == *" -c "* ]]; then
+          src=${line##* -c }; src=${src%% *}; echo "$n compiling csrc/${src#*/csrc/}"
+        else
+          echo "$n linking"
+        fi ;;
+      "Emitting ninja"*|"Compiling objects"*|"Allowing ninja"*|*" -shared "*) ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done
 }
 
 setup() {

@@ -393,8 +393,11 @@ def _estimate(cfg: TrainConfig, compare: bool) -> str:
     def mins(s):
         return f"~{max(s / 60, 0.1):.1f} min"
     parts = []
+    cached = os.path.exists(os.path.join(cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+                                         f"sft_{_sft_key(cfg, cfg.vocab)}.pt"))
     if cfg.sft_steps and cfg.model is None:
-        parts.append(f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)")
+        parts.append("SFT warm-up: cached" if cached else
+                     f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)")
     runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
     for ops in runs:
         parts.append(f"{ops} run {mins(_EST[f'{ops}_step'] * cfg.steps + 2 * _EST['eval'])}")
