@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "common/alloc.h"
+#include "common/modes.h"
 
 namespace ppo_kernels {
 
@@ -21,9 +22,20 @@ bool set_poison(bool enabled) {
   return old;
 }
 
+std::vector<std::string> mode_names(const std::string& table) {
+  if (table == "agg") return agg_names();
+  if (table == "kl_estimator") return kl_estimator_names();
+  if (table == "group_advantage") return group_advantage_names();
+  TORCH_CHECK_VALUE(false, "table: unknown mode table '", table, "'");
+  return {};
+}
+
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // Test hook: NaN-fill every output buffer the kernels allocate. Returns the previous setting.
   m.def("set_poison(bool enabled) -> bool", &set_poison);
+  // The name tables of csrc/common/modes.h ("agg", "kl_estimator", "group_advantage"), so a test
+  // can check the Python tables against them.
+  m.def("mode_names(str table) -> str[]", &mode_names);
 }
 
 }  // namespace ppo_kernels

@@ -10,6 +10,7 @@ from .kl import KLClamp, kl_penalized_rewards, kl_penalty  # noqa: F401
 from .full_kl import full_kl  # noqa: F401
 from .losses import dpo_loss, ppo_policy_loss, ppo_value_loss, reward_model_loss  # noqa: F401
 from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
-from .gae import gae, masked_mean, masked_whiten  # noqa: F401
+from .gae import gae  # noqa: F401
+from .masked_stats import masked_mean, masked_whiten  # noqa: F401
 
 __version__ = "0.1.0"

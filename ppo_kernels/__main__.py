@@ -31,18 +31,30 @@ def _info(args):
     print(f"GPU: {gpu}")
     print()
     devices = ["cpu", "cuda"]
-    print(f"{'op':28s} " + " ".join(f"{d:>8s}" for d in devices))
+    print(f"{'op (backend key)':24s} {'public names':42s} " + " ".join(f"{d:>8s}" for d in devices))
+    notes = []
     for name in sorted(_backend.OPS):
+        info = _backend.OPS[name]
         row = []
         for d in devices:
             if d == "cuda" and not torch.cuda.is_available():
-                b = _backend.default_backend(name, "cuda") + "*"
+                b = _backend.default_backend(name, "cuda")
+                shown = b + "*"
             else:
-                b = _backend.resolve(name, d)
-            row.append(f"{b:>8s}")
-        print(f"{name:28s} " + " ".join(row))
+                b = shown = _backend.resolve(name, d)
+            row.append(f"{shown:>8s}")
+            also = _backend.delegation(name, b, d)
+            if also:
+                notes.append(f"  {name} on {d} ({b}): {also}")
+        public = ", ".join(p for p in info.public)
+        print(f"{name:24s} {public:42s} " + " ".join(row))
     if not torch.cuda.is_available():
         print("\n* no GPU here: the backend a CUDA tensor would get with this build")
+    if notes:
+        print("\nwhat else runs under those backends:")
+        print("\n".join(notes))
+    for (op, b, d), what in sorted(_backend.delegations().items()):
+        print(f"  handed off at run time: {op} on {d} ({b}): {what}")
 
 
 def _parser():

@@ -99,19 +99,108 @@ def use_cpp_namespace(name: str):
 
 @dataclass(frozen=True)
 class OpInfo:
-    name: str
-    kernel: str | None   # the ppo_kernels_C kernel whose presence means "cpp" is available
-    triton: bool         # has Triton kernels
-    cuda_default: str    # the measured-fastest backend on CUDA (see bench/results)
+    name: str                 # the backend key: what use_backend / PPO_KERNELS_BACKEND take
+    kernel: str | None        # the ppo_kernels_C kernel whose presence means "cpp" is available
+    triton: bool              # has Triton kernels
+    cuda_default: str         # the measured-fastest backend on CUDA (see bench/results)
+    public: tuple[str, ...]   # public API functions (ppo_kernels.<name>) that run on this key
+    folder: str               # ppo_kernels/<folder>/: reference.py, op.py, triton_kernels.py
+    # what else runs under a backend on a device, e.g. {("cpp", "cuda"): "cuBLAS matmuls + ..."}
+    delegates: tuple[tuple[str, str, str], ...] = ()
 
 
 OPS: dict[str, OpInfo] = {}
+PUBLIC: dict[str, str] = {}   # public name -> backend key (the alias table)
 
 
-def register_op(name: str, *, kernel: str | None, triton: bool, cuda_default: str = "cpp") -> OpInfo:
-    info = OpInfo(name, kernel, triton, cuda_default)
+def register_op(name: str, *, kernel: str | None, triton: bool, cuda_default: str = "cpp",
+                public: tuple[str, ...] | None = None, folder: str | None = None,
+                delegates: dict[tuple[str, str], str] | None = None) -> OpInfo:
+    """Declare an op's backend key. `public` lists the ppo_kernels functions that run on it
+    (default: the key itself); each of them is accepted by use_backend / PPO_KERNELS_BACKEND."""
+    public = (name,) if public is None else tuple(public)
+    info = OpInfo(name, kernel, triton, cuda_default, public, folder or name,
+                  tuple((b, d, w) for (b, d), w in (delegates or {}).items()))
     OPS[name] = info
+    for p in public + (name,):
+        if PUBLIC.get(p, name) != name:
+            raise RuntimeError(f"public name {p!r} already maps to backend key {PUBLIC[p]!r}")
+        PUBLIC[p] = name
     return info
+
+
+def op_key(name: str, what: str) -> str:
+    """The backend key of a public op name or key; a clear error for unknown names."""
+    key = PUBLIC.get(name.strip())
+    if key is None:
+        raise ValueError(f"{what}: unknown op {name!r}; known ops: {sorted(PUBLIC)}")
+    return key
+
+
+def delegation(op: str, backend: str, device_type: str) -> str | None:
+    """What else runs when `op` uses `backend` on `device_type` (None: nothing else)."""
+    for b, d, what in OPS[op].delegates:
+        if b == backend and d == device_type:
+            return what
+    return None
+
+
+_delegations: dict[tuple[str, str, str], str] = {}
+
+
+def note_delegation(op: str, backend: str, device_type: str, what: str):
+    """Record (and warn once) that part of `op` on `backend` ran elsewhere: nothing falls back
+    silently. `python -m ppo_kernels info` and `delegations()` list what was recorded."""
+    key = (op, backend, device_type)
+    if _delegations.get(key) != what:
+        _delegations[key] = what
+        warnings.warn(f"ppo_kernels: {op} on the {backend} backend ({device_type}): {what}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def delegations() -> dict[tuple[str, str, str], str]:
+    """What ran on another backend so far in this process: {(op, backend, device): what}."""
+    return dict(_delegations)
+
+
+class Kernel:
+    """One kernel of an op (e.g. token_logprobs' forward) with one implementation per backend, all
+    with the same parameters (names and meaning). Calling it runs the implementation of the
+    backend `backend_for(op, first argument)` picks: the op bodies never branch on backends."""
+
+    def __init__(self, op: str, name: str, *, eager_if_empty: bool = False):
+        self.op, self.name = op, name
+        self.eager_if_empty = eager_if_empty  # an empty input needs no kernel
+        self.impls: dict[str, object] = {}
+        self.params: tuple[str, ...] | None = None
+        KERNELS.append(self)
+
+    def impl(self, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}")
+
+        def register(fn):
+            import inspect
+            params = tuple(inspect.signature(fn).parameters)
+            if self.params is None:
+                self.params = params
+            elif params != self.params:
+                raise TypeError(f"{self.op}.{self.name}: the {backend} implementation takes "
+                                f"{params}, the others take {self.params}")
+            self.impls[backend] = fn
+            return fn
+        return register
+
+    def backend(self, like: torch.Tensor) -> str:
+        if self.eager_if_empty and like.numel() == 0:
+            return "eager"
+        return backend_for(self.op, like)
+
+    def __call__(self, *args):
+        return self.impls[self.backend(args[0])](*args)
+
+
+KERNELS: list[Kernel] = []
 
 
 def _normalise(name: str, what: str) -> str:
@@ -126,7 +215,7 @@ def _parse_spec(spec: str, what: str) -> dict[str, str]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if "=" in part:
             op, b = part.split("=", 1)
-            out[op.strip()] = _normalise(b, what)
+            out[op_key(op, what)] = _normalise(b, what)
         else:
             out["*"] = _normalise(part, what)
     return out
@@ -136,13 +225,12 @@ _stack: list[dict[str, str]] = []
 _env_cache: tuple[str, dict[str, str]] = ("", {})
 
 
-def _env_choice(op: str) -> str | None:
+def _env_table() -> dict[str, str]:
     global _env_cache
     spec = os.environ.get("PPO_KERNELS_BACKEND", "")
     if spec != _env_cache[0]:
         _env_cache = (spec, _parse_spec(spec, "PPO_KERNELS_BACKEND"))
-    table = _env_cache[1]
-    return table.get(op, table.get("*"))
+    return _env_cache[1]
 
 
 @contextlib.contextmanager
@@ -150,10 +238,8 @@ def use_backend(default: str | None = None, **per_op: str):
     """Run ops on a backend: `use_backend("triton")`, `use_backend(gae="eager")`, or both.
 
     Process-wide (not thread-local) so that autograd's backward threads see it too."""
-    layer = {op: _normalise(b, f"use_backend({op}=...)") for op, b in per_op.items()}
-    for op in layer:
-        if op not in OPS:
-            raise ValueError(f"use_backend: unknown op {op!r}; known ops: {sorted(OPS)}")
+    layer = {op_key(op, "use_backend"): _normalise(b, f"use_backend({op}=...)")
+             for op, b in per_op.items()}
     if default is not None:
         layer["*"] = _normalise(default, "use_backend")
     _stack.append(layer)
@@ -208,16 +294,34 @@ def out_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def resolve(op: str, device_type: str) -> str:
-    """The backend `op` runs on for a tensor on `device_type` right now."""
-    choice = None
+def has_backend(op: str, backend: str) -> bool:
+    """Whether `op` has an implementation on `backend` at all (on some machine)."""
+    info = OPS[op]
+    return backend == "eager" or (backend == "cpp" and info.kernel is not None) or \
+        (backend == "triton" and info.triton)
+
+
+def _choice(op: str) -> tuple[str | None, bool]:
+    """(requested backend or None, whether it was requested for this op by name)."""
     for layer in reversed(_stack):
-        choice = layer.get(op, layer.get("*"))
-        if choice is not None:
-            break
-    if choice is None:
-        choice = _env_choice(op)
-    if choice is None or choice == "auto":
+        if op in layer:
+            return layer[op], True
+        if "*" in layer:
+            return layer["*"], False
+    table = _env_table()
+    if op in table:
+        return table[op], True
+    return table.get("*"), False
+
+
+def resolve(op: str, device_type: str) -> str:
+    """The backend `op` runs on for a tensor on `device_type` right now.
+
+    A backend requested for the op by name must be available (else RuntimeError). A global
+    default (`use_backend("triton")`, PPO_KERNELS_BACKEND="triton") applies to the ops that have
+    that backend; an op without it (e.g. masked_whiten, eager only) keeps its default."""
+    choice, named = _choice(op)
+    if choice is None or choice == "auto" or (not named and not has_backend(op, choice)):
         return default_backend(op, device_type)
     ok, why = available(op, choice, device_type)
     if not ok:

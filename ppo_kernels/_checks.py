@@ -36,3 +36,13 @@ def check_shape(name: str, t, shape, what: str):
 def check_positive(name: str, x: float):
     if not (x > 0 and x < float("inf")):
         raise ValueError(f"{name}: expected a positive finite number, got {x}")
+
+
+def check_labels_in_range(labels, V: int, ignore_index: int):
+    """IndexError naming the first label outside [0, V) that is not ignore_index. Reads the
+    labels: a host sync on the GPU, so GPU callers only run it under strict_checks()."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        pos = int(bad.flatten().nonzero()[0])
+        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
+                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")

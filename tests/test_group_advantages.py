@@ -177,8 +177,8 @@ def test_opcheck(backend):
     idx = torch.tensor([0, 0, 1, 1, 1, 5, 6, 6, 6, 6, 2, 2])
     mask = torch.rand(12, 5) > 0.5
     with use_backend(backend):
-        for args in ((s, idx, 0, 1e-6, True, 0, None), (s, None, 3, 1e-6, False, 0, mask),
-                     (s, idx, 0, 0.0, False, 1, mask.float())):
+        for args in ((s, idx, 0, 1e-6, True, "grpo", None), (s, None, 3, 1e-6, False, "grpo", mask),
+                     (s, idx, 0, 0.0, False, "rloo", mask.float())):
             torch.library.opcheck(torch.ops.ppo_kernels.group_advantages.default, args)
 
 

@@ -122,9 +122,9 @@ def test_kl_penalty_opcheck(backend):
     lp, ref = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
     with use_backend(kl_penalty=backend):
         torch.library.opcheck(torch.ops.ppo_kernels.kl_penalty.default,
-                              (lp, ref, 3, True, -20.0, 20.0, -10.0, 10.0))
+                              (lp, ref, "k3", True, -20.0, 20.0, -10.0, 10.0))
         torch.library.opcheck(torch.ops.ppo_kernels.kl_penalty_backward.default,
-                              (torch.randn(3, 5), lp.detach(), ref.detach(), 1, False, -math.inf,
+                              (torch.randn(3, 5), lp.detach(), ref.detach(), "abs", False, -math.inf,
                                math.inf, -10.0, 10.0, True, False))
 
 
@@ -257,7 +257,7 @@ def test_kl_penalized_rewards_opcheck(backend):
     lp, ref = torch.randn(3, 5), torch.randn(3, 5)
     with use_backend(kl_penalized_rewards=backend):
         torch.library.opcheck(torch.ops.ppo_kernels.kl_penalized_rewards.default,
-                              (torch.randn(3), lp, ref, torch.rand(3, 5) > 0.5, torch.rand(3), 1.0, 3,
+                              (torch.randn(3), lp, ref, torch.rand(3, 5) > 0.5, torch.rand(3), 1.0, "k3",
                                -20.0, 20.0, -10.0, 10.0))
 
 

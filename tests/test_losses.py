@@ -337,15 +337,17 @@ def test_opcheck(backend):
     lp, old, adv, mask = _opcheck_args()
     with use_backend(backend):
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, 2, 1.0, None, -1.0))
+                              (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, "seq-mean-token-mean", 1.0,
+                               None, None))
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.2, 0.0, 20.0, 0, 2.0, torch.tensor(50.0), -1.0))
+                              (lp, old, adv, mask, 0.2, 0.2, None, 20.0, "token-mean", 2.0,
+                               torch.tensor(50.0), None))
         coef = torch.rand(3)
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss_backward.default,
                               (torch.tensor(1.5), lp.detach(), old, adv, mask, coef, 0.2, 0.2, 3.0, 20.0))
         v = lp.detach().clone().requires_grad_(True)
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss.default,
-                              (v, old, adv, mask, 0.2, 1, 1.0, None, 4.0))
+                              (v, old, adv, mask, 0.2, "seq-mean-token-sum", 1.0, None, 4.0))
         torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss_backward.default,
                               (torch.tensor(1.0), v.detach(), old, adv, mask, coef, 0.2))
 
@@ -503,7 +505,7 @@ def test_dpo_loss():
 
 def test_pairwise_opcheck_and_compile():
     z = torch.randn(9, requires_grad=True)
-    for red in (0, 1, 2):
+    for red in ("mean", "sum", "none"):
         torch.library.opcheck(torch.ops.ppo_kernels.pairwise_logsigmoid_loss.default, (z, red))
     torch._dynamo.reset()
     f = torch.compile(lambda a, b, c, d: pk.dpo_loss(a, b, c, d, beta=0.2), fullgraph=True, backend="aot_eager")

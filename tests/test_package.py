@@ -40,9 +40,10 @@ def test_info_lists_every_op_and_backend():
         assert op in r.stdout
 
 
-def test_every_public_op_is_a_torch_op():
-    for op in _backend.OPS:
-        assert hasattr(torch.ops.ppo_kernels, op), op
+def test_every_op_with_kernels_is_a_torch_op():
+    for op, info in _backend.OPS.items():
+        if info.kernel is not None or info.triton or op == "pairwise_logsigmoid_loss":
+            assert hasattr(torch.ops.ppo_kernels, op), op
 
 
 def test_cpp_backend_is_the_cpu_default_when_compiled():

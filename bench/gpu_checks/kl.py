@@ -45,8 +45,8 @@ def correctness(ctx):
     mask[3] = False
     scores = torch.randn(37, device="cuda")
     beta = torch.rand(37, device="cuda")
-    want = R.kl_penalized_rewards(scores.double(), lp.double(), ref.double(), mask, beta.double(), 3,
-                                  R.resolve_clamp("verl", 3))
+    want = R.kl_penalized_rewards(scores.double(), lp.double(), ref.double(), mask, beta.double(), "k3",
+                                  R.resolve_clamp("verl", "k3"))
     for backend in ("triton", "eager"):
         with use_backend(kl_penalized_rewards=backend):
             got = pk.kl_penalized_rewards(scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl")

@@ -9,6 +9,7 @@
 #include "common/alloc.h"
 #include "common/cpu_softmax.h"
 #include "common/kl_stats.h"
+#include "common/modes.h"
 
 namespace ppo_kernels {
 namespace {
@@ -39,15 +40,15 @@ KLValueGrad<V> estimate(V d, const KLClampSpec& c, bool st) {
   return kl_estimate<EST>(d, ex, c, st);
 }
 
-// Calls f(std::integral_constant<int, EST>) for the runtime estimator code.
+// Calls f(std::integral_constant<int, EST>) for the estimator named `name` (kl_estimator_names()).
 template <typename F>
-void dispatch_estimator(int64_t est, F&& f) {
-  switch (est) {
+void dispatch_estimator(const std::string& name, F&& f) {
+  switch (mode_index("estimator", kl_estimator_names(), name)) {
     case kK1: f(std::integral_constant<int, kK1>()); break;
     case kAbs: f(std::integral_constant<int, kAbs>()); break;
     case kK2: f(std::integral_constant<int, kK2>()); break;
     case kK3: f(std::integral_constant<int, kK3>()); break;
-    default: TORCH_CHECK(false, "kl: unknown estimator code ", est);
+    default: TORCH_CHECK(false, "kl: estimator table and KLEstimator disagree");
   }
 }
 
@@ -61,7 +62,7 @@ void check_pair(const at::Tensor& lp, const at::Tensor& ref) {
   TORCH_CHECK(lp.scalar_type() == ref.scalar_type(), "ref_logprobs: expected dtype ", lp.scalar_type());
 }
 
-at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in, int64_t est,
+at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in, const std::string& est,
                               bool straight_through, double in_lo, double in_hi, double out_lo,
                               double out_hi) {
   check_pair(lp_in, ref_in);
@@ -95,7 +96,7 @@ at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in,
 
 // grad_lp = grad * dv/dd, grad_ref = -grad_lp (each only when asked for; else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& lp_in,
-                                                      const at::Tensor& ref_in, int64_t est,
+                                                      const at::Tensor& ref_in, const std::string& est,
                                                       bool straight_through, double in_lo, double in_hi,
                                                       double out_lo, double out_hi, bool need_lp,
                                                       bool need_ref) {
@@ -141,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in,
 // One pass per row: kl (masked), rewards with the score on the last action, mean kl over the mask.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
     const at::Tensor& scores_in, const at::Tensor& lp_in, const at::Tensor& ref_in,
-    const at::Tensor& mask_in, const std::optional<at::Tensor>& beta_t, double beta, int64_t est,
+    const at::Tensor& mask_in, const std::optional<at::Tensor>& beta_t, double beta, const std::string& est,
     double in_lo, double in_hi, double out_lo, double out_hi) {
   check_pair(lp_in, ref_in);
   TORCH_CHECK(lp_in.dim() == 2, "logprobs: expected [B, T]");
@@ -238,13 +239,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  m.def("kl_penalty_fwd(Tensor logprobs, Tensor ref_logprobs, int estimator, bool straight_through, "
+  m.def("kl_penalty_fwd(Tensor logprobs, Tensor ref_logprobs, str estimator, bool straight_through, "
         "float in_lo, float in_hi, float out_lo, float out_hi) -> Tensor");
-  m.def("kl_penalty_bwd(Tensor grad, Tensor logprobs, Tensor ref_logprobs, int estimator, "
+  m.def("kl_penalty_bwd(Tensor grad, Tensor logprobs, Tensor ref_logprobs, str estimator, "
         "bool straight_through, float in_lo, float in_hi, float out_lo, float out_hi, bool need_lp, "
         "bool need_ref) -> (Tensor, Tensor)");
   m.def("kl_rewards_fwd(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor mask, Tensor? beta_t, "
-        "float beta, int estimator, float in_lo, float in_hi, float out_lo, float out_hi) "
+        "float beta, str estimator, float in_lo, float in_hi, float out_lo, float out_hi) "
         "-> (Tensor, Tensor, Tensor)");
 }
 

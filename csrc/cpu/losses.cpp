@@ -16,13 +16,13 @@
 
 #include "common/alloc.h"
 #include "common/loss_math.h"
+#include "common/modes.h"
 
 namespace ppo_kernels {
 namespace {
 
 constexpr int64_t kChunk = 1024;
 
-enum Agg : int64_t { kTokenMean = 0, kSeqMeanTokenSum = 1, kSeqMeanTokenMean = 2, kSeqMeanTokenSumNorm = 3 };
 
 // n elements of t (contiguous, any real dtype) from flat offset off, as float.
 void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
@@ -58,14 +58,15 @@ void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
 template <typename Fn>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, const at::Tensor& y,
                                                         const at::Tensor& z, const at::Tensor& mask,
-                                                        int64_t agg, double scale,
+                                                        const std::string& agg_name, double scale,
                                                         const std::optional<at::Tensor>& global_denom,
-                                                        double global_denom_value, int64_t n_stats, Fn fn) {
+                                                        std::optional<double> global_denom_value,
+                                                        int64_t n_stats, Fn fn) {
+  const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
   check_like(x, y, "second input");
   check_like(x, z, "third input");
   check_like(x, mask, "mask");
-  TORCH_CHECK(agg >= 0 && agg <= 3, "agg: unknown mode ", agg);
   const int64_t items = s.B * s.nch;
   std::vector<std::array<double, kNumPartials>> part(items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -115,8 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
   double denom = agg == kTokenMean ? n_total : n_seqs;
   if (global_denom.has_value() && global_denom->defined()) {
     denom = global_denom->to(at::kDouble).item<double>();  // a CPU tensor: no device sync
-  } else if (global_denom_value >= 0.0) {
-    denom = global_denom_value;
+  } else if (global_denom_value.has_value()) {
+    denom = *global_denom_value;
   }
   const double per = denom != 0.0 ? scale / denom : 0.0;
   const auto f32 = x.options().dtype(at::kFloat);
@@ -173,23 +174,25 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
   return grad;
 }
 
-auto policy_fn(double clip_low, double clip_high, double dual_clip, double lr_clamp) {
+// dual_clip / clip: none = off (policy_token / value_token take a non-positive value as off).
+auto policy_fn(double clip_low, double clip_high, std::optional<double> dual_clip, double lr_clamp) {
   const float lo = static_cast<float>(1.0 - clip_low), hi = static_cast<float>(1.0 + clip_high);
-  const float dc = static_cast<float>(dual_clip), lrc = static_cast<float>(lr_clamp);
+  const float dc = static_cast<float>(dual_clip.value_or(0.0)), lrc = static_cast<float>(lr_clamp);
   return [=](const VecF& lp, const VecF& old, const VecF& adv) {
     return policy_token(lp, old, adv, lo, hi, dc, lrc);
   };
 }
 
-auto value_fn(double clip) {
-  const float c = static_cast<float>(clip);
+auto value_fn(std::optional<double> clip) {
+  const float c = static_cast<float>(clip.value_or(0.0));
   return [=](const VecF& v, const VecF& vo, const VecF& ret) { return value_token(v, vo, ret, c); };
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-    const at::Tensor& mask, double clip_low, double clip_high, double dual_clip, double log_ratio_clamp,
-    int64_t agg, double scale, const std::optional<at::Tensor>& global_denom, double global_denom_value) {
+    const at::Tensor& mask, double clip_low, double clip_high, std::optional<double> dual_clip,
+    double log_ratio_clamp, const std::string& agg, double scale,
+    const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
   return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom, global_denom_value, 4,
                   policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
@@ -197,30 +200,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
 at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
                                    const at::Tensor& old_logprobs, const at::Tensor& advantages,
                                    const at::Tensor& mask, const at::Tensor& row_coef, double clip_low,
-                                   double clip_high, double dual_clip, double log_ratio_clamp) {
+                                   double clip_high, std::optional<double> dual_clip,
+                                   double log_ratio_clamp) {
   return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef,
                   policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
     const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
-    double clip, int64_t agg, double scale, const std::optional<at::Tensor>& global_denom,
-    double global_denom_value) {
+    std::optional<double> clip, const std::string& agg, double scale,
+    const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
   return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value, 1,
                   value_fn(clip));
 }
 
 at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& values,
                                   const at::Tensor& old_values, const at::Tensor& returns,
-                                  const at::Tensor& mask, const at::Tensor& row_coef, double clip) {
+                                  const at::Tensor& mask, const at::Tensor& row_coef,
+                                  std::optional<double> clip) {
   return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, value_fn(clip));
 }
 
-// GRPO (kind 0) / RLOO (kind 1) advantages. Groups: group_index[i] in [0, B) or i / group_size.
+// GRPO / RLOO advantages (kind: group_advantage_names()). Groups: group_index[i] in [0, B) or i / group_size.
 // Statistics in double (so a group of equal scores has an exact mean and gives exactly 0).
 at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional<at::Tensor>& group_index,
-                                int64_t group_size, double eps, bool norm_by_std, int64_t kind,
+                                int64_t group_size, double eps, bool norm_by_std, const std::string& kind_name,
                                 const std::optional<at::Tensor>& mask) {
+  const int64_t kind = mode_index("kind", group_advantage_names(), kind_name);
   TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
   const int64_t B = scores_in.size(0);
   const bool by_index = group_index.has_value() && group_index->defined();
@@ -257,7 +263,7 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
   for (int64_t i = 0; i < B; ++i) {
     const double n = cnt[gid[i]], c = x[i] - sum[gid[i]];
     double a;
-    if (kind == 0) {
+    if (kind == kGRPO) {
       if (n <= 1.0) a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
       else a = norm_by_std ? c / (std::sqrt(ss[gid[i]] / (n - 1.0)) + eps) : c;
     } else {
@@ -289,18 +295,18 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   m.def("ppo_policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
-        "float clip_low, float clip_high, float dual_clip, float log_ratio_clamp, int agg, float scale, "
-        "Tensor? global_denom, float global_denom_value) -> (Tensor loss, Tensor stats, Tensor row_coef)");
+        "float clip_low, float clip_high, float? dual_clip, float log_ratio_clamp, str agg, float scale, "
+        "Tensor? global_denom, float? global_denom_value) -> (Tensor loss, Tensor stats, Tensor row_coef)");
   m.def("ppo_policy_loss_bwd(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
-        "Tensor mask, Tensor row_coef, float clip_low, float clip_high, float dual_clip, "
+        "Tensor mask, Tensor row_coef, float clip_low, float clip_high, float? dual_clip, "
         "float log_ratio_clamp) -> Tensor");
-  m.def("ppo_value_loss_fwd(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, "
-        "int agg, float scale, Tensor? global_denom, float global_denom_value) "
+  m.def("ppo_value_loss_fwd(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
+        "str agg, float scale, Tensor? global_denom, float? global_denom_value) "
         "-> (Tensor loss, Tensor stats, Tensor row_coef)");
   m.def("ppo_value_loss_bwd(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, "
-        "Tensor mask, Tensor row_coef, float clip) -> Tensor");
+        "Tensor mask, Tensor row_coef, float? clip) -> Tensor");
   m.def("group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool norm_by_std, "
-        "int kind, Tensor? mask) -> Tensor");
+        "str kind, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

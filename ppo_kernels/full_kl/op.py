@@ -14,19 +14,56 @@ _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default=
 
 
 
+# The kernels, one implementation per backend with one signature (inv_temperature = 1 / T).
+forward = _backend.Kernel("full_kl", "forward")
+backward = _backend.Kernel("full_kl", "backward")  # writes grad_logits (and grad_ref_logits)
+
+
+@forward.impl("cpp")
+def _(logits, ref_logits, mask, inv_temperature):
+    return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, inv_temperature)
+
+
+@forward.impl("triton")
+def _(logits, ref_logits, mask, inv_temperature):
+    from . import triton_kernels
+    return triton_kernels.forward(logits, ref_logits, mask, inv_temperature)
+
+
+@forward.impl("eager")
+def _(logits, ref_logits, mask, inv_temperature):
+    kl, lz, lw = reference.forward(logits, ref_logits, 1.0 / inv_temperature, mask)
+    o = _backend.out_dtype(logits)
+    return kl.to(o), lz.to(o), lw.to(o)
+
+
+@backward.impl("cpp")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+    _backend.cpp_ops().full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+                                   inv_temperature, grad_logits, grad_ref)
+
+
+@backward.impl("triton")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+    from . import triton_kernels
+    triton_kernels.backward(grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature,
+                            grad_logits, grad_ref)
+
+
+@backward.impl("eager")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+    gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, 1.0 / inv_temperature,
+                                mask, grad_ref is not None)
+    grad_logits.copy_(gz)
+    if grad_ref is not None:
+        grad_ref.copy_(gw)
+
+
 @torch.library.custom_op("ppo_kernels::full_kl", mutates_args=())
 def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
-    backend = _backend.backend_for("full_kl", logits)
-    if backend == "cpp":
-        return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, 1.0 / temperature)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.forward(logits, ref_logits, mask, 1.0 / temperature)
-    kl, lz, lw = reference.forward(logits, ref_logits, temperature, mask)
-    o = _backend.out_dtype(logits)
-    return kl.to(o), lz.to(o), lw.to(o)
+    return forward(logits, ref_logits, mask, 1.0 / temperature)
 
 
 @full_kl_op.register_fake
@@ -40,20 +77,11 @@ def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: 
                         kl: Tensor, lse_z: Tensor, lse_w: Tensor, temperature: float,
                         need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logits, grad_ref_logits or an empty tensor)."""
-    backend = _backend.backend_for("full_kl", logits)
-    if backend == "eager":
-        gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature, mask, need_ref)
-        return gz.contiguous(), (gw.contiguous() if need_ref else ref_logits.new_empty(0))
     gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
     gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) if need_ref \
         else ref_logits.new_empty(0)
-    if backend == "cpp":
-        _backend.cpp_ops().full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
-                                            1.0 / temperature, gz, gw if need_ref else None)
-    else:
-        from . import triton_kernels
-        triton_kernels.backward(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature,
-                                gz, gw if need_ref else None)
+    backward(logits, grad, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature, gz,
+             gw if need_ref else None)
     return gz, gw
 
 
@@ -83,7 +111,7 @@ full_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
-            mask: Tensor | None = None) -> Tensor:
+            mask: Tensor | None = None, process_group=None) -> Tensor:
     """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
     tensors (online max and sums for both distributions; no N x V temporary).
 
@@ -96,6 +124,10 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         temperature: positive float applied to both (a runtime value: no recompiles).
         mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
             and are not read.
+
+        process_group: vocab-parallel form: both logits hold this rank's contiguous slice of the
+            vocabulary (the same slice); every rank gets the full-vocabulary KL (one all-gather
+            of three numbers per row) and its slice of the gradients.
 
     Returns:
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
@@ -114,7 +146,7 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         if t.stride(-1) != 1 and V > 1:
             raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
                              f"got strides {tuple(t.stride())}")
-    if V == 0 and logits.shape[:-1].numel() > 0:
+    if V == 0 and logits.shape[:-1].numel() > 0 and process_group is None:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     check_positive("temperature", float(temperature))
     if mask is not None:
@@ -123,5 +155,8 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
             raise ValueError(f"mask: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                              f"got {tuple(mask.shape)}")
         mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+    if process_group is not None:
+        from ..distributed.vocab_parallel import vocab_parallel_full_kl
+        return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)
     return kl

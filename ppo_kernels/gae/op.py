@@ -15,6 +15,40 @@ OP = _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cp
 
 
 
+# The kernel, one implementation per backend with one signature: flat (contiguous, 1-D) inputs,
+# gamma_t / lam_t per-token tensors or None (then the floats), n_rows rows of row_len tokens or
+# packed by cu_seqlens (row_len -1). Returns (adv, returns, carry_value, carry_adv), flat.
+forward = _backend.Kernel("gae", "forward")
+
+
+@forward.impl("cpp")
+def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
+      n_rows, row_len):
+    return _backend.cpp_ops().gae_fwd(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam,
+                                      init_value, init_adv, cu_seqlens, n_rows, row_len)
+
+
+@forward.impl("triton")
+def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
+      n_rows, row_len):
+    from . import triton_kernels
+    return triton_kernels.gae(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value,
+                              init_adv, cu_seqlens, n_rows, row_len)
+
+
+@forward.impl("eager")
+def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
+      n_rows, row_len):
+    shape = (n_rows, row_len) if cu_seqlens is None else (-1,)
+
+    def view(x):
+        return None if x is None else x.view(shape)
+    adv, ret, cv, ca = reference.gae_eager(
+        view(rewards), view(values), view(mask), gamma if gamma_t is None else view(gamma_t),
+        lam if lam_t is None else view(lam_t), view(dones), init_value, init_adv, cu_seqlens)
+    return adv.reshape(-1), ret.reshape(-1), cv.clone(), ca.clone()
+
+
 @torch.library.custom_op("ppo_kernels::gae", mutates_args=())
 def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor | None,
            gamma_t: Tensor | None, lam_t: Tensor | None, gamma: float, lam: float,
@@ -25,26 +59,15 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
     init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv).
     The mask may also be float32 on the CPU: the C++ kernel reads it as it is (nonzero = action),
     the other backends get it as bool."""
-    backend = _backend.backend_for("gae", rewards)
+    backend = forward.backend(rewards)
     if mask is not None and mask.dtype != torch.bool and not (backend == "cpp" and mask.is_cpu):
         mask = mask != 0
     n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else rewards.shape[0]
     row_len = rewards.shape[-1] if cu_seqlens is None else -1
-    if backend == "eager":
-        g = gamma_t if gamma_t is not None else gamma
-        lm = lam_t if lam_t is not None else lam
-        adv, ret, cv, ca = reference.gae_eager(rewards, values, mask, g, lm, dones, init_value,
-                                               init_adv, cu_seqlens)
-        return adv, ret, cv.clone(), ca.clone()
     flat = [None if x is None else x.contiguous().view(-1)
             for x in (rewards, values, mask, dones, gamma_t, lam_t)]
-    if backend == "cpp":
-        adv, ret, cv, ca = _backend.cpp_ops().gae_fwd(*flat, gamma, lam, init_value, init_adv,
-                                                           cu_seqlens, n_rows, row_len)
-    else:
-        from . import triton_kernels
-        adv, ret, cv, ca = triton_kernels.gae(*flat, gamma, lam, init_value, init_adv, cu_seqlens,
-                                              n_rows, row_len)
+    adv, ret, cv, ca = forward(*flat, gamma, lam, init_value, init_adv, cu_seqlens, n_rows,
+                               row_len)
     return adv.view(rewards.shape), ret.view(rewards.shape), cv, ca
 
 
@@ -104,7 +127,8 @@ def _check_cu_seqlens(cu: Tensor, total: int):
 def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
         gamma: float | Tensor = 1.0, lam: float | Tensor = 1.0, dones: Tensor | None = None,
         bootstrap_value: Tensor | None = None, cu_seqlens: Tensor | None = None,
-        carry: tuple[Tensor, Tensor] | None = None, return_carry: bool = False):
+        carry: tuple[Tensor, Tensor] | None = None, return_carry: bool = False,
+        process_group=None):
     """Generalised advantage estimation in one chunked reverse scan (no Python loop over time).
 
     Args:
@@ -125,12 +149,26 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
             (or rank) holding the continuation of each row. Excludes bootstrap_value (which is the
             carry `(bootstrap_value, 0)`).
         return_carry: also return the carry at the left edge, `(next_value[B], next_adv[B])`.
+        process_group: sequence-parallel form: each rank of this torch.distributed group holds a
+            contiguous time slice `[B, T_rank]` of the same rows (rank 0 the start); every rank
+            gets its slice of the whole-row result (one all-gather of per-row affine carry maps;
+            see ppo_kernels/distributed/sequence_parallel.py). bootstrap_value / carry belong to
+            the last rank (the right edge); the others' are ignored. Not with cu_seqlens.
 
     Returns:
         `(advantages, returns)` float32 like rewards, or `(advantages, returns, carry)`.
     GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/reference.py for the
     documented semantics and edge cases.
     """
+    if process_group is not None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: packed rows are not supported with process_group; "
+                             "split [B, T] rows along T instead")
+        from ..distributed import sequence_parallel_gae
+        check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=2)
+        return sequence_parallel_gae(gae, rewards, values, mask, gamma=gamma, lam=lam,
+                                     dones=dones, bootstrap_value=bootstrap_value, carry=carry,
+                                     return_carry=return_carry, process_group=process_group)
     check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES)
     check_tensor("values", values, dtypes=FLOAT_DTYPES)
     check_shape("values", values, rewards.shape, "like rewards")

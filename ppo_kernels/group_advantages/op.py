@@ -6,32 +6,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _backend
-from .._checks import INDEX_DTYPES, check_same_device, check_tensor
+from .. import _backend, _modes
+from .._checks import INDEX_DTYPES, check_same_device, check_shape, check_tensor
 from . import reference
-from .reference import KINDS
 
-_backend.register_op("group_advantages", kernel="group_advantages", triton=True, cuda_default="triton")
+_backend.register_op("group_advantages", kernel="group_advantages", triton=True,
+                     cuda_default="triton", public=("grpo_advantages", "rloo_advantages"))
 
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + SCORE_DTYPES
 
 
 
+# The kernel, one implementation per backend with one signature. kind: a name of
+# _modes.GROUP_ADVANTAGES; group_index [B] (values in [0, B)) or None and group_size > 0.
+forward = _backend.Kernel("group_advantages", "forward")
+
+
+@forward.impl("cpp")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    return _backend.cpp_ops().group_advantages(scores, group_index, group_size, eps, norm_by_std,
+                                               kind, mask)
+
+
+@forward.impl("triton")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    from . import triton_kernels
+    return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std,
+                                           _modes.index("kind", _modes.GROUP_ADVANTAGES, kind),
+                                           mask)
+
+
+@forward.impl("eager")
+def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    adv = reference.group_advantages(scores, group_index,
+                                     group_size if group_index is None else None, eps,
+                                     norm_by_std, mask, kind)
+    return adv.to(_backend.out_dtype(scores))
+
+
 @torch.library.custom_op("ppo_kernels::group_advantages", mutates_args=())
 def group_advantages_op(scores: Tensor, group_index: Tensor | None, group_size: int, eps: float,
-                        norm_by_std: bool, kind: int, mask: Tensor | None) -> Tensor:
-    """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None."""
-    backend = "eager" if scores.dtype == torch.float64 else _backend.resolve("group_advantages", scores.device.type)
-    if backend == "cpp":
-        return _backend.cpp_ops().group_advantages(scores, group_index, group_size, eps, norm_by_std,
-                                                       kind, mask)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.group_advantages(scores, group_index, group_size, eps, norm_by_std, kind, mask)
-    adv = reference.group_advantages(scores, group_index, group_size if group_index is None else None, eps,
-                                     norm_by_std, mask, KINDS[kind])
-    return adv.to(_backend.out_dtype(scores))
+                        norm_by_std: bool, kind: str, mask: Tensor | None) -> Tensor:
+    """scores [B]; group_index [B] (values in [0, B)) or group_size > 0; mask [B, T] or None;
+    kind "grpo" or "rloo"."""
+    return forward(scores, group_index, group_size, eps, norm_by_std, kind, mask)
 
 
 @group_advantages_op.register_fake
@@ -48,8 +67,18 @@ def _check_index_cpu(group_index, B):
                          f"[0, B) = [0, {B}); pass e.g. torch.unique(ids, return_inverse=True)[1]")
 
 
-def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask):
+def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask,
+                      process_group=None):
     check_tensor("scores", scores, dtypes=SCORE_DTYPES, dim=1)
+    if process_group is not None:
+        from ..distributed.data_parallel import gather_groups
+        if mask is not None:
+            check_tensor("mask", mask, dtypes=MASK_DTYPES, dim=2)
+            check_shape("mask", mask, (scores.shape[0], mask.shape[1]), "one row per score")
+        scores, group_index, rows = gather_groups(scores, group_index, process_group)
+        adv = _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, None)
+        adv = adv[rows]
+        return adv if mask is None else adv[:, None] * mask.to(adv.dtype)
     B = scores.shape[0]
     if (group_index is None) == (group_size is None):
         raise ValueError("pass exactly one of group_index (a group id per response) and group_size "
@@ -82,7 +111,8 @@ def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, m
 
 
 def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
-                    eps: float = 1e-6, norm_by_std: bool = True, mask: Tensor | None = None) -> Tensor:
+                    eps: float = 1e-6, norm_by_std: bool = True, mask: Tensor | None = None,
+                    process_group=None) -> Tensor:
     """GRPO outcome advantages (verl's `compute_grpo_outcome_advantage`), without a Python loop.
 
     `A_i = (R_i - mean_g) / (std_g + eps)` with the unbiased std of the response's group
@@ -94,14 +124,20 @@ def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
         group_index: [B] int32/int64 group id per response, values in [0, B); or
         group_size: responses come in contiguous groups of this size (B % group_size == 0).
         mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
+        process_group: groups over the responses of every rank of this torch.distributed group
+            (in rank order; every rank holds the same number B of responses): one all-gather of
+            the scores (and group ids, which are then global: values in [0, world * B)); a group
+            may span ranks. Each rank gets the advantages of its own responses.
     Returns float32 [B] (or [B, T]); float64 for float64 scores. No gradient.
     """
-    return _group_advantages(0, scores, group_index, group_size, eps, norm_by_std, mask)
+    return _group_advantages("grpo", scores, group_index, group_size, eps, norm_by_std, mask,
+                             process_group)
 
 
 def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
-                    mask: Tensor | None = None) -> Tensor:
+                    mask: Tensor | None = None, process_group=None) -> Tensor:
     """RLOO advantages (verl's `compute_rloo_outcome_advantage`): `A_i = R_i - mean of the other
     members of its group` = n / (n - 1) * (R_i - mean_g). A singleton keeps its score (A_i = R_i,
     as verl's `rloo`). Arguments and result as `grpo_advantages`."""
-    return _group_advantages(1, scores, group_index, group_size, 0.0, False, mask)
+    return _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask,
+                             process_group)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("grpo", "rloo")
+from .._modes import GROUP_ADVANTAGES as KINDS
 
 
 def group_ids(B, group_index=None, group_size=None, device=None):

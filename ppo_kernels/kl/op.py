@@ -6,31 +6,99 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _backend
+from .. import _backend, _modes
 from .._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 from . import reference
 from .reference import KLClamp, parse_estimator, resolve_clamp
 
 # Elementwise / one-row ops: Triton is the GPU kernel (a CUDA C++ kernel would not read less).
-_backend.register_op("kl_penalty", kernel="kl_penalty_fwd", triton=True, cuda_default="triton")
-_backend.register_op("kl_penalized_rewards", kernel="kl_rewards_fwd", triton=True, cuda_default="triton")
+_backend.register_op("kl_penalty", kernel="kl_penalty_fwd", triton=True, cuda_default="triton",
+                     folder="kl")
+_backend.register_op("kl_penalized_rewards", kernel="kl_rewards_fwd", triton=True,
+                     cuda_default="triton", folder="kl")
 
 
+
+
+# The kernels, one implementation per backend with one signature. estimator: a canonical name
+# of _modes.KL_ESTIMATORS; clamps: (in_lo, in_hi, out_lo, out_hi), +-inf = no bound.
+forward = _backend.Kernel("kl_penalty", "forward")
+backward = _backend.Kernel("kl_penalty", "backward")
+rewards = _backend.Kernel("kl_penalized_rewards", "forward")
+
+
+def _est(estimator):  # the Triton kernels specialise on the estimator's index
+    return _modes.index("estimator", _modes.KL_ESTIMATORS, estimator)
+
+
+@forward.impl("cpp")
+def _(logprobs, ref_logprobs, estimator, straight_through, bounds):
+    return _backend.cpp_ops().kl_penalty_fwd(logprobs, ref_logprobs, estimator, straight_through,
+                                             *bounds)
+
+
+@forward.impl("triton")
+def _(logprobs, ref_logprobs, estimator, straight_through, bounds):
+    from . import triton_kernels
+    return triton_kernels.forward(logprobs, ref_logprobs, _est(estimator), bounds)
+
+
+@forward.impl("eager")
+def _(logprobs, ref_logprobs, estimator, straight_through, bounds):
+    v = reference.kl_penalty(logprobs, ref_logprobs, estimator, False, bounds)
+    return v.to(_backend.out_dtype(logprobs)).contiguous()
+
+
+@backward.impl("cpp")
+def _(logprobs, grad, ref_logprobs, estimator, straight_through, bounds, need_lp, need_ref):
+    return _backend.cpp_ops().kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
+                                             straight_through, *bounds, need_lp, need_ref)
+
+
+@backward.impl("triton")
+def _(logprobs, grad, ref_logprobs, estimator, straight_through, bounds, need_lp, need_ref):
+    from . import triton_kernels
+    return triton_kernels.backward(grad, logprobs, ref_logprobs, _est(estimator), straight_through,
+                                   bounds, need_lp, need_ref)
+
+
+@backward.impl("eager")
+def _(logprobs, grad, ref_logprobs, estimator, straight_through, bounds, need_lp, need_ref):
+    g = grad * reference.kl_penalty_grad(logprobs, ref_logprobs, estimator, straight_through,
+                                         bounds)
+    empty = logprobs.new_empty(0)
+    return (g.to(logprobs.dtype) if need_lp else empty), \
+        ((-g).to(logprobs.dtype) if need_ref else logprobs.new_empty(0))
+
+
+@rewards.impl("cpp")
+def _(logprobs, scores, ref_logprobs, mask, beta_t, beta, estimator, bounds):
+    return _backend.cpp_ops().kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t, beta,
+                                             estimator, *bounds)
+
+
+@rewards.impl("triton")
+def _(logprobs, scores, ref_logprobs, mask, beta_t, beta, estimator, bounds):
+    from . import triton_kernels
+    return triton_kernels.rewards(scores, logprobs, ref_logprobs, mask, beta_t, beta,
+                                  _est(estimator), bounds)
+
+
+@rewards.impl("eager")
+def _(logprobs, scores, ref_logprobs, mask, beta_t, beta, estimator, bounds):
+    b = beta if beta_t is None else beta_t * beta
+    r, k, m = reference.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator,
+                                             bounds)
+    out = _backend.out_dtype(logprobs)
+    return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalty", mutates_args=())
-def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: int, straight_through: bool,
+def kl_penalty_op(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, straight_through: bool,
                   in_lo: float, in_hi: float, out_lo: float, out_hi: float) -> Tensor:
-    bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend.backend_for("kl_penalty", logprobs)
-    if backend == "cpp":
-        return _backend.cpp_ops().kl_penalty_fwd(logprobs, ref_logprobs, estimator,
-                                                      straight_through, *bounds)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.forward(logprobs, ref_logprobs, estimator, bounds)
-    v = reference.kl_penalty(logprobs, ref_logprobs, estimator, False, bounds)
-    return v.to(_backend.out_dtype(logprobs)).contiguous()
+    """estimator: a name of _modes.KL_ESTIMATORS; clamp bounds +-inf = none."""
+    return forward(logprobs, ref_logprobs, estimator, straight_through,
+                   (in_lo, in_hi, out_lo, out_hi))
 
 
 @kl_penalty_op.register_fake
@@ -39,29 +107,20 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalty_backward", mutates_args=())
-def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor, estimator: int,
+def kl_penalty_backward_op(grad: Tensor, logprobs: Tensor, ref_logprobs: Tensor, estimator: str,
                            straight_through: bool, in_lo: float, in_hi: float, out_lo: float,
                            out_hi: float, need_lp: bool, need_ref: bool) -> tuple[Tensor, Tensor]:
     """(grad_logprobs, grad_ref_logprobs), each an empty tensor when not needed."""
-    bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend.backend_for("kl_penalty", logprobs)
-    if backend == "cpp":
-        return _backend.cpp_ops().kl_penalty_bwd(grad, logprobs, ref_logprobs, estimator,
-                                                      straight_through, *bounds, need_lp, need_ref)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.backward(grad, logprobs, ref_logprobs, estimator, straight_through,
-                                       bounds, need_lp, need_ref)
-    g = grad * reference.kl_penalty_grad(logprobs, ref_logprobs, estimator, straight_through, bounds)
-    empty = logprobs.new_empty(0)
-    return (g.to(logprobs.dtype) if need_lp else empty), ((-g).to(logprobs.dtype) if need_ref else logprobs.new_empty(0))
+    return backward(logprobs, grad, ref_logprobs, estimator, straight_through,
+                    (in_lo, in_hi, out_lo, out_hi), need_lp, need_ref)
 
 
 @kl_penalty_backward_op.register_fake
 def _(grad, logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi,
       need_lp, need_ref):
     def out(need):
-        return torch.empty(logprobs.shape if need else (0,), dtype=logprobs.dtype, device=logprobs.device)
+        return torch.empty(logprobs.shape if need else (0,), dtype=logprobs.dtype,
+                           device=logprobs.device)
     return out(need_lp), out(need_ref)
 
 
@@ -108,28 +167,19 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
         including through clamps (zero where a clamp is active, as torch.clamp).
     See ppo_kernels/kl/reference.py for the formulas, presets and edge cases.
     """
-    code, st = parse_estimator(estimator)
-    bounds = resolve_clamp(clamp, code)
+    name, st = parse_estimator(estimator)
+    bounds = resolve_clamp(clamp, name)
     logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
-    return torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, code, st, *bounds)
+    return torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalized_rewards", mutates_args=())
 def kl_penalized_rewards_op(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
-                            beta_t: Tensor | None, beta: float, estimator: int, in_lo: float,
-                            in_hi: float, out_lo: float, out_hi: float) -> tuple[Tensor, Tensor, Tensor]:
-    bounds = (in_lo, in_hi, out_lo, out_hi)
-    backend = _backend.backend_for("kl_penalized_rewards", logprobs)
-    if backend == "cpp":
-        return _backend.cpp_ops().kl_rewards_fwd(scores, logprobs, ref_logprobs, mask, beta_t,
-                                                      beta, estimator, *bounds)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.rewards(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, bounds)
-    b = beta if beta_t is None else beta_t * beta
-    r, k, m = reference.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
-    out = _backend.out_dtype(logprobs)
-    return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
+                            beta_t: Tensor | None, beta: float, estimator: str, in_lo: float,
+                            in_hi: float, out_lo: float,
+                            out_hi: float) -> tuple[Tensor, Tensor, Tensor]:
+    return rewards(logprobs, scores, ref_logprobs, mask, beta_t, beta, estimator,
+                   (in_lo, in_hi, out_lo, out_hi))
 
 
 @kl_penalized_rewards_op.register_fake
@@ -160,8 +210,8 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         float64 log-probs); kl is 0 where mask == 0. A row with no action: all zeros, its score
         dropped, mean kl 0. No gradient flows (the inputs are detached).
     """
-    code, _ = parse_estimator(estimator)
-    bounds = resolve_clamp(clamp, code)
+    name, _ = parse_estimator(estimator)
+    bounds = resolve_clamp(clamp, name)
     logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
     check_tensor("logprobs", logprobs, dim=2)
     B = logprobs.shape[0]
@@ -186,4 +236,4 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         beta_f = float(beta)
     return torch.ops.ppo_kernels.kl_penalized_rewards(scores.detach(), logprobs.detach(),
                                                       ref_logprobs.detach(), mask, beta_t, beta_f,
-                                                      code, *bounds)
+                                                      name, *bounds)

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = {"k1": 0, "kl": 0, "abs": 1, "k2": 2, "mse": 2, "k3": 3, "low_var_kl": 3}
-_NAMES = {0: "k1", 1: "abs", 2: "k2", 3: "k3"}
+from .._modes import KL_ESTIMATOR_ALIASES, KL_ESTIMATORS
+
+ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accepted name -> canonical
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,16 @@ NO_CLAMP = KLClamp()
 PRESETS = {
     "none": {},
     "trl": {},
-    "verl": {3: KLClamp(log_ratio=(-20.0, 20.0), value=(-10.0, 10.0))},
-    "openrlhf": {0: KLClamp(value=(-10.0, 10.0)), 1: KLClamp(value=(-10.0, 10.0)),
-                 2: KLClamp(value=(-10.0, 10.0)),
-                 3: KLClamp(log_ratio=(-10.0, None), value=(-10.0, 10.0))},
+    "verl": {"k3": KLClamp(log_ratio=(-20.0, 20.0), value=(-10.0, 10.0))},
+    "openrlhf": {"k1": KLClamp(value=(-10.0, 10.0)), "abs": KLClamp(value=(-10.0, 10.0)),
+                 "k2": KLClamp(value=(-10.0, 10.0)),
+                 "k3": KLClamp(log_ratio=(-10.0, None), value=(-10.0, 10.0))},
 }
 
 
-def parse_estimator(estimator: str) -> tuple[int, bool]:
-    """("k3+" -> (3, True)); raises ValueError naming the argument."""
+def parse_estimator(estimator: str) -> tuple[str, bool]:
+    """("low_var_kl+" -> ("k3", True)): the canonical name and straight-through; raises ValueError
+    naming the argument."""
     if not isinstance(estimator, str):
         raise TypeError(f"estimator: expected a string, got {type(estimator).__name__}")
     name = estimator.strip().lower()
@@ -87,7 +89,7 @@ def parse_estimator(estimator: str) -> tuple[int, bool]:
     return code, st
 
 
-def resolve_clamp(clamp, code: int) -> tuple[float, float, float, float]:
+def resolve_clamp(clamp, estimator: str) -> tuple[float, float, float, float]:
     if clamp is None:
         return NO_CLAMP.bounds()
     if isinstance(clamp, KLClamp):
@@ -97,7 +99,7 @@ def resolve_clamp(clamp, code: int) -> tuple[float, float, float, float]:
         if table is None:
             raise ValueError(f"clamp: unknown preset {clamp!r}; expected one of {sorted(PRESETS)}, "
                              "None, or a KLClamp")
-        return table.get(code, NO_CLAMP).bounds()
+        return table.get(estimator, NO_CLAMP).bounds()
     raise TypeError(f"clamp: expected a preset name, None or a KLClamp, got {type(clamp).__name__}")
 
 
@@ -123,18 +125,19 @@ def _k3(x):
     return torch.where(x.abs() < 0.25, x * x * t, v)
 
 
-def kl_penalty(logprobs, ref_logprobs, code=0, straight_through=False, bounds=NO_CLAMP.bounds()):
+def kl_penalty(logprobs, ref_logprobs, estimator="k1", straight_through=False,
+               bounds=NO_CLAMP.bounds()):
     """The estimator as a differentiable torch composition (its autograd is the reference
     gradient)."""
     in_lo, in_hi, out_lo, out_hi = bounds
     acc = _acc(logprobs, ref_logprobs)
     d_raw = logprobs.to(acc) - ref_logprobs.to(acc)
     d = _clamp(d_raw, in_lo, in_hi)
-    if code == 0:
+    if estimator == "k1":
         v = d
-    elif code == 1:
+    elif estimator == "abs":
         v = d.abs()
-    elif code == 2:
+    elif estimator == "k2":
         v = 0.5 * d.square()
     else:
         v = _k3(-d)
@@ -154,7 +157,8 @@ def _passes(v, lo, hi):
     return ok
 
 
-def kl_penalty_grad(logprobs, ref_logprobs, code=0, straight_through=False, bounds=NO_CLAMP.bounds()):
+def kl_penalty_grad(logprobs, ref_logprobs, estimator="k1", straight_through=False,
+                    bounds=NO_CLAMP.bounds()):
     """d value / d logprobs (= -d value / d ref_logprobs) in closed form: the eager backward. The
     tests check it, and the kernels, against autograd through `kl_penalty`."""
     in_lo, in_hi, out_lo, out_hi = bounds
@@ -163,11 +167,11 @@ def kl_penalty_grad(logprobs, ref_logprobs, code=0, straight_through=False, boun
     if straight_through:
         return d
     dc = _clamp(d, in_lo, in_hi)
-    if code == 0:
+    if estimator == "k1":
         v, g = dc, torch.ones_like(dc)
-    elif code == 1:
+    elif estimator == "abs":
         v, g = dc.abs(), torch.sign(dc)
-    elif code == 2:
+    elif estimator == "k2":
         v, g = 0.5 * dc.square(), dc
     else:
         v = _k3(-dc)
@@ -177,11 +181,12 @@ def kl_penalty_grad(logprobs, ref_logprobs, code=0, straight_through=False, boun
     return torch.where(_passes(v, out_lo, out_hi), g, zero)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta, code=0, bounds=NO_CLAMP.bounds()):
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta, estimator="k1",
+                         bounds=NO_CLAMP.bounds()):
     """(rewards, kl, mean_kl) per the module docstring; beta: float or a 0-dim / [B] tensor."""
     acc = _acc(logprobs, ref_logprobs)
     with torch.no_grad():
-        kl = kl_penalty(logprobs, ref_logprobs, code, False, bounds).to(acc)
+        kl = kl_penalty(logprobs, ref_logprobs, estimator, False, bounds).to(acc)
         m = mask.to(acc)
         active = mask != 0
         kl = torch.where(active, kl, torch.zeros_like(kl))

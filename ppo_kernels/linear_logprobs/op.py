@@ -36,278 +36,134 @@ float32 accumulator is grad_hidden [N, H] instead of grad_weight [V, H]).
 """
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from .. import _backend
-from ..token_logprobs.op import _check_labels_cpu
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_labels_in_range, check_positive,
+                       check_same_device, check_tensor)
 from . import reference
+from .planner import (DEFAULT_MAX_CHUNK_BYTES, LOGITS_DTYPES, Plan, _acc,  # noqa: F401
+                      _check_logits_dtype, _input_tiles, _resolve_budget, plan_chunks)
+from .tiler import Tiler
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
 # vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA
 # (there is no CUDA C++ version of those). Default on CUDA for now: no GPU measurement yet says
 # Triton or a fused tl.dot kernel would beat cuBLAS + the fused CUDA reduction.
-OP = _backend.register_op("linear_token_logprobs", kernel="token_logprobs_fwd",
-                          triton=True, cuda_default="cpp")
-
-# Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
-# CPU: a few hundred rows of a 32k-152k vocabulary; GPU: large enough (~600 rows at V = 152k) that
-# the cuBLAS matmuls stay efficient.
-DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
-_MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
+OP = _backend.register_op(
+    "linear_token_logprobs", kernel="token_logprobs_fwd", triton=True, cuda_default="cpp",
+    public=("linear_token_logprobs", "causal_lm_logprobs"), folder="linear_logprobs",
+    delegates={
+        ("cpp", "cpu"): "BLAS matmuls (torch.mm) + C++ tile kernels",
+        ("cpp", "cuda"): "cuBLAS matmuls (torch.mm); whole-vocabulary tiles: token_logprobs CUDA "
+                         "kernels; vocabulary-chunk tiles: Triton (eager without triton)",
+        ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + Triton tile kernels",
+        ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
+        ("eager", "cuda"): "cuBLAS matmuls (torch.mm) + eager tile math",
+    })
 
 
-LOGITS_DTYPES = ("float32", "input")
+# Per-tile kernels of vocabulary-chunk tiles (contract: reference.tile_stats_ / tile_bwd_), one
+# implementation per backend with one signature. There is no CUDA C++ tile kernel: on CUDA the
+# cpp backend hands these tiles to Triton (or, without triton, to the eager tile math) and says so
+# in the op's `delegates` (python -m ppo_kernels info) and once per process as a warning.
+tile_stats_ = _backend.Kernel("linear_token_logprobs", "tile_stats_")
+tile_bwd_ = _backend.Kernel("linear_token_logprobs", "tile_bwd_")
+_TILE_KERNEL = "linear_logprobs_tile_stats_"
 
 
-def _check_logits_dtype(logits_dtype: str):
-    if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(f"logits_dtype: expected one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+def _tile_delegate(device_type):
+    """The backend that runs vocabulary-chunk tiles when the cpp backend has no compiled tile
+    kernel for this device."""
+    to = "triton" if device_type == "cuda" and _backend.HAS_TRITON else "eager"
+    _backend.note_delegation("linear_token_logprobs", "cpp", device_type,
+                             f"vocabulary-chunk tiles run on the {to} tile kernels")
+    return to
 
 
-def _input_tiles(dtype: torch.dtype, logits_dtype: str) -> bool:
-    """Tiles and gradient matmuls in the input dtype (logits_dtype="input"; bf16/fp16 only)."""
-    return logits_dtype == "input" and dtype in (torch.bfloat16, torch.float16)
+@tile_stats_.impl("cpp")
+def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
+    if not _backend.has_compiled_kernel(_TILE_KERNEL, tile.device.type):
+        return tile_stats_.impls[_tile_delegate(tile.device.type)](
+            tile, labels, v_start, inv_t, ignore_index, state, zlabel)
+    _backend.cpp_ops().linear_logprobs_tile_stats_(tile, labels, v_start, inv_t, ignore_index,
+                                                   state, zlabel)
 
 
-
-@dataclass(frozen=True)
-class Plan:
-    rows: int      # rows per chunk
-    vocab: int     # vocabulary entries per tile (V: one tile covers the vocabulary)
-    sub: int       # vocabulary entries per upcast weight block (CPU bf16/fp16)
-    upcast: bool
-    whole_weight: bool = False  # upcast the whole weight once (it fits in half the budget)
-    input_tiles: bool = False   # logits_dtype="input": tiles in the input dtype; `sub` then sizes
-                                # the input-dtype block of the grad_weight product instead
+@tile_stats_.impl("triton")
+def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
+    from . import triton_kernels
+    triton_kernels.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
-def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
-                max_chunk_bytes: int, tiles: str | None = None, logits_dtype: str = "float32",
-                fused: bool = True) -> Plan:
-    """Chunk sizes whose buffers fit in max_chunk_bytes: the logits tile, the upcast copies of the
-    hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator.
-
-    tiles: "rows" (default) takes as many rows as fit with the whole vocabulary (the fused
-    token_logprobs kernels then reduce each tile); "square" takes rows ~ vocabulary chunk, which
-    cuts the weight-gradient accumulator traffic (see the module docstring). Default from the
-    environment variable PPO_KERNELS_LINEAR_TILES, for measuring both on a GPU.
-
-    logits_dtype="input" (bf16/fp16): see _plan_input_tiles. fused: whole-vocabulary tiles are
-    reduced by the fused kernels straight from the input dtype (else they need a float32 copy)."""
-    if tiles is None:
-        tiles = os.environ.get("PPO_KERNELS_LINEAR_TILES", "rows")
-    if tiles not in ("rows", "square"):
-        raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
-    if _input_tiles(dtype, logits_dtype):
-        return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused)
-    acc = 8 if dtype == torch.float64 else 4
-    lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    upcast = dtype not in (torch.float32, torch.float64) and not lowp
-    tile_elem = acc + (2 if lowp else 0)           # + the rounded gradient tile on the GPU
-    row_fixed = acc * H * (2 if upcast else 1)     # upcast hidden chunk + grad_hidden accumulator
-    B = max(int(max_chunk_bytes), 1)
-    # Upcast weight blocks: the whole weight once when its copy takes at most half the budget
-    # (then each row chunk reuses it), else blocks of a quarter of the budget per row chunk.
-    whole = upcast and V * H * acc <= B // 2
-    sub = V if (whole or not upcast) else max(1, min(V, (B // 4) // max(acc * H, 1)))
-    avail = max(B - (sub * acc * H if upcast else 0), 0)
-    if tiles == "square":
-        rows = max(1, min(N, math.isqrt(avail // tile_elem)))
-        vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
-        return Plan(rows, vocab, min(sub, vocab), upcast, whole)
-    rows = avail // (V * tile_elem + row_fixed)
-    if rows >= min(N, _MIN_ROWS):
-        return Plan(max(1, min(N, rows)), V, sub, upcast, whole)
-    rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + tile_elem * min(V, 64))))
-    vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
-    return Plan(rows, vocab, min(sub, vocab), upcast, whole)
+@tile_stats_.impl("eager")
+def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
+    reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
-def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused) -> Plan:
-    """Buffers of logits_dtype="input": the input-dtype tile (plus its float32 copy for the
-    per-chunk kernels of vocabulary chunks), per row the float32 grad_hidden accumulator and the
-    input-dtype product g @ W, and a [sub, H] input-dtype block of the product g^T @ h that is
-    added into the float32 grad_weight (no [V, H] temporary). The two products count twice: adding
-    an input-dtype tensor into a float32 one makes a float32 copy of it first."""
-    isz = dtype.itemsize
-    B = max(int(max_chunk_bytes), 1)
-    sub = max(1, min(V, (B // 4) // max((isz + 4) * H, 1)))
-    avail = max(B - sub * (isz + 4) * H, 0)
-    row_fixed = (4 + isz + 4) * H
-    chunked = isz + 4  # tile + float32 copy
-    if tiles == "square":
-        rows = max(1, min(N, math.isqrt(avail // chunked)))
-        vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
-        return Plan(rows, vocab, min(sub, vocab), False, False, True)
-    rows = avail // (V * (isz if fused else chunked) + row_fixed)
-    if rows >= min(N, _MIN_ROWS):
-        return Plan(max(1, min(N, rows)), V, sub, False, False, True)
-    rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + chunked * min(V, 64))))
-    vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
-    return Plan(rows, vocab, min(sub, vocab), False, False, True)
+@tile_bwd_.impl("cpp")
+def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
+    if not _backend.has_compiled_kernel(_TILE_KERNEL, tile.device.type):
+        return tile_bwd_.impls[_tile_delegate(tile.device.type)](
+            tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
+            ignore_index, V)
+    _backend.cpp_ops().linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy,
+                                                 grad_logprobs, grad_entropy, inv_t, ignore_index)
 
 
+@tile_bwd_.impl("triton")
+def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
+    from . import triton_kernels
+    triton_kernels.tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy,
+                             inv_t, ignore_index, V)
 
-class _TileOps:
-    """The per-tile kernels of one backend (contract: reference.tile_stats_ / tile_bwd_)."""
 
-    def __init__(self, backend: str, device_type: str, dtype: torch.dtype):
-        self.fused = False  # whole-vocabulary tiles through the token_logprobs kernels
-        if dtype == torch.float64:
-            self.mod = reference
-            return
-        if backend == "cpp":
-            self.fused = _backend.has_compiled_kernel("token_logprobs_fwd", device_type)
-            if _backend.has_compiled_kernel("linear_logprobs_tile_stats_", device_type):
-                self.mod = _CppTiles
-                return
-            backend = "triton" if device_type == "cuda" and _backend.HAS_TRITON else "eager"
-        if backend == "triton":
-            from . import triton_kernels
-            self.mod = triton_kernels
+@tile_bwd_.impl("eager")
+def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
+    reference.tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
+                        ignore_index, V)
+
+
+def _fused(hidden) -> bool:
+    """Whole-vocabulary tiles go through the compiled token_logprobs kernels (cpp backend)."""
+    return (hidden.dtype != torch.float64 and tile_stats_.backend(hidden) == "cpp"
+            and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type))
+
+
+def chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0):
+    """Softmax state (m, s, u) [3, rows] and label logit [rows] (NaN where the label is not in
+    this weight's vocabulary) of one row chunk over the weight's V entries, whose ids start at
+    v_offset (a vocab-parallel shard: ppo_kernels/distributed/vocab_parallel.py)."""
+    acc, dev = tiler.acc, hc.device
+    state = torch.zeros(3, hc.shape[0], dtype=acc, device=dev)
+    state[0] = float("-inf")
+    zl = torch.full((hc.shape[0],), float("nan"), dtype=acc, device=dev)
+    for v0 in range(0, V, plan.vocab):
+        v1 = min(V, v0 + plan.vocab)
+        tile_stats_(tiler.logits_acc(hc, v0, v1), lc, v_offset + v0, inv_t, ignore_index, state,
+                    zl)
+    return state, zl
+
+
+def chunk_backward(tiler, plan, fused, hc, lc, glp, gent, lse, entropy, inv_t, ignore_index, V,
+                   gh, gW, gb, v_offset=0, v_total=None):
+    """Gradients of one row chunk: gh += dL/dh (float32), gW[0:V] += dL/dW, gb += dL/db, over
+    the weight's V entries whose ids start at v_offset in a vocabulary of v_total (default V)."""
+    v_total = V if v_total is None else v_total
+    for v0 in range(0, V, plan.vocab):
+        v1 = min(V, v0 + plan.vocab)
+        if plan.vocab == V and fused and v_total == V:  # in place, in the tile's dtype
+            g = tiler.logits(hc, v0, v1)
+            _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, lse,
+                                                  entropy if gent is not None else lse, inv_t,
+                                                  ignore_index, g)
         else:
-            self.mod = reference
-
-    def stats_(self, *args):
-        self.mod.tile_stats_(*args)
-
-    def bwd_(self, *args):
-        self.mod.tile_bwd_(*args)
-
-
-class _CppTiles:
-    @staticmethod
-    def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
-        _backend.cpp_ops().linear_logprobs_tile_stats_(tile, labels, v_start, inv_t,
-                                                            ignore_index, state, zlabel)
-
-    @staticmethod
-    def tile_bwd_(tile, labels, v_start, lse, entropy, glp, gent, inv_t, ignore_index, V):
-        _backend.cpp_ops().linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy, glp,
-                                                          gent, inv_t, ignore_index)
-
-
-class _Tiler:
-    """Computes logits tiles (and the two gradient matmuls of a tile) for one call."""
-
-    def __init__(self, hidden, weight, bias, plan: Plan, fused: bool, backward: bool = False):
-        self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
-        self.acc = _acc(hidden.dtype)
-        self.input_tiles = plan.input_tiles
-        # CUDA bf16/fp16 with float32 tiles: matmuls with float32 output (cuBLAS)
-        self.lowp = hidden.device.type == "cuda" and not plan.upcast and not plan.input_tiles \
-            and hidden.dtype in (torch.bfloat16, torch.float16)
-        dev, n = hidden.device, plan.rows * plan.vocab
-        # input tiles: the float32 buffer only holds copies of vocabulary-chunk tiles
-        need_acc = not self.input_tiles or not (fused and plan.vocab == weight.shape[0])
-        self.buf = torch.empty(n if need_acc else 0, dtype=self.acc, device=dev)
-        self.buf_in = torch.empty(n if self.input_tiles else 0, dtype=hidden.dtype, device=dev)
-        # input-dtype products of one chunk (g @ W, and g^T @ h block by block) before they are
-        # added into the float32 accumulators
-        bw = backward and self.input_tiles
-        H = hidden.shape[1]
-        self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
-        self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
-        # the plan keeps a whole upcast weight only when it fits in half the budget
-        self.W_acc = weight.to(self.acc) if plan.whole_weight else None
-
-    def rows(self, r0, r1):
-        hc = self.h[r0:r1]
-        return hc.to(self.acc) if self.plan.upcast else hc
-
-    def _w(self, s0, s1):
-        if self.W_acc is not None:
-            return self.W_acc[s0:s1]
-        w = self.W[s0:s1]
-        return w.to(self.acc) if self.plan.upcast else w
-
-    def logits(self, hc, v0, v1):
-        """Tile [rows, v1 - v0] of hc @ W[v0:v1].T + b[v0:v1] in a reused buffer: float32, or the
-        input dtype with input tiles (matmul, then + bias, each rounded as in the input dtype)."""
-        R = hc.shape[0]
-        if self.input_tiles:
-            tile = self.buf_in[: R * (v1 - v0)].view(R, v1 - v0)
-            torch.mm(hc, self.W[v0:v1].T, out=tile)
-            if self.b is not None:
-                tile += self.b[v0:v1]
-            return tile
-        tile = self.buf[: R * (v1 - v0)].view(R, v1 - v0)
-        if self.lowp:
-            torch.mm(hc, self.W[v0:v1].T, out_dtype=torch.float32, out=tile)
-            if self.b is not None:
-                tile += self.b[v0:v1].to(self.acc)
-            return tile
-        step = self.plan.sub if self.plan.upcast else v1 - v0
-        for s0 in range(v0, v1, step):
-            s1 = min(v1, s0 + step)
-            out = tile[:, s0 - v0:s1 - v0]
-            if self.b is not None:
-                torch.addmm(self.b[s0:s1].to(self.acc), hc, self._w(s0, s1).T, out=out)
-            else:
-                torch.mm(hc, self._w(s0, s1).T, out=out)
-        return tile
-
-    def logits_acc(self, hc, v0, v1):
-        """The tile in the accumulation dtype, for the per-chunk kernels (a float32 copy of the
-        input-dtype tile with input tiles)."""
-        tile = self.logits(hc, v0, v1)
-        if not self.input_tiles:
-            return tile
-        return self.buf[: tile.numel()].view(tile.shape).copy_(tile)
-
-    def to_input(self, g):
-        """The gradient tile as the matmuls take it: rounded to the input dtype with input tiles
-        (into the input-dtype buffer, as the materialised path's bf16 grad_logits)."""
-        if not self.input_tiles or g.dtype == self.h.dtype:
-            return g
-        return self.buf_in[: g.numel()].view(g.shape).copy_(g)
-
-    def grad_matmuls(self, g, hc, v0, v1, gh, gW, gb):
-        """gh += g @ W[v0:v1]; gW[v0:v1] += g^T @ hc; gb[v0:v1] += sum(g) (float32 accumulators;
-        empty ones are skipped)."""
-        if gb.numel():
-            gb[v0:v1] += g.sum(0, dtype=gb.dtype)
-        if self.input_tiles:
-            if gh.numel():
-                gh += torch.mm(g, self.W[v0:v1], out=self.gh_in[: g.shape[0]])
-            if gW.numel():
-                for s0 in range(v0, v1, self.plan.sub):
-                    s1 = min(v1, s0 + self.plan.sub)
-                    gW[s0:s1] += torch.mm(g[:, s0 - v0:s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
-            return
-        if self.lowp:
-            gc = g.to(hc.dtype)
-            if gh.numel():
-                torch.addmm(gh, gc, self.W[v0:v1], out_dtype=torch.float32, out=gh)
-            if gW.numel():
-                gw = gW[v0:v1]
-                torch.addmm(gw, gc.T, hc, out_dtype=torch.float32, out=gw)
-            return
-        step = self.plan.sub if self.plan.upcast else v1 - v0
-        for s0 in range(v0, v1, step):
-            s1 = min(v1, s0 + step)
-            gs = g[:, s0 - v0:s1 - v0]
-            if gh.numel():
-                gh.addmm_(gs, self._w(s0, s1))
-            if gW.numel():
-                gW[s0:s1].addmm_(gs.T, hc)
-
-
-def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
-    if max_chunk_bytes > 0:
-        return max_chunk_bytes
-    return DEFAULT_MAX_CHUNK_BYTES.get(device.type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
+            g = tiler.logits_acc(hc, v0, v1)
+            tile_bwd_(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index,
+                      v_total)
+            g = tiler.to_input(g)
+        tiler.grad_matmuls(g, hc, v0, v1, gh, gW, gb)
 
 
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
@@ -324,31 +180,26 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
     acc = _acc(hidden.dtype)
     dev = hidden.device
     if dev.type == "cpu":
-        _check_labels_cpu(labels, V, ignore_index)
+        check_labels_in_range(labels, V, ignore_index)
     lp = _backend.new_output((N,), acc, dev)
     ent = _backend.new_output((N,) if with_entropy else (0,), acc, dev)
     lse = _backend.new_output((N,), acc, dev)
     if N == 0:
         return lp, ent, lse
-    ops = _TileOps(_backend.backend_for("linear_token_logprobs", hidden), dev.type, hidden.dtype)
+    fused = _fused(hidden)
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
-                       logits_dtype=logits_dtype, fused=ops.fused)
-    tiler = _Tiler(hidden, weight, bias, plan, ops.fused)
+                       logits_dtype=logits_dtype, fused=fused)
+    tiler = Tiler(hidden, weight, bias, plan, fused)
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         hc, lc = tiler.rows(r0, r1), labels[r0:r1]
-        if plan.vocab == V and ops.fused:
+        if plan.vocab == V and fused:
             tile = tiler.logits(hc, 0, V)
             a, e, s = _backend.cpp_ops().token_logprobs_fwd(tile, lc, inv_t, ignore_index,
                                                                 with_entropy)
         else:
-            state = torch.zeros(3, r1 - r0, dtype=acc, device=dev)
-            state[0] = float("-inf")
-            zl = torch.full((r1 - r0,), float("nan"), dtype=acc, device=dev)
-            for v0 in range(0, V, plan.vocab):
-                v1 = min(V, v0 + plan.vocab)
-                ops.stats_(tiler.logits_acc(hc, v0, v1), lc, v0, inv_t, ignore_index, state, zl)
+            state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
         lp[r0:r1] = a
         lse[r0:r1] = s
@@ -387,10 +238,10 @@ def linear_token_logprobs_backward_op(
     gb = torch.zeros((V,) if need_bias else (0,), dtype=acc, device=dev)
     if N == 0:
         return gh_out.zero_(), gW, gb
-    ops = _TileOps(_backend.backend_for("linear_token_logprobs", hidden), dev.type, hidden.dtype)
+    fused = _fused(hidden)
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
-                       logits_dtype=logits_dtype, fused=ops.fused)
-    tiler = _Tiler(hidden, weight, bias, plan, ops.fused, backward=True)
+                       logits_dtype=logits_dtype, fused=fused)
+    tiler = Tiler(hidden, weight, bias, plan, fused, backward=True)
     inv_t = 1.0 / temperature
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
     glp_all = grad_logprobs.to(acc)
@@ -403,18 +254,8 @@ def linear_token_logprobs_backward_op(
         gent = gent_all[r0:r1] if with_ent else None
         en = entropy[r0:r1] if with_ent else None
         ghc = gh[: r1 - r0].zero_() if need_hidden else gh
-        for v0 in range(0, V, plan.vocab):
-            v1 = min(V, v0 + plan.vocab)
-            if plan.vocab == V and ops.fused:  # in place, in the tile's dtype
-                g = tiler.logits(hc, v0, v1)
-                _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, ls,
-                                                          en if with_ent else ls, inv_t,
-                                                          ignore_index, g)
-            else:
-                g = tiler.logits_acc(hc, v0, v1)
-                ops.bwd_(g, lc, v0, ls, en, glp, gent, inv_t, ignore_index, V)
-                g = tiler.to_input(g)
-            tiler.grad_matmuls(g, hc, v0, v1, ghc, gW, gb)
+        chunk_backward(tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V,
+                       ghc, gW, gb)
         if need_hidden:
             gh_out[r0:r1] = ghc
     return gh_out, gW, gb
@@ -466,7 +307,9 @@ linear_token_logprobs_op.register_autograd(_backward, setup_context=_setup_conte
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                           bias: Tensor | None = None, temperature: float = 1.0,
                           ignore_index: int = -100, return_entropy: bool = False,
-                          max_chunk_bytes: int | None = None, logits_dtype: str = "float32"):
+                          max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
+                          process_group=None, vocab_start: int | None = None,
+                          reduce_hidden_grad: bool = True):
     """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
     equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
     [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
@@ -491,6 +334,14 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
             (what a trainer materialising the logits gets); reductions and the sums across
             chunks stay float32. About 2x faster on CPUs with native bf16 matmuls (AVX-512 BF16,
             AMX); on CUDA the default is already fast.
+
+        process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout):
+            `weight` / `bias` hold this rank's contiguous slice of the vocabulary, `hidden` is
+            replicated, labels are global ids; every rank gets the full-vocabulary results (one
+            all-gather of per-row softmax statistics). Each rank's weight / bias gradient is its
+            slice of the unsharded one; the hidden gradient is all-reduced (the full gradient on
+            every rank) unless `reduce_hidden_grad=False` (frameworks whose own layers reduce it).
+        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order).
 
     Returns:
         float32 log-probs with `labels.shape`, or `(logprobs, entropy)`. Gradients flow to
@@ -518,15 +369,23 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
-    if V == 0 and labels.numel() > 0:
+    if V == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     check_positive("temperature", float(temperature))
     _check_logits_dtype(logits_dtype)
     if max_chunk_bytes is not None and int(max_chunk_bytes) <= 0:
         raise ValueError(f"max_chunk_bytes: expected a positive number of bytes, got {max_chunk_bytes}")
-    if hidden.device.type == "cuda" and _backend.strict():
-        _check_labels_cpu(labels, V, int(ignore_index))  # host sync, by request
+    if hidden.device.type == "cuda" and _backend.strict() and process_group is None:
+        check_labels_in_range(labels, V, int(ignore_index))  # host sync, by request
     h2 = hidden.reshape(-1, H)
+    if process_group is not None:
+        from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
+        lp, ent = vocab_parallel_linear_token_logprobs(
+            h2, weight, labels.reshape(-1), bias, temperature, ignore_index, process_group,
+            vocab_start, max_chunk_bytes, "input" if _input_tiles(hidden.dtype, logits_dtype)
+            else "float32", reduce_hidden_grad)
+        lp = lp.view(labels.shape)
+        return (lp, ent.view(labels.shape)) if return_entropy else lp
     lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
         h2, weight, labels.reshape(-1), bias, float(temperature), int(ignore_index),
         bool(return_entropy), int(max_chunk_bytes or 0),

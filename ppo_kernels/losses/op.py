@@ -12,27 +12,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _backend
+from .. import _backend, _modes
 from .._checks import check_same_device, check_shape, check_tensor
 from . import reference
-from .reference import AGG_MODES, STAT_NAMES_POLICY, STAT_NAMES_VALUE
+from .._modes import AGG_MODES
+from .reference import STAT_NAMES_POLICY, STAT_NAMES_VALUE
 
-_backend.register_op("ppo_policy_loss", kernel="ppo_policy_loss_fwd", triton=True, cuda_default="triton")
-_backend.register_op("ppo_value_loss", kernel="ppo_value_loss_fwd", triton=True, cuda_default="triton")
+_backend.register_op("ppo_policy_loss", kernel="ppo_policy_loss_fwd", triton=True,
+                     cuda_default="triton", folder="losses")
+_backend.register_op("ppo_value_loss", kernel="ppo_value_loss_fwd", triton=True,
+                     cuda_default="triton", folder="losses")
+# Reward-model and DPO losses: B values, not B x T -- an eager composition is all they need.
+_backend.register_op("pairwise_logsigmoid_loss", kernel=None, triton=False, cuda_default="eager",
+                     public=("reward_model_loss", "dpo_loss"), folder="losses")
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + VALUE_DTYPES
 
 
-def _backend_for(name, x):
-    return "eager" if x.numel() == 0 else _backend.backend_for(name, x)  # empty: no kernel needed
-
-
 def _gden(global_denom, global_denom_value, like):
     if global_denom is not None:
-        return global_denom.reshape(())
-    if global_denom_value >= 0:
-        return torch.tensor(global_denom_value, dtype=_backend.out_dtype(like))
+        return global_denom.reshape(()).to(like.device)
+    if global_denom_value is not None:
+        return torch.tensor(global_denom_value, dtype=_backend.out_dtype(like), device=like.device)
     return None
 
 
@@ -40,39 +42,6 @@ def _fake_outputs(x, n_stats):
     out = _backend.out_dtype(x)
     return (x.new_empty((), dtype=out), x.new_empty((n_stats,), dtype=out),
             x.new_empty((x.shape[0],), dtype=out))
-
-
-# --------------------------------------------------------------------------- policy loss
-@torch.library.custom_op("ppo_kernels::ppo_policy_loss", mutates_args=())
-def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_low: float, clip_high: float, dual_clip: float, log_ratio_clamp: float,
-                       agg: int, scale: float, global_denom: Tensor | None,
-                       global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
-    """[B, T] contiguous inputs; dual_clip <= 0 disables dual clip; global_denom_value < 0 and no
-    global_denom: local denominators. Returns (loss [], stats [4], row_coef [B])."""
-    backend = _backend_for("ppo_policy_loss", logprobs)
-    if backend == "cpp":
-        return _backend.cpp_ops().ppo_policy_loss_fwd(
-            logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-            agg, scale, global_denom, global_denom_value)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.loss_forward(0, logprobs, old_logprobs, advantages, mask,
-                                           (clip_low, clip_high, dual_clip, log_ratio_clamp), agg,
-                                           scale, global_denom, global_denom_value, 4)
-    gd = _gden(global_denom, global_denom_value, logprobs)
-    loss, stats, coef = reference.policy_loss(
-        logprobs, old_logprobs, advantages, mask, clip_low, clip_high,
-        dual_clip if dual_clip > 0 else None, AGG_MODES[agg], log_ratio_clamp, scale,
-        None if gd is None else gd.to(logprobs.device))
-    out = _backend.out_dtype(logprobs)
-    return loss.to(out), stats.to(out), coef.to(out)
-
-
-@ppo_policy_loss_op.register_fake
-def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-      agg, scale, global_denom, global_denom_value):
-    return _fake_outputs(logprobs, 4)
 
 
 def _eager_grad(token_grad, x, mask, row_coef, grad_loss):
@@ -83,23 +52,146 @@ def _eager_grad(token_grad, x, mask, row_coef, grad_loss):
     return out.to(x.dtype)
 
 
+# The Triton kernels take both losses' parameters as one 4-tuple and the "off" values of the
+# shared loss math (csrc/common/loss_math.h): dual clip / value clip <= 0 is off, a negative
+# global denominator value is none.
+_OFF = 0.0
+_NO_DENOM = -1.0
+
+
+def _triton_agg(agg):
+    return _modes.index("agg", _modes.AGG_MODES, agg)
+
+
+# The kernels, one implementation per backend with one signature. Inputs [B, T] contiguous; agg a
+# name of _modes.AGG_MODES; dual_clip / clip / global_denom_value None = off / none. An empty
+# input needs no kernel (eager).
+policy_forward = _backend.Kernel("ppo_policy_loss", "forward", eager_if_empty=True)
+policy_backward = _backend.Kernel("ppo_policy_loss", "backward", eager_if_empty=True)
+value_forward = _backend.Kernel("ppo_value_loss", "forward", eager_if_empty=True)
+value_backward = _backend.Kernel("ppo_value_loss", "backward", eager_if_empty=True)
+
+
+@policy_forward.impl("cpp")
+def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+      agg, scale, global_denom, global_denom_value):
+    return _backend.cpp_ops().ppo_policy_loss_fwd(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+        agg, scale, global_denom, global_denom_value)
+
+
+@policy_forward.impl("triton")
+def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+      agg, scale, global_denom, global_denom_value):
+    from . import triton_kernels
+    params = (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
+    return triton_kernels.loss_forward(
+        0, logprobs, old_logprobs, advantages, mask, params, _triton_agg(agg), scale, global_denom,
+        _NO_DENOM if global_denom_value is None else global_denom_value, 4)
+
+
+@policy_forward.impl("eager")
+def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+      agg, scale, global_denom, global_denom_value):
+    loss, stats, coef = reference.policy_loss(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, agg,
+        log_ratio_clamp, scale, _gden(global_denom, global_denom_value, logprobs))
+    out = _backend.out_dtype(logprobs)
+    return loss.to(out), stats.to(out), coef.to(out)
+
+
+@policy_backward.impl("cpp")
+def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
+      dual_clip, log_ratio_clamp):
+    return _backend.cpp_ops().ppo_policy_loss_bwd(
+        grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
+        dual_clip, log_ratio_clamp)
+
+
+@policy_backward.impl("triton")
+def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
+      dual_clip, log_ratio_clamp):
+    from . import triton_kernels
+    params = (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
+    return triton_kernels.loss_backward(0, grad_loss, logprobs, old_logprobs, advantages, mask,
+                                        row_coef, params)
+
+
+@policy_backward.impl("eager")
+def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
+      dual_clip, log_ratio_clamp):
+    g = reference.policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high,
+                                    dual_clip, log_ratio_clamp)
+    return _eager_grad(g, logprobs, mask, row_coef, grad_loss)
+
+
+@value_forward.impl("cpp")
+def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
+    return _backend.cpp_ops().ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
+                                                 scale, global_denom, global_denom_value)
+
+
+@value_forward.impl("triton")
+def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
+    from . import triton_kernels
+    params = (_OFF if clip is None else clip, 0.0, 0.0, 0.0)
+    return triton_kernels.loss_forward(
+        1, values, old_values, returns, mask, params, _triton_agg(agg), scale, global_denom,
+        _NO_DENOM if global_denom_value is None else global_denom_value, 1)
+
+
+@value_forward.impl("eager")
+def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
+    loss, stats, coef = reference.value_loss(values, old_values, returns, mask, clip, agg, scale,
+                                             _gden(global_denom, global_denom_value, values))
+    out = _backend.out_dtype(values)
+    return loss.to(out), stats.to(out), coef.to(out)
+
+
+@value_backward.impl("cpp")
+def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
+    return _backend.cpp_ops().ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
+                                                 row_coef, clip)
+
+
+@value_backward.impl("triton")
+def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
+    from . import triton_kernels
+    return triton_kernels.loss_backward(1, grad_loss, values, old_values, returns, mask, row_coef,
+                                        (_OFF if clip is None else clip, 0.0, 0.0, 0.0))
+
+
+@value_backward.impl("eager")
+def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
+    g = reference.value_token_grad(values, old_values, returns, clip)
+    return _eager_grad(g, values, mask, row_coef, grad_loss)
+
+
+# --------------------------------------------------------------------------- policy loss
+@torch.library.custom_op("ppo_kernels::ppo_policy_loss", mutates_args=())
+def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float, clip_high: float, dual_clip: float | None,
+                       log_ratio_clamp: float, agg: str, scale: float, global_denom: Tensor | None,
+                       global_denom_value: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """[B, T] contiguous inputs; dual_clip None: no dual clip; no global_denom and no
+    global_denom_value: local denominators. Returns (loss [], stats [4], row_coef [B])."""
+    return policy_forward(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip,
+                          log_ratio_clamp, agg, scale, global_denom, global_denom_value)
+
+
+@ppo_policy_loss_op.register_fake
+def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
+      agg, scale, global_denom, global_denom_value):
+    return _fake_outputs(logprobs, 4)
+
+
 @torch.library.custom_op("ppo_kernels::ppo_policy_loss_backward", mutates_args=())
 def ppo_policy_loss_backward_op(grad_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor,
                                 advantages: Tensor, mask: Tensor, row_coef: Tensor, clip_low: float,
-                                clip_high: float, dual_clip: float, log_ratio_clamp: float) -> Tensor:
-    backend = _backend_for("ppo_policy_loss", logprobs)
-    if backend == "cpp":
-        return _backend.cpp_ops().ppo_policy_loss_bwd(
-            grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
-            dual_clip, log_ratio_clamp)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.loss_backward(0, grad_loss, logprobs, old_logprobs, advantages, mask,
-                                            row_coef, (clip_low, clip_high, dual_clip, log_ratio_clamp))
-
-    g = reference.policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high,
-                                    dual_clip if dual_clip > 0 else None, log_ratio_clamp)
-    return _eager_grad(g, logprobs, mask, row_coef, grad_loss)
+                                clip_high: float, dual_clip: float | None,
+                                log_ratio_clamp: float) -> Tensor:
+    return policy_backward(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low,
+                           clip_high, dual_clip, log_ratio_clamp)
 
 
 @ppo_policy_loss_backward_op.register_fake
@@ -129,24 +221,12 @@ ppo_policy_loss_op.register_autograd(_policy_backward, setup_context=_policy_set
 
 # --------------------------------------------------------------------------- value loss
 @torch.library.custom_op("ppo_kernels::ppo_value_loss", mutates_args=())
-def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
-                      agg: int, scale: float, global_denom: Tensor | None,
-                      global_denom_value: float) -> tuple[Tensor, Tensor, Tensor]:
-    """clip <= 0: unclipped. Returns (loss [], stats [1], row_coef [B])."""
-    backend = _backend_for("ppo_value_loss", values)
-    if backend == "cpp":
-        return _backend.cpp_ops().ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
-                                                         scale, global_denom, global_denom_value)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.loss_forward(1, values, old_values, returns, mask, (clip, 0.0, 0.0, 0.0),
-                                           agg, scale, global_denom, global_denom_value, 1)
-    gd = _gden(global_denom, global_denom_value, values)
-    loss, stats, coef = reference.value_loss(values, old_values, returns, mask, clip if clip > 0 else None,
-                                             AGG_MODES[agg], scale,
-                                             None if gd is None else gd.to(values.device))
-    out = _backend.out_dtype(values)
-    return loss.to(out), stats.to(out), coef.to(out)
+def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                      clip: float | None, agg: str, scale: float, global_denom: Tensor | None,
+                      global_denom_value: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """clip None: unclipped. Returns (loss [], stats [1], row_coef [B])."""
+    return value_forward(values, old_values, returns, mask, clip, agg, scale, global_denom,
+                         global_denom_value)
 
 
 @ppo_value_loss_op.register_fake
@@ -155,19 +235,10 @@ def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_
 
 
 @torch.library.custom_op("ppo_kernels::ppo_value_loss_backward", mutates_args=())
-def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Tensor, returns: Tensor,
-                               mask: Tensor, row_coef: Tensor, clip: float) -> Tensor:
-    backend = _backend_for("ppo_value_loss", values)
-    if backend == "cpp":
-        return _backend.cpp_ops().ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
-                                                         row_coef, clip)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.loss_backward(1, grad_loss, values, old_values, returns, mask, row_coef,
-                                            (clip, 0.0, 0.0, 0.0))
-
-    g = reference.value_token_grad(values, old_values, returns, clip if clip > 0 else None)
-    return _eager_grad(g, values, mask, row_coef, grad_loss)
+def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Tensor,
+                               returns: Tensor, mask: Tensor, row_coef: Tensor,
+                               clip: float | None) -> Tensor:
+    return value_backward(values, grad_loss, old_values, returns, mask, row_coef, clip)
 
 
 @ppo_value_loss_backward_op.register_fake
@@ -208,7 +279,7 @@ def _check_loss_inputs(names, tensors, mask):
 
 
 def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
-    """(agg index, scale, global_denom tensor or None, global_denom value or -1)."""
+    """(agg, scale, global_denom tensor or None, global_denom value or None)."""
     if agg not in AGG_MODES:
         raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_MODES}")
     if not (isinstance(dp_size, int) and dp_size >= 1):
@@ -234,12 +305,12 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
             raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
         if denom.device != device:
             raise ValueError(f"{name}: expected device {device}, got {denom.device}")
-        return AGG_MODES.index(agg), scale, denom.reshape(()), -1.0
+        return agg, scale, denom.reshape(()), None
     if denom is not None:
         if not (float(denom) >= 0):
             raise ValueError(f"{name}: expected a non-negative number, got {denom!r}")
-        return AGG_MODES.index(agg), scale, None, float(denom)
-    return AGG_MODES.index(agg), scale, None, -1.0
+        return agg, scale, None, float(denom)
+    return agg, scale, None, None
 
 
 def _rows(t):
@@ -295,11 +366,11 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                                          global_batch_size, loss_scale_factor, logprobs.device)
     loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
         _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
-        float(clip_high), float(dual_clip) if dual_clip is not None else 0.0, float(log_ratio_clamp),
+        float(clip_high), float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp),
         agg_i, scale, gd, gdv)
     out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
     if entropy is not None:
-        from ..gae import masked_mean
+        from ..masked_stats import masked_mean
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
         out["entropy_mean"] = masked_mean(entropy.detach().float(), mask)
     return loss, out
@@ -322,7 +393,7 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
                                          global_batch_size, loss_scale_factor, values.device)
     loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
         _rows(values), _rows(old_values), _rows(returns), _rows(mask),
-        float(clip) if clip is not None else 0.0, agg_i, scale, gd, gdv)
+        float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
     return loss, dict(zip(STAT_NAMES_VALUE, stats.unbind(0)))
 
 
@@ -333,21 +404,22 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _reduce_grad(grad, n, reduction):
-    if reduction == 0:
+    if reduction == "mean":
         return grad / max(n, 1)
     return grad
 
 
 @torch.library.custom_op("ppo_kernels::pairwise_logsigmoid_loss", mutates_args=())
-def pairwise_logsigmoid_loss_op(z: Tensor, reduction: int) -> Tensor:
-    """-logsigmoid(z) reduced (0 mean, 1 sum, 2 none); z is the (scaled) preference margin."""
+def pairwise_logsigmoid_loss_op(z: Tensor, reduction: str) -> Tensor:
+    """-logsigmoid(z) reduced ("mean", "sum" or "none"); z is the (scaled) preference margin."""
+    _backend.backend_for("pairwise_logsigmoid_loss", z)  # eager; raises if another was requested
     loss = -torch.nn.functional.logsigmoid(z.to(_backend.out_dtype(z)))
-    return reference._reduce(loss, _REDUCTIONS[reduction])
+    return reference._reduce(loss, reduction)
 
 
 @pairwise_logsigmoid_loss_op.register_fake
 def _(z, reduction):
-    return z.new_empty(z.shape if reduction == 2 else (), dtype=_backend.out_dtype(z))
+    return z.new_empty(z.shape if reduction == "none" else (), dtype=_backend.out_dtype(z))
 
 
 def _pls_setup(ctx, inputs, output):
@@ -384,7 +456,7 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reducti
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
     acc = _backend.out_dtype(chosen_scores)
     z = chosen_scores.to(acc) - rejected_scores.to(acc)
-    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))
+    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, reduction)
 
 
 def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp: Tensor,
@@ -402,4 +474,4 @@ def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp
     acc = _backend.out_dtype(policy_chosen_lp)
     z = float(beta) * ((policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
                        - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc)))
-    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, _REDUCTIONS.index(reduction))
+    return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, reduction)

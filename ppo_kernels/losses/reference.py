@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from .._modes import AGG_MODES
+
 STAT_NAMES_POLICY = ("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean")
 STAT_NAMES_VALUE = ("clip_frac",)
 

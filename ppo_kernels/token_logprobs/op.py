@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive, check_same_device, check_tensor
+from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_labels_in_range, check_positive,
+                       check_same_device, check_tensor)
 from . import reference
 
 OP = _backend.register_op("token_logprobs", kernel="token_logprobs_fwd", triton=True,
@@ -14,31 +15,62 @@ OP = _backend.register_op("token_logprobs", kernel="token_logprobs_fwd", triton=
 
 
 
-def _check_labels_cpu(labels: Tensor, V: int, ignore_index: int):
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-    if bool(bad.any()):
-        pos = int(bad.flatten().nonzero()[0])
-        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
-                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
+# The kernels, one implementation per backend with one signature (inv_temperature = 1 / T).
+forward = _backend.Kernel("token_logprobs", "forward")
+backward = _backend.Kernel("token_logprobs", "backward")  # writes the gradient into grad_logits
+
+
+@forward.impl("cpp")
+def _(logits, labels, inv_temperature, ignore_index, with_entropy):
+    return _backend.cpp_ops().token_logprobs_fwd(logits, labels, inv_temperature, ignore_index,
+                                                 with_entropy)
+
+
+@forward.impl("triton")
+def _(logits, labels, inv_temperature, ignore_index, with_entropy):
+    if logits.device.type == "cpu":
+        check_labels_in_range(labels, logits.shape[-1], ignore_index)
+    from . import triton_kernels
+    return triton_kernels.forward(logits, labels, inv_temperature, ignore_index, with_entropy)
+
+
+@forward.impl("eager")
+def _(logits, labels, inv_temperature, ignore_index, with_entropy):
+    if logits.device.type == "cpu":
+        check_labels_in_range(labels, logits.shape[-1], ignore_index)
+    lp, ent, lse = reference.forward(logits, labels, 1.0 / inv_temperature, ignore_index,
+                                     with_entropy)
+    out = _backend.out_dtype(logits)
+    return lp.to(out), ent.to(out), lse.to(out)
+
+
+@backward.impl("cpp")
+def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature, ignore_index,
+      grad_logits):
+    _backend.cpp_ops().token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
+                                          entropy, inv_temperature, ignore_index, grad_logits)
+
+
+@backward.impl("triton")
+def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature, ignore_index,
+      grad_logits):
+    from . import triton_kernels
+    triton_kernels.backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy,
+                            inv_temperature, ignore_index, grad_logits)
+
+
+@backward.impl("eager")
+def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, inv_temperature, ignore_index,
+      grad_logits):
+    grad_logits.copy_(reference.backward(grad_logprobs, grad_entropy, logits, labels, lse,
+                                         entropy, 1.0 / inv_temperature, ignore_index))
 
 
 @torch.library.custom_op("ppo_kernels::token_logprobs", mutates_args=())
 def token_logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
                       with_entropy: bool, inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (logprobs, entropy or an empty tensor, lse); lse is saved for backward."""
-    backend = _backend.backend_for("token_logprobs", logits)
-    inv_t = 1.0 / temperature
-    if backend == "cpp":
-        return _backend.cpp_ops().token_logprobs_fwd(logits, labels, inv_t, ignore_index,
-                                                         with_entropy)
-    if logits.device.type == "cpu":
-        _check_labels_cpu(labels, logits.shape[-1], ignore_index)
-    if backend == "triton":
-        from . import triton_kernels
-        return triton_kernels.forward(logits, labels, inv_t, ignore_index, with_entropy)
-    lp, ent, lse = reference.forward(logits, labels, temperature, ignore_index, with_entropy)
-    out = _backend.out_dtype(logits)
-    return lp.to(out), ent.to(out), lse.to(out)
+    return forward(logits, labels, 1.0 / temperature, ignore_index, with_entropy)
 
 
 @token_logprobs_op.register_fake
@@ -51,18 +83,8 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
 
 def _run_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature,
                   ignore_index, grad_logits):
-    backend = _backend.backend_for("token_logprobs", logits)
-    inv_t = 1.0 / temperature
-    if backend == "cpp":
-        _backend.cpp_ops().token_logprobs_bwd(grad_logprobs, grad_entropy, logits, labels, lse,
-                                                  entropy, inv_t, ignore_index, grad_logits)
-    elif backend == "triton":
-        from . import triton_kernels
-        triton_kernels.backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_t,
-                                ignore_index, grad_logits)
-    else:
-        grad_logits.copy_(reference.backward(grad_logprobs, grad_entropy, logits, labels, lse,
-                                             entropy, temperature, ignore_index))
+    backward(logits, grad_logprobs, grad_entropy, labels, lse, entropy, 1.0 / temperature,
+             ignore_index, grad_logits)
 
 
 @torch.library.custom_op("ppo_kernels::token_logprobs_backward", mutates_args=())
@@ -124,7 +146,8 @@ token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
                    ignore_index: int = -100, return_entropy: bool = False,
-                   inplace_backward: bool = False):
+                   inplace_backward: bool = False, process_group=None,
+                   vocab_start: int | None = None):
     """Log-probability of each label under softmax(logits / temperature), fused in one pass.
 
     Args:
@@ -137,6 +160,13 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
         return_entropy: also return the entropy of softmax(logits / temperature).
         inplace_backward: write the gradient into the logits buffer instead of allocating one
             (the logits must not be needed by anything else afterwards).
+        process_group: vocab-parallel (tensor-parallel) form: `logits` is this rank's contiguous
+            slice `[..., V_rank]` of the vocabulary (slices may be uneven), `labels` are global
+            ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
+            statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
+            rank's slice is its slice of the unsharded gradient.
+        vocab_start: this rank's first vocabulary id; default: from the slice sizes of the ranks
+            in rank order (one extra all-gather of sizes on the first call, then cached).
 
     Returns:
         float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
@@ -149,14 +179,20 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0,
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
-    if logits.shape[-1] == 0 and labels.numel() > 0:
+    if logits.shape[-1] == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         raise ValueError("logits: the last (vocabulary) dimension must be contiguous (stride 1); "
                          f"got strides {tuple(logits.stride())}")
     check_positive("temperature", float(temperature))
     if logits.device.type == "cuda" and _backend.strict():
-        _check_labels_cpu(labels, logits.shape[-1], int(ignore_index))  # host sync, by request
+        check_labels_in_range(labels, logits.shape[-1], int(ignore_index))  # host sync, by request
+    if process_group is not None:
+        if inplace_backward:
+            raise ValueError("inplace_backward: not supported with process_group")
+        from ..distributed import vocab_parallel_token_logprobs
+        return vocab_parallel_token_logprobs(logits, labels, temperature, ignore_index,
+                                             return_entropy, process_group, vocab_start)
     lp, ent, _ = torch.ops.ppo_kernels.token_logprobs(logits, labels, float(temperature),
                                                       int(ignore_index), bool(return_entropy),
                                                       bool(inplace_backward))

@@ -1,0 +1,84 @@
+"""Data-parallel masked statistics: the mean and variance over the mask = 1 positions of every
+rank, with ONE collective and no host synchronisation: each rank reduces its data to
+(count, mean, M2) -- M2 = sum of squared deviations from its own mean, so nothing cancels -- an
+all-gather exchanges those three numbers, and every rank combines them with Chan et al.'s
+pairwise update (exact in real arithmetic, stable in floating point)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._comm import all_gather as _all_gather
+
+
+def local_moments(xf: Tensor, m: Tensor) -> Tensor:
+    """(count, mean, M2) of xf over m (bool), as one tensor [3] in xf's dtype. M2 is computed
+    around a scale so that finite inputs of any spread give finite moments."""
+    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
+    n = m.sum().to(xf.dtype)
+    mean = torch.where(m, xf, zero).sum() / n.clamp(min=1)
+    dev = torch.where(m, xf - mean, zero)
+    scale = dev.abs().amax() if dev.numel() else zero
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    m2 = (dev / scale).square().sum() * scale * scale
+    return torch.stack([n, mean, m2])
+
+
+def combine_moments(moments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[world, 3] (count, mean, M2) -> global (count, mean, M2), rank order (deterministic)."""
+    n, mean, m2 = moments[0, 0], moments[0, 1], moments[0, 2]
+    for r in range(1, moments.shape[0]):
+        nb, mb, m2b = moments[r, 0], moments[r, 1], moments[r, 2]
+        tot = n + nb
+        safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+        delta = mb - mean
+        mean = torch.where(tot > 0, mean + delta * nb / safe, mean)
+        m2 = m2 + m2b + delta * delta * n * nb / safe
+        n = tot
+    return n, mean, m2
+
+
+def global_moments(xf: Tensor, m: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
+    """Global (count, mean, M2) over the ranks of `group` (one all-gather of 3 numbers)."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+    local = local_moments(xf, m)
+    out = torch.empty(dist.get_world_size(group) * 3, dtype=local.dtype, device=local.device)
+    _all_gather(out, local, group=group)
+    return combine_moments(out.view(-1, 3))
+
+
+def whiten_global(xf: Tensor, m: Tensor, shift_mean: bool, unbiased: bool, eps: float,
+                  group) -> Tensor:
+    """masked_whiten with the statistics of every rank (same conventions as the local op)."""
+    n, mean, m2 = global_moments(xf, m, group)
+    if unbiased:
+        var = torch.where(n >= 2, m2 / (n - 1).clamp(min=1), torch.full_like(m2, float("nan")))
+    else:
+        var = m2 / n.clamp(min=1)
+    out = (xf - mean) * torch.rsqrt(var + eps)
+    return out + mean if not shift_mean else out
+
+
+def gather_groups(scores: Tensor, group_index: Tensor | None, group):
+    """Every rank's scores (and group ids) in rank order, for group statistics whose groups may
+    span ranks: one all-gather of [1 + 2 B] float64 per rank (B, then scores and ids; float64
+    holds ids exactly). Returns (scores of all ranks, their group ids or None, this rank's rows)."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    B = scores.shape[0]
+    ids = group_index.double() if group_index is not None else torch.zeros_like(scores, dtype=torch.float64)
+    payload = torch.cat([torch.tensor([B], dtype=torch.float64, device=scores.device),
+                         scores.double(), ids.to(scores.device)])
+    out = torch.empty(world * payload.numel(), dtype=torch.float64, device=scores.device)
+    _all_gather(out, payload, group=group)
+    out = out.view(world, -1)
+    if bool((out[:, 0] != B).any()):
+        raise ValueError(f"scores: every rank must hold the same number of responses; got "
+                         f"{out[:, 0].long().tolist()}")
+    all_scores = out[:, 1:1 + B].reshape(-1).to(scores.dtype)
+    all_ids = out[:, 1 + B:].reshape(-1).long() if group_index is not None else None
+    rows = torch.arange(rank * B, (rank + 1) * B, device=scores.device)
+    return all_scores, all_ids, rows

@@ -1,0 +1,119 @@
+"""How linear_token_logprobs walks the work: rows (tokens) in chunks and, when a chunk of rows
+times the whole vocabulary does not fit the memory budget, the vocabulary in chunks too. Pure
+arithmetic on sizes (no tensors): the op (op.py) and the tiler (tiler.py) follow the Plan."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
+# CPU: a few hundred rows of a 32k-152k vocabulary; GPU: large enough (~600 rows at V = 152k) that
+# the cuBLAS matmuls stay efficient.
+DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
+_MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+
+LOGITS_DTYPES = ("float32", "input")
+
+
+def _check_logits_dtype(logits_dtype: str):
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype: expected one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+
+
+def _input_tiles(dtype: torch.dtype, logits_dtype: str) -> bool:
+    """Tiles and gradient matmuls in the input dtype (logits_dtype="input"; bf16/fp16 only)."""
+    return logits_dtype == "input" and dtype in (torch.bfloat16, torch.float16)
+
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: int      # rows per chunk
+    vocab: int     # vocabulary entries per tile (V: one tile covers the vocabulary)
+    sub: int       # vocabulary entries per upcast weight block (CPU bf16/fp16)
+    upcast: bool
+    whole_weight: bool = False  # upcast the whole weight once (it fits in half the budget)
+    input_tiles: bool = False   # logits_dtype="input": tiles in the input dtype; `sub` then sizes
+                                # the input-dtype block of the grad_weight product instead
+
+
+def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
+                max_chunk_bytes: int, tiles: str | None = None, logits_dtype: str = "float32",
+                fused: bool = True) -> Plan:
+    """Chunk sizes whose buffers fit in max_chunk_bytes: the logits tile, the upcast copies of the
+    hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator.
+
+    tiles: "rows" (default) takes as many rows as fit with the whole vocabulary (the fused
+    token_logprobs kernels then reduce each tile); "square" takes rows ~ vocabulary chunk, which
+    cuts the weight-gradient accumulator traffic (see the module docstring). Default from the
+    environment variable PPO_KERNELS_LINEAR_TILES, for measuring both on a GPU.
+
+    logits_dtype="input" (bf16/fp16): see _plan_input_tiles. fused: whole-vocabulary tiles are
+    reduced by the fused kernels straight from the input dtype (else they need a float32 copy)."""
+    if tiles is None:
+        tiles = os.environ.get("PPO_KERNELS_LINEAR_TILES", "rows")
+    if tiles not in ("rows", "square"):
+        raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
+    if _input_tiles(dtype, logits_dtype):
+        return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused)
+    acc = 8 if dtype == torch.float64 else 4
+    lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    upcast = dtype not in (torch.float32, torch.float64) and not lowp
+    tile_elem = acc + (2 if lowp else 0)           # + the rounded gradient tile on the GPU
+    row_fixed = acc * H * (2 if upcast else 1)     # upcast hidden chunk + grad_hidden accumulator
+    B = max(int(max_chunk_bytes), 1)
+    # Upcast weight blocks: the whole weight once when its copy takes at most half the budget
+    # (then each row chunk reuses it), else blocks of a quarter of the budget per row chunk.
+    whole = upcast and V * H * acc <= B // 2
+    sub = V if (whole or not upcast) else max(1, min(V, (B // 4) // max(acc * H, 1)))
+    avail = max(B - (sub * acc * H if upcast else 0), 0)
+    if tiles == "square":
+        rows = max(1, min(N, math.isqrt(avail // tile_elem)))
+        vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
+        return Plan(rows, vocab, min(sub, vocab), upcast, whole)
+    rows = avail // (V * tile_elem + row_fixed)
+    if rows >= min(N, _MIN_ROWS):
+        return Plan(max(1, min(N, rows)), V, sub, upcast, whole)
+    rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + tile_elem * min(V, 64))))
+    vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
+    return Plan(rows, vocab, min(sub, vocab), upcast, whole)
+
+
+def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused) -> Plan:
+    """Buffers of logits_dtype="input": the input-dtype tile (plus its float32 copy for the
+    per-chunk kernels of vocabulary chunks), per row the float32 grad_hidden accumulator and the
+    input-dtype product g @ W, and a [sub, H] input-dtype block of the product g^T @ h that is
+    added into the float32 grad_weight (no [V, H] temporary). The two products count twice: adding
+    an input-dtype tensor into a float32 one makes a float32 copy of it first."""
+    isz = dtype.itemsize
+    B = max(int(max_chunk_bytes), 1)
+    sub = max(1, min(V, (B // 4) // max((isz + 4) * H, 1)))
+    avail = max(B - sub * (isz + 4) * H, 0)
+    row_fixed = (4 + isz + 4) * H
+    chunked = isz + 4  # tile + float32 copy
+    if tiles == "square":
+        rows = max(1, min(N, math.isqrt(avail // chunked)))
+        vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
+        return Plan(rows, vocab, min(sub, vocab), False, False, True)
+    rows = avail // (V * (isz if fused else chunked) + row_fixed)
+    if rows >= min(N, _MIN_ROWS):
+        return Plan(max(1, min(N, rows)), V, sub, False, False, True)
+    rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + chunked * min(V, 64))))
+    vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
+    return Plan(rows, vocab, min(sub, vocab), False, False, True)
+
+
+
+def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
+    if max_chunk_bytes > 0:
+        return max_chunk_bytes
+    return DEFAULT_MAX_CHUNK_BYTES.get(device.type, DEFAULT_MAX_CHUNK_BYTES["cuda"])

@@ -1,0 +1,113 @@
+"""The logits tiles of linear_token_logprobs: each [rows, vocab_chunk] tile of hidden @ W^T + b
+computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient matmuls of a tile
+(see the precision notes in op.py's docstring)."""
+from __future__ import annotations
+
+import torch
+
+from .planner import Plan, _acc
+
+class Tiler:
+    """Computes logits tiles (and the two gradient matmuls of a tile) for one call."""
+
+    def __init__(self, hidden, weight, bias, plan: Plan, fused: bool, backward: bool = False):
+        self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
+        self.acc = _acc(hidden.dtype)
+        self.input_tiles = plan.input_tiles
+        # CUDA bf16/fp16 with float32 tiles: matmuls with float32 output (cuBLAS)
+        self.lowp = hidden.device.type == "cuda" and not plan.upcast and not plan.input_tiles \
+            and hidden.dtype in (torch.bfloat16, torch.float16)
+        dev, n = hidden.device, plan.rows * plan.vocab
+        # input tiles: the float32 buffer only holds copies of vocabulary-chunk tiles
+        need_acc = not self.input_tiles or not (fused and plan.vocab == weight.shape[0])
+        self.buf = torch.empty(n if need_acc else 0, dtype=self.acc, device=dev)
+        self.buf_in = torch.empty(n if self.input_tiles else 0, dtype=hidden.dtype, device=dev)
+        # input-dtype products of one chunk (g @ W, and g^T @ h block by block) before they are
+        # added into the float32 accumulators
+        bw = backward and self.input_tiles
+        H = hidden.shape[1]
+        self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
+        self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
+        # the plan keeps a whole upcast weight only when it fits in half the budget
+        self.W_acc = weight.to(self.acc) if plan.whole_weight else None
+
+    def rows(self, r0, r1):
+        hc = self.h[r0:r1]
+        return hc.to(self.acc) if self.plan.upcast else hc
+
+    def _w(self, s0, s1):
+        if self.W_acc is not None:
+            return self.W_acc[s0:s1]
+        w = self.W[s0:s1]
+        return w.to(self.acc) if self.plan.upcast else w
+
+    def logits(self, hc, v0, v1):
+        """Tile [rows, v1 - v0] of hc @ W[v0:v1].T + b[v0:v1] in a reused buffer: float32, or the
+        input dtype with input tiles (matmul, then + bias, each rounded as in the input dtype)."""
+        R = hc.shape[0]
+        if self.input_tiles:
+            tile = self.buf_in[: R * (v1 - v0)].view(R, v1 - v0)
+            torch.mm(hc, self.W[v0:v1].T, out=tile)
+            if self.b is not None:
+                tile += self.b[v0:v1]
+            return tile
+        tile = self.buf[: R * (v1 - v0)].view(R, v1 - v0)
+        if self.lowp:
+            torch.mm(hc, self.W[v0:v1].T, out_dtype=torch.float32, out=tile)
+            if self.b is not None:
+                tile += self.b[v0:v1].to(self.acc)
+            return tile
+        step = self.plan.sub if self.plan.upcast else v1 - v0
+        for s0 in range(v0, v1, step):
+            s1 = min(v1, s0 + step)
+            out = tile[:, s0 - v0:s1 - v0]
+            if self.b is not None:
+                torch.addmm(self.b[s0:s1].to(self.acc), hc, self._w(s0, s1).T, out=out)
+            else:
+                torch.mm(hc, self._w(s0, s1).T, out=out)
+        return tile
+
+    def logits_acc(self, hc, v0, v1):
+        """The tile in the accumulation dtype, for the per-chunk kernels (a float32 copy of the
+        input-dtype tile with input tiles)."""
+        tile = self.logits(hc, v0, v1)
+        if not self.input_tiles:
+            return tile
+        return self.buf[: tile.numel()].view(tile.shape).copy_(tile)
+
+    def to_input(self, g):
+        """The gradient tile as the matmuls take it: rounded to the input dtype with input tiles
+        (into the input-dtype buffer, as the materialised path's bf16 grad_logits)."""
+        if not self.input_tiles or g.dtype == self.h.dtype:
+            return g
+        return self.buf_in[: g.numel()].view(g.shape).copy_(g)
+
+    def grad_matmuls(self, g, hc, v0, v1, gh, gW, gb):
+        """gh += g @ W[v0:v1]; gW[v0:v1] += g^T @ hc; gb[v0:v1] += sum(g) (float32 accumulators;
+        empty ones are skipped)."""
+        if gb.numel():
+            gb[v0:v1] += g.sum(0, dtype=gb.dtype)
+        if self.input_tiles:
+            if gh.numel():
+                gh += torch.mm(g, self.W[v0:v1], out=self.gh_in[: g.shape[0]])
+            if gW.numel():
+                for s0 in range(v0, v1, self.plan.sub):
+                    s1 = min(v1, s0 + self.plan.sub)
+                    gW[s0:s1] += torch.mm(g[:, s0 - v0:s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
+            return
+        if self.lowp:
+            gc = g.to(hc.dtype)
+            if gh.numel():
+                torch.addmm(gh, gc, self.W[v0:v1], out_dtype=torch.float32, out=gh)
+            if gW.numel():
+                gw = gW[v0:v1]
+                torch.addmm(gw, gc.T, hc, out_dtype=torch.float32, out=gw)
+            return
+        step = self.plan.sub if self.plan.upcast else v1 - v0
+        for s0 in range(v0, v1, step):
+            s1 = min(v1, s0 + step)
+            gs = g[:, s0 - v0:s1 - v0]
+            if gh.numel():
+                gh.addmm_(gs, self._w(s0, s1))
+            if gW.numel():
+                gW[s0:s1].addmm_(gs.T, hc)

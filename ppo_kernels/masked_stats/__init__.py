@@ -1,0 +1,1 @@
+from .op import masked_mean, masked_whiten  # noqa: F401

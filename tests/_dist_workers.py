@@ -1,0 +1,236 @@
+"""Workers of tests/test_distributed.py: `python tests/_dist_workers.py CASE[,CASE...] WORLD`
+spawns WORLD processes on gloo (CPU) once; each runs the cases in turn, checking the distributed
+op against the single-process op on the same seeded data; the script exits non-zero if any rank
+failed (naming the case)."""
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _uneven_split(n, world, seed=1):
+    """Contiguous, uneven, possibly empty slices of range(n)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, n + 1, (world - 1,), generator=g).tolist())
+    bounds = [0] + cuts + [n]
+    return [(bounds[i], bounds[i + 1]) for i in range(world)]
+
+
+def case_vocab_parallel(rank, world):
+    import ppo_kernels as pk
+    from _utils import GRAD_TOL, TOL, poisoned
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for temperature, ignore in ((1.0, -100), (0.7, 3)):
+            g = torch.Generator().manual_seed(7)
+            N, V = 37, 53
+            logits = (torch.randn(N, V, generator=g) * 3).to(dtype)
+            labels = torch.randint(0, V, (N,), generator=g)
+            labels[::5] = ignore if ignore >= 0 else -100
+            gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+            ig = ignore if ignore >= 0 else -100
+            # the single-process op: the reference result
+            full = logits.clone().requires_grad_()
+            lp_w, ent_w = pk.token_logprobs(full, labels, temperature=temperature,
+                                           ignore_index=ig, return_entropy=True)
+            (lp_w * gl + ent_w * ge).sum().backward()
+            v0, v1 = _uneven_split(V, world)[rank]
+            if world == 3 and temperature != 1.0:  # an empty slice on rank 1
+                v0, v1 = ((0, 20), (20, 20), (20, V))[rank]
+            shard = logits[:, v0:v1].clone().requires_grad_()
+            with poisoned():
+                lp, ent = pk.token_logprobs(shard, labels, temperature=temperature,
+                                            ignore_index=ig, return_entropy=True,
+                                            process_group=dist.group.WORLD,
+                                            vocab_start=v0 if temperature != 1.0 else None)
+                (lp * gl + ent * ge).sum().backward()
+            tol = TOL[dtype]
+            torch.testing.assert_close(lp, lp_w, **tol)
+            torch.testing.assert_close(ent, ent_w, **tol)
+            torch.testing.assert_close(shard.grad.float(), full.grad[:, v0:v1].float(),
+                                       **GRAD_TOL[dtype])
+
+
+def case_vocab_parallel_linear(rank, world):
+    import ppo_kernels as pk
+    from _utils import GRAD_TOL, TOL
+
+    # a partial (unreduced) hidden gradient is rounded to the input dtype per rank, so the bf16
+    # case checks the reduced one
+    for dtype, bias, partial in ((torch.float32, True, False), (torch.float32, False, True),
+                                 (torch.bfloat16, True, False)):
+        g = torch.Generator().manual_seed(11)
+        N, H, V = 29, 16, 61
+        h = (torch.randn(N, H, generator=g)).to(dtype)
+        w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+        b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
+        labels = torch.randint(0, V, (N,), generator=g)
+        labels[3] = -100
+        gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+        hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+        bf = b.clone().requires_grad_() if bias else None
+        lp_w, ent_w = pk.linear_token_logprobs(hf, wf, labels, bias=bf, temperature=0.8,
+                                               return_entropy=True)
+        (lp_w * gl + ent_w * ge).sum().backward()
+        v0, v1 = _uneven_split(V, world, seed=2)[rank]
+        hs, ws = h.clone().requires_grad_(), w[v0:v1].clone().requires_grad_()
+        bs = b[v0:v1].clone().requires_grad_() if bias else None
+        lp, ent = pk.linear_token_logprobs(hs, ws, labels, bias=bs, temperature=0.8,
+                                           return_entropy=True, process_group=dist.group.WORLD,
+                                           max_chunk_bytes=4096, reduce_hidden_grad=not partial)
+        (lp * gl + ent * ge).sum().backward()
+        torch.testing.assert_close(lp, lp_w, **TOL[dtype])
+        torch.testing.assert_close(ent, ent_w, **TOL[dtype])
+        gt = GRAD_TOL[dtype]
+        torch.testing.assert_close(ws.grad.float(), wf.grad[v0:v1].float(), **gt)
+        if bias:
+            torch.testing.assert_close(bs.grad.float(), bf.grad[v0:v1].float(), **gt)
+        gh = hs.grad.float()
+        if partial:  # each rank holds its slice's share; the sum is the gradient
+            dist.all_reduce(gh)
+        torch.testing.assert_close(gh, hf.grad.float(), **gt)
+
+
+def case_vocab_parallel_full_kl(rank, world):
+    import ppo_kernels as pk
+    from _utils import GRAD_TOL, TOL
+
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(13)
+        N, V = 19, 47
+        z = (torch.randn(N, V, generator=g) * 2).to(dtype)
+        w = (torch.randn(N, V, generator=g) * 2).to(dtype)
+        mask = torch.rand(N, generator=g) > 0.2
+        gk = torch.randn(N, generator=g)
+        zf, wf = z.clone().requires_grad_(), w.clone().requires_grad_()
+        kl_w = pk.full_kl(zf, wf, temperature=0.9, mask=mask)
+        (kl_w * gk).sum().backward()
+        v0, v1 = _uneven_split(V, world, seed=4)[rank]
+        if world == 3:  # an empty slice on rank 1
+            v0, v1 = ((0, 20), (20, 20), (20, V))[rank]
+        zs, ws = z[:, v0:v1].clone().requires_grad_(), w[:, v0:v1].clone().requires_grad_()
+        kl = pk.full_kl(zs, ws, temperature=0.9, mask=mask, process_group=dist.group.WORLD)
+        (kl * gk).sum().backward()
+        torch.testing.assert_close(kl, kl_w, **TOL[dtype])
+        torch.testing.assert_close(zs.grad.float(), zf.grad[:, v0:v1].float(), **GRAD_TOL[dtype])
+        torch.testing.assert_close(ws.grad.float(), wf.grad[:, v0:v1].float(), **GRAD_TOL[dtype])
+
+
+def case_sequence_parallel_gae(rank, world):
+    import ppo_kernels as pk
+    from _utils import poisoned
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 41
+    r, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    dones = torch.rand(B, T, generator=g) > 0.9
+    gamma = 0.9 + 0.1 * torch.rand(B, T, generator=g)
+    boot = torch.randn(B, generator=g)
+    splits = _uneven_split(T, world, seed=world)
+    t0, t1 = splits[rank]
+    # (the same data on every rank) a rank whose slice is all mask = 0, a done at a slice border
+    if world > 2:
+        mask[:, splits[1][0]:splits[1][1]] = False
+    if splits[-1][0] > 0:
+        dones[:, splits[-1][0] - 1] = True
+    for kw in (dict(gamma=0.99, lam=0.95), dict(gamma=gamma, lam=0.9, dones=dones,
+                                                 bootstrap_value=boot)):
+        adv_w, ret_w = pk.gae(r, v, mask, **kw)
+        kws = {k: (x[:, t0:t1] if isinstance(x, torch.Tensor) and x.dim() == 2 else x)
+               for k, x in kw.items()}
+        with poisoned():
+            adv, ret = pk.gae(r[:, t0:t1], v[:, t0:t1], mask[:, t0:t1],
+                              process_group=dist.group.WORLD, **kws)
+        torch.testing.assert_close(adv, adv_w[:, t0:t1], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ret, ret_w[:, t0:t1], atol=2e-5, rtol=2e-5)
+
+
+def case_data_parallel_whiten(rank, world):
+    import ppo_kernels as pk
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3 + r, 17, generator=g) * 1e3 + 5e3 for r in range(world)]
+    ms = [torch.rand(3 + r, 17, generator=g) > 0.4 for r in range(world)]
+    if world > 2:
+        ms[-1][:] = False  # a rank with no unmasked position
+    cat_x = torch.cat([x.reshape(-1) for x in xs])
+    cat_m = torch.cat([m.reshape(-1) for m in ms])
+    want = pk.masked_whiten(cat_x, cat_m)
+    got = pk.masked_whiten(xs[rank], ms[rank], process_group=dist.group.WORLD)
+    off = sum(x.numel() for x in xs[:rank])
+    torch.testing.assert_close(got.reshape(-1), want[off:off + xs[rank].numel()], atol=1e-5,
+                               rtol=1e-5)
+    mean = pk.masked_mean(xs[rank], ms[rank], process_group=dist.group.WORLD)
+    torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_m), atol=1e-3, rtol=1e-6)
+
+
+def case_data_parallel_grpo(rank, world):
+    import ppo_kernels as pk
+
+    g = torch.Generator().manual_seed(9)
+    B = 6
+    scores = torch.randn(world * B, generator=g)
+    ids = torch.randint(0, world * 2, (world * B,), generator=g)  # groups spanning ranks
+    mask = torch.rand(world * B, 4, generator=g) > 0.3
+    mine = slice(rank * B, (rank + 1) * B)
+    for kw in (dict(group_index=ids), dict(group_size=3), dict(group_size=world * B)):
+        want = pk.grpo_advantages(scores, mask=mask, **kw)
+        got = pk.grpo_advantages(scores[mine], mask=mask[mine], process_group=dist.group.WORLD,
+                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
+                                    for k, v in kw.items()})
+        torch.testing.assert_close(got, want[mine])
+        want = pk.rloo_advantages(scores, **kw)
+        got = pk.rloo_advantages(scores[mine], process_group=dist.group.WORLD,
+                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
+                                    for k, v in kw.items()})
+        torch.testing.assert_close(got, want[mine])
+
+
+CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
+
+
+def _worker(rank, world, case, init_file, errors):
+    c = None
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        for c in case.split(","):
+            torch.manual_seed(0)
+            CASES[c](rank, world)
+            dist.barrier()
+    except Exception:
+        errors.put(f"rank {rank}, case {c}: {traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main():
+    case, world = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.get_context("spawn")
+        errors = ctx.SimpleQueue()
+        try:
+            mp.start_processes(_worker, args=(world, case, os.path.join(d, "init"), errors),
+                               nprocs=world, start_method="spawn")
+        except Exception as e:
+            while not errors.empty():
+                print(errors.get(), file=sys.stderr)
+            print(f"FAILED: {e}", file=sys.stderr)
+            sys.exit(1)
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
