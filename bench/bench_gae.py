@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
 from ppo_kernels.gae import reference as R  # noqa: E402
+from ppo_kernels.masked_stats import reference as MS  # noqa: E402
 from _common import median_seconds, peak_extra_bytes  # noqa: E402
 
 B, T = 256, 4096
@@ -68,7 +69,7 @@ def _cases():
             (case, "copy (same bytes moved)", _copy_of(LONG))]
     adv = torch.randn(B, T)
     case = f"masked_whiten B={B} T={T}"
-    out += [(case, "eager (verl masked_whiten)", lambda: R.verl_masked_whiten(adv, mf)),
+    out += [(case, "eager (verl masked_whiten)", lambda: MS.verl_masked_whiten(adv, mf)),
             (case, "ppo_kernels", lambda: pk.masked_whiten(adv, m))]
     return out
 

@@ -177,18 +177,6 @@ def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam, bootst
     return advantages, advantages + values
 
 
-def verl_masked_whiten(x, mask):
-    """verl's masked_whiten: unbiased masked variance, `(x - mean) * rsqrt(var + 1e-8)`; the two
-    `mask_sum == 0 / 1` checks are host syncs."""
-    mean = (x * mask).sum() / (mask.sum() + 1e-8)
-    var = ((x - mean) ** 2 * mask).sum() / (mask.sum() + 1e-8)
-    n = mask.sum()
-    if n == 0 or n == 1:
-        raise ValueError("mask: verl's masked_whiten needs at least two unmasked positions")
-    var = var * (n / (n - 1))
-    return (x - mean) * torch.rsqrt(var + 1e-8)
-
-
 def openrlhf_gae_loop(values, rewards, action_mask, gamma, lam):
     """OpenRLHF's get_advantages_and_returns: rewards and values zeroed outside the action mask,
     then the plain recursion (masked positions are zero-reward, zero-value steps)."""

@@ -4,11 +4,12 @@
 - `eager`: what trainers run today, which is also what the benchmarks in bench/ compare against.
   There is one copy of that code, in the ops' reference.py files: the LM head materialises the
   logits, then upcast, log_softmax, gather, and the entropy of the full distribution
-  (`linear_logprobs/reference.eager_logprobs`); verl's GAE loop and whitening
-  (`gae/reference.py`), its KL estimators and reward placement (`kl/reference.py`), its policy
-  and value losses (`losses/reference.py`) and its per-group GRPO loop
-  (`group_advantages/reference.py`). For an op whose baseline has no peer formula (masked_mean,
-  RLOO, the pairwise losses) the op's own eager reference runs, through `use_backend("eager")`.
+  (`linear_logprobs/reference.eager_logprobs`); verl's GAE loop (`gae/reference.py`) and
+  whitening (`masked_stats/reference.py`), its KL estimators and reward placement
+  (`kl/reference.py`), its policy and value losses (`losses/reference.py`) and its per-group
+  GRPO loop (`group_advantages/reference.py`). For an op whose baseline has no peer formula
+  (masked_mean, RLOO, the pairwise losses) the op's own eager reference runs, through
+  `use_backend("eager")`.
   This file holds no math of its own.
 
 `PPO_TRAINER_EAGER_OPS=gae,kl_penalty` (a debugging switch) runs the named ops eager in a fused
@@ -27,6 +28,7 @@ from ppo_kernels.group_advantages import reference as group_ref
 from ppo_kernels.kl import reference as kl_ref
 from ppo_kernels.linear_logprobs import reference as linear_ref
 from ppo_kernels.losses import reference as loss_ref
+from ppo_kernels.masked_stats import reference as stats_ref
 from ppo_kernels.token_logprobs import reference as tl_ref
 
 
@@ -101,7 +103,7 @@ class Ops:
     def masked_whiten(self, x, mask):
         if self._fused("masked_whiten"):
             return pk.masked_whiten(x, mask)
-        return gae_ref.verl_masked_whiten(x, mask.float())
+        return stats_ref.verl_masked_whiten(x, mask.float())
 
     def gae(self, rewards, values, mask, *, gamma, lam, bootstrap_value=None):
         if self._fused("gae"):
