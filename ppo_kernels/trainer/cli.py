@@ -26,8 +26,9 @@ from .config import ConfigError, TrainConfig, config_from_args
 from .ops import Ops
 from .task import DecimalAdditionTask
 
-# Seconds on the reference machine (2-core AMD EPYC, CPU torch, defaults): the up-front estimate.
-_EST = {"sft_step": 0.10, "fused_step": 2.0, "eager_step": 4.0, "eval": 10.0}
+# The up-front estimate: CPU seconds of the default job, one torch thread, on the 2-core AMD EPYC
+# of README's table (about the wall time there when the machine is otherwise idle).
+_EST = {"sft_step": 0.15, "fused_step": 2.6, "eager_step": 4.5, "eval": 10.0}
 
 
 def _sft_key(cfg: TrainConfig, vocab_size: int) -> str:
@@ -401,7 +402,7 @@ def _estimate(cfg: TrainConfig, compare: bool) -> str:
     runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
     for ops in runs:
         parts.append(f"{ops} run {mins(_EST[f'{ops}_step'] * cfg.steps + 2 * _EST['eval'])}")
-    return "estimated on a 2-core CPU: " + ", ".join(parts)
+    return "rough phase times on an idle 2-core CPU: " + ", ".join(parts)
 
 
 def _check_dependencies():
