@@ -5,14 +5,25 @@ import random
 import pytest
 import torch
 
-from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
 from ppo_kernels.gae import reference as gae_ref
+from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
 from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
 from ppo_kernels.trainer.config import config_from_args
-from ppo_kernels.trainer.models import ValueModel, frozen_copy, last_index, lm_head, tiny_model
+from ppo_kernels.trainer.models import (
+    ValueModel,
+    frozen_copy,
+    last_index,
+    lm_head,
+    tiny_model,
+)
 from ppo_kernels.trainer.models import token_logprobs as model_logprobs
 from ppo_kernels.trainer.rollout import generate
-from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask, Problem, calculator
+from ppo_kernels.trainer.task import (
+    CharTokenizer,
+    DecimalAdditionTask,
+    Problem,
+    calculator,
+)
 
 MODES = ["eager", "fused"]
 
@@ -45,7 +56,7 @@ def test_task_running_example():
     assert calculator("0.10+0.20") == "0.30000000000000004"
     assert task.tool_response("{0.10+0.20}") == "0.30000000000000004|"
     assert task.tool_response("{0.10+0.20") is None
-    resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))  # noqa: E731
+    resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))
     assert resp("format") == "{0.10+0.20}0.30000000000000004|0.30$"
     assert task.verify(p, resp("format")) == 1.0
     assert task.verify(p, resp("copy")) == 0.0       # execution B: the float printed verbatim

@@ -183,6 +183,6 @@ def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
     assert "fused/eager" in text and "peak tensor memory" in text, text
     assert text.rstrip().endswith(f"plot: {out / 'curves.png'}"), text
     assert (out / "compare.txt").read_text() in text
-    for run in (out, out / "compare_eager"):
-        s = json.loads((run / "summary.json").read_text())
+    for run_dir in (out, out / "compare_eager"):
+        s = json.loads((run_dir / "summary.json").read_text())
         assert s["peak_memory_bytes"] > 0 and s["seconds_per_step"] > 0

@@ -183,7 +183,7 @@ class _Run:
         if cfg.plot:
             try:
                 plot({cfg.ops: rows}, {cfg.ops: self.summary}, os.path.join(cfg.out, "curves.png"))
-            except Exception as e:  # a plot must never fail a finished run
+            except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
                 self.log(f"plot skipped: {e}")
         return self.summary
 

@@ -38,7 +38,12 @@ class HFTokenizer:
 
 def tiny_model(cfg: TrainConfig, vocab_size: int):
     """A random-init Llama- or Qwen2-style causal LM."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
     kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
               num_key_value_heads=cfg.heads, max_position_embeddings=256,
@@ -101,7 +106,9 @@ def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, tempe
                                        temperature=temperature, return_entropy=return_entropy)
     if keep is None:
         return out
-    unpack = lambda x: x.new_zeros(keep.shape).masked_scatter(keep, x)  # noqa: E731
+
+    def unpack(x):
+        return x.new_zeros(keep.shape).masked_scatter(keep, x)
     return tuple(map(unpack, out)) if return_entropy else unpack(out)
 
 
@@ -117,7 +124,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_causal_lm(cls, model) -> "ValueModel":
+    def from_causal_lm(cls, model) -> ValueModel:
         p = next(model.parameters())
         return cls(copy.deepcopy(hf.backbone(model)), model.config.hidden_size).to(p.device)
 
