@@ -5,6 +5,9 @@ found -- also on a machine without a GPU. Switches (environment variables):
   PPO_KERNELS_SKIP_CUDA_BUILD=1  never compile the CUDA kernels
   PPO_KERNELS_FORCE_CUDA=1       fail (instead of skipping) when the CUDA kernels cannot be built
   PPO_KERNELS_CPU_ARCH=generic   do not compile the CPU kernels for AVX2 even if this CPU has it
+  PPO_KERNELS_BUILD_SIMT=1       also build the test-only `ppo_kernels._simt`: the CUDA kernels of
+                                 csrc/cuda compiled by g++ and run on the CPU by the SIMT emulator of
+                                 csrc/testing (no nvcc or GPU needed; CI sets it)
   TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
   MAX_JOBS                       parallel compile jobs (ninja)
 
@@ -138,15 +141,26 @@ def _extensions():
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DPPO_KERNELS_BUILD",
                 "--expt-relaxed-constexpr"]
         print(f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
-        return [cpp_extension.CUDAExtension(
+        main = cpp_extension.CUDAExtension(
             "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs, depends=depends,
             extra_compile_args={"cxx": cxx,
                                 "nvcc": nvcc},
-            extra_link_args=["-fopenmp"])]
-    print(f"ppo-kernels: building CPU kernels only ({why_not})")
-    return [cpp_extension.CppExtension(
-        "ppo_kernels._C", sources, include_dirs=include_dirs, depends=depends,
-        extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])]
+            extra_link_args=["-fopenmp"])
+    else:
+        print(f"ppo-kernels: building CPU kernels only ({why_not})")
+        main = cpp_extension.CppExtension(
+            "ppo_kernels._C", sources, include_dirs=include_dirs, depends=depends,
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+    exts = [main]
+    if _flag("PPO_KERNELS_BUILD_SIMT"):
+        print("ppo-kernels: building the SIMT emulator test extension ppo_kernels._simt")
+        exts.append(cpp_extension.CppExtension(
+            "ppo_kernels._simt", sorted(glob.glob("csrc/testing/*.cpp")),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            # -O1: the emulator's time goes to fiber switches, and -O3 triples the compile time
+            extra_compile_args={"cxx": cxx + ["-O1", "-DPPO_SIMT", "-fno-strict-aliasing"]},
+            extra_link_args=["-fopenmp"]))
+    return exts
 
 
 TORCH_VERSION_FILE = "_C.torch_version"

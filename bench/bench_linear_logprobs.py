@@ -6,6 +6,7 @@ or the table of `python bench/run.py --ops linear_logprobs`. GPU: bench/gpu_chec
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -80,7 +81,7 @@ def table_rows(n=N, h=H, v=V, reps=3):
         x, w, y = make_inputs(n, h, v, dtype)
         for name, fn in impls(entropy, dtype).items():
             for mode, runner in (("forward", run_forward), ("fwd+bwd", run_fwd_bwd)):
-                call = lambda: runner(fn, x, w, y)  # noqa: E731
+                call = functools.partial(runner, fn, x, w, y)
                 try:
                     sec = median_seconds(call, warmup=1, reps=reps)
                     mem = peak_extra_bytes(call)

@@ -5,6 +5,7 @@ or the side-by-side table of `python bench/run.py`. GPU numbers come from bench/
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -85,7 +86,7 @@ def table_rows(n=N, v=V, reps=5):
         x, y = make_inputs(n, v, dtype, requires_grad=True)
         for name, fn in impls(entropy).items():
             for mode, runner in (("forward", run_forward), ("fwd+bwd", run_fwd_bwd)):
-                call = lambda: runner(fn, x, y)  # noqa: E731
+                call = functools.partial(runner, fn, x, y)
                 try:
                     sec = median_seconds(call, warmup=1 if "compile" not in name else 2, reps=reps)
                     mem = peak_extra_bytes(call)

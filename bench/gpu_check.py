@@ -4,8 +4,11 @@ times everything against eager PyTorch and peers, and writes a dated report.
 
     python bench/gpu_check.py [--skip-build] [--skip-sanitizer] [--only OP,...] [--out DIR]
 
-Each op adds bench/gpu_checks/<op>.py with up to three functions:
-    correctness(ctx)        ctx.compare(...) every backend against the float64 reference
+Correctness is the `cuda` pytest tests, tests/cuda/test_cuda_<op>.py (tolerances and NaN-poisoning
+from tests/_utils.py), run here in one pytest subprocess per op (a kernel that corrupts the CUDA
+context fails its op only); their pass/fail table goes into the report. pytest must be installed
+(see DEVELOPING.md); without it that phase is reported as not run and the exit status is 1.
+Each op adds bench/gpu_checks/<op>.py with up to two functions:
     sanitize_workload()     small calls of the CUDA (cpp) kernels, run under compute-sanitizer
     timing(ctx)             ctx.bench(...) fused backends vs eager and peers, with bytes moved
 The report (markdown + CSV) goes to bench/results/gpu_check_<date>_<gpu>.{md,csv} (or --out, e.g.
@@ -17,11 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.util
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -38,36 +43,13 @@ def _modules(only):
 
 
 class Ctx:
+    """What the timing functions of bench/gpu_checks/<op>.py record into."""
+
     def __init__(self):
         import torch
         self.torch = torch
-        self.rows = []        # correctness rows
         self.timings = []     # timing rows
-        self.failures = 0
         self.bandwidth = None
-
-    # -- correctness --
-    def compare(self, op, case, backend, got, ref, atol, rtol):
-        torch = self.torch
-        try:
-            got = got.double()
-            ref = ref.double().to(got.device)
-            both_nan = got.isnan() & ref.isnan()
-            err = torch.where(both_nan, torch.zeros_like(got), (got - ref).abs())
-            bound = atol + rtol * ref.abs()
-            ok = bool(((err <= bound) | both_nan).all())
-            worst = float(err.max()) if err.numel() else 0.0
-        except Exception as e:  # noqa: BLE001
-            ok, worst = False, float("nan")
-            case = f"{case} ({type(e).__name__}: {e})"
-        self.rows.append(dict(op=op, case=case, backend=backend, ok=ok, max_err=worst, atol=atol, rtol=rtol))
-        self.failures += not ok
-        return ok
-
-    def fail(self, op, case, backend, why):
-        self.rows.append(dict(op=op, case=f"{case}: {why}", backend=backend, ok=False, max_err=float("nan"),
-                              atol=0, rtol=0))
-        self.failures += 1
 
     # -- timing --
     def measure_bandwidth(self):
@@ -78,8 +60,7 @@ class Ctx:
         y = torch.empty_like(x)
         ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200)
         self.bandwidth = 2 * x.numel() / (ms * 1e-3)
-        del x, y
-        return self.bandwidth
+        return self.bandwidth  # x and y (4 GiB) are freed on return
 
     def bench(self, op, case, fns, bytes_moved=None, warmup=25, rep=100):
         """fns: {name: zero-arg callable}. Records median ms, peak extra memory, % of bandwidth."""
@@ -101,6 +82,68 @@ class Ctx:
             except Exception as e:  # noqa: BLE001
                 self.timings.append(dict(op=op, case=case, impl=name, ms=float("nan"), peak_mb=float("nan"),
                                          pct_bw=None, error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+CUDA_TESTS = ROOT / "tests" / "cuda"
+TEST_TIMEOUT_S = 600  # per op: a hung kernel must not take the whole device time
+
+
+def _correctness(only):
+    """Run the `cuda` tests of each op (tests/cuda/test_cuda_<op>.py) in its own pytest
+    subprocess. Yields, op after op, (rows, problems): a row per test (op, test, result, seconds,
+    message), and the lines that say why an op, or the whole phase, did not run."""
+    if importlib.util.find_spec("pytest") is None:
+        yield [], ["pytest is not installed here: the correctness tests did NOT run (`pip download "
+                    "-d wheels/ pytest` on a machine with internet, then `pip install --no-deps "
+                    "wheels/*.whl` here; see DEVELOPING.md)"]
+        return
+    import xml.etree.ElementTree as ET
+    files = sorted(CUDA_TESTS.glob("test_cuda_*.py"))
+    if only:
+        files = [f for f in files if f.stem.removeprefix("test_cuda_") in only]
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files:
+            rows, problems = [], []
+            op = f.stem.removeprefix("test_cuda_")
+            xml = pathlib.Path(tmp) / f"{op}.xml"
+            cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                   f"--junit-xml={xml}", str(f)]
+            t = time.time()
+            try:
+                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+                rc, tail = r.returncode, (r.stdout + r.stderr).strip().splitlines()[-3:]
+            except subprocess.TimeoutExpired:
+                rc, tail = "timeout", [f"killed after {TEST_TIMEOUT_S} s"]
+            print(f"correctness {op}: rc={rc} in {time.time() - t:.0f}s", flush=True)
+            if not xml.exists():  # pytest itself died (e.g. a crash in a kernel), or timed out
+                yield [], [f"{op}: pytest rc={rc}, no results: {' | '.join(tail)}"]
+                continue
+            for case in ET.parse(xml).iter("testcase"):
+                result, msg = "passed", ""
+                for tag, name in (("failure", "**FAILED**"), ("error", "**ERROR**"), ("skipped", "skipped")):
+                    el = case.find(tag)
+                    if el is not None:
+                        result, msg = name, " ".join((el.get("message") or el.text or "").split())
+                        break
+                rows.append(dict(op=op, test=case.get("name"), result=result,
+                                 seconds=float(case.get("time") or 0), message=msg[:400]))
+            if rc not in (0, 1):  # 1: some tests failed (in the rows); anything else is a problem
+                problems.append(f"{op}: pytest rc={rc}: {' | '.join(tail)}")
+            yield rows, problems
+
+
+def _correctness_section(rows, problems):
+    """The report's correctness lines and the number of failures (failed tests, and ops or a
+    phase that did not run)."""
+    failed = len(problems) + sum(r["result"] in ("**FAILED**", "**ERROR**") for r in rows)
+    count = {k: sum(r["result"] == k for r in rows) for k in ("passed", "skipped")}
+    lines = ["## Correctness against the float64 reference (`pytest -m cuda tests/cuda`)", "",
+             f"{count['passed']} passed, {failed} failed, {count['skipped']} skipped", ""]
+    lines += [f"- {p}" for p in problems] + ([""] if problems else [])
+    lines += ["| op | test | result | s | message |", "|---|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['test']} | {r['result']} | {r['seconds']:.1f} | "
+              f"{r['message'].replace('|', '/')} |" for r in rows]
+    return lines + [""], failed
 
 
 def _build():
@@ -143,9 +186,10 @@ def _write_report(out_dir, lines, ctx, gpu):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="comma-separated ops (names of bench/gpu_checks/*.py)")
     ap.add_argument("--sanitizer-tools", default="memcheck",
                     help="comma-separated compute-sanitizer tools (memcheck,racecheck,initcheck)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -167,7 +211,6 @@ def main():
         build = _build()
         print(f"build: rc={build[0]} in {build[1]:.0f}s", flush=True)
     import torch
-    import ppo_kernels
     from ppo_kernels import _backend
     ctx = Ctx()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -182,21 +225,17 @@ def main():
         if build[0] != 0:
             lines += ["```", build[2], "```", ""]
 
+    failed = 0
+    if args.skip_correctness:
+        lines += ["## Correctness: skipped (--skip-correctness)", ""]
+    else:
+        rows, problems = [], []
+        for op_rows, op_problems in _correctness(only):  # the report so far after each op
+            rows, problems = rows + op_rows, problems + op_problems
+            _write_report(args.out, lines + _correctness_section(rows, problems)[0], ctx, gpu)
+        section, failed = _correctness_section(rows, problems)
+        lines += section
     mods = _modules(only)
-    for name, mod in mods:
-        if hasattr(mod, "correctness"):
-            t = time.time()
-            try:
-                mod.correctness(ctx)
-            except Exception:  # noqa: BLE001
-                ctx.fail(name, "correctness", "-", traceback.format_exc(limit=3).replace("\n", " "))
-            print(f"correctness {name}: {time.time() - t:.1f}s", flush=True)
-    lines += ["## Correctness against the float64 reference", "",
-              f"{sum(r['ok'] for r in ctx.rows)} passed, {ctx.failures} failed", "",
-              "| op | case | backend | ok | max abs err | atol | rtol |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['op']} | {r['case']} | {r['backend']} | {'ok' if r['ok'] else '**FAIL**'} | "
-              f"{r['max_err']:.3g} | {r['atol']:.0e} | {r['rtol']:.0e} |" for r in ctx.rows]
-    lines.append("")
 
     _write_report(args.out, lines, ctx, gpu)
 
@@ -233,7 +272,7 @@ def main():
 
     _write_report(args.out, lines, ctx, gpu)
     print("\n".join(lines))
-    return 1 if ctx.failures else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -66,14 +66,16 @@ def triton_interpreting() -> bool:
 
 
 def has_compiled_kernel(kernel: str, device_type: str) -> bool:
-    """Whether `torch.ops.ppo_kernels_C.<kernel>` has a compiled kernel for this device type."""
+    """Whether `torch.ops.ppo_kernels_C.<kernel>` (or the namespace `use_cpp_namespace` routes
+    to) has a compiled kernel for this device type."""
     if not HAS_EXTENSION:
         return False
     key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
     if key is None:
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_kernels_C::{kernel}", key)
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{_cpp_namespace[-1]}::{kernel}",
+                                                               key)
     except RuntimeError:  # an extension built before this kernel existed: not registered at all
         return False
 

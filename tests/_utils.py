@@ -33,3 +33,21 @@ def poisoned():
         yield
     finally:
         _backend.set_poison(old)
+
+# Op-specific bounds, looser than TOL for a reason of the computation:
+# gae: a float32 scan against float64. With gamma * lam < 1 a rounding error decays within about
+# 1 / (1 - gamma * lam) steps; with gamma = lam = 1 the scan is a plain running sum over the whole
+# row (up to 20000 positions in tests/cuda), where rounding accumulates.
+SCAN_TOL = dict(atol=1e-4, rtol=1e-4)
+SUM_SCAN_TOL = dict(atol=1e-2, rtol=1e-4)
+# linear_token_logprobs: the logits come out of a GEMM (float32 accumulation over H in an order of
+# the GPU's choosing), then the same float32 reductions as token_logprobs.
+GEMM_TOL = dict(atol=1e-4, rtol=1e-4)
+# ... and its gradients, with atol relative to the largest |gradient| (tests/cuda/_gpu.close_scaled):
+# bf16/fp16 round the logits-gradient tile to the input dtype before the backward GEMMs, an error
+# of up to 2^-8 relative on each of the V (or N) terms of a sum.
+GEMM_GRAD_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-2, rtol=2e-2),
+}

@@ -7,7 +7,6 @@ import typing
 import pytest
 import torch
 
-import ppo_kernels
 from ppo_kernels import KLClamp, kl_penalized_rewards, kl_penalty, use_backend
 from ppo_kernels.kl import reference as R
 

@@ -2,7 +2,6 @@
 tensors here (cpp, Triton through the interpreter, eager), against float64 compositions written
 from verl's / TRL's documented semantics, against verl's real functions where its source is
 available (tests/_peers.py), and through opcheck, gradcheck and torch.compile."""
-import math
 
 import pytest
 import torch

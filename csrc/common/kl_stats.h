@@ -120,11 +120,6 @@ PPO_HD KLValueGrad<V> kl_estimate(V d, V ex, const KLClampSpec& c, bool straight
   return {v, straight_through ? d : g};
 }
 
-// expm1(x) given ex = exp(x), accurate near 0 (scalar: the full_kl state).
-PPO_HD float expm1_from(float x, float ex) {
-  return fabsf(x) < kSeriesBound ? x + expm1_minus_x_series(x) : ex - 1.f;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Full-vocabulary KL(p || q), p = softmax(z), q = softmax(w), in one pass over both.
 // State relative to the running maxes mz, mw, with a_j = z_j - mz and b_j = w_j - mw:

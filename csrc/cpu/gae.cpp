@@ -11,15 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
-#include <numeric>
-#include <type_traits>
 #include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#define PPO_GAE_AVX2 1
-#endif
 
 #include "common/alloc.h"
 
@@ -31,6 +23,10 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 #include "common/gae_combine.h"
+#if defined(__AVX2__)
+#define PPO_GAE_AVX2 1
+#include "cpu/gae_avx2.h"
+#endif
 
 namespace ppo_kernels {
 namespace {
@@ -52,81 +48,12 @@ struct Task {
 
 // Tasks run in groups of kGroup: the recursion is a chain of dependent float ops (latency-bound,
 // ~8 cycles a position), so a thread advances kGroup independent rows / chunks in lockstep: with
-// AVX2 as the 8 lanes of one vector (8x8 tiles of [task, time] transposed on the way in and out),
-// otherwise interleaved scalar chains.
+// AVX2 as the 8 lanes of one vector (csrc/cpu/gae_avx2.h), otherwise interleaved scalar chains.
 constexpr int kGroup = 8;
-
-#ifdef PPO_GAE_AVX2
-// ---- AVX2 helpers: lane k of a vector belongs to task k of the group ----
-inline void transpose8(__m256 (&x)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-
-// 8 consecutive elements as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const double* p) {  // rounded to float32 like static_cast<float>
-  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-// 8 flags as all-ones (nonzero, NaN included, like `x != 0`) or all-zeros lanes.
-inline __m256 flags8(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(
-      _mm256_xor_si256(_mm256_cmpeq_epi32(w, _mm256_setzero_si256()), _mm256_set1_epi32(-1)));
-}
-inline __m256 flags8(const float* p) {
-  return _mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NEQ_UQ);
-}
-
-// The 8 bool flags at p + base[k] of each task k as bytes 0/1 (any nonzero byte counts as 1):
-// byte j of lane k of lo is flag j of task k, hi holds flags 4..7. Cheaper than a transpose.
-inline void flag_tile(const uint8_t* p, const int64_t* base, __m256i& lo, __m256i& hi) {
-  int64_t w[8];
-  for (int k = 0; k < 8; ++k) std::memcpy(&w[k], p + base[k], 8);
-  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // low dwords, then high
-  const __m256i a = _mm256_permutevar8x32_epi32(_mm256_setr_epi64x(w[0], w[1], w[2], w[3]), split);
-  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_setr_epi64x(w[4], w[5], w[6], w[7]), split);
-  const __m256i one = _mm256_set1_epi8(1);
-  lo = _mm256_min_epu8(_mm256_permute2x128_si256(a, b, 0x20), one);
-  hi = _mm256_min_epu8(_mm256_permute2x128_si256(a, b, 0x31), one);
-}
-// Flag j of a flag_tile in the sign bit of each lane (all blendv reads).
-inline __m256 flag_at(const __m256i& lo, const __m256i& hi, int j) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(j < 4 ? lo : hi, 31 - 8 * (j & 3)));
-}
-
-// Loads an 8x8 tile: x[j] lane k = p[base[k] + j].
-template <typename T, typename L>
-inline void tile_in(const T* p, const int64_t* base, __m256 (&x)[8], L load) {
-  for (int k = 0; k < 8; ++k) x[k] = load(p + base[k]);
-  transpose8(x);
-}
-
-// The vector form of GaeMap (gae_combine.h), one map per lane.
-struct GaeMap8 {
-  __m256 p, q, m, cv, ca;
-};
-#endif
+// Long rows are cut into chunks (tasks) of at least kMinChunk positions, and into enough of them
+// for kGroupsPerThread groups per thread.
+constexpr int64_t kMinChunk = 16384;
+constexpr int64_t kGroupsPerThread = 2;
 
 template <typename scalar_t, typename mask_t, bool kMask, bool kDones, bool kTokenGL>
 struct Kernel {
@@ -137,6 +64,10 @@ struct Kernel {
   const float* gt;
   const float* lt;
   float gamma, lam, gl;
+#ifdef PPO_GAE_AVX2
+  using Lanes = gae_avx2::Lanes<scalar_t, mask_t, kMask, kDones, kTokenGL>;
+  static_assert(kGroup == gae_avx2::kLanes, "a group is one vector's lanes");
+#endif
 
   explicit Kernel(const Inputs& in)
       : r(static_cast<const scalar_t*>(in.rewards)), v(static_cast<const scalar_t*>(in.values)),
@@ -210,144 +141,17 @@ struct Kernel {
     for (int k = 0; k < K; ++k) f[k] = acc[k];
   }
 
-#ifdef PPO_GAE_AVX2
-  // One 8x8 tile of every input: lane k of x[j] is position base[k] + j of task k.
-  // Masks and dones are sign-bit lane masks: action(x, j), done(x, j).
-  static constexpr bool kFloatMask = std::is_same_v<mask_t, float>;
-  struct Tile {
-    __m256 r[8], v[8], m[8], g[8], l[8];
-    __m256i mlo, mhi, dlo, dhi;
-  };
-  inline void load_tile(const int64_t* base, Tile& x) const {
-    tile_in(r, base, x.r, [](const scalar_t* p) { return load8(p); });
-    tile_in(v, base, x.v, [](const scalar_t* p) { return load8(p); });
-    if constexpr (kMask && kFloatMask) tile_in(mk, base, x.m, [](const float* p) { return flags8(p); });
-    if constexpr (kMask && !kFloatMask) flag_tile(mk, base, x.mlo, x.mhi);
-    if (kDones) flag_tile(dn, base, x.dlo, x.dhi);
-    if (kTokenGL) {
-      tile_in(gt, base, x.g, [](const float* p) { return load8(p); });
-      tile_in(lt, base, x.l, [](const float* p) { return load8(p); });
-    }
-  }
-  static inline __m256 action(const Tile& x, int j) {
-    if constexpr (kFloatMask) return x.m[j];
-    else return flag_at(x.mlo, x.mhi, j);
-  }
-  static inline __m256 done(const Tile& x, int j) { return flag_at(x.dlo, x.dhi, j); }
-
-  // run<8> with the 8 tasks in the lanes of one vector: each instruction advances 8 independent
-  // recursions by one position, with exactly gae_step's operations (no FMA), so every lane gives
-  // the scalar kernel's bits. The rightmost 8*floor(min length / 8) positions of each task run
-  // vectorised, the rest of each task (its left end) with the scalar step. Lanes k >= n are
-  // padding (copies of real tasks: they store the same bytes to the same places).
-  void run8(const Task* const* ts, int n, GaeState* s, float* adv, float* ret) const {
-    int64_t len = ts[0]->hi - ts[0]->lo;
-    for (int k = 1; k < 8; ++k) len = std::min(len, ts[k]->hi - ts[k]->lo);
-    const int64_t nblk = len / 8;
-    alignas(32) float nv0[8], a0[8];
-    for (int k = 0; k < 8; ++k) nv0[k] = s[k].nv, a0[k] = s[k].adv;
-    __m256 NV = _mm256_load_ps(nv0), A = _mm256_load_ps(a0);
-    const __m256 G = _mm256_set1_ps(gamma), GL = _mm256_set1_ps(gl);
-    int64_t base[8];
-    Tile x;
-    for (int64_t b = 1; b <= nblk; ++b) {
-      for (int k = 0; k < 8; ++k) base[k] = ts[k]->hi - 8 * b;
-      load_tile(base, x);
-      __m256 oa[8], orr[8];
-      for (int j = 7; j >= 0; --j) {
-        if (kDones) {
-          const __m256 d = done(x, j);
-          NV = _mm256_blendv_ps(NV, _mm256_setzero_ps(), d);
-          A = _mm256_blendv_ps(A, _mm256_setzero_ps(), d);
-        }
-        const __m256 g = kTokenGL ? x.g[j] : G;
-        const __m256 glj = kTokenGL ? _mm256_mul_ps(x.g[j], x.l[j]) : GL;
-        const __m256 delta = _mm256_sub_ps(_mm256_add_ps(x.r[j], _mm256_mul_ps(g, NV)), x.v[j]);
-        const __m256 an = _mm256_add_ps(delta, _mm256_mul_ps(glj, A));
-        if (kMask) {
-          const __m256 act = action(x, j);
-          NV = _mm256_blendv_ps(NV, x.v[j], act);
-          A = _mm256_blendv_ps(A, an, act);
-        } else {
-          NV = x.v[j];
-          A = an;
-        }
-        oa[j] = A;
-        orr[j] = _mm256_add_ps(A, x.v[j]);
-      }
-      transpose8(oa);
-      transpose8(orr);
-      for (int k = 0; k < 8; ++k) {
-        _mm256_storeu_ps(adv + base[k], oa[k]);
-        _mm256_storeu_ps(ret + base[k], orr[k]);
-      }
-    }
-    _mm256_store_ps(nv0, NV);
-    _mm256_store_ps(a0, A);
-    for (int k = 0; k < n; ++k) {
-      GaeState st{nv0[k], a0[k]};
-      for (int64_t t = ts[k]->hi - 8 * nblk - 1; t >= ts[k]->lo; --t) st = step(t, st, adv, ret);
-      s[k] = st;
-    }
-  }
-
-  // compose<8> in the lanes of one vector: gae_element and gae_compose with their operations.
-  void compose8(const Task* const* ts, int n, GaeMap* f) const {
-    int64_t len = ts[0]->hi - ts[0]->lo;
-    for (int k = 1; k < 8; ++k) len = std::min(len, ts[k]->hi - ts[k]->lo);
-    const int64_t nblk = len / 8;
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    const __m256 G = _mm256_set1_ps(gamma), L = _mm256_set1_ps(lam);
-    GaeMap8 acc{one, zero, one, zero, zero};
-    int64_t base[8];
-    Tile x;
-    for (int64_t b = 1; b <= nblk; ++b) {
-      for (int k = 0; k < 8; ++k) base[k] = ts[k]->hi - 8 * b;
-      load_tile(base, x);
-      for (int j = 7; j >= 0; --j) {
-        const __m256 kk = kDones ? _mm256_blendv_ps(one, zero, done(x, j)) : one;
-        const __m256 g = kTokenGL ? x.g[j] : G;
-        const __m256 l = kTokenGL ? x.l[j] : L;
-        GaeMap8 e{zero, _mm256_mul_ps(g, kk), _mm256_mul_ps(_mm256_mul_ps(g, l), kk), x.v[j],
-                  _mm256_sub_ps(x.r[j], x.v[j])};
-        if (kMask) {
-          const __m256 act = action(x, j);
-          e.p = _mm256_blendv_ps(kk, zero, act);
-          e.q = _mm256_blendv_ps(zero, e.q, act);
-          e.m = _mm256_blendv_ps(kk, e.m, act);
-          e.cv = _mm256_blendv_ps(zero, e.cv, act);
-          e.ca = _mm256_blendv_ps(zero, e.ca, act);
-        }
-        acc = {_mm256_mul_ps(e.p, acc.p),
-               _mm256_add_ps(_mm256_mul_ps(e.q, acc.p), _mm256_mul_ps(e.m, acc.q)),
-               _mm256_mul_ps(e.m, acc.m),
-               _mm256_add_ps(_mm256_mul_ps(e.p, acc.cv), e.cv),
-               _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(e.q, acc.cv), _mm256_mul_ps(e.m, acc.ca)),
-                             e.ca)};
-      }
-    }
-    alignas(32) float p[8], q[8], m[8], cv[8], ca[8];
-    _mm256_store_ps(p, acc.p);
-    _mm256_store_ps(q, acc.q);
-    _mm256_store_ps(m, acc.m);
-    _mm256_store_ps(cv, acc.cv);
-    _mm256_store_ps(ca, acc.ca);
-    for (int k = 0; k < n; ++k) {
-      GaeMap fk{p[k], q[k], m[k], cv[k], ca[k]};
-      for (int64_t t = ts[k]->hi - 8 * nblk - 1; t >= ts[k]->lo; --t) fk = gae_compose(fk, element(t));
-      f[k] = fk;
-    }
-  }
-#endif
-
   // A group of n <= kGroup tasks: ts[0..n), carries / maps s[0..n).
   void run_group(const Task* const* ts, int n, GaeState* s, float* adv, float* ret) const {
 #ifdef PPO_GAE_AVX2
     // A partial group pads its lanes with copies of its first task (same writes, results dropped).
-    const Task* t8[8];
-    GaeState s8[8];
-    for (int k = 0; k < 8; ++k) t8[k] = ts[k < n ? k : 0], s8[k] = s[k < n ? k : 0];
-    run8(t8, n, s8, adv, ret);
+    int64_t lo[kGroup], hi[kGroup];
+    GaeState s8[kGroup];
+    for (int k = 0; k < kGroup; ++k) {
+      const int src = k < n ? k : 0;
+      lo[k] = ts[src]->lo, hi[k] = ts[src]->hi, s8[k] = s[src];
+    }
+    Lanes::run(*this, lo, hi, n, s8, adv, ret);
     for (int k = 0; k < n; ++k) s[k] = s8[k];
 #else
     if (n == kGroup) return run<kGroup>(ts, s, adv, ret);
@@ -357,9 +161,9 @@ struct Kernel {
 
   void compose_group(const Task* const* ts, int n, GaeMap* f) const {
 #ifdef PPO_GAE_AVX2
-    const Task* t8[8];
-    for (int k = 0; k < 8; ++k) t8[k] = ts[k < n ? k : 0];
-    compose8(t8, n, f);
+    int64_t lo[kGroup], hi[kGroup];
+    for (int k = 0; k < kGroup; ++k) lo[k] = ts[k < n ? k : 0]->lo, hi[k] = ts[k < n ? k : 0]->hi;
+    Lanes::compose(*this, lo, hi, n, f);
 #else
     if (n == kGroup) return compose<kGroup>(ts, f);
     for (int k = 0; k < n; ++k) compose<1>(ts + k, f + k);
@@ -520,11 +324,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
     }
   }
 
-  // Chunk long rows so that every thread has work: aim at 2 groups of tasks per thread, chunks of
-  // at least 16K positions (the chunk maps cost one extra read of the inputs).
+  // Chunk long rows so that every thread has work: aim at kGroupsPerThread groups of tasks per
+  // thread, chunks of at least kMinChunk positions (the chunk maps cost one extra read of the
+  // inputs).
   const int64_t threads = at::get_num_threads();
-  const int64_t want = 2 * kGroup * threads;
-  const int64_t chunk = std::max<int64_t>(16384, (N + want - 1) / want);
+  const int64_t want = kGroupsPerThread * kGroup * threads;
+  const int64_t chunk = std::max<int64_t>(kMinChunk, (N + want - 1) / want);
   std::vector<Task> tasks;
   tasks.reserve(n_rows + N / chunk + 1);
   for (int64_t row = 0; row < n_rows; ++row) {

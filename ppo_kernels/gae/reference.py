@@ -132,7 +132,6 @@ def gae_eager(rewards, values, mask=None, gamma=1.0, lam=1.0, dones=None, init_v
 
 def _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv, cu_seqlens, acc):
     cu = cu_seqlens.long().cpu()
-    n = cu.numel() - 1
     lens = (cu[1:] - cu[:-1]).tolist()
     L = max(lens, default=0)
     dev = rewards.device

@@ -236,7 +236,3 @@ def eager_kl_rewards(scores, logprobs, ref_logprobs, mask, beta, estimator="k1")
     rewards = rewards + torch.zeros_like(kl).scatter_(1, eos, scores.unsqueeze(1).to(kl.dtype))
     mean = (kl * mask).sum(-1) / (mask.sum(-1) + 1e-8)
     return rewards, kl, mean
-
-
-def names():
-    return dict(_NAMES)

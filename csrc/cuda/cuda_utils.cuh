@@ -1,8 +1,12 @@
 // Device-only building blocks shared by the CUDA vocabulary kernels (token_logprobs, full_kl):
 // 16-byte packs, the scalar head before a row becomes 16-byte aligned, and a block-wide
-// reduction of any online state (SoftmaxStats, KLStats) with its merge.
+// reduction of any online state (SoftmaxStats, KLStats) with its merge, and the launch geometry of
+// the one-block-per-row vocabulary kernels.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+
+#include "cuda/device.cuh"
 
 namespace ppo_kernels {
 namespace dev {
@@ -40,7 +44,7 @@ __device__ __forceinline__ S shfl_xor(S st, int offset) {
 // result is valid in thread 0. Every thread of the block must call it.
 template <typename S, typename Merge>
 __device__ S block_reduce(S st, S empty, Merge merge) {
-  __shared__ S partial[32];
+  PPO_SHARED(S, partial, [32]);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
   if (lane == 0) partial[warp] = st;
@@ -53,6 +57,19 @@ __device__ S block_reduce(S st, S empty, Merge merge) {
   __syncthreads();  // `partial` is reused by the next row
   return st;
 }
+
+// Threads per block for a row of V elements read in packs of `vec`: ~4 packs per thread, a power
+// of two in [32, 1024].
+inline int threads_for_row(int64_t V, int vec) {
+  const int64_t want = (V / vec + 3) / 4;
+  int t = 32;
+  while (t < want && t < 1024) t <<= 1;
+  return t;
+}
+
+// Blocks for N rows: one per row, grid-stride beyond max_blocks (Dev::max_row_blocks(): 2^20 on
+// the GPU; the emulator's tests lower it to reach the grid-stride loop with a few rows).
+inline int64_t grid_for_rows(int64_t N, int64_t max_blocks) { return std::min<int64_t>(N, max_blocks); }
 
 }  // namespace dev
 }  // namespace ppo_kernels
