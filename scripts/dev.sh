@@ -85,15 +85,19 @@ setup() {
   grep -q "^compiled extension: yes" <<< "$info" || { echo "the extension did not build" >&2; exit 1; }
 }
 
-# Peers' own source for the parity tests: verl and OpenRLHF do not import without ray & co, so the
-# tests read the functions they compare against out of the wheels (tests/_peers.py).
+# The peers for the drop-in tests (tests/test_integrations*.py) and the parity tests: the supported
+# verl / TRL / OpenRLHF without their dependencies, plus the few light imports their modules need
+# at import time; tests/_peer_stubs.py stands in for what only a GPU cluster needs (ray,
+# tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
+# per Python) makes its tests skip.
+PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
 peers() {
-  local dir="$VENV/peers"
-  if ! ls "$dir"/verl-*.whl >/dev/null 2>&1; then
-    pip_ download -q --no-deps -d "$dir" verl==0.9.1 openrlhf==0.11.2 >/dev/null \
-      || echo "peer wheels unavailable: the peer parity tests will skip" >&2
-  fi
-  export PPO_KERNELS_PEER_WHEELS="$dir"
+  local p
+  for p in $PEERS; do
+    pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
+  done
+  pip_ install -q omegaconf accelerate codetiming orjson \
+    || echo "the peers' light imports did not install: integration tests will skip" >&2
 }
 
 cmd=${1:-test}

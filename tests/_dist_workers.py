@@ -171,6 +171,14 @@ def case_data_parallel_whiten(rank, world):
                                rtol=1e-5)
     mean = pk.masked_mean(xs[rank], ms[rank], process_group=dist.group.WORLD)
     torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_m), atol=1e-3, rtol=1e-6)
+    # float masks weight positions (the peers' x * mask sums), across ranks too
+    ws = [torch.rand(m.shape, generator=g) * m for m in ms]
+    cat_w = torch.cat([w.reshape(-1) for w in ws])
+    got = pk.masked_whiten(xs[rank], ws[rank], process_group=dist.group.WORLD)
+    torch.testing.assert_close(got.reshape(-1), pk.masked_whiten(cat_x, cat_w)[off:off + xs[rank].numel()],
+                               atol=1e-5, rtol=1e-5)
+    mean = pk.masked_mean(xs[rank], ws[rank], process_group=dist.group.WORLD)
+    torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_w), atol=1e-3, rtol=1e-6)
 
 
 def case_data_parallel_grpo(rank, world):

@@ -114,15 +114,20 @@ def test_bias_on_the_lm_head():
     assert head.bias.grad is not None and head.bias.grad.abs().sum() > 0
 
 
-def test_refuses_final_logit_softcapping():
+def test_final_logit_softcapping():
+    """Gemma 2 soft-caps its logits: the same numbers as the model's own (capped) logits."""
     cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                    head_dim=8, max_position_embeddings=64, final_logit_softcapping=30.0,
+                                    head_dim=8, max_position_embeddings=64, final_logit_softcapping=0.5,
                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = transformers.Gemma2ForCausalLM(cfg)
-    ids, _ = _batch()
-    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
-        ppo_kernels.causal_lm_logprobs(model, ids)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).float()
+    ids, mask = _batch()
+    ref_lp, _ = _ref(model, ids, mask, 0.7)
+    lp = ppo_kernels.causal_lm_logprobs(model, ids, mask, temperature=0.7)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2e-5, rtol=1e-5)
+    cfg.final_logit_softcapping = None  # the cap (0.5: it matters) really was applied
+    assert not torch.allclose(ppo_kernels.causal_lm_logprobs(model, ids, mask, temperature=0.7), lp)
 
 
 def test_model_without_head_is_refused():

@@ -402,3 +402,23 @@ def test_masked_mean():
         exp = x[i][m[i]].mean() if m[i].any() else torch.tensor(0.0)
         torch.testing.assert_close(per_row[i], exp)
     assert ppo_kernels.masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+def test_masked_stats_weighted_mask_and_empty():
+    """A float mask weights positions (verl's and OpenRLHF's x * mask sums); empty="nan" gives
+    OpenRLHF's 0 / 0 over an empty set."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    w = torch.rand(3, 8, generator=g, dtype=torch.float64) * (torch.rand(3, 8, generator=g) > 0.3)
+    w[2] = 0
+    torch.testing.assert_close(ppo_kernels.masked_mean(x, w), (x * w).sum() / w.sum())
+    per_row = ppo_kernels.masked_mean(x, w, dim=1, empty="nan")
+    torch.testing.assert_close(per_row[:2], (x * w).sum(1)[:2] / w.sum(1)[:2])
+    assert per_row[2].isnan()
+    assert ppo_kernels.masked_mean(x, w, dim=1)[2] == 0
+    n = w.sum()
+    mean = (x * w).sum() / n
+    var = ((x - mean) ** 2 * w).sum() / n * n / (n - 1)
+    torch.testing.assert_close(ppo_kernels.masked_whiten(x, w), (x - mean) * torch.rsqrt(var + 1e-8))
+    with pytest.raises(ValueError, match="empty"):
+        ppo_kernels.masked_mean(x, w, empty="none")

@@ -229,3 +229,22 @@ def test_trl_group_normalisation():
     want = torch.nan_to_num((r - mean) / (std + 1e-4), nan=0.0)
     for backend in BACKENDS:
         torch.testing.assert_close(_run(backend, pk.grpo_advantages, r, group_size=G, eps=1e-4), want, **TOL)
+
+
+def test_group_ids_from_labels_and_rloo_singletons():
+    """verl passes prompt uid strings: equal labels form a group; rloo's singleton convention."""
+    import numpy as np
+    uids = np.array(["b", "a", "b", "c", "a"], dtype=object)
+    ids = pk.group_advantages.group_ids(uids)
+    assert ids.tolist() == [1, 0, 1, 2, 0]
+    scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0])
+    torch.testing.assert_close(pk.grpo_advantages(scores, uids),
+                               pk.grpo_advantages(scores, ids))
+    torch.testing.assert_close(pk.rloo_advantages(scores, list(uids)),
+                               torch.tensor([-2.0, -4.0, 2.0, 4.0, 4.0]))
+    torch.testing.assert_close(pk.rloo_advantages(scores, uids, singleton="zero"),
+                               torch.tensor([-2.0, -4.0, 2.0, 0.0, 4.0]))
+    with pytest.raises(ValueError, match="singleton"):
+        pk.rloo_advantages(scores, uids, singleton="drop")
+    with pytest.raises(ValueError, match="group_index"):
+        pk.grpo_advantages(scores, np.zeros((5, 1)))

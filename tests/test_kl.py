@@ -405,3 +405,53 @@ def test_parity_trl_literal_no_clamps():
         (gw,) = torch.autograd.grad(want.sum(), a)
         torch.testing.assert_close(v.double(), want.detach(), **VTOL)
         torch.testing.assert_close(g.double(), gw, **GTOL)
+
+
+def test_importance_weighted_straight_through():
+    """is_logprobs: OpenRLHF's unbiased_gradient with log_probs_old -- the value of the estimator,
+    the k2 gradient times w = min(exp(logprobs - is_logprobs), is_clip), detached."""
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    old = lp.detach() + torch.randn(3, 6, generator=g, dtype=torch.float64)
+    old[0, 0] = lp[0, 0].item() - 5.0  # w = e^5 > is_clip: clipped
+    for est in ("k1+", "k3+"):
+        v = kl_penalty(lp, ref, est, clamp="openrlhf", is_logprobs=old, is_clip=10.0)
+        torch.testing.assert_close(v, kl_penalty(lp, ref, est, clamp="openrlhf"))
+        (gl,) = torch.autograd.grad(v.sum(), lp)
+        w = (lp.detach() - old).exp().clamp(max=10.0)
+        torch.testing.assert_close(gl, w * (lp.detach() - ref))
+    with pytest.raises(ValueError, match="is_logprobs"):
+        kl_penalty(lp, ref, "k3", is_logprobs=old)
+    with pytest.raises(ValueError, match="is_logprobs"):
+        kl_penalty(lp, ref, "k3+", is_logprobs=old[:, 1:])
+
+
+def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
+    g = torch.Generator().manual_seed(1)
+    B, T, beta = 4, 6, 0.1
+    kl = torch.randn(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    mask[-1] = 0
+    scores = torch.randn(B, generator=g)
+    r, k, m = kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl)
+    r2, k2, m2 = kl_penalized_rewards(scores, kl, torch.zeros_like(kl), mask, beta=beta)
+    torch.testing.assert_close((r, k, m), (r2, k2, m2))
+    tok = torch.randn(B, T, generator=g)  # verl's token-level scores
+    rt, _, _ = kl_penalized_rewards(tok, None, None, mask, beta=beta, kl=kl)
+    torch.testing.assert_close(rt, tok - beta * kl * mask)
+    # OpenRLHF: the penalty everywhere, the score on the last action (or the last position)
+    ro, _, _ = kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl,
+                                                convention="openrlhf")
+    exp = -beta * kl
+    for b in range(B):
+        nz = mask[b].nonzero()
+        exp[b, int(nz[-1]) if len(nz) else T - 1] += scores[b]
+    torch.testing.assert_close(ro, exp)
+    with pytest.raises(ValueError, match="convention"):
+        kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl, convention="trl")
+    with pytest.raises(ValueError, match="kl"):
+        kl_penalized_rewards(scores, kl, kl, mask, beta=beta, kl=kl)
+    with pytest.raises(ValueError, match="logprobs"):
+        kl_penalized_rewards(scores, None, None, mask, beta=beta)

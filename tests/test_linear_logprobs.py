@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import ppo_kernels
+import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
 from ppo_kernels.linear_logprobs.op import plan_chunks
@@ -480,3 +481,47 @@ def test_peak_memory_bounded_with_input_logits_dtype():
     assert peak_mat >= logits_bytes
     assert peak <= budget + unavoidable + (1 << 20), (peak, budget, unavoidable)
     assert peak < logits_bytes / 4
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 14])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_softcap(budget, entropy):
+    """Gemma-2 soft-capping: softcap * tanh(logits / softcap) before the temperature, against the
+    float64 materialised composition, gradients to hidden, weight and bias included."""
+    g = torch.Generator().manual_seed(3)
+    N, H, V, cap, T = 9, 8, 50, 3.0, 0.8
+    h = torch.randn(N, H, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (N,), generator=g)
+    y[2] = -100
+
+    def ref(h, w, b):
+        z = cap * torch.tanh((h @ w.T + b) / cap) / T
+        lsm = torch.log_softmax(z, -1)
+        lp = torch.where(y == -100, 0.0, lsm.gather(-1, y.clamp(min=0)[:, None])[:, 0])
+        ent = torch.where(y == -100, 0.0, -(lsm.exp() * lsm).sum(-1))
+        return lp + 0.3 * ent if entropy else lp
+
+    def ours(h, w, b):
+        out = pk.linear_token_logprobs(h, w, y, bias=b, temperature=T, softcap=cap,
+                                       return_entropy=entropy, max_chunk_bytes=budget)
+        return out[0] + 0.3 * out[1] if entropy else out
+
+    for backend in cpu_backends("linear_token_logprobs"):
+        with pk.use_backend(linear_token_logprobs=backend):
+            args32 = [t.float().requires_grad_(True) for t in (h, w, b)]
+            got = ours(*args32)
+            args64 = [t.clone().requires_grad_(True) for t in (h, w, b)]
+            exp = ref(*args64)
+            torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-5)
+            got.sum().backward()
+            exp.sum().backward()
+            for a, e in zip(args32, args64):
+                torch.testing.assert_close(a.grad.double(), e.grad, rtol=1e-4, atol=1e-5)
+    args = [t.clone().requires_grad_(True) for t in (h[:4], w[:12], b[:12])]
+    y4 = y[:4].clamp(0, 11)
+    assert torch.autograd.gradcheck(
+        lambda *a: pk.linear_token_logprobs(a[0], a[1], y4, bias=a[2], softcap=cap), args)
+    with pytest.raises(ValueError, match="softcap"):
+        pk.linear_token_logprobs(h.float(), w.float(), y, softcap=0.0)

@@ -52,7 +52,8 @@ def lit_masked_mean(x, m):
     return torch.where(n != 0, (torch.where(m != 0, x, 0.0) * m).sum() / torch.where(n != 0, n, 1.0), 0.0)
 
 
-def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg="token-mean", lrc=20.0, **kw):
+def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg="token-mean", lrc=20.0,
+               w=None, **kw):
     clip_high = clip_low if clip_high is None else clip_high
     d = torch.clamp(lp - old, -lrc, lrc)
     r = torch.exp(d)
@@ -68,7 +69,7 @@ def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg=
         lower = torch.zeros((), dtype=lp.dtype)
     stats = dict(clip_frac=lit_masked_mean((pg2 > pg1).to(lp.dtype), mask), clip_frac_lower=lower,
                  approx_kl=lit_masked_mean(-d, mask), ratio_mean=lit_masked_mean(r, mask))
-    return lit_agg(pg, mask, agg, **kw), stats
+    return lit_agg(pg if w is None else pg * w, mask, agg, **kw), stats
 
 
 def lit_value(v, vo, ret, mask, clip=None, agg="token-mean", **kw):
@@ -253,7 +254,11 @@ def test_policy_loss_argument_errors():
     with pytest.raises(ValueError, match="global_batch_size"):
         pk.ppo_policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum", dp_size=2)
     with pytest.raises(ValueError, match="loss_scale_factor"):
-        pk.ppo_policy_loss(lp, old, adv, mask, loss_scale_factor=10)
+        pk.ppo_policy_loss(lp, old, adv, mask, agg="seq-mean-token-sum-norm", loss_scale_factor=0)
+    with pytest.raises(ValueError, match="empty"):
+        pk.ppo_policy_loss(lp, old, adv, mask, empty="inf")
+    with pytest.raises(ValueError, match="approx_kl"):
+        pk.ppo_policy_loss(lp, old, adv, mask, approx_kl="k3")
     with pytest.raises(ValueError, match="clip_low"):
         pk.ppo_policy_loss(lp, old, adv, mask, clip_low=1.5)
 
@@ -548,3 +553,92 @@ def test_policy_loss_entropy_mean_statistic():
     assert "entropy_mean" not in stats
     with pytest.raises(ValueError, match="entropy"):
         pk.ppo_policy_loss(lp, old, adv, mask, entropy=ent[:, :3])
+
+
+# ----------------------------------------------------------------------------- masked_aggregate
+def _agg64(x, m, agg, dp=1, n_tok=None, n_seq=None, lsf=None):
+    """verl's agg_loss written out in float64 (plus token-sum)."""
+    x, m = x.double(), m.double()
+    s = (torch.where(m != 0, x, 0.0) * m)
+    if agg == "token-mean":
+        return s.sum() / (m.sum() if n_tok is None else n_tok) * dp
+    if agg == "token-sum":
+        return s.sum() * dp
+    rows, cnt = s.sum(-1), m.sum(-1)
+    S = (cnt > 0).sum() if n_seq is None else n_seq
+    if agg == "seq-mean-token-mean":
+        rows = torch.where(cnt > 0, rows / cnt.clamp(min=1e-300), 0.0)
+    out = rows.sum() / S * dp
+    return out / (m.shape[-1] if lsf is None else lsf) if agg.endswith("norm") else out
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum",
+                                 "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_masked_aggregate(agg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    m = (torch.rand(5, 7, generator=g) > 0.4).float() * torch.rand(5, 7, generator=g)  # weighted
+    m[3] = 0
+    x_nan = torch.where(m != 0, x, float("nan"))  # masked-out NaN never reach the result
+    kw = dict(dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3)
+    for k in ({}, kw):
+        got = pk.masked_aggregate(x_nan, m, agg, **k)
+        ref = _agg64(x, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-7)
+    xd = x.double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: pk.masked_aggregate(t, m.double(), agg, **kw), (xd,))
+    assert pk.masked_aggregate(x, torch.zeros_like(m), agg).item() == 0.0
+    nan = pk.masked_aggregate(x, torch.zeros_like(m), agg, empty="nan")
+    assert nan.isnan() if agg != "token-sum" else nan.item() == 0.0
+    with pytest.raises(ValueError, match="agg"):
+        pk.masked_aggregate(x, m, "mean")
+    with pytest.raises(ValueError, match="mask"):
+        pk.masked_aggregate(x, m[:, 1:], agg)
+    with pytest.raises(ValueError, match="empty"):
+        pk.masked_aggregate(x, m, agg, empty="inf")
+
+
+def test_masked_aggregate_opcheck_and_compile():
+    x, m = torch.randn(3, 4, requires_grad=True), torch.rand(3, 4) > 0.3
+    torch.library.opcheck(torch.ops.ppo_kernels.masked_aggregate.default,
+                          (x, m, "seq-mean-token-mean", 1.0, None, None))
+    f = torch.compile(lambda a, b: pk.masked_aggregate(a, b, "token-mean"), fullgraph=True)
+    torch.testing.assert_close(f(x, m), pk.masked_aggregate(x, m, "token-mean"))
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_per_token_weights(agg):
+    """weights (verl's rollout IS weights) multiply each token's loss; denominators and stats
+    stay the mask's."""
+    g = torch.Generator().manual_seed(4)
+    B, T = 4, 9
+    lp = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5 - 1
+    old = lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[-1] = False
+    w = torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg)
+    x = lp.float().requires_grad_(True)
+    loss, st = pk.ppo_policy_loss(x, old.float(), adv.float(), mask, weights=w.float(), **kw)
+    xr = lp.clone().requires_grad_(True)
+    ref, rst = lit_policy(xr, old, adv, mask, 0.2, 0.28, 3.0, agg, w=w)
+    torch.testing.assert_close(loss.double(), ref, **LOSS_TOL)
+    for k in rst:
+        torch.testing.assert_close(st[k].double(), rst[k], **LOSS_TOL)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-7, rtol=1e-5)
+    # weights of one are the unweighted fused kernel
+    one, _ = pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, **kw)
+    torch.testing.assert_close(pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask,
+                                                  weights=torch.ones(B, T), **kw)[0], one)
+    v = torch.randn(B, T, generator=g, requires_grad=True)
+    lv, _ = pk.ppo_value_loss(v, v.detach() + 0.1, adv.float(), mask, clip=0.05, agg=agg,
+                              weights=w.float())
+    vd, vo = v.detach().double(), v.detach().double() + 0.1
+    vc = torch.max(torch.min(vd, vo + 0.05), vo - 0.05)
+    per_token = 0.5 * torch.maximum((vd - adv) ** 2, (vc - adv) ** 2)
+    torch.testing.assert_close(lv.double(), lit_agg(per_token * w, mask, agg), **LOSS_TOL)
+    with pytest.raises(ValueError, match="weights"):
+        pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, weights=w[:, 1:].float())

@@ -12,16 +12,18 @@ from torch import Tensor
 from ._comm import all_gather as _all_gather
 
 
-def local_moments(xf: Tensor, m: Tensor) -> Tensor:
-    """(count, mean, M2) of xf over m (bool), as one tensor [3] in xf's dtype. M2 is computed
-    around a scale so that finite inputs of any spread give finite moments."""
+def local_moments(xf: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
+    """(count, mean, M2) of xf over m (bool), as one tensor [3] in xf's dtype; with weights w (a
+    float mask's values) the weighted count, mean and M2. M2 is computed around a scale so that
+    finite inputs of any spread give finite moments."""
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
-    n = m.sum().to(xf.dtype)
-    mean = torch.where(m, xf, zero).sum() / n.clamp(min=1)
+    w = m.to(xf.dtype) if w is None else torch.where(m, w.to(xf.dtype), zero)
+    n = w.sum()
+    mean = torch.where(m, xf * w, zero).sum() / torch.where(n > 0, n, torch.ones_like(n))
     dev = torch.where(m, xf - mean, zero)
     scale = dev.abs().amax() if dev.numel() else zero
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    m2 = (dev / scale).square().sum() * scale * scale
+    m2 = ((dev / scale).square() * w).sum() * scale * scale
     return torch.stack([n, mean, m2])
 
 
@@ -39,24 +41,26 @@ def combine_moments(moments: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return n, mean, m2
 
 
-def global_moments(xf: Tensor, m: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
+def global_moments(xf: Tensor, m: Tensor, group, w: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Global (count, mean, M2) over the ranks of `group` (one all-gather of 3 numbers)."""
     if not dist.is_initialized():
         raise RuntimeError("process_group: torch.distributed is not initialised")
-    local = local_moments(xf, m)
+    local = local_moments(xf, m, w)
     out = torch.empty(dist.get_world_size(group) * 3, dtype=local.dtype, device=local.device)
     _all_gather(out, local, group=group)
     return combine_moments(out.view(-1, 3))
 
 
 def whiten_global(xf: Tensor, m: Tensor, shift_mean: bool, unbiased: bool, eps: float,
-                  group) -> Tensor:
+                  group, w: Tensor | None = None) -> Tensor:
     """masked_whiten with the statistics of every rank (same conventions as the local op)."""
-    n, mean, m2 = global_moments(xf, m, group)
+    n, mean, m2 = global_moments(xf, m, group, w)
     if unbiased:
-        var = torch.where(n >= 2, m2 / (n - 1).clamp(min=1), torch.full_like(m2, float("nan")))
+        # NaN for a total weight of 0 or 1, as the local op (the same as n >= 2 for counts)
+        ok = (n != 0) & (n != 1)
+        var = torch.where(ok, m2 / torch.where(ok, n - 1, 1.0), torch.full_like(m2, float("nan")))
     else:
-        var = m2 / n.clamp(min=1)
+        var = m2 / torch.where(n > 0, n, 1.0)
     out = (xf - mean) * torch.rsqrt(var + eps)
     return out + mean if not shift_mean else out
 

@@ -1,1 +1,1 @@
-from .op import grpo_advantages, rloo_advantages  # noqa: F401
+from .op import group_ids, grpo_advantages, rloo_advantages  # noqa: F401

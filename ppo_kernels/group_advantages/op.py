@@ -67,10 +67,29 @@ def _check_index_cpu(group_index, B):
                          f"[0, B) = [0, {B}); pass e.g. torch.unique(ids, return_inverse=True)[1]")
 
 
+def group_ids(labels, device=None) -> Tensor:
+    """int64 group ids in [0, number of distinct labels) from any per-response labels: a numpy
+    array or a sequence of hashables (verl passes prompt uid strings as a numpy object array).
+    Equal labels share an id; ids follow the sorted order of the labels (numpy's unique)."""
+    import numpy as np
+    arr = np.asarray(labels, dtype=object) if not isinstance(labels, np.ndarray) else labels
+    if arr.ndim != 1:
+        raise ValueError(f"group_index: expected one label per response (1-D), got shape {arr.shape}")
+    try:
+        inv = np.unique(arr, return_inverse=True)[1]
+    except TypeError:  # unorderable mixture: first-appearance order
+        first = {}
+        inv = np.array([first.setdefault(x, len(first)) for x in arr.tolist()], dtype=np.int64)
+    return torch.from_numpy(np.asarray(inv, dtype=np.int64).reshape(-1)).to(device)
+
+
 def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, mask,
                       process_group=None):
     check_tensor("scores", scores, dtypes=SCORE_DTYPES, dim=1)
     if process_group is not None:
+        if group_index is not None and not isinstance(group_index, Tensor):
+            raise ValueError("group_index: labels are numbered per rank; with process_group pass "
+                             "global integer group ids")
         from ..distributed.data_parallel import gather_groups
         if mask is not None:
             check_tensor("mask", mask, dtypes=MASK_DTYPES, dim=2)
@@ -80,6 +99,8 @@ def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, m
         adv = adv[rows]
         return adv if mask is None else adv[:, None] * mask.to(adv.dtype)
     B = scores.shape[0]
+    if group_index is not None and not isinstance(group_index, Tensor):
+        group_index = group_ids(group_index, scores.device)
     if (group_index is None) == (group_size is None):
         raise ValueError("pass exactly one of group_index (a group id per response) and group_size "
                          "(contiguous groups of that many responses)")
@@ -121,7 +142,8 @@ def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
 
     Args:
         scores: [B] one score per response (sum token-level rewards first), any float dtype.
-        group_index: [B] int32/int64 group id per response, values in [0, B); or
+        group_index: [B] int32/int64 group id per response, values in [0, B), or any labels (a
+            numpy array of uid strings, a list of hashables: see `group_ids`); or
         group_size: responses come in contiguous groups of this size (B % group_size == 0).
         mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
         process_group: groups over the responses of every rank of this torch.distributed group
@@ -135,9 +157,24 @@ def grpo_advantages(scores: Tensor, group_index: Tensor | None = None, group_siz
 
 
 def rloo_advantages(scores: Tensor, group_index: Tensor | None = None, group_size: int | None = None, *,
-                    mask: Tensor | None = None, process_group=None) -> Tensor:
+                    mask: Tensor | None = None, singleton: str = "score",
+                    process_group=None) -> Tensor:
     """RLOO advantages (verl's `compute_rloo_outcome_advantage`): `A_i = R_i - mean of the other
     members of its group` = n / (n - 1) * (R_i - mean_g). A singleton keeps its score (A_i = R_i,
-    as verl's `rloo`). Arguments and result as `grpo_advantages`."""
-    return _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask,
-                             process_group)
+    as verl's `rloo`) with `singleton="score"`, or gets 0 with `"zero"` (verl's
+    `rloo_vectorized`). Arguments and result as `grpo_advantages`."""
+    if singleton not in ("score", "zero"):
+        raise ValueError(f"singleton: expected 'score' or 'zero', got {singleton!r}")
+    if singleton == "zero" and process_group is not None:
+        raise ValueError("singleton: 'zero' needs the global group sizes; not with process_group")
+    if group_index is not None and not isinstance(group_index, Tensor):
+        group_index = group_ids(group_index, scores.device)
+    adv = _group_advantages("rloo", scores, group_index, group_size, 0.0, False, mask,
+                            process_group)
+    if singleton == "zero":
+        if group_index is None:
+            keep = torch.full((scores.shape[0],), group_size > 1, device=scores.device)
+        else:
+            keep = torch.bincount(group_index.long(), minlength=scores.shape[0])[group_index.long()] > 1
+        adv = adv * (keep.unsqueeze(-1) if adv.dim() == 2 else keep).to(adv.dtype)
+    return adv

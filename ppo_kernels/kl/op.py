@@ -151,7 +151,8 @@ def _common_pair(logprobs: Tensor, ref_logprobs: Tensor, what: str):
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
-               clamp: str | KLClamp | None = "none") -> Tensor:
+               clamp: str | KLClamp | None = "none", is_logprobs: Tensor | None = None,
+               is_clip: float = 10.0) -> Tensor:
     """Per-token KL estimate between the policy and the reference from sampled-token log-probs.
 
     Args:
@@ -159,6 +160,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
             are promoted). Gradients flow to both.
         estimator: "k1" ("kl"), "abs", "k2" ("mse"), "k3" ("low_var_kl"), or any of them with a
             "+" suffix (straight-through: this value, the gradient of k2).
+        is_logprobs: with a "+" estimator, the log-probs of the policy that sampled the tokens:
+            the k2 gradient is importance-weighted by `w = min(exp(logprobs - is_logprobs),
+            is_clip)` (detached), OpenRLHF's `unbiased_gradient` with `log_probs_old`.
         clamp: the peers' clamp conventions by name -- "none" (= "trl"), "verl", "openrlhf" -- or
             explicit bounds `KLClamp(log_ratio=(lo, hi), value=(lo, hi))` (None: unbounded).
 
@@ -170,7 +174,20 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", *,
     name, st = parse_estimator(estimator)
     bounds = resolve_clamp(clamp, name)
     logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
-    return torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
+    kl = torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
+    if is_logprobs is None:
+        return kl
+    if not st:
+        raise ValueError("is_logprobs: importance weights apply to the straight-through gradient; "
+                         f"use a '+' estimator (got {estimator!r})")
+    check_tensor("is_logprobs", is_logprobs, dtypes=FLOAT_DTYPES)
+    check_same_device(logprobs=logprobs, is_logprobs=is_logprobs)
+    check_shape("is_logprobs", is_logprobs, logprobs.shape, "logprobs.shape")
+    if not (float(is_clip) > 0):
+        raise ValueError(f"is_clip: expected a positive number, got {is_clip!r}")
+    # the value unchanged (kl + w * 0 is kl exactly), the gradient scaled by the detached weight
+    w = torch.exp(logprobs.detach().to(kl.dtype) - is_logprobs.detach().to(kl.dtype)).clamp(max=float(is_clip))
+    return kl.detach() + w * (kl - kl.detach())
 
 
 @torch.library.custom_op("ppo_kernels::kl_penalized_rewards", mutates_args=())
@@ -190,9 +207,10 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
             logprobs.new_empty((B,), dtype=out))
 
 
-def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *,
-                         beta: float | Tensor, estimator: str = "k1",
-                         clamp: str | KLClamp | None = "none") -> tuple[Tensor, Tensor, Tensor]:
+def kl_penalized_rewards(scores: Tensor, logprobs: Tensor | None, ref_logprobs: Tensor | None,
+                         mask: Tensor, *, beta: float | Tensor, estimator: str = "k1",
+                         clamp: str | KLClamp | None = "none", kl: Tensor | None = None,
+                         convention: str = "verl") -> tuple[Tensor, Tensor, Tensor]:
     """RLHF-PPO per-token rewards in one pass:
     `r[t] = -beta * kl[t] * mask[t] + score * [t == last position with mask != 0]`.
 
@@ -204,12 +222,28 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
             value, read on the device: no sync, no recompile). Under torch.compile a float beta is
             a constant of the graph, so pass a changing beta as a tensor.
         estimator, clamp: as in `kl_penalty` (straight-through "+" variants equal their base here).
+        kl: a precomputed per-token KL `[B, T]` instead of logprobs / ref_logprobs (pass None for
+            both; estimator and clamp are then not used), as OpenRLHF's compute_reward takes it.
+        scores may also be token-level `[B, T]` (verl's token_level_scores): they are added as
+            they are, `r = scores - beta * kl * mask`.
+        convention: "verl" (above) or "openrlhf": the penalty `-beta * kl` on every position
+            (mask == 0 ones too), and a row with no action gets its score on its last position.
 
     Returns:
         `(token_rewards [B, T], kl [B, T], mean_kl_per_sequence [B])`, float32 (float64 for
         float64 log-probs); kl is 0 where mask == 0. A row with no action: all zeros, its score
         dropped, mean kl 0. No gradient flows (the inputs are detached).
     """
+    if convention not in ("verl", "openrlhf"):
+        raise ValueError(f"convention: expected 'verl' or 'openrlhf', got {convention!r}")
+    if kl is not None:
+        if logprobs is not None or ref_logprobs is not None:
+            raise ValueError("kl: pass either a precomputed kl or logprobs and ref_logprobs, not both")
+        check_tensor("kl", kl, dtypes=FLOAT_DTYPES, dim=2)
+        # kl - 0 under k1 with no clamp is kl exactly: the op masks it and places the scores
+        logprobs, ref_logprobs, estimator, clamp = kl, torch.zeros_like(kl), "k1", "none"
+    elif logprobs is None or ref_logprobs is None:
+        raise ValueError("logprobs, ref_logprobs: required unless kl is given")
     name, _ = parse_estimator(estimator)
     bounds = resolve_clamp(clamp, name)
     logprobs, ref_logprobs = _common_pair(logprobs, ref_logprobs, "logprobs.shape")
@@ -218,7 +252,11 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
     check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
     check_tensor("mask", mask)
     check_same_device(logprobs=logprobs, scores=scores, mask=mask)
-    check_shape("scores", scores, (B,), "[B]")
+    token_scores = None
+    if scores.dim() == 2:
+        check_shape("scores", scores, logprobs.shape, "[B] or logprobs.shape")
+        token_scores, scores = scores, scores.new_zeros(B)
+    check_shape("scores", scores, (B,), "[B] or logprobs.shape")
     check_shape("mask", mask, logprobs.shape, "logprobs.shape")
     if mask.dtype.is_complex:
         raise TypeError("mask: complex masks are not supported")
@@ -234,6 +272,27 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         beta_t, beta_f = beta.detach(), 1.0
     else:
         beta_f = float(beta)
-    return torch.ops.ppo_kernels.kl_penalized_rewards(scores.detach(), logprobs.detach(),
-                                                      ref_logprobs.detach(), mask, beta_t, beta_f,
-                                                      name, *bounds)
+    r, k, mean_kl = torch.ops.ppo_kernels.kl_penalized_rewards(
+        scores.detach(), logprobs.detach(), ref_logprobs.detach(), mask, beta_t, beta_f, name, *bounds)
+    if token_scores is not None:
+        r = r + token_scores.detach().to(r.dtype)
+    if convention == "openrlhf":
+        r = _openrlhf_placement(r, scores.detach(), logprobs.detach(), ref_logprobs.detach(), mask,
+                                beta_t, beta_f, name, bounds)
+    return r, k, mean_kl
+
+
+def _openrlhf_placement(r, scores, logprobs, ref_logprobs, mask, beta_t, beta_f, name, bounds):
+    """OpenRLHF's compute_reward on top of the masked result: the penalty on mask == 0 positions
+    too, and an action-less row's score on its last position."""
+    off = mask == 0
+    kl_all = torch.ops.ppo_kernels.kl_penalty(logprobs, ref_logprobs, name, False, *bounds).to(r.dtype)
+    beta = beta_f
+    if beta_t is not None:
+        beta = (beta_t * beta_f).to(r.dtype)
+        beta = beta.reshape(-1, 1) if beta.dim() else beta
+    r = r - torch.where(off, beta * kl_all, torch.zeros((), dtype=r.dtype, device=r.device))
+    empty = off.all(-1)
+    last = torch.zeros_like(r)
+    last[:, -1] = torch.where(empty, scores.to(r.dtype), torch.zeros((), dtype=r.dtype, device=r.device))
+    return r + last

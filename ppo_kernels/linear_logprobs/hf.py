@@ -10,8 +10,9 @@ from torch import Tensor
 from .op import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
-# does not reproduce; refused rather than silently giving different numbers.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logits_scaling", "logit_scale")
+# does not reproduce; refused rather than silently giving different numbers. Gemma-2 style
+# final_logit_softcapping is applied (linear_token_logprobs' softcap).
+_LOGIT_TRANSFORMS = ("logit_softcapping", "logits_scaling", "logit_scale")
 
 
 def backbone(model):
@@ -41,26 +42,39 @@ def lm_head(model):
     return weight, getattr(head, "bias", None)
 
 
-def logit_transform(model):
-    """(config field, value) of a transform the model applies to its logits after the LM head
-    (soft-capping, scaling), or None when the logits are the LM head's output."""
+def _configs(model):
     cfg = getattr(model, "config", None)
-    configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
-    for c in configs:
-        for name in _LOGIT_TRANSFORMS:
+    return [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
+
+
+def _softcap(model):
+    caps = {getattr(c, "final_logit_softcapping", None) for c in _configs(model)} - {None}
+    if len(caps) > 1:
+        raise NotImplementedError(f"causal_lm_logprobs: conflicting final_logit_softcapping {caps}")
+    return caps.pop() if caps else None
+
+
+def _transforms(model, names):
+    """(config field, value) of each of `names` the model applies to its logits."""
+    for c in _configs(model):
+        for name in names:
             val = getattr(c, name, None)
             if val is None or ("scal" in name and val == 1):  # a scale of 1 changes nothing
                 continue
-            return name, val
-    return None
+            yield name, val
+
+
+def logit_transform(model):
+    """(config field, value) of the first transform the model applies to its logits after the LM
+    head (soft-capping included, scaling), or None when they are the LM head's output."""
+    return next(_transforms(model, ("final_logit_softcapping",) + _LOGIT_TRANSFORMS), None)
 
 
 def _check_logit_transforms(model):
-    found = logit_transform(model)
-    if found is not None:
+    for name, val in _transforms(model, _LOGIT_TRANSFORMS):
         raise NotImplementedError(
-            f"causal_lm_logprobs: {type(model).__name__} applies config.{found[0]}={found[1]} to "
-            "its logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
+            f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
+            "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
             "does not support; compute the logits with the model instead")
 
 
@@ -80,9 +94,10 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
 
     max_chunk_bytes and logits_dtype ("float32" or "input": the LM-head matmuls in the model's
     bf16/fp16 dtype, as the model's own logits) are those of linear_token_logprobs.
-    Extra keyword arguments go to the backbone (e.g. position_ids). Raises NotImplementedError
-    for models that soft-cap or rescale their final logits (Gemma 2's final_logit_softcapping,
-    Granite's logits_scaling, Cohere's logit_scale).
+    Extra keyword arguments go to the backbone (e.g. position_ids). Gemma-2 style
+    `config.final_logit_softcapping` is applied (linear_token_logprobs' softcap); raises
+    NotImplementedError for models that rescale their final logits otherwise (Granite's
+    logits_scaling, Cohere's logit_scale).
     Returns float32 log-probs [B, T - 1], or (logprobs, entropy).
     """
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -106,4 +121,5 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
         target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
     return linear_token_logprobs(hidden, weight, target, bias=bias, temperature=temperature,
                                  ignore_index=ignore_index, return_entropy=return_entropy,
-                                 max_chunk_bytes=max_chunk_bytes, logits_dtype=logits_dtype)
+                                 max_chunk_bytes=max_chunk_bytes, logits_dtype=logits_dtype,
+                                 softcap=_softcap(model))

@@ -155,22 +155,25 @@ def chunk_backward(tiler, plan, fused, hc, lc, glp, gent, lse, entropy, inv_t, i
         v1 = min(V, v0 + plan.vocab)
         if plan.vocab == V and fused and v_total == V:  # in place, in the tile's dtype
             g = tiler.logits(hc, v0, v1)
+            tiler.softcap_grad(g)
             _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, lse,
                                                   entropy if gent is not None else lse, inv_t,
                                                   ignore_index, g)
+            tiler.apply_softcap_grad(g)
         else:
             g = tiler.logits_acc(hc, v0, v1)
+            tiler.softcap_grad(g)
             tile_bwd_(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index,
                       v_total)
-            g = tiler.to_input(g)
+            g = tiler.to_input(tiler.apply_softcap_grad(g))
         tiler.grad_matmuls(g, hc, v0, v1, gh, gW, gb)
 
 
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
 def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
                              temperature: float, ignore_index: int, with_entropy: bool,
-                             max_chunk_bytes: int, logits_dtype: str = "float32"
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+                             max_chunk_bytes: int, logits_dtype: str = "float32",
+                             softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], labels [N], bias [V] or None. Returns (logprobs, entropy or an
     empty tensor, lse), float32 (float64 for float64 input); lse is saved for backward.
     logits_dtype: "float32" or "input" (see linear_token_logprobs)."""
@@ -189,7 +192,7 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
     fused = _fused(hidden)
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
                        logits_dtype=logits_dtype, fused=fused)
-    tiler = Tiler(hidden, weight, bias, plan, fused)
+    tiler = Tiler(hidden, weight, bias, plan, fused, softcap=softcap)
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
@@ -210,7 +213,7 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
 
 @linear_token_logprobs_op.register_fake
 def _(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max_chunk_bytes,
-      logits_dtype="float32"):
+      logits_dtype="float32", softcap=None):
     acc = _acc(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
@@ -223,7 +226,8 @@ def linear_token_logprobs_backward_op(
         grad_logprobs: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
         labels: Tensor, bias: Tensor | None, lse: Tensor, entropy: Tensor, temperature: float,
         ignore_index: int, max_chunk_bytes: int, need_hidden: bool, need_weight: bool,
-        need_bias: bool, logits_dtype: str = "float32") -> tuple[Tensor, Tensor, Tensor]:
+        need_bias: bool, logits_dtype: str = "float32",
+        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32); a gradient that is
     not needed comes back as an empty tensor. The float32 weight gradient is what this op returns;
     autograd hands the weight its own dtype."""
@@ -241,7 +245,7 @@ def linear_token_logprobs_backward_op(
     fused = _fused(hidden)
     plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
                        logits_dtype=logits_dtype, fused=fused)
-    tiler = Tiler(hidden, weight, bias, plan, fused, backward=True)
+    tiler = Tiler(hidden, weight, bias, plan, fused, backward=True, softcap=softcap)
     inv_t = 1.0 / temperature
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
     glp_all = grad_logprobs.to(acc)
@@ -263,7 +267,8 @@ def linear_token_logprobs_backward_op(
 
 @linear_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
-      ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype="float32"):
+      ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype="float32",
+      softcap=None):
     acc = _acc(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
@@ -276,9 +281,10 @@ def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, t
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, temperature, ignore_index, with_entropy, budget = inputs[:8]
     logits_dtype = inputs[8] if len(inputs) > 8 else "float32"
+    softcap = inputs[9] if len(inputs) > 9 else None
     _, entropy, lse = output
     ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
-    ctx.args = (temperature, ignore_index, budget, logits_dtype)
+    ctx.args = (temperature, ignore_index, budget, logits_dtype, softcap)
     ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
@@ -292,10 +298,10 @@ def _backward(ctx, grad_lp, grad_ent, grad_lse):
         grad_lp = torch.zeros_like(lse)
     if grad_ent is not None and grad_ent.numel() == 0:
         grad_ent = None
-    temperature, ignore_index, budget, logits_dtype = ctx.args
+    temperature, ignore_index, budget, logits_dtype, softcap = ctx.args
     gh, gW, gb = torch.ops.ppo_kernels.linear_token_logprobs_backward(
         grad_lp, grad_ent, hidden, weight, labels, bias, lse, entropy, temperature, ignore_index,
-        budget, need_h, need_w, need_b and bias is not None, logits_dtype)
+        budget, need_h, need_w, need_b and bias is not None, logits_dtype, softcap)
     return (gh if need_h else None, gW.to(weight.dtype) if need_w else None, None,
             gb.to(bias.dtype) if (need_b and bias is not None) else None,
             *(None,) * (ctx.n_inputs - 4))
@@ -308,8 +314,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                           bias: Tensor | None = None, temperature: float = 1.0,
                           ignore_index: int = -100, return_entropy: bool = False,
                           max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
-                          process_group=None, vocab_start: int | None = None,
-                          reduce_hidden_grad: bool = True):
+                          softcap: float | None = None, process_group=None,
+                          vocab_start: int | None = None, reduce_hidden_grad: bool = True):
     """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
     equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
     [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
@@ -322,6 +328,9 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         temperature: positive float.
         ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
         return_entropy: also return the entropy of softmax(logits / temperature).
+        softcap: Gemma-2 style `final_logit_softcapping`: the logits are `softcap * tanh(logits /
+            softcap)` before the temperature (computed on each tile in the tile's dtype; the
+            backward keeps one more tile for the derivative). None: no capping.
         max_chunk_bytes: cap on the chunk buffers (logits tile, upcast copies, per-chunk gradient
             accumulator); default 64 MiB on the CPU, 512 MiB on the GPU. Extra memory beyond it
             is O(N + V) plus, in backward, the float32 weight-gradient accumulator [V, H].
@@ -372,6 +381,10 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     if V == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     check_positive("temperature", float(temperature))
+    if softcap is not None:
+        check_positive("softcap", float(softcap))
+        if process_group is not None:
+            raise ValueError("softcap: not supported with process_group (vocab-parallel) yet")
     _check_logits_dtype(logits_dtype)
     if max_chunk_bytes is not None and int(max_chunk_bytes) <= 0:
         raise ValueError(f"max_chunk_bytes: expected a positive number of bytes, got {max_chunk_bytes}")
@@ -389,6 +402,7 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
         h2, weight, labels.reshape(-1), bias, float(temperature), int(ignore_index),
         bool(return_entropy), int(max_chunk_bytes or 0),
-        "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32")
+        "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32",
+        None if softcap is None else float(softcap))
     lp = lp.view(labels.shape)
     return (lp, ent.view(labels.shape)) if return_entropy else lp

@@ -10,8 +10,10 @@ from .planner import Plan, _acc
 class Tiler:
     """Computes logits tiles (and the two gradient matmuls of a tile) for one call."""
 
-    def __init__(self, hidden, weight, bias, plan: Plan, fused: bool, backward: bool = False):
+    def __init__(self, hidden, weight, bias, plan: Plan, fused: bool, backward: bool = False,
+                 softcap: float | None = None):
         self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
+        self.cap = softcap
         self.acc = _acc(hidden.dtype)
         self.input_tiles = plan.input_tiles
         # CUDA bf16/fp16 with float32 tiles: matmuls with float32 output (cuBLAS)
@@ -30,6 +32,9 @@ class Tiler:
         self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         # the plan keeps a whole upcast weight only when it fits in half the budget
         self.W_acc = weight.to(self.acc) if plan.whole_weight else None
+        # soft-capping's derivative 1 - tanh^2 of one tile, kept for the backward (one tile more
+        # than the plan's budget, only with softcap)
+        self.dcap = torch.empty(n if (backward and softcap) else 0, dtype=self.acc, device=dev)
 
     def rows(self, r0, r1):
         hc = self.h[r0:r1]
@@ -42,8 +47,28 @@ class Tiler:
         return w.to(self.acc) if self.plan.upcast else w
 
     def logits(self, hc, v0, v1):
-        """Tile [rows, v1 - v0] of hc @ W[v0:v1].T + b[v0:v1] in a reused buffer: float32, or the
-        input dtype with input tiles (matmul, then + bias, each rounded as in the input dtype)."""
+        """Tile [rows, v1 - v0] of the logits in a reused buffer: float32, or the input dtype with
+        input tiles (matmul, then + bias, each rounded as in the input dtype); soft-capped
+        (`cap * tanh(z / cap)`, in the tile's dtype as a model's head does) when softcap is set."""
+        tile = self._linear(hc, v0, v1)
+        if self.cap:
+            tile.div_(self.cap).tanh_().mul_(self.cap)
+        return tile
+
+    def softcap_grad(self, tile):
+        """Before the tile is overwritten by its gradient: keep d cap*tanh(z/cap) / dz =
+        1 - (tile / cap)^2; `apply_softcap_grad` multiplies the gradient tile by it."""
+        if not self.cap:
+            return
+        d = self.dcap[: tile.numel()].view(tile.shape)
+        d.copy_(tile).div_(self.cap).square_().neg_().add_(1.0)
+
+    def apply_softcap_grad(self, g):
+        if self.cap:
+            g.mul_(self.dcap[: g.numel()].view(g.shape))
+        return g
+
+    def _linear(self, hc, v0, v1):
         R = hc.shape[0]
         if self.input_tiles:
             tile = self.buf_in[: R * (v1 - v0)].view(R, v1 - v0)

@@ -278,17 +278,24 @@ def _check_loss_inputs(names, tensors, mask):
     check_same_device(**dict(zip(names, tensors)), mask=mask)
 
 
+AGG_NAMES = AGG_MODES + ("token-sum",)
+
+
 def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
-    """(agg, scale, global_denom tensor or None, global_denom value or None)."""
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_MODES}")
+    """(agg, scale, global_denom tensor or None, global_denom value or None).
+
+    "token-sum" is token-mean over a denominator of 1. A normaliser the mode does not use
+    (global_batch_size for the token modes, global_num_tokens for the sequence modes,
+    loss_scale_factor outside seq-mean-token-sum-norm) is ignored, as verl's agg_loss does: verl
+    passes all of them whatever the mode."""
+    if agg not in AGG_NAMES:
+        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_NAMES}")
     if not (isinstance(dp_size, int) and dp_size >= 1):
         raise ValueError(f"dp_size: expected a positive int, got {dp_size!r}")
+    if agg == "token-sum":
+        return "token-mean", float(dp_size), None, 1.0
     token = agg == "token-mean"
     denom, name = (global_num_tokens, "global_num_tokens") if token else (global_batch_size, "global_batch_size")
-    other, other_name = (global_batch_size, "global_batch_size") if token else (global_num_tokens, "global_num_tokens")
-    if other is not None:
-        raise ValueError(f"{other_name}: not used by agg={agg!r} (pass {name})")
     if denom is None and dp_size > 1:
         raise ValueError(f"{name}: required when dp_size > 1 (the data-parallel total of "
                          f"{'action tokens' if token else 'non-empty sequences'})")
@@ -298,8 +305,6 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
         if not (float(lsf) > 0):
             raise ValueError(f"loss_scale_factor: expected a positive number, got {loss_scale_factor!r}")
         scale /= float(lsf)
-    elif loss_scale_factor is not None:
-        raise ValueError(f"loss_scale_factor: only used by agg='seq-mean-token-sum-norm', not {agg!r}")
     if isinstance(denom, Tensor):
         if denom.numel() != 1:
             raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
@@ -313,8 +318,57 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
     return agg, scale, None, None
 
 
+def _denominator(agg, mask, gd, gdv):
+    """The aggregation's denominator as a 0-dim tensor (no host sync): the global one when given,
+    else the mask total (token-mean) or the number of non-empty rows (sequence modes)."""
+    if gd is not None:
+        return gd
+    if gdv is not None:
+        return torch.tensor(gdv, device=mask.device)
+    m = _rows(mask)
+    if agg == "token-mean":
+        return m.sum(dtype=torch.float32 if not m.dtype == torch.float64 else torch.float64)
+    return (m != 0).any(-1).sum()
+
+
+def _empty_stats(stats, mask, empty):
+    if empty == "zero":
+        return stats
+    if empty != "nan":
+        raise ValueError(f"empty_stats: expected 'zero' or 'nan', got {empty!r}")
+    some = (mask != 0).any()
+    return {k: torch.where(some, v, torch.full((), float("nan"), dtype=v.dtype, device=v.device))
+            for k, v in stats.items()}
+
+
+def _empty_value(loss, agg, mask, gd, gdv, empty):
+    """empty="zero": as computed (0 over a zero denominator); "nan": NaN there, as verl's and
+    OpenRLHF's 0 / 0."""
+    if empty == "zero":
+        return loss
+    if empty != "nan":
+        raise ValueError(f"empty: expected 'zero' or 'nan', got {empty!r}")
+    d = _denominator(agg, mask, gd, gdv)
+    return torch.where(d != 0, loss, torch.full((), float("nan"), dtype=loss.dtype, device=loss.device))
+
+
 def _rows(t):
     return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
+    """(loss, stats) of per-token terms (loss, *stats) with the loss weighted per token: the
+    reference composition, differentiable by autograd; denominators and stats from the mask."""
+    check_tensor("weights", weights, dtypes=VALUE_DTYPES)
+    check_shape("weights", weights, like.shape, "like the per-token inputs")
+    check_same_device(weights=weights, mask=mask)
+    token_loss, *stats = terms
+    acc = token_loss.dtype
+    if gd is None and gdv is not None:
+        gd = torch.tensor(gdv, dtype=acc, device=like.device)
+    loss, st, _ = reference.aggregate(token_loss * weights.detach().to(acc),
+                                      [t.detach() for t in stats], mask, agg, scale, gd)
+    return loss, st
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -324,7 +378,9 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     global_num_tokens: int | float | Tensor | None = None,
                     global_batch_size: int | float | Tensor | None = None,
                     loss_scale_factor: float | None = None,
-                    entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                    entropy: Tensor | None = None, approx_kl: str = "clamped",
+                    empty: str = "zero", empty_stats: str = "zero",
+                    weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
 
     Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
@@ -364,11 +420,24 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         raise ValueError(f"log_ratio_clamp: expected a positive number, got {log_ratio_clamp!r}")
     agg_i, scale, gd, gdv = _aggregation(agg, logprobs.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, logprobs.device)
-    loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
-        _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
-        float(clip_high), float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp),
-        agg_i, scale, gd, gdv)
+    if weights is not None:
+        terms = reference.policy_token_terms(
+            logprobs, old_logprobs.detach(), advantages.detach(), float(clip_low), float(clip_high),
+            float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp))
+        loss, stats = _weighted(terms, weights, logprobs, mask, agg_i, scale, gd, gdv)
+    else:
+        loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
+            _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
+            float(clip_high), float(dual_clip) if dual_clip is not None else None,
+            float(log_ratio_clamp), agg_i, scale, gd, gdv)
+    loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
     out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+    if approx_kl == "raw":
+        from ..masked_stats import masked_mean
+        out["approx_kl"] = masked_mean((old_logprobs.detach().float() - logprobs.detach().float()), mask)
+    elif approx_kl != "clamped":
+        raise ValueError(f"approx_kl: expected 'clamped' or 'raw', got {approx_kl!r}")
+    out = _empty_stats(out, mask, empty_stats)
     if entropy is not None:
         from ..masked_stats import masked_mean
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
@@ -380,10 +449,13 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
                    clip: float | None = None, agg: str = "token-mean", dp_size: int = 1,
                    global_num_tokens: int | float | Tensor | None = None,
                    global_batch_size: int | float | Tensor | None = None,
-                   loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                   loss_scale_factor: float | None = None,
+                   empty: str = "zero", empty_stats: str = "zero",
+                   weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (verl's `compute_value_loss`), fused: per token
     `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
-    clip is None), aggregated like `ppo_policy_loss`. The gradient flows to `values`.
+    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats`, `weights` as there). The gradient flows to
+    `values`.
 
     Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
     _check_loss_inputs(("values", "old_values", "returns"), (values, old_values, returns), mask)
@@ -391,10 +463,16 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
         raise ValueError(f"clip: expected None or a positive number, got {clip!r}")
     agg_i, scale, gd, gdv = _aggregation(agg, values.shape[-1], dp_size, global_num_tokens,
                                          global_batch_size, loss_scale_factor, values.device)
-    loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
-        _rows(values), _rows(old_values), _rows(returns), _rows(mask),
-        float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
-    return loss, dict(zip(STAT_NAMES_VALUE, stats.unbind(0)))
+    if weights is not None:
+        terms = reference.value_token_terms(values, old_values.detach(), returns.detach(),
+                                            float(clip) if clip is not None else None)
+        loss, stats = _weighted(terms, weights, values, mask, agg_i, scale, gd, gdv)
+    else:
+        loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
+            _rows(values), _rows(old_values), _rows(returns), _rows(mask),
+            float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
+    loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
+    return loss, _empty_stats(dict(zip(STAT_NAMES_VALUE, stats.unbind(0))), mask, empty_stats)
 
 
 # --------------------------------------------------------------------------- reward model / DPO

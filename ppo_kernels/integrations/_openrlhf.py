@@ -1,0 +1,176 @@
+"""OpenRLHF adapter: openrlhf.models.utils, openrlhf.models.loss (PolicyLoss / ValueLoss) and the
+experience maker's GAE / returns on ppo_kernels ops. Semantics read from OpenRLHF 0.11.2."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+import ppo_kernels as pk
+
+from ._patch import (
+    NO_IGNORE,
+    Peer,
+    Target,
+    entropy,
+    is_binary_mask,
+    labels_arg,
+    logits_arg,
+    need,
+    out_dtype,
+    same_shape,
+    tensor,
+)
+
+UTILS = "openrlhf.models.utils"
+LOSS = "openrlhf.models.loss"
+EXP = "openrlhf.trainer.ppo_utils.experience_maker"
+
+
+def compute_approx_kl(a, orig, o):
+    lp, base = tensor(a["log_probs"], "log_probs"), tensor(a["log_probs_base"], "log_probs_base")
+    same_shape(lp, base, "log_probs_base")
+    est = a["kl_estimator"]
+    need(est in ("k1", "k2", "k3"), "kl_estimator", f"unknown estimator {est!r}")
+    old = a["log_probs_old"]
+    if not a["unbiased_gradient"]:
+        kl = pk.kl_penalty(lp, base, est, clamp="openrlhf")
+    else:
+        if old is not None:
+            same_shape(lp, tensor(old, "log_probs_old"), "log_probs_old")
+        kl = pk.kl_penalty(lp, base, est + "+", clamp="openrlhf", is_logprobs=old, is_clip=10.0)
+    return o.out(kl, torch.float32)  # OpenRLHF computes in float32 whatever the input
+
+
+def compute_reward(a, orig, o):
+    kl = a["kl"]
+    need(isinstance(kl, torch.Tensor), "kl", "a list of packed per-sample KLs")
+    m = a["action_mask"]
+    need(isinstance(m, torch.Tensor), "action_mask", "required")
+    need(kl.dim() == 2, "kl", "expected [batch, response_length]")
+    same_shape(kl, m, "action_mask")
+    need(is_binary_mask(m), "action_mask", "a fractional mask (OpenRLHF thresholds it with .long())")
+    r = a["r"]
+    need(isinstance(r, torch.Tensor) and r.shape == (kl.shape[0],), "r", "expected a [batch] tensor")
+    coef = a["kl_coef"]
+    need(isinstance(coef, numbers.Real), "kl_coef", "expected a number")
+    coef = max(float(coef), 0.0)
+    if a["reward_clip_range"]:
+        lo, hi = a["reward_clip_range"]
+        r = r.clamp(min=lo, max=hi)
+    rew, _, _ = pk.kl_penalized_rewards(r, None, None, m, beta=coef, kl=kl, convention="openrlhf")
+    return o.out(rew, kl.dtype)
+
+
+def log_probs_from_logits(a, orig, o):
+    x = logits_arg(a)
+    y = labels_arg(a, x)
+    t = a["temperature"]
+    need(isinstance(t, numbers.Real) and t > 0, "temperature", "expected a positive number")
+    if t != 1.0:
+        x.div_(t)  # OpenRLHF divides the caller's logits in place; callers may rely on it
+    return o.out(pk.token_logprobs(x, y, ignore_index=NO_IGNORE), x.dtype)
+
+
+def compute_entropy(a, orig, o):
+    x = logits_arg(a)
+    return o.out(entropy(x), x.dtype)
+
+
+def masked_mean(a, orig, o):
+    x, m = tensor(a["tensor"], "tensor"), a["mask"]
+    need(m is not None, "mask", "None (a plain mean)")
+    same_shape(x, tensor(m, "mask"), "mask")
+    need(x.is_floating_point(), "tensor", "expected a float tensor")
+    return o.out(pk.masked_mean(x, m, dim=a["dim"], empty="nan"), out_dtype(x, m))
+
+
+def _agg(token_level, dp, n_tok, n_seq):
+    """OpenRLHF's aggregate_loss: token-mean / seq-mean-token-mean; without the global total the
+    local masked mean, where dp_size does not enter."""
+    if token_level:
+        return {"agg": "token-mean", "global_num_tokens": n_tok, "dp_size": int(dp) if n_tok is not None else 1}
+    return {"agg": "seq-mean-token-mean", "global_batch_size": n_seq,
+            "dp_size": int(dp) if n_seq is not None else 1}
+
+
+def policy_loss_forward(a, orig, o):
+    self = a["self"]
+    need(self.policy_loss_type == "ppo", "policy_loss_type", f"{self.policy_loss_type!r} (only 'ppo')")
+    need(self.is_correction_level == "off", "is_correction_level",
+         f"{self.is_correction_level!r}: train/rollout importance correction is not supported")
+    lp = tensor(a["log_probs"], "log_probs")
+    m = a["action_mask"]
+    need(m is not None, "action_mask", "None")
+    for n in ("old_log_probs", "advantages", "action_mask"):
+        same_shape(lp, tensor(a[n], n), n)
+    lo, hi = self.clip_eps_low, self.clip_eps_high
+    need(0 <= float(lo) < 1, "clip_eps_low", "expected a number in [0, 1)")
+    loss, st = pk.ppo_policy_loss(
+        lp, a["old_log_probs"], a["advantages"], m, clip_low=float(lo), clip_high=float(hi),
+        dual_clip=self.dual_clip, log_ratio_clamp=20.0, approx_kl="raw", empty="nan",
+        empty_stats="nan", **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"],
+                                  a["global_batch_size"]))
+    dt = out_dtype(lp, a["advantages"])
+    return o.out(loss, dt), o.out(st["clip_frac"], torch.float32), o.out(st["approx_kl"], dt), None, None
+
+
+def value_loss_forward(a, orig, o):
+    self = a["self"]
+    v = tensor(a["values"], "values")
+    m = a["action_mask"]
+    need(m is not None, "action_mask", "None")
+    for n in ("old_values", "returns", "action_mask"):
+        same_shape(v, tensor(a[n], n), n)
+    c = self.clip_eps
+    need(c is None or float(c) > 0, "clip_eps", "expected None or a positive number")
+    loss, _ = pk.ppo_value_loss(v, a["old_values"], a["returns"], m,
+                                clip=None if c is None else float(c), empty="nan",
+                                **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"],
+                                       a["global_batch_size"]))
+    return o.out(loss, out_dtype(v, a["returns"]))
+
+
+def _gamma(a, name):
+    g = a[name]
+    need(isinstance(g, numbers.Real), name, "expected a number")
+    return float(g)
+
+
+def get_advantages_and_returns(a, orig, o):
+    v, r = tensor(a["values"], "values"), tensor(a["rewards"], "rewards")
+    need(r.dim() == 2, "rewards", "expected [batch, response_length]")
+    same_shape(r, v, "values")
+    m = a["action_mask"]
+    dt = out_dtype(v, r)
+    if m is not None:  # OpenRLHF's semantics: masked steps are zero-reward, zero-value steps
+        same_shape(r, tensor(m, "action_mask"), "action_mask")
+        dt = out_dtype(v, r, m)
+        v, r = m * v, m * r
+    adv, ret = pk.gae(r, v, None, gamma=_gamma(a, "gamma"), lam=_gamma(a, "lambd"))
+    return o.out(adv, dt), o.out(ret, dt)
+
+
+def get_cumulative_returns(a, orig, o):
+    r = tensor(a["rewards"], "rewards")
+    need(r.dim() == 2, "rewards", "expected [batch, response_length]")
+    m = a["action_mask"]
+    if m is not None:
+        same_shape(r, tensor(m, "action_mask"), "action_mask")
+        r = m * r
+    # discounted return-to-go = GAE with zero values and lambda = 1
+    ret, _ = pk.gae(r, torch.zeros_like(r), None, gamma=_gamma(a, "gamma"), lam=1.0)
+    return o.out(ret, a["rewards"].dtype)
+
+
+PEER = Peer("openrlhf", "openrlhf", ("0.11.",), [
+    Target(UTILS, "compute_approx_kl", compute_approx_kl),
+    Target(UTILS, "compute_reward", compute_reward),
+    Target(UTILS, "log_probs_from_logits", log_probs_from_logits),
+    Target(UTILS, "compute_entropy", compute_entropy),
+    Target(UTILS, "masked_mean", masked_mean),
+    Target(LOSS, "PolicyLoss.forward", policy_loss_forward),
+    Target(LOSS, "ValueLoss.forward", value_loss_forward),
+    Target(EXP, "RemoteExperienceMaker.get_advantages_and_returns", get_advantages_and_returns),
+    Target(EXP, "RemoteExperienceMaker.get_cumulative_returns", get_cumulative_returns),
+])

@@ -1,0 +1,296 @@
+"""The patch machinery shared by the peer adapters: one `Target` per peer function, replaced
+wherever the peer can reach it, counted, and put back by `revert`.
+
+A target's replacement receives the call's arguments bound by name to the original's signature
+(defaults applied). It raises `Fallback(argument, reason)` -- before doing anything -- when the
+call uses something our ops cannot express; under strict=True that becomes `Unsupported` naming
+the argument, under strict=False the original runs for that call and the reason is counted.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ppo_kernels as pk
+
+
+class Unsupported(ValueError):
+    """A peer call uses an argument value the ppo_kernels op cannot express (strict=True)."""
+
+    def __init__(self, where: str, argument: str, reason: str):
+        super().__init__(f"{where}: argument {argument!r}: {reason} (ppo_kernels cannot express "
+                         "this; apply(..., strict=False) runs the peer's own code for such calls)")
+        self.argument = argument
+        self.reason = reason
+
+
+class UnsupportedVersion(RuntimeError):
+    pass
+
+
+class Fallback(Exception):
+    def __init__(self, argument: str, reason: str):
+        super().__init__(argument, reason)
+        self.argument, self.reason = argument, reason
+
+
+@dataclasses.dataclass
+class Options:
+    strict: bool
+    dtype: str  # "peer": the dtype the peer's function returns; "float32": ours
+
+    def out(self, t, dtype):
+        """Our float32 result in the dtype the peer would return (dtype="peer")."""
+        if self.dtype == "peer" and t is not None and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+
+@dataclasses.dataclass
+class Target:
+    """`module.attr` (attr may be "Class.method") replaced by `make(original, options)`, a
+    function `(bound: dict, original, options) -> result`. `registries`: names of dicts in
+    `module` whose values may hold the original (verl's ADV_ESTIMATOR_REGISTRY, ...)."""
+    module: str
+    attr: str
+    impl: Callable[..., Any]
+    registries: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class _Stats:
+    calls: int = 0
+    replaced: int = 0
+    fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    places: list = dataclasses.field(default_factory=list)
+
+
+class Peer:
+    """One peer: its distribution name, supported versions (prefixes) and targets."""
+
+    def __init__(self, name: str, dist: str, versions: tuple[str, ...], targets: list[Target]):
+        self.name, self.dist, self.versions, self.targets = name, dist, versions, targets
+        self.active: dict | None = None  # attr -> (stats, [(holder, key, original, kind)])
+        self.options: Options | None = None
+        self.generation = 0  # wrappers of an earlier apply run the original
+
+    # ------------------------------------------------------------------ version
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def check_version(self, strict: bool):
+        v = self.version()
+        if v is None:
+            raise UnsupportedVersion(f"{self.name}: the {self.dist!r} distribution is not installed")
+        if not any(v == p or v.startswith(p) for p in self.versions):
+            msg = (f"{self.name} {v} is not a supported version (supported: "
+                   f"{', '.join(p + 'x' if p.endswith('.') else p for p in self.versions)}); its "
+                   "functions may have changed semantics")
+            if strict:
+                raise UnsupportedVersion(msg + "; apply(..., strict=False) patches it anyway, with a warning")
+            warnings.warn(msg + "; patching anyway (strict=False)", stacklevel=3)
+        return v
+
+    # ------------------------------------------------------------------ apply / revert
+    def apply(self, strict: bool, dtype: str):
+        if dtype not in ("peer", "float32"):
+            raise ValueError(f"dtype: expected 'peer' or 'float32', got {dtype!r}")
+        if self.active is not None:
+            self.revert()
+        self.check_version(strict)
+        self.options = Options(strict=strict, dtype=dtype)
+        self.generation += 1
+        self.active = {}
+        try:
+            for t in self.targets:
+                self._apply_target(t)
+        except Exception:
+            self.revert()
+            raise
+
+    def _apply_target(self, t: Target):
+        mod = importlib.import_module(t.module)
+        owner, _, name = t.attr.rpartition(".")
+        holder = getattr(mod, owner) if owner else mod
+        original = inspect.getattr_static(holder, name) if owner else getattr(mod, name)
+        func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+        stats = _Stats()
+        if inspect.isclass(original) and issubclass(original, torch.autograd.Function):
+            # an autograd Function the peer calls as `F.apply(...)`: replaced by a class whose
+            # apply binds the arguments of F.forward (without ctx)
+            params = list(inspect.signature(original.forward).parameters.values())[1:]
+            apply_fn = _make_wrapper(self, t, original.apply, stats, inspect.Signature(params))
+            wrapper = type(original.__name__, (), {"apply": staticmethod(apply_fn),
+                                                   "__doc__": original.__doc__,
+                                                   "__ppo_kernels_original__": original})
+        else:
+            wrapper = _make_wrapper(self, t, func, stats)
+        if isinstance(original, staticmethod):
+            wrapper = staticmethod(wrapper)
+        places = []
+        if owner:  # a class attribute (method): the class is the one place
+            setattr(holder, name, wrapper)
+            places.append((holder, name, original, "attr"))
+        else:
+            for m in list(sys.modules.values()):  # the defining module and every `from` copy
+                d = getattr(m, "__dict__", None)
+                if not isinstance(d, dict):
+                    continue
+                for k, v in list(d.items()):
+                    if v is original:
+                        setattr(m, k, wrapper)
+                        places.append((m, k, original, "attr"))
+            for r in t.registries:
+                reg = getattr(mod, r)
+                for k, v in list(reg.items()):
+                    if v is original:
+                        reg[k] = wrapper
+                        places.append((reg, k, original, "item"))
+        stats.places = [f"{getattr(h, '__name__', t.module + ' registry')}.{k}" if kind == "attr"
+                        else f"{t.module}.{_registry_name(mod, h)}[{k!r}]" for h, k, _, kind in places]
+        self.active[t.attr] = (stats, places, wrapper)
+
+    def revert(self):
+        active, self.active, self.options = self.active, None, None
+        for stats, places, wrapper in (active or {}).values():
+            for holder, key, original, kind in places:
+                if kind == "item":
+                    if holder.get(key) is wrapper:
+                        holder[key] = original
+                else:
+                    setattr(holder, key, original)
+            if places and places[0][3] == "attr" and not inspect.isclass(places[0][0]):
+                # modules that imported the replacement after apply
+                original = places[0][2]
+                for m in list(sys.modules.values()):
+                    d = getattr(m, "__dict__", None)
+                    if isinstance(d, dict):
+                        for k, v in list(d.items()):
+                            if v is wrapper:
+                                setattr(m, k, original)
+
+    def report(self) -> dict:
+        if not self.active:
+            return {"peer": self.name, "active": False, "functions": {}}
+        return {
+            "peer": self.name, "active": True, "version": self.version(),
+            "strict": self.options.strict, "dtype": self.options.dtype,
+            "functions": {
+                f"{t.module}.{t.attr}": {
+                    "calls": s.calls, "replaced": s.replaced,
+                    "fallbacks": sum(s.fallbacks.values()),
+                    "fallback_reasons": dict(s.fallbacks), "patched_in": list(s.places)}
+                for t in self.targets for s, _, _ in [self.active[t.attr]]},
+        }
+
+
+def _registry_name(mod, reg):
+    for k, v in vars(mod).items():
+        if v is reg:
+            return k
+    return "registry"
+
+
+def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
+    sig = sig or inspect.signature(original)
+    where = f"{peer.name}: {t.module}.{t.attr}"
+    generation = peer.generation
+
+    @functools.wraps(original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+    def wrapper(*args, **kwargs):
+        stats.calls += 1
+        opts = peer.options
+        if opts is None or peer.generation != generation:  # reverted (a reference survived)
+            return original(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # the peer's own error message
+        bound.apply_defaults()
+        try:
+            out = t.impl(bound.arguments, original, opts)
+        except Fallback as f:
+            if opts.strict:
+                raise Unsupported(where, f.argument, f.reason) from None
+            stats.fallbacks[f"{f.argument}: {f.reason}"] += 1
+            return original(*args, **kwargs)
+        stats.replaced += 1
+        return out
+
+    wrapper.__ppo_kernels_original__ = original
+    return wrapper
+
+
+# ---------------------------------------------------------------------- helpers for adapters
+
+def need(cond: bool, argument: str, reason: str):
+    """Fall back (or raise under strict) unless cond holds."""
+    if not cond:
+        raise Fallback(argument, reason)
+
+
+def tensor(x, argument: str, reason: str = "expected a torch.Tensor"):
+    need(isinstance(x, torch.Tensor), argument, reason)
+    return x
+
+
+def is_binary_mask(mask: torch.Tensor) -> bool:
+    """bool / integer masks are 0/1 by construction for our ops (nonzero = in); a float mask is
+    checked (one host sync; the peers' own code syncs more than that on the same call)."""
+    if not mask.is_floating_point():
+        return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
+    return bool(((mask == 0) | (mask == 1)).all())
+
+
+# A label value no tokenizer produces: the peers have no ignore_index (a negative label is an error).
+NO_IGNORE = -(2**62)
+
+
+def out_dtype(*ts):
+    """The floating dtype torch's type promotion gives the peer's arithmetic on these tensors."""
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        if t.is_floating_point():
+            dt = torch.promote_types(dt, t.dtype)
+    return dt if dt.is_floating_point else torch.get_default_dtype()
+
+
+def same_shape(x, m, name):
+    need(tuple(m.shape) == tuple(x.shape), name, f"shape {tuple(m.shape)} is not that of the values "
+         f"{tuple(x.shape)} (broadcasting masks are not supported)")
+
+
+def logits_arg(a, name="logits"):
+    x = tensor(a[name], name)
+    need(x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+         name, f"dtype {x.dtype} / {x.dim()} dims")
+    need(x.stride(-1) == 1 or x.shape[-1] == 1, name, "the vocabulary dimension is not contiguous")
+    return x
+
+
+def entropy(x):
+    """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
+    zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
+    return pk.token_logprobs(x, zeros, ignore_index=NO_IGNORE, return_entropy=True)[1]
+
+
+
+
+def labels_arg(a, x, name="labels"):
+    y = tensor(a[name], name)
+    need(y.dtype in (torch.int64, torch.int32), name, f"dtype {y.dtype}")
+    need(tuple(y.shape) == tuple(x.shape[:-1]), name, "shape is not logits.shape[:-1]")
+    return y

@@ -1,0 +1,259 @@
+"""verl adapter: verl.trainer.ppo.core_algos and verl.utils.torch_functional on ppo_kernels ops.
+
+Semantics read from verl 0.9.1's source; what differs is listed in the README ("Use with verl / TRL /
+OpenRLHF").
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+import ppo_kernels as pk
+
+from ._patch import (
+    NO_IGNORE,
+    Fallback,
+    Peer,
+    Target,
+    entropy,
+    is_binary_mask,
+    labels_arg,
+    logits_arg,
+    need,
+    out_dtype,
+    same_shape,
+    tensor,
+)
+
+CORE = "verl.trainer.ppo.core_algos"
+TF = "verl.utils.torch_functional"
+REGISTRIES = ("ADV_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY")
+
+
+def _labels(index, device):
+    if isinstance(index, torch.Tensor):
+        index = index.detach().cpu().numpy()
+    return pk.group_advantages.group_ids(np.asarray(index).reshape(-1), device)
+
+
+# ------------------------------------------------------------------ advantage estimators
+
+def gae(a, orig, o):
+    r = tensor(a["token_level_rewards"], "token_level_rewards")
+    v = tensor(a["values"], "values")
+    m = tensor(a["response_mask"], "response_mask")
+    need(r.dim() == 2, "token_level_rewards", "expected [batch, response_length]")
+    same_shape(r, m, "response_mask")
+    need(is_binary_mask(m), "response_mask", "a fractional mask: verl's recursion blends values by it")
+    gamma, lam = a["gamma"], a["lam"]
+    for name, x in (("gamma", gamma), ("lam", lam)):
+        need(isinstance(x, numbers.Real) or (isinstance(x, torch.Tensor) and x.numel() == 1),
+             name, "expected a number")
+    gamma = float(gamma) if isinstance(gamma, torch.Tensor) else gamma
+    lam = float(lam) if isinstance(lam, torch.Tensor) else lam
+    adv, ret = pk.gae(r, v, m, gamma=gamma, lam=lam)
+    with pk.strict_checks():  # verl raises on fewer than two action tokens; so do we (one sync)
+        adv = pk.masked_whiten(adv, m)
+    dt = out_dtype(r, v)
+    return o.out(adv, dt), o.out(ret, dt)
+
+
+def _outcome(a, kind, **kw):
+    r = tensor(a["token_level_rewards"], "token_level_rewards")
+    m = tensor(a["response_mask"], "response_mask")
+    need(r.dim() == 2, "token_level_rewards", "expected [batch, response_length]")
+    same_shape(r, m, "response_mask")
+    idx = a["index"]
+    need(idx is not None and len(idx) == r.shape[0], "index", "expected one group label per row")
+    g = _labels(idx, r.device)
+    scores = r.sum(dim=-1)
+    if kind == "grpo":
+        adv = pk.grpo_advantages(scores, g, eps=float(a["epsilon"]),
+                                 norm_by_std=bool(a["norm_adv_by_std_in_grpo"]), mask=m)
+    else:
+        adv = pk.rloo_advantages(scores, g, mask=m, **kw)
+    return adv, scores.dtype
+
+
+def grpo(a, orig, o):
+    adv, dt = _outcome(a, "grpo")
+    adv = o.out(adv, dt)
+    return adv, adv
+
+
+def rloo(a, orig, o):
+    adv, dt = _outcome(a, "rloo", singleton="score")
+    adv = o.out(adv, dt)
+    return adv, adv
+
+
+def rloo_vectorized(a, orig, o):
+    adv, dt = _outcome(a, "rloo", singleton="zero")
+    adv = o.out(adv, dt)
+    return adv, adv
+
+
+# ------------------------------------------------------------------ KL
+
+_KL = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+
+
+def kl_penalty(a, orig, o):
+    est = a["kl_penalty"]
+    need(isinstance(est, str), "kl_penalty", "expected an estimator name")
+    need(est != "full", "kl_penalty", "'full' needs the logits of both policies: use "
+         "ppo_kernels.full_kl where the logits are at hand")
+    need(est.rstrip("+") in _KL and est.count("+") <= 1, "kl_penalty", f"unknown estimator {est!r}")
+    lp, ref = tensor(a["logprob"], "logprob"), tensor(a["ref_logprob"], "ref_logprob")
+    need(lp.shape == ref.shape, "ref_logprob", "shape differs from logprob")
+    return o.out(pk.kl_penalty(lp, ref, est, clamp="verl"), out_dtype(lp, ref))
+
+
+# ------------------------------------------------------------------ losses
+
+def _agg_kwargs(info):
+    info = dict(info or {})
+    unknown = set(info) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
+    need(not unknown, "config.global_batch_info", f"unknown keys {sorted(unknown)}")
+    return {"dp_size": int(info.get("dp_size", 1) or 1),
+            "global_num_tokens": info.get("batch_num_tokens"),
+            "global_batch_size": info.get("global_batch_size"),
+            "loss_scale_factor": info.get("loss_scale_factor")}
+
+
+def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
+    for n, t in (("log_prob", lp), ("old_log_prob", old), ("advantages", adv)):
+        tensor(t, n)
+        same_shape(lp, t, n)
+    tensor(mask, "response_mask")
+    same_shape(lp, mask, "response_mask")
+    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(lo is not None and 0 <= float(lo) < 1, "clip_ratio_low", "expected a number in [0, 1)")
+    need(hi is not None and float(hi) >= 0, "clip_ratio_high", "expected a non-negative number")
+    need(c is not None and float(c) > 1, "clip_ratio_c", "expected a number > 1")
+    loss, st = pk.ppo_policy_loss(lp, old, adv, mask, clip_low=float(lo), clip_high=float(hi),
+                                  dual_clip=float(c), agg=mode, log_ratio_clamp=20.0, empty="nan",
+                                  weights=weights, **agg_kw)
+    return loss, st
+
+
+def policy_loss_vanilla(a, orig, o):
+    cfg = a["config"]
+    need(cfg is not None, "config", "required (verl asserts it)")
+    w = a["rollout_is_weights"]
+    if w is not None:
+        same_shape(a["log_prob"], tensor(w, "rollout_is_weights"), "rollout_is_weights")
+    clip = cfg.clip_ratio
+    lo = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else clip
+    hi = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else clip
+    c = cfg.get("clip_ratio_c", 3.0)
+    lp = a["log_prob"]
+    loss, st = _policy(lp, a["old_log_prob"], a["advantages"], a["response_mask"],
+                       a["loss_agg_mode"], lo, hi, c,
+                       _agg_kwargs(getattr(cfg, "global_batch_info", None)), weights=w)
+    # verl returns Python floats: one host sync for the three of them
+    cf, kl, cfl = torch.stack([st["clip_frac"], st["approx_kl"], st["clip_frac_lower"]]).tolist()
+    metrics = {"actor/pg_clipfrac": cf, "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": cfl}
+    return o.out(loss, lp.dtype), metrics
+
+
+def policy_loss_legacy(a, orig, o):
+    clip = a["cliprange"]
+    lo = a["cliprange_low"] if a["cliprange_low"] is not None else clip
+    hi = a["cliprange_high"] if a["cliprange_high"] is not None else clip
+    lp = a["log_prob"]
+    loss, st = _policy(lp, a["old_log_prob"], a["advantages"], a["response_mask"],
+                       a["loss_agg_mode"], lo, hi, a["clip_ratio_c"], {})
+    dt = lp.dtype
+    return (o.out(loss, dt), o.out(st["clip_frac"], dt), o.out(st["approx_kl"], dt),
+            o.out(st["clip_frac_lower"], dt))
+
+
+def value_loss(a, orig, o):
+    vp, ret, old = a["vpreds"], a["returns"], a["values"]
+    for n, t in (("vpreds", vp), ("returns", ret), ("values", old)):
+        tensor(t, n)
+        same_shape(vp, t, n)
+    m = tensor(a["response_mask"], "response_mask")
+    same_shape(vp, m, "response_mask")
+    c = a["cliprange_value"]
+    need(isinstance(c, numbers.Real) and c > 0, "cliprange_value", "expected a positive number")
+    mode = a["loss_agg_mode"]
+    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    loss, st = pk.ppo_value_loss(vp, old, ret, m, clip=float(c), agg=mode, dp_size=a["dp_size"],
+                                 global_num_tokens=a["batch_num_tokens"],
+                                 global_batch_size=a["global_batch_size"],
+                                 loss_scale_factor=a["loss_scale_factor"], empty="nan")
+    return o.out(loss, vp.dtype), o.out(st["clip_frac"], vp.dtype)
+
+
+def agg_loss(a, orig, o):
+    x = tensor(a["loss_mat"], "loss_mat")
+    m = tensor(a["loss_mask"], "loss_mask")
+    same_shape(x, m, "loss_mask")
+    mode = a["loss_agg_mode"]
+    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(x.dim() >= 1 and x.is_floating_point(), "loss_mat", "expected a float tensor")
+    loss = pk.masked_aggregate(x, m, mode, dp_size=a["dp_size"],
+                               global_num_tokens=a["batch_num_tokens"],
+                               global_batch_size=a["global_batch_size"],
+                               loss_scale_factor=a["loss_scale_factor"], empty="nan")
+    return o.out(loss, x.dtype)
+
+
+# ------------------------------------------------------------------ per-token log-probs
+
+def logprobs_from_logits(a, orig, o):
+    x = logits_arg(a)
+    y = labels_arg(a, x)
+    # never inplace_backward: verl's CPU path does not, and callers reuse the logits (entropy)
+    lp = pk.token_logprobs(x, y, ignore_index=NO_IGNORE)
+    return o.out(lp, x.dtype)
+
+
+def entropy_from_logits(a, orig, o):
+    x = logits_arg(a)
+    return o.out(entropy(x), x.dtype)
+
+
+def entropy_from_logits_chunked(a, orig, o):
+    x = logits_arg(a)
+    need(x.dim() == 2, "logits", "expected [tokens, vocab] (verl's chunked entropy)")
+    return o.out(entropy(x), torch.float32)  # verl returns float32 whatever the input
+
+
+def masked_mean(a, orig, o):
+    x, m = tensor(a["values"], "values"), tensor(a["mask"], "mask")
+    same_shape(x, m, "mask")
+    need(x.is_floating_point(), "values", "expected a float tensor")
+    return o.out(pk.masked_mean(x, m, dim=a["axis"]), x.dtype)
+
+
+def masked_whiten(a, orig, o):
+    x, m = tensor(a["values"], "values"), tensor(a["mask"], "mask")
+    same_shape(x, m, "mask")
+    need(x.is_floating_point(), "values", "expected a float tensor")
+    with pk.strict_checks():  # verl raises for a mask total of 0 or 1 (it syncs; so do we, once)
+        w = pk.masked_whiten(x, m, shift_mean=bool(a["shift_mean"]), unbiased=True, eps=1e-8)
+    return o.out(w, x.dtype)
+
+
+def _targets():
+    core = [("compute_gae_advantage_return", gae), ("compute_grpo_outcome_advantage", grpo),
+            ("compute_grpo_vectorized_outcome_advantage", grpo),
+            ("compute_rloo_outcome_advantage", rloo),
+            ("compute_rloo_vectorized_outcome_advantage", rloo_vectorized),
+            ("kl_penalty", kl_penalty), ("compute_policy_loss_vanilla", policy_loss_vanilla),
+            ("compute_policy_loss", policy_loss_legacy), ("compute_value_loss", value_loss),
+            ("agg_loss", agg_loss)]
+    tf = [("logprobs_from_logits", logprobs_from_logits),
+          ("entropy_from_logits", entropy_from_logits),
+          ("entropy_from_logits_with_chunking", entropy_from_logits_chunked),
+          ("masked_mean", masked_mean), ("masked_whiten", masked_whiten)]
+    return ([Target(CORE, n, f, REGISTRIES) for n, f in core] + [Target(TF, n, f) for n, f in tf])
+
+
+PEER = Peer("verl", "verl", ("0.9.",), _targets())
+__all__ = ["PEER", "Fallback"]
