@@ -16,6 +16,7 @@ The extension must be compiled against the torch it will run with, so build with
 build stops at once saying so). Next to the extension, `_C.torch_version` records the torch it was
 built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_backend.py).
 """
+
 import glob
 import os
 import re
@@ -45,9 +46,11 @@ _default_cuda_home()
 def _require_torch():
     """The extension is compiled against the torch it will run with: stop at once, in one line,
     when pip's build isolation hides it (instead of building against another torch)."""
-    hint = ("ppo-kernels: build with `pip install --no-build-isolation .` (torch installed "
-            "first): pip's default build isolation hides your torch, and the extension must be "
-            "compiled against the torch it runs with")
+    hint = (
+        "ppo-kernels: build with `pip install --no-build-isolation .` (torch installed "
+        "first): pip's default build isolation hides your torch, and the extension must be "
+        "compiled against the torch it runs with"
+    )
     try:
         import torch
     except ImportError:
@@ -124,7 +127,9 @@ def _extensions():
     else:
         build_cuda = True
     if not build_cuda and _flag("PPO_KERNELS_FORCE_CUDA"):
-        raise RuntimeError(f"PPO_KERNELS_FORCE_CUDA=1 but the CUDA kernels cannot be built: {why_not}")
+        raise RuntimeError(
+            f"PPO_KERNELS_FORCE_CUDA=1 but the CUDA kernels cannot be built: {why_not}"
+        )
 
     if build_cuda:
         nvcc_ver = _nvcc_version(cpp_extension.CUDA_HOME)
@@ -138,28 +143,47 @@ def _extensions():
             )
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         include_dirs += _pip_cuda_include_dirs()
-        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DPPO_KERNELS_BUILD",
-                "--expt-relaxed-constexpr"]
-        print(f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
+        nvcc = [
+            "-O3",
+            "--use_fast_math",
+            "-lineinfo",
+            "-DPPO_KERNELS_BUILD",
+            "--expt-relaxed-constexpr",
+        ]
+        print(
+            f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})"
+        )
         main = cpp_extension.CUDAExtension(
-            "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs, depends=depends,
-            extra_compile_args={"cxx": cxx,
-                                "nvcc": nvcc},
-            extra_link_args=["-fopenmp"])
+            "ppo_kernels._C",
+            sources + cuda_sources,
+            include_dirs=include_dirs,
+            depends=depends,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
+        )
     else:
         print(f"ppo-kernels: building CPU kernels only ({why_not})")
         main = cpp_extension.CppExtension(
-            "ppo_kernels._C", sources, include_dirs=include_dirs, depends=depends,
-            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+            "ppo_kernels._C",
+            sources,
+            include_dirs=include_dirs,
+            depends=depends,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
     exts = [main]
     if _flag("PPO_KERNELS_BUILD_SIMT"):
         print("ppo-kernels: building the SIMT emulator test extension ppo_kernels._simt")
-        exts.append(cpp_extension.CppExtension(
-            "ppo_kernels._simt", sorted(glob.glob("csrc/testing/*.cpp")),
-            include_dirs=[os.path.join(ROOT, "csrc")],
-            # -O1: the emulator's time goes to fiber switches, and -O3 triples the compile time
-            extra_compile_args={"cxx": cxx + ["-O1", "-DPPO_SIMT", "-fno-strict-aliasing"]},
-            extra_link_args=["-fopenmp"]))
+        exts.append(
+            cpp_extension.CppExtension(
+                "ppo_kernels._simt",
+                sorted(glob.glob("csrc/testing/*.cpp")),
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                # -O1: the emulator's time goes to fiber switches, and -O3 triples the compile time
+                extra_compile_args={"cxx": cxx + ["-O1", "-DPPO_SIMT", "-fno-strict-aliasing"]},
+                extra_link_args=["-fopenmp"],
+            )
+        )
     return exts
 
 

@@ -6,6 +6,7 @@ measurement): on CUDA torch.cuda.max_memory_allocated over the baseline; on the 
 of the torch profiler's allocation events (exact; the resident set misses memory the allocator
 reuses).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,6 +36,7 @@ def median_seconds(fn, *, warmup=1, reps=5, device="cpu", min_time=0.0):
 
 def machine():
     import platform
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

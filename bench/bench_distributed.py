@@ -4,6 +4,7 @@ and the time per call, on 2 gloo processes on this CPU. Not a test: `python
 bench/bench_distributed.py` writes bench/results/cpu_distributed.md.
 
 Bytes = what one rank contributes to the all-gather (it receives world - 1 times as much)."""
+
 import os
 import sys
 import tempfile
@@ -31,6 +32,7 @@ def _time(fn, reps=5):
 def _worker(rank, world, init, q):
     import ppo_kernels as pk
     from ppo_kernels.distributed import _comm
+
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     rows = []
@@ -44,26 +46,44 @@ def _worker(rank, world, init, q):
     pk.token_logprobs(x, y, return_entropy=True, process_group=g, vocab_start=rank * Vr)
     ours = _comm.SENT_BYTES[0] / N
     naive = Vr * 2  # all-gather the bf16 logits slice of each token
-    t_ours = _time(lambda: pk.token_logprobs(x, y, return_entropy=True, process_group=g,
-                                             vocab_start=rank * Vr))
+    t_ours = _time(
+        lambda: pk.token_logprobs(x, y, return_entropy=True, process_group=g, vocab_start=rank * Vr)
+    )
 
     def naive_fn():
         full = torch.empty(world * N * Vr, dtype=x.dtype)
         dist.all_gather_into_tensor(full, x.reshape(-1).contiguous(), group=g)
         full = full.view(world, N, Vr).permute(1, 0, 2).reshape(N, V)
         return pk.token_logprobs(full, y, return_entropy=True)
-    rows.append(("token_logprobs (vocab-parallel)", f"N={N}, V={V}, bf16", ours, naive,
-                 t_ours, _time(naive_fn)))
+
+    rows.append(
+        (
+            "token_logprobs (vocab-parallel)",
+            f"N={N}, V={V}, bf16",
+            ours,
+            naive,
+            t_ours,
+            _time(naive_fn),
+        )
+    )
     # vocab-parallel linear_token_logprobs: H = 256
     H = 256
     h = torch.randn(N, H)
     w = torch.randn(Vr, H) * 0.05
     _comm.SENT_BYTES[0] = 0
     pk.linear_token_logprobs(h, w, y, process_group=g, vocab_start=rank * Vr)
-    rows.append(("linear_token_logprobs (vocab-parallel)", f"N={N}, V={V}, H={H}, fp32",
-                 _comm.SENT_BYTES[0] / N, Vr * 4,
-                 _time(lambda: pk.linear_token_logprobs(h, w, y, process_group=g,
-                                                        vocab_start=rank * Vr)), float("nan")))
+    rows.append(
+        (
+            "linear_token_logprobs (vocab-parallel)",
+            f"N={N}, V={V}, H={H}, fp32",
+            _comm.SENT_BYTES[0] / N,
+            Vr * 4,
+            _time(
+                lambda: pk.linear_token_logprobs(h, w, y, process_group=g, vocab_start=rank * Vr)
+            ),
+            float("nan"),
+        )
+    )
     # sequence-parallel GAE: B rows, T split in halves
     B, T = 64, 8192
     Tr = T // world
@@ -81,18 +101,34 @@ def _worker(rank, world, init, q):
         mm = torch.empty(world * B * Tr, dtype=torch.uint8)
         dist.all_gather_into_tensor(mm, m.reshape(-1).to(torch.uint8), group=g)
         rr, vv = (p.view(world, B, Tr).permute(1, 0, 2).reshape(B, T) for p in parts)
-        return pk.gae(rr, vv, mm.view(world, B, Tr).permute(1, 0, 2).reshape(B, T) != 0,
-                      gamma=0.99, lam=0.95)
-    rows.append(("gae (sequence-parallel)", f"B={B}, T={T}", ours, naive,
-                 _time(lambda: pk.gae(r, v, m, gamma=0.99, lam=0.95, process_group=g)),
-                 _time(naive_gae)))
+        return pk.gae(
+            rr, vv, mm.view(world, B, Tr).permute(1, 0, 2).reshape(B, T) != 0, gamma=0.99, lam=0.95
+        )
+
+    rows.append(
+        (
+            "gae (sequence-parallel)",
+            f"B={B}, T={T}",
+            ours,
+            naive,
+            _time(lambda: pk.gae(r, v, m, gamma=0.99, lam=0.95, process_group=g)),
+            _time(naive_gae),
+        )
+    )
     # data-parallel masked_whiten
     a = torch.randn(64, 4096)
     _comm.SENT_BYTES[0] = 0
     pk.masked_whiten(a, m[:, :4096], process_group=g)
-    rows.append(("masked_whiten (data-parallel)", "64 x 4096 per rank",
-                 _comm.SENT_BYTES[0] / a.numel(), 4 + 1,
-                 _time(lambda: pk.masked_whiten(a, m[:, :4096], process_group=g)), float("nan")))
+    rows.append(
+        (
+            "masked_whiten (data-parallel)",
+            "64 x 4096 per rank",
+            _comm.SENT_BYTES[0] / a.numel(),
+            4 + 1,
+            _time(lambda: pk.masked_whiten(a, m[:, :4096], process_group=g)),
+            float("nan"),
+        )
+    )
     if rank == 0:
         q.put(rows)
     dist.barrier()
@@ -104,21 +140,29 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.get_context("spawn")
         q = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world, os.path.join(d, "init"), q), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, os.path.join(d, "init"), q), nprocs=world, start_method="spawn"
+        )
         rows = q.get()
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from _common import machine
-    lines = [f"# Distributed forms: bytes per token of the one collective ({world} gloo processes)",
-             "", f"Machine: {machine()} (1 thread per process). Bytes = what one rank "
-             "contributes to the collective per token of its data; naive = all-gather the "
-             "sharded inputs and run the single-device op.", "",
-             "| op | case | ours B/token | naive B/token | ratio | ours ms | naive ms |",
-             "|---|---|---|---|---|---|---|"]
+
+    lines = [
+        f"# Distributed forms: bytes per token of the one collective ({world} gloo processes)",
+        "",
+        f"Machine: {machine()} (1 thread per process). Bytes = what one rank "
+        "contributes to the collective per token of its data; naive = all-gather the "
+        "sharded inputs and run the single-device op.",
+        "",
+        "| op | case | ours B/token | naive B/token | ratio | ours ms | naive ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, case, ours, naive, t_o, t_n in rows:
         tn = "-" if t_n != t_n else f"{t_n * 1e3:.1f}"
-        lines.append(f"| {name} | {case} | {ours:.3g} | {naive:.3g} | {naive / ours:.0f}x | "
-                     f"{t_o * 1e3:.1f} | {tn} |")
+        lines.append(
+            f"| {name} | {case} | {ours:.3g} | {naive:.3g} | {naive / ours:.0f}x | "
+            f"{t_o * 1e3:.1f} | {tn} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     out = os.path.join(ROOT, "bench", "results", "cpu_distributed.md")

@@ -4,6 +4,7 @@ memory and ATen ops per call (each one a kernel launch on the GPU). CPU:
     pytest bench/bench_kl.py --benchmark-only      or      python bench/run.py --ops kl
 GPU numbers come from bench/gpu_check.py (bench/gpu_checks/kl.py, full_kl.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _common import median_seconds, peak_extra_bytes  # noqa: E402
+
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
 from ppo_kernels.full_kl import reference as fref  # noqa: E402
 from ppo_kernels.kl import reference as kref  # noqa: E402
-from _common import median_seconds, peak_extra_bytes  # noqa: E402
 
-B, T = 64, 4096            # sampled-token ops: 256k tokens
-N, V = 256, 32000          # full_kl on the CPU (the H200 target N=8192, V=152064 is in gpu_checks)
+B, T = 64, 4096  # sampled-token ops: 256k tokens
+N, V = 256, 32000  # full_kl on the CPU (the H200 target N=8192, V=152064 is in gpu_checks)
 FUSED = "cpp" if pk.HAS_EXTENSION else "eager"
 
 
@@ -62,21 +64,31 @@ def kl_penalty_impls(est):
     def fused(lp, ref):
         with use_backend(kl_penalty=FUSED):
             return pk.kl_penalty(lp, ref, est, clamp="verl")
-    return {"ppo_kernels": fused, "eager (verl-style)": lambda lp, ref: kref.eager_kl_penalty_verl(lp, ref, est)}
+
+    return {
+        "ppo_kernels": fused,
+        "eager (verl-style)": lambda lp, ref: kref.eager_kl_penalty_verl(lp, ref, est),
+    }
 
 
 def rewards_impls(est):
     def fused(s, lp, ref, m):
         with use_backend(kl_penalized_rewards=FUSED):
             return pk.kl_penalized_rewards(s, lp, ref, m, beta=0.05, estimator=est, clamp="verl")
-    return {"ppo_kernels": fused,
-            "eager (verl/OpenRLHF-style)": lambda s, lp, ref, m: kref.eager_kl_rewards(s, lp, ref, m.float(), 0.05, est)}
+
+    return {
+        "ppo_kernels": fused,
+        "eager (verl/OpenRLHF-style)": lambda s, lp, ref, m: kref.eager_kl_rewards(
+            s, lp, ref, m.float(), 0.05, est
+        ),
+    }
 
 
 def full_kl_impls():
     def fused(z, w):
         with use_backend(full_kl=FUSED):
             return pk.full_kl(z, w)
+
     return {"ppo_kernels": fused, "eager (2x log_softmax)": fref.eager_full_kl}
 
 
@@ -86,6 +98,7 @@ def _cases():
     for est in ("k1", "k3"):
         lp, ref, mask, scores = kl_inputs(requires_grad=True)
         for name, fn in kl_penalty_impls(est).items():
+
             def fwd(fn=fn, lp=lp, ref=ref):
                 with torch.no_grad():
                     return fn(lp, ref)
@@ -94,15 +107,19 @@ def _cases():
                 lp.grad = None
                 fn(lp, ref).sum().backward()
                 return lp.grad
+
             out.append(("kl_penalty", f"B={B} T={T} f32 {est}", name, fwd, fb))
         for name, fn in rewards_impls(est).items():
+
             def fwd(fn=fn, lp=lp, ref=ref, mask=mask, scores=scores):
                 with torch.no_grad():
                     return fn(scores, lp, ref, mask)
+
             out.append(("kl_penalized_rewards", f"B={B} T={T} f32 {est}", name, fwd, None))
     for dtype in (torch.float32, torch.bfloat16):
         z, w = full_kl_inputs(dtype, requires_grad=True)
         for name, fn in full_kl_impls().items():
+
             def fwd(fn=fn, z=z, w=w):
                 with torch.no_grad():
                     return fn(z, w)
@@ -111,6 +128,7 @@ def _cases():
                 z.grad = None
                 fn(z, w).sum().backward()
                 return z.grad
+
             out.append(("full_kl", f"N={N} V={V} {str(dtype)[6:]}", name, fwd, fb))
     return out
 
@@ -128,8 +146,16 @@ def table_rows(reps=5):
             except Exception as e:  # noqa: BLE001
                 sec, mem, ops = float("nan"), float("nan"), -1
                 impl = f"{impl} ({type(e).__name__})"
-            rows.append(dict(op=op, case=f"{op} {case} {mode}", impl=impl, seconds=sec,
-                             peak_extra_mb=mem / 2**20, aten_ops=ops))
+            rows.append(
+                dict(
+                    op=op,
+                    case=f"{op} {case} {mode}",
+                    impl=impl,
+                    seconds=sec,
+                    peak_extra_mb=mem / 2**20,
+                    aten_ops=ops,
+                )
+            )
     return rows
 
 
@@ -151,5 +177,7 @@ def test_kl_ops(benchmark, i, mode):
 
 if __name__ == "__main__":
     for r in table_rows():
-        print(f"{r['case']:<55} {r['impl']:<30} {1e3 * r['seconds']:9.2f} ms  "
-              f"{r['peak_extra_mb']:8.1f} MiB  {r['aten_ops']:4d} ops")
+        print(
+            f"{r['case']:<55} {r['impl']:<30} {1e3 * r['seconds']:9.2f} ms  "
+            f"{r['peak_extra_mb']:8.1f} MiB  {r['aten_ops']:4d} ops"
+        )

@@ -5,6 +5,7 @@ loop over groups for GRPO). CPU: pytest-benchmark
 or the side-by-side table of `python bench/run.py --ops losses` (also prints the number of torch
 ops and host syncs per call: `python bench/bench_losses.py`). GPU numbers: bench/gpu_check.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _common import peak_extra_bytes  # noqa: E402
+
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
 from ppo_kernels.group_advantages import reference as gref  # noqa: E402
 from ppo_kernels.losses import reference as ref  # noqa: E402
-from _common import peak_extra_bytes  # noqa: E402
 
-B, T = 64, 4096          # 262k tokens: one micro-batch of long responses
-GB, GSIZE = 1024, 8      # GRPO: 128 prompts x 8 responses
+B, T = 64, 4096  # 262k tokens: one micro-batch of long responses
+GB, GSIZE = 1024, 8  # GRPO: 128 prompts x 8 responses
 
 
 def make_inputs(b=B, t=T, dtype=torch.float32):
@@ -42,7 +44,9 @@ def _fused_backend():
 def policy_impls(agg="token-mean"):
     def fused(lp, old, adv, mask):
         with use_backend(_fused_backend()):
-            loss, st = pk.ppo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg)
+            loss, st = pk.ppo_policy_loss(
+                lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg
+            )
         return loss
 
     def eager(lp, old, adv, mask):
@@ -73,7 +77,11 @@ def grpo_impls():
     def eager_loop(s, idx):
         return gref.eager_grpo_verl_style(s, idx)
 
-    return {"ppo_kernels": fused, "eager (scatter, float64)": eager_vec, "eager (verl-style loop)": eager_loop}
+    return {
+        "ppo_kernels": fused,
+        "eager (scatter, float64)": eager_vec,
+        "eager (verl-style loop)": eager_loop,
+    }
 
 
 def run_fwd_bwd(fn, x, *rest):
@@ -91,7 +99,7 @@ class CountOps(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.syncs = 0
-        self.live = {}   # data_ptr -> [tensors alive, nbytes]
+        self.live = {}  # data_ptr -> [tensors alive, nbytes]
         self.cur = 0
         self.peak = 0
 
@@ -109,9 +117,12 @@ class CountOps(TorchDispatchMode):
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             self.syncs += 1
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 ptr = t.untyped_storage().data_ptr()
                 if ptr in inputs and ptr not in self.live:
@@ -135,6 +146,7 @@ def count_ops(fn):
 
 def table_rows(reps=5):
     from _common import median_seconds
+
     rows = []
 
     def add(op, case, name, call, warmup=1):
@@ -146,16 +158,35 @@ def table_rows(reps=5):
             sec = mem = live = float("nan")
             n_ops = n_sync = -1
             name = f"{name} ({type(e).__name__}: {e})"
-        rows.append(dict(op=op, case=case, impl=name, seconds=sec, peak_extra_mb=mem / 2**20,
-                         peak_live_tensor_mb=live / 2**20, torch_ops=n_ops, host_syncs=n_sync))
+        rows.append(
+            dict(
+                op=op,
+                case=case,
+                impl=name,
+                seconds=sec,
+                peak_extra_mb=mem / 2**20,
+                peak_live_tensor_mb=live / 2**20,
+                torch_ops=n_ops,
+                host_syncs=n_sync,
+            )
+        )
 
     lp, old, adv, mask = make_inputs()
     for agg in ("token-mean", "seq-mean-token-mean"):
         for name, fn in policy_impls(agg).items():
-            add("ppo_policy_loss", f"B={B} T={T} f32 {agg} fwd+bwd", name,
-                lambda fn=fn: run_fwd_bwd(fn, lp, old, adv, mask))
+            add(
+                "ppo_policy_loss",
+                f"B={B} T={T} f32 {agg} fwd+bwd",
+                name,
+                lambda fn=fn: run_fwd_bwd(fn, lp, old, adv, mask),
+            )
     for name, fn in value_impls().items():
-        add("ppo_value_loss", f"B={B} T={T} f32 fwd+bwd", name, lambda fn=fn: run_fwd_bwd(fn, lp, old, adv, mask))
+        add(
+            "ppo_value_loss",
+            f"B={B} T={T} f32 fwd+bwd",
+            name,
+            lambda fn=fn: run_fwd_bwd(fn, lp, old, adv, mask),
+        )
     g = torch.Generator().manual_seed(0)
     s = torch.randint(0, 2, (GB,), generator=g).float()
     idx = torch.arange(GB) // GSIZE
@@ -170,9 +201,14 @@ def test_policy_loss(benchmark, impl, agg):
     lp, old, adv, mask = make_inputs()
     fn = policy_impls(agg)[impl]
     benchmark.group = f"ppo_policy_loss B={B} T={T} {agg} fwd+bwd"
-    benchmark.extra_info["peak_extra_mb"] = peak_extra_bytes(lambda: run_fwd_bwd(fn, lp, old, adv, mask)) / 2**20
-    (benchmark.extra_info["torch_ops"], benchmark.extra_info["host_syncs"],
-     benchmark.extra_info["peak_live_tensor_bytes"]) = count_ops(lambda: run_fwd_bwd(fn, lp, old, adv, mask))
+    benchmark.extra_info["peak_extra_mb"] = (
+        peak_extra_bytes(lambda: run_fwd_bwd(fn, lp, old, adv, mask)) / 2**20
+    )
+    (
+        benchmark.extra_info["torch_ops"],
+        benchmark.extra_info["host_syncs"],
+        benchmark.extra_info["peak_live_tensor_bytes"],
+    ) = count_ops(lambda: run_fwd_bwd(fn, lp, old, adv, mask))
     benchmark.pedantic(run_fwd_bwd, args=(fn, lp, old, adv, mask), rounds=5, warmup_rounds=1)
 
 
@@ -181,7 +217,9 @@ def test_value_loss(benchmark, impl):
     lp, old, adv, mask = make_inputs()
     fn = value_impls()[impl]
     benchmark.group = f"ppo_value_loss B={B} T={T} fwd+bwd"
-    benchmark.extra_info["peak_extra_mb"] = peak_extra_bytes(lambda: run_fwd_bwd(fn, lp, old, adv, mask)) / 2**20
+    benchmark.extra_info["peak_extra_mb"] = (
+        peak_extra_bytes(lambda: run_fwd_bwd(fn, lp, old, adv, mask)) / 2**20
+    )
     benchmark.pedantic(run_fwd_bwd, args=(fn, lp, old, adv, mask), rounds=5, warmup_rounds=1)
 
 
@@ -195,7 +233,9 @@ def test_grpo_advantages(benchmark, impl):
 
 if __name__ == "__main__":
     import argparse
+
     from _common import machine
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--reps", type=int, default=9)
@@ -203,8 +243,12 @@ if __name__ == "__main__":
     if a.threads:
         torch.set_num_threads(a.threads)
     print(machine())
-    print("| op | case | impl | median ms | peak live tensors MiB | torch ops / call | host syncs |")
+    print(
+        "| op | case | impl | median ms | peak live tensors MiB | torch ops / call | host syncs |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in table_rows(reps=a.reps):
-        print(f"| {r['op']} | {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | "
-              f"{r['peak_live_tensor_mb']:.1f} | {r['torch_ops']} | {r['host_syncs']} |")
+        print(
+            f"| {r['op']} | {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | "
+            f"{r['peak_live_tensor_mb']:.1f} | {r['torch_ops']} | {r['host_syncs']} |"
+        )

@@ -3,6 +3,7 @@ that, and peers where installed (TRL's selective_log_softmax). CPU: pytest-bench
     pytest bench/bench_token_logprobs.py --benchmark-only
 or the side-by-side table of `python bench/run.py`. GPU numbers come from bench/gpu_check.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _common import peak_extra_bytes  # noqa: E402
+
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
 from ppo_kernels.token_logprobs import reference as ref  # noqa: E402
-from _common import peak_extra_bytes  # noqa: E402
 
 N, V = 4096, 32000  # the issue's CPU target size
 
@@ -31,6 +33,7 @@ def make_inputs(n=N, v=V, dtype=torch.float32, requires_grad=False):
 def _trl():
     try:
         from trl.trainer.utils import selective_log_softmax
+
         return selective_log_softmax
     except Exception:  # noqa: BLE001 - any import problem means "not installed"
         return None
@@ -41,6 +44,7 @@ _compiled = {}
 
 def impls(entropy=False):
     """name -> f(logits, labels) returning what must be differentiated/summed."""
+
     def fused(x, y):
         with use_backend("cpp" if pk.HAS_EXTENSION else "eager"):
             return pk.token_logprobs(x, y, return_entropy=entropy)
@@ -81,6 +85,7 @@ CASES = [(dtype, entropy) for dtype in (torch.float32, torch.bfloat16) for entro
 def table_rows(n=N, v=V, reps=5):
     """Rows for bench/run.py: median seconds and peak extra memory, forward and fwd+bwd."""
     from _common import median_seconds
+
     rows = []
     for dtype, entropy in CASES:
         x, y = make_inputs(n, v, dtype, requires_grad=True)
@@ -93,14 +98,22 @@ def table_rows(n=N, v=V, reps=5):
                 except Exception as e:  # noqa: BLE001
                     sec, mem = float("nan"), float("nan")
                     name = f"{name} ({type(e).__name__})"
-                rows.append(dict(op="token_logprobs", case=f"N={n} V={v} {str(dtype)[6:]}"
-                                 f"{' +entropy' if entropy else ''} {mode}", impl=name,
-                                 seconds=sec, peak_extra_mb=mem / 2**20))
+                rows.append(
+                    dict(
+                        op="token_logprobs",
+                        case=f"N={n} V={v} {str(dtype)[6:]}{' +entropy' if entropy else ''} {mode}",
+                        impl=name,
+                        seconds=sec,
+                        peak_extra_mb=mem / 2**20,
+                    )
+                )
         del x, y
     return rows
 
 
-@pytest.mark.parametrize("dtype,entropy", CASES, ids=[f"{str(d)[6:]}-{'ent' if e else 'noent'}" for d, e in CASES])
+@pytest.mark.parametrize(
+    "dtype,entropy", CASES, ids=[f"{str(d)[6:]}-{'ent' if e else 'noent'}" for d, e in CASES]
+)
 @pytest.mark.parametrize("impl", ["ppo_kernels", "eager", "torch.compile(eager)"])
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
 def test_token_logprobs(benchmark, impl, dtype, entropy, mode):

@@ -11,6 +11,7 @@ logprobs_from_logits / entropy_from_logits -> get_policy_loss_fn("vanilla") -> a
 compute_value_loss -> Adam. Reports per-step loss differences, final parameter differences, time
 and peak memory of both runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,13 @@ class Cfg(dict):
 
 def _models(seed):
     torch.manual_seed(seed)
-    policy = torch.nn.Sequential(torch.nn.Embedding(V, D), torch.nn.Linear(D, D), torch.nn.Tanh(),
-                                 torch.nn.Linear(D, V))
+    policy = torch.nn.Sequential(
+        torch.nn.Embedding(V, D), torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, V)
+    )
     critic = torch.nn.Sequential(torch.nn.Embedding(V, D), torch.nn.Linear(D, 1))
-    ref = torch.nn.Sequential(torch.nn.Embedding(V, D), torch.nn.Linear(D, D), torch.nn.Tanh(),
-                              torch.nn.Linear(D, V))
+    ref = torch.nn.Sequential(
+        torch.nn.Embedding(V, D), torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, V)
+    )
     ref.load_state_dict(policy.state_dict())
     return policy, critic, ref
 
@@ -71,8 +74,13 @@ def run(algo="ppo", iters=20, seed=0, patched=False, epochs=2):
     tf = importlib.import_module("verl.utils.torch_functional")
     policy, critic, ref = _models(seed)
     opt = torch.optim.Adam(list(policy.parameters()) + list(critic.parameters()), lr=3e-3)
-    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-              global_batch_info={})
+    cfg = Cfg(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+    )
     if patched:
         pki.apply("verl")
     losses, rep = [], None
@@ -108,7 +116,9 @@ def run(algo="ppo", iters=20, seed=0, patched=False, epochs=2):
             rep = pki.report("verl")
             pki.revert("verl")
     secs = time.perf_counter() - t0
-    params = torch.cat([p.detach().flatten() for p in list(policy.parameters()) + list(critic.parameters())])
+    params = torch.cat(
+        [p.detach().flatten() for p in list(policy.parameters()) + list(critic.parameters())]
+    )
     replaced = sum(s["replaced"] for s in rep["functions"].values()) if rep else 0
     return losses, params, secs, replaced
 
@@ -118,13 +128,17 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_e2e_verl.md"))
     a = ap.parse_args()
-    lines = ["# verl core_algos end to end, unpatched vs ppo_kernels.integrations.apply('verl')", "",
-             f"CPU: {machine()}. `python bench/e2e_verl.py --iters {a.iters}`: {a.iters} iterations x "
-             f"2 epochs, B={B}, T={T}, V={V}, float32, same seed and rollouts; time of the whole run, "
-             "peak extra tensor memory of a 2-iteration run.", "",
-             "| algo | max per-step loss diff: abs (rel) | max final param diff | unpatched | patched | "
-             "peak memory of one run (unpatched / patched) | calls replaced |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# verl core_algos end to end, unpatched vs ppo_kernels.integrations.apply('verl')",
+        "",
+        f"CPU: {machine()}. `python bench/e2e_verl.py --iters {a.iters}`: {a.iters} iterations x "
+        f"2 epochs, B={B}, T={T}, V={V}, float32, same seed and rollouts; time of the whole run, "
+        "peak extra tensor memory of a 2-iteration run.",
+        "",
+        "| algo | max per-step loss diff: abs (rel) | max final param diff | unpatched | patched | "
+        "peak memory of one run (unpatched / patched) | calls replaced |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for algo in ("ppo", "grpo"):
         run(algo, 1)  # warm-up: imports, first calls
         run(algo, 1, patched=True)
@@ -135,8 +149,10 @@ def main():
         dp = (pu - pp).abs().max().item()
         mu = peak_extra_bytes(lambda algo=algo: run(algo, 2))
         mp = peak_extra_bytes(lambda algo=algo: run(algo, 2, patched=True))
-        lines.append(f"| {algo} | {da:.1e} ({dl:.1e}) | {dp:.1e} | {tu:.2f} s | {tp:.2f} s | "
-                     f"{mu / 2**20:.1f} / {mp / 2**20:.1f} MiB (2 iterations) | {nrep} |")
+        lines.append(
+            f"| {algo} | {da:.1e} ({dl:.1e}) | {dp:.1e} | {tu:.2f} s | {tp:.2f} s | "
+            f"{mu / 2**20:.1f} / {mp / 2**20:.1f} MiB (2 iterations) | {nrep} |"
+        )
         print(lines[-1], flush=True)
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")

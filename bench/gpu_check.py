@@ -15,6 +15,7 @@ The report (markdown + CSV) goes to bench/results/gpu_check_<date>_<gpu>.{md,csv
 $OUT on the device machine), rewritten after each phase (correctness, timing, sanitizer: the slowest
 last) so a run cut short by its time limit still leaves what it measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def _modules(only):
-    names = sorted(p.stem for p in (ROOT / "bench" / "gpu_checks").glob("*.py") if not p.stem.startswith("_"))
+    names = sorted(
+        p.stem for p in (ROOT / "bench" / "gpu_checks").glob("*.py") if not p.stem.startswith("_")
+    )
     if only:
         names = [n for n in names if n in only]
     return [(n, importlib.import_module(f"gpu_checks.{n}")) for n in names]
@@ -47,8 +50,9 @@ class Ctx:
 
     def __init__(self):
         import torch
+
         self.torch = torch
-        self.timings = []     # timing rows
+        self.timings = []  # timing rows
         self.bandwidth = None
 
     # -- timing --
@@ -56,6 +60,7 @@ class Ctx:
         """Device-to-device copy bandwidth (read + write), the floor every op is compared to."""
         torch = self.torch
         import triton.testing
+
         x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
         y = torch.empty_like(x)
         ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200)
@@ -66,6 +71,7 @@ class Ctx:
         """fns: {name: zero-arg callable}. Records median ms, peak extra memory, % of bandwidth."""
         torch = self.torch
         import triton.testing
+
         for name, fn in fns.items():
             try:
                 torch.cuda.synchronize()
@@ -76,12 +82,33 @@ class Ctx:
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base
                 ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                bw = (bytes_moved / (ms * 1e-3) / self.bandwidth) if (bytes_moved and self.bandwidth) else None
-                self.timings.append(dict(op=op, case=case, impl=name, ms=ms, peak_mb=peak / 2**20,
-                                         pct_bw=None if bw is None else 100 * bw))
+                bw = (
+                    (bytes_moved / (ms * 1e-3) / self.bandwidth)
+                    if (bytes_moved and self.bandwidth)
+                    else None
+                )
+                self.timings.append(
+                    dict(
+                        op=op,
+                        case=case,
+                        impl=name,
+                        ms=ms,
+                        peak_mb=peak / 2**20,
+                        pct_bw=None if bw is None else 100 * bw,
+                    )
+                )
             except Exception as e:  # noqa: BLE001
-                self.timings.append(dict(op=op, case=case, impl=name, ms=float("nan"), peak_mb=float("nan"),
-                                         pct_bw=None, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                self.timings.append(
+                    dict(
+                        op=op,
+                        case=case,
+                        impl=name,
+                        ms=float("nan"),
+                        peak_mb=float("nan"),
+                        pct_bw=None,
+                        error=f"{type(e).__name__}: {str(e)[:200]}",
+                    )
+                )
 
 
 CUDA_TESTS = ROOT / "tests" / "cuda"
@@ -93,11 +120,17 @@ def _correctness(only):
     subprocess. Yields, op after op, (rows, problems): a row per test (op, test, result, seconds,
     message), and the lines that say why an op, or the whole phase, did not run."""
     if importlib.util.find_spec("pytest") is None:
-        yield [], ["pytest is not installed here: the correctness tests did NOT run (`pip download "
-                    "-d wheels/ pytest` on a machine with internet, then `pip install --no-deps "
-                    "wheels/*.whl` here; see DEVELOPING.md)"]
+        yield (
+            [],
+            [
+                "pytest is not installed here: the correctness tests did NOT run (`pip download "
+                "-d wheels/ pytest` on a machine with internet, then `pip install --no-deps "
+                "wheels/*.whl` here; see DEVELOPING.md)"
+            ],
+        )
         return
     import xml.etree.ElementTree as ET
+
     files = sorted(CUDA_TESTS.glob("test_cuda_*.py"))
     if only:
         files = [f for f in files if f.stem.removeprefix("test_cuda_") in only]
@@ -106,11 +139,23 @@ def _correctness(only):
             rows, problems = [], []
             op = f.stem.removeprefix("test_cuda_")
             xml = pathlib.Path(tmp) / f"{op}.xml"
-            cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                   f"--junit-xml={xml}", str(f)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-m",
+                "cuda",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junit-xml={xml}",
+                str(f),
+            ]
             t = time.time()
             try:
-                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+                r = subprocess.run(
+                    cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S
+                )
                 rc, tail = r.returncode, (r.stdout + r.stderr).strip().splitlines()[-3:]
             except subprocess.TimeoutExpired:
                 rc, tail = "timeout", [f"killed after {TEST_TIMEOUT_S} s"]
@@ -120,13 +165,24 @@ def _correctness(only):
                 continue
             for case in ET.parse(xml).iter("testcase"):
                 result, msg = "passed", ""
-                for tag, name in (("failure", "**FAILED**"), ("error", "**ERROR**"), ("skipped", "skipped")):
+                for tag, name in (
+                    ("failure", "**FAILED**"),
+                    ("error", "**ERROR**"),
+                    ("skipped", "skipped"),
+                ):
                     el = case.find(tag)
                     if el is not None:
                         result, msg = name, " ".join((el.get("message") or el.text or "").split())
                         break
-                rows.append(dict(op=op, test=case.get("name"), result=result,
-                                 seconds=float(case.get("time") or 0), message=msg[:400]))
+                rows.append(
+                    dict(
+                        op=op,
+                        test=case.get("name"),
+                        result=result,
+                        seconds=float(case.get("time") or 0),
+                        message=msg[:400],
+                    )
+                )
             if rc not in (0, 1):  # 1: some tests failed (in the rows); anything else is a problem
                 problems.append(f"{op}: pytest rc={rc}: {' | '.join(tail)}")
             yield rows, problems
@@ -137,20 +193,32 @@ def _correctness_section(rows, problems):
     phase that did not run)."""
     failed = len(problems) + sum(r["result"] in ("**FAILED**", "**ERROR**") for r in rows)
     count = {k: sum(r["result"] == k for r in rows) for k in ("passed", "skipped")}
-    lines = ["## Correctness against the float64 reference (`pytest -m cuda tests/cuda`)", "",
-             f"{count['passed']} passed, {failed} failed, {count['skipped']} skipped", ""]
+    lines = [
+        "## Correctness against the float64 reference (`pytest -m cuda tests/cuda`)",
+        "",
+        f"{count['passed']} passed, {failed} failed, {count['skipped']} skipped",
+        "",
+    ]
     lines += [f"- {p}" for p in problems] + ([""] if problems else [])
     lines += ["| op | test | result | s | message |", "|---|---|---|---|---|"]
-    lines += [f"| {r['op']} | {r['test']} | {r['result']} | {r['seconds']:.1f} | "
-              f"{r['message'].replace('|', '/')} |" for r in rows]
+    lines += [
+        f"| {r['op']} | {r['test']} | {r['result']} | {r['seconds']:.1f} | "
+        f"{r['message'].replace('|', '/')} |"
+        for r in rows
+    ]
     return lines + [""], failed
 
 
 def _build():
     env = dict(os.environ, MAX_JOBS=str(os.cpu_count() or 4), PPO_KERNELS_FORCE_CUDA="1")
     t = time.time()
-    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return r.returncode, time.time() - t, (r.stdout + r.stderr)[-3000:]
 
 
@@ -161,17 +229,38 @@ def _sanitize(only, tools):
     out = []
     for name, _ in _modules(only):
         for tool in tools:
-            r = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable, __file__,
-                                "--sanitize-target", name], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run(
+                [
+                    exe,
+                    "--tool",
+                    tool,
+                    "--error-exitcode",
+                    "3",
+                    sys.executable,
+                    __file__,
+                    "--sanitize-target",
+                    name,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
-            out.append((name, tool, "ok" if r.returncode == 0 else f"FAILED rc={r.returncode}: {' | '.join(tail)}"))
+            out.append(
+                (
+                    name,
+                    tool,
+                    "ok" if r.returncode == 0 else f"FAILED rc={r.returncode}: {' | '.join(tail)}",
+                )
+            )
     return out
 
 
 def _write_report(out_dir, lines, ctx, gpu):
     """The markdown report and the timing CSV (rewritten after each phase)."""
     import csv
+
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_check_{datetime.date.today()}_{gpu.replace(' ', '_')}"
@@ -189,9 +278,14 @@ def main():
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated ops (names of bench/gpu_checks/*.py)")
-    ap.add_argument("--sanitizer-tools", default="memcheck",
-                    help="comma-separated compute-sanitizer tools (memcheck,racecheck,initcheck)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated ops (names of bench/gpu_checks/*.py)"
+    )
+    ap.add_argument(
+        "--sanitizer-tools",
+        default="memcheck",
+        help="comma-separated compute-sanitizer tools (memcheck,racecheck,initcheck)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--sanitize-target", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -202,6 +296,7 @@ def main():
         if hasattr(mod, "sanitize_workload"):
             mod.sanitize_workload()
             import torch
+
             torch.cuda.synchronize()
         return 0
 
@@ -211,15 +306,26 @@ def main():
         build = _build()
         print(f"build: rc={build[0]} in {build[1]:.0f}s", flush=True)
     import torch
+
     from ppo_kernels import _backend
+
     ctx = Ctx()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     gpu = torch.cuda.get_device_name()
     import triton
-    lines += [f"# GPU check {datetime.date.today()} on {gpu}", "",
-              f"commit {commit}; torch {torch.__version__}, triton {triton.__version__}, "
-              f"CUDA {torch.version.cuda}; extension: {_backend.HAS_EXTENSION}", ""]
+
+    lines += [
+        f"# GPU check {datetime.date.today()} on {gpu}",
+        "",
+        f"commit {commit}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"CUDA {torch.version.cuda}; extension: {_backend.HAS_EXTENSION}",
+        "",
+    ]
     if build:
         lines += [f"build: rc={build[0]} in {build[1]:.0f}s", ""]
         if build[0] != 0:
@@ -241,23 +347,38 @@ def main():
 
     if not args.skip_timing:
         bw = ctx.measure_bandwidth()
-        lines += ["## Timing (triton.testing.do_bench median, CUDA events)", "",
-                  f"measured copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", "",
-                  "| op | case | impl | median ms | peak extra MiB | % of bandwidth |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Timing (triton.testing.do_bench median, CUDA events)",
+            "",
+            f"measured copy bandwidth (read+write): {bw / 1e9:.0f} GB/s",
+            "",
+            "| op | case | impl | median ms | peak extra MiB | % of bandwidth |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, mod in mods:
             if hasattr(mod, "timing"):
                 t = time.time()
                 try:
                     mod.timing(ctx)
                 except Exception:  # noqa: BLE001
-                    ctx.timings.append(dict(op=name, case="timing", impl="-", ms=float("nan"),
-                                            peak_mb=float("nan"), pct_bw=None,
-                                            error=traceback.format_exc(limit=3).replace("\n", " ")))
+                    ctx.timings.append(
+                        dict(
+                            op=name,
+                            case="timing",
+                            impl="-",
+                            ms=float("nan"),
+                            peak_mb=float("nan"),
+                            pct_bw=None,
+                            error=traceback.format_exc(limit=3).replace("\n", " "),
+                        )
+                    )
                 print(f"timing {name}: {time.time() - t:.1f}s", flush=True)
         for r in ctx.timings:
             pct = "" if r.get("pct_bw") is None else f"{r['pct_bw']:.0f}%"
             err = f" ({r['error']})" if r.get("error") else ""
-            lines.append(f"| {r['op']} | {r['case']} | {r['impl']}{err} | {r['ms']:.4f} | {r['peak_mb']:.1f} | {pct} |")
+            lines.append(
+                f"| {r['op']} | {r['case']} | {r['impl']}{err} | {r['ms']:.4f} | {r['peak_mb']:.1f} | {pct} |"
+            )
         lines.append("")
 
     _write_report(args.out, lines, ctx, gpu)
@@ -266,7 +387,12 @@ def main():
         t = time.time()
         san = _sanitize(only, [tool for tool in args.sanitizer_tools.split(",") if tool])
         print(f"sanitizer: {time.time() - t:.0f}s", flush=True)
-        lines += ["## compute-sanitizer (CUDA kernels)", "", "| op | tool | result |", "|---|---|---|"]
+        lines += [
+            "## compute-sanitizer (CUDA kernels)",
+            "",
+            "| op | tool | result |",
+            "|---|---|---|",
+        ]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in san]
         lines.append("")
 

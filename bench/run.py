@@ -4,6 +4,7 @@ time, speed-up over eager, peak extra memory); also updates bench/results/cpu_be
 
     python bench/run.py [--ops token_logprobs,gae,...] [--reps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,14 @@ from _common import machine  # noqa: E402
 
 
 def discover():
-    return sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+    return sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="", help="comma-separated (default: every bench/bench_<op>.py)")
+    ap.add_argument(
+        "--ops", default="", help="comma-separated (default: every bench/bench_<op>.py)"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -44,13 +47,23 @@ def main(argv=None):
         for r in rows:
             if r["impl"].startswith("eager"):
                 base.setdefault(r["case"], r["seconds"])
-        lines = [f"### {op}", "",
-                 "| case | impl | median ms | vs eager | peak extra MiB |", "|---|---|---|---|---|"]
+        lines = [
+            f"### {op}",
+            "",
+            "| case | impl | median ms | vs eager | peak extra MiB |",
+            "|---|---|---|---|---|",
+        ]
         for r in rows:
             b = base.get(r["case"])
-            speed = f"{b / r['seconds']:.2f}x" if b and r["seconds"] == r["seconds"] and r["seconds"] > 0 else ""
-            lines.append(f"| {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | {speed} | "
-                         f"{r['peak_extra_mb']:.1f} |")
+            speed = (
+                f"{b / r['seconds']:.2f}x"
+                if b and r["seconds"] == r["seconds"] and r["seconds"] > 0
+                else ""
+            )
+            lines.append(
+                f"| {r['case']} | {r['impl']} | {1e3 * r['seconds']:.2f} | {speed} | "
+                f"{r['peak_extra_mb']:.1f} |"
+            )
         texts.append("\n".join(lines))
         print(texts[-1] + "\n", flush=True)
         all_rows += [dict(op=op, **{k: v for k, v in r.items() if k != "op"}) for r in rows]
@@ -68,7 +81,9 @@ def main(argv=None):
         f"# CPU benchmarks\n\n`python bench/run.py` on {machine()}. Median of the timed runs; peak "
         "extra memory = most bytes held in tensors beyond the inputs (torch profiler allocation "
         "events; outputs and gradients included).\n\n"
-        + "\n\n".join(sections[k] for k in sorted(sections)) + "\n")
+        + "\n\n".join(sections[k] for k in sorted(sections))
+        + "\n"
+    )
     fields = ["op", "case", "impl", "seconds", "peak_extra_mb"]
     ran = {r["op"] for r in all_rows}
     old_rows = []
@@ -79,6 +94,7 @@ def main(argv=None):
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows({k: r.get(k) for k in fields} for r in old_rows + all_rows)
+
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))

@@ -7,6 +7,7 @@ per step and peak memory.
 
     python bench/train_learning.py [--out out/learning] [--only ppo,ppo_eager,...] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def runs(out, threads):
-    sft = ["--sft-cache", os.path.join(out, "sft_cache"), "--threads", str(threads), "--no-progress"]
+    sft = [
+        "--sft-cache",
+        os.path.join(out, "sft_cache"),
+        "--threads",
+        str(threads),
+        "--no-progress",
+    ]
     rm_path = os.path.join(out, "rm", "reward_model.pt")
     return {
         "ppo": ["--algo", "ppo", "--ops", "fused", *sft],
         "ppo_eager": ["--algo", "ppo", "--ops", "eager", *sft],
-        "grpo": ["--algo", "grpo", "--ops", "fused", "--group-size", "8", "--prompts-per-step", "8",
-                 "--kl-estimator", "k3", "--kl-coef", "0.02", *sft],
+        "grpo": [
+            "--algo",
+            "grpo",
+            "--ops",
+            "fused",
+            "--group-size",
+            "8",
+            "--prompts-per-step",
+            "8",
+            "--kl-estimator",
+            "k3",
+            "--kl-coef",
+            "0.02",
+            *sft,
+        ],
         "rm": ["--algo", "rm", "--ops", "fused", "--steps", "150", *sft],
         "ppo_rm": ["--algo", "ppo", "--ops", "fused", "--reward", "rm", "--rm-path", rm_path, *sft],
         "dpo": ["--algo", "dpo", "--ops", "fused", "--steps", "64", *sft],
@@ -49,9 +69,14 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "learning"))
     ap.add_argument("--only", default="ppo,ppo_eager,grpo,rm,ppo_rm,dpo")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reuse", action="store_true",
-                    help="report every run, reusing the summaries of those not in --only")
-    ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "trainer_learning.md"))
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="report every run, reusing the summaries of those not in --only",
+    )
+    ap.add_argument(
+        "--results", default=os.path.join(ROOT, "bench", "results", "trainer_learning.md")
+    )
     args = ap.parse_args()
     table = runs(args.out, args.threads)
     names = list(table) if args.reuse else args.only.split(",")
@@ -79,19 +104,24 @@ def main():
 
 
 def write_results(args, names, table, summaries, walls):
-    lines = ["# Trainer learning result (embedded task)", "",
-             "Task: add two decimal amounts given as strings exactly (\"0.10\"+\"0.20\" -> \"0.30\"); a "
-             "calculator tool answers in binary floating point (0.30000000000000004) and the Actor "
-             "must format it. Verifier reward 1 for the exact two-decimal answer, else 0. Tiny "
-             "random-init Llama (2 layers, hidden 64, character tokenizer) SFT-warmed on a mix of "
-             "demonstrations (half answer without the tool, half call it; of those half copy the "
-             "float verbatim, half format it).", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores "
-             f"(shared with other jobs while this ran), torch threads {args.threads}, no GPU. "
-             f"Eval: mean verifier reward of the sampled policy (temperature 1) on the same held-out "
-             f"prompts before and after training.", "",
-             "| run | eval before | eval after | gain | steps | s/step | PPO wall (s) | peak RSS (MiB) | total wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Trainer learning result (embedded task)",
+        "",
+        'Task: add two decimal amounts given as strings exactly ("0.10"+"0.20" -> "0.30"); a '
+        "calculator tool answers in binary floating point (0.30000000000000004) and the Actor "
+        "must format it. Verifier reward 1 for the exact two-decimal answer, else 0. Tiny "
+        "random-init Llama (2 layers, hidden 64, character tokenizer) SFT-warmed on a mix of "
+        "demonstrations (half answer without the tool, half call it; of those half copy the "
+        "float verbatim, half format it).",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores "
+        f"(shared with other jobs while this ran), torch threads {args.threads}, no GPU. "
+        f"Eval: mean verifier reward of the sampled policy (temperature 1) on the same held-out "
+        f"prompts before and after training.",
+        "",
+        "| run | eval before | eval after | gain | steps | s/step | PPO wall (s) | peak RSS (MiB) | total wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in names:
         s = summaries.get(n)
         if s is None:
@@ -99,44 +129,76 @@ def write_results(args, names, table, summaries, walls):
             continue
         b, a = s["eval_reward_before"], s["eval_reward_after"]
         sps = s["seconds_per_step"] or 0.0
-        lines.append(f"| {DESCRIPTION[n]} | {b:.3f} | {a:.3f} | {a - b:+.3f} | {s['steps']} | "
-                     f"{sps:.2f} | {sps * s['steps']:.0f} | {s['peak_memory_bytes'] / 2**20:.0f} | "
-                     f"{walls[n]:.0f} |")
-    lines += ["", "Held-out prompts: "
-              + ", ".join(f"{n}: {summaries[n]['config']['eval_prompts']}" for n in names
-                          if n in summaries and n != "rm")
-              + (f"; RM held-out pairs: {summaries['rm']['config']['eval_pairs']}"
-                 if "rm" in summaries else "") + ".", ""]
+        lines.append(
+            f"| {DESCRIPTION[n]} | {b:.3f} | {a:.3f} | {a - b:+.3f} | {s['steps']} | "
+            f"{sps:.2f} | {sps * s['steps']:.0f} | {s['peak_memory_bytes'] / 2**20:.0f} | "
+            f"{walls[n]:.0f} |"
+        )
+    lines += [
+        "",
+        "Held-out prompts: "
+        + ", ".join(
+            f"{n}: {summaries[n]['config']['eval_prompts']}"
+            for n in names
+            if n in summaries and n != "rm"
+        )
+        + (
+            f"; RM held-out pairs: {summaries['rm']['config']['eval_pairs']}"
+            if "rm" in summaries
+            else ""
+        )
+        + ".",
+        "",
+    ]
     for n in names:
         s = summaries.get(n)
         if s and s.get("ops_eager_fallback") and s["ops"] == "fused":
-            lines.append(f"- {n}: ops not fused in this build (ran eager): {s['ops_eager_fallback']}")
+            lines.append(
+                f"- {n}: ops not fused in this build (ran eager): {s['ops_eager_fallback']}"
+            )
         if s and "eval_tool_use_before" in s:
-            lines.append(f"- {n}: fraction of eval responses calling the tool "
-                         f"{s['eval_tool_use_before']:.2f} -> {s['eval_tool_use_after']:.2f}")
+            lines.append(
+                f"- {n}: fraction of eval responses calling the tool "
+                f"{s['eval_tool_use_before']:.2f} -> {s['eval_tool_use_after']:.2f}"
+            )
     sft = [s for s in summaries.values() if s.get("sft_seconds")]
     any_s = next(iter(summaries.values()), None)
     if any_s:
         c = any_s["config"]
-        lines.append(f"- SFT warm-up: {c['sft_steps']} steps x {c['sft_batch']} demonstrations"
-                     + (f", {sft[0]['sft_seconds']:.0f} s (run once, cached for the others)"
-                        if sft else " (cached from an earlier run)")
-                     + "; not counted in s/step or PPO wall.")
+        lines.append(
+            f"- SFT warm-up: {c['sft_steps']} steps x {c['sft_batch']} demonstrations"
+            + (
+                f", {sft[0]['sft_seconds']:.0f} s (run once, cached for the others)"
+                if sft
+                else " (cached from an earlier run)"
+            )
+            + "; not counted in s/step or PPO wall."
+        )
     if "ppo" in summaries and "ppo_eager" in summaries:
         f, e = summaries["ppo"], summaries["ppo_eager"]
-        lines.append(f"- fused vs eager PPO from the same SFT model and seed: s/step "
-                     f"{f['seconds_per_step']:.2f} vs {e['seconds_per_step']:.2f}, eval after "
-                     f"{f['eval_reward_after']:.3f} vs {e['eval_reward_after']:.3f}. At this model size "
-                     f"(vocabulary 22, hidden 64) the per-token ops are a small share of a step; the "
-                     f"timings are of a shared, loaded 2-core machine and vary run to run.")
-    lines.append("- RM pairs: chosen = tool call + formatted answer; rejected = the float copied "
-                 "verbatim, a direct answer off by a cent or a dime, the tool output formatted to a "
-                 "wrong value, or the chosen response cut off unfinished (without that last kind "
-                 "an earlier RM rewarded unfinished text and PPO learned to never stop).")
-    lines += ["", "Commands (each also writes DIR/metrics.jsonl, DIR/metrics.csv, DIR/summary.json, DIR/curves.png):", ""]
+        lines.append(
+            f"- fused vs eager PPO from the same SFT model and seed: s/step "
+            f"{f['seconds_per_step']:.2f} vs {e['seconds_per_step']:.2f}, eval after "
+            f"{f['eval_reward_after']:.3f} vs {e['eval_reward_after']:.3f}. At this model size "
+            f"(vocabulary 22, hidden 64) the per-token ops are a small share of a step; the "
+            f"timings are of a shared, loaded 2-core machine and vary run to run."
+        )
+    lines.append(
+        "- RM pairs: chosen = tool call + formatted answer; rejected = the float copied "
+        "verbatim, a direct answer off by a cent or a dime, the tool output formatted to a "
+        "wrong value, or the chosen response cut off unfinished (without that last kind "
+        "an earlier RM rewarded unfinished text and PPO learned to never stop)."
+    )
+    lines += [
+        "",
+        "Commands (each also writes DIR/metrics.jsonl, DIR/metrics.csv, DIR/summary.json, DIR/curves.png):",
+        "",
+    ]
     rel = lambda x: x.replace(ROOT + os.sep, "")  # noqa: E731
-    lines += [f"    python -m ppo_kernels train {rel(' '.join(table[n]))} --out {rel(args.out)}/{n}"
-              for n in names]
+    lines += [
+        f"    python -m ppo_kernels train {rel(' '.join(table[n]))} --out {rel(args.out)}/{n}"
+        for n in names
+    ]
     lines.append("")
     os.makedirs(os.path.dirname(args.results), exist_ok=True)
     with open(args.results, "w") as f:

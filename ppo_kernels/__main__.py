@@ -1,4 +1,5 @@
 """`python -m ppo_kernels {info,train}` (benchmarks: bench/run.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,17 +15,26 @@ def _info(args):
     from ppo_kernels import _backend
 
     print(f"ppo-kernels {ppo_kernels.__version__}")
-    print(f"python {platform.python_version()}, torch {torch.__version__} "
-          f"(CUDA {torch.version.cuda or 'none'})")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda or 'none'})"
+    )
     try:
         import triton
+
         tv = triton.__version__
     except ImportError:
         tv = "not installed"
     print(f"triton {tv}{' (TRITON_INTERPRET=1)' if _backend.triton_interpreting() else ''}")
     if _backend.HAS_EXTENSION:
-        cuda_built = any(_backend.has_compiled_kernel(o.kernel, "cuda") for o in _backend.OPS.values() if o.kernel)
-        print(f"compiled extension: yes (CPU kernels; CUDA kernels: {'yes' if cuda_built else 'no'})")
+        cuda_built = any(
+            _backend.has_compiled_kernel(o.kernel, "cuda")
+            for o in _backend.OPS.values()
+            if o.kernel
+        )
+        print(
+            f"compiled extension: yes (CPU kernels; CUDA kernels: {'yes' if cuda_built else 'no'})"
+        )
     else:
         print(f"compiled extension: no ({_backend.EXTENSION_ERROR})")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
@@ -59,15 +69,20 @@ def _info(args):
 
 def _parser():
     import ppo_kernels
+
     parser = argparse.ArgumentParser(
         prog="python -m ppo_kernels",
         description="ppo-kernels: fused kernels for PPO-style RL on language models.",
-        epilog="python -m ppo_kernels train --help: the trainer's flags and examples")
-    parser.add_argument("--version", action="version", version=f"ppo-kernels {ppo_kernels.__version__}")
+        epilog="python -m ppo_kernels train --help: the trainer's flags and examples",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"ppo-kernels {ppo_kernels.__version__}"
+    )
     sub = parser.add_subparsers(dest="cmd", metavar="{info,train}")
     sub.add_parser("info", help="versions, compiled backends, and the backend each op uses")
-    sub.add_parser("train", help="the thin PPO / GRPO / DPO / RM trainer (the main job)",
-                   add_help=False)
+    sub.add_parser(
+        "train", help="the thin PPO / GRPO / DPO / RM trainer (the main job)", add_help=False
+    )
     return parser
 
 
@@ -76,6 +91,7 @@ def main(argv=None):
     if argv[:1] == ["train"]:
         # argparse's REMAINDER does not pass on flags like --out through a subparser
         from ppo_kernels.trainer.cli import main as train_main
+
         return train_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ Choice, most specific first: `use_backend(...)` context managers (innermost wins
 PPO_KERNELS_BACKEND environment variable ("triton", or "token_logprobs=eager,gae=cpp", or both:
 "triton,gae=eager"), then the op's default for the device.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,25 +36,34 @@ def _built_against():
 
 def _load_extension():
     built = _built_against()
-    if built is not None and built != torch.__version__ and \
-            os.environ.get("PPO_KERNELS_NO_EXTENSION") != "1":
+    if (
+        built is not None
+        and built != torch.__version__
+        and os.environ.get("PPO_KERNELS_NO_EXTENSION") != "1"
+    ):
         # never dlopen it: another torch's ABI can crash instead of failing cleanly
-        msg = (f"ppo_kernels: the compiled extension was built against torch {built} but torch "
-               f"{torch.__version__} is running; it is not loaded (ops run through Triton on the "
-               f"GPU and eager PyTorch on the CPU). Rebuild it against this torch: `pip install "
-               f"--no-build-isolation .` (or `python setup.py build_ext --inplace`).")
+        msg = (
+            f"ppo_kernels: the compiled extension was built against torch {built} but torch "
+            f"{torch.__version__} is running; it is not loaded (ops run through Triton on the "
+            f"GPU and eager PyTorch on the CPU). Rebuild it against this torch: `pip install "
+            f"--no-build-isolation .` (or `python setup.py build_ext --inplace`)."
+        )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return False, msg
     try:
         if os.environ.get("PPO_KERNELS_NO_EXTENSION") == "1":
             raise ImportError("disabled by PPO_KERNELS_NO_EXTENSION=1")
         from ppo_kernels import _C  # noqa: F401  (importing registers torch.ops.ppo_kernels_C.*)
+
         return True, None
     except ImportError as e:
         warnings.warn(
             f"ppo_kernels: the compiled extension is not available ({e}); ops run through Triton "
             "on the GPU and eager PyTorch on the CPU. Reinstall with `pip install "
-            "--no-build-isolation .` to build it.", RuntimeWarning, stacklevel=3)
+            "--no-build-isolation .` to build it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False, str(e)
 
 
@@ -74,8 +84,9 @@ def has_compiled_kernel(kernel: str, device_type: str) -> bool:
     if key is None:
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{_cpp_namespace[-1]}::{kernel}",
-                                                               key)
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"{_cpp_namespace[-1]}::{kernel}", key
+        )
     except RuntimeError:  # an extension built before this kernel existed: not registered at all
         return False
 
@@ -101,28 +112,42 @@ def use_cpp_namespace(name: str):
 
 @dataclass(frozen=True)
 class OpInfo:
-    name: str                 # the backend key: what use_backend / PPO_KERNELS_BACKEND take
-    kernel: str | None        # the ppo_kernels_C kernel whose presence means "cpp" is available
-    triton: bool              # has Triton kernels
-    cuda_default: str         # the measured-fastest backend on CUDA (see bench/results)
-    public: tuple[str, ...]   # public API functions (ppo_kernels.<name>) that run on this key
-    folder: str               # ppo_kernels/<folder>/: reference.py, op.py, triton_kernels.py
+    name: str  # the backend key: what use_backend / PPO_KERNELS_BACKEND take
+    kernel: str | None  # the ppo_kernels_C kernel whose presence means "cpp" is available
+    triton: bool  # has Triton kernels
+    cuda_default: str  # the measured-fastest backend on CUDA (see bench/results)
+    public: tuple[str, ...]  # public API functions (ppo_kernels.<name>) that run on this key
+    folder: str  # ppo_kernels/<folder>/: reference.py, op.py, triton_kernels.py
     # what else runs under a backend on a device, e.g. {("cpp", "cuda"): "cuBLAS matmuls + ..."}
     delegates: tuple[tuple[str, str, str], ...] = ()
 
 
 OPS: dict[str, OpInfo] = {}
-PUBLIC: dict[str, str] = {}   # public name -> backend key (the alias table)
+PUBLIC: dict[str, str] = {}  # public name -> backend key (the alias table)
 
 
-def register_op(name: str, *, kernel: str | None, triton: bool, cuda_default: str = "cpp",
-                public: tuple[str, ...] | None = None, folder: str | None = None,
-                delegates: dict[tuple[str, str], str] | None = None) -> OpInfo:
+def register_op(
+    name: str,
+    *,
+    kernel: str | None,
+    triton: bool,
+    cuda_default: str = "cpp",
+    public: tuple[str, ...] | None = None,
+    folder: str | None = None,
+    delegates: dict[tuple[str, str], str] | None = None,
+) -> OpInfo:
     """Declare an op's backend key. `public` lists the ppo_kernels functions that run on it
     (default: the key itself); each of them is accepted by use_backend / PPO_KERNELS_BACKEND."""
     public = (name,) if public is None else tuple(public)
-    info = OpInfo(name, kernel, triton, cuda_default, public, folder or name,
-                  tuple((b, d, w) for (b, d), w in (delegates or {}).items()))
+    info = OpInfo(
+        name,
+        kernel,
+        triton,
+        cuda_default,
+        public,
+        folder or name,
+        tuple((b, d, w) for (b, d), w in (delegates or {}).items()),
+    )
     OPS[name] = info
     for p in public + (name,):
         if PUBLIC.get(p, name) != name:
@@ -156,8 +181,11 @@ def note_delegation(op: str, backend: str, device_type: str, what: str):
     key = (op, backend, device_type)
     if _delegations.get(key) != what:
         _delegations[key] = what
-        warnings.warn(f"ppo_kernels: {op} on the {backend} backend ({device_type}): {what}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"ppo_kernels: {op} on the {backend} backend ({device_type}): {what}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def delegations() -> dict[tuple[str, str, str], str]:
@@ -183,14 +211,18 @@ class Kernel:
 
         def register(fn):
             import inspect
+
             params = tuple(inspect.signature(fn).parameters)
             if self.params is None:
                 self.params = params
             elif params != self.params:
-                raise TypeError(f"{self.op}.{self.name}: the {backend} implementation takes "
-                                f"{params}, the others take {self.params}")
+                raise TypeError(
+                    f"{self.op}.{self.name}: the {backend} implementation takes "
+                    f"{params}, the others take {self.params}"
+                )
             self.impls[backend] = fn
             return fn
+
         return register
 
     def backend(self, like: torch.Tensor) -> str:
@@ -208,7 +240,9 @@ KERNELS: list[Kernel] = []
 def _normalise(name: str, what: str) -> str:
     b = _ALIASES.get(name.strip().lower(), name.strip().lower())
     if b not in BACKENDS + ("auto",):
-        raise ValueError(f"{what}: unknown backend {name!r}; expected one of {BACKENDS + ('auto',)}")
+        raise ValueError(
+            f"{what}: unknown backend {name!r}; expected one of {BACKENDS + ('auto',)}"
+        )
     return b
 
 
@@ -240,8 +274,10 @@ def use_backend(default: str | None = None, **per_op: str):
     """Run ops on a backend: `use_backend("triton")`, `use_backend(gae="eager")`, or both.
 
     Process-wide (not thread-local) so that autograd's backward threads see it too."""
-    layer = {op_key(op, "use_backend"): _normalise(b, f"use_backend({op}=...)")
-             for op, b in per_op.items()}
+    layer = {
+        op_key(op, "use_backend"): _normalise(b, f"use_backend({op}=...)")
+        for op, b in per_op.items()
+    }
     if default is not None:
         layer["*"] = _normalise(default, "use_backend")
     _stack.append(layer)
@@ -275,8 +311,11 @@ def available(op: str, backend: str, device_type: str) -> tuple[bool, str]:
 
 def default_backend(op: str, device_type: str) -> str:
     info = OPS[op]
-    order = ([info.cuda_default] + [b for b in BACKENDS if b != info.cuda_default]
-             if device_type == "cuda" else ["cpp", "eager"])
+    order = (
+        [info.cuda_default] + [b for b in BACKENDS if b != info.cuda_default]
+        if device_type == "cuda"
+        else ["cpp", "eager"]
+    )
     for b in order:
         if available(op, b, device_type)[0]:
             return b
@@ -299,8 +338,11 @@ def out_dtype(t: torch.Tensor) -> torch.dtype:
 def has_backend(op: str, backend: str) -> bool:
     """Whether `op` has an implementation on `backend` at all (on some machine)."""
     info = OPS[op]
-    return backend == "eager" or (backend == "cpp" and info.kernel is not None) or \
-        (backend == "triton" and info.triton)
+    return (
+        backend == "eager"
+        or (backend == "cpp" and info.kernel is not None)
+        or (backend == "triton" and info.triton)
+    )
 
 
 def _choice(op: str) -> tuple[str | None, bool]:
@@ -327,8 +369,10 @@ def resolve(op: str, device_type: str) -> str:
         return default_backend(op, device_type)
     ok, why = available(op, choice, device_type)
     if not ok:
-        raise RuntimeError(f"ppo_kernels: backend {choice!r} requested for {op} on {device_type}, "
-                           f"but it is unavailable: {why}")
+        raise RuntimeError(
+            f"ppo_kernels: backend {choice!r} requested for {op} on {device_type}, "
+            f"but it is unavailable: {why}"
+        )
     return choice
 
 

@@ -1,4 +1,5 @@
 """Argument validation shared by the public ops: metadata only, never a host sync."""
+
 from __future__ import annotations
 
 import numbers
@@ -8,8 +9,10 @@ import torch
 try:
     from numpy import bool_ as numpy_bool
 except ImportError:  # numpy is optional
+
     class numpy_bool:  # never an instance
         pass
+
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -20,12 +23,16 @@ def check_tensor(name: str, t, *, dtypes=None, dim=None, min_dim=None):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
-                        f"(expected one of {allowed})")
+        raise TypeError(
+            f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported "
+            f"(expected one of {allowed})"
+        )
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
     if min_dim is not None and t.dim() < min_dim:
-        raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}"
+        )
 
 
 def check_same_device(**tensors):
@@ -58,8 +65,15 @@ def _type_name(x) -> str:
     return type(x).__name__
 
 
-def check_float(name: str, x, *, positive: bool = False, nonneg: bool = False,
-                finite: bool = True, allow_none: bool = False):
+def check_float(
+    name: str,
+    x,
+    *,
+    positive: bool = False,
+    nonneg: bool = False,
+    finite: bool = True,
+    allow_none: bool = False,
+):
     """A real number (int or float, not bool / str / tensor), returned as a float; None passes
     through when allow_none. positive: > 0; nonneg: >= 0; finite: not inf / NaN (NaN never
     passes a range check)."""
@@ -119,13 +133,16 @@ def check_temperature(x) -> float:
     """A positive finite temperature whose inverse is finite in float32 (> ~2.9e-39)."""
     t = check_float("temperature", x, positive=True)
     if not isinstance(t, _SYM_FLOAT) and not (1.0 / t <= FLOAT32_MAX):
-        raise ValueError(f"temperature: {t} is too small (1 / temperature overflows float32; "
-                         f"the smallest accepted is {1.0 / FLOAT32_MAX:.3g})")
+        raise ValueError(
+            f"temperature: {t} is too small (1 / temperature overflows float32; "
+            f"the smallest accepted is {1.0 / FLOAT32_MAX:.3g})"
+        )
     return t
 
 
-def check_arg(name: str, t, device, *, dtypes=None, shape=None, what: str = "",
-              allow_none: bool = False):
+def check_arg(
+    name: str, t, device, *, dtypes=None, shape=None, what: str = "", allow_none: bool = False
+):
     """One tensor argument of a registered op (forward or backward): type, dtype, device, shape.
     Metadata only (no sync), so the backward ops can run it on every call."""
     if t is None and allow_none:
@@ -134,8 +151,10 @@ def check_arg(name: str, t, device, *, dtypes=None, shape=None, what: str = "",
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}{f' ({what})' if what else ''}, "
-                         f"got {tuple(t.shape)}")
+        raise ValueError(
+            f"{name}: expected shape {tuple(shape)}{f' ({what})' if what else ''}, "
+            f"got {tuple(t.shape)}"
+        )
 
 
 def check_labels_in_range(labels, V: int, ignore_index: int):
@@ -144,5 +163,7 @@ def check_labels_in_range(labels, V: int, ignore_index: int):
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
     if bool(bad.any()):
         pos = int(bad.flatten().nonzero()[0])
-        raise IndexError(f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
-                         f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})")
+        raise IndexError(
+            f"labels: value {int(labels.flatten()[pos])} at flat position {pos} is "
+            f"outside the vocabulary [0, {V}) and is not ignore_index ({ignore_index})"
+        )

@@ -7,6 +7,7 @@ allocator reuses and count models, Python and libraries. Native stderr is silenc
 profiler runs: Kineto logs its start and stop (and a failing CUDA probe on a machine without a
 GPU), and the allocator warns about every block freed that was allocated before it started.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,11 @@ def tensor_peak(device: str = "cpu"):
         rec.bytes = torch.cuda.max_memory_allocated() - base
         return
     from torch.profiler import ProfilerActivity, profile
-    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                         profile_memory=True) as prof:
+
+    with (
+        _quiet_native_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         yield rec
     with _quiet_native_stderr(), tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")

@@ -2,6 +2,7 @@
 position of a name in its table is the enum value the C++ kernels switch on (csrc/common/modes.h)
 and the constexpr the Triton kernels specialise on. tests/test_contract.py checks these tables
 against the C++ ones (`torch.ops.ppo_kernels_C.mode_names`)."""
+
 from __future__ import annotations
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

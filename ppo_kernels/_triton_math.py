@@ -1,5 +1,6 @@
 """Triton device functions shared by the Triton kernels: the Triton side of csrc/common
 (softmax_stats.h, kl_stats.h). Imported only by the triton_kernels modules (lazily)."""
+
 import triton
 import triton.language as tl
 
@@ -17,8 +18,9 @@ def softmax_stats_update(m, s, u, z):
     f = tl.where(s == 0.0, 0.0, tl.exp(d_old))
     d = z - m_safe
     e = tl.exp(d)
-    u = tl.where(s == 0.0, 0.0, f * (u + tl.maximum(d_old, -FLT_MAX) * s)) \
-        + tl.sum(e * tl.maximum(d, -FLT_MAX), 0)
+    u = tl.where(s == 0.0, 0.0, f * (u + tl.maximum(d_old, -FLT_MAX) * s)) + tl.sum(
+        e * tl.maximum(d, -FLT_MAX), 0
+    )
     s = f * s + tl.sum(e, 0)
     return m_new, s, u
 

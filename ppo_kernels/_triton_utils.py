@@ -1,4 +1,5 @@
 """Helpers shared by the Triton kernels (Python side)."""
+
 from __future__ import annotations
 
 

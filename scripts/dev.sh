@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh demo     # the main job: PPO with fused ops, then eager ops, side by side
 #   bash scripts/dev.sh test     # the test suite
 #   bash scripts/dev.sh bench    # the CPU benchmark tables (rewrites bench/results/, on purpose)
+#   bash scripts/dev.sh lint     # ruff check + ruff format --check + clang-format (CI runs it)
 #   bash scripts/dev.sh setup    # only create the venv and build
 # The torch build follows the machine: with an NVIDIA GPU, torch 2.14.1 (CUDA 13.0) and the C++ +
 # CUDA kernels; without one, the CPU-only torch 2.13.0 and the C++ kernels. PPO_KERNELS_FORCE_CUDA=1
@@ -100,8 +101,25 @@ peers() {
     || echo "the peers' light imports did not install: integration tests will skip" >&2
 }
 
+# Formatter and linter (pinned, so a new release does not fail CI on unchanged code): ruff for
+# Python, clang-format for csrc/ (.clang-format). Needs no torch.
+LINTERS=(ruff==0.17.6 clang-format==23.1.5)
+lint() {
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  pip_ install -q "${LINTERS[@]}"
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' \
+    | xargs "$VENV/bin/clang-format" --dry-run --Werror
+  echo "lint: ok"
+}
+
 cmd=${1:-test}
-case "$cmd" in setup|test|bench|demo) ;; *) echo "usage: $0 {setup|test|bench|demo}" >&2; exit 2 ;; esac
+case "$cmd" in
+  setup|test|bench|demo) ;;
+  lint) lint; exit 0 ;;
+  *) echo "usage: $0 {setup|test|bench|demo|lint}" >&2; exit 2 ;;
+esac
 setup
 case "$cmd" in
   test) peers; "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;

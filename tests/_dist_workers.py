@@ -2,6 +2,7 @@
 spawns WORLD processes on gloo (CPU) once; each runs the cases in turn, checking the distributed
 op against the single-process op on the same seeded data; the script exits non-zero if any rank
 failed (naming the case)."""
+
 import os
 import sys
 import tempfile
@@ -25,8 +26,9 @@ def _uneven_split(n, world, seed=1):
 
 
 def case_vocab_parallel(rank, world):
-    import ppo_kernels as pk
     from _utils import GRAD_TOL, TOL, poisoned
+
+    import ppo_kernels as pk
 
     for dtype in (torch.float32, torch.bfloat16):
         for temperature, ignore in ((1.0, -100), (0.7, 3)):
@@ -39,34 +41,45 @@ def case_vocab_parallel(rank, world):
             ig = ignore if ignore >= 0 else -100
             # the single-process op: the reference result
             full = logits.clone().requires_grad_()
-            lp_w, ent_w = pk.token_logprobs(full, labels, temperature=temperature,
-                                           ignore_index=ig, return_entropy=True)
+            lp_w, ent_w = pk.token_logprobs(
+                full, labels, temperature=temperature, ignore_index=ig, return_entropy=True
+            )
             (lp_w * gl + ent_w * ge).sum().backward()
             v0, v1 = _uneven_split(V, world)[rank]
             if world == 3 and temperature != 1.0:  # an empty slice on rank 1
                 v0, v1 = ((0, 20), (20, 20), (20, V))[rank]
             shard = logits[:, v0:v1].clone().requires_grad_()
             with poisoned():
-                lp, ent = pk.token_logprobs(shard, labels, temperature=temperature,
-                                            ignore_index=ig, return_entropy=True,
-                                            process_group=dist.group.WORLD,
-                                            vocab_start=v0 if temperature != 1.0 else None)
+                lp, ent = pk.token_logprobs(
+                    shard,
+                    labels,
+                    temperature=temperature,
+                    ignore_index=ig,
+                    return_entropy=True,
+                    process_group=dist.group.WORLD,
+                    vocab_start=v0 if temperature != 1.0 else None,
+                )
                 (lp * gl + ent * ge).sum().backward()
             tol = TOL[dtype]
             torch.testing.assert_close(lp, lp_w, **tol)
             torch.testing.assert_close(ent, ent_w, **tol)
-            torch.testing.assert_close(shard.grad.float(), full.grad[:, v0:v1].float(),
-                                       **GRAD_TOL[dtype])
+            torch.testing.assert_close(
+                shard.grad.float(), full.grad[:, v0:v1].float(), **GRAD_TOL[dtype]
+            )
 
 
 def case_vocab_parallel_linear(rank, world):
-    import ppo_kernels as pk
     from _utils import GRAD_TOL, TOL
+
+    import ppo_kernels as pk
 
     # a partial (unreduced) hidden gradient is rounded to the input dtype per rank, so the bf16
     # case checks the reduced one
-    for dtype, bias, partial in ((torch.float32, True, False), (torch.float32, False, True),
-                                 (torch.bfloat16, True, False)):
+    for dtype, bias, partial in (
+        (torch.float32, True, False),
+        (torch.float32, False, True),
+        (torch.bfloat16, True, False),
+    ):
         g = torch.Generator().manual_seed(11)
         N, H, V = 29, 16, 61
         h = (torch.randn(N, H, generator=g)).to(dtype)
@@ -77,15 +90,24 @@ def case_vocab_parallel_linear(rank, world):
         gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
         hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
         bf = b.clone().requires_grad_() if bias else None
-        lp_w, ent_w = pk.linear_token_logprobs(hf, wf, labels, bias=bf, temperature=0.8,
-                                               return_entropy=True)
+        lp_w, ent_w = pk.linear_token_logprobs(
+            hf, wf, labels, bias=bf, temperature=0.8, return_entropy=True
+        )
         (lp_w * gl + ent_w * ge).sum().backward()
         v0, v1 = _uneven_split(V, world, seed=2)[rank]
         hs, ws = h.clone().requires_grad_(), w[v0:v1].clone().requires_grad_()
         bs = b[v0:v1].clone().requires_grad_() if bias else None
-        lp, ent = pk.linear_token_logprobs(hs, ws, labels, bias=bs, temperature=0.8,
-                                           return_entropy=True, process_group=dist.group.WORLD,
-                                           max_chunk_bytes=4096, reduce_hidden_grad=not partial)
+        lp, ent = pk.linear_token_logprobs(
+            hs,
+            ws,
+            labels,
+            bias=bs,
+            temperature=0.8,
+            return_entropy=True,
+            process_group=dist.group.WORLD,
+            max_chunk_bytes=4096,
+            reduce_hidden_grad=not partial,
+        )
         (lp * gl + ent * ge).sum().backward()
         torch.testing.assert_close(lp, lp_w, **TOL[dtype])
         torch.testing.assert_close(ent, ent_w, **TOL[dtype])
@@ -100,8 +122,9 @@ def case_vocab_parallel_linear(rank, world):
 
 
 def case_vocab_parallel_full_kl(rank, world):
-    import ppo_kernels as pk
     from _utils import GRAD_TOL, TOL
+
+    import ppo_kernels as pk
 
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(13)
@@ -125,8 +148,9 @@ def case_vocab_parallel_full_kl(rank, world):
 
 
 def case_sequence_parallel_gae(rank, world):
-    import ppo_kernels as pk
     from _utils import poisoned
+
+    import ppo_kernels as pk
 
     g = torch.Generator().manual_seed(3)
     B, T = 5, 41
@@ -139,17 +163,22 @@ def case_sequence_parallel_gae(rank, world):
     t0, t1 = splits[rank]
     # (the same data on every rank) a rank whose slice is all mask = 0, a done at a slice border
     if world > 2:
-        mask[:, splits[1][0]:splits[1][1]] = False
+        mask[:, splits[1][0] : splits[1][1]] = False
     if splits[-1][0] > 0:
         dones[:, splits[-1][0] - 1] = True
-    for kw in (dict(gamma=0.99, lam=0.95), dict(gamma=gamma, lam=0.9, dones=dones,
-                                                 bootstrap_value=boot)):
+    for kw in (
+        dict(gamma=0.99, lam=0.95),
+        dict(gamma=gamma, lam=0.9, dones=dones, bootstrap_value=boot),
+    ):
         adv_w, ret_w = pk.gae(r, v, mask, **kw)
-        kws = {k: (x[:, t0:t1] if isinstance(x, torch.Tensor) and x.dim() == 2 else x)
-               for k, x in kw.items()}
+        kws = {
+            k: (x[:, t0:t1] if isinstance(x, torch.Tensor) and x.dim() == 2 else x)
+            for k, x in kw.items()
+        }
         with poisoned():
-            adv, ret = pk.gae(r[:, t0:t1], v[:, t0:t1], mask[:, t0:t1],
-                              process_group=dist.group.WORLD, **kws)
+            adv, ret = pk.gae(
+                r[:, t0:t1], v[:, t0:t1], mask[:, t0:t1], process_group=dist.group.WORLD, **kws
+            )
         torch.testing.assert_close(adv, adv_w[:, t0:t1], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(ret, ret_w[:, t0:t1], atol=2e-5, rtol=2e-5)
 
@@ -167,23 +196,28 @@ def case_data_parallel_whiten(rank, world):
     want = pk.masked_whiten(cat_x, cat_m)
     got = pk.masked_whiten(xs[rank], ms[rank], process_group=dist.group.WORLD)
     off = sum(x.numel() for x in xs[:rank])
-    torch.testing.assert_close(got.reshape(-1), want[off:off + xs[rank].numel()], atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        got.reshape(-1), want[off : off + xs[rank].numel()], atol=1e-5, rtol=1e-5
+    )
     mean = pk.masked_mean(xs[rank], ms[rank], process_group=dist.group.WORLD)
     torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_m), atol=1e-3, rtol=1e-6)
     # float masks weight positions (the peers' x * mask sums), across ranks too
     ws = [torch.rand(m.shape, generator=g) * m for m in ms]
     cat_w = torch.cat([w.reshape(-1) for w in ws])
     got = pk.masked_whiten(xs[rank], ws[rank], process_group=dist.group.WORLD)
-    torch.testing.assert_close(got.reshape(-1), pk.masked_whiten(cat_x, cat_w)[off:off + xs[rank].numel()],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got.reshape(-1),
+        pk.masked_whiten(cat_x, cat_w)[off : off + xs[rank].numel()],
+        atol=1e-5,
+        rtol=1e-5,
+    )
     mean = pk.masked_mean(xs[rank], ws[rank], process_group=dist.group.WORLD)
     torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_w), atol=1e-3, rtol=1e-6)
     # finite inputs of any spread: per-rank scales differ by powers of two, nothing overflows
     big = [x / 5e3 * (1e38 if r == 0 else 1e20) for r, x in enumerate(xs)]
     cat_b = torch.cat([b.reshape(-1) for b in big])
     got = pk.masked_whiten(big[rank], ms[rank], process_group=dist.group.WORLD)
-    want = pk.masked_whiten(cat_b, cat_m)[off:off + xs[rank].numel()]
+    want = pk.masked_whiten(cat_b, cat_m)[off : off + xs[rank].numel()]
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.reshape(-1), want, atol=1e-5, rtol=1e-4)
 
@@ -199,14 +233,19 @@ def case_data_parallel_grpo(rank, world):
     mine = slice(rank * B, (rank + 1) * B)
     for kw in (dict(group_index=ids), dict(group_size=3), dict(group_size=world * B)):
         want = pk.grpo_advantages(scores, mask=mask, **kw)
-        got = pk.grpo_advantages(scores[mine], mask=mask[mine], process_group=dist.group.WORLD,
-                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
-                                    for k, v in kw.items()})
+        got = pk.grpo_advantages(
+            scores[mine],
+            mask=mask[mine],
+            process_group=dist.group.WORLD,
+            **{k: (v[mine] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
+        )
         torch.testing.assert_close(got, want[mine])
         want = pk.rloo_advantages(scores, **kw)
-        got = pk.rloo_advantages(scores[mine], process_group=dist.group.WORLD,
-                                 **{k: (v[mine] if isinstance(v, torch.Tensor) else v)
-                                    for k, v in kw.items()})
+        got = pk.rloo_advantages(
+            scores[mine],
+            process_group=dist.group.WORLD,
+            **{k: (v[mine] if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
+        )
         torch.testing.assert_close(got, want[mine])
 
 
@@ -216,8 +255,9 @@ CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 def _worker(rank, world, case, init_file, errors):
     c = None
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
         for c in case.split(","):
             torch.manual_seed(0)
             CASES[c](rank, world)
@@ -237,8 +277,12 @@ def main():
         ctx = mp.get_context("spawn")
         errors = ctx.SimpleQueue()
         try:
-            mp.start_processes(_worker, args=(world, case, os.path.join(d, "init"), errors),
-                               nprocs=world, start_method="spawn")
+            mp.start_processes(
+                _worker,
+                args=(world, case, os.path.join(d, "init"), errors),
+                nprocs=world,
+                start_method="spawn",
+            )
         except Exception as e:
             while not errors.empty():
                 print(errors.get(), file=sys.stderr)

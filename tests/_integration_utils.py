@@ -1,4 +1,5 @@
 """Run a peer function unpatched and patched on the same inputs and compare, gradients included."""
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,19 @@ def _run(get, args, kwargs, grad_of):
     return out, grads
 
 
-def compare(peer, get, *args, grad_of=lambda o: o[0] if isinstance(o, tuple) else o, rtol=RTOL,
-            atol=ATOL, dtype_check=True, strict=True, expect_replaced=True, grads=True, **kwargs):
+def compare(
+    peer,
+    get,
+    *args,
+    grad_of=lambda o: o[0] if isinstance(o, tuple) else o,
+    rtol=RTOL,
+    atol=ATOL,
+    dtype_check=True,
+    strict=True,
+    expect_replaced=True,
+    grads=True,
+    **kwargs,
+):
     """`get()` returns the peer function as the peer would look it up now. Runs it unpatched, then
     under `patched(peer)`, and checks outputs (tensors, floats) and input gradients agree, and that
     our op really ran (the call was replaced, not fallen back). grads=False: outputs only (where

@@ -7,6 +7,7 @@ flash_attn, ...) is replaced, only when it is not installed, by an empty stand-i
 attributes are inert placeholders -- enough for `import` and decorators, never called by the
 per-token functions the tests exercise.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -18,8 +19,20 @@ import types
 import pytest
 
 # Only imported at module level by the peers' trainer stacks; never on the tested code paths.
-CLUSTER_ONLY = ("ray", "tensordict", "pandas", "datasets", "pyarrow", "peft", "flash_attn",
-                "deepspeed", "vllm", "pylatexenc", "aiohttp", "torchdata")
+CLUSTER_ONLY = (
+    "ray",
+    "tensordict",
+    "pandas",
+    "datasets",
+    "pyarrow",
+    "peft",
+    "flash_attn",
+    "deepspeed",
+    "vllm",
+    "pylatexenc",
+    "aiohttp",
+    "torchdata",
+)
 # ...but never the fast paths the peers probe for with try/except ImportError: those must stay
 # missing, or the peer would take a kernel path that is not there.
 NEVER = ("flash_attn.ops",)
@@ -85,7 +98,9 @@ _installed = []
 def install():
     """Stub the cluster-only packages that are not installed (once per process)."""
     if not _installed:
-        missing = [r for r in CLUSTER_ONLY if r not in sys.modules and importlib.util.find_spec(r) is None]
+        missing = [
+            r for r in CLUSTER_ONLY if r not in sys.modules and importlib.util.find_spec(r) is None
+        ]
         sys.meta_path.append(_Finder(missing))  # last: anything real is found first
         _installed.append(missing)
     return _installed[0]

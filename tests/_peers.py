@@ -9,6 +9,7 @@ also taken from verl's own source). Nothing of verl is copied into this reposito
 Where peers come from: a wheel (`pip download --no-deps verl openrlhf`) or an unzipped tree in
 $PPO_KERNELS_PEER_WHEELS (or $VERL_SRC), else an installed package (found without importing it).
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,10 +26,12 @@ import pytest
 import torch
 
 
-
 def _peer_dirs():
-    return [pathlib.Path(os.environ[v]) for v in ("PPO_KERNELS_PEER_WHEELS", "VERL_SRC")
-            if os.environ.get(v)]
+    return [
+        pathlib.Path(os.environ[v])
+        for v in ("PPO_KERNELS_PEER_WHEELS", "VERL_SRC")
+        if os.environ.get(v)
+    ]
 
 
 def peer_source(pkg, relpath):
@@ -60,10 +63,12 @@ def load_functions(pkg, relpath, names, ns):
     dropped); skips the calling test when the source or a function is not there."""
     src, where = peer_source(pkg, relpath)
     if src is None:
-        pytest.skip(f"{pkg}/{relpath} not found: {pkg} does not import here without its heavy "
-                    "dependencies, so the test reads its source; put a wheel from `pip download "
-                    f"--no-deps {pkg}` in $PPO_KERNELS_PEER_WHEELS (the literal re-implementations of "
-                    "its semantics run either way)")
+        pytest.skip(
+            f"{pkg}/{relpath} not found: {pkg} does not import here without its heavy "
+            "dependencies, so the test reads its source; put a wheel from `pip download "
+            f"--no-deps {pkg}` in $PPO_KERNELS_PEER_WHEELS (the literal re-implementations of "
+            "its semantics run either way)"
+        )
     nodes = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name in names]
     missing = set(names) - {n.name for n in nodes}
     if missing:
@@ -91,14 +96,33 @@ def load_verl():
     if "verl" in _cache:
         return _cache["verl"]
     base = {"torch": torch, "np": np, "defaultdict": defaultdict, "Optional": Optional, "Any": Any}
-    fns = load_functions("verl", "utils/torch_functional.py",
-                         ["masked_sum", "masked_mean", "clip_by_value"], dict(base))
-    ns = dict(base, verl_F=types.SimpleNamespace(**fns), AlgoConfig=type("AlgoConfig", (), {}),
-              ActorConfig=Config, DictConfig=Config)
-    names = ["agg_loss", "compute_policy_loss_vanilla", "compute_value_loss",
-             "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage"]
+    fns = load_functions(
+        "verl",
+        "utils/torch_functional.py",
+        ["masked_sum", "masked_mean", "clip_by_value"],
+        dict(base),
+    )
+    ns = dict(
+        base,
+        verl_F=types.SimpleNamespace(**fns),
+        AlgoConfig=type("AlgoConfig", (), {}),
+        ActorConfig=Config,
+        DictConfig=Config,
+    )
+    names = [
+        "agg_loss",
+        "compute_policy_loss_vanilla",
+        "compute_value_loss",
+        "compute_grpo_outcome_advantage",
+        "compute_rloo_outcome_advantage",
+    ]
     out = load_functions("verl", "trainer/ppo/core_algos.py", names, ns)
-    gw = dict(base, _resolve_device=lambda device: torch.device("cpu") if device is None else torch.device(device))
+    gw = dict(
+        base,
+        _resolve_device=lambda device: (
+            torch.device("cpu") if device is None else torch.device(device)
+        ),
+    )
     out.update(load_functions("verl", "utils/groupwise.py", ["group_mean_std"], gw))
     _cache["verl"] = types.SimpleNamespace(**out)
     return _cache["verl"]

@@ -3,6 +3,7 @@
 extreme values. A fixed budget keeps CI fast and reproducible: derandomize=True (the same
 examples on every run), no example database, and fewer, smaller examples for the Triton
 interpreter, which is slow."""
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,11 +17,18 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def run(backend: str, strategy, body):
     """Check `body(case)` for the examples hypothesis draws from `strategy`, on `backend`."""
-    @settings(max_examples=EXAMPLES[backend], deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+
+    @settings(
+        max_examples=EXAMPLES[backend],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def check(case):
         body(case)
+
     check()
 
 
@@ -76,8 +84,9 @@ def embed(x, pads, requires_grad=False):
     """(leaf, view): `x` ([..., V]) copied into a NaN-filled buffer whose leading dims are longer
     by `pads`, and the view of it holding x. With pads the leading dims of the view need not
     collapse (the last stays contiguous); the gradient of the view lands in leaf.grad."""
-    big = torch.full([n + p for n, p in zip(x.shape[:-1], pads)] + [x.shape[-1]], float("nan"),
-                     dtype=x.dtype)
+    big = torch.full(
+        [n + p for n, p in zip(x.shape[:-1], pads)] + [x.shape[-1]], float("nan"), dtype=x.dtype
+    )
     sl = tuple(slice(0, n) for n in x.shape[:-1])
     big[sl] = x
     leaf = big.requires_grad_(requires_grad)

@@ -3,25 +3,29 @@ csrc/cuda/*.cuh compiled by g++ into ppo_kernels._simt (PPO_KERNELS_BUILD_SIMT=1
 CPU by the emulator of csrc/testing/. `emulated(...)` routes the public ops' `cpp` backend to them
 (torch.ops.ppo_kernels_simt), so a test exercises the op, its argument checks and its autograd
 around the CUDA kernels, with every output NaN-poisoned."""
+
 import contextlib
 
 import pytest
 import torch
+from _utils import poisoned
 
 from ppo_kernels import _backend
 
-from _utils import poisoned
-
 try:
     from ppo_kernels import _simt  # noqa: F401  (registers torch.ops.ppo_kernels_simt.*)
+
     HAS_SIMT = True
 except ImportError:
     HAS_SIMT = False
 
 # Every test of these modules: marker `simt`, skipped (not failed) without the extension.
-MARKS = [pytest.mark.simt,
-         pytest.mark.skipif(not HAS_SIMT, reason="ppo_kernels._simt is not built "
-                                                  "(build with PPO_KERNELS_BUILD_SIMT=1)")]
+MARKS = [
+    pytest.mark.simt,
+    pytest.mark.skipif(
+        not HAS_SIMT, reason="ppo_kernels._simt is not built (build with PPO_KERNELS_BUILD_SIMT=1)"
+    ),
+]
 
 # Seeds of the fiber order, the block order and the guard-page side: each kernel test runs under
 # every one of them.
@@ -38,8 +42,11 @@ def emulated(seed, *, sm_count=4, max_row_blocks=1 << 20, **backends):
     ops.set_geometry(sm_count, max_row_blocks)
     ops.launches()  # clear the launch log
     try:
-        with _backend.use_cpp_namespace("ppo_kernels_simt"), \
-                _backend.use_backend(**(backends or {"default": "cpp"})), poisoned():
+        with (
+            _backend.use_cpp_namespace("ppo_kernels_simt"),
+            _backend.use_backend(**(backends or {"default": "cpp"})),
+            poisoned(),
+        ):
             yield
     finally:
         ops.set_geometry()

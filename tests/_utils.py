@@ -1,4 +1,5 @@
 """Test helpers: NaN-poisoning of kernel outputs and the documented tolerances."""
+
 import contextlib
 import os
 import sys
@@ -21,7 +22,7 @@ TOL = {
 GRAD_TOL = {
     torch.float32: dict(atol=1e-6, rtol=1e-4),
     torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),  # rounding to bf16: 2^-8 relative
-    torch.float16: dict(atol=1e-6, rtol=2e-3),     # rounding to fp16: 2^-11 relative
+    torch.float16: dict(atol=1e-6, rtol=2e-3),  # rounding to fp16: 2^-11 relative
 }
 
 
@@ -33,6 +34,7 @@ def poisoned():
         yield
     finally:
         _backend.set_poison(old)
+
 
 # Op-specific bounds, looser than TOL for a reason of the computation:
 # gae: a float32 scan against float64. With gamma * lam < 1 a rounding error decays within about

@@ -1,5 +1,6 @@
 """causal_lm_logprobs on small random-init transformers models (built from configs, no downloads)
 against the model's own logits + log_softmax, values and gradients."""
+
 import pytest
 import torch
 
@@ -11,25 +12,53 @@ VOCAB = 101  # odd, not a multiple of anything
 
 
 def _llama(tied):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40,
-                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=64, tie_word_embeddings=tied,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _qwen2(tied):
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=24, intermediate_size=40,
-                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=64, tie_word_embeddings=tied,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 
 def _gpt2(tied):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=2, n_positions=64,
-                                  tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=24,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -76,8 +105,9 @@ def test_matches_model_logits_and_gradients(name, tied):
     model.zero_grad(set_to_none=True)
 
     for budget in (None, 3000):  # whole-vocabulary tiles, and vocabulary chunks
-        lp, ent = ppo_kernels.causal_lm_logprobs(model, ids, mask, temperature=temperature,
-                                                 return_entropy=True, max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.causal_lm_logprobs(
+            model, ids, mask, temperature=temperature, return_entropy=True, max_chunk_bytes=budget
+        )
         assert lp.shape == ent.shape == (2, 10) and lp.dtype == torch.float32
         torch.testing.assert_close(lp.double(), ref_lp, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=1e-5)
@@ -85,8 +115,9 @@ def test_matches_model_logits_and_gradients(name, tied):
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         for n, p in model.named_parameters():
             assert p.grad is not None, n
-            torch.testing.assert_close(p.grad, ref_grads[n].float(), atol=2e-5, rtol=1e-3,
-                                       msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref_grads[n].float(), atol=2e-5, rtol=1e-3, msg=lambda m: f"{n}: {m}"
+            )
         model.zero_grad(set_to_none=True)
 
 
@@ -116,10 +147,20 @@ def test_bias_on_the_lm_head():
 
 def test_final_logit_softcapping():
     """Gemma 2 soft-caps its logits: the same numbers as the model's own (capped) logits."""
-    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                    head_dim=8, max_position_embeddings=64, final_logit_softcapping=0.5,
-                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        final_logit_softcapping=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(cfg).float()
     ids, mask = _batch()
@@ -159,16 +200,23 @@ def test_input_logits_dtype_matches_the_bf16_models_own_logits(name, tied):
 
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     assert logits.dtype == torch.bfloat16
-    ref_lp, ref_ent = ppo_kernels.token_logprobs(logits, target, temperature=0.8,
-                                                 return_entropy=True)
+    ref_lp, ref_ent = ppo_kernels.token_logprobs(
+        logits, target, temperature=0.8, return_entropy=True
+    )
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
     for budget in (None, 3000):  # whole-vocabulary tiles, and vocabulary chunks
-        lp, ent = ppo_kernels.causal_lm_logprobs(model, ids, mask, temperature=0.8,
-                                                 return_entropy=True, max_chunk_bytes=budget,
-                                                 logits_dtype="input")
+        lp, ent = ppo_kernels.causal_lm_logprobs(
+            model,
+            ids,
+            mask,
+            temperature=0.8,
+            return_entropy=True,
+            max_chunk_bytes=budget,
+            logits_dtype="input",
+        )
         torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=2e-5)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
@@ -176,7 +224,11 @@ def test_input_logits_dtype_matches_the_bf16_models_own_logits(name, tied):
             # bf16 partial sums per chunk are the only difference in the head (see
             # test_linear_logprobs); the bf16 backbone's backward then carries it a few ulps on
             scale = ref_grads[n].float().abs().max().item()
-            torch.testing.assert_close(p.grad.float(), ref_grads[n].float(), rtol=0,
-                                       atol=8 * torch.finfo(torch.bfloat16).eps * scale,
-                                       msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(
+                p.grad.float(),
+                ref_grads[n].float(),
+                rtol=0,
+                atol=8 * torch.finfo(torch.bfloat16).eps * scale,
+                msg=lambda m: f"{n}: {m}",
+            )
         model.zero_grad(set_to_none=True)

@@ -1,6 +1,7 @@
 """The op contract (DEVELOPING.md): one backend key per op with an explicit alias table from the
 public names, one signature per kernel across backends, mode tables equal on both sides of the
 C++ boundary, and a DEVELOPING.md row for every op."""
+
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ PKG = os.path.join(ROOT, "ppo_kernels")
 def test_every_public_name_is_exported_and_maps_to_a_key():
     for name, key in _backend.PUBLIC.items():
         assert key in _backend.OPS, name
-    for key, info in _backend.OPS.items():
+    for info in _backend.OPS.values():
         for name in info.public:
             assert callable(getattr(ppo_kernels, name)), f"ppo_kernels.{name} is not exported"
         assert os.path.isfile(os.path.join(PKG, info.folder, "op.py")), info.folder
@@ -42,11 +43,19 @@ def test_unknown_op_names_are_refused():
 def test_environment_variable_takes_every_public_name():
     names = sorted(_backend.PUBLIC)
     spec = ",".join(f"{n}=eager" for n in names)
-    code = ("from ppo_kernels import _backend\n"
-            f"assert all(_backend.resolve(_backend.PUBLIC[n], 'cpu') == 'eager' for n in {names!r})\n"
-            "print('OK')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PPO_KERNELS_BACKEND=spec), timeout=300)
+    code = (
+        "from ppo_kernels import _backend\n"
+        f"assert all(_backend.resolve(_backend.PUBLIC[n], 'cpu') == 'eager' for n in {names!r})\n"
+        "print('OK')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PPO_KERNELS_BACKEND=spec),
+        timeout=300,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 

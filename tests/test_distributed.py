@@ -4,6 +4,7 @@ NaN-poisoned: vocab-parallel token_logprobs (uneven and empty slices, ignore_ind
 fp32 / bf16, both outputs' gradients), sequence-parallel GAE (a slice with no action, dones at a
 slice border, per-token gamma, bootstrap on the last rank), data-parallel masked_whiten /
 masked_mean (a rank with no unmasked position)."""
+
 import os
 import subprocess
 import sys
@@ -13,20 +14,29 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 
 
-ALL = "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae," \
-      "data_parallel_whiten,data_parallel_grpo"
+ALL = (
+    "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae,"
+    "data_parallel_whiten,data_parallel_grpo"
+)
 
 
 # one set of processes per world size (process start-up dominates on 2 cores)
 @pytest.mark.parametrize("cases,world", [(ALL, 2), (ALL, 3), ("sequence_parallel_gae", 4)])
 def test_distributed(cases, world):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_dist_workers.py"), cases,
-                        str(world)], capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_dist_workers.py"), cases, str(world)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
@@ -36,8 +46,9 @@ def test_merge_states_matches_one_pass():
 
     from ppo_kernels.distributed import merge_states
     from ppo_kernels.linear_logprobs import reference as R
+
     z = torch.randn(6, 40, dtype=torch.float64) * 5
-    z[0, :13] = float("-inf")       # a slice of only -inf: the empty state
+    z[0, :13] = float("-inf")  # a slice of only -inf: the empty state
     z[1, 7] = float("nan")
     labels = torch.randint(0, 40, (6,))
     states = []
@@ -49,8 +60,9 @@ def test_merge_states_matches_one_pass():
         states.append(st)
     whole = torch.zeros(3, 6, dtype=torch.float64)
     whole[0] = float("-inf")
-    R.tile_stats_(z, labels, 0, 1.0, -100, whole, torch.full((6,), float("nan"),
-                                                              dtype=torch.float64))
+    R.tile_stats_(
+        z, labels, 0, 1.0, -100, whole, torch.full((6,), float("nan"), dtype=torch.float64)
+    )
     merged = merge_states(torch.stack(states))
     lse_m = merged[0] + merged[1].log()
     lse_w = whole[0] + whole[1].log()

@@ -2,6 +2,7 @@
 (issue 9, "No input that breaks it"): each documented edge case on every backend that runs here,
 against float64, plus every public op under torch.compile(fullgraph=True, dynamic=True) and the
 type checks of every scalar argument. Crash-prone calls live in tests/test_bad_inputs.py."""
+
 import pytest
 import torch
 from _utils import poisoned
@@ -25,8 +26,13 @@ def test_token_logprobs_backward_non_collapsing_strides(backend, inplace):
     base = x.float().clone().requires_grad_()
     with _backend.use_backend(token_logprobs=backend), poisoned():
         view = base * 1.0 if inplace else base  # inplace writes into a non-leaf buffer
-        lp, ent = pk.token_logprobs(view[:, :-1, :-1], labels, temperature=0.7,
-                                    return_entropy=True, inplace_backward=inplace)
+        lp, ent = pk.token_logprobs(
+            view[:, :-1, :-1],
+            labels,
+            temperature=0.7,
+            return_entropy=True,
+            inplace_backward=inplace,
+        )
         (lp.sum() + 0.5 * ent.sum()).backward()
     torch.testing.assert_close(lp.double(), lp_r.detach(), atol=5e-5, rtol=2e-5)
     torch.testing.assert_close(base.grad.double(), ref.grad, atol=1e-5, rtol=1e-4)
@@ -80,8 +86,9 @@ def test_gae_empty_time_axis_with_one_per_token_tensor(backend, which):
         assert adv.shape == (3, 0) and ret.shape == (3, 0)
         flat = torch.zeros(0)
         cu = torch.tensor([0, 0, 0], dtype=torch.int32)
-        adv, ret, (cv, ca) = pk.gae(flat, flat.clone(), cu_seqlens=cu, return_carry=True,
-                                    **{which: torch.full((0,), 0.9)})
+        adv, ret, (cv, ca) = pk.gae(
+            flat, flat.clone(), cu_seqlens=cu, return_carry=True, **{which: torch.full((0,), 0.9)}
+        )
         assert adv.shape == (0,) and cv.tolist() == [0.0, 0.0] and ca.tolist() == [0.0, 0.0]
 
 
@@ -121,7 +128,12 @@ def test_masked_whiten_tiny_values():
 # --------------------------------------------------------------------------- unclear errors
 def test_ppo_policy_loss_empty_time_axis_norm_mode():
     z = torch.zeros(2, 0)
-    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for agg in (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ):
         loss, _ = pk.ppo_policy_loss(z, z, z, z.bool(), agg=agg)
         assert loss.item() == 0.0
         loss, _ = pk.ppo_value_loss(z, z, z, z.bool(), agg=agg)
@@ -158,7 +170,7 @@ def test_kl_rewards_float_mask_summing_to_zero(backend):
     mask = torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     with _backend.use_backend(kl_penalized_rewards=backend), poisoned():
         _, _, mean = pk.kl_penalized_rewards(torch.randn(3), lp, ref, mask, beta=0.1)
-    d = (lp - ref)
+    d = lp - ref
     assert mean[0].item() == 0.0 and mean[2].item() == 0.0
     torch.testing.assert_close(mean[1], (d[1, :2] * 0.5).sum())
 
@@ -186,22 +198,37 @@ def _compile_cases():
     scores = torch.randn(B)
     hid, w = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     return {
-        "token_logprobs": (lambda x, y: pk.token_logprobs(x[:, :-1], y, temperature=0.7,
-                                                         return_entropy=True), (logits, labels)),
-        "linear_token_logprobs": (lambda a, b, y: pk.linear_token_logprobs(a, b, y, temperature=0.7),
-                                  (hid, w, labels)),
+        "token_logprobs": (
+            lambda x, y: pk.token_logprobs(x[:, :-1], y, temperature=0.7, return_entropy=True),
+            (logits, labels),
+        ),
+        "linear_token_logprobs": (
+            lambda a, b, y: pk.linear_token_logprobs(a, b, y, temperature=0.7),
+            (hid, w, labels),
+        ),
         "full_kl": (lambda x, y: pk.full_kl(x, y), (logits, logits.detach() + 1)),
         "kl_penalty": (lambda a, b: pk.kl_penalty(a, b, "k3", clamp="verl"), (lp, ref)),
-        "kl_penalty_openrlhf": (lambda a, b: pk.kl_penalty(a, b, "k1+", clamp="openrlhf"), (lp, ref)),
-        "kl_penalized_rewards": (lambda s, a, b, m: pk.kl_penalized_rewards(
-            s, a, b, m, beta=0.1, estimator="k3", clamp="verl"), (scores, lp, ref, mask)),
+        "kl_penalty_openrlhf": (
+            lambda a, b: pk.kl_penalty(a, b, "k1+", clamp="openrlhf"),
+            (lp, ref),
+        ),
+        "kl_penalized_rewards": (
+            lambda s, a, b, m: pk.kl_penalized_rewards(
+                s, a, b, m, beta=0.1, estimator="k3", clamp="verl"
+            ),
+            (scores, lp, ref, mask),
+        ),
         "gae": (lambda r, v, m: pk.gae(r, v, m, gamma=0.99, lam=0.95), (ref, ref * 0.5, mask)),
         "masked_whiten": (lambda x, m: pk.masked_whiten(x, m), (ref, mask)),
         "masked_mean": (lambda x, m: pk.masked_mean(x, m), (ref, mask)),
-        "ppo_policy_loss": (lambda a, b, c, m: pk.ppo_policy_loss(a, b, c, m, dual_clip=3.0)[0],
-                            (lp, ref, ref, mask)),
-        "ppo_value_loss": (lambda a, b, c, m: pk.ppo_value_loss(a, b, c, m, clip=0.2)[0],
-                           (lp, ref, ref, mask)),
+        "ppo_policy_loss": (
+            lambda a, b, c, m: pk.ppo_policy_loss(a, b, c, m, dual_clip=3.0)[0],
+            (lp, ref, ref, mask),
+        ),
+        "ppo_value_loss": (
+            lambda a, b, c, m: pk.ppo_value_loss(a, b, c, m, clip=0.2)[0],
+            (lp, ref, ref, mask),
+        ),
         "grpo_advantages": (lambda s: pk.grpo_advantages(s, group_size=1), (scores,)),
         "rloo_advantages": (lambda s: pk.rloo_advantages(s, group_size=2), (scores,)),
         "reward_model_loss": (lambda a, b: pk.reward_model_loss(a, b), (scores, scores.flip(0))),
@@ -258,8 +285,12 @@ def _scalar_cases():
         ("log_ratio_clamp", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, log_ratio_clamp=v)),
         ("dp_size", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, dp_size=v)),
         ("global_num_tokens", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, global_num_tokens=v)),
-        ("loss_scale_factor", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, agg="seq-mean-token-sum-norm",
-                                                           loss_scale_factor=v)),
+        (
+            "loss_scale_factor",
+            lambda v: pk.ppo_policy_loss(
+                lp, lp, lp, m, agg="seq-mean-token-sum-norm", loss_scale_factor=v
+            ),
+        ),
         ("clip", lambda v: pk.ppo_value_loss(lp, lp, lp, m, clip=v)),
         ("agg", lambda v: pk.ppo_value_loss(lp, lp, lp, m, agg=v)),
         ("group_size", lambda v: pk.grpo_advantages(s, group_size=v)),

@@ -1,14 +1,14 @@
 """full_kl against the float64 definition sum_j p_j (log p_j - log q_j) on every CPU backend."""
+
 import math
 
 import pytest
 import torch
+from _utils import poisoned
+from conftest import cpu_backends
 
 from ppo_kernels import full_kl, use_backend
 from ppo_kernels.full_kl import reference as R
-
-from conftest import cpu_backends
-from _utils import poisoned
 
 BACKENDS = cpu_backends("full_kl")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,7 +50,7 @@ def test_forward_backward_matches_float64(backend, dtype, V):
     assert gz.dtype == dtype and gw.dtype == dtype
     # float32 accumulation over V: |error| ~ eps * (log V + max |z - w| / T)
     torch.testing.assert_close(kl.double(), want.detach(), atol=2e-5, rtol=1e-5)
-    gtol = dict(atol=2e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)
+    gtol = dict(atol=2e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=2**-7)
     torch.testing.assert_close(gz.double(), rz, **gtol)
     torch.testing.assert_close(gw.double(), rw, **gtol)
 
@@ -60,7 +60,9 @@ def test_identical_and_shifted_distributions_are_exactly_zero(backend):
     z = torch.randn(4, 3000) * 4
     with use_backend(full_kl=backend):
         same = full_kl(z, z.clone())
-        shifted = full_kl(z, z - 1000.0)  # same softmax; a naive lse_z - lse_w would cancel to ~1e-4
+        shifted = full_kl(
+            z, z - 1000.0
+        )  # same softmax; a naive lse_z - lse_w would cancel to ~1e-4
     assert same.abs().max() == 0
     assert shifted.abs().max() < 1e-6
 
@@ -81,8 +83,8 @@ def test_mask_and_strided_rows(backend):
     B, T, V = 3, 5, 300
     big = torch.randn(B, T + 1, V)
     ref_big = torch.randn(B, T + 1, V + 8)
-    z = big[:, :-1]                       # strided rows, no copy
-    w = ref_big[:, 1:, 4:V + 4]           # different strides and offset
+    z = big[:, :-1]  # strided rows, no copy
+    w = ref_big[:, 1:, 4 : V + 4]  # different strides and offset
     mask = torch.rand(B, T) > 0.4
     mask[0] = False
     zz = z.clone().requires_grad_()
@@ -103,14 +105,14 @@ def test_edge_cases(backend):
     V = 40
     z = torch.randn(6, V)
     w = torch.randn(6, V)
-    z[0, :5] = -math.inf          # p_j = 0: contributes 0
+    z[0, :5] = -math.inf  # p_j = 0: contributes 0
     w[0, 5:10] = -math.inf
-    z[0, 5:10] = -math.inf        # p = q = 0 there: 0
-    w[1, 3] = -math.inf           # q_j = 0 with p_j > 0: +inf
-    z[2] = -math.inf              # undefined p: NaN
-    w[3] = -math.inf              # undefined q: NaN
-    z[4, 7] = math.nan            # NaN
-    z[5, 2] = math.inf            # +inf
+    z[0, 5:10] = -math.inf  # p = q = 0 there: 0
+    w[1, 3] = -math.inf  # q_j = 0 with p_j > 0: +inf
+    z[2] = -math.inf  # undefined p: NaN
+    w[3] = -math.inf  # undefined q: NaN
+    z[4, 7] = math.nan  # NaN
+    z[5, 2] = math.inf  # +inf
     with use_backend(full_kl=backend), poisoned():
         kl = full_kl(z, w)
     want = R.forward(z.double(), w.double())[0]
@@ -136,13 +138,16 @@ def test_opcheck(backend):
     z, w = torch.randn(2, 3, 17, requires_grad=True), torch.randn(2, 3, 17, requires_grad=True)
     with use_backend(full_kl=backend):
         torch.library.opcheck(torch.ops.ppo_kernels.full_kl.default, (z, w, 0.9, None))
-        torch.library.opcheck(torch.ops.ppo_kernels.full_kl.default,
-                              (z, w, 1.0, torch.tensor([[True, False, True], [False, True, True]])))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.full_kl.default,
+            (z, w, 1.0, torch.tensor([[True, False, True], [False, True, True]])),
+        )
         kl, lz, lw = torch.ops.ppo_kernels.full_kl(z.detach(), w.detach(), 0.9, None)
         for need_ref in (True, False):
-            torch.library.opcheck(torch.ops.ppo_kernels.full_kl_backward.default,
-                                  (torch.randn_like(kl), z.detach(), w.detach(), None, kl, lz, lw, 0.9,
-                                   need_ref))
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.full_kl_backward.default,
+                (torch.randn_like(kl), z.detach(), w.detach(), None, kl, lz, lw, 0.9, need_ref),
+            )
 
 
 def test_only_logits_gradient_when_ref_is_frozen():
@@ -157,7 +162,9 @@ def test_compile_fullgraph():
     torch._dynamo.reset()
     z = torch.randn(4, 6, 64, requires_grad=True)
     w = torch.randn(4, 6, 64)
-    f = torch.compile(lambda a, b, t: full_kl(a[:, :-1], b[:, :-1], temperature=t).mean(), fullgraph=True)
+    f = torch.compile(
+        lambda a, b, t: full_kl(a[:, :-1], b[:, :-1], temperature=t).mean(), fullgraph=True
+    )
     out = f(z, w, 0.8)
     (g,) = torch.autograd.grad(out, z)
     want, z64, _ = _ref64(z[:, :-1], w[:, :-1], 0.8)

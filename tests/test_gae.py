@@ -1,18 +1,20 @@
 """gae, masked_whiten, masked_mean: every CPU backend against the float64 sequential reference
 (written straight from the formulas), peers' loops, chunking with carries, packed rows."""
+
 import pytest
 import torch
 
 import ppo_kernels
 from ppo_kernels import use_backend
 from ppo_kernels.gae import reference as R
+
 try:
     from ppo_kernels.gae import triton_kernels as TK
 except ImportError:  # no triton installed: the triton backend is unavailable anyway
     TK = None
 
-from conftest import cpu_backends
 from _utils import poisoned
+from conftest import cpu_backends
 
 BACKENDS = cpu_backends("gae")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -37,11 +39,18 @@ def _mask_rows(B, T):
     """Random masks plus the shapes that matter: all masked, masked prefix and suffix, isolated
     actions, all actions."""
     m = torch.rand(B, T) > 0.35
-    kinds = [torch.zeros(T, dtype=torch.bool),
-             torch.cat([torch.zeros(T // 3, dtype=torch.bool), torch.ones(T - T // 3 - T // 4, dtype=torch.bool),
-                        torch.zeros(T // 4, dtype=torch.bool)]),
-             torch.arange(T) % 7 == 3,
-             torch.ones(T, dtype=torch.bool)]
+    kinds = [
+        torch.zeros(T, dtype=torch.bool),
+        torch.cat(
+            [
+                torch.zeros(T // 3, dtype=torch.bool),
+                torch.ones(T - T // 3 - T // 4, dtype=torch.bool),
+                torch.zeros(T // 4, dtype=torch.bool),
+            ]
+        ),
+        torch.arange(T) % 7 == 3,
+        torch.ones(T, dtype=torch.bool),
+    ]
     for i, k in enumerate(kinds[: max(B - 1, 0)]):
         m[i + 1] = k
     return m
@@ -91,12 +100,15 @@ def test_dones_bootstrap_carry(backend):
     B, T = 5, 53
     r, v, m = _inputs(B, T)
     d = torch.rand(B, T) > 0.9
-    d[0, T - 1] = True   # terminated at the last position: the bootstrap value is ignored
+    d[0, T - 1] = True  # terminated at the last position: the bootstrap value is ignored
     d[2, 5] = True
-    m[2, 5] = False      # a done at a masked position cuts too
+    m[2, 5] = False  # a done at a masked position cuts too
     bv = torch.randn(B)
     ref = R.gae_sequential(r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv)
-    _check(_run(backend, r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv, return_carry=True), ref)
+    _check(
+        _run(backend, r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv, return_carry=True),
+        ref,
+    )
     carry = (torch.randn(B), torch.randn(B))
     ref = R.gae_sequential(r, v, m, gamma=0.9, lam=0.8, dones=d, carry=carry)
     _check(_run(backend, r, v, m, gamma=0.9, lam=0.8, dones=d, carry=carry, return_carry=True), ref)
@@ -111,7 +123,9 @@ def test_bootstrap_semantics_by_hand():
     assert adv.tolist() == [[1.0 + 0.5 * 2.0 - 0.5, 0.0, 0.0]]
     assert ret.tolist() == [[2.0, 9.0, 9.0]]
     d = torch.tensor([[True, False, False]])  # terminated after the action: no bootstrap
-    adv, _ = ppo_kernels.gae(r, v, m, gamma=0.5, lam=0.5, dones=d, bootstrap_value=torch.tensor([2.0]))
+    adv, _ = ppo_kernels.gae(
+        r, v, m, gamma=0.5, lam=0.5, dones=d, bootstrap_value=torch.tensor([2.0])
+    )
     assert adv.tolist() == [[0.5, 0.0, 0.0]]
 
 
@@ -156,8 +170,18 @@ def test_packed_rows(backend, dtype):
     n = len(lens)
     carry = (torch.randn(n), torch.randn(n))
     ref = R.gae_sequential(r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu)
-    got = _run(backend, r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu,
-               return_carry=True)
+    got = _run(
+        backend,
+        r,
+        v,
+        m,
+        gamma=0.95,
+        lam=0.9,
+        dones=d,
+        carry=carry,
+        cu_seqlens=cu,
+        return_carry=True,
+    )
     _check(got, ref)
     # empty rows hand their carry straight through
     for i in (0, 3):
@@ -166,8 +190,15 @@ def test_packed_rows(backend, dtype):
     for i in range(n):
         lo, hi = int(cu[i]), int(cu[i + 1])
         if hi > lo:
-            one = R.gae_sequential(r[None, lo:hi], v[None, lo:hi], m[None, lo:hi], gamma=0.95, lam=0.9,
-                                   dones=d[None, lo:hi], carry=(carry[0][i:i + 1], carry[1][i:i + 1]))
+            one = R.gae_sequential(
+                r[None, lo:hi],
+                v[None, lo:hi],
+                m[None, lo:hi],
+                gamma=0.95,
+                lam=0.9,
+                dones=d[None, lo:hi],
+                carry=(carry[0][i : i + 1], carry[1][i : i + 1]),
+            )
             torch.testing.assert_close(got[0][lo:hi].double(), one[0][0], **TOL)
     # int64 offsets are accepted
     got64 = _run(backend, r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu.long())
@@ -180,13 +211,24 @@ def test_chunked_with_carry_equals_whole(backend):
     r, v, m = _inputs(B, T)
     d = torch.rand(B, T) > 0.95
     bv = torch.randn(B)
-    whole = _run(backend, r, v, m, gamma=0.98, lam=0.9, dones=d, bootstrap_value=bv, return_carry=True)
+    whole = _run(
+        backend, r, v, m, gamma=0.98, lam=0.9, dones=d, bootstrap_value=bv, return_carry=True
+    )
     cuts = [0, 13, 14, 50, 90]
     carry = (bv, torch.zeros(B))
     advs, rets = {}, {}
     for lo, hi in reversed(list(zip(cuts[:-1], cuts[1:]))):
-        a, rt, carry = _run(backend, r[:, lo:hi], v[:, lo:hi], m[:, lo:hi], gamma=0.98, lam=0.9,
-                            dones=d[:, lo:hi], carry=carry, return_carry=True)
+        a, rt, carry = _run(
+            backend,
+            r[:, lo:hi],
+            v[:, lo:hi],
+            m[:, lo:hi],
+            gamma=0.98,
+            lam=0.9,
+            dones=d[:, lo:hi],
+            carry=carry,
+            return_carry=True,
+        )
         advs[lo], rets[lo] = a, rt
     adv = torch.cat([advs[c] for c in cuts[:-1]], 1)
     ret = torch.cat([rets[c] for c in cuts[:-1]], 1)
@@ -207,7 +249,10 @@ def test_triton_chunk_passes(config):
     d = torch.rand(B, T) > 0.9
     bv = torch.randn(B)
     ref = R.gae_sequential(r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv)
-    _check(_run("triton", r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv, return_carry=True), ref)
+    _check(
+        _run("triton", r, v, m, gamma=0.9, lam=0.8, dones=d, bootstrap_value=bv, return_carry=True),
+        ref,
+    )
     lens = [5, 0, 60, 1, 30]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     N = int(cu[-1])
@@ -227,7 +272,9 @@ def test_cpp_long_rows_split_across_threads(B, T):
     d = torch.rand(B, T) > 0.999
     bv = torch.randn(B)
     ref = R.gae_eager(r.double(), v.double(), m, 0.999, 0.95, d, bv.double())
-    got = _run("cpp", r, v, m, gamma=0.999, lam=0.95, dones=d, bootstrap_value=bv, return_carry=True)
+    got = _run(
+        "cpp", r, v, m, gamma=0.999, lam=0.95, dones=d, bootstrap_value=bv, return_carry=True
+    )
     tol = dict(atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got[0].double(), ref[0], **tol)
     torch.testing.assert_close(got[1].double(), ref[1], **tol)
@@ -303,7 +350,9 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="rewards"):
         ppo_kernels.gae(r.long(), v)
     with pytest.raises(ValueError, match="bootstrap_value and carry"):
-        ppo_kernels.gae(r, v, bootstrap_value=torch.zeros(2), carry=(torch.zeros(2), torch.zeros(2)))
+        ppo_kernels.gae(
+            r, v, bootstrap_value=torch.zeros(2), carry=(torch.zeros(2), torch.zeros(2))
+        )
     with pytest.raises(ValueError, match="bootstrap_value"):
         ppo_kernels.gae(r, v, bootstrap_value=torch.zeros(3))
     with pytest.raises(ValueError, match="gamma"):
@@ -320,8 +369,13 @@ def test_argument_errors():
 
 def test_empty():
     for backend in BACKENDS:
-        adv, ret, (cv, ca) = _run(backend, torch.zeros(3, 0), torch.zeros(3, 0), return_carry=True,
-                                  bootstrap_value=torch.tensor([1.0, 2.0, 3.0]))
+        adv, ret, (cv, ca) = _run(
+            backend,
+            torch.zeros(3, 0),
+            torch.zeros(3, 0),
+            return_carry=True,
+            bootstrap_value=torch.tensor([1.0, 2.0, 3.0]),
+        )
         assert adv.shape == (3, 0) and cv.tolist() == [1.0, 2.0, 3.0] and ca.tolist() == [0.0] * 3
 
 
@@ -331,8 +385,19 @@ def test_opcheck():
     args = (r, v, m, d, None, None, 0.9, 0.8, torch.randn(3), None, None)
     torch.library.opcheck(torch.ops.ppo_kernels.gae.default, args)
     cu = torch.tensor([0, 7, 7, 60], dtype=torch.int32)
-    args = (r.flatten(), v.flatten(), m.flatten(), None, torch.rand(60), torch.rand(60), 1.0, 1.0,
-            None, None, cu)
+    args = (
+        r.flatten(),
+        v.flatten(),
+        m.flatten(),
+        None,
+        torch.rand(60),
+        torch.rand(60),
+        1.0,
+        1.0,
+        None,
+        None,
+        cu,
+    )
     torch.library.opcheck(torch.ops.ppo_kernels.gae.default, args)
 
 
@@ -352,6 +417,7 @@ def test_compile_fullgraph():
 
 
 # ---- masked_mean / masked_whiten ----
+
 
 def _whiten64(x, m, unbiased=True, shift_mean=True, eps=1e-8):
     xs = x.double()[m]
@@ -377,15 +443,19 @@ def test_masked_whiten(dtype):
     # verl's numbers (its masked_whiten on a clean tensor, float mask)
     mean = (x.double() * m).sum() / m.sum()
     var = ((x.double() - mean) ** 2 * m).sum() / m.sum() * (m.sum() / (m.sum() - 1))
-    torch.testing.assert_close(ppo_kernels.masked_whiten(x, m.float()).double(),
-                               (x.double() - mean) * torch.rsqrt(var + 1e-8), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ppo_kernels.masked_whiten(x, m.float()).double(),
+        (x.double() - mean) * torch.rsqrt(var + 1e-8),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_masked_whiten_too_few_positions():
     x = torch.randn(2, 5)
     m = torch.zeros(2, 5, dtype=torch.bool)
     m[0, 1] = True
-    assert ppo_kernels.masked_whiten(x, m).isnan().all()           # no sync: NaN
+    assert ppo_kernels.masked_whiten(x, m).isnan().all()  # no sync: NaN
     assert ppo_kernels.masked_whiten(x, m, unbiased=False).isfinite().all()
     with ppo_kernels.strict_checks(), pytest.raises(ValueError, match="at least two"):
         ppo_kernels.masked_whiten(x, m)
@@ -419,6 +489,8 @@ def test_masked_stats_weighted_mask_and_empty():
     n = w.sum()
     mean = (x * w).sum() / n
     var = ((x - mean) ** 2 * w).sum() / n * n / (n - 1)
-    torch.testing.assert_close(ppo_kernels.masked_whiten(x, w), (x - mean) * torch.rsqrt(var + 1e-8))
+    torch.testing.assert_close(
+        ppo_kernels.masked_whiten(x, w), (x - mean) * torch.rsqrt(var + 1e-8)
+    )
     with pytest.raises(ValueError, match="empty"):
         ppo_kernels.masked_mean(x, w, empty="none")

@@ -1,5 +1,6 @@
 """bench/gpu_check.py's correctness phase: it runs the `cuda` tests in pytest subprocesses and
 reads every result back into its report (the GPU run itself cannot happen here)."""
+
 import importlib.util
 import os
 import sys
@@ -7,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import gpu_check  # noqa: E402
 
-FAKE = '''
+FAKE = """
 import pytest
 
 @pytest.mark.cuda
@@ -24,7 +25,7 @@ def test_skip():
 
 def test_not_marked():  # not a cuda test: not run
     pass
-'''
+"""
 
 
 def test_correctness_phase_reads_every_result(tmp_path, monkeypatch):
@@ -33,7 +34,10 @@ def test_correctness_phase_reads_every_result(tmp_path, monkeypatch):
     ((rows, problems),) = list(gpu_check._correctness(["fake"]))
     assert problems == []
     assert {r["test"]: r["result"] for r in rows} == {
-        "test_ok": "passed", "test_bad": "**FAILED**", "test_skip": "skipped"}
+        "test_ok": "passed",
+        "test_bad": "**FAILED**",
+        "test_skip": "skipped",
+    }
     bad = next(r for r in rows if r["test"] == "test_bad")
     assert "one | two" in bad["message"]
     lines, failed = gpu_check._correctness_section(rows, problems)
@@ -45,8 +49,9 @@ def test_correctness_phase_reads_every_result(tmp_path, monkeypatch):
 
 def test_correctness_phase_without_pytest(monkeypatch):
     find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pytest" else find(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else find(name, *a)
+    )
     ((rows, problems),) = list(gpu_check._correctness([]))
     assert rows == [] and "pytest is not installed" in problems[0]
     assert gpu_check._correctness_section(rows, problems)[1] == 1

@@ -2,18 +2,18 @@
 through the interpreter, eager) against a literal per-group loop written from verl's documented
 semantics, against verl's real functions where its source is available (tests/_peers.py), TRL's
 group normalisation, and through opcheck and torch.compile."""
+
 from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-
-import ppo_kernels as pk
-from ppo_kernels import use_backend
-
 from _peers import load_verl
 from _utils import poisoned
 from conftest import cpu_backends
+
+import ppo_kernels as pk
+from ppo_kernels import use_backend
 
 BACKENDS = cpu_backends("group_advantages")
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -29,8 +29,11 @@ def lit_grpo(scores, index, eps=1e-6, norm=True):
     stats = {}
     for g, v in groups.items():
         t = torch.stack(v)
-        stats[g] = (torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)) \
-            if len(v) == 1 else (t.mean(), t.std())
+        stats[g] = (
+            (torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+            if len(v) == 1
+            else (t.mean(), t.std())
+        )
     out = torch.empty_like(scores)
     for i, g in enumerate(index.tolist()):
         m, s = stats[g]
@@ -81,7 +84,7 @@ def test_grpo_by_index(backend, dtype, norm):
 def test_grpo_rloo_by_group_size_with_mask(backend, G):
     B, T = 20, 13
     scores = torch.randint(0, 2, (B,)).float()  # 0/1 verifier rewards: many equal-score groups
-    scores[B - G:] = torch.randn(G)
+    scores[B - G :] = torch.randn(G)
     mask = torch.rand(B, T) > 0.4
     index = torch.arange(B) // G
     got = _run(backend, pk.grpo_advantages, scores, group_size=G, mask=mask, eps=1e-4)
@@ -89,9 +92,13 @@ def test_grpo_rloo_by_group_size_with_mask(backend, G):
     assert got.shape == (B, T)
     torch.testing.assert_close(got.double(), want, **TOL)
     got = _run(backend, pk.rloo_advantages, scores, group_size=G, mask=mask.float())
-    torch.testing.assert_close(got.double(), lit_rloo(scores, index)[:, None] * mask.double(), **TOL)
+    torch.testing.assert_close(
+        got.double(), lit_rloo(scores, index)[:, None] * mask.double(), **TOL
+    )
     got = _run(backend, pk.rloo_advantages, scores, index, mask=mask.to(torch.int64))
-    torch.testing.assert_close(got.double(), lit_rloo(scores, index)[:, None] * mask.double(), **TOL)
+    torch.testing.assert_close(
+        got.double(), lit_rloo(scores, index)[:, None] * mask.double(), **TOL
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,9 +121,13 @@ def test_singleton_and_equal_score_groups(backend):
     assert torch.equal(g[[0, 1, 2, 5, 6]], torch.zeros(5))
     torch.testing.assert_close(g[[3, 4, 7]], scores[[3, 4, 7]] / (1 + 1e-6))
     g = _run(backend, pk.grpo_advantages, scores, index, norm_by_std=False)
-    assert torch.equal(g[[0, 1, 2, 5, 6]], torch.zeros(5)) and torch.equal(g[[3, 4, 7]], scores[[3, 4, 7]])
+    assert torch.equal(g[[0, 1, 2, 5, 6]], torch.zeros(5)) and torch.equal(
+        g[[3, 4, 7]], scores[[3, 4, 7]]
+    )
     r = _run(backend, pk.rloo_advantages, scores, index)
-    assert torch.equal(r[[0, 1, 2, 5, 6]], torch.zeros(5)) and torch.equal(r[[3, 4, 7]], scores[[3, 4, 7]])
+    assert torch.equal(r[[0, 1, 2, 5, 6]], torch.zeros(5)) and torch.equal(
+        r[[3, 4, 7]], scores[[3, 4, 7]]
+    )
     # all-zero mask rows, empty batch
     out = _run(backend, pk.grpo_advantages, scores, index, mask=torch.zeros(8, 5, dtype=torch.bool))
     assert torch.equal(out, torch.zeros(8, 5))
@@ -158,6 +169,7 @@ def test_triton_out_of_range_index_gives_nan():
     if "triton" not in BACKENDS:
         pytest.skip("Triton unavailable")
     from ppo_kernels.group_advantages import triton_kernels
+
     s = torch.randn(6)
     idx = torch.tensor([0, 0, 1, 1, 9, -3])
     out = triton_kernels.group_advantages(s, idx, 0, 1e-6, True, 0, None)
@@ -177,8 +189,11 @@ def test_opcheck(backend):
     idx = torch.tensor([0, 0, 1, 1, 1, 5, 6, 6, 6, 6, 2, 2])
     mask = torch.rand(12, 5) > 0.5
     with use_backend(backend):
-        for args in ((s, idx, 0, 1e-6, True, "grpo", None), (s, None, 3, 1e-6, False, "grpo", mask),
-                     (s, idx, 0, 0.0, False, "rloo", mask.float())):
+        for args in (
+            (s, idx, 0, 1e-6, True, "grpo", None),
+            (s, None, 3, 1e-6, False, "grpo", mask),
+            (s, idx, 0, 0.0, False, "rloo", mask.float()),
+        ):
             torch.library.opcheck(torch.ops.ppo_kernels.group_advantages.default, args)
 
 
@@ -188,9 +203,13 @@ def test_torch_compile_fullgraph():
     mask = torch.rand(16, 7) > 0.5
 
     def f(s, mask):
-        return pk.grpo_advantages(s, group_size=4, mask=mask) + pk.rloo_advantages(s, group_size=4, mask=mask)
+        return pk.grpo_advantages(s, group_size=4, mask=mask) + pk.rloo_advantages(
+            s, group_size=4, mask=mask
+        )
 
-    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(s, mask), f(s, mask))
+    torch.testing.assert_close(
+        torch.compile(f, fullgraph=True, backend="aot_eager")(s, mask), f(s, mask)
+    )
 
 
 # ----------------------------------------------------------------------------- peers
@@ -204,13 +223,17 @@ def test_parity_with_verl_functions():
     rewards = torch.zeros(B, T)
     rewards[:, -1] = scores  # verl sums token-level rewards into the score
     for norm in (True, False):
-        want, _ = verl.compute_grpo_outcome_advantage(rewards, mask, np.array(index.tolist()), 1e-6, norm)
+        want, _ = verl.compute_grpo_outcome_advantage(
+            rewards, mask, np.array(index.tolist()), 1e-6, norm
+        )
         for backend in BACKENDS:
             got = _run(backend, pk.grpo_advantages, scores, index, norm_by_std=norm, mask=mask)
             torch.testing.assert_close(got, want, **TOL)
     want, _ = verl.compute_rloo_outcome_advantage(rewards, mask, np.array(index.tolist()))
     for backend in BACKENDS:
-        torch.testing.assert_close(_run(backend, pk.rloo_advantages, scores, index, mask=mask), want, **TOL)
+        torch.testing.assert_close(
+            _run(backend, pk.rloo_advantages, scores, index, mask=mask), want, **TOL
+        )
     # verl's vectorised helper: same statistics for the non-singleton groups
     mean_g, std_g, _ = verl.group_mean_std(scores, index, eps=0.0)
     multi = torch.bincount(index)[index] > 1
@@ -228,22 +251,27 @@ def test_trl_group_normalisation():
     std = r.view(-1, G).std(1).repeat_interleave(G)
     want = torch.nan_to_num((r - mean) / (std + 1e-4), nan=0.0)
     for backend in BACKENDS:
-        torch.testing.assert_close(_run(backend, pk.grpo_advantages, r, group_size=G, eps=1e-4), want, **TOL)
+        torch.testing.assert_close(
+            _run(backend, pk.grpo_advantages, r, group_size=G, eps=1e-4), want, **TOL
+        )
 
 
 def test_group_ids_from_labels_and_rloo_singletons():
     """verl passes prompt uid strings: equal labels form a group; rloo's singleton convention."""
     import numpy as np
+
     uids = np.array(["b", "a", "b", "c", "a"], dtype=object)
     ids = pk.group_advantages.group_ids(uids)
     assert ids.tolist() == [1, 0, 1, 2, 0]
     scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0])
-    torch.testing.assert_close(pk.grpo_advantages(scores, uids),
-                               pk.grpo_advantages(scores, ids))
-    torch.testing.assert_close(pk.rloo_advantages(scores, list(uids)),
-                               torch.tensor([-2.0, -4.0, 2.0, 4.0, 4.0]))
-    torch.testing.assert_close(pk.rloo_advantages(scores, uids, singleton="zero"),
-                               torch.tensor([-2.0, -4.0, 2.0, 0.0, 4.0]))
+    torch.testing.assert_close(pk.grpo_advantages(scores, uids), pk.grpo_advantages(scores, ids))
+    torch.testing.assert_close(
+        pk.rloo_advantages(scores, list(uids)), torch.tensor([-2.0, -4.0, 2.0, 4.0, 4.0])
+    )
+    torch.testing.assert_close(
+        pk.rloo_advantages(scores, uids, singleton="zero"),
+        torch.tensor([-2.0, -4.0, 2.0, 0.0, 4.0]),
+    )
     with pytest.raises(ValueError, match="singleton"):
         pk.rloo_advantages(scores, uids, singleton="drop")
     with pytest.raises(ValueError, match="group_index"):

@@ -1,4 +1,5 @@
 """ppo_kernels.integrations: the API, activation in fresh processes (as Ray workers are), dtypes."""
+
 from __future__ import annotations
 
 import os
@@ -8,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from _peer_stubs import import_peer
 
 import ppo_kernels.integrations as pki
-from _peer_stubs import import_peer
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent
@@ -27,37 +28,54 @@ def test_bad_arguments():
 
 def _run(code, **env):
     """Run `code` in a fresh interpreter with the peers' cluster-only imports stubbed."""
-    pre = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); sys.path.insert(0, {str(ROOT)!r}); "
-           "import _peer_stubs; _peer_stubs.install()\n")
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("PPO_KERNELS_PATCH", "VERL_USE_EXTERNAL_MODULES")}
+    pre = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); sys.path.insert(0, {str(ROOT)!r}); "
+        "import _peer_stubs; _peer_stubs.install()\n"
+    )
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PPO_KERNELS_PATCH", "VERL_USE_EXTERNAL_MODULES")
+    }
     e.update(env)
-    return subprocess.run([sys.executable, "-c", pre + code], env=e, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", pre + code],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_verl_external_module_activation():
     import_peer("verl.trainer.ppo.core_algos")
-    r = _run("import verl\n"
-             "from verl.trainer.ppo import core_algos\n"
-             "import ppo_kernels.integrations as pki\n"
-             "rep = pki.report('verl')\n"
-             "assert rep['active'] and not rep['strict'], rep\n"
-             "assert hasattr(core_algos.compute_gae_advantage_return, '__ppo_kernels_original__')\n"
-             "print('OK')", VERL_USE_EXTERNAL_MODULES="ppo_kernels.integrations.verl")
+    r = _run(
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "import ppo_kernels.integrations as pki\n"
+        "rep = pki.report('verl')\n"
+        "assert rep['active'] and not rep['strict'], rep\n"
+        "assert hasattr(core_algos.compute_gae_advantage_return, '__ppo_kernels_original__')\n"
+        "print('OK')",
+        VERL_USE_EXTERNAL_MODULES="ppo_kernels.integrations.verl",
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
 def test_env_activation_on_import():
     import_peer("trl.trainer.utils")
     import_peer("openrlhf.models.utils")
-    r = _run("import ppo_kernels, ppo_kernels.integrations as pki\n"
-             "assert pki.report('trl')['active'] and pki.report('openrlhf')['active']\n"
-             "assert not pki.report('verl')['active']\n"
-             "pki.revert('trl'); pki.worker_setup()  # Ray's worker_process_setup_hook\n"
-             "assert pki.report('trl')['active']\n"
-             "print(pki.format_report('openrlhf'))\n"
-             "print('OK')", PPO_KERNELS_PATCH="trl, openrlhf")
+    r = _run(
+        "import ppo_kernels, ppo_kernels.integrations as pki\n"
+        "assert pki.report('trl')['active'] and pki.report('openrlhf')['active']\n"
+        "assert not pki.report('verl')['active']\n"
+        "pki.revert('trl'); pki.worker_setup()  # Ray's worker_process_setup_hook\n"
+        "assert pki.report('trl')['active']\n"
+        "print(pki.format_report('openrlhf'))\n"
+        "print('OK')",
+        PPO_KERNELS_PATCH="trl, openrlhf",
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
     assert "openrlhf 0.11.2 patched by ppo_kernels (strict=False" in r.stdout
 

@@ -1,4 +1,5 @@
 """ppo_kernels.integrations for OpenRLHF 0.11.x: the real OpenRLHF code, patched vs unpatched."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,15 @@ def test_compute_approx_kl(orl, est, unbiased, with_old):
     base[1, 2] = lp[1, 2] + 15.0  # k3's clamps
     lp.requires_grad_(True)
     kw = {"log_probs_old": old} if with_old else {}
-    compare("openrlhf", lambda: utils.compute_approx_kl, lp, base, kl_estimator=est,
-            unbiased_gradient=unbiased, **kw)
+    compare(
+        "openrlhf",
+        lambda: utils.compute_approx_kl,
+        lp,
+        base,
+        kl_estimator=est,
+        unbiased_gradient=unbiased,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("clip", [None, (-1.0, 1.0)])
@@ -55,8 +63,15 @@ def test_compute_reward(orl, clip):
     mask, lp, old, adv, g = _batch()
     kl = torch.randn(mask.shape, generator=g)  # nonzero on masked positions too
     r = torch.randn(mask.shape[0], generator=g) * 2
-    compare("openrlhf", lambda: utils.compute_reward, r, 0.05, kl, action_mask=mask,
-            reward_clip_range=clip)
+    compare(
+        "openrlhf",
+        lambda: utils.compute_reward,
+        r,
+        0.05,
+        kl,
+        action_mask=mask,
+        reward_clip_range=clip,
+    )
     compare("openrlhf", lambda: utils.compute_reward, r, -1.0, kl, action_mask=mask.long())
 
 
@@ -94,8 +109,9 @@ def test_policy_loss(orl, token_level, dual_clip, glob):
     _, loss, _ = orl
     mask, lp, old, adv, _ = _batch()
     lp.requires_grad_(True)
-    fn = loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
-                         token_level_loss=token_level)
+    fn = loss.PolicyLoss(
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level
+    )
     kw = dict(dp_size=2, batch_num_tokens=60.0, global_batch_size=9.0) if glob else {}
     compare("openrlhf", lambda: fn, lp, old, adv, mask, **kw)
     ref, got, _ = compare("openrlhf", lambda: fn, lp, old, adv, torch.zeros_like(mask), grads=False)
@@ -110,8 +126,17 @@ def test_value_loss(orl, token_level, clip):
     v = torch.randn(mask.shape, generator=g, requires_grad=True)
     fn = loss.ValueLoss(clip_eps=clip, token_level_loss=token_level)
     compare("openrlhf", lambda: fn, v, old, adv, mask)
-    compare("openrlhf", lambda: fn, v, old, adv, mask, dp_size=4, batch_num_tokens=50,
-            global_batch_size=7)
+    compare(
+        "openrlhf",
+        lambda: fn,
+        v,
+        old,
+        adv,
+        mask,
+        dp_size=4,
+        batch_num_tokens=50,
+        global_batch_size=7,
+    )
 
 
 def test_gae_and_returns(orl):

@@ -1,4 +1,5 @@
 """ppo_kernels.integrations for TRL 1.16.x: the real TRL functions, patched vs unpatched."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,9 +35,16 @@ def test_selective_log_softmax_and_entropy(trl, temperature):
     compare("trl", lambda: utils.selective_log_softmax, x, y, temperature, row_mask=row_mask)
     compare("trl", lambda: utils.entropy_from_logits, x)
     for rg in (True, False):
-        compare("trl", lambda: utils.selective_log_softmax_and_entropy, x, y,
-                entropy_requires_grad=rg, temperature=temperature, row_mask=row_mask,
-                grad_of=lambda o, rg=rg: o[0] + o[1] if rg else o[0])
+        compare(
+            "trl",
+            lambda: utils.selective_log_softmax_and_entropy,
+            x,
+            y,
+            entropy_requires_grad=rg,
+            temperature=temperature,
+            row_mask=row_mask,
+            grad_of=lambda o, rg=rg: o[0] + o[1] if rg else o[0],
+        )
 
 
 def test_float64(trl):
@@ -54,7 +62,10 @@ def test_topk_index_unsupported(trl):
     ref = utils.selective_log_softmax(x, k)
     with pki.patched("trl", strict=False):
         torch.testing.assert_close(utils.selective_log_softmax(x, k), ref)
-        assert pki.report("trl")["functions"]["trl.trainer.utils.selective_log_softmax"]["fallbacks"] == 1
+        assert (
+            pki.report("trl")["functions"]["trl.trainer.utils.selective_log_softmax"]["fallbacks"]
+            == 1
+        )
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -69,8 +80,20 @@ def test_chunked_logprob_function(trl, bias, outputs, scale, cap):
     b = torch.randn(V, generator=g, requires_grad=True) if bias else None
     y = torch.randint(0, V, (N,), generator=g)
     get = lambda: utils._ChunkedLogProbFunction.apply
-    compare("trl", lambda: get(), h, w, b, y, 0.8, 32, cap, scale, outputs,
-            grad_of=lambda o: o[0] + (o[1] if o[1] is not None else 0))
+    compare(
+        "trl",
+        lambda: get(),
+        h,
+        w,
+        b,
+        y,
+        0.8,
+        32,
+        cap,
+        scale,
+        outputs,
+        grad_of=lambda o: o[0] + (o[1] if o[1] is not None else 0),
+    )
 
 
 def test_chunked_unsupported_outputs_and_scaled_softcap(trl):
@@ -80,16 +103,24 @@ def test_chunked_unsupported_outputs_and_scaled_softcap(trl):
         with pytest.raises(pki.Unsupported, match="logit_scale"):
             utils._ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, 30.0, 0.5, ("log_probs",))
         with pytest.raises(pki.Unsupported, match="'outputs'.*is_top1"):
-            utils._ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, None, 1.0, ("log_probs", "is_top1"))
+            utils._ChunkedLogProbFunction.apply(
+                h, w, None, y, 1.0, 8, None, 1.0, ("log_probs", "is_top1")
+            )
 
 
 def test_fused_lm_head_model(trl):
     """TRL's add_fused_lm_head on a tiny random-init Llama: model(..., fused_lm_head=True)."""
     utils, _ = trl
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))

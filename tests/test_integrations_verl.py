@@ -1,4 +1,5 @@
 """ppo_kernels.integrations for verl 0.9.x: the real verl functions, patched vs unpatched."""
+
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,13 @@ from _peers import Config
 
 import ppo_kernels.integrations as pki
 
-AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGGS = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +42,11 @@ def test_apply_reaches_every_copy_and_reverts(verl):
     core, tf = verl
     orig_gae = core.compute_gae_advantage_return
     orig_lp = tf.logprobs_from_logits
-    copies = [m for m in list(sys.modules.values())
-              if getattr(m, "__dict__", None) and m.__dict__.get("logprobs_from_logits") is orig_lp]
+    copies = [
+        m
+        for m in list(sys.modules.values())
+        if getattr(m, "__dict__", None) and m.__dict__.get("logprobs_from_logits") is orig_lp
+    ]
     rep = pki.apply("verl")
     late = types.ModuleType("late_importer")  # imports the patched function after apply
     late.logprobs_from_logits = kept = tf.logprobs_from_logits
@@ -48,7 +58,9 @@ def test_apply_reaches_every_copy_and_reverts(verl):
         for m in copies:
             assert m.logprobs_from_logits is tf.logprobs_from_logits is not orig_lp
         assert len(rep["functions"]) == 15 and rep["active"]
-        places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"]["patched_in"]
+        places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"][
+            "patched_in"
+        ]
         assert any("ADV_ESTIMATOR_REGISTRY['grpo']" in p for p in places)
     finally:
         pki.revert("verl")
@@ -65,8 +77,13 @@ def test_apply_reaches_every_copy_and_reverts(verl):
 def test_strict_and_fallback(verl):
     core, _ = verl
     mask, lp, old, adv, _ = _batch()
-    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=1.2, clip_ratio_high=None, clip_ratio_c=3.0,
-              global_batch_info={})  # a lower clip >= 1: ppo_policy_loss refuses it
+    cfg = Cfg(
+        clip_ratio=0.2,
+        clip_ratio_low=1.2,
+        clip_ratio_high=None,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+    )  # a lower clip >= 1: ppo_policy_loss refuses it
     with pki.patched("verl"):
         with pytest.raises(pki.Unsupported, match="clip_ratio_low"):
             core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
@@ -75,7 +92,9 @@ def test_strict_and_fallback(verl):
     ref = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
     with pki.patched("verl", strict=False):
         got = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
-        s = pki.report("verl")["functions"]["verl.trainer.ppo.core_algos.compute_policy_loss_vanilla"]
+        s = pki.report("verl")["functions"][
+            "verl.trainer.ppo.core_algos.compute_policy_loss_vanilla"
+        ]
         assert s["calls"] == 1 and s["fallbacks"] == 1 and s["replaced"] == 0
         assert "clip_ratio_low" in next(iter(s["fallback_reasons"]))
     torch.testing.assert_close(got[0], ref[0])
@@ -83,9 +102,12 @@ def test_strict_and_fallback(verl):
 
 def test_version_table(verl, monkeypatch):
     import importlib.metadata as md
+
     real = md.version
     monkeypatch.setattr(md, "version", lambda d: "0.3.0" if d == "verl" else real(d))
-    with pytest.raises(pki.UnsupportedVersion, match=r"verl 0\.3\.0 is not a supported version.*0\.9\.x"):
+    with pytest.raises(
+        pki.UnsupportedVersion, match=r"verl 0\.3\.0 is not a supported version.*0\.9\.x"
+    ):
         pki.apply("verl")
     with pytest.warns(UserWarning, match="patching anyway"):
         pki.apply("verl", strict=False)
@@ -121,7 +143,9 @@ def test_outcome_estimators(verl, name, norm):
     mask = (torch.rand(B, T, generator=g) > 0.3).float()
     rewards = torch.zeros(B, T)
     rewards[:, -1] = torch.randint(0, 3, (B,), generator=g).float()  # ties -> equal-score groups
-    uids = np.array(["p1", "p0", "p1", "p2", "p0", "p1", "p3", "p2", "p0", "p2", "p4", "p4"], dtype=object)
+    uids = np.array(
+        ["p1", "p0", "p1", "p2", "p0", "p1", "p3", "p2", "p0", "p2", "p4", "p4"], dtype=object
+    )
     rewards[10, -1] = rewards[11, -1] = 1.0  # p4: equal scores; p3: a singleton
     kw = {"norm_adv_by_std_in_grpo": norm} if name.startswith("grpo") else {}
     if not name.startswith("grpo") and not norm:
@@ -129,7 +153,9 @@ def test_outcome_estimators(verl, name, norm):
     compare("verl", lambda: core.get_adv_estimator_fn(name), rewards, mask, uids, **kw)
 
 
-@pytest.mark.parametrize("est", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "k2+"])
+@pytest.mark.parametrize(
+    "est", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "k2+"]
+)
 def test_kl_penalty(verl, est):
     core, _ = verl
     mask, lp, old, adv, _ = _batch()
@@ -146,24 +172,50 @@ def test_policy_loss(verl, agg, glob):
     lp.requires_grad_(True)
     info = {}
     if glob:
-        info = dict(dp_size=2, batch_num_tokens=int(mask.sum()) * 2, global_batch_size=10,
-                    loss_scale_factor=16 if agg.endswith("norm") else None)
-    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0,
-              global_batch_info=info)
+        info = dict(
+            dp_size=2,
+            batch_num_tokens=int(mask.sum()) * 2,
+            global_batch_size=10,
+            loss_scale_factor=16 if agg.endswith("norm") else None,
+        )
+    cfg = Cfg(
+        clip_ratio=0.2,
+        clip_ratio_low=0.1,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info=info,
+    )
     compare("verl", lambda: core.get_policy_loss_fn("vanilla"), old, lp, adv, mask, agg, cfg)
     w = torch.rand(lp.shape, generator=torch.Generator().manual_seed(7)) * 2  # rollout IS weights
     compare("verl", lambda: core.get_policy_loss_fn("vanilla"), old, lp, adv, mask, agg, cfg, w)
     # the pre-registry entry point (no global batch info)
-    compare("verl", lambda: core.compute_policy_loss, old, lp, adv, mask, cliprange=0.2,
-            clip_ratio_c=2.5, loss_agg_mode=agg)
+    compare(
+        "verl",
+        lambda: core.compute_policy_loss,
+        old,
+        lp,
+        adv,
+        mask,
+        cliprange=0.2,
+        clip_ratio_c=2.5,
+        loss_agg_mode=agg,
+    )
 
 
 def test_policy_loss_empty_mask_is_nan_like_verl(verl):
     core, _ = verl
     mask, lp, old, adv, _ = _batch()
     cfg = Cfg(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, global_batch_info={})
-    ref, got, _ = compare("verl", lambda: core.compute_policy_loss_vanilla, old, lp, adv,
-                          torch.zeros_like(mask), "token-mean", cfg)
+    ref, got, _ = compare(
+        "verl",
+        lambda: core.compute_policy_loss_vanilla,
+        old,
+        lp,
+        adv,
+        torch.zeros_like(mask),
+        "token-mean",
+        cfg,
+    )
     assert ref[0].isnan() and got[0].isnan()
 
 
@@ -173,8 +225,20 @@ def test_value_loss(verl, agg):
     mask, lp, old, adv, g = _batch()
     vp = torch.randn(6, 9, generator=g, requires_grad=True)
     compare("verl", lambda: core.compute_value_loss, vp, adv, old, mask, 0.3, agg)
-    compare("verl", lambda: core.compute_value_loss, vp, adv, old, mask.float(), 0.5, agg,
-            dp_size=4, batch_num_tokens=100, global_batch_size=17, loss_scale_factor=8)
+    compare(
+        "verl",
+        lambda: core.compute_value_loss,
+        vp,
+        adv,
+        old,
+        mask.float(),
+        0.5,
+        agg,
+        dp_size=4,
+        batch_num_tokens=100,
+        global_batch_size=17,
+        loss_scale_factor=8,
+    )
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -183,8 +247,17 @@ def test_agg_loss(verl, agg):
     mask, lp, old, adv, g = _batch()
     x = torch.randn(6, 9, generator=g, requires_grad=True)
     compare("verl", lambda: core.agg_loss, x, mask, agg)
-    compare("verl", lambda: core.agg_loss, x, mask.bool(), agg, dp_size=2, batch_num_tokens=50,
-            global_batch_size=8, loss_scale_factor=4)
+    compare(
+        "verl",
+        lambda: core.agg_loss,
+        x,
+        mask.bool(),
+        agg,
+        dp_size=2,
+        batch_num_tokens=50,
+        global_batch_size=8,
+        loss_scale_factor=4,
+    )
     ref, got, _ = compare("verl", lambda: core.agg_loss, x, torch.zeros_like(mask), agg)
     assert ref.isnan() == got.isnan()
 
@@ -227,8 +300,13 @@ def test_core_algos_pipeline(verl, adv_est, agg):
     logits = torch.randn(8, 7, 32, generator=g, requires_grad=True)
     labels = torch.randint(0, 32, (8, 7), generator=g)
     vpred = torch.randn(8, 7, generator=g, requires_grad=True)
-    cfg = Cfg(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
-              global_batch_info={})
+    cfg = Cfg(
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=None,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+    )
 
     def pipeline(logits, vpred):
         kld = core.kl_penalty(old, ref, kl_penalty="low_var_kl") * mask
@@ -254,6 +332,7 @@ def test_end_to_end_training(verl, algo):
     """bench/e2e_verl.py for a few iterations: same losses step by step, same final parameters."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
     import e2e_verl
+
     lu, pu, _, _ = e2e_verl.run(algo, iters=4)
     lp, pp, _, replaced = e2e_verl.run(algo, iters=4, patched=True)
     assert replaced > 0

@@ -1,18 +1,18 @@
 """kl_penalty and kl_penalized_rewards against float64 references written from the formulas
 (ppo_kernels/kl/reference.py), the peers' literal semantics, and the peers' own functions when
 their source is available."""
+
 import math
 import typing
 
 import pytest
 import torch
+from _peers import load_functions
+from _utils import poisoned
+from conftest import cpu_backends
 
 from ppo_kernels import KLClamp, kl_penalized_rewards, kl_penalty, use_backend
 from ppo_kernels.kl import reference as R
-
-from conftest import cpu_backends
-from _peers import load_functions
-from _utils import poisoned
 
 BACKENDS = cpu_backends("kl_penalty")
 ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "k3+", "low_var_kl", "mse+"]
@@ -26,8 +26,14 @@ def _pairs(n=700, dtype=torch.float32):
     """logprobs / ref_logprobs whose log-ratios cover tiny, typical, clamp-crossing and extreme
     (|d| > 30) values."""
     lp = -torch.rand(n) * 8
-    d = torch.cat([torch.randn(n // 4) * 1e-3, torch.randn(n // 4), torch.randn(n // 4) * 12,
-                   torch.empty(n - 3 * (n // 4)).uniform_(-60, 60)])
+    d = torch.cat(
+        [
+            torch.randn(n // 4) * 1e-3,
+            torch.randn(n // 4),
+            torch.randn(n // 4) * 12,
+            torch.empty(n - 3 * (n // 4)).uniform_(-60, 60),
+        ]
+    )
     d = d[torch.randperm(n)]
     return lp.to(dtype), (lp - d).to(dtype)
 
@@ -76,7 +82,7 @@ def test_kl_penalty_low_precision_inputs(backend, dtype):
     (ra,) = torch.autograd.grad(v64.sum(), (a,))
     assert v.dtype == torch.float32 and ga.dtype == dtype
     torch.testing.assert_close(v.double(), v64.detach(), **VTOL)
-    torch.testing.assert_close(ga.double(), ra, atol=1e-5, rtol=2 ** -7)
+    torch.testing.assert_close(ga.double(), ra, atol=1e-5, rtol=2**-7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,11 +126,26 @@ def test_kl_penalty_float64_gradcheck():
 def test_kl_penalty_opcheck(backend):
     lp, ref = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
     with use_backend(kl_penalty=backend):
-        torch.library.opcheck(torch.ops.ppo_kernels.kl_penalty.default,
-                              (lp, ref, "k3", True, -20.0, 20.0, -10.0, 10.0))
-        torch.library.opcheck(torch.ops.ppo_kernels.kl_penalty_backward.default,
-                              (torch.randn(3, 5), lp.detach(), ref.detach(), "abs", False, -math.inf,
-                               math.inf, -10.0, 10.0, True, False))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.kl_penalty.default,
+            (lp, ref, "k3", True, -20.0, 20.0, -10.0, 10.0),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.kl_penalty_backward.default,
+            (
+                torch.randn(3, 5),
+                lp.detach(),
+                ref.detach(),
+                "abs",
+                False,
+                -math.inf,
+                math.inf,
+                -10.0,
+                10.0,
+                True,
+                False,
+            ),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,13 +175,18 @@ def test_kl_penalty_argument_errors():
 # ------------------------------------------------------------------------------------------------
 # kl_penalized_rewards
 
+
 def _rewards_ref(scores, lp, ref, mask, beta, estimator, clamp):
     """float64, written as the per-row loop of the definition."""
     code, _ = R.parse_estimator(estimator)
     B, T = lp.shape
     v = R.kl_penalty(lp.double(), ref.double(), code, False, R.resolve_clamp(clamp, code))
     m = mask.double()
-    betas = beta.double().expand(B) if isinstance(beta, torch.Tensor) else torch.full((B,), float(beta)).double()
+    betas = (
+        beta.double().expand(B)
+        if isinstance(beta, torch.Tensor)
+        else torch.full((B,), float(beta)).double()
+    )
     rew = torch.zeros(B, T, dtype=torch.float64)
     kl = torch.zeros(B, T, dtype=torch.float64)
     mean = torch.zeros(B, dtype=torch.float64)
@@ -185,15 +211,19 @@ def test_kl_penalized_rewards(backend, estimator, mask_kind, beta_kind):
     lp, ref = lp.view(B, T), ref.view(B, T)
     scores = torch.randn(B)
     mask = torch.rand(B, T) > 0.3
-    mask[1] = False          # a row with no action
-    mask[2, -1] = True       # last action on the last position
+    mask[1] = False  # a row with no action
+    mask[2, -1] = True  # last action on the last position
     mask[3, :5] = False
     mask[3, 5:] = False
-    mask[3, 4] = True        # a single action
-    mask_in = {"bool": mask, "float": mask.float() * torch.rand(B, T).add(0.5), "int": mask.int()}[mask_kind]
+    mask[3, 4] = True  # a single action
+    mask_in = {"bool": mask, "float": mask.float() * torch.rand(B, T).add(0.5), "int": mask.int()}[
+        mask_kind
+    ]
     beta = {"float": 0.05, "scalar_tensor": torch.tensor(0.05), "per_row": torch.rand(B)}[beta_kind]
     with use_backend(kl_penalized_rewards=backend), poisoned():
-        r, k, mk = kl_penalized_rewards(scores, lp, ref, mask_in, beta=beta, estimator=estimator, clamp="verl")
+        r, k, mk = kl_penalized_rewards(
+            scores, lp, ref, mask_in, beta=beta, estimator=estimator, clamp="verl"
+        )
     rr, kr, mr = _rewards_ref(scores, lp, ref, mask_in, beta, estimator, "verl")
     for got, want in ((r, rr), (k, kr), (mk, mr)):
         assert got.dtype == torch.float32
@@ -212,7 +242,9 @@ def test_kl_penalized_rewards_low_precision_long_rows(backend, dtype):
     mask[2, 2000:] = False
     scores = torch.randn(B)
     with use_backend(kl_penalized_rewards=backend), poisoned():
-        r, k, mk = kl_penalized_rewards(scores, lp, ref, mask, beta=0.1, estimator="k3", clamp="openrlhf")
+        r, k, mk = kl_penalized_rewards(
+            scores, lp, ref, mask, beta=0.1, estimator="k3", clamp="openrlhf"
+        )
     rr, kr, mr = _rewards_ref(scores, lp, ref, mask, 0.1, "k3", "openrlhf")
     torch.testing.assert_close(r.double(), rr, atol=1e-5, rtol=2e-5)
     torch.testing.assert_close(k.double(), kr, atol=1e-5, rtol=2e-5)
@@ -222,11 +254,21 @@ def test_kl_penalized_rewards_low_precision_long_rows(backend, dtype):
 @pytest.mark.parametrize("backend", cpu_backends("kl_penalized_rewards"))
 def test_kl_penalized_rewards_edge_shapes_and_infinite_padding(backend):
     with use_backend(kl_penalized_rewards=backend), poisoned():
-        r, k, m = kl_penalized_rewards(torch.randn(3), torch.empty(3, 0), torch.empty(3, 0),
-                                       torch.empty(3, 0, dtype=torch.bool), beta=0.1)
+        r, k, m = kl_penalized_rewards(
+            torch.randn(3),
+            torch.empty(3, 0),
+            torch.empty(3, 0),
+            torch.empty(3, 0, dtype=torch.bool),
+            beta=0.1,
+        )
         assert r.shape == (3, 0) and m.eq(0).all()
-        r, k, m = kl_penalized_rewards(torch.randn(0), torch.empty(0, 4), torch.empty(0, 4),
-                                       torch.empty(0, 4, dtype=torch.bool), beta=0.1)
+        r, k, m = kl_penalized_rewards(
+            torch.randn(0),
+            torch.empty(0, 4),
+            torch.empty(0, 4),
+            torch.empty(0, 4, dtype=torch.bool),
+            beta=0.1,
+        )
         assert r.shape == (0, 4) and m.shape == (0,)
         # -inf log-probs at padding must not leak NaN through 0 * inf
         lp = torch.tensor([[-1.0, -2.0, -math.inf]])
@@ -255,16 +297,31 @@ def test_kl_penalized_rewards_argument_errors():
 def test_kl_penalized_rewards_opcheck(backend):
     lp, ref = torch.randn(3, 5), torch.randn(3, 5)
     with use_backend(kl_penalized_rewards=backend):
-        torch.library.opcheck(torch.ops.ppo_kernels.kl_penalized_rewards.default,
-                              (torch.randn(3), lp, ref, torch.rand(3, 5) > 0.5, torch.rand(3), 1.0, "k3",
-                               -20.0, 20.0, -10.0, 10.0))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.kl_penalized_rewards.default,
+            (
+                torch.randn(3),
+                lp,
+                ref,
+                torch.rand(3, 5) > 0.5,
+                torch.rand(3),
+                1.0,
+                "k3",
+                -20.0,
+                20.0,
+                -10.0,
+                10.0,
+            ),
+        )
 
 
 def test_compile_fullgraph_tensor_beta_does_not_recompile():
     torch._dynamo.reset()
 
     def step(scores, lp, ref, mask, beta):
-        r, k, m = kl_penalized_rewards(scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl")
+        r, k, m = kl_penalized_rewards(
+            scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl"
+        )
         loss = kl_penalty(lp, ref, "k3+", clamp="verl").mean()
         return r, m, loss
 
@@ -275,7 +332,9 @@ def test_compile_fullgraph_tensor_beta_does_not_recompile():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for beta in (0.1, 0.2):
             r, m, loss = f(scores, lp, ref, mask, torch.tensor(beta))
-            rr, _, mr = kl_penalized_rewards(scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl")
+            rr, _, mr = kl_penalized_rewards(
+                scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl"
+            )
             torch.testing.assert_close(r, rr)
             torch.testing.assert_close(m, mr)
     (g,) = torch.autograd.grad(loss, lp)
@@ -286,6 +345,7 @@ def test_compile_fullgraph_tensor_beta_does_not_recompile():
 # Peers: literal re-implementations of their semantics (always), and their own functions when their
 # source can be loaded (a pip-installed package, or wheels in $PPO_KERNELS_PEER_WHEELS, whose
 # module-level dependencies -- ray, deepspeed, omegaconf -- are not needed by these functions).
+
 
 def verl_literal_kl(logprob, ref_logprob, name):
     st = name.endswith("+")
@@ -325,18 +385,24 @@ def openrlhf_literal_reward(r, kl_coef, kl, action_mask):
     return out
 
 
-
 def _peer_ns():
-    return {"torch": torch, **{k: getattr(typing, k) for k in ("Optional", "Union", "Tuple", "Any")}}
+    return {
+        "torch": torch,
+        **{k: getattr(typing, k) for k in ("Optional", "Union", "Tuple", "Any")},
+    }
 
 
-@pytest.mark.parametrize("name", ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+", "k1+", "k2+"])
+@pytest.mark.parametrize(
+    "name", ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+", "k1+", "k2+"]
+)
 def test_parity_verl_kl_penalty(name):
     lp, ref = _pairs(400)
     lp.requires_grad_()
     fns = [verl_literal_kl]
     try:
-        peer = load_functions("verl", "trainer/ppo/core_algos.py", ["kl_penalty", "kl_penalty_forward"], _peer_ns())
+        peer = load_functions(
+            "verl", "trainer/ppo/core_algos.py", ["kl_penalty", "kl_penalty_forward"], _peer_ns()
+        )
         fns.append(peer["kl_penalty"])
     except pytest.skip.Exception:
         pass
@@ -357,7 +423,11 @@ def test_parity_openrlhf_compute_approx_kl(name):
     lp, ref = _pairs(400)
     fns = [openrlhf_literal_kl]
     try:
-        fns.append(load_functions("openrlhf", "models/utils.py", ["compute_approx_kl"], _peer_ns())["compute_approx_kl"])
+        fns.append(
+            load_functions("openrlhf", "models/utils.py", ["compute_approx_kl"], _peer_ns())[
+                "compute_approx_kl"
+            ]
+        )
     except pytest.skip.Exception:
         pass
     lp.requires_grad_()
@@ -382,7 +452,11 @@ def test_parity_openrlhf_compute_reward_on_rows_with_actions():
     kl = openrlhf_literal_kl(lp, ref, "k1") * mask
     fns = [openrlhf_literal_reward]
     try:
-        fns.append(load_functions("openrlhf", "models/utils.py", ["compute_reward"], _peer_ns())["compute_reward"])
+        fns.append(
+            load_functions("openrlhf", "models/utils.py", ["compute_reward"], _peer_ns())[
+                "compute_reward"
+            ]
+        )
     except pytest.skip.Exception:
         pass
     r, k, _ = kl_penalized_rewards(scores, lp, ref, mask, beta=0.07, clamp="openrlhf")
@@ -396,8 +470,10 @@ def test_parity_trl_literal_no_clamps():
     lp, ref = _pairs(400)
     keep = (lp - ref).abs() < 60  # float64 stays finite; float32 k3 overflows beyond ~88
     lp, ref = lp[keep].requires_grad_(), ref[keep]
-    for name, literal in (("k1", lambda a, b: a - b),
-                          ("k3", lambda a, b: torch.exp(b - a) - (b - a) - 1)):
+    for name, literal in (
+        ("k1", lambda a, b: a - b),
+        ("k3", lambda a, b: torch.exp(b - a) - (b - a) - 1),
+    ):
         v = kl_penalty(lp, ref, name, clamp="trl")
         (g,) = torch.autograd.grad(v.sum(), lp)
         a = lp.detach().double().requires_grad_()
@@ -442,8 +518,9 @@ def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
     rt, _, _ = kl_penalized_rewards(tok, None, None, mask, beta=beta, kl=kl)
     torch.testing.assert_close(rt, tok - beta * kl * mask)
     # OpenRLHF: the penalty everywhere, the score on the last action (or the last position)
-    ro, _, _ = kl_penalized_rewards(scores, None, None, mask, beta=beta, kl=kl,
-                                                convention="openrlhf")
+    ro, _, _ = kl_penalized_rewards(
+        scores, None, None, mask, beta=beta, kl=kl, convention="openrlhf"
+    )
     exp = -beta * kl
     for b in range(B):
         nz = mask[b].nonzero()

@@ -1,15 +1,15 @@
 """linear_token_logprobs against token_logprobs' float64 reference on materialised logits."""
+
 import pytest
 import torch
+from _utils import peak_extra_bytes, poisoned
+from conftest import cpu_backends
 
 import ppo_kernels
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
 from ppo_kernels.linear_logprobs.op import plan_chunks
-
-from _utils import poisoned, peak_extra_bytes
-from conftest import cpu_backends
 
 BACKENDS = cpu_backends("linear_token_logprobs")
 B, T, H, V = 2, 9, 19, 103  # odd H and V: no divisibility anywhere
@@ -32,6 +32,7 @@ def _inputs(dtype, bias=True, ignore_index=-100, seed=0):
 def _ref(h, W, b, labels, temperature, ignore_index):
     """float64 token_logprobs on the materialised float64 logits, differentiable."""
     from ppo_kernels.token_logprobs import reference as tl_ref
+
     z = reference.logits(h, W, b)
     lp, ent, _ = tl_ref.forward(z, labels, temperature, ignore_index, True)
     return lp, ent
@@ -43,14 +44,19 @@ FWD_TOL = dict(atol=2e-5, rtol=2e-5)
 
 
 def test_plan_respects_budget_and_chunks_vocabulary():
-    for N, V_, H_, dt, budget in [(4096, 152064, 4096, torch.bfloat16, 64 << 20),
-                                  (18, 103, 19, torch.float32, TINY),
-                                  (1000, 50000, 64, torch.float32, 1 << 20),
-                                  (7, 11, 3, torch.float16, 1)]:
+    for N, V_, H_, dt, budget in [
+        (4096, 152064, 4096, torch.bfloat16, 64 << 20),
+        (18, 103, 19, torch.float32, TINY),
+        (1000, 50000, 64, torch.float32, 1 << 20),
+        (7, 11, 3, torch.float16, 1),
+    ]:
         p = plan_chunks(N, V_, H_, dt, "cpu", budget)
         assert 1 <= p.rows <= N and 1 <= p.vocab <= V_ and 1 <= p.sub <= p.vocab
-        used = p.rows * p.vocab * 4 + p.rows * H_ * 4 * (2 if p.upcast else 1) \
+        used = (
+            p.rows * p.vocab * 4
+            + p.rows * H_ * 4 * (2 if p.upcast else 1)
             + ((V_ if p.whole_weight else p.sub) * H_ * 4 if p.upcast else 0)
+        )
         assert used <= max(budget, 4 * (V_ + 2 * H_ + H_)), (p, used, budget)
     assert plan_chunks(18, V, H, torch.float32, "cpu", TINY).vocab < V
     assert plan_chunks(18, V, H, torch.float32, "cpu", 1 << 20).vocab == V
@@ -64,10 +70,12 @@ def test_forward_matches_reference(backend, dtype, bias, budget):
     h, W, b, labels = _inputs(dtype, bias)
     ref_lp, ref_ent = _ref(h, W, b, labels, 0.7, -100)
     with use_backend(linear_token_logprobs=backend), poisoned():
-        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, bias=b, temperature=0.7,
-                                                    return_entropy=True, max_chunk_bytes=budget)
-        lp_only = ppo_kernels.linear_token_logprobs(h, W, labels.int(), bias=b, temperature=0.7,
-                                                    max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h, W, labels, bias=b, temperature=0.7, return_entropy=True, max_chunk_bytes=budget
+        )
+        lp_only = ppo_kernels.linear_token_logprobs(
+            h, W, labels.int(), bias=b, temperature=0.7, max_chunk_bytes=budget
+        )
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == labels.shape
     torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
     torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
@@ -102,9 +110,16 @@ def test_gradients_match_reference(backend, dtype, budget, which):
 
     ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
     with use_backend(linear_token_logprobs=backend), poisoned():
-        lp, ent = ppo_kernels.linear_token_logprobs(ours[0], ours[1], labels, bias=ours[2],
-                                                    temperature=1.3, ignore_index=ignore_index,
-                                                    return_entropy=True, max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            ours[0],
+            ours[1],
+            labels,
+            bias=ours[2],
+            temperature=1.3,
+            ignore_index=ignore_index,
+            return_entropy=True,
+            max_chunk_bytes=budget,
+        )
         loss(lp, ent).backward()
     # Accumulation is float32 throughout (the CPU upcasts bf16 chunks); the only other error is
     # rounding the returned gradient to the input dtype.
@@ -124,8 +139,9 @@ def test_gradcheck_float64(budget):
     labels = torch.tensor([0, 12, -100, 7, 3])
 
     def f(h, W, b):
-        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, bias=b, temperature=0.9,
-                                                    return_entropy=True, max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h, W, labels, bias=b, temperature=0.9, return_entropy=True, max_chunk_bytes=budget
+        )
         return lp, ent
 
     if budget:
@@ -140,17 +156,38 @@ def test_opcheck(backend):
     h.requires_grad_(), W.requires_grad_(), b.requires_grad_()
     with use_backend(linear_token_logprobs=backend):
         for budget in (0, TINY):
-            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs,
-                                  (h, W, labels.reshape(-1), b, 0.8, -100, True, budget))
-        torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs,
-                              (h, W, labels.reshape(-1), None, 1.0, -100, False, 0))
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.linear_token_logprobs,
+                (h, W, labels.reshape(-1), b, 0.8, -100, True, budget),
+            )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.linear_token_logprobs,
+            (h, W, labels.reshape(-1), None, 1.0, -100, False, 0),
+        )
         y = labels.reshape(-1)
-        lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(h.detach(), W.detach(), y, b.detach(),
-                                                                   0.8, -100, True, TINY)
+        lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(
+            h.detach(), W.detach(), y, b.detach(), 0.8, -100, True, TINY
+        )
         for budget in (0, TINY):
-            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
-                                  (torch.randn_like(lp), torch.randn_like(ent), h.detach(), W.detach(), y,
-                                   b.detach(), lse, ent, 0.8, -100, budget, True, True, True))
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
+                (
+                    torch.randn_like(lp),
+                    torch.randn_like(ent),
+                    h.detach(),
+                    W.detach(),
+                    y,
+                    b.detach(),
+                    lse,
+                    ent,
+                    0.8,
+                    -100,
+                    budget,
+                    True,
+                    True,
+                    True,
+                ),
+            )
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
@@ -160,14 +197,16 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(h, W, labels):
-        lp, ent = ppo_kernels.linear_token_logprobs(h * 1.0, W, labels, temperature=0.9,
-                                                    return_entropy=True, max_chunk_bytes=TINY)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h * 1.0, W, labels, temperature=0.9, return_entropy=True, max_chunk_bytes=TINY
+        )
         return (lp * 2).sum() + ent.sum()
 
     f(hc, Wc, labels).backward()
     he, We = h.clone().requires_grad_(), W.clone().requires_grad_()
-    lp, ent = ppo_kernels.linear_token_logprobs(he, We, labels, temperature=0.9,
-                                                return_entropy=True, max_chunk_bytes=TINY)
+    lp, ent = ppo_kernels.linear_token_logprobs(
+        he, We, labels, temperature=0.9, return_entropy=True, max_chunk_bytes=TINY
+    )
     ((lp * 2).sum() + ent.sum()).backward()
     torch.testing.assert_close(hc.grad, he.grad)
     torch.testing.assert_close(Wc.grad, We.grad)
@@ -180,7 +219,8 @@ def test_weight_gradient_accumulates_in_float32():
     lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(h2, W, lab, None, 1.0, -100, True, 0)
     g = torch.randn_like(lp)
     gh, gW, gb = torch.ops.ppo_kernels.linear_token_logprobs_backward(
-        g, None, h2, W, lab, None, lse, ent, 1.0, -100, 0, True, True, False)
+        g, None, h2, W, lab, None, lse, ent, 1.0, -100, 0, True, True, False
+    )
     assert gW.dtype == torch.float32 and gb.numel() == 0 and gh.dtype == torch.bfloat16
     Wd = W.double().requires_grad_()
     (_ref(h2, Wd, None, lab, 1.0, -100)[0] * g.double()).sum().backward()
@@ -192,7 +232,9 @@ def test_frozen_weight_and_empty_input():
     hh = h.clone().requires_grad_()
     ppo_kernels.linear_token_logprobs(hh, W, labels, bias=b).sum().backward()
     assert hh.grad is not None and W.grad is None
-    empty = ppo_kernels.linear_token_logprobs(torch.zeros(0, H), W, torch.zeros(0, dtype=torch.long))
+    empty = ppo_kernels.linear_token_logprobs(
+        torch.zeros(0, H), W, torch.zeros(0, dtype=torch.long)
+    )
     assert empty.shape == (0,)
 
 
@@ -200,8 +242,9 @@ def test_nan_hidden_row_gives_nan_only_there():
     h, W, b, labels = _inputs(torch.float32)
     h[1, 3, 4] = float("nan")
     for budget in (None, TINY):
-        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, bias=b, return_entropy=True,
-                                                    max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h, W, labels, bias=b, return_entropy=True, max_chunk_bytes=budget
+        )
         assert lp[1, 3].isnan() and ent[1, 3].isnan()
         ok = torch.ones_like(labels, dtype=torch.bool)
         ok[1, 3] = False
@@ -242,8 +285,9 @@ def test_peak_memory_bounded_where_logits_would_not_fit():
     logits_bytes = N * V_ * 4  # 32 MiB
 
     def ours():
-        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, return_entropy=True,
-                                                    max_chunk_bytes=budget)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h, W, labels, return_entropy=True, max_chunk_bytes=budget
+        )
         (lp.sum() + ent.sum()).backward()
 
     def materialised():
@@ -271,8 +315,9 @@ def test_long_vocabulary_several_blocks_per_tile(backend):
     for budget in (None, 100_000):  # whole vocabulary; two vocabulary chunks
         hh.grad = WW.grad = None
         with use_backend(linear_token_logprobs=backend), poisoned():
-            lp, ent = ppo_kernels.linear_token_logprobs(hh, WW, labels, return_entropy=True,
-                                                        max_chunk_bytes=budget)
+            lp, ent = ppo_kernels.linear_token_logprobs(
+                hh, WW, labels, return_entropy=True, max_chunk_bytes=budget
+            )
             (lp.sum() + ent.sum()).backward()
         torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
         torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
@@ -289,8 +334,9 @@ def test_square_tiles_plan(monkeypatch):
     assert plan_chunks(B * T, V, H, torch.float32, "cpu", 4000).vocab < V
     ref_lp, ref_ent = _ref(h, W, b, labels, 1.0, -100)
     hh = h.clone().requires_grad_()
-    lp, ent = ppo_kernels.linear_token_logprobs(hh, W, labels, bias=b, return_entropy=True,
-                                                max_chunk_bytes=4000)
+    lp, ent = ppo_kernels.linear_token_logprobs(
+        hh, W, labels, bias=b, return_entropy=True, max_chunk_bytes=4000
+    )
     torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
     torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
     (lp.sum() + ent.sum()).backward()
@@ -319,7 +365,9 @@ def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
     state[0] = float("-inf")
     zl = torch.full((4,), float("nan"))
     for v0 in (0, 6):  # two vocabulary chunks
-        mod.tile_stats_(tile[:, v0:min(V_, v0 + 6)].contiguous(), labels, v0, 1.0, -100, state, zl)
+        mod.tile_stats_(
+            tile[:, v0 : min(V_, v0 + 6)].contiguous(), labels, v0, 1.0, -100, state, zl
+        )
     lp, ent, lse = reference.finalize(state, zl, labels, V_, -100)
     ref = torch.log_softmax(tile.double(), -1)
     torch.testing.assert_close(lp[0].double(), ref[0, 3], atol=1e-6, rtol=1e-6)
@@ -335,30 +383,40 @@ def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
 # forces vocabulary chunks of ~77 entries x 2 rows with input-dtype tiles
 INPUT_TINY = 1500
 
+
 def _materialised(h, W, b, labels, temperature, ignore_index):
     """What a trainer gets today: the logits materialised in the input dtype, then token_logprobs."""
     z = h @ W.T
     if b is not None:
         z = z + b
-    return ppo_kernels.token_logprobs(z, labels, temperature=temperature,
-                                      ignore_index=ignore_index, return_entropy=True)
+    return ppo_kernels.token_logprobs(
+        z, labels, temperature=temperature, ignore_index=ignore_index, return_entropy=True
+    )
 
 
 def test_input_logits_dtype_plan_respects_budget():
-    for N, V_, H_, budget in [(4096, 152064, 4096, 64 << 20), (18, 103, 19, INPUT_TINY),
-                              (1000, 50000, 64, 1 << 20), (7, 11, 3, 1)]:
+    for N, V_, H_, budget in [
+        (4096, 152064, 4096, 64 << 20),
+        (18, 103, 19, INPUT_TINY),
+        (1000, 50000, 64, 1 << 20),
+        (7, 11, 3, 1),
+    ]:
         for fused in (True, False):
-            p = plan_chunks(N, V_, H_, torch.bfloat16, "cpu", budget, logits_dtype="input",
-                            fused=fused)
+            p = plan_chunks(
+                N, V_, H_, torch.bfloat16, "cpu", budget, logits_dtype="input", fused=fused
+            )
             assert p.input_tiles and not p.upcast
             assert 1 <= p.rows <= N and 1 <= p.vocab <= V_ and 1 <= p.sub <= p.vocab
             f32_copy = not fused or p.vocab < V_
             used = p.rows * p.vocab * (2 + 4 * f32_copy) + p.rows * H_ * 10 + p.sub * H_ * 6
             assert used <= max(budget, 2 * (3 * V_ + 5 * H_ + 3 * H_)), (p, used, budget)
     # the float32 copy of vocabulary chunks only when the fused kernels cannot take the tile
-    assert plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input").rows > \
-        plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input",
-                    fused=False).rows
+    assert (
+        plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input").rows
+        > plan_chunks(
+            4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input", fused=False
+        ).rows
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -367,8 +425,9 @@ def test_input_logits_dtype_plan_respects_budget():
 @pytest.mark.parametrize("budget", [None, INPUT_TINY])  # whole vocabulary; chunks
 def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, budget):
     h, W, b, labels = _inputs(dtype, bias)
-    assert (plan_chunks(B * T, V, H, dtype, "cpu", budget or (64 << 20),
-                        logits_dtype="input").vocab < V) == (budget is not None)
+    assert (
+        plan_chunks(B * T, V, H, dtype, "cpu", budget or (64 << 20), logits_dtype="input").vocab < V
+    ) == (budget is not None)
     g = torch.Generator().manual_seed(2)
     g_lp, g_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
 
@@ -378,9 +437,16 @@ def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, bu
 
     ours = [t.clone().requires_grad_() if t is not None else None for t in (h, W, b)]
     with use_backend(linear_token_logprobs=backend), poisoned():
-        lp, ent = ppo_kernels.linear_token_logprobs(ours[0], ours[1], labels, bias=ours[2],
-                                                    temperature=0.7, return_entropy=True,
-                                                    max_chunk_bytes=budget, logits_dtype="input")
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            ours[0],
+            ours[1],
+            labels,
+            bias=ours[2],
+            temperature=0.7,
+            return_entropy=True,
+            max_chunk_bytes=budget,
+            logits_dtype="input",
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     # Same input-dtype logits, same float32 reduction: float32 rounding only.
     torch.testing.assert_close(lp, ref_lp, **FWD_TOL)
@@ -397,8 +463,13 @@ def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, bu
             continue
         assert t.grad.dtype == dtype, name
         scale = r.grad.float().abs().max().item()
-        torch.testing.assert_close(t.grad.float(), r.grad.float(), atol=2 * eps * scale, rtol=0,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            t.grad.float(),
+            r.grad.float(),
+            atol=2 * eps * scale,
+            rtol=0,
+            msg=lambda m: f"{name}: {m}",
+        )
     assert (ours[0].grad[labels == -100] == 0).all()
 
 
@@ -408,8 +479,9 @@ def test_input_logits_dtype_is_ignored_for_float32_and_float64(dtype):
     outs = []
     for mode in ("float32", "input"):
         hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
-        lp, ent = ppo_kernels.linear_token_logprobs(hh, WW, labels, bias=b, return_entropy=True,
-                                                    max_chunk_bytes=TINY, logits_dtype=mode)
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            hh, WW, labels, bias=b, return_entropy=True, max_chunk_bytes=TINY, logits_dtype=mode
+        )
         (lp.sum() + ent.sum()).backward()
         outs.append((lp, ent, hh.grad, WW.grad))
     for a, c in zip(*outs):
@@ -424,14 +496,41 @@ def test_opcheck_input_logits_dtype(backend):
     h, y = h.reshape(-1, H), labels.reshape(-1)
     with use_backend(linear_token_logprobs=backend):
         for budget in (0, INPUT_TINY):
-            args = (h.clone().requires_grad_(), W.clone().requires_grad_(),
-                    y, b.clone().requires_grad_(), 0.8, -100, True, budget, "input")
+            args = (
+                h.clone().requires_grad_(),
+                W.clone().requires_grad_(),
+                y,
+                b.clone().requires_grad_(),
+                0.8,
+                -100,
+                True,
+                budget,
+                "input",
+            )
             torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs, args)
-            lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(h, W, y, b, 0.8, -100, True,
-                                                                       budget, "input")
-            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
-                                  (torch.randn_like(lp), torch.randn_like(ent), h, W, y, b, lse,
-                                   ent, 0.8, -100, budget, True, True, True, "input"))
+            lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(
+                h, W, y, b, 0.8, -100, True, budget, "input"
+            )
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.linear_token_logprobs_backward.default,
+                (
+                    torch.randn_like(lp),
+                    torch.randn_like(ent),
+                    h,
+                    W,
+                    y,
+                    b,
+                    lse,
+                    ent,
+                    0.8,
+                    -100,
+                    budget,
+                    True,
+                    True,
+                    True,
+                    "input",
+                ),
+            )
 
 
 def test_torch_compile_fullgraph_input_logits_dtype():
@@ -442,9 +541,14 @@ def test_torch_compile_fullgraph_input_logits_dtype():
         hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
 
         def f(h, W, labels):
-            lp, ent = ppo_kernels.linear_token_logprobs(h * 1.0, W, labels, return_entropy=True,
-                                                        max_chunk_bytes=INPUT_TINY,
-                                                        logits_dtype="input")
+            lp, ent = ppo_kernels.linear_token_logprobs(
+                h * 1.0,
+                W,
+                labels,
+                return_entropy=True,
+                max_chunk_bytes=INPUT_TINY,
+                logits_dtype="input",
+            )
             return lp.sum() + ent.sum()
 
         fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
@@ -464,8 +568,9 @@ def test_peak_memory_bounded_with_input_logits_dtype():
     logits_bytes = N * V_ * 2  # 32 MiB of bf16 logits
 
     def ours():
-        lp, ent = ppo_kernels.linear_token_logprobs(h, W, labels, return_entropy=True,
-                                                    max_chunk_bytes=budget, logits_dtype="input")
+        lp, ent = ppo_kernels.linear_token_logprobs(
+            h, W, labels, return_entropy=True, max_chunk_bytes=budget, logits_dtype="input"
+        )
         (lp.sum() + ent.sum()).backward()
 
     def materialised():
@@ -504,8 +609,16 @@ def test_softcap(budget, entropy):
         return lp + 0.3 * ent if entropy else lp
 
     def ours(h, w, b):
-        out = pk.linear_token_logprobs(h, w, y, bias=b, temperature=T, softcap=cap,
-                                       return_entropy=entropy, max_chunk_bytes=budget)
+        out = pk.linear_token_logprobs(
+            h,
+            w,
+            y,
+            bias=b,
+            temperature=T,
+            softcap=cap,
+            return_entropy=entropy,
+            max_chunk_bytes=budget,
+        )
         return out[0] + 0.3 * out[1] if entropy else out
 
     for backend in cpu_backends("linear_token_logprobs"):
@@ -522,6 +635,7 @@ def test_softcap(budget, entropy):
     args = [t.clone().requires_grad_(True) for t in (h[:4], w[:12], b[:12])]
     y4 = y[:4].clamp(0, 11)
     assert torch.autograd.gradcheck(
-        lambda *a: pk.linear_token_logprobs(a[0], a[1], y4, bias=a[2], softcap=cap), args)
+        lambda *a: pk.linear_token_logprobs(a[0], a[1], y4, bias=a[2], softcap=cap), args
+    )
     with pytest.raises(ValueError, match="softcap"):
         pk.linear_token_logprobs(h.float(), w.float(), y, softcap=0.0)

@@ -5,14 +5,13 @@ available (tests/_peers.py), and through opcheck, gradcheck and torch.compile.""
 
 import pytest
 import torch
+from _peers import Config, load_verl
+from _utils import poisoned
+from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.losses import op as loss_op
-
-from _peers import Config, load_verl
-from _utils import poisoned
-from conftest import cpu_backends
 
 BACKENDS = cpu_backends("ppo_policy_loss")
 VBACKENDS = cpu_backends("ppo_value_loss")
@@ -20,23 +19,41 @@ AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-tok
 DTYPES = [torch.float32, torch.bfloat16]
 # float32 kernels against the float64 composition on dtype-rounded inputs
 LOSS_TOL = dict(atol=2e-6, rtol=2e-5)
-GRAD_TOL = {torch.float32: dict(atol=1e-7, rtol=1e-5), torch.bfloat16: dict(atol=1e-7, rtol=8e-3),
-            torch.float16: dict(atol=1e-7, rtol=1e-3)}
+GRAD_TOL = {
+    torch.float32: dict(atol=1e-7, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-7, rtol=8e-3),
+    torch.float16: dict(atol=1e-7, rtol=1e-3),
+}
 
 
 # ----------------------------------------------------------------------------- literal semantics
 # Written from verl's documented semantics (core_algos.agg_loss / compute_policy_loss_vanilla /
 # compute_value_loss), in float64, except that an empty denominator gives 0 (verl: NaN).
-def lit_agg(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-            loss_scale_factor=None):
+def lit_agg(
+    loss_mat,
+    mask,
+    mode,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
     m = mask.to(loss_mat.dtype)
     masked = torch.where(m != 0, loss_mat, 0.0) * m
     if mode == "token-mean":
-        n = m.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=m.dtype)
+        n = (
+            m.sum()
+            if batch_num_tokens is None
+            else torch.as_tensor(batch_num_tokens, dtype=m.dtype)
+        )
         return torch.where(n != 0, masked.sum() / n * dp_size, 0.0)
     row_n = m.sum(-1)
     nonempty = row_n > 0
-    s = nonempty.sum().to(m.dtype) if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=m.dtype)
+    s = (
+        nonempty.sum().to(m.dtype)
+        if global_batch_size is None
+        else torch.as_tensor(global_batch_size, dtype=m.dtype)
+    )
     seq = masked.sum(-1)
     if mode == "seq-mean-token-mean":
         seq = torch.where(nonempty, seq / torch.where(nonempty, row_n, 1.0), 0.0)
@@ -49,11 +66,24 @@ def lit_agg(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch
 def lit_masked_mean(x, m):
     m = m.to(x.dtype)
     n = m.sum()
-    return torch.where(n != 0, (torch.where(m != 0, x, 0.0) * m).sum() / torch.where(n != 0, n, 1.0), 0.0)
+    return torch.where(
+        n != 0, (torch.where(m != 0, x, 0.0) * m).sum() / torch.where(n != 0, n, 1.0), 0.0
+    )
 
 
-def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg="token-mean", lrc=20.0,
-               w=None, **kw):
+def lit_policy(
+    lp,
+    old,
+    adv,
+    mask,
+    clip_low=0.2,
+    clip_high=None,
+    dual=None,
+    agg="token-mean",
+    lrc=20.0,
+    w=None,
+    **kw,
+):
     clip_high = clip_low if clip_high is None else clip_high
     d = torch.clamp(lp - old, -lrc, lrc)
     r = torch.exp(d)
@@ -67,8 +97,12 @@ def lit_policy(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual=None, agg=
     else:
         pg = c1
         lower = torch.zeros((), dtype=lp.dtype)
-    stats = dict(clip_frac=lit_masked_mean((pg2 > pg1).to(lp.dtype), mask), clip_frac_lower=lower,
-                 approx_kl=lit_masked_mean(-d, mask), ratio_mean=lit_masked_mean(r, mask))
+    stats = dict(
+        clip_frac=lit_masked_mean((pg2 > pg1).to(lp.dtype), mask),
+        clip_frac_lower=lower,
+        approx_kl=lit_masked_mean(-d, mask),
+        ratio_mean=lit_masked_mean(r, mask),
+    )
     return lit_agg(pg if w is None else pg * w, mask, agg, **kw), stats
 
 
@@ -78,8 +112,10 @@ def lit_value(v, vo, ret, mask, clip=None, agg="token-mean", **kw):
         return 0.5 * lit_agg(l1, mask, agg, **kw), dict(clip_frac=torch.zeros((), dtype=v.dtype))
     vc = torch.max(torch.min(v, vo + clip), vo - clip)
     l2 = (vc - ret) ** 2
-    return (0.5 * lit_agg(torch.max(l1, l2), mask, agg, **kw),
-            dict(clip_frac=lit_masked_mean((l2 > l1).to(v.dtype), mask)))
+    return (
+        0.5 * lit_agg(torch.max(l1, l2), mask, agg, **kw),
+        dict(clip_frac=lit_masked_mean((l2 > l1).to(v.dtype), mask)),
+    )
 
 
 def _inputs(B=5, T=37, dtype=torch.float32, spread=0.4, empty_row=True, mask_dtype=torch.bool):
@@ -109,7 +145,11 @@ def _run_policy(backend, lp, old, adv, mask, **kw):
 
 def _check_policy(backend, lp, old, adv, mask, grad_tol=None, **kw):
     """kw in the literal reference's names (dual, lrc, batch_num_tokens, ...)."""
-    rename = {"dual": "dual_clip", "lrc": "log_ratio_clamp", "batch_num_tokens": "global_num_tokens"}
+    rename = {
+        "dual": "dual_clip",
+        "lrc": "log_ratio_clamp",
+        "batch_num_tokens": "global_num_tokens",
+    }
     api_kw = {rename.get(k, k): v for k, v in kw.items()}
     loss, stats, grad = _run_policy(backend, lp, old, adv, mask, **api_kw)
     rloss, rstats, rgrad = _ref_policy(lp, old, adv, mask, **kw)
@@ -118,7 +158,9 @@ def _check_policy(backend, lp, old, adv, mask, grad_tol=None, **kw):
     for k in rstats:
         torch.testing.assert_close(stats[k].double(), rstats[k], **LOSS_TOL, msg=f"stat {k}")
     assert grad.dtype == lp.dtype
-    torch.testing.assert_close(grad.double(), rgrad.to(lp.dtype).double(), **(grad_tol or GRAD_TOL[lp.dtype]))
+    torch.testing.assert_close(
+        grad.double(), rgrad.to(lp.dtype).double(), **(grad_tol or GRAD_TOL[lp.dtype])
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -197,8 +239,8 @@ def test_policy_loss_ties_like_autograd(backend):
     clipped branch) and A == 0 (GRPO groups of equal scores). torch gives each side of a
     torch.maximum / torch.minimum tie half of the gradient; the kernels agree."""
     lp, old, adv, mask = _inputs(B=3, T=20)
-    old[0] = lp[0]                 # ratio exactly 1
-    adv[1] = 0.0                   # A exactly 0
+    old[0] = lp[0]  # ratio exactly 1
+    adv[1] = 0.0  # A exactly 0
     adv[2, ::2] = -adv[2, ::2].abs()
     for dual in (None, 3.0):
         _check_policy(backend, lp, old, adv, mask, dual=dual)
@@ -211,26 +253,60 @@ def test_policy_loss_global_denominators(backend):
     _check_policy(backend, lp, old, adv, mask, agg="token-mean", dp_size=4, batch_num_tokens=n_tok)
     for agg in ("seq-mean-token-sum", "seq-mean-token-mean"):
         _check_policy(backend, lp, old, adv, mask, agg=agg, dp_size=2, global_batch_size=n_seq)
-    _check_policy(backend, lp, old, adv, mask, agg="seq-mean-token-sum-norm", dp_size=2,
-                  global_batch_size=n_seq, loss_scale_factor=4096)
+    _check_policy(
+        backend,
+        lp,
+        old,
+        adv,
+        mask,
+        agg="seq-mean-token-sum-norm",
+        dp_size=2,
+        global_batch_size=n_seq,
+        loss_scale_factor=4096,
+    )
     # a 0-dim tensor denominator (an all-reduced count: no host sync) gives the same result
-    a = _run_policy(backend, lp, old, adv, mask, agg="token-mean", dp_size=4, global_num_tokens=n_tok)
-    b = _run_policy(backend, lp, old, adv, mask, agg="token-mean", dp_size=4,
-                    global_num_tokens=torch.tensor(n_tok))
-    c = _run_policy(backend, lp, old, adv, mask, agg="token-mean", dp_size=4,
-                    global_num_tokens=torch.tensor(int(n_tok)))
+    a = _run_policy(
+        backend, lp, old, adv, mask, agg="token-mean", dp_size=4, global_num_tokens=n_tok
+    )
+    b = _run_policy(
+        backend,
+        lp,
+        old,
+        adv,
+        mask,
+        agg="token-mean",
+        dp_size=4,
+        global_num_tokens=torch.tensor(n_tok),
+    )
+    c = _run_policy(
+        backend,
+        lp,
+        old,
+        adv,
+        mask,
+        agg="token-mean",
+        dp_size=4,
+        global_num_tokens=torch.tensor(int(n_tok)),
+    )
     torch.testing.assert_close(a[0], b[0])
     torch.testing.assert_close(a[0], c[0])
     torch.testing.assert_close(a[2], b[2])
-    z = _run_policy(backend, lp, old, adv, mask, agg="token-mean", global_num_tokens=torch.tensor(0.0))
+    z = _run_policy(
+        backend, lp, old, adv, mask, agg="token-mean", global_num_tokens=torch.tensor(0.0)
+    )
     assert float(z[0].detach()) == 0.0 and torch.equal(z[2], torch.zeros_like(z[2]))
 
 
 def test_policy_loss_leading_dims_and_1d():
     lp, old, adv, mask = _inputs(B=6, T=11)
     a, sa = pk.ppo_policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean")
-    b, sb = pk.ppo_policy_loss(lp.view(2, 3, 11), old.view(2, 3, 11), adv.view(2, 3, 11), mask.view(2, 3, 11),
-                               agg="seq-mean-token-mean")
+    b, sb = pk.ppo_policy_loss(
+        lp.view(2, 3, 11),
+        old.view(2, 3, 11),
+        adv.view(2, 3, 11),
+        mask.view(2, 3, 11),
+        agg="seq-mean-token-mean",
+    )
     torch.testing.assert_close(a, b)
     one, _ = pk.ppo_policy_loss(lp[0], old[0], adv[0], mask[0])
     ref, _ = lit_policy(lp[0:1].double(), old[0:1].double(), adv[0:1].double(), mask[0:1])
@@ -305,7 +381,9 @@ def test_value_loss_matches_reference(backend, agg, dtype, clip):
 @pytest.mark.parametrize("backend", VBACKENDS)
 def test_value_loss_edges(backend):
     v, vo, ret, mask = _value_inputs(B=2, T=2100)
-    _check_value(backend, v, vo, ret, mask, clip=0.1, agg="token-mean", dp_size=3, global_num_tokens=999)
+    _check_value(
+        backend, v, vo, ret, mask, clip=0.1, agg="token-mean", dp_size=3, global_num_tokens=999
+    )
     # v exactly on the clip bounds (a 1/8 grid: exact in float32 and float64): torch.min / max ties
     vo = torch.round(vo * 8) / 8
     v2 = vo.clone()
@@ -324,11 +402,14 @@ def test_gradcheck_float64(agg):
     lp, old, adv = lp.double(), old.double(), adv.double()
     x = lp.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda x: pk.ppo_policy_loss(x, old, adv, mask, agg=agg, dual_clip=2.0, clip_high=0.3)[0], (x,))
+        lambda x: pk.ppo_policy_loss(x, old, adv, mask, agg=agg, dual_clip=2.0, clip_high=0.3)[0],
+        (x,),
+    )
     v, vo, ret, vmask = _value_inputs(B=3, T=9)
     y = v.double().requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda y: pk.ppo_value_loss(y, vo.double(), ret.double(), vmask, clip=0.2, agg=agg)[0], (y,))
+        lambda y: pk.ppo_value_loss(y, vo.double(), ret.double(), vmask, clip=0.2, agg=agg)[0], (y,)
+    )
 
 
 def _opcheck_args(backend_dtype=torch.float32):
@@ -340,20 +421,28 @@ def _opcheck_args(backend_dtype=torch.float32):
 def test_opcheck(backend):
     lp, old, adv, mask = _opcheck_args()
     with use_backend(backend):
-        torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, "seq-mean-token-mean", 1.0,
-                               None, None))
-        torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss.default,
-                              (lp, old, adv, mask, 0.2, 0.2, None, 20.0, "token-mean", 2.0,
-                               torch.tensor(50.0), None))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.ppo_policy_loss.default,
+            (lp, old, adv, mask, 0.2, 0.28, 3.0, 20.0, "seq-mean-token-mean", 1.0, None, None),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.ppo_policy_loss.default,
+            (lp, old, adv, mask, 0.2, 0.2, None, 20.0, "token-mean", 2.0, torch.tensor(50.0), None),
+        )
         coef = torch.rand(3)
-        torch.library.opcheck(torch.ops.ppo_kernels.ppo_policy_loss_backward.default,
-                              (torch.tensor(1.5), lp.detach(), old, adv, mask, coef, 0.2, 0.2, 3.0, 20.0))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.ppo_policy_loss_backward.default,
+            (torch.tensor(1.5), lp.detach(), old, adv, mask, coef, 0.2, 0.2, 3.0, 20.0),
+        )
         v = lp.detach().clone().requires_grad_(True)
-        torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss.default,
-                              (v, old, adv, mask, 0.2, "seq-mean-token-sum", 1.0, None, 4.0))
-        torch.library.opcheck(torch.ops.ppo_kernels.ppo_value_loss_backward.default,
-                              (torch.tensor(1.0), v.detach(), old, adv, mask, coef, 0.2))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.ppo_value_loss.default,
+            (v, old, adv, mask, 0.2, "seq-mean-token-sum", 1.0, None, 4.0),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.ppo_value_loss_backward.default,
+            (torch.tensor(1.0), v.detach(), old, adv, mask, coef, 0.2),
+        )
 
 
 def test_torch_compile_fullgraph():
@@ -381,8 +470,13 @@ def test_torch_compile_fullgraph():
 
 # ----------------------------------------------------------------------------- verl's real code
 def _verl_cfg(clip_low, clip_high, c=3.0, **gbi):
-    return Config(clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
-                  clip_ratio_c=c, global_batch_info=gbi)
+    return Config(
+        clip_ratio=clip_low,
+        clip_ratio_low=clip_low,
+        clip_ratio_high=clip_high,
+        clip_ratio_c=c,
+        global_batch_info=gbi,
+    )
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -393,7 +487,11 @@ def test_parity_with_verl_functions(agg):
     # agg_loss, local and with data-parallel globals
     lm = torch.randn(6, 40, dtype=torch.float64)
     gkw = dict(batch_num_tokens=150) if agg == "token-mean" else dict(global_batch_size=9)
-    for kw in ({}, dict(dp_size=4, **gkw), dict(loss_scale_factor=512) if agg.endswith("norm") else {}):
+    for kw in (
+        {},
+        dict(dp_size=4, **gkw),
+        dict(loss_scale_factor=512) if agg.endswith("norm") else {},
+    ):
         want = verl.agg_loss(lm, m.double(), agg, **kw)
         got = lit_agg(lm, m.double(), agg, **kw)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-7)
@@ -402,15 +500,22 @@ def test_parity_with_verl_functions(agg):
     want, metrics = verl.compute_policy_loss_vanilla(old, x, adv, m, agg, _verl_cfg(0.2, 0.28))
     want.backward()
     for backend in BACKENDS:
-        loss, stats, grad = _run_policy(backend, lp, old, adv, m, agg=agg, clip_low=0.2, clip_high=0.28,
-                                        dual_clip=3.0)
+        loss, stats, grad = _run_policy(
+            backend, lp, old, adv, m, agg=agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0
+        )
         torch.testing.assert_close(loss, want.detach(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(grad, x.grad, atol=1e-8, rtol=1e-5)
         assert float(stats["clip_frac"]) == pytest.approx(metrics["actor/pg_clipfrac"], abs=1e-6)
-        assert float(stats["clip_frac_lower"]) == pytest.approx(metrics["actor/pg_clipfrac_lower"], abs=1e-6)
+        assert float(stats["clip_frac_lower"]) == pytest.approx(
+            metrics["actor/pg_clipfrac_lower"], abs=1e-6
+        )
         assert float(stats["approx_kl"]) == pytest.approx(metrics["actor/ppo_kl"], abs=1e-6)
     # with data-parallel normalisation through config.global_batch_info
-    gbi = dict(dp_size=2, batch_num_tokens=100) if agg == "token-mean" else dict(dp_size=2, global_batch_size=11)
+    gbi = (
+        dict(dp_size=2, batch_num_tokens=100)
+        if agg == "token-mean"
+        else dict(dp_size=2, global_batch_size=11)
+    )
     want2, _ = verl.compute_policy_loss_vanilla(old, lp, adv, m, agg, _verl_cfg(0.2, 0.2, **gbi))
     api = dict(global_num_tokens=100) if agg == "token-mean" else dict(global_batch_size=11)
     got2, _ = pk.ppo_policy_loss(lp, old, adv, m, agg=agg, dual_clip=3.0, dp_size=2, **api)
@@ -443,17 +548,23 @@ def test_trl_grpo_loss_types(loss_type):
     coef2 = torch.clamp(coef1, 1 - 0.2, 1 + 0.28)
     per_tok = -torch.min(coef1 * adv.double(), coef2 * adv.double())
     m = mask.double()
-    want = {"grpo": lambda: ((per_tok * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
-            "bnpo": lambda: (per_tok * m).sum() / m.sum().clamp(min=1.0),
-            "dr_grpo": lambda: (per_tok * m).sum() / (B * L),
-            "dapo": lambda: (per_tok * m).sum() / (torch.tensor(float(items)) / procs)}[loss_type]()
+    want = {
+        "grpo": lambda: ((per_tok * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
+        "bnpo": lambda: (per_tok * m).sum() / m.sum().clamp(min=1.0),
+        "dr_grpo": lambda: (per_tok * m).sum() / (B * L),
+        "dapo": lambda: (per_tok * m).sum() / (torch.tensor(float(items)) / procs),
+    }[loss_type]()
     want.backward()
-    kw = {"grpo": dict(agg="seq-mean-token-mean", global_batch_size=B),
-          "bnpo": dict(agg="token-mean"),
-          "dr_grpo": dict(agg="seq-mean-token-sum-norm", global_batch_size=B, loss_scale_factor=L),
-          "dapo": dict(agg="token-mean", global_num_tokens=items, dp_size=procs)}[loss_type]
+    kw = {
+        "grpo": dict(agg="seq-mean-token-mean", global_batch_size=B),
+        "bnpo": dict(agg="token-mean"),
+        "dr_grpo": dict(agg="seq-mean-token-sum-norm", global_batch_size=B, loss_scale_factor=L),
+        "dapo": dict(agg="token-mean", global_num_tokens=items, dp_size=procs),
+    }[loss_type]
     for backend in BACKENDS:
-        loss, _, grad = _run_policy(backend, lp, old, adv.contiguous(), mask, clip_low=0.2, clip_high=0.28, **kw)
+        loss, _, grad = _run_policy(
+            backend, lp, old, adv.contiguous(), mask, clip_low=0.2, clip_high=0.28, **kw
+        )
         torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
         torch.testing.assert_close(grad.double(), x.grad, atol=1e-7, rtol=1e-5)
 
@@ -466,7 +577,9 @@ def test_reward_model_loss():
     r[:4] = 0.0
     x, y = c.double().requires_grad_(True), r.double().requires_grad_(True)
     d = x - y
-    want = torch.log1p(torch.exp(-d.abs())) + torch.clamp(-d, min=0)  # softplus(-d), stable, float64
+    want = torch.log1p(torch.exp(-d.abs())) + torch.clamp(
+        -d, min=0
+    )  # softplus(-d), stable, float64
     xc, yc = c.clone().requires_grad_(True), r.clone().requires_grad_(True)
     with poisoned():
         got = pk.reward_model_loss(xc, yc)
@@ -479,8 +592,10 @@ def test_reward_model_loss():
     assert per.shape == (64,) and torch.isfinite(per).all()
     assert float(per[0]) == 0.0 and float(per[1]) == 1000.0
     assert float(pk.reward_model_loss(c[:0], r[:0])) == 0.0
-    assert torch.autograd.gradcheck(lambda a, b: pk.reward_model_loss(a, b, reduction="sum"),
-                                    (x[:8].detach().requires_grad_(True), y[:8].detach().requires_grad_(True)))
+    assert torch.autograd.gradcheck(
+        lambda a, b: pk.reward_model_loss(a, b, reduction="sum"),
+        (x[:8].detach().requires_grad_(True), y[:8].detach().requires_grad_(True)),
+    )
 
 
 def test_dpo_loss():
@@ -512,7 +627,9 @@ def test_pairwise_opcheck_and_compile():
     for red in ("mean", "sum", "none"):
         torch.library.opcheck(torch.ops.ppo_kernels.pairwise_logsigmoid_loss.default, (z, red))
     torch._dynamo.reset()
-    f = torch.compile(lambda a, b, c, d: pk.dpo_loss(a, b, c, d, beta=0.2), fullgraph=True, backend="aot_eager")
+    f = torch.compile(
+        lambda a, b, c, d: pk.dpo_loss(a, b, c, d, beta=0.2), fullgraph=True, backend="aot_eager"
+    )
     a = [torch.randn(5) for _ in range(4)]
     torch.testing.assert_close(f(*a), pk.dpo_loss(*a, beta=0.2))
 
@@ -529,7 +646,9 @@ def test_torch_compile_inductor_fullgraph():
     ntok = mask.sum()
 
     def step(x):
-        loss, st = pk.ppo_policy_loss(x * 1.0, old, adv, mask, dual_clip=3.0, global_num_tokens=ntok)
+        loss, st = pk.ppo_policy_loss(
+            x * 1.0, old, adv, mask, dual_clip=3.0, global_num_tokens=ntok
+        )
         return loss * 2.0, st["approx_kl"] + 0.0
 
     x1, x2 = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
@@ -559,7 +678,7 @@ def test_policy_loss_entropy_mean_statistic():
 def _agg64(x, m, agg, dp=1, n_tok=None, n_seq=None, lsf=None):
     """verl's agg_loss written out in float64 (plus token-sum)."""
     x, m = x.double(), m.double()
-    s = (torch.where(m != 0, x, 0.0) * m)
+    s = torch.where(m != 0, x, 0.0) * m
     if agg == "token-mean":
         return s.sum() / (m.sum() if n_tok is None else n_tok) * dp
     if agg == "token-sum":
@@ -572,18 +691,30 @@ def _agg64(x, m, agg, dp=1, n_tok=None, n_seq=None, lsf=None):
     return out / (m.shape[-1] if lsf is None else lsf) if agg.endswith("norm") else out
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum",
-                                 "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "agg",
+    [
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ],
+)
 def test_masked_aggregate(agg):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, generator=g)
     m = (torch.rand(5, 7, generator=g) > 0.4).float() * torch.rand(5, 7, generator=g)  # weighted
     m[3] = 0
     x_nan = torch.where(m != 0, x, float("nan"))  # masked-out NaN never reach the result
-    kw = dict(dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3)
+    kw = dict(
+        dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3
+    )
     for k in ({}, kw):
         got = pk.masked_aggregate(x_nan, m, agg, **k)
-        ref = _agg64(x, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None)
+        ref = _agg64(
+            x, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None
+        )
         torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-7)
     xd = x.double().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: pk.masked_aggregate(t, m.double(), agg, **kw), (xd,))
@@ -600,8 +731,10 @@ def test_masked_aggregate(agg):
 
 def test_masked_aggregate_opcheck_and_compile():
     x, m = torch.randn(3, 4, requires_grad=True), torch.rand(3, 4) > 0.3
-    torch.library.opcheck(torch.ops.ppo_kernels.masked_aggregate.default,
-                          (x, m, "seq-mean-token-mean", 1.0, None, None))
+    torch.library.opcheck(
+        torch.ops.ppo_kernels.masked_aggregate.default,
+        (x, m, "seq-mean-token-mean", 1.0, None, None),
+    )
     f = torch.compile(lambda a, b: pk.masked_aggregate(a, b, "token-mean"), fullgraph=True)
     torch.testing.assert_close(f(x, m), pk.masked_aggregate(x, m, "token-mean"))
 
@@ -631,11 +764,16 @@ def test_per_token_weights(agg):
     torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-7, rtol=1e-5)
     # weights of one are the unweighted fused kernel
     one, _ = pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, **kw)
-    torch.testing.assert_close(pk.ppo_policy_loss(lp.float(), old.float(), adv.float(), mask,
-                                                  weights=torch.ones(B, T), **kw)[0], one)
+    torch.testing.assert_close(
+        pk.ppo_policy_loss(
+            lp.float(), old.float(), adv.float(), mask, weights=torch.ones(B, T), **kw
+        )[0],
+        one,
+    )
     v = torch.randn(B, T, generator=g, requires_grad=True)
-    lv, _ = pk.ppo_value_loss(v, v.detach() + 0.1, adv.float(), mask, clip=0.05, agg=agg,
-                              weights=w.float())
+    lv, _ = pk.ppo_value_loss(
+        v, v.detach() + 0.1, adv.float(), mask, clip=0.05, agg=agg, weights=w.float()
+    )
     vd, vo = v.detach().double(), v.detach().double() + 0.1
     vc = torch.max(torch.min(vd, vo + 0.05), vo - 0.05)
     per_token = 0.5 * torch.maximum((vd - adv) ** 2, (vc - adv) ** 2)

@@ -1,4 +1,5 @@
 """The package as a user meets it: import without the compiled extension, `info`, backends."""
+
 import os
 import subprocess
 import sys
@@ -13,19 +14,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(code, **env):
     e = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_imports_and_works_without_the_extension_with_one_warning():
-    code = ("import torch, ppo_kernels as pk\n"
-            "x = torch.randn(3, 17); y = torch.randint(0, 17, (3,))\n"
-            "ref = torch.log_softmax(x, -1).gather(-1, y[:, None])[:, 0]\n"
-            "assert torch.allclose(pk.token_logprobs(x, y), ref, atol=1e-6)\n"
-            "from ppo_kernels import _backend\n"
-            "assert not _backend.HAS_EXTENSION\n"
-            "assert _backend.resolve('token_logprobs', 'cpu') == 'eager'\n"
-            "print('OK')\n")
+    code = (
+        "import torch, ppo_kernels as pk\n"
+        "x = torch.randn(3, 17); y = torch.randint(0, 17, (3,))\n"
+        "ref = torch.log_softmax(x, -1).gather(-1, y[:, None])[:, 0]\n"
+        "assert torch.allclose(pk.token_logprobs(x, y), ref, atol=1e-6)\n"
+        "from ppo_kernels import _backend\n"
+        "assert not _backend.HAS_EXTENSION\n"
+        "assert _backend.resolve('token_logprobs', 'cpu') == 'eager'\n"
+        "print('OK')\n"
+    )
     r = _run(code, PPO_KERNELS_NO_EXTENSION="1")
     assert r.returncode == 0, r.stderr
     assert "OK" in r.stdout
@@ -56,6 +65,7 @@ def test_every_registered_op_is_opchecked_somewhere():
     """Guard for new ops: each torch.ops.ppo_kernels op must appear in an opcheck call."""
     import glob
     import re
+
     src = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
     checked = set(re.findall(r"opcheck\(\s*torch\.ops\.ppo_kernels\.(\w+)", src))
     ops = {n for n in dir(torch.ops.ppo_kernels) if not n.startswith("_") and n != "name"}
@@ -67,17 +77,28 @@ def test_extension_built_against_another_torch_is_not_loaded(tmp_path):
     """setup.py records the torch the extension was compiled against; under another torch it is
     not loaded, with one warning naming both versions."""
     import shutil
-    shutil.copytree(os.path.join(ROOT, "ppo_kernels"), tmp_path / "ppo_kernels",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    shutil.copytree(
+        os.path.join(ROOT, "ppo_kernels"),
+        tmp_path / "ppo_kernels",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (tmp_path / "ppo_kernels" / "_C.torch_version").write_text("2.0.0+other\n")
-    code = ("import ppo_kernels, torch\n"
-            "from ppo_kernels import _backend\n"
-            "assert not _backend.HAS_EXTENSION\n"
-            "assert ppo_kernels.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)).shape == (2,)\n"
-            "print('OK')\n")
-    r = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path,
-                       env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True,
-                       text=True, timeout=300)
+    code = (
+        "import ppo_kernels, torch\n"
+        "from ppo_kernels import _backend\n"
+        "assert not _backend.HAS_EXTENSION\n"
+        "assert ppo_kernels.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)).shape == (2,)\n"
+        "print('OK')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
     msg = f"built against torch 2.0.0+other but torch {torch.__version__} is running"
     assert r.stderr.count(msg) == 1, r.stderr
@@ -85,10 +106,16 @@ def test_extension_built_against_another_torch_is_not_loaded(tmp_path):
 
 
 def test_no_args_prints_help_and_version():
-    r = subprocess.run([sys.executable, "-m", "ppo_kernels"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppo_kernels"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "usage: python -m ppo_kernels" in r.stdout, r.stderr
     assert "info" in r.stdout and "train" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "ppo_kernels", "--version"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppo_kernels", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"ppo-kernels {ppo_kernels.__version__}"

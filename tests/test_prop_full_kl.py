@@ -1,6 +1,7 @@
 """Property-based: full_kl on every CPU backend against the float64 reference, forward and the
 gradients to both logits, on random shapes, dtypes, strided views, temperatures and row masks
 (budget: tests/_prop.py)."""
+
 import pytest
 import torch
 from _prop import (
@@ -30,9 +31,16 @@ def cases(draw, backend):
     x = draw(values(lead + [V], scale=scale, extremes=False))
     y = x + draw(values(lead + [V], scale=draw(st.sampled_from([1e-4, 0.1, 3.0])), extremes=False))
     mask = draw(masks(lead, kinds=("bool", "float"))) if draw(st.booleans()) else None
-    return (x, y, mask, draw(st.sampled_from(LOW_PRECISION)),
-            draw(st.sampled_from([1.0, 0.6, 2.0])), pads_for(draw, len(lead) + 1),
-            draw(st.booleans()), draw(st.integers(0, 2**31 - 1)))
+    return (
+        x,
+        y,
+        mask,
+        draw(st.sampled_from(LOW_PRECISION)),
+        draw(st.sampled_from([1.0, 0.6, 2.0])),
+        pads_for(draw, len(lead) + 1),
+        draw(st.booleans()),
+        draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 @pytest.mark.parametrize("backend", cpu_backends("full_kl"))
@@ -47,8 +55,9 @@ def test_full_kl_matches_float64(backend):
         a = zl.double().requires_grad_()
         b = zr.double().requires_grad_()
         want, _, _ = reference.forward(a, b, temperature, None if mask is None else mask != 0)
-        zmax = max(zl.abs().amax().item(), zr.abs().amax().item()) / temperature if zl.numel() \
-            else 0.0
+        zmax = (
+            max(zl.abs().amax().item(), zr.abs().amax().item()) / temperature if zl.numel() else 0.0
+        )
         atol = TOL[dtype]["atol"] + 16 * EPS32 * zmax
         torch.testing.assert_close(kl.double(), want.detach(), atol=atol, rtol=1e-4)
         g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(seed))
@@ -57,9 +66,15 @@ def test_full_kl_matches_float64(backend):
         (want * g.double()).sum().backward()
         got = leaf.grad[tuple(slice(0, n) for n in x.shape[:-1])]
         gatol = GRAD_TOL[dtype]["atol"] + 32 * EPS32 * zmax / temperature
-        torch.testing.assert_close(got.double(), a.grad.to(dtype).double(), atol=gatol,
-                                   rtol=GRAD_TOL[dtype]["rtol"])
+        torch.testing.assert_close(
+            got.double(), a.grad.to(dtype).double(), atol=gatol, rtol=GRAD_TOL[dtype]["rtol"]
+        )
         if ref_grad:
-            torch.testing.assert_close(rleaf.grad.double(), b.grad.to(dtype).double(), atol=gatol,
-                                       rtol=GRAD_TOL[dtype]["rtol"])
+            torch.testing.assert_close(
+                rleaf.grad.double(),
+                b.grad.to(dtype).double(),
+                atol=gatol,
+                rtol=GRAD_TOL[dtype]["rtol"],
+            )
+
     run(backend, cases(backend), body)

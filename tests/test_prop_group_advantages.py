@@ -1,6 +1,7 @@
 """Property-based: grpo_advantages / rloo_advantages on every CPU backend against the float64
 reference: random group layouts (indices or contiguous sizes, singletons), equal scores, eps
 including 0, masks (budget: tests/_prop.py)."""
+
 import pytest
 import torch
 from _prop import LOW_PRECISION, backend_ctx, masks, run, small
@@ -18,9 +19,11 @@ def cases(draw, backend):
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     style = draw(st.sampled_from(["normal", "equal", "binary"]))
-    scores = {"normal": torch.randn(B, generator=g, dtype=torch.float64) * 3,
-              "equal": torch.full((B,), 0.1, dtype=torch.float64),
-              "binary": (torch.rand(B, generator=g) > 0.5).double()}[style]
+    scores = {
+        "normal": torch.randn(B, generator=g, dtype=torch.float64) * 3,
+        "equal": torch.full((B,), 0.1, dtype=torch.float64),
+        "binary": (torch.rand(B, generator=g) > 0.5).double(),
+    }[style]
     by_index = draw(st.booleans()) or B == 0
     if by_index:
         gi = torch.randint(0, max(1, B // 2), (B,), generator=g)
@@ -29,8 +32,14 @@ def cases(draw, backend):
         size = draw(st.sampled_from([d for d in range(1, B + 1) if B % d == 0]))
         layout = {"group_size": size}
     mask = draw(masks([B, draw(st.integers(0, 5))])) if draw(st.booleans()) else None
-    return (scores, layout, mask, draw(st.sampled_from(LOW_PRECISION)),
-            draw(st.sampled_from([1e-6, 0.0, 0.1])), draw(st.booleans()))
+    return (
+        scores,
+        layout,
+        mask,
+        draw(st.sampled_from(LOW_PRECISION)),
+        draw(st.sampled_from([1e-6, 0.0, 0.1])),
+        draw(st.booleans()),
+    )
 
 
 @pytest.mark.parametrize("backend", cpu_backends("group_advantages"))
@@ -46,8 +55,16 @@ def test_group_advantages_match_float64(backend, kind):
                 got = pk.rloo_advantages(s, mask=mask, **layout)
         gi = layout.get("group_index")
         gs = layout.get("group_size")
-        want = reference.group_advantages(s.double(), gi, gs, eps if kind == "grpo" else 0.0,
-                                          norm if kind == "grpo" else False, mask, kind)
+        want = reference.group_advantages(
+            s.double(),
+            gi,
+            gs,
+            eps if kind == "grpo" else 0.0,
+            norm if kind == "grpo" else False,
+            mask,
+            kind,
+        )
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
     run(backend, cases(backend), body)

@@ -2,6 +2,7 @@
 materialised logits (hidden @ W^T + b), forward and the gradients to hidden, weight and bias, on
 random shapes (H = 0 and empty batches included), dtypes, chunk budgets small enough to chunk the
 vocabulary, temperatures and ignored labels (budget: tests/_prop.py)."""
+
 import pytest
 import torch
 from _prop import EPS32, backend_ctx, run, small, values
@@ -26,8 +27,16 @@ def cases(draw, backend):
     labels = torch.randint(0, V, lead, generator=g)
     if labels.numel() and draw(st.booleans()):
         labels = labels.masked_fill(torch.rand(lead, generator=g) < 0.3, -100)
-    return (h, w, b, labels, draw(st.sampled_from([torch.float32, torch.bfloat16])),
-            draw(st.sampled_from([1.0, 0.7])), draw(st.sampled_from([None, 256, 4096])), seed)
+    return (
+        h,
+        w,
+        b,
+        labels,
+        draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        draw(st.sampled_from([1.0, 0.7])),
+        draw(st.sampled_from([None, 256, 4096])),
+        seed,
+    )
 
 
 @pytest.mark.parametrize("backend", cpu_backends("linear_token_logprobs"))
@@ -37,8 +46,15 @@ def test_linear_token_logprobs_matches_float64(backend):
         hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
         bb = b.to(dtype).requires_grad_() if b is not None else None
         with poisoned(), backend_ctx("linear_token_logprobs", backend):
-            lp, ent = pk.linear_token_logprobs(hh, ww, labels, bias=bb, temperature=temperature,
-                                               return_entropy=True, max_chunk_bytes=budget)
+            lp, ent = pk.linear_token_logprobs(
+                hh,
+                ww,
+                labels,
+                bias=bb,
+                temperature=temperature,
+                return_entropy=True,
+                max_chunk_bytes=budget,
+            )
         h64, w64 = hh.detach().double().requires_grad_(), ww.detach().double().requires_grad_()
         b64 = bb.detach().double().requires_grad_() if bb is not None else None
         z = h64 @ w64.T + (b64 if b64 is not None else 0.0)
@@ -54,11 +70,15 @@ def test_linear_token_logprobs_matches_float64(backend):
         (lp_r * glp.double() + ent_r * gent.double()).sum().backward()
         rtol = 1e-4 if dtype == torch.float32 else 2e-2
         gatol = 1e-4 + 64 * EPS32 * zmax * max(labels.numel(), 1)
-        torch.testing.assert_close(hh.grad.double(), h64.grad.to(dtype).double(), atol=gatol,
-                                   rtol=rtol)
-        torch.testing.assert_close(ww.grad.double(), w64.grad.to(dtype).double(), atol=gatol,
-                                   rtol=rtol)
+        torch.testing.assert_close(
+            hh.grad.double(), h64.grad.to(dtype).double(), atol=gatol, rtol=rtol
+        )
+        torch.testing.assert_close(
+            ww.grad.double(), w64.grad.to(dtype).double(), atol=gatol, rtol=rtol
+        )
         if bb is not None:
-            torch.testing.assert_close(bb.grad.double(), b64.grad.to(dtype).double(), atol=gatol,
-                                       rtol=rtol)
+            torch.testing.assert_close(
+                bb.grad.double(), b64.grad.to(dtype).double(), atol=gatol, rtol=rtol
+            )
+
     run(backend, cases(backend), body)

@@ -1,6 +1,7 @@
 """Property-based: ppo_policy_loss / ppo_value_loss (every aggregation mode, dual clip, masks,
 data-parallel denominators; loss, statistics and gradient) on every CPU backend, and the pairwise
 reward-model / DPO losses, against the float64 reference (budget: tests/_prop.py)."""
+
 import pytest
 import torch
 from _prop import LOW_PRECISION, backend_ctx, masks, run, small, values
@@ -21,9 +22,19 @@ def cases(draw, backend):
     c = draw(values(shape, scale=draw(st.sampled_from([1e-2, 1.0, 1e3]))))
     agg = draw(st.sampled_from(AGG_MODES))
     denom = draw(st.sampled_from([None, "float", "tensor"]))
-    return (shape, a, b, c, draw(masks(shape)), agg, denom, draw(st.sampled_from(LOW_PRECISION)),
-            draw(st.sampled_from([None, 3.0])), draw(st.sampled_from([None, 0.2])),
-            draw(st.integers(0, 2**31 - 1)))
+    return (
+        shape,
+        a,
+        b,
+        c,
+        draw(masks(shape)),
+        agg,
+        denom,
+        draw(st.sampled_from(LOW_PRECISION)),
+        draw(st.sampled_from([None, 3.0])),
+        draw(st.sampled_from([None, 0.2])),
+        draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def _kw(agg, denom, mask):
@@ -42,8 +53,9 @@ def test_ppo_policy_loss_matches_float64(backend):
         x = lp.to(dtype).requires_grad_()
         kw, n = _kw(agg, denom, mask)
         with poisoned(), backend_ctx("ppo_policy_loss", backend):
-            loss, stats = pk.ppo_policy_loss(x, old.to(dtype), adv.to(dtype), mask, agg=agg,
-                                             dual_clip=dual, **kw)
+            loss, stats = pk.ppo_policy_loss(
+                x, old.to(dtype), adv.to(dtype), mask, agg=agg, dual_clip=dual, **kw
+            )
             loss.backward()
         x64 = x.detach().double().requires_grad_()
         T = shape[-1]
@@ -51,16 +63,28 @@ def test_ppo_policy_loss_matches_float64(backend):
         if agg == "seq-mean-token-sum-norm":
             scale /= max(T, 1)
         want, wstats, _ = reference.policy_loss(
-            x64, old.to(dtype).double(), adv.to(dtype).double(), mask, 0.2, None, dual, agg, 20.0,
-            scale, None if n is None else torch.tensor(n, dtype=torch.float64))
+            x64,
+            old.to(dtype).double(),
+            adv.to(dtype).double(),
+            mask,
+            0.2,
+            None,
+            dual,
+            agg,
+            20.0,
+            scale,
+            None if n is None else torch.tensor(n, dtype=torch.float64),
+        )
         want.backward()
         mag = 1.0 + adv.to(dtype).double().abs().max().item() * 2 if adv.numel() else 1.0
         torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5 * mag, rtol=1e-4)
         for k, w in zip(("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean"), wstats):
             torch.testing.assert_close(stats[k].double(), w.double(), atol=1e-5 * mag, rtol=1e-4)
         rtol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(x.grad.double(), x64.grad.to(dtype).double(), atol=1e-6 * mag,
-                                   rtol=rtol)
+        torch.testing.assert_close(
+            x.grad.double(), x64.grad.to(dtype).double(), atol=1e-6 * mag, rtol=rtol
+        )
+
     run(backend, cases(backend), body)
 
 
@@ -71,25 +95,39 @@ def test_ppo_value_loss_matches_float64(backend):
         x = v.to(dtype).requires_grad_()
         kw, n = _kw(agg, denom, mask)
         with poisoned(), backend_ctx("ppo_value_loss", backend):
-            loss, stats = pk.ppo_value_loss(x, old.to(dtype), ret.to(dtype), mask, agg=agg,
-                                            clip=clip, **kw)
+            loss, stats = pk.ppo_value_loss(
+                x, old.to(dtype), ret.to(dtype), mask, agg=agg, clip=clip, **kw
+            )
             loss.backward()
         x64 = x.detach().double().requires_grad_()
         scale = 2.0 if kw else 1.0
         if agg == "seq-mean-token-sum-norm":
             scale /= max(shape[-1], 1)
         want, wstats, _ = reference.value_loss(
-            x64, old.to(dtype).double(), ret.to(dtype).double(), mask, clip, agg, scale,
-            None if n is None else torch.tensor(n, dtype=torch.float64))
+            x64,
+            old.to(dtype).double(),
+            ret.to(dtype).double(),
+            mask,
+            clip,
+            agg,
+            scale,
+            None if n is None else torch.tensor(n, dtype=torch.float64),
+        )
         want.backward()
-        mag = 1.0 + (ret.to(dtype).double().abs().max().item() + 3 * v.abs().max().item()) ** 2 \
-            if v.numel() else 1.0
+        mag = (
+            1.0 + (ret.to(dtype).double().abs().max().item() + 3 * v.abs().max().item()) ** 2
+            if v.numel()
+            else 1.0
+        )
         torch.testing.assert_close(loss.double(), want.detach(), atol=1e-6 * mag, rtol=1e-4)
-        torch.testing.assert_close(stats["clip_frac"].double(), wstats[0].double(), atol=1e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            stats["clip_frac"].double(), wstats[0].double(), atol=1e-5, rtol=1e-4
+        )
         rtol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(x.grad.double(), x64.grad.to(dtype).double(),
-                                   atol=1e-6 * mag ** 0.5, rtol=rtol)
+        torch.testing.assert_close(
+            x.grad.double(), x64.grad.to(dtype).double(), atol=1e-6 * mag**0.5, rtol=rtol
+        )
+
     run(backend, cases(backend), body)
 
 
@@ -99,8 +137,11 @@ def test_pairwise_losses_match_float64():
         n = draw(st.integers(0, 9))
         scale = draw(st.sampled_from([1e-3, 1.0, 50.0, 1e4]))
         xs = [draw(values([n], scale=scale)) for _ in range(4)]
-        return xs, draw(st.sampled_from(LOW_PRECISION)), draw(st.sampled_from(["mean", "sum",
-                                                                                "none"]))
+        return (
+            xs,
+            draw(st.sampled_from(LOW_PRECISION)),
+            draw(st.sampled_from(["mean", "sum", "none"])),
+        )
 
     def body(case):
         xs, dtype, red = case
@@ -115,6 +156,11 @@ def test_pairwise_losses_match_float64():
         got.sum().backward()
         want.sum().backward()
         for t, w in zip(ts, t64):
-            torch.testing.assert_close(t.grad.double(), w.grad.to(dtype).double(), atol=1e-6,
-                                       rtol=1e-4 if dtype == torch.float32 else 2e-2)
+            torch.testing.assert_close(
+                t.grad.double(),
+                w.grad.to(dtype).double(),
+                atol=1e-6,
+                rtol=1e-4 if dtype == torch.float32 else 2e-2,
+            )
+
     run("cpp", pairs(), body)

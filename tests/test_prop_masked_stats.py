@@ -1,5 +1,6 @@
 """Property-based: masked_whiten and masked_mean against float64 on random shapes, dtypes, masks
 and magnitudes from 1e-30 to 3e38 (any finite input gives a finite, correct result)."""
+
 import torch
 from _prop import LOW_PRECISION, masks
 from hypothesis import HealthCheck, given, settings
@@ -17,13 +18,18 @@ def cases(draw):
     top = {torch.float32: 3e38, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
     scale = draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e19, 1e30, top]))
     offset = draw(st.sampled_from([0.0, 1.0, -0.5]))
-    x = ((torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1 + offset) * scale)
+    x = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1 + offset) * scale
     x = x.clamp(-top, top).to(dtype)
     return x, draw(masks(shape)), draw(st.booleans()), draw(st.booleans())
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(cases())
 def test_masked_whiten_and_mean_match_float64(case):
     x, mask, unbiased, shift_mean = case
@@ -47,5 +53,6 @@ def test_masked_whiten_and_mean_match_float64(case):
         assert torch.isnan(out).all()  # total weight 0 or 1: documented NaN
     mm = pk.masked_mean(x, mask)
     if W and xd[m].abs().max() < 1e37:
-        torch.testing.assert_close(mm.double(), mean, atol=1e-6 * xd[m].abs().max().item(),
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            mm.double(), mean, atol=1e-6 * xd[m].abs().max().item(), rtol=1e-5
+        )

@@ -1,6 +1,7 @@
 """Property-based: token_logprobs on every CPU backend against the float64 reference, forward and
 backward, on random shapes, dtypes, strided views (leading dims that may not collapse),
 temperatures, ignored labels, -inf entries and large magnitudes (budget: tests/_prop.py)."""
+
 import pytest
 import torch
 from _prop import EPS32, LOW_PRECISION, backend_ctx, embed, pads_for, run, small, values
@@ -45,25 +46,29 @@ def test_token_logprobs_matches_float64(backend):
         ref = xr.clone().requires_grad_()
         lp_r, ent_r, _ = reference.forward(ref, labels, temperature, -100, True)
         torch.testing.assert_close(lp.double(), lp_r.detach(), atol=atol, rtol=TOL[dtype]["rtol"])
-        torch.testing.assert_close(ent.double(), ent_r.detach(), atol=atol,
-                                   rtol=TOL[dtype]["rtol"])
+        torch.testing.assert_close(ent.double(), ent_r.detach(), atol=atol, rtol=TOL[dtype]["rtol"])
         g = torch.Generator().manual_seed(seed + 1)
         glp = torch.randn(labels.shape, generator=g)
         gent = torch.randn(labels.shape, generator=g) * with_grad_ent
         with poisoned(), backend_ctx("token_logprobs", backend):
             (lp * glp + ent * gent).sum().backward()
-        (torch.where(lp_r.isfinite(), lp_r, 0.0) * glp.double()
-         + torch.where(ent_r.isfinite(), ent_r, 0.0) * gent.double()).sum().backward()
+        (
+            torch.where(lp_r.isfinite(), lp_r, 0.0) * glp.double()
+            + torch.where(ent_r.isfinite(), ent_r, 0.0) * gent.double()
+        ).sum().backward()
         got = leaf.grad[tuple(slice(0, n) for n in x.shape[:-1])]
         gatol = GRAD_TOL[dtype]["atol"] + 32 * EPS32 * zmax / temperature
-        torch.testing.assert_close(got.double(), ref.grad.to(dtype).double(), atol=gatol,
-                                   rtol=GRAD_TOL[dtype]["rtol"])
+        torch.testing.assert_close(
+            got.double(), ref.grad.to(dtype).double(), atol=gatol, rtol=GRAD_TOL[dtype]["rtol"]
+        )
+
     run(backend, cases(backend), body)
 
 
 @pytest.mark.parametrize("backend", cpu_backends("token_logprobs"))
 def test_token_logprobs_overflowing_scaled_logits(backend):
     """Finite logits near float32's limit at temperatures < 1: finite, exact log-probs."""
+
     @st.composite
     def huge(draw):
         V = draw(st.integers(2, small(backend, 40, 12)))
@@ -76,9 +81,11 @@ def test_token_logprobs_overflowing_scaled_logits(backend):
         x, labels, temperature = case
         logits = x.float()
         with poisoned(), backend_ctx("token_logprobs", backend):
-            lp, ent = pk.token_logprobs(logits, labels, temperature=temperature,
-                                        return_entropy=True)
+            lp, ent = pk.token_logprobs(
+                logits, labels, temperature=temperature, return_entropy=True
+            )
         lp_r, ent_r, _ = reference.forward(logits.double(), labels, temperature, -100, True)
         torch.testing.assert_close(lp.double(), lp_r.float().double(), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(ent.double(), ent_r, rtol=1e-5, atol=1e-4)
+
     run(backend, huge(), body)

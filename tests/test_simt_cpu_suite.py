@@ -3,13 +3,13 @@ inplace backward, empty inputs, GAE's masks / dones / carries / packed rows), re
 emulated CUDA kernels as the `cpp` backend (see tests/_simt.py). Tests of CPU-only behaviour
 (IndexError for out-of-range labels, peak memory, opcheck, compile) are not rerun; the GPU's
 NaN contract for labels is tests/test_simt_kernels.py::test_token_logprobs_bad_labels."""
-import pytest
-import torch
 
+import pytest
 import test_edge_cases as EC
 import test_full_kl as FK
 import test_gae as GA
 import test_token_logprobs as TL
+import torch
 from _simt import MARKS, SEEDS, emulated, launches
 
 pytestmark = MARKS
@@ -38,7 +38,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("test,kwargs", CASES, ids=[f"{t.__module__}.{t.__name__}" for t, _ in CASES])
+@pytest.mark.parametrize(
+    "test,kwargs", CASES, ids=[f"{t.__module__}.{t.__name__}" for t, _ in CASES]
+)
 def test_cpu_suite_case_on_the_emulated_cuda_kernels(seed, test, kwargs):
     torch.manual_seed(0)
     with emulated(seed, sm_count=1):

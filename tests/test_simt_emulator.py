@@ -1,9 +1,9 @@
 """The SIMT emulator itself (csrc/testing/): small correct kernels give the right answer under
 every seed, and each deliberately broken kernel (csrc/testing/simt_selftest.cpp) is caught, by the
 check the test names."""
+
 import pytest
 import torch
-
 from _simt import MARKS
 
 pytestmark = MARKS
@@ -27,7 +27,7 @@ def test_correct_kernels(seed):
     xp = torch.nn.functional.pad(x, (0, 5)).view(3, 128)
     excl = (xp.cumsum(1) - xp).flatten()[: x.numel()]
     torch.testing.assert_close(got[: x.numel()], excl, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(got[x.numel():], xp.sum(1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[x.numel() :], xp.sum(1), atol=1e-4, rtol=1e-5)
     # the barrier-correct version of the broken kernel below is order-independent
     x = torch.randn(256)
     a = run("reuse_race_ok", x, seed)
@@ -87,19 +87,24 @@ def test_divergent_barrier_is_caught_by_the_barrier_check(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_threads_at_different_barriers_are_caught_by_the_barrier_check(seed):
-    with pytest.raises(RuntimeError, match=r"SIMT\[barrier\] thread reached __syncthreads at .* while"):
+    with pytest.raises(
+        RuntimeError, match=r"SIMT\[barrier\] thread reached __syncthreads at .* while"
+    ):
         run("split_barrier", torch.randn(128), seed)
 
 
 def test_shared_memory_and_block_size_limits():
-    with pytest.raises(RuntimeError, match=r"SIMT\[shared\] kernel too_much_shared uses 52000 bytes"):
+    with pytest.raises(
+        RuntimeError, match=r"SIMT\[shared\] kernel too_much_shared uses 52000 bytes"
+    ):
         run("too_much_shared", torch.randn(128), 0)
     with pytest.raises(RuntimeError, match=r"SIMT\[launch\] kernel block_too_large: block \(2048"):
         run("block_too_large", torch.randn(128), 0)
 
 
-@pytest.mark.parametrize("kernel", ["token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd",
-                                    "full_kl_bwd", "gae_fwd"])
+@pytest.mark.parametrize(
+    "kernel", ["token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd", "full_kl_bwd", "gae_fwd"]
+)
 def test_emulated_kernels_have_the_compiled_kernels_schemas(kernel):
     simt = str(getattr(torch.ops.ppo_kernels_simt, kernel).default._schema)
     real = str(getattr(torch.ops.ppo_kernels_C, kernel).default._schema)

@@ -34,17 +34,16 @@ linear_token_logprobs (ppo_kernels/linear_logprobs/op.py): on CUDA its whole-voc
   through the token_logprobs kernels (forward, then the in-place backward over the tile)
   test_linear_token_logprobs     float32 tiles and input-dtype (bf16 / fp16) tiles, fwd + bwd
 """
+
 import pytest
 import torch
+from _simt import MARKS, SEEDS, emulated, launches
+from _utils import GRAD_TOL, TOL
 
 import ppo_kernels as pk
-from ppo_kernels.full_kl import reference as KR
 from ppo_kernels.gae import reference as GR
 from ppo_kernels.linear_logprobs import reference as LR
 from ppo_kernels.token_logprobs import reference as TR
-
-from _simt import MARKS, SEEDS, emulated, launches
-from _utils import GRAD_TOL, TOL
 
 pytestmark = MARKS
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,6 +54,7 @@ def _close(got, want, tol):
 
 
 # ---- token_logprobs -------------------------------------------------------------------------
+
 
 def _tl_inputs(lead, V, dtype, strided, ignore_index=-100):
     if strided:  # logits[:, :-1] of [B, T + 1, V]: rows are V elements apart, one row skipped
@@ -77,10 +77,18 @@ def _tl_ref(logits, labels, T, g_lp, g_ent, ignore_index=-100):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lead,V,strided", [((3, 5), 1, False), ((4, 3), 7, True),
-                                            ((2, 5), 8, False), ((3, 3), 9, True),
-                                            ((2, 2), 4099, True), ((3,), 4099, False),
-                                            ((2,), 8209, False)])
+@pytest.mark.parametrize(
+    "lead,V,strided",
+    [
+        ((3, 5), 1, False),
+        ((4, 3), 7, True),
+        ((2, 5), 8, False),
+        ((3, 3), 9, True),
+        ((2, 2), 4099, True),
+        ((3,), 4099, False),
+        ((2,), 8209, False),
+    ],
+)
 def test_token_logprobs(seed, dtype, lead, V, strided):
     logits, labels = _tl_inputs(lead, V, dtype, strided)
     g_lp, g_ent = torch.randn(lead), torch.randn(lead)
@@ -93,8 +101,10 @@ def test_token_logprobs(seed, dtype, lead, V, strided):
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     N, vec = labels.numel(), 16 // logits.element_size()
     threads = max(32, min(1024, 1 << max(0, ((V // vec + 3) // 4 - 1).bit_length())))
-    assert launches() == [f"token_logprobs fwd_kernel grid={N} block={threads}",
-                          f"token_logprobs bwd_kernel grid={N} block={threads}"]
+    assert launches() == [
+        f"token_logprobs fwd_kernel grid={N} block={threads}",
+        f"token_logprobs bwd_kernel grid={N} block={threads}",
+    ]
     assert x.grad.dtype == dtype
     _close(x.grad, want_g, GRAD_TOL[dtype])
     ignored = labels == -100
@@ -149,6 +159,7 @@ def test_token_logprobs_bad_labels(seed):
 
 # ---- full_kl ---------------------------------------------------------------------------------
 
+
 def _kl_ref(z, w, T, mask, g):
     z64 = z.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
@@ -164,17 +175,22 @@ KL_TOL = dict(atol=2e-5, rtol=1e-5)  # tests/test_full_kl.py
 
 
 def _kl_gtol(dtype):
-    return dict(atol=2e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)
+    return dict(atol=2e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=2**-7)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("V,masked", [(1, False), (7, True), (8, False), (9, True), (4099, True),
-                                      (8209, False)])
+@pytest.mark.parametrize(
+    "V,masked", [(1, False), (7, True), (8, False), (9, True), (4099, True), (8209, False)]
+)
 def test_full_kl(seed, dtype, V, masked):
     N = 3 if V > 1000 else 5
     z = (torch.randn(N, V + 1) * 3).to(dtype)[:, :V]  # strided rows, unaligned starts
-    w = (z.float() + 0.3 * torch.randn(N, V)).to(dtype) if V % 2 else (torch.randn(N, V) * 3).to(dtype)
+    w = (
+        (z.float() + 0.3 * torch.randn(N, V)).to(dtype)
+        if V % 2
+        else (torch.randn(N, V) * 3).to(dtype)
+    )
     mask = (torch.arange(N) % 3 != 1) if masked else None
     g = torch.randn(N)
     want, rz, rw = _kl_ref(z, w, 0.7, mask, g)
@@ -210,7 +226,12 @@ GAE_LONG_TOL = dict(atol=1e-4, rtol=1e-4)  # rows of thousands of positions with
 
 
 def _gae_check(got, ref, tol=GAE_TOL):
-    for a, b in ((got[0], ref[0]), (got[1], ref[1]), (got[2][0], ref[2][0]), (got[2][1], ref[2][1])):
+    for a, b in (
+        (got[0], ref[0]),
+        (got[1], ref[1]),
+        (got[2][0], ref[2][0]),
+        (got[2][1], ref[2][1]),
+    ):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), b, **tol)
 
@@ -294,8 +315,9 @@ def test_gae_packed(seed, dtype):
     n = len(lens)
     carry = (torch.randn(n), torch.randn(n))
     with emulated(seed, sm_count=2, gae="cpp"):
-        got = pk.gae(r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu,
-                     return_carry=True)
+        got = pk.gae(
+            r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu, return_carry=True
+        )
     assert _gae_plan(launches(), 3) == CHUNKED
     ref = GR.gae_sequential(r, v, m, gamma=0.95, lam=0.9, dones=d, carry=carry, cu_seqlens=cu)
     _gae_check(got, ref, GAE_LONG_TOL)
@@ -305,9 +327,12 @@ def test_gae_packed(seed, dtype):
 
 # ---- linear_token_logprobs ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("dtype,logits_dtype", [(torch.float32, "float32"), (torch.bfloat16, "input"),
-                                                (torch.float16, "input")])
+@pytest.mark.parametrize(
+    "dtype,logits_dtype",
+    [(torch.float32, "float32"), (torch.bfloat16, "input"), (torch.float16, "input")],
+)
 def test_linear_token_logprobs(seed, dtype, logits_dtype):
     N, H, V = 10, 16, 523
     h = torch.randn(N, H).to(dtype)
@@ -322,17 +347,30 @@ def test_linear_token_logprobs(seed, dtype, logits_dtype):
         z = leaves[0] @ leaves[1].T + leaves[2]
         lp_r, ent_r = pk.token_logprobs(z, labels, temperature=0.7, return_entropy=True)
     else:
-        lp_r, ent_r = LR.forward(*[t.double() for t in leaves[:2]], labels, leaves[2].double(), 0.7)[:2]
+        lp_r, ent_r = LR.forward(
+            *[t.double() for t in leaves[:2]], labels, leaves[2].double(), 0.7
+        )[:2]
     ((lp_r * g_lp).sum() + (ent_r * g_ent).sum()).backward()
     ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
     with emulated(seed, linear_token_logprobs="cpp"):
-        lp, ent = pk.linear_token_logprobs(ours[0], ours[1], labels, bias=ours[2], temperature=0.7,
-                                           return_entropy=True, logits_dtype=logits_dtype)
+        lp, ent = pk.linear_token_logprobs(
+            ours[0],
+            ours[1],
+            labels,
+            bias=ours[2],
+            temperature=0.7,
+            return_entropy=True,
+            logits_dtype=logits_dtype,
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     _close(lp, lp_r.detach(), dict(atol=2e-5, rtol=2e-5))
     _close(ent, ent_r.detach(), dict(atol=2e-5, rtol=2e-5))
     for t, r in zip(ours, leaves):
         scale = r.grad.float().abs().max().item()
         eps = torch.finfo(dtype).eps
-        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=4 * eps * scale, rtol=0)
+        tol = (
+            dict(atol=2e-5, rtol=1e-4)
+            if dtype == torch.float32
+            else dict(atol=4 * eps * scale, rtol=0)
+        )
         _close(t.grad, r.grad, tol)

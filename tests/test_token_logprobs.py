@@ -1,20 +1,22 @@
 """token_logprobs on every backend available for CPU tensors here (cpp, Triton through the
 interpreter, eager) against the float64 reference, through the registered op and its autograd."""
+
 import pytest
 import torch
+from _utils import GRAD_TOL, TOL, peak_extra_bytes, poisoned
+from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.token_logprobs import reference as ref
 
-from _utils import GRAD_TOL, TOL, peak_extra_bytes, poisoned
-from conftest import cpu_backends
-
 BACKENDS = cpu_backends("token_logprobs")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _inputs(shape, V, dtype, scale=3.0, ignore_frac=0.2, ignore_index=-100, label_dtype=torch.int64):
+def _inputs(
+    shape, V, dtype, scale=3.0, ignore_frac=0.2, ignore_index=-100, label_dtype=torch.int64
+):
     logits = (torch.randn(*shape, V) * scale).to(dtype)
     labels = torch.randint(0, V, shape, dtype=label_dtype)
     drop = torch.rand(shape) < ignore_frac
@@ -141,14 +143,20 @@ def test_opcheck(backend):
     logits, labels = _inputs((2, 3), 37, torch.float32)
     with use_backend(backend):
         for ent, inplace in [(True, False), (False, False)]:
-            torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs.default,
-                                  (logits.clone().requires_grad_(True), labels, 0.9, -100, ent, inplace))
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.token_logprobs.default,
+                (logits.clone().requires_grad_(True), labels, 0.9, -100, ent, inplace),
+            )
         lp, e, lse = torch.ops.ppo_kernels.token_logprobs(logits, labels, 0.9, -100, True, False)
         g = torch.randn_like(lp)
-        torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_backward.default,
-                              (g, g, logits, labels, lse, e, 0.9, -100))
-        torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_backward_.default,
-                              (g, g, logits.clone(), labels, lse, e, 0.9, -100))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.token_logprobs_backward.default,
+            (g, g, logits, labels, lse, e, 0.9, -100),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.token_logprobs_backward_.default,
+            (g, g, logits.clone(), labels, lse, e, 0.9, -100),
+        )
 
 
 def test_torch_compile_fullgraph():
@@ -178,17 +186,18 @@ def test_torch_compile_inductor_fullgraph():
 
 # --- edge cases and bad input -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_documented_edge_rows(backend):
     V = 64
     logits = torch.randn(5, V)
     labels = torch.tensor([3, 3, 3, 10, 7])
-    logits[0] = -float("inf")               # all -inf: undefined distribution -> NaN
-    logits[1, 5] = float("nan")             # contains NaN -> NaN
-    logits[2, :32] = -float("inf")          # some -inf; label 3 sits on one -> logprob -inf
-    logits[3, :32] = -float("inf")          # label 10 on a -inf, entropy finite
-    logits[3, 10] = 0.5                     # ...except the label's own entry
-    logits[4, 1] = float("inf")             # +inf -> NaN
+    logits[0] = -float("inf")  # all -inf: undefined distribution -> NaN
+    logits[1, 5] = float("nan")  # contains NaN -> NaN
+    logits[2, :32] = -float("inf")  # some -inf; label 3 sits on one -> logprob -inf
+    logits[3, :32] = -float("inf")  # label 10 on a -inf, entropy finite
+    logits[3, 10] = 0.5  # ...except the label's own entry
+    logits[4, 1] = float("inf")  # +inf -> NaN
     x = logits.clone().requires_grad_(True)
     with use_backend(backend), poisoned():
         lp, ent = pk.token_logprobs(x, labels, return_entropy=True)
@@ -209,7 +218,10 @@ def test_label_out_of_range_raises_on_cpu(backend):
     logits = torch.randn(4, 10)
     for bad in (10, -1, 1000):
         labels = torch.tensor([1, 2, bad, 3])
-        with use_backend(backend), pytest.raises(IndexError, match="labels.*outside the vocabulary"):
+        with (
+            use_backend(backend),
+            pytest.raises(IndexError, match="labels.*outside the vocabulary"),
+        ):
             pk.token_logprobs(logits, labels)
 
 
@@ -218,7 +230,9 @@ def test_empty_inputs(backend):
     with use_backend(backend):
         for shape in [(0, 5), (2, 0, 5)]:
             x = torch.randn(*shape, requires_grad=True)
-            lp, ent = pk.token_logprobs(x, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True)
+            lp, ent = pk.token_logprobs(
+                x, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True
+            )
             assert lp.shape == shape[:-1] and ent.shape == shape[:-1]
             lp.sum().backward()
             assert x.grad.shape == x.shape
@@ -254,10 +268,13 @@ def test_unknown_backend_is_refused():
 
 def test_env_backend_override(monkeypatch):
     from ppo_kernels import _backend
+
     monkeypatch.setenv("PPO_KERNELS_BACKEND", "cpp,token_logprobs=eager")
     assert _backend.resolve("token_logprobs", "cpu") == "eager"
     with use_backend(token_logprobs="cpp" if "cpp" in BACKENDS else "eager"):
-        assert _backend.resolve("token_logprobs", "cpu") == ("cpp" if "cpp" in BACKENDS else "eager")
+        assert _backend.resolve("token_logprobs", "cpu") == (
+            "cpp" if "cpp" in BACKENDS else "eager"
+        )
 
 
 @pytest.mark.slow
@@ -276,13 +293,16 @@ def test_more_than_2_pow_31_elements():
     _close(lp[-3:], want_lp, TOL[torch.bfloat16])
     _close(ent[-3:], want_ent, TOL[torch.bfloat16])
     import math
+
     assert torch.allclose(lp[:-3], torch.full((N - 3,), -math.log(V)))
 
 
 def test_temperature_is_a_runtime_argument_of_the_triton_kernels():
     pytest.importorskip("triton")
-    from ppo_kernels.token_logprobs import triton_kernels as tk
     import inspect
+
+    from ppo_kernels.token_logprobs import triton_kernels as tk
+
     for kernel in (tk._fwd_kernel, tk._bwd_kernel):
         params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
 

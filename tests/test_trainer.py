@@ -1,5 +1,6 @@
 """The thin trainer: task and verifier, rollout masks in the tool environment, prefix restriction,
 reward placement, GAE over tool tokens, truncation bootstrap, config errors."""
+
 import random
 
 import pytest
@@ -37,10 +38,20 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-
 def tiny_cfg(**kw):
-    base = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
-                max_new_tokens=40, eval_prompts=4, progress=False, plot=False)
+    base = dict(
+        vocab=64,
+        hidden=32,
+        layers=1,
+        heads=2,
+        sft_steps=0,
+        prompts_per_step=4,
+        minibatch_size=2,
+        max_new_tokens=40,
+        eval_prompts=4,
+        progress=False,
+        plot=False,
+    )
     base.update(kw)
     return TrainConfig(**base).validate()
 
@@ -59,9 +70,9 @@ def test_task_running_example():
     resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))
     assert resp("format") == "{0.10+0.20}0.30000000000000004|0.30$"
     assert task.verify(p, resp("format")) == 1.0
-    assert task.verify(p, resp("copy")) == 0.0       # execution B: the float printed verbatim
+    assert task.verify(p, resp("copy")) == 0.0  # execution B: the float printed verbatim
     assert task.verify(p, resp("direct")) == 1.0
-    assert task.verify(p, "0.30") == 0.0              # no end marker: truncated, no answer
+    assert task.verify(p, "0.30") == 0.0  # no end marker: truncated, no answer
     assert task.verify(p, "0.3$") == 0.0
     # the calculator's float rounds the right way when formatted (0.1 + 0.7 = 0.7999999999999999)
     q = Problem("0.10", "0.70")
@@ -91,8 +102,9 @@ class ScriptedLM(torch.nn.Module):
         self.prompt_len = [len(p) for p in prompts]
         self.hist = [[] for _ in prompts]
 
-    def forward(self, input_ids, attention_mask, position_ids=None, past_key_values=None,
-                use_cache=False):
+    def forward(
+        self, input_ids, attention_mask, position_ids=None, past_key_values=None, use_cache=False
+    ):
         B, n = input_ids.shape
         am = attention_mask[:, -n:]
         logits = torch.full((B, n, len(self.tok)), -30.0)
@@ -104,6 +116,7 @@ class ScriptedLM(torch.nn.Module):
 
         class Out:
             pass
+
         out = Out()
         out.logits, out.past_key_values = logits, past_key_values
         return out
@@ -111,11 +124,20 @@ class ScriptedLM(torch.nn.Module):
 
 def _rollout(targets, max_new_tokens=40):
     tok, task = CharTokenizer(), DecimalAdditionTask()
-    problems = [Problem("0.10", "0.20"), Problem("1.25", "2.50"), Problem("0.10", "0.70")][:len(targets)]
+    problems = [Problem("0.10", "0.20"), Problem("1.25", "2.50"), Problem("0.10", "0.70")][
+        : len(targets)
+    ]
     prompts = prompt_tokens(tok, problems)
     model = ScriptedLM(tok, prompts, targets)
-    b = generate(model, tok, task, prompts, max_new_tokens=max_new_tokens, temperature=1.0,
-                 generator=torch.Generator().manual_seed(0))
+    b = generate(
+        model,
+        tok,
+        task,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     return tok, task, problems, b
 
 
@@ -130,13 +152,15 @@ def test_rollout_masks_tool_tokens():
         labels = b.input_ids[i, 1:]
         mask = b.action_mask[i]
         # prompt (with BOS) and padding: 0; the response positions: 1 for actions only
-        assert mask[:P - 1].sum() == 0
-        resp_mask = mask[P - 1:P - 1 + len(t)]
-        expected = [0 if (j >= t.find("}") + 1 and j <= t.find("|")) and "|" in t else 1
-                    for j in range(len(t))]
+        assert mask[: P - 1].sum() == 0
+        resp_mask = mask[P - 1 : P - 1 + len(t)]
+        expected = [
+            0 if (j >= t.find("}") + 1 and j <= t.find("|")) and "|" in t else 1
+            for j in range(len(t))
+        ]
         assert resp_mask.tolist() == expected
-        assert tok.decode(labels[P - 1:P - 1 + len(t)]) == t
-        assert mask[P - 1 + len(t):].sum() == 0
+        assert tok.decode(labels[P - 1 : P - 1 + len(t)]) == t
+        assert mask[P - 1 + len(t) :].sum() == 0
         assert b.attention_mask[i].sum() == P + len(t)
 
 
@@ -169,14 +193,23 @@ def test_prefix_restriction(mode):
         for k in (5, 14, 30):
             cut = [x[:, :k] for x in b.model_inputs()]
             torch.testing.assert_close(critic(*cut), v[:, :k], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(model_logprobs(ops, actor, *cut), lp[:, :k - 1],
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model_logprobs(ops, actor, *cut), lp[:, : k - 1], atol=1e-5, rtol=1e-5
+            )
 
 
 def test_model_without_head_is_refused():
     from transformers import LlamaConfig, LlamaModel
-    m = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
-                               num_hidden_layers=1, num_attention_heads=2))
+
+    m = LlamaModel(
+        LlamaConfig(
+            vocab_size=20,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    )
     with pytest.raises(ConfigError, match="no accessible LM head"):
         lm_head(m)
 
@@ -187,7 +220,9 @@ def test_model_without_head_is_refused():
 @pytest.mark.parametrize("mode", MODES)
 def test_reward_placement_after_tool_tokens(mode):
     # actions, then tool output (mask 0), then actions, then padding
-    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    mask = torch.tensor(
+        [[0, 1, 1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32
+    )
     lp = torch.randn(2, 9) * 0.1
     ref = lp + torch.randn(2, 9) * 0.1
     scores = torch.tensor([2.0, -1.0])
@@ -233,8 +268,9 @@ def test_gae_skips_tool_tokens_and_bootstraps(mode, boot):
     torch.testing.assert_close(ret, ref + v, atol=1e-5, rtol=1e-5)
     # tool tokens do not count as steps: same result as with them cut out
     keep = m[0] > 0
-    adv_cut, _ = Ops(mode).gae(r[:, keep], v[:, keep], m[:, keep], gamma=0.9, lam=0.8,
-                               bootstrap_value=torch.tensor([boot]))
+    adv_cut, _ = Ops(mode).gae(
+        r[:, keep], v[:, keep], m[:, keep], gamma=0.9, lam=0.8, bootstrap_value=torch.tensor([boot])
+    )
     torch.testing.assert_close(adv[:, keep], adv_cut, atol=1e-5, rtol=1e-5)
 
 
@@ -278,13 +314,20 @@ def test_ops_modes_agree_on_losses():
         o = Ops(mode)
         pl, pst = o.ppo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
         vl, vst = o.ppo_value_loss(v, ov, ret, mask, clip=0.2)
-        outs[mode] = [pl, pst["clipfrac"], pst["approx_kl"], vl, vst["vf_clipfrac"],
-                      o.masked_whiten(adv, mask), o.masked_mean(adv, mask),
-                      o.grpo_advantages(torch.tensor([1., 0., 1., 1.]), 2),
-                      o.rloo_advantages(torch.tensor([1., 0., 3., 1.]), 2),
-                      o.kl_penalty(lp, old, "k3"),
-                      o.reward_model_loss(adv[:, 0], adv[:, 1]),
-                      o.dpo_loss(adv[:, 0], adv[:, 1], adv[:, 2], adv[:, 3], beta=0.1)]
+        outs[mode] = [
+            pl,
+            pst["clipfrac"],
+            pst["approx_kl"],
+            vl,
+            vst["vf_clipfrac"],
+            o.masked_whiten(adv, mask),
+            o.masked_mean(adv, mask),
+            o.grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2),
+            o.rloo_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), 2),
+            o.kl_penalty(lp, old, "k3"),
+            o.reward_model_loss(adv[:, 0], adv[:, 1]),
+            o.dpo_loss(adv[:, 0], adv[:, 1], adv[:, 2], adv[:, 3], beta=0.1),
+        ]
     for a, b in zip(outs["eager"], outs["fused"]):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5)
 
@@ -292,15 +335,18 @@ def test_ops_modes_agree_on_losses():
 # ---------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv, match", [
-    (["--algo", "grpo", "--group-size", "1"], "group-size.*>= 2"),
-    (["--prompts-per-step", "10", "--minibatch-size", "4"], "not divisible into minibatches"),
-    (["--algo", "dpo", "--pairs", "100", "--pref-batch", "32"], "pref-batch"),
-    (["--device", "tpu"], "--device"),
-    (["--lam", "1.5"], "--lam"),
-    (["--hidden", "30", "--heads", "4"], "--hidden"),
-    (["--dual-clip", "0.5"], "--dual-clip"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--algo", "grpo", "--group-size", "1"], "group-size.*>= 2"),
+        (["--prompts-per-step", "10", "--minibatch-size", "4"], "not divisible into minibatches"),
+        (["--algo", "dpo", "--pairs", "100", "--pref-batch", "32"], "pref-batch"),
+        (["--device", "tpu"], "--device"),
+        (["--lam", "1.5"], "--lam"),
+        (["--hidden", "30", "--heads", "4"], "--hidden"),
+        (["--dual-clip", "0.5"], "--dual-clip"),
+    ],
+)
 def test_bad_configs_name_the_flag(argv, match):
     with pytest.raises(ConfigError, match=match):
         config_from_args(argv)
@@ -308,6 +354,7 @@ def test_bad_configs_name_the_flag(argv, match):
 
 def test_cli_reports_bad_config(capsys):
     from ppo_kernels.trainer.cli import main
+
     assert main(["--algo", "grpo", "--group-size", "1", "--out", "/nonexistent"]) == 2
     assert "group-size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -326,10 +373,11 @@ def test_eager_gae_matches_literal_loop_batched():
 
 def test_adaptive_kl_controller():
     from ppo_kernels.trainer.algos import AdaptiveKL
+
     c = AdaptiveKL(0.1, target=0.5, horizon=100, adaptive=True)
-    c.update(1.0, 10)                     # KL above target: beta grows, error clipped at +0.2
+    c.update(1.0, 10)  # KL above target: beta grows, error clipped at +0.2
     assert c.beta == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
-    c.update(0.25, 10)                    # below target: shrinks by 1 + (-0.5 -> -0.2) * 0.1
+    c.update(0.25, 10)  # below target: shrinks by 1 + (-0.5 -> -0.2) * 0.1
     assert c.beta == pytest.approx(0.1 * 1.02 * 0.98)
     fixed = AdaptiveKL(0.1, target=0.5, horizon=100, adaptive=False)
     fixed.update(5.0, 10)
@@ -352,6 +400,7 @@ def test_fused_mode_reports_what_it_ran(monkeypatch):
 
 def test_cli_without_transformers_is_one_line(monkeypatch, capsys, tmp_path):
     from ppo_kernels.trainer.cli import main
+
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
     assert main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -360,6 +409,7 @@ def test_cli_without_transformers_is_one_line(monkeypatch, capsys, tmp_path):
 
 def test_train_help_ends_with_three_examples(capsys):
     from ppo_kernels.trainer.cli import main
+
     with pytest.raises(SystemExit):
         main(["--help"])
     tail = capsys.readouterr().out.strip().splitlines()[-3:]
@@ -368,6 +418,7 @@ def test_train_help_ends_with_three_examples(capsys):
 
 def test_resume_names_a_missing_checkpoint(tmp_path):
     from ppo_kernels.trainer.cli import checkpoint_path
+
     with pytest.raises(ConfigError, match="--resume"):
         checkpoint_path(str(tmp_path))
     (tmp_path / "checkpoint.pt").write_bytes(b"")
@@ -378,6 +429,7 @@ def test_eager_ops_materialise_the_logits_and_fused_do_not():
     """--ops eager is what trainers run today (the [N, V] logits and their float32 softmax), the
     tensor-peak measurement of --compare sees it, and the fused op stays far below it."""
     from ppo_kernels._memory import tensor_peak
+
     torch.manual_seed(0)
     N, H, V = 256, 16, 32000
     h = torch.randn(N, H, requires_grad=True)
@@ -387,8 +439,9 @@ def test_eager_ops_materialise_the_logits_and_fused_do_not():
     peaks, outs = {}, {}
     for mode in MODES:
         with tensor_peak("cpu") as peak:
-            lp, ent = Ops(mode).logprobs_from_hidden(h, w, None, labels, temperature=0.7,
-                                                     return_entropy=True)
+            lp, ent = Ops(mode).logprobs_from_hidden(
+                h, w, None, labels, temperature=0.7, return_entropy=True
+            )
             (lp.sum() + ent.sum()).backward()
         peaks[mode], outs[mode] = peak.bytes, (lp, ent)
     logits_bytes = N * V * 4

@@ -8,6 +8,7 @@ targets are peak memory <= 1/10 of the materialised path, time <= eager and <= 1
 The CUDA path is chunked cuBLAS (bf16 GEMMs with float32 output) + reduction kernels; if it misses
 the time target, a fused tl.dot kernel is the next thing to try (see triton_kernels.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ DEVICE = "cuda"
 def _inputs(N, H, V, dtype, bias, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     h = torch.randn(N, H, device=DEVICE, generator=g).to(dtype)
-    W = (torch.randn(V, H, device=DEVICE, generator=g) / H ** 0.5).to(dtype)
+    W = (torch.randn(V, H, device=DEVICE, generator=g) / H**0.5).to(dtype)
     b = torch.randn(V, device=DEVICE, generator=g).to(dtype) if bias else None
     y = torch.randint(0, V, (N,), device=DEVICE, generator=g)
     y[::7] = -100
@@ -34,13 +35,16 @@ def sanitize_workload():
         for budget in (None, 20_000):
             h, W, b, y = _inputs(37, 67, 1001, dtype, True)
             h.requires_grad_(), W.requires_grad_()
-            lp, ent = pk.linear_token_logprobs(h, W, y, bias=b, return_entropy=True, max_chunk_bytes=budget)
+            lp, ent = pk.linear_token_logprobs(
+                h, W, y, bias=b, return_entropy=True, max_chunk_bytes=budget
+            )
             (lp.sum() + ent.sum()).backward()
 
 
 def _square(f):
     """Run f with square-ish tiles (rows ~ vocabulary chunk) instead of whole-vocabulary tiles."""
     import os
+
     old = os.environ.get("PPO_KERNELS_LINEAR_TILES")
     os.environ["PPO_KERNELS_LINEAR_TILES"] = "square"
     try:
@@ -63,6 +67,7 @@ def timing(ctx):
             h.grad = W.grad = None
             lp, ent = f()
             (lp.sum() + ent.sum()).backward()
+
         return run
 
     def mat_eager():
@@ -70,12 +75,22 @@ def timing(ctx):
         return tl_ref.eager_logprobs(z, y), tl_ref.eager_entropy(z)
 
     fns = {
-        "linear_token_logprobs": fwd_bwd(lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)),
-        "linear_token_logprobs 2GiB chunks": fwd_bwd(lambda: pk.linear_token_logprobs(
-            h, W, y, return_entropy=True, max_chunk_bytes=2 << 30)),
-        "linear_token_logprobs square 1GiB tiles": lambda: _square(fwd_bwd(
-            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True, max_chunk_bytes=1 << 30))),
-        "logits + token_logprobs": fwd_bwd(lambda: pk.token_logprobs(h @ W.T, y, return_entropy=True)),
+        "linear_token_logprobs": fwd_bwd(
+            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)
+        ),
+        "linear_token_logprobs 2GiB chunks": fwd_bwd(
+            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True, max_chunk_bytes=2 << 30)
+        ),
+        "linear_token_logprobs square 1GiB tiles": lambda: _square(
+            fwd_bwd(
+                lambda: pk.linear_token_logprobs(
+                    h, W, y, return_entropy=True, max_chunk_bytes=1 << 30
+                )
+            )
+        ),
+        "logits + token_logprobs": fwd_bwd(
+            lambda: pk.token_logprobs(h @ W.T, y, return_entropy=True)
+        ),
         "eager: logits + log_softmax": fwd_bwd(mat_eager),
     }
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 +entropy fwd+bwd", fns, warmup=1, rep=5)
@@ -88,20 +103,30 @@ def timing(ctx):
 
     fns = {"linear_token_logprobs": ours_lp}
     try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+
         liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
 
         def liger_run():
             h.grad = W.grad = None
             out = liger(W, h, y)
             (out[0] if isinstance(out, tuple) else out).backward()
+
         fns["liger FusedLinearCrossEntropy (sum)"] = liger_run
     except ImportError:
         pass
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 logprobs-only fwd+bwd", fns, warmup=1, rep=5)
     with torch.no_grad():
-        ctx.bench(OP, f"N={N} H={H} V={V} bf16 forward", {
-            "linear_token_logprobs": lambda: pk.linear_token_logprobs(h, W, y),
-            "logits + token_logprobs": lambda: pk.token_logprobs(h @ W.T, y),
-            "eager: logits + log_softmax": lambda: tl_ref.eager_logprobs(h @ W.T, y),
-        }, warmup=1, rep=5)
+        ctx.bench(
+            OP,
+            f"N={N} H={H} V={V} bf16 forward",
+            {
+                "linear_token_logprobs": lambda: pk.linear_token_logprobs(h, W, y),
+                "logits + token_logprobs": lambda: pk.token_logprobs(h @ W.T, y),
+                "eager: logits + log_softmax": lambda: tl_ref.eager_logprobs(h @ W.T, y),
+            },
+            warmup=1,
+            rep=5,
+        )

@@ -1,6 +1,7 @@
 """GPU check for token_logprobs: a compute-sanitizer workload for the CUDA kernels, and timings vs
 eager PyTorch and peers at the issue's size (N=16384, V=152064, bf16). Correctness:
 tests/cuda/test_cuda_token_logprobs.py."""
+
 import torch
 
 import ppo_kernels as pk
@@ -33,6 +34,7 @@ def sanitize_workload():
 
 def timing(ctx):
     from ppo_kernels import _backend
+
     N, V = 16384, 152064
     x = (torch.randn(N, V, device="cuda") * 2).to(torch.bfloat16)
     y = torch.randint(0, V, (N,), device="cuda")
@@ -43,6 +45,7 @@ def timing(ctx):
         def f():
             with use_backend(b), torch.no_grad():
                 return pk.token_logprobs(x, y, return_entropy=ent)
+
         return f
 
     fns = {}
@@ -63,6 +66,7 @@ def timing(ctx):
             with use_backend(b):
                 out = pk.token_logprobs(xg, y, return_entropy=ent)
             (sum(o.sum() for o in out) if ent else out.sum()).backward()
+
         return f
 
     fns = {}
@@ -74,14 +78,17 @@ def timing(ctx):
     def eager_fb():
         xg.grad = None
         ref.eager_logprobs(xg, y).sum().backward()
+
     fns["eager"] = eager_fb
     try:
         from liger_kernel.transformers import LigerCrossEntropyLoss
+
         liger = LigerCrossEntropyLoss(reduction="none")
 
         def liger_fb():
             xg.grad = None
             liger(xg, y).sum().backward()
+
         fns["liger cross_entropy"] = liger_fb
     except Exception:  # noqa: BLE001
         pass
@@ -91,6 +98,7 @@ def timing(ctx):
         def fa_fb():
             xg.grad = None
             cross_entropy_loss(xg, y)[0].sum().backward()
+
         fns["flash_attn cross_entropy"] = fa_fb
     except Exception:  # noqa: BLE001
         pass

@@ -11,8 +11,10 @@ bool& poison_outputs();  // defined in csrc/ext.cpp
 inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);
   if (poison_outputs()) {
-    if (at::isFloatingType(t.scalar_type())) t.fill_(NAN);
-    else t.fill_(-1);
+    if (at::isFloatingType(t.scalar_type()))
+      t.fill_(NAN);
+    else
+      t.fill_(-1);
   }
   return t;
 }

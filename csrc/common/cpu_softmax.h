@@ -79,7 +79,7 @@ inline float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) 
 
 // Softmax stats of one L1-resident block (values already scaled), relative to its max m.
 inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
-  if (m == -INFINITY) return stats_empty();  // all -inf: contributes nothing
+  if (m == -INFINITY) return stats_empty();           // all -inf: contributes nothing
   if (m == INFINITY || m != m) return {m, NAN, NAN};  // +inf / NaN poison the row
   const Vec vm(m), floor_(-FLT_MAX);
   Vec vs(0.f), vu(0.f);

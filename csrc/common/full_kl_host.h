@@ -7,14 +7,16 @@
 namespace ppo_kernels {
 
 struct KLRows {
-  at::Tensor logits, ref;  // as read (strided rows; a contiguous copy only when they do not collapse)
-  RowIndexer rz, rw;       // rows of logits, of ref_logits
+  at::Tensor logits,
+      ref;            // as read (strided rows; a contiguous copy only when they do not collapse)
+  RowIndexer rz, rw;  // rows of logits, of ref_logits
   int64_t N, V;
 };
 
 inline void check_kl_inv_temperature(double inv_temperature) {
   TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
-              "inv_temperature: expected a positive value finite in float32, got ", inv_temperature);
+              "inv_temperature: expected a positive value finite in float32, got ",
+              inv_temperature);
 }
 
 inline KLRows prepare_kl_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
@@ -83,9 +85,10 @@ inline KLGradCall prepare_kl_bwd(const at::Tensor& grad_in, const at::Tensor& lo
   const bool need_ref = grad_ref.has_value() && grad_ref->defined() && grad_ref->numel() > 0;
   check_arg(grad_logits, "grad_logits", dev);
   TORCH_CHECK(grad_logits.sizes() == logits_in.sizes() &&
-                  grad_logits.scalar_type() == logits_in.scalar_type() && grad_logits.is_contiguous(),
-              "grad_logits: expected a contiguous tensor of shape ", logits_in.sizes(), " and dtype ",
-              logits_in.scalar_type(), " (like logits)");
+                  grad_logits.scalar_type() == logits_in.scalar_type() &&
+                  grad_logits.is_contiguous(),
+              "grad_logits: expected a contiguous tensor of shape ", logits_in.sizes(),
+              " and dtype ", logits_in.scalar_type(), " (like logits)");
   if (need_ref) {
     check_arg(*grad_ref, "grad_ref_logits", dev);
     TORCH_CHECK(grad_ref->sizes() == logits_in.sizes() &&
@@ -93,8 +96,13 @@ inline KLGradCall prepare_kl_bwd(const at::Tensor& grad_in, const at::Tensor& lo
                 "grad_ref_logits: expected a contiguous tensor of shape ", logits_in.sizes(),
                 " and dtype ", logits_in.scalar_type(), " (like logits)");
   }
-  return {R, grad_in.to(at::kFloat).contiguous(), kl.contiguous(), lz.contiguous(), lw.contiguous(),
-          kl_bool_mask(mask_in, logits_in, N), need_ref};
+  return {R,
+          grad_in.to(at::kFloat).contiguous(),
+          kl.contiguous(),
+          lz.contiguous(),
+          lw.contiguous(),
+          kl_bool_mask(mask_in, logits_in, N),
+          need_ref};
 }
 
 }  // namespace ppo_kernels

@@ -41,11 +41,8 @@ PPO_HD GaeState gae_apply(const GaeMap& f, GaeState s) {
 // `first` applied first (the positions to the right), then `then` (the positions to its left).
 // Associative, not commutative: this is the combine of the scan, in right-to-left order.
 PPO_HD GaeMap gae_compose(const GaeMap& first, const GaeMap& then) {
-  return {then.p * first.p,
-          then.q * first.p + then.m * first.q,
-          then.m * first.m,
-          then.p * first.cv + then.cv,
-          then.q * first.cv + then.m * first.ca + then.ca};
+  return {then.p * first.p, then.q * first.p + then.m * first.q, then.m * first.m,
+          then.p * first.cv + then.cv, then.q * first.cv + then.m * first.ca + then.ca};
 }
 
 // The map of one position. g and l are gamma[t] and lam[t].

@@ -86,7 +86,9 @@ PPO_HD V k3_value(V x, V ex) {
 
 // The argument whose exp k3 needs (the only transcendental), so callers compute exp in bulk.
 template <typename V>
-PPO_HD V k3_exp_arg(V d, const KLClampSpec& c) { return V(0.f) - clamp_keep_nan(d, c.in_lo, c.in_hi); }
+PPO_HD V k3_exp_arg(V d, const KLClampSpec& c) {
+  return V(0.f) - clamp_keep_nan(d, c.in_lo, c.in_hi);
+}
 
 // Value and derivative d(value)/d(d) of one estimator EST. `ex` = exp(k3_exp_arg(d)) (only read
 // for k3). straight_through: the value of EST, the gradient of k2 (d, unclamped), as verl's "k3+".
@@ -154,7 +156,8 @@ PPO_HD KLStats kl_stats_rescale(KLStats a, float mz2, float mw2) {
     // v' = sw fw - sz fz = v fw + sz fz expm1(dw - dz): the second form when both maxes moved
     // (almost) together, where the first would cancel
     const float x = dw - dz;
-    r.v = fabsf(x) < kSeriesBound ? a.v * fw + r.sz * (x + expm1_minus_x_series(x)) : sw * fw - r.sz;
+    r.v =
+        fabsf(x) < kSeriesBound ? a.v * fw + r.sz * (x + expm1_minus_x_series(x)) : sw * fw - r.sz;
     // a_j - b_j grows by dz - dw; if mw was -inf every old p-mass term is already +inf (q_j = 0),
     // and the +inf shift keeps it so.
     r.u = a.u == INFINITY ? INFINITY : fz * (a.u + (dz - dw) * a.sz);
@@ -204,6 +207,8 @@ PPO_HD float kl_stats_lse_w(KLStats st) { return st.mw + logf(st.sz + st.v); }
 // Backward, per element: with c = lse_z - lse_w + KL (per row),
 //   dKL/dz_j = p_j * ((z_j - w_j) - c),   dKL/dw_j = q_j - p_j,   (both times 1/temperature)
 // and p_j = 0 gives 0 for the first (no 0 * inf).
-PPO_HD float full_kl_grad_z(float p, float z, float w, float c) { return p > 0.f ? p * ((z - w) - c) : 0.f; }
+PPO_HD float full_kl_grad_z(float p, float z, float w, float c) {
+  return p > 0.f ? p * ((z - w) - c) : 0.f;
+}
 
 }  // namespace ppo_kernels

@@ -19,8 +19,15 @@
 namespace ppo_kernels {
 
 // Slots of the per-row partial sums both loss kernels produce.
-enum LossPartial { kSumLoss = 0, kSumMask, kSumClip, kSumClipLower, kSumNegLogRatio, kSumRatio,
-                   kNumPartials };
+enum LossPartial {
+  kSumLoss = 0,
+  kSumMask,
+  kSumClip,
+  kSumClipLower,
+  kSumNegLogRatio,
+  kSumRatio,
+  kNumPartials
+};
 
 // ---- lane primitives: a condition is `bool` for float and a bit mask for Vectorized<float> ----
 PPO_HD float lane_select(bool c, float a, float b) { return c ? a : b; }  // a where c
@@ -30,7 +37,9 @@ PPO_HD float lane_exp(float x) { return expf(x); }
 
 #if !defined(__CUDACC__) && !defined(__HIPCC__)
 using VecF = at::vec::Vectorized<float>;
-inline VecF lane_select(const VecF& c, const VecF& a, const VecF& b) { return VecF::blendv(b, a, c); }
+inline VecF lane_select(const VecF& c, const VecF& a, const VecF& b) {
+  return VecF::blendv(b, a, c);
+}
 inline VecF lane_ind(const VecF& c) { return VecF::blendv(VecF(0.f), VecF(1.f), c); }
 inline VecF lane_or(const VecF& a, const VecF& b) { return a | b; }
 inline VecF lane_exp(const VecF& x) { return x.exp(); }
@@ -51,14 +60,18 @@ PPO_HD V max_weight_first(V a, V b) {
 
 // torch.maximum / torch.minimum (NaN in either argument propagates).
 template <typename V>
-PPO_HD V max_nan(V a, V b) { return lane_select(lane_or(a != a, a > b), a, b); }
+PPO_HD V max_nan(V a, V b) {
+  return lane_select(lane_or(a != a, a > b), a, b);
+}
 template <typename V>
-PPO_HD V min_nan(V a, V b) { return lane_select(lane_or(a != a, a < b), a, b); }
+PPO_HD V min_nan(V a, V b) {
+  return lane_select(lane_or(a != a, a < b), a, b);
+}
 
 template <typename V>
 struct TokenTerms {
-  V loss;   // per-token loss
-  V grad;   // d loss / d (logprob or value)
+  V loss;     // per-token loss
+  V grad;     // d loss / d (logprob or value)
   V stat[4];  // policy: clipped, clipped_lo, -log-ratio, ratio; value: clipped, 0, 0, 0
 };
 
@@ -66,7 +79,8 @@ struct TokenTerms {
 // bounds the log-ratio (verl: 20) before exp. Statistics: clipped (verl's pg_clipfrac: the clipped
 // branch strictly larger), clipped_lo (dual clip bounds the loss: A < 0 and clip1 > -A * c).
 template <typename V>
-PPO_HD TokenTerms<V> policy_token(V lp, V old_lp, V adv, float lo, float hi, float dual_c, float lr_clamp) {
+PPO_HD TokenTerms<V> policy_token(V lp, V old_lp, V adv, float lo, float hi, float dual_c,
+                                  float lr_clamp) {
   TokenTerms<V> o;
   const V zero(0.f), one(1.f), vlo(lo), vhi(hi), vlr(lr_clamp), vnlr(-lr_clamp);
   const V d = lp - old_lp;

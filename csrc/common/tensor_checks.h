@@ -48,7 +48,8 @@ inline void check_arg(const at::Tensor& t, const char* name, const at::Device& d
   TORCH_CHECK(t.device() == device, name, ": expected device ", device, ", got ", t.device());
   const at::ScalarType st = t.scalar_type();
   switch (kind) {
-    case Kind::kAny: break;
+    case Kind::kAny:
+      break;
     case Kind::kFloat32:
       TORCH_CHECK(st == at::kFloat, name, ": expected dtype float32, got ", st);
       break;
@@ -57,7 +58,8 @@ inline void check_arg(const at::Tensor& t, const char* name, const at::Device& d
                   name, ": expected a float dtype (float32, bfloat16, float16, float64), got ", st);
       break;
     case Kind::kIndex:
-      TORCH_CHECK(st == at::kLong || st == at::kInt, name, ": expected dtype int64 or int32, got ", st);
+      TORCH_CHECK(st == at::kLong || st == at::kInt, name, ": expected dtype int64 or int32, got ",
+                  st);
       break;
   }
 }

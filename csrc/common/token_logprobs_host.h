@@ -6,7 +6,7 @@
 namespace ppo_kernels {
 
 struct LogprobsCall {
-  at::Tensor logits, labels;   // logits as read (strided rows), labels contiguous
+  at::Tensor logits, labels;  // logits as read (strided rows), labels contiguous
   RowIndexer rows;
   int64_t N, V;
   at::Tensor logprobs, entropy, lse;  // outputs (entropy empty when not requested)
@@ -22,10 +22,16 @@ inline LogprobsCall prepare_logprobs_call(const at::Tensor& logits_in, const at:
   const int64_t N = leading_numel(logits_in);
   check_arg(labels_in, "labels", logits_in.device(), Kind::kIndex, N, "logits.shape[:-1]");
   at::Tensor labels = labels_in.contiguous();
-  TORCH_CHECK(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N, " rows");
+  TORCH_CHECK(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N,
+              " rows");
   auto [logits, rows] = rows_of(logits_in);
   const auto f32 = labels.options().dtype(at::kFloat);
-  return {logits, labels, rows, N, V, new_output(labels.sizes(), f32),
+  return {logits,
+          labels,
+          rows,
+          N,
+          V,
+          new_output(labels.sizes(), f32),
           with_entropy ? new_output(labels.sizes(), f32) : at::empty({0}, f32),
           new_output(labels.sizes(), f32)};
 }
@@ -41,23 +47,26 @@ struct LogprobsGradCall {
 
 inline LogprobsGradCall prepare_logprobs_grad_call(const at::Tensor& grad_logprobs,
                                                    const std::optional<at::Tensor>& grad_entropy,
-                                                   const at::Tensor& logits, const at::Tensor& labels,
-                                                   const at::Tensor& lse, const at::Tensor& entropy,
+                                                   const at::Tensor& logits,
+                                                   const at::Tensor& labels, const at::Tensor& lse,
+                                                   const at::Tensor& entropy,
                                                    const at::Tensor& grad_logits) {
   TORCH_CHECK(logits.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
   const at::Device dev = logits.device();
   const int64_t N = leading_numel(logits), V = logits.size(-1);
   check_arg(logits, "logits", dev, Kind::kFloating);
   check_arg(grad_logits, "grad_logits", dev);
-  TORCH_CHECK(grad_logits.sizes() == logits.sizes() && grad_logits.scalar_type() == logits.scalar_type(),
-              "grad_logits: expected shape ", logits.sizes(), " and dtype ", logits.scalar_type(),
-              " (like logits), got ", grad_logits.sizes(), " ", grad_logits.scalar_type());
+  TORCH_CHECK(
+      grad_logits.sizes() == logits.sizes() && grad_logits.scalar_type() == logits.scalar_type(),
+      "grad_logits: expected shape ", logits.sizes(), " and dtype ", logits.scalar_type(),
+      " (like logits), got ", grad_logits.sizes(), " ", grad_logits.scalar_type());
   TORCH_CHECK((logits.stride(-1) == 1 && grad_logits.stride(-1) == 1) || V <= 1,
               "logits, grad_logits: the last (vocabulary) dimension must be contiguous");
   check_arg(labels, "labels", dev, Kind::kIndex, N, "logits.shape[:-1]");
   check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, N, "logits.shape[:-1]");
   check_arg(lse, "lse", dev, Kind::kFloat32, N, "logits.shape[:-1]");
-  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  const bool has_ent =
+      grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
   if (has_ent) {
     check_arg(*grad_entropy, "grad_entropy", dev, Kind::kFloating, N, "logits.shape[:-1]");
     check_arg(entropy, "entropy", dev, Kind::kFloat32, N, "logits.shape[:-1]");
@@ -71,7 +80,10 @@ inline LogprobsGradCall prepare_logprobs_grad_call(const at::Tensor& grad_logpro
           has_ent ? grad_entropy->to(at::kFloat).contiguous() : at::Tensor(),
           lse.contiguous(),
           has_ent ? entropy.contiguous() : at::Tensor(),
-          *rin, *rout, N, V};
+          *rin,
+          *rout,
+          N,
+          V};
 }
 
 }  // namespace ppo_kernels

@@ -15,9 +15,9 @@
 namespace ppo_kernels {
 namespace {
 
-using cpu::Vec;
 using cpu::from_float;
 using cpu::load_scaled;
+using cpu::Vec;
 constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row (x2 tensors)
 
 float hsum(const Vec& v) {
@@ -53,53 +53,54 @@ KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float m
   return st;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(const at::Tensor& logits_in,
-                                                               const at::Tensor& ref_in,
-                                                               const std::optional<at::Tensor>& mask_in,
-                                                               double inv_temperature) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
+    const at::Tensor& logits_in, const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
+    double inv_temperature) {
   const KLFwdCall c = prepare_kl_fwd(logits_in, ref_in, mask_in, inv_temperature);
   const KLRows& R = c.R;
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
   if (N == 0) return {kl, lz, lw};
   const float inv_t = static_cast<float>(inv_temperature);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
-    const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
-    const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
-    const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-    float* o = kl.data_ptr<float>();
-    float* oz = lz.data_ptr<float>();
-    float* ow = lw.data_ptr<float>();
-    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
-      std::vector<float> bz(kBlock), bw(kBlock);
-      for (int64_t r = begin; r < end; ++r) {
-        if (mk && !mk[r]) {
-          o[r] = oz[r] = ow[r] = 0.f;
-          continue;
-        }
-        const scalar_t* zr = x + R.rz(r);
-        const scalar_t* wr = y + R.rw(r);
-        KLStats st = kl_stats_empty();
-        for (int64_t j = 0; j < V; j += kBlock) {
-          const int64_t n = std::min(kBlock, V - j);
-          const float mz = load_scaled(zr + j, n, inv_t, bz.data());
-          const float mw = load_scaled(wr + j, n, inv_t, bw.data());
-          st = kl_stats_merge(st, block_stats(bz.data(), bw.data(), n, mz, mw));
-        }
-        o[r] = kl_stats_value(st);
-        oz[r] = kl_stats_lse_z(st);
-        ow[r] = kl_stats_lse_w(st);
-      }
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
+        const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
+        const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
+        const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+        float* o = kl.data_ptr<float>();
+        float* oz = lz.data_ptr<float>();
+        float* ow = lw.data_ptr<float>();
+        at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
+          std::vector<float> bz(kBlock), bw(kBlock);
+          for (int64_t r = begin; r < end; ++r) {
+            if (mk && !mk[r]) {
+              o[r] = oz[r] = ow[r] = 0.f;
+              continue;
+            }
+            const scalar_t* zr = x + R.rz(r);
+            const scalar_t* wr = y + R.rw(r);
+            KLStats st = kl_stats_empty();
+            for (int64_t j = 0; j < V; j += kBlock) {
+              const int64_t n = std::min(kBlock, V - j);
+              const float mz = load_scaled(zr + j, n, inv_t, bz.data());
+              const float mw = load_scaled(wr + j, n, inv_t, bw.data());
+              st = kl_stats_merge(st, block_stats(bz.data(), bw.data(), n, mz, mw));
+            }
+            o[r] = kl_stats_value(st);
+            oz[r] = kl_stats_lse_z(st);
+            ow[r] = kl_stats_lse_w(st);
+          }
+        });
+      });
   return {kl, lz, lw};
 }
 
 // grad_logits = g/T * p (z - w - c), grad_ref = g/T * (q - p), c = lse_z - lse_w + KL.
-void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& ref_in,
-                     const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in,
-                     const at::Tensor& lz_in, const at::Tensor& lw_in, double inv_temperature,
-                     at::Tensor grad_logits, std::optional<at::Tensor> grad_ref) {
+void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in,
+                     const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
+                     const at::Tensor& kl_in, const at::Tensor& lz_in, const at::Tensor& lw_in,
+                     double inv_temperature, at::Tensor grad_logits,
+                     std::optional<at::Tensor> grad_ref) {
   const KLGradCall in = prepare_kl_bwd(grad_in, logits_in, ref_in, mask_in, kl_in, lz_in, lw_in,
                                        inv_temperature, grad_logits, grad_ref);
   const KLRows& R = in.R;
@@ -108,60 +109,63 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in, con
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
   const float inv_t = static_cast<float>(inv_temperature);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd", [&] {
-    const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
-    const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
-    scalar_t* gx = grad_logits.data_ptr<scalar_t>();
-    scalar_t* gy = need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr;
-    const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-    const float *gp = g.const_data_ptr<float>(), *klp = klc.const_data_ptr<float>();
-    const float *lzp = lzc.const_data_ptr<float>(), *lwp = lwc.const_data_ptr<float>();
-    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
-      std::vector<float> bz(kBlock), bw(kBlock);
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* gxr = gx + r * V;
-        scalar_t* gyr = gy ? gy + r * V : nullptr;
-        if (mk && !mk[r]) {
-          std::fill(gxr, gxr + V, scalar_t(0));
-          if (gyr) std::fill(gyr, gyr + V, scalar_t(0));
-          continue;
-        }
-        const float a = gp[r] * inv_t, lz = lzp[r], lw = lwp[r];
-        const float c = lz - lw + klp[r];
-        const Vec va(a), vlz(lz), vlw(lw), vc(c), zero(0.f);
-        for (int64_t j = 0; j < V; j += kBlock) {
-          const int64_t n = std::min(kBlock, V - j);
-          load_scaled(x + R.rz(r) + j, n, inv_t, bz.data());
-          load_scaled(y + R.rw(r) + j, n, inv_t, bw.data());
-          int64_t i = 0;
-          for (; i + Vec::size() <= n; i += Vec::size()) {
-            const Vec z = Vec::loadu(bz.data() + i), w = Vec::loadu(bw.data() + i);
-            const Vec p = (z - vlz).exp();
-            if (gyr) (va * ((w - vlw).exp() - p)).store(bw.data() + i);
-            Vec::blendv(zero, va * p * ((z - w) - vc), p > zero).store(bz.data() + i);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd", [&] {
+        const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
+        const scalar_t* y = R.ref.const_data_ptr<scalar_t>();
+        scalar_t* gx = grad_logits.data_ptr<scalar_t>();
+        scalar_t* gy = need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr;
+        const bool* mk = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+        const float *gp = g.const_data_ptr<float>(), *klp = klc.const_data_ptr<float>();
+        const float *lzp = lzc.const_data_ptr<float>(), *lwp = lwc.const_data_ptr<float>();
+        at::parallel_for(0, N, std::max<int64_t>(1, 8192 / V), [&](int64_t begin, int64_t end) {
+          std::vector<float> bz(kBlock), bw(kBlock);
+          for (int64_t r = begin; r < end; ++r) {
+            scalar_t* gxr = gx + r * V;
+            scalar_t* gyr = gy ? gy + r * V : nullptr;
+            if (mk && !mk[r]) {
+              std::fill(gxr, gxr + V, scalar_t(0));
+              if (gyr) std::fill(gyr, gyr + V, scalar_t(0));
+              continue;
+            }
+            const float a = gp[r] * inv_t, lz = lzp[r], lw = lwp[r];
+            const float c = lz - lw + klp[r];
+            const Vec va(a), vlz(lz), vlw(lw), vc(c), zero(0.f);
+            for (int64_t j = 0; j < V; j += kBlock) {
+              const int64_t n = std::min(kBlock, V - j);
+              load_scaled(x + R.rz(r) + j, n, inv_t, bz.data());
+              load_scaled(y + R.rw(r) + j, n, inv_t, bw.data());
+              int64_t i = 0;
+              for (; i + Vec::size() <= n; i += Vec::size()) {
+                const Vec z = Vec::loadu(bz.data() + i), w = Vec::loadu(bw.data() + i);
+                const Vec p = (z - vlz).exp();
+                if (gyr) (va * ((w - vlw).exp() - p)).store(bw.data() + i);
+                Vec::blendv(zero, va * p * ((z - w) - vc), p > zero).store(bz.data() + i);
+              }
+              for (; i < n; ++i) {
+                const float z = bz[i], w = bw[i];
+                const float p = std::exp(z - lz);
+                if (gyr) bw[i] = a * (std::exp(w - lw) - p);
+                bz[i] = a * full_kl_grad_z(p, z, w, c);
+              }
+              from_float(bz.data(), gxr + j, n);
+              if (gyr) from_float(bw.data(), gyr + j, n);
+            }
           }
-          for (; i < n; ++i) {
-            const float z = bz[i], w = bw[i];
-            const float p = std::exp(z - lz);
-            if (gyr) bw[i] = a * (std::exp(w - lw) - p);
-            bz[i] = a * full_kl_grad_z(p, z, w, c);
-          }
-          from_float(bz.data(), gxr + j, n);
-          if (gyr) from_float(bw.data(), gyr + j, n);
-        }
-      }
-    });
-  });
+        });
+      });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  m.def("full_kl_fwd(Tensor logits, Tensor ref_logits, Tensor? mask, float inv_temperature) "
-        "-> (Tensor kl, Tensor lse_z, Tensor lse_w)");
-  m.def("full_kl_bwd(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, Tensor kl, "
-        "Tensor lse_z, Tensor lse_w, float inv_temperature, Tensor(a!) grad_logits, "
-        "Tensor(b!)? grad_ref_logits) -> ()");
+  m.def(
+      "full_kl_fwd(Tensor logits, Tensor ref_logits, Tensor? mask, float inv_temperature) "
+      "-> (Tensor kl, Tensor lse_z, Tensor lse_w)");
+  m.def(
+      "full_kl_bwd(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, Tensor kl, "
+      "Tensor lse_z, Tensor lse_w, float inv_temperature, Tensor(a!) grad_logits, "
+      "Tensor(b!)? grad_ref_logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

@@ -35,11 +35,11 @@ namespace {
 struct Inputs {
   const void* rewards;
   const void* values;
-  const void* mask;       // uint8 (bool) or float32 (nonzero = action); nullptr: all actions
-  const uint8_t* dones;   // nullptr: no dones
-  const float* gamma_t;   // nullptr: scalar gamma
-  const float* lam_t;     // nullptr: scalar lam
-  float gamma, lam, gl;   // scalars (gl = gamma * lam rounded once)
+  const void* mask;      // uint8 (bool) or float32 (nonzero = action); nullptr: all actions
+  const uint8_t* dones;  // nullptr: no dones
+  const float* gamma_t;  // nullptr: scalar gamma
+  const float* lam_t;    // nullptr: scalar lam
+  float gamma, lam, gl;  // scalars (gl = gamma * lam rounded once)
 };
 
 struct Task {
@@ -71,8 +71,14 @@ struct Kernel {
 #endif
 
   explicit Kernel(const Inputs& in)
-      : r(static_cast<const scalar_t*>(in.rewards)), v(static_cast<const scalar_t*>(in.values)),
-        mk(static_cast<const mask_t*>(in.mask)), dn(in.dones), gt(in.gamma_t), lt(in.lam_t), gamma(in.gamma), lam(in.lam),
+      : r(static_cast<const scalar_t*>(in.rewards)),
+        v(static_cast<const scalar_t*>(in.values)),
+        mk(static_cast<const mask_t*>(in.mask)),
+        dn(in.dones),
+        gt(in.gamma_t),
+        lt(in.lam_t),
+        gamma(in.gamma),
+        lam(in.lam),
         gl(in.gl) {}
 
   // One position of the recursion; writes adv[t] and ret[t].
@@ -196,9 +202,8 @@ void run_tasks(const Inputs& in, const std::vector<Task>& tasks, const std::vect
   // rows): the vector code runs to the shortest and leaves the rest of the others to scalar code.
   std::vector<const Task*> order(n_tasks);
   for (int64_t i = 0; i < n_tasks; ++i) order[i] = &tasks[i];
-  std::stable_sort(order.begin(), order.end(), [](const Task* a, const Task* b) {
-    return a->hi - a->lo > b->hi - b->lo;
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [](const Task* a, const Task* b) { return a->hi - a->lo > b->hi - b->lo; });
   auto index = [&](const Task* t) { return t - tasks.data(); };
   std::vector<GaeState> carry(n_tasks);
   if (chunked) {
@@ -236,12 +241,12 @@ template <typename scalar_t>
 void dispatch_flags(const Inputs& in, bool float_mask, const std::vector<Task>& tasks,
                     const std::vector<GaeState>& init, float* a, float* rt, float* pv, float* pa) {
   const bool m = in.mask != nullptr, d = in.dones != nullptr, tg = in.gamma_t != nullptr;
-#define PPO_GAE_CASE(M, D, G)                                                       \
-  if (m == M && d == D && tg == G) {                                                \
-    if constexpr (M) {                                                              \
+#define PPO_GAE_CASE(M, D, G)                                                                     \
+  if (m == M && d == D && tg == G) {                                                              \
+    if constexpr (M) {                                                                            \
       if (float_mask) return run_tasks<scalar_t, float, M, D, G>(in, tasks, init, a, rt, pv, pa); \
-    }                                                                               \
-    return run_tasks<scalar_t, uint8_t, M, D, G>(in, tasks, init, a, rt, pv, pa);   \
+    }                                                                                             \
+    return run_tasks<scalar_t, uint8_t, M, D, G>(in, tasks, init, a, rt, pv, pa);                 \
   }
   PPO_GAE_CASE(true, false, false)
   PPO_GAE_CASE(true, true, false)
@@ -268,13 +273,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
                   values.scalar_type() == rewards.scalar_type(),
               "gae_fwd: rewards and values must be contiguous and of one dtype");
   TORCH_CHECK(n_rows >= 0, "n_rows: expected >= 0, got ", n_rows);
-  for (const auto& [t, name] : {std::pair{&mask, "mask"}, {&dones, "dones"}, {&gamma_t, "gamma_t"},
-                                {&lam_t, "lam_t"}, {&init_value, "init_value"},
-                                {&init_adv, "init_adv"}, {&cu_seqlens, "cu_seqlens"}}) {
+  for (const auto& [t, name] : {std::pair{&mask, "mask"},
+                                {&dones, "dones"},
+                                {&gamma_t, "gamma_t"},
+                                {&lam_t, "lam_t"},
+                                {&init_value, "init_value"},
+                                {&init_adv, "init_adv"},
+                                {&cu_seqlens, "cu_seqlens"}}) {
     if (t->has_value() && (*t)->defined()) check_arg(**t, name, dev);
   }
   auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  TORCH_CHECK(present(gamma_t) == present(lam_t), "gamma_t, lam_t: per-token gamma and lam come "
+  TORCH_CHECK(present(gamma_t) == present(lam_t),
+              "gamma_t, lam_t: per-token gamma and lam come "
               "together (pass both tensors, or neither)");
   auto flat_u8 = [&](const std::optional<at::Tensor>& t, const char* name) -> const uint8_t* {
     if (!t.has_value() || !t->defined()) return nullptr;
@@ -283,7 +293,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
                 "gae_fwd: ", name, " must be a contiguous bool tensor of ", N, " elements");
     return static_cast<const uint8_t*>(t->const_data_ptr());
   };
-  auto flat_f32 = [&](const std::optional<at::Tensor>& t, int64_t n, const char* name) -> const float* {
+  auto flat_f32 = [&](const std::optional<at::Tensor>& t, int64_t n,
+                      const char* name) -> const float* {
     if (!t.has_value() || !t->defined()) return nullptr;
     TORCH_CHECK(t->is_contiguous() && t->numel() == n && t->scalar_type() == at::kFloat,
                 "gae_fwd: ", name, " must be a contiguous float32 tensor of ", n, " elements");
@@ -299,9 +310,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
   } else {
     mask_ptr = flat_u8(mask, "mask");
   }
-  Inputs in{rewards.const_data_ptr(), values.const_data_ptr(), mask_ptr,
-            flat_u8(dones, "dones"), flat_f32(gamma_t, N, "gamma"), flat_f32(lam_t, N, "lam"),
-            static_cast<float>(gamma), static_cast<float>(lam), static_cast<float>(gamma * lam)};
+  Inputs in{
+      rewards.const_data_ptr(),  values.const_data_ptr(),       mask_ptr,
+      flat_u8(dones, "dones"),   flat_f32(gamma_t, N, "gamma"), flat_f32(lam_t, N, "lam"),
+      static_cast<float>(gamma), static_cast<float>(lam),       static_cast<float>(gamma * lam)};
   const float* iv = flat_f32(init_value, n_rows, "init_value");
   const float* ia = flat_f32(init_adv, n_rows, "init_adv");
 
@@ -371,9 +383,10 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // float32 [n_rows] or None (0).
   // Rows: cu_seqlens (int32/int64 [n_rows + 1]) or n_rows rows of row_len.
   // Returns advantages [N], returns [N] (float32) and the left-edge carry (value, adv) [n_rows].
-  m.def("gae_fwd(Tensor rewards, Tensor values, Tensor? mask, Tensor? dones, Tensor? gamma_t, "
-        "Tensor? lam_t, float gamma, float lam, Tensor? init_value, Tensor? init_adv, "
-        "Tensor? cu_seqlens, int n_rows, int row_len) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "gae_fwd(Tensor rewards, Tensor values, Tensor? mask, Tensor? dones, Tensor? gamma_t, "
+      "Tensor? lam_t, float gamma, float lam, Tensor? init_value, Tensor? init_adv, "
+      "Tensor? cu_seqlens, int n_rows, int row_len) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) { m.impl("gae_fwd", &gae_fwd_cpu); }

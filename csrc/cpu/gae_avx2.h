@@ -52,7 +52,8 @@ inline void transpose8(__m256 (&x)[kLanes]) {
 // 8 consecutive elements as float32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const double* p) {  // rounded to float32 like static_cast<float>
-  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)),
+                         _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -119,7 +120,8 @@ struct Lanes {
   static void load_tile(const K& k, const int64_t* base, Tile& x) {
     tile_in(k.r, base, x.r, [](const scalar_t* p) { return load8(p); });
     tile_in(k.v, base, x.v, [](const scalar_t* p) { return load8(p); });
-    if constexpr (kMask && kFloatMask) tile_in(k.mk, base, x.m, [](const float* p) { return flags8(p); });
+    if constexpr (kMask && kFloatMask)
+      tile_in(k.mk, base, x.m, [](const float* p) { return flags8(p); });
     if constexpr (kMask && !kFloatMask) flag_tile(k.mk, base, x.mlo, x.mhi);
     if (kDones) flag_tile(k.dn, base, x.dlo, x.dhi);
     if (kTokenGL) {
@@ -128,8 +130,10 @@ struct Lanes {
     }
   }
   static __m256 action(const Tile& x, int j) {
-    if constexpr (kFloatMask) return x.m[j];
-    else return flag_at(x.mlo, x.mhi, j);
+    if constexpr (kFloatMask)
+      return x.m[j];
+    else
+      return flag_at(x.mlo, x.mhi, j);
   }
   static __m256 done(const Tile& x, int j) { return flag_at(x.dlo, x.dhi, j); }
 
@@ -224,8 +228,7 @@ struct Lanes {
         }
         acc = {_mm256_mul_ps(e.p, acc.p),
                _mm256_add_ps(_mm256_mul_ps(e.q, acc.p), _mm256_mul_ps(e.m, acc.q)),
-               _mm256_mul_ps(e.m, acc.m),
-               _mm256_add_ps(_mm256_mul_ps(e.p, acc.cv), e.cv),
+               _mm256_mul_ps(e.m, acc.m), _mm256_add_ps(_mm256_mul_ps(e.p, acc.cv), e.cv),
                _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(e.q, acc.cv), _mm256_mul_ps(e.m, acc.ca)),
                              e.ca)};
       }
@@ -238,7 +241,8 @@ struct Lanes {
     _mm256_store_ps(ca, acc.ca);
     for (int i = 0; i < n; ++i) {
       GaeMap fi{p[i], q[i], m[i], cv[i], ca[i]};
-      for (int64_t t = hi[i] - kLanes * nblk - 1; t >= lo[i]; --t) fi = gae_compose(fi, k.element(t));
+      for (int64_t t = hi[i] - kLanes * nblk - 1; t >= lo[i]; --t)
+        fi = gae_compose(fi, k.element(t));
       f[i] = fi;
     }
   }

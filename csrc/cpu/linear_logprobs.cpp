@@ -17,10 +17,10 @@
 namespace ppo_kernels {
 namespace {
 
-using cpu::Vec;
-using cpu::kBlock;
 using cpu::block_stats;
+using cpu::kBlock;
 using cpu::load_scaled;
+using cpu::Vec;
 
 void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
   check_arg(tile, "tile", tile.device(), Kind::kFloat32);
@@ -32,7 +32,8 @@ void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
 
 // state: float32 [3, rows] = (m, s, u) of the scaled logits seen so far; zlabel: float32 [rows].
 void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t v_start,
-                    double inv_temperature, int64_t ignore_index, at::Tensor state, at::Tensor zlabel) {
+                    double inv_temperature, int64_t ignore_index, at::Tensor state,
+                    at::Tensor zlabel) {
   check_tile(tile, labels_in);
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
   check_arg(state, "state", tile.device(), Kind::kFloat32, 3 * R, "[3, rows]");
@@ -73,21 +74,23 @@ void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t
   });
 }
 
-// tile[r, j] <- inv_t * (glp * (onehot - p_j) - gent * p_j * (z_j - lse + H)), p_j = exp(z_j - lse),
-// onehot at column label - v_start; rows with label == ignore_index become 0.
-void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start, const at::Tensor& lse_in,
-                  const std::optional<at::Tensor>& entropy, const at::Tensor& grad_logprobs,
-                  const std::optional<at::Tensor>& grad_entropy, double inv_temperature,
-                  int64_t ignore_index) {
+// tile[r, j] <- inv_t * (glp * (onehot - p_j) - gent * p_j * (z_j - lse + H)), p_j = exp(z_j -
+// lse), onehot at column label - v_start; rows with label == ignore_index become 0.
+void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
+                  const at::Tensor& lse_in, const std::optional<at::Tensor>& entropy,
+                  const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+                  double inv_temperature, int64_t ignore_index) {
   check_tile(tile, labels_in);
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
   if (R == 0 || Vt == 0) return;
-  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
+  const bool has_ent =
+      grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
   const at::Device dev = tile.device();
   check_arg(lse_in, "lse", dev, Kind::kFloating, R, "one per row");
   check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, R, "one per row");
   if (has_ent) {
-    TORCH_CHECK(entropy.has_value() && entropy->defined(), "entropy: grad_entropy needs the forward entropy");
+    TORCH_CHECK(entropy.has_value() && entropy->defined(),
+                "entropy: grad_entropy needs the forward entropy");
     check_arg(*grad_entropy, "grad_entropy", dev, Kind::kFloating, R, "one per row");
     check_arg(*entropy, "entropy", dev, Kind::kFloating, R, "one per row");
   }
@@ -143,11 +146,13 @@ void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  m.def("linear_logprobs_tile_stats_(Tensor tile, Tensor labels, int v_start, float inv_temperature, "
-        "int ignore_index, Tensor(a!) state, Tensor(b!) zlabel) -> ()");
-  m.def("linear_logprobs_tile_bwd_(Tensor(a!) tile, Tensor labels, int v_start, Tensor lse, "
-        "Tensor? entropy, Tensor grad_logprobs, Tensor? grad_entropy, float inv_temperature, "
-        "int ignore_index) -> ()");
+  m.def(
+      "linear_logprobs_tile_stats_(Tensor tile, Tensor labels, int v_start, float inv_temperature, "
+      "int ignore_index, Tensor(a!) state, Tensor(b!) zlabel) -> ()");
+  m.def(
+      "linear_logprobs_tile_bwd_(Tensor(a!) tile, Tensor labels, int v_start, Tensor lse, "
+      "Tensor? entropy, Tensor grad_logprobs, Tensor? grad_entropy, float inv_temperature, "
+      "int ignore_index) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

@@ -1,5 +1,6 @@
 // PPO policy / value losses and GRPO / RLOO group advantages: CPU kernels and the schemas of the
-// raw kernels. Semantics: ppo_kernels/losses/reference.py, ppo_kernels/group_advantages/reference.py.
+// raw kernels. Semantics: ppo_kernels/losses/reference.py,
+// ppo_kernels/group_advantages/reference.py.
 //
 // The losses take one pass over the tokens: rows are cut into chunks of kChunk tokens, each chunk
 // (a parallel work item) produces the partial sums of LossPartial (masked loss, mask, statistics)
@@ -23,7 +24,6 @@ namespace ppo_kernels {
 namespace {
 
 constexpr int64_t kChunk = 1024;
-
 
 // n elements of t (contiguous, any real dtype) from flat offset off, as float.
 void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
@@ -51,8 +51,8 @@ Shape2 rows_of(const at::Tensor& x) {
 }
 
 void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  TORCH_CHECK(b.sizes() == a.sizes() && b.is_contiguous(), name, ": expected a contiguous tensor of shape ",
-              a.sizes(), ", got ", b.sizes());
+  TORCH_CHECK(b.sizes() == a.sizes() && b.is_contiguous(), name,
+              ": expected a contiguous tensor of shape ", a.sizes(), ", got ", b.sizes());
 }
 
 // The names of a loss kernel's three [B, T] inputs, for the argument checks.
@@ -63,8 +63,8 @@ constexpr Names kValueNames{"values", "old_values", "returns"};
 void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
                      const at::Tensor& mask) {
   check_arg(x, n[0], x.device(), Kind::kFloating);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0], ": expected a contiguous [B, T] tensor, got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0],
+              ": expected a contiguous [B, T] tensor, got ", x.sizes());
   check_arg(y, n[1], x.device(), Kind::kFloating);
   check_like(x, y, n[1]);
   check_arg(z, n[2], x.device(), Kind::kFloating);
@@ -76,12 +76,10 @@ void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, c
 
 // One pass: per-chunk partial sums of (loss, mask, 4 statistics), then the serial combine.
 template <typename Fn>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, const at::Tensor& y,
-                                                        const at::Tensor& z, const at::Tensor& mask,
-                                                        const std::string& agg_name, double scale,
-                                                        const std::optional<at::Tensor>& global_denom,
-                                                        std::optional<double> global_denom_value,
-                                                        int64_t n_stats, const Names& names, Fn fn) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
+    const at::Tensor& x, const at::Tensor& y, const at::Tensor& z, const at::Tensor& mask,
+    const std::string& agg_name, double scale, const std::optional<at::Tensor>& global_denom,
+    std::optional<double> global_denom_value, int64_t n_stats, const Names& names, Fn fn) {
   check_loss_args(names, x, y, z, mask);
   const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
@@ -106,10 +104,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
         const int64_t k = std::min<int64_t>(VecF::size(), n - i);
         const VecF vm = VecF::loadu(m + i, k);
         const VecF keep = vm != vzero;  // masked positions never contribute, even if NaN
-        const TokenTerms<VecF> o = fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
+        const TokenTerms<VecF> o =
+            fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
         acc[kSumLoss] = acc[kSumLoss] + VecF::blendv(vzero, vm * o.loss, keep);
         acc[kSumMask] = acc[kSumMask] + vm;
-        for (int q = 0; q < 4; ++q) acc[kSumClip + q] = acc[kSumClip + q] + VecF::blendv(vzero, vm * o.stat[q], keep);
+        for (int q = 0; q < 4; ++q)
+          acc[kSumClip + q] = acc[kSumClip + q] + VecF::blendv(vzero, vm * o.stat[q], keep);
       }
       std::array<double, kNumPartials> sums{};
       for (int q = 0; q < kNumPartials; ++q) {
@@ -149,15 +149,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(const at::Tensor& x, con
   double total = 0.0;
   for (int64_t r = 0; r < s.B; ++r) {
     double c;
-    if (agg == kTokenMean) c = per;
-    else if (!(row_n[r] > 0.0)) c = 0.0;
-    else c = agg == kSeqMeanTokenMean ? per / row_n[r] : per;
+    if (agg == kTokenMean)
+      c = per;
+    else if (!(row_n[r] > 0.0))
+      c = 0.0;
+    else
+      c = agg == kSeqMeanTokenMean ? per / row_n[r] : per;
     cp[r] = static_cast<float>(c);
     total += c * row_loss[r];
   }
   loss.fill_(total);
   float* sp = stats.data_ptr<float>();
-  for (int64_t k = 0; k < n_stats; ++k) sp[k] = n_total != 0.0 ? static_cast<float>(stat[k] / n_total) : 0.f;
+  for (int64_t k = 0; k < n_stats; ++k)
+    sp[k] = n_total != 0.0 ? static_cast<float>(stat[k] / n_total) : 0.f;
   return {loss, stats, coef};
 }
 
@@ -186,7 +190,8 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
       for (int64_t i = 0; i < n; i += VecF::size()) {
         const int64_t k = std::min<int64_t>(VecF::size(), n - i);
         const VecF vm = VecF::loadu(m + i, k);
-        const TokenTerms<VecF> o = fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
+        const TokenTerms<VecF> o =
+            fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
         VecF::blendv(vzero, w * vm * o.grad, vm != vzero).store(a + i, k);
       }
       store_float(grad, off, n, a);
@@ -196,7 +201,8 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
 }
 
 // dual_clip / clip: none = off (policy_token / value_token take a non-positive value as off).
-auto policy_fn(double clip_low, double clip_high, std::optional<double> dual_clip, double lr_clamp) {
+auto policy_fn(double clip_low, double clip_high, std::optional<double> dual_clip,
+               double lr_clamp) {
   const float lo = static_cast<float>(1.0 - clip_low), hi = static_cast<float>(1.0 + clip_high);
   const float dc = static_cast<float>(dual_clip.value_or(0.0)), lrc = static_cast<float>(lr_clamp);
   return [=](const VecF& lp, const VecF& old, const VecF& adv) {
@@ -214,38 +220,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
     const at::Tensor& mask, double clip_low, double clip_high, std::optional<double> dual_clip,
     double log_ratio_clamp, const std::string& agg, double scale,
     const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
-  return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom, global_denom_value, 4,
-                  kPolicyNames, policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+  return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom,
+                  global_denom_value, 4, kPolicyNames,
+                  policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
 at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
                                    const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                                   const at::Tensor& mask, const at::Tensor& row_coef, double clip_low,
-                                   double clip_high, std::optional<double> dual_clip,
-                                   double log_ratio_clamp) {
+                                   const at::Tensor& mask, const at::Tensor& row_coef,
+                                   double clip_low, double clip_high,
+                                   std::optional<double> dual_clip, double log_ratio_clamp) {
   return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, kPolicyNames,
                   policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
-    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
-    std::optional<double> clip, const std::string& agg, double scale,
+    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+    const at::Tensor& mask, std::optional<double> clip, const std::string& agg, double scale,
     const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
-  return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value, 1,
-                  kValueNames, value_fn(clip));
+  return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value,
+                  1, kValueNames, value_fn(clip));
 }
 
 at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& values,
                                   const at::Tensor& old_values, const at::Tensor& returns,
                                   const at::Tensor& mask, const at::Tensor& row_coef,
                                   std::optional<double> clip) {
-  return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, kValueNames, value_fn(clip));
+  return loss_bwd(grad_loss, values, old_values, returns, mask, row_coef, kValueNames,
+                  value_fn(clip));
 }
 
-// GRPO / RLOO advantages (kind: group_advantage_names()). Groups: group_index[i] in [0, B) or i / group_size.
-// Statistics in double (so a group of equal scores has an exact mean and gives exactly 0).
-at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional<at::Tensor>& group_index,
-                                int64_t group_size, double eps, bool norm_by_std, const std::string& kind_name,
+// GRPO / RLOO advantages (kind: group_advantage_names()). Groups: group_index[i] in [0, B) or i /
+// group_size. Statistics in double (so a group of equal scores has an exact mean and gives exactly
+// 0).
+at::Tensor group_advantages_cpu(const at::Tensor& scores_in,
+                                const std::optional<at::Tensor>& group_index, int64_t group_size,
+                                double eps, bool norm_by_std, const std::string& kind_name,
                                 const std::optional<at::Tensor>& mask) {
   const int64_t kind = mode_index("kind", group_advantage_names(), kind_name);
   TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
@@ -265,8 +275,8 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
     AT_DISPATCH_INDEX_TYPES(gi.scalar_type(), "group_index", [&] {
       const index_t* p = gi.const_data_ptr<index_t>();
       for (int64_t i = 0; i < B; ++i) {
-        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < B, "group_index: value ", int64_t(p[i]), " at position ", i,
-                          " is outside [0, B) = [0, ", B, ")");
+        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < B, "group_index: value ", int64_t(p[i]),
+                          " at position ", i, " is outside [0, B) = [0, ", B, ")");
         gid[i] = p[i];
       }
     });
@@ -288,8 +298,10 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
     const double n = cnt[gid[i]], c = x[i] - sum[gid[i]];
     double a;
     if (kind == kGRPO) {
-      if (n <= 1.0) a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
-      else if (!norm_by_std) a = c;
+      if (n <= 1.0)
+        a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
+      else if (!norm_by_std)
+        a = c;
       else {  // eps = 0 on a group of equal scores: 0 (c is exactly 0 there), not 0 / 0
         const double den = std::sqrt(ss[gid[i]] / (n - 1.0)) + eps;
         a = den > 0 ? c / den : 0.0;
@@ -322,19 +334,29 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in, const std::optional
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  m.def("ppo_policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
-        "float clip_low, float clip_high, float? dual_clip, float log_ratio_clamp, str agg, float scale, "
-        "Tensor? global_denom, float? global_denom_value) -> (Tensor loss, Tensor stats, Tensor row_coef)");
-  m.def("ppo_policy_loss_bwd(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
-        "Tensor mask, Tensor row_coef, float clip_low, float clip_high, float? dual_clip, "
-        "float log_ratio_clamp) -> Tensor");
-  m.def("ppo_value_loss_fwd(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
-        "str agg, float scale, Tensor? global_denom, float? global_denom_value) "
-        "-> (Tensor loss, Tensor stats, Tensor row_coef)");
-  m.def("ppo_value_loss_bwd(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, "
-        "Tensor mask, Tensor row_coef, float? clip) -> Tensor");
-  m.def("group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool norm_by_std, "
-        "str kind, Tensor? mask) -> Tensor");
+  m.def(
+      "ppo_policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+      "float clip_low, float clip_high, float? dual_clip, float log_ratio_clamp, str agg, float "
+      "scale, "
+      "Tensor? global_denom, float? global_denom_value) -> (Tensor loss, Tensor stats, Tensor "
+      "row_coef)");
+  m.def(
+      "ppo_policy_loss_bwd(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor "
+      "advantages, "
+      "Tensor mask, Tensor row_coef, float clip_low, float clip_high, float? dual_clip, "
+      "float log_ratio_clamp) -> Tensor");
+  m.def(
+      "ppo_value_loss_fwd(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? "
+      "clip, "
+      "str agg, float scale, Tensor? global_denom, float? global_denom_value) "
+      "-> (Tensor loss, Tensor stats, Tensor row_coef)");
+  m.def(
+      "ppo_value_loss_bwd(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, "
+      "Tensor mask, Tensor row_coef, float? clip) -> Tensor");
+  m.def(
+      "group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool "
+      "norm_by_std, "
+      "str kind, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

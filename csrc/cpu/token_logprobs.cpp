@@ -15,11 +15,11 @@
 namespace ppo_kernels {
 namespace {
 
-using cpu::Vec;
-using cpu::kBlock;
 using cpu::block_stats;
 using cpu::from_float;
+using cpu::kBlock;
 using cpu::load_scaled;
+using cpu::Vec;
 
 void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
   AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_labels", [&] {
@@ -66,12 +66,15 @@ RowStats64 row_stats64(const scalar_t* row, int64_t V, double inv_t) {
 
 void check_inv_temperature(double inv_temperature) {
   TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
-              "inv_temperature: expected a positive value finite in float32, got ", inv_temperature);
+              "inv_temperature: expected a positive value finite in float32, got ",
+              inv_temperature);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
-    const at::Tensor& logits_in, const at::Tensor& labels_in, double inv_temperature,
-    int64_t ignore_index, bool with_entropy) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(const at::Tensor& logits_in,
+                                                                      const at::Tensor& labels_in,
+                                                                      double inv_temperature,
+                                                                      int64_t ignore_index,
+                                                                      bool with_entropy) {
   LogprobsCall c = prepare_logprobs_call(logits_in, labels_in, with_entropy);
   const at::Tensor &logits = c.logits, &labels = c.labels;
   at::Tensor &logprobs = c.logprobs, &entropy = c.entropy, &lse = c.lse;
@@ -81,60 +84,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(
   if (N == 0) return {logprobs, entropy, lse};
   check_labels(labels, V, ignore_index);
   const float inv_t = static_cast<float>(inv_temperature);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
-    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd", [&] {
-      const scalar_t* x = logits.const_data_ptr<scalar_t>();
-      const index_t* lab = labels.const_data_ptr<index_t>();
-      float* lp = logprobs.data_ptr<float>();
-      float* ent = with_entropy ? entropy.data_ptr<float>() : nullptr;
-      float* ls = lse.data_ptr<float>();
-      const int64_t grain = std::max<int64_t>(1, 16384 / V);
-      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-        float buf[kBlock];
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t label = lab[r];
-          if (label == ignore_index) {
-            lp[r] = 0.f;
-            if (ent) ent[r] = 0.f;
-            ls[r] = 0.f;
-            continue;
-          }
-          const scalar_t* row = x + rows(r);
-          SoftmaxStats st = stats_empty();
-          for (int64_t j = 0; j < V; j += kBlock) {
-            const int64_t n = std::min(kBlock, V - j);
-            const float m = load_scaled(row + j, n, inv_t, buf);
-            st = stats_merge(st, block_stats(buf, n, m));
-          }
-          const float l = stats_lse(st);
-          if (std::isfinite(l)) {
-            ls[r] = l;
-            // (z_label - max) - log s: exact where z_label is close to the max, even when
-            // |z| is so large that lse = max + log s rounds log s away
-            lp[r] = (scaled(static_cast<float>(row[label]), inv_t) - st.m) - std::log(st.s);
-            if (ent) ent[r] = stats_entropy(st);
-          } else {
-            const RowStats64 s = row_stats64(row, V, inv_temperature);
-            ls[r] = static_cast<float>(s.m * inv_temperature + s.log_s);
-            lp[r] = static_cast<float>((static_cast<double>(row[label]) - s.m) * inv_temperature - s.log_s);
-            if (ent) ent[r] = static_cast<float>(s.entropy);
-          }
-        }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
+        AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd", [&] {
+          const scalar_t* x = logits.const_data_ptr<scalar_t>();
+          const index_t* lab = labels.const_data_ptr<index_t>();
+          float* lp = logprobs.data_ptr<float>();
+          float* ent = with_entropy ? entropy.data_ptr<float>() : nullptr;
+          float* ls = lse.data_ptr<float>();
+          const int64_t grain = std::max<int64_t>(1, 16384 / V);
+          at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+            float buf[kBlock];
+            for (int64_t r = begin; r < end; ++r) {
+              const int64_t label = lab[r];
+              if (label == ignore_index) {
+                lp[r] = 0.f;
+                if (ent) ent[r] = 0.f;
+                ls[r] = 0.f;
+                continue;
+              }
+              const scalar_t* row = x + rows(r);
+              SoftmaxStats st = stats_empty();
+              for (int64_t j = 0; j < V; j += kBlock) {
+                const int64_t n = std::min(kBlock, V - j);
+                const float m = load_scaled(row + j, n, inv_t, buf);
+                st = stats_merge(st, block_stats(buf, n, m));
+              }
+              const float l = stats_lse(st);
+              if (std::isfinite(l)) {
+                ls[r] = l;
+                // (z_label - max) - log s: exact where z_label is close to the max, even when
+                // |z| is so large that lse = max + log s rounds log s away
+                lp[r] = (scaled(static_cast<float>(row[label]), inv_t) - st.m) - std::log(st.s);
+                if (ent) ent[r] = stats_entropy(st);
+              } else {
+                const RowStats64 s = row_stats64(row, V, inv_temperature);
+                ls[r] = static_cast<float>(s.m * inv_temperature + s.log_s);
+                lp[r] = static_cast<float>(
+                    (static_cast<double>(row[label]) - s.m) * inv_temperature - s.log_s);
+                if (ent) ent[r] = static_cast<float>(s.entropy);
+              }
+            }
+          });
+        });
       });
-    });
-  });
   return {logprobs, entropy, lse};
 }
 
 // grad_logits[r, j] = inv_t * (glp * (onehot_j - p_j) - gent * p_j * (z_j - lse + H)),
 // written into grad_logits (which may be the logits buffer itself: each element is read before
 // it is overwritten, by the same thread).
-void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
-                            const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
+void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs,
+                            const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                            const at::Tensor& labels_in, const at::Tensor& lse,
                             const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
                             at::Tensor grad_logits) {
-  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
-                                                        lse, entropy, grad_logits);
+  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits,
+                                                        labels_in, lse, entropy, grad_logits);
   const at::Tensor& labels = c.labels;
   const int64_t N = c.N, V = c.V;
   check_inv_temperature(inv_temperature);
@@ -142,77 +148,84 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs, const std::optional
   check_labels(labels, V, ignore_index);
   const RowIndexer rin = c.rows, rout = c.grad_rows;
   const float inv_t = static_cast<float>(inv_temperature);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
-    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd", [&] {
-      const scalar_t* x = logits.const_data_ptr<scalar_t>();
-      scalar_t* gx = grad_logits.data_ptr<scalar_t>();
-      const index_t* lab = labels.const_data_ptr<index_t>();
-      const float* glp = c.glp.const_data_ptr<float>();
-      const float* gent = c.gent_ptr();
-      const float* ls = c.lse.const_data_ptr<float>();
-      const float* ent = c.ent_ptr();
-      const int64_t grain = std::max<int64_t>(1, 16384 / V);
-      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-        float buf[kBlock];
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t label = lab[r];
-          const scalar_t* row = x + rin(r);
-          scalar_t* grow = gx + rout(r);
-          if (label == ignore_index) {
-            std::fill(grow, grow + V, scalar_t(0));
-            continue;
-          }
-          const float l = ls[r];
-          if (!std::isfinite(l)) {  // scaled logits overflow float32 (see row_stats64)
-            const RowStats64 s = row_stats64(row, V, inv_temperature);
-            const double a = glp[r] * inv_temperature, b = gent ? gent[r] * inv_temperature : 0.0;
-            for (int64_t j = 0; j < V; ++j) {
-              const double logp = (static_cast<double>(row[j]) - s.m) * inv_temperature - s.log_s;
-              const double p = std::exp(logp);
-              const double w = p > 0 ? p * (logp + s.entropy) : 0.0;
-              grow[j] = static_cast<scalar_t>(a * ((j == label ? 1.0 : 0.0) - p) - b * w);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd", [&] {
+        AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd", [&] {
+          const scalar_t* x = logits.const_data_ptr<scalar_t>();
+          scalar_t* gx = grad_logits.data_ptr<scalar_t>();
+          const index_t* lab = labels.const_data_ptr<index_t>();
+          const float* glp = c.glp.const_data_ptr<float>();
+          const float* gent = c.gent_ptr();
+          const float* ls = c.lse.const_data_ptr<float>();
+          const float* ent = c.ent_ptr();
+          const int64_t grain = std::max<int64_t>(1, 16384 / V);
+          at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+            float buf[kBlock];
+            for (int64_t r = begin; r < end; ++r) {
+              const int64_t label = lab[r];
+              const scalar_t* row = x + rin(r);
+              scalar_t* grow = gx + rout(r);
+              if (label == ignore_index) {
+                std::fill(grow, grow + V, scalar_t(0));
+                continue;
+              }
+              const float l = ls[r];
+              if (!std::isfinite(l)) {  // scaled logits overflow float32 (see row_stats64)
+                const RowStats64 s = row_stats64(row, V, inv_temperature);
+                const double a = glp[r] * inv_temperature,
+                             b = gent ? gent[r] * inv_temperature : 0.0;
+                for (int64_t j = 0; j < V; ++j) {
+                  const double logp =
+                      (static_cast<double>(row[j]) - s.m) * inv_temperature - s.log_s;
+                  const double p = std::exp(logp);
+                  const double w = p > 0 ? p * (logp + s.entropy) : 0.0;
+                  grow[j] = static_cast<scalar_t>(a * ((j == label ? 1.0 : 0.0) - p) - b * w);
+                }
+                continue;
+              }
+              const float a = glp[r] * inv_t;                // weight of onehot - p
+              const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
+              const float c = gent ? ent[r] - l : -l;        // log p + H = z - lse + H
+              // grad_j = -a p_j - b p_j (z_j + c) + a onehot_j; p_j (z_j + c) is taken as 0 where
+              // p_j = 0 (z_j = -inf), as in the reference.
+              const float xl = static_cast<float>(row[label]) * inv_t;
+              const Vec vl(l), va(a), vb(b), vc(c), floor_(-FLT_MAX);
+              for (int64_t j = 0; j < V; j += kBlock) {
+                const int64_t n = std::min(kBlock, V - j);
+                load_scaled(row + j, n, inv_t, buf);
+                int64_t i = 0;
+                for (; i + Vec::size() <= n; i += Vec::size()) {
+                  const Vec z = Vec::loadu(buf + i);
+                  const Vec p = (z - vl).exp_u20();
+                  (Vec(0.f) - va * p - vb * (p * at::vec::maximum(z + vc, floor_))).store(buf + i);
+                }
+                for (; i < n; ++i) {
+                  const float p = std::exp(buf[i] - l);
+                  buf[i] = -a * p - b * weighted_offset(p, buf[i] + c);
+                }
+                if (label >= j && label < j + n) {
+                  const float p = std::exp(xl - l);
+                  buf[label - j] = -a * p - b * weighted_offset(p, xl + c) + a;
+                }
+                from_float(buf, grow + j, n);
+              }
             }
-            continue;
-          }
-          const float a = glp[r] * inv_t;            // weight of onehot - p
-          const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
-          const float c = gent ? ent[r] - l : -l;    // log p + H = z - lse + H
-          // grad_j = -a p_j - b p_j (z_j + c) + a onehot_j; p_j (z_j + c) is taken as 0 where
-          // p_j = 0 (z_j = -inf), as in the reference.
-          const float xl = static_cast<float>(row[label]) * inv_t;
-          const Vec vl(l), va(a), vb(b), vc(c), floor_(-FLT_MAX);
-          for (int64_t j = 0; j < V; j += kBlock) {
-            const int64_t n = std::min(kBlock, V - j);
-            load_scaled(row + j, n, inv_t, buf);
-            int64_t i = 0;
-            for (; i + Vec::size() <= n; i += Vec::size()) {
-              const Vec z = Vec::loadu(buf + i);
-              const Vec p = (z - vl).exp_u20();
-              (Vec(0.f) - va * p - vb * (p * at::vec::maximum(z + vc, floor_))).store(buf + i);
-            }
-            for (; i < n; ++i) {
-              const float p = std::exp(buf[i] - l);
-              buf[i] = -a * p - b * weighted_offset(p, buf[i] + c);
-            }
-            if (label >= j && label < j + n) {
-              const float p = std::exp(xl - l);
-              buf[label - j] = -a * p - b * weighted_offset(p, xl + c) + a;
-            }
-            from_float(buf, grow + j, n);
-          }
-        }
+          });
+        });
       });
-    });
-  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
-  m.def("token_logprobs_fwd(Tensor logits, Tensor labels, float inv_temperature, int ignore_index, "
-        "bool with_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)");
-  m.def("token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
-        "Tensor lse, Tensor entropy, float inv_temperature, int ignore_index, Tensor(a!) grad_logits) -> ()");
+  m.def(
+      "token_logprobs_fwd(Tensor logits, Tensor labels, float inv_temperature, int ignore_index, "
+      "bool with_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)");
+  m.def(
+      "token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor "
+      "labels, "
+      "Tensor lse, Tensor entropy, float inv_temperature, int ignore_index, Tensor(a!) "
+      "grad_logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

@@ -36,7 +36,8 @@ __device__ __forceinline__ S shfl_xor(S st, int offset) {
   const float* in = reinterpret_cast<const float*>(&st);
   float* o = reinterpret_cast<float*>(&out);
 #pragma unroll
-  for (int i = 0; i < int(sizeof(S) / sizeof(float)); ++i) o[i] = __shfl_xor_sync(kFullMask, in[i], offset);
+  for (int i = 0; i < int(sizeof(S) / sizeof(float)); ++i)
+    o[i] = __shfl_xor_sync(kFullMask, in[i], offset);
   return out;
 }
 
@@ -69,7 +70,9 @@ inline int threads_for_row(int64_t V, int vec) {
 
 // Blocks for N rows: one per row, grid-stride beyond max_blocks (Dev::max_row_blocks(): 2^20 on
 // the GPU; the emulator's tests lower it to reach the grid-stride loop with a few rows).
-inline int64_t grid_for_rows(int64_t N, int64_t max_blocks) { return std::min<int64_t>(N, max_blocks); }
+inline int64_t grid_for_rows(int64_t N, int64_t max_blocks) {
+  return std::min<int64_t>(N, max_blocks);
+}
 
 }  // namespace dev
 }  // namespace ppo_kernels

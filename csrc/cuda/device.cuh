@@ -32,7 +32,7 @@ struct CudaDevice {
   static int64_t max_row_blocks() { return int64_t(1) << 20; }
   template <typename... P, typename... A>
   void launch(const char*, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&... a) {
-    kernel<<<grid, block, smem, at::cuda::getCurrentCUDAStream()>>>(std::forward<A>(a)...);
+    kernel<<<grid, block, smem, at::cuda::getCurrentCUDAStream()> > >(std::forward<A>(a)...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   c10::cuda::CUDAGuard guard;

@@ -18,11 +18,12 @@
 namespace ppo_kernels {
 namespace full_kl_cuda {
 
-using dev::Pack;
 using dev::head_len;
+using dev::Pack;
 
 __device__ __forceinline__ KLStats block_reduce(KLStats st) {
-  return dev::block_reduce(st, kl_stats_empty(), [](const KLStats& a, const KLStats& b) { return kl_stats_merge(a, b); });
+  return dev::block_reduce(st, kl_stats_empty(),
+                           [](const KLStats& a, const KLStats& b) { return kl_stats_merge(a, b); });
 }
 
 // Add K pairs: one rescale to the pack's maxes, then the terms of kl_stats_add without per-element
@@ -50,9 +51,9 @@ __device__ __forceinline__ void add_pack(KLStats& st, const float* z, const floa
 
 template <typename scalar_t>
 __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
-                           const bool* __restrict__ mask, float* __restrict__ kl, float* __restrict__ lz,
-                           float* __restrict__ lw, int64_t N, int64_t V, RowIndexer rx, RowIndexer ry,
-                           float inv_t) {
+                           const bool* __restrict__ mask, float* __restrict__ kl,
+                           float* __restrict__ lz, float* __restrict__ lw, int64_t N, int64_t V,
+                           RowIndexer rx, RowIndexer ry, float inv_t) {
   using P = Pack<scalar_t>;
   constexpr int kN = P::kN;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
@@ -116,8 +117,8 @@ __global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __res
                            const scalar_t* __restrict__ y, const bool* __restrict__ mask,
                            const float* __restrict__ kl, const float* __restrict__ lzs,
                            const float* __restrict__ lws, scalar_t* __restrict__ gx,
-                           scalar_t* __restrict__ gy, int64_t N, int64_t V, RowIndexer rx, RowIndexer ry,
-                           float inv_t) {
+                           scalar_t* __restrict__ gy, int64_t N, int64_t V, RowIndexer rx,
+                           RowIndexer ry, float inv_t) {
   using P = Pack<scalar_t>;
   constexpr int kN = P::kN;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
@@ -146,7 +147,8 @@ __global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __res
     const int64_t tail = vec_ok ? head + nvec * kN : 0;
     if (vec_ok) {
       for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
-        const float zr = keep ? static_cast<float>(p[j]) : 0.f, wr = keep ? static_cast<float>(q[j]) : 0.f;
+        const float zr = keep ? static_cast<float>(p[j]) : 0.f,
+                    wr = keep ? static_cast<float>(q[j]) : 0.f;
         op[j] = static_cast<scalar_t>(gz(zr, wr));
         if (oq) oq[j] = static_cast<scalar_t>(gw(zr, wr));
       }
@@ -172,7 +174,8 @@ __global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __res
       }
     }
     for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) {
-      const float zr = keep ? static_cast<float>(p[j]) : 0.f, wr = keep ? static_cast<float>(q[j]) : 0.f;
+      const float zr = keep ? static_cast<float>(p[j]) : 0.f,
+                  wr = keep ? static_cast<float>(q[j]) : 0.f;
       op[j] = static_cast<scalar_t>(gz(zr, wr));
       if (oq) oq[j] = static_cast<scalar_t>(gw(zr, wr));
     }
@@ -180,7 +183,8 @@ __global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __res
 }
 
 template <class Dev>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, const at::Tensor& ref_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
+                                                   const at::Tensor& ref_in,
                                                    const std::optional<at::Tensor>& mask_in,
                                                    double inv_temperature) {
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(ref_in), "logits and ref_logits must be ",
@@ -191,13 +195,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, 
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
   if (N == 0) return {kl, lz, lw};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
-    device.launch("full_kl fwd_kernel", &fwd_kernel<scalar_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
-                  dev::threads_for_row(V, Pack<scalar_t>::kN), 0, R.logits.const_data_ptr<scalar_t>(),
-                  R.ref.const_data_ptr<scalar_t>(), mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
-                  kl.data_ptr<float>(), lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
-                  static_cast<float>(inv_temperature));
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
+        device.launch("full_kl fwd_kernel", &fwd_kernel<scalar_t>,
+                      dev::grid_for_rows(N, Dev::max_row_blocks()),
+                      dev::threads_for_row(V, Pack<scalar_t>::kN), 0,
+                      R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
+                      mask.defined() ? mask.const_data_ptr<bool>() : nullptr, kl.data_ptr<float>(),
+                      lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
+                      static_cast<float>(inv_temperature));
+      });
   return {kl, lz, lw};
 }
 
@@ -216,15 +223,18 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
   if (N == 0 || V == 0) return;
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd_cuda", [&] {
-    device.launch("full_kl bwd_kernel", &bwd_kernel<scalar_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
-                  dev::threads_for_row(V, Pack<scalar_t>::kN), 0, g.const_data_ptr<float>(),
-                  R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
-                  mask.defined() ? mask.const_data_ptr<bool>() : nullptr, klc.const_data_ptr<float>(),
-                  lzc.const_data_ptr<float>(), lwc.const_data_ptr<float>(), grad_logits.data_ptr<scalar_t>(),
-                  need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rz, R.rw,
-                  static_cast<float>(inv_temperature));
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd_cuda", [&] {
+        device.launch("full_kl bwd_kernel", &bwd_kernel<scalar_t>,
+                      dev::grid_for_rows(N, Dev::max_row_blocks()),
+                      dev::threads_for_row(V, Pack<scalar_t>::kN), 0, g.const_data_ptr<float>(),
+                      R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
+                      mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
+                      klc.const_data_ptr<float>(), lzc.const_data_ptr<float>(),
+                      lwc.const_data_ptr<float>(), grad_logits.data_ptr<scalar_t>(),
+                      need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rz, R.rw,
+                      static_cast<float>(inv_temperature));
+      });
 }
 
 }  // namespace full_kl_cuda

@@ -49,8 +49,8 @@ struct Params {
   float* ret;
   float* carry_v;
   float* carry_a;
-  GaeMap* maps;    // [n_chunks] (passes 1 and 2)
-  GaeState* carry; // [n_chunks] (passes 2 and 3)
+  GaeMap* maps;     // [n_chunks] (passes 1 and 2)
+  GaeState* carry;  // [n_chunks] (passes 2 and 3)
   int64_t N, chunk, row_len, n_rows;
   float gamma, lam;
 };
@@ -63,7 +63,10 @@ struct RowWalker {
       int64_t lo = 0, hi = P.n_rows - 1;  // largest row with cu[row] <= pos
       while (lo < hi) {
         const int64_t mid = (lo + hi + 1) >> 1;
-        if (static_cast<int64_t>(P.cu[mid]) <= pos) lo = mid; else hi = mid - 1;
+        if (static_cast<int64_t>(P.cu[mid]) <= pos)
+          lo = mid;
+        else
+          hi = mid - 1;
       }
       row = lo;
       start = P.cu[row];
@@ -161,8 +164,8 @@ __global__ void __launch_bounds__(kThreads) gae_chunk_kernel(Params P, int mode)
 }
 
 // One block: the carry entering each chunk, scanning the chunk maps right to left.
-__global__ void __launch_bounds__(kThreads) gae_carry_kernel(const GaeMap* maps, GaeState* carry,
-                                                             int64_t n_chunks) {
+__global__ void __launch_bounds__(kThreads)
+    gae_carry_kernel(const GaeMap* maps, GaeState* carry, int64_t n_chunks) {
   using Scan = cub::BlockScan<GaeMap, kThreads>;
   PPO_SHARED(typename Scan::TempStorage, tmp);
   GaeState s{0.f, 0.f};  // the last chunk ends at the last row's end: its carry is unused
@@ -187,7 +190,8 @@ struct ChunkPlan {
   int64_t chunk, n_chunks;
 };
 
-inline ChunkPlan plan_chunks(int64_t N, int64_t n_rows, int64_t row_len, bool packed, int sm_count) {
+inline ChunkPlan plan_chunks(int64_t N, int64_t n_rows, int64_t row_len, bool packed,
+                             int sm_count) {
   const int64_t target = 4 * static_cast<int64_t>(sm_count);
   if (!packed) {
     const int64_t rows_per = std::max<int64_t>(1, kTile / row_len);
@@ -241,7 +245,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
   at::Tensor adv = new_output({N}, f32), ret = new_output({N}, f32);
   at::Tensor cv, ca;
   if (packed || N == 0) {  // empty rows are never visited: they keep the carry they came with
-    cv = init_value.has_value() && init_value->defined() ? init_value->clone() : at::zeros({n_rows}, f32);
+    cv = init_value.has_value() && init_value->defined() ? init_value->clone()
+                                                         : at::zeros({n_rows}, f32);
     ca = init_adv.has_value() && init_adv->defined() ? init_adv->clone() : at::zeros({n_rows}, f32);
   } else {
     cv = new_output({n_rows}, f32);
@@ -256,7 +261,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
   P.dones = static_cast<const uint8_t*>(opt_ptr(dones));
   P.gamma_t = static_cast<const float*>(opt_ptr(gamma_t));
   P.lam_t = static_cast<const float*>(opt_ptr(lam_t));
-  TORCH_CHECK((P.gamma_t == nullptr) == (P.lam_t == nullptr), "gae_fwd: gamma_t and lam_t come together");
+  TORCH_CHECK((P.gamma_t == nullptr) == (P.lam_t == nullptr),
+              "gae_fwd: gamma_t and lam_t come together");
   P.init_value = static_cast<const float*>(opt_ptr(init_value));
   P.init_adv = static_cast<const float*>(opt_ptr(init_adv));
   P.cu = packed ? cu_seqlens->const_data_ptr<int32_t>() : nullptr;
@@ -277,21 +283,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
   P.chunk = chunk;
   at::Tensor maps, carry;
   if (!aligned) {
-    maps = at::empty({n_chunks * static_cast<int64_t>(sizeof(GaeMap))}, rewards.options().dtype(at::kByte));
-    carry = at::empty({n_chunks * static_cast<int64_t>(sizeof(GaeState))}, rewards.options().dtype(at::kByte));
+    maps = at::empty({n_chunks * static_cast<int64_t>(sizeof(GaeMap))},
+                     rewards.options().dtype(at::kByte));
+    carry = at::empty({n_chunks * static_cast<int64_t>(sizeof(GaeState))},
+                      rewards.options().dtype(at::kByte));
     P.maps = reinterpret_cast<GaeMap*>(maps.data_ptr());
     P.carry = reinterpret_cast<GaeState*>(carry.data_ptr());
   }
   const dim3 grid(static_cast<unsigned>(n_chunks));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rewards.scalar_type(), "gae_fwd_cuda", [&] {
-    if (aligned) {
-      device.launch("gae_chunk_kernel (single pass)", &gae_chunk_kernel<scalar_t>, grid, kThreads, 0, P, 0);
-    } else {
-      device.launch("gae_chunk_kernel (chunk maps)", &gae_chunk_kernel<scalar_t>, grid, kThreads, 0, P, 1);
-      device.launch("gae_carry_kernel", &gae_carry_kernel, 1, kThreads, 0, P.maps, P.carry, n_chunks);
-      device.launch("gae_chunk_kernel (final)", &gae_chunk_kernel<scalar_t>, grid, kThreads, 0, P, 2);
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, rewards.scalar_type(), "gae_fwd_cuda", [&] {
+        if (aligned) {
+          device.launch("gae_chunk_kernel (single pass)", &gae_chunk_kernel<scalar_t>, grid,
+                        kThreads, 0, P, 0);
+        } else {
+          device.launch("gae_chunk_kernel (chunk maps)", &gae_chunk_kernel<scalar_t>, grid,
+                        kThreads, 0, P, 1);
+          device.launch("gae_carry_kernel", &gae_carry_kernel, 1, kThreads, 0, P.maps, P.carry,
+                        n_chunks);
+          device.launch("gae_chunk_kernel (final)", &gae_chunk_kernel<scalar_t>, grid, kThreads, 0,
+                        P, 2);
+        }
+      });
   return {adv, ret, cv, ca};
 }
 

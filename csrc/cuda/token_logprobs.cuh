@@ -1,8 +1,9 @@
-// token_logprobs: the CUDA kernels and their host launchers (schemas in csrc/cpu/token_logprobs.cpp),
-// compiled by nvcc for the GPU (token_logprobs.cu) and by g++ for the SIMT emulator (csrc/testing/).
-// One block per row (grid-stride over rows), 16-byte vector loads, one pass over the vocabulary
-// with the online softmax state of csrc/common/softmax_stats.h, warp-shuffle + shared-memory
-// block reduction. Out-of-range labels never index memory: their rows give NaN.
+// token_logprobs: the CUDA kernels and their host launchers (schemas in
+// csrc/cpu/token_logprobs.cpp), compiled by nvcc for the GPU (token_logprobs.cu) and by g++ for the
+// SIMT emulator (csrc/testing/). One block per row (grid-stride over rows), 16-byte vector loads,
+// one pass over the vocabulary with the online softmax state of csrc/common/softmax_stats.h,
+// warp-shuffle + shared-memory block reduction. Out-of-range labels never index memory: their rows
+// give NaN.
 #pragma once
 #include <ATen/Dispatch.h>
 
@@ -18,17 +19,20 @@
 namespace ppo_kernels {
 namespace token_logprobs_cuda {
 
-using dev::Pack;
 using dev::head_len;
+using dev::Pack;
 
 __device__ __forceinline__ SoftmaxStats block_reduce(SoftmaxStats st) {
-  return dev::block_reduce(st, stats_empty(), [](const SoftmaxStats& a, const SoftmaxStats& b) { return stats_merge(a, b); });
+  return dev::block_reduce(st, stats_empty(), [](const SoftmaxStats& a, const SoftmaxStats& b) {
+    return stats_merge(a, b);
+  });
 }
 
 template <typename scalar_t, typename index_t>
 __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ labels,
                            float* __restrict__ lp, float* __restrict__ ent, float* __restrict__ lse,
-                           int64_t N, int64_t V, RowIndexer rows, float inv_t, int64_t ignore_index) {
+                           int64_t N, int64_t V, RowIndexer rows, float inv_t,
+                           int64_t ignore_index) {
   using P = Pack<scalar_t>;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const int64_t label = labels[r];
@@ -45,14 +49,16 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __rest
     const int64_t nvec = (V - head) / P::kN;
     const int64_t tail = head + nvec * P::kN;
     SoftmaxStats st = stats_empty();
-    for (int64_t j = threadIdx.x; j < head; j += blockDim.x) stats_add(st, static_cast<float>(p[j]) * inv_t);
+    for (int64_t j = threadIdx.x; j < head; j += blockDim.x)
+      stats_add(st, static_cast<float>(p[j]) * inv_t);
     const P* pv = reinterpret_cast<const P*>(p + head);
     for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
       const P pk = pv[i];
 #pragma unroll
       for (int k = 0; k < P::kN; ++k) stats_add(st, static_cast<float>(pk.v[k]) * inv_t);
     }
-    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) stats_add(st, static_cast<float>(p[j]) * inv_t);
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x)
+      stats_add(st, static_cast<float>(p[j]) * inv_t);
     st = block_reduce(st);
     if (threadIdx.x == 0) {
       const float l = stats_lse(st);
@@ -65,10 +71,11 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __rest
 }
 
 template <typename scalar_t, typename index_t>
-__global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g, const index_t* __restrict__ labels,
-                           const float* __restrict__ glp, const float* __restrict__ gent,
-                           const float* __restrict__ lse, const float* __restrict__ ent, int64_t N,
-                           int64_t V, RowIndexer rows, RowIndexer grows, float inv_t, int64_t ignore_index) {
+__global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g,
+                           const index_t* __restrict__ labels, const float* __restrict__ glp,
+                           const float* __restrict__ gent, const float* __restrict__ lse,
+                           const float* __restrict__ ent, int64_t N, int64_t V, RowIndexer rows,
+                           RowIndexer grows, float inv_t, int64_t ignore_index) {
   using P = Pack<scalar_t>;
   // g may alias x (inplace_backward): every element is read, then written, by the same thread.
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
@@ -78,9 +85,9 @@ __global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g, const in
     const bool ignored = label == ignore_index;
     const bool valid = !ignored && label >= 0 && label < V;
     const float l = lse[r];
-    const float a = ignored ? 0.f : glp[r] * inv_t;       // weight of (onehot - p)
+    const float a = ignored ? 0.f : glp[r] * inv_t;              // weight of (onehot - p)
     const float b = (gent && !ignored) ? gent[r] * inv_t : 0.f;  // weight of -p (log p + H)
-    const float c = gent ? ent[r] - l : -l;                // log p + H = z + c
+    const float c = gent ? ent[r] - l : -l;                      // log p + H = z + c
     auto grad = [&](float xv, int64_t j) -> float {
       if (ignored) return 0.f;
       if (!valid) return NAN;
@@ -93,23 +100,27 @@ __global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g, const in
     const int64_t nvec = vec_ok ? (V - head) / P::kN : 0;
     const int64_t tail = vec_ok ? head + nvec * P::kN : 0;
     if (vec_ok) {
-      for (int64_t j = threadIdx.x; j < head; j += blockDim.x) q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
+      for (int64_t j = threadIdx.x; j < head; j += blockDim.x)
+        q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
       const P* pv = reinterpret_cast<const P*>(p + head);
       P* qv = reinterpret_cast<P*>(q + head);
       for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
         const P pk = pv[i];
         P out;
 #pragma unroll
-        for (int k = 0; k < P::kN; ++k) out.v[k] = static_cast<scalar_t>(grad(static_cast<float>(pk.v[k]), head + i * P::kN + k));
+        for (int k = 0; k < P::kN; ++k)
+          out.v[k] = static_cast<scalar_t>(grad(static_cast<float>(pk.v[k]), head + i * P::kN + k));
         qv[i] = out;
       }
     }
-    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x) q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
+    for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x)
+      q[j] = static_cast<scalar_t>(grad(static_cast<float>(p[j]), j));
   }
 }
 
 template <class Dev>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, const at::Tensor& labels_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
+                                                   const at::Tensor& labels_in,
                                                    double inv_temperature, int64_t ignore_index,
                                                    bool with_entropy) {
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(labels_in), "logits and labels must be ",
@@ -121,39 +132,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in, 
   const RowIndexer rows = c.rows;
   const int64_t N = c.N, V = c.V;
   if (N == 0) return {logprobs, entropy, lse};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
-    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
-      device.launch("token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
-                 dev::threads_for_row(V, Pack<scalar_t>::kN), 0, logits.const_data_ptr<scalar_t>(),
-                 labels.const_data_ptr<index_t>(), logprobs.data_ptr<float>(),
-                 with_entropy ? entropy.data_ptr<float>() : nullptr, lse.data_ptr<float>(), N, V, rows,
-                 static_cast<float>(inv_temperature), ignore_index);
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
+        AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
+          device.launch("token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>,
+                        dev::grid_for_rows(N, Dev::max_row_blocks()),
+                        dev::threads_for_row(V, Pack<scalar_t>::kN), 0,
+                        logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
+                        logprobs.data_ptr<float>(),
+                        with_entropy ? entropy.data_ptr<float>() : nullptr, lse.data_ptr<float>(),
+                        N, V, rows, static_cast<float>(inv_temperature), ignore_index);
+        });
+      });
   return {logprobs, entropy, lse};
 }
 
 template <class Dev>
 void bwd(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
          const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
-         const at::Tensor& entropy, double inv_temperature, int64_t ignore_index, at::Tensor grad_logits) {
+         const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
+         at::Tensor grad_logits) {
   TORCH_CHECK(Dev::accepts(logits) && Dev::accepts(grad_logits), "logits and grad_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits);
-  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels_in,
-                                                        lse, entropy, grad_logits);
+  const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits,
+                                                        labels_in, lse, entropy, grad_logits);
   if (c.N == 0) return;
   const at::Tensor& labels = c.labels;
   const int64_t N = c.N, V = c.V;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
-    AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd_cuda", [&] {
-      device.launch("token_logprobs bwd_kernel", &bwd_kernel<scalar_t, index_t>, dev::grid_for_rows(N, Dev::max_row_blocks()),
-                 dev::threads_for_row(V, Pack<scalar_t>::kN), 0, logits.const_data_ptr<scalar_t>(),
-                 grad_logits.data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
-                 c.glp.const_data_ptr<float>(), c.gent_ptr(), c.lse.const_data_ptr<float>(), c.ent_ptr(),
-                 N, V, c.rows, c.grad_rows, static_cast<float>(inv_temperature), ignore_index);
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
+        AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_bwd_cuda", [&] {
+          device.launch("token_logprobs bwd_kernel", &bwd_kernel<scalar_t, index_t>,
+                        dev::grid_for_rows(N, Dev::max_row_blocks()),
+                        dev::threads_for_row(V, Pack<scalar_t>::kN), 0,
+                        logits.const_data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>(),
+                        labels.const_data_ptr<index_t>(), c.glp.const_data_ptr<float>(),
+                        c.gent_ptr(), c.lse.const_data_ptr<float>(), c.ent_ptr(), N, V, c.rows,
+                        c.grad_rows, static_cast<float>(inv_temperature), ignore_index);
+        });
+      });
 }
 
 }  // namespace token_logprobs_cuda

@@ -28,12 +28,18 @@ namespace simt {
 
 const char* check_name(Check c) {
   switch (c) {
-    case Check::kBarrier: return "barrier";
-    case Check::kShuffle: return "shuffle";
-    case Check::kMemory: return "memory";
-    case Check::kShared: return "shared";
-    case Check::kLaunch: return "launch";
-    case Check::kKernel: return "kernel";
+    case Check::kBarrier:
+      return "barrier";
+    case Check::kShuffle:
+      return "shuffle";
+    case Check::kMemory:
+      return "memory";
+    case Check::kShared:
+      return "shared";
+    case Check::kLaunch:
+      return "launch";
+    case Check::kKernel:
+      return "kernel";
   }
   return "?";
 }
@@ -61,7 +67,8 @@ std::string fmt(const char* f, ...) {
   return buf;
 }
 
-// ---- random sequence (splitmix64) ----------------------------------------------------------------
+// ---- random sequence (splitmix64)
+// ----------------------------------------------------------------
 std::mutex g_rng_mu;
 uint64_t g_rng = 0x853c49e6748fea9bull;
 
@@ -72,13 +79,15 @@ uint64_t mix(uint64_t& s) {
   return z ^ (z >> 31);
 }
 
-// ---- fiber stacks: mmap'd once, PROT_NONE page below each, reused by every launch -----------------
+// ---- fiber stacks: mmap'd once, PROT_NONE page below each, reused by every launch
+// -----------------
 struct Stacks {
   std::vector<char*> base;  // usable [base, base + kStackBytes); guard page at base - page
   char* get(size_t i) {
     while (base.size() <= i) {
       const size_t P = page_size();
-      void* m = mmap(nullptr, kStackBytes + P, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      void* m = mmap(nullptr, kStackBytes + P, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
       TORCH_CHECK(m != MAP_FAILED, "simt: cannot map a fiber stack");
       mprotect(m, P, PROT_NONE);
       base.push_back(static_cast<char*>(m) + P);
@@ -89,7 +98,8 @@ struct Stacks {
 std::mutex g_stacks_mu;
 std::vector<std::pair<uintptr_t, uintptr_t>> g_stack_guards;  // [lo, hi) of every guard page
 
-// ---- one block being run on this thread ------------------------------------------------------------
+// ---- one block being run on this thread
+// ------------------------------------------------------------
 enum class St { kReady, kBarrier, kShuffle, kDone };
 
 struct Fiber {
@@ -136,12 +146,18 @@ thread_local Stacks t_stacks;
 
 const char* kind_name(ShflKind k) {
   switch (k) {
-    case ShflKind::kIdx: return "__shfl_sync";
-    case ShflKind::kUp: return "__shfl_up_sync";
-    case ShflKind::kDown: return "__shfl_down_sync";
-    case ShflKind::kXor: return "__shfl_xor_sync";
-    case ShflKind::kBallot: return "__ballot_sync";
-    case ShflKind::kSyncWarp: return "__syncwarp";
+    case ShflKind::kIdx:
+      return "__shfl_sync";
+    case ShflKind::kUp:
+      return "__shfl_up_sync";
+    case ShflKind::kDown:
+      return "__shfl_down_sync";
+    case ShflKind::kXor:
+      return "__shfl_xor_sync";
+    case ShflKind::kBallot:
+      return "__ballot_sync";
+    case ShflKind::kSyncWarp:
+      return "__syncwarp";
   }
   return "?";
 }
@@ -155,10 +171,14 @@ std::string where(const Block& B, int tid) {
 std::string state_of(const Block& B, int tid) {
   const Fiber& f = B.fibers[tid];
   switch (f.st) {
-    case St::kDone: return "has exited";
-    case St::kBarrier: return fmt("waits at __syncthreads (%s:%d)", f.file, f.line);
-    case St::kShuffle: return fmt("waits at %s (%s:%d)", kind_name(B.warps[tid >> 5].kind), f.file, f.line);
-    case St::kReady: return "is running";
+    case St::kDone:
+      return "has exited";
+    case St::kBarrier:
+      return fmt("waits at __syncthreads (%s:%d)", f.file, f.line);
+    case St::kShuffle:
+      return fmt("waits at %s (%s:%d)", kind_name(B.warps[tid >> 5].kind), f.file, f.line);
+    case St::kReady:
+      return "is running";
   }
   return "?";
 }
@@ -175,12 +195,14 @@ void check_exit(Block& B, Fiber& f) {
   const WarpSlot& S = B.warps[f.tid >> 5];
   const int lane = f.tid & 31;
   if (S.arrived != 0 && ((S.mask >> lane) & 1u)) {
-    throw Error(Check::kShuffle, fmt("%s (%s:%d, mask 0x%08x): lane %d exited without arriving; %s",
-                                     kind_name(S.kind), S.file, S.line, S.mask, lane, where(B, f.tid).c_str()));
+    throw Error(Check::kShuffle,
+                fmt("%s (%s:%d, mask 0x%08x): lane %d exited without arriving; %s",
+                    kind_name(S.kind), S.file, S.line, S.mask, lane, where(B, f.tid).c_str()));
   }
   if (B.at_barrier > 0) {
-    throw Error(Check::kBarrier, fmt("thread exited while %d of %d threads wait at __syncthreads (%s:%d); %s",
-                                     B.at_barrier, B.n, B.bar_file, B.bar_line, where(B, f.tid).c_str()));
+    throw Error(Check::kBarrier,
+                fmt("thread exited while %d of %d threads wait at __syncthreads (%s:%d); %s",
+                    B.at_barrier, B.n, B.bar_file, B.bar_line, where(B, f.tid).c_str()));
   }
 }
 
@@ -206,16 +228,18 @@ void fiber_main() {
     const unsigned missing = S.mask & ~S.arrived;
     const int lane = __builtin_ctz(missing);
     const int tid = static_cast<int>(w) * 32 + lane;
-    throw Error(Check::kShuffle, fmt("%s (%s:%d, mask 0x%08x) in warp %zu waits for lane %d, which %s; %s",
-                                     kind_name(S.kind), S.file, S.line, S.mask, w, lane,
-                                     state_of(B, tid).c_str(), where(B, tid).c_str()));
+    throw Error(Check::kShuffle,
+                fmt("%s (%s:%d, mask 0x%08x) in warp %zu waits for lane %d, which %s; %s",
+                    kind_name(S.kind), S.file, S.line, S.mask, w, lane, state_of(B, tid).c_str(),
+                    where(B, tid).c_str()));
   }
   if (B.at_barrier > 0) {
     for (int t = 0; t < B.n; ++t) {
       if (B.fibers[t].st != St::kBarrier) {
-        throw Error(Check::kBarrier, fmt("%d of %d threads wait at __syncthreads (%s:%d); thread %d %s; %s",
-                                         B.at_barrier, B.n, B.bar_file, B.bar_line, t,
-                                         state_of(B, t).c_str(), where(B, t).c_str()));
+        throw Error(
+            Check::kBarrier,
+            fmt("%d of %d threads wait at __syncthreads (%s:%d); thread %d %s; %s", B.at_barrier,
+                B.n, B.bar_file, B.bar_line, t, state_of(B, t).c_str(), where(B, t).c_str()));
       }
     }
   }
@@ -277,7 +301,7 @@ struct Region {
   size_t map_len;
   char* data;
   size_t n;
-  char* body;       // [body, body + body_len) between the two guard pages
+  char* body;  // [body, body + body_len) between the two guard pages
   size_t body_len;
 };
 std::mutex g_regions_mu;
@@ -305,8 +329,9 @@ std::string describe_address(uintptr_t a, bool write) {
   for (const auto& [lo, hi] : g_stack_guards) {
     if (a >= lo && a < hi) return "fiber stack overflow (64 KiB per thread)";
   }
-  return fmt("invalid %s of address %p (outside every guarded buffer, or a misaligned vector access)",
-             rw, reinterpret_cast<void*>(a));
+  return fmt(
+      "invalid %s of address %p (outside every guarded buffer, or a misaligned vector access)", rw,
+      reinterpret_cast<void*>(a));
 }
 
 void on_fault(int sig, siginfo_t* si, void* ctx) {
@@ -318,9 +343,11 @@ void on_fault(int sig, siginfo_t* si, void* ctx) {
 #endif
   // A general-protection fault has no address: in kernel code, an aligned 16-byte access (a Pack)
   // at a misaligned address (the GPU's "misaligned address" error).
-  std::string m = si->si_code == SI_KERNEL
-                      ? std::string("general protection fault: a 16-byte vector access at a misaligned address?")
-                      : describe_address(reinterpret_cast<uintptr_t>(si->si_addr), write);
+  std::string m =
+      si->si_code == SI_KERNEL
+          ? std::string(
+                "general protection fault: a 16-byte vector access at a misaligned address?")
+          : describe_address(reinterpret_cast<uintptr_t>(si->si_addr), write);
   if (tb != nullptr && tb->cur != nullptr) m += "; " + where(*tb, tb->cur->tid);
   snprintf(t_fault_msg, sizeof t_fault_msg, "%s (signal %d)", m.c_str(), sig);
   siglongjmp(t_fault_jb, 1);
@@ -361,10 +388,11 @@ void check_canaries(const char* kernel) {
       if (p >= r.body + r.body_len) break;
       if (static_cast<unsigned char>(*p) != kCanary) {
         const bool after = p >= r.data + r.n;
-        throw Error(Check::kMemory,
-                    fmt("kernel %s: out-of-bounds write %zu bytes %s a %zu-byte global buffer", kernel,
-                        after ? static_cast<size_t>(p - (r.data + r.n)) : static_cast<size_t>(r.data - p),
-                        after ? "past the end of" : "before the start of", r.n));
+        throw Error(
+            Check::kMemory,
+            fmt("kernel %s: out-of-bounds write %zu bytes %s a %zu-byte global buffer", kernel,
+                after ? static_cast<size_t>(p - (r.data + r.n)) : static_cast<size_t>(r.data - p),
+                after ? "past the end of" : "before the start of", r.n));
       }
     }
   }
@@ -414,15 +442,17 @@ void syncthreads(const char* file, int line) {
     B.bar_file = file;
     B.bar_line = line;
   } else if (line != B.bar_line || std::strcmp(file, B.bar_file) != 0) {
-    throw Error(Check::kBarrier, fmt("thread reached __syncthreads at %s:%d while %d threads wait at the "
-                                     "one at %s:%d; %s", file, line, B.at_barrier, B.bar_file,
-                                     B.bar_line, where(B, f.tid).c_str()));
+    throw Error(Check::kBarrier,
+                fmt("thread reached __syncthreads at %s:%d while %d threads wait at the "
+                    "one at %s:%d; %s",
+                    file, line, B.at_barrier, B.bar_file, B.bar_line, where(B, f.tid).c_str()));
   }
   if (B.done > 0) {
     for (int t = 0; t < B.n; ++t) {
       if (B.fibers[t].st == St::kDone) {
-        throw Error(Check::kBarrier, fmt("__syncthreads (%s:%d) can never complete: thread %d has exited; %s",
-                                         file, line, t, where(B, f.tid).c_str()));
+        throw Error(Check::kBarrier,
+                    fmt("__syncthreads (%s:%d) can never complete: thread %d has exited; %s", file,
+                        line, t, where(B, f.tid).c_str()));
       }
     }
   }
@@ -446,12 +476,13 @@ uint64_t warp_exchange(ShflKind kind, unsigned mask, uint64_t value, int arg, in
   const int lane = f.tid & 31, w = f.tid >> 5;
   const char* name = kind_name(kind);
   if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
-    throw Error(Check::kShuffle, fmt("%s (%s:%d): width %d is not a power of 2 <= 32; %s", name, file,
-                                     line, width, where(B, f.tid).c_str()));
+    throw Error(Check::kShuffle, fmt("%s (%s:%d): width %d is not a power of 2 <= 32; %s", name,
+                                     file, line, width, where(B, f.tid).c_str()));
   }
   if (((mask >> lane) & 1u) == 0) {
-    throw Error(Check::kShuffle, fmt("%s (%s:%d): the calling lane %d is not in its mask 0x%08x; %s", name,
-                                     file, line, lane, mask, where(B, f.tid).c_str()));
+    throw Error(Check::kShuffle,
+                fmt("%s (%s:%d): the calling lane %d is not in its mask 0x%08x; %s", name, file,
+                    line, lane, mask, where(B, f.tid).c_str()));
   }
   WarpSlot& S = B.warps[w];
   if (S.arrived == 0) {
@@ -462,21 +493,24 @@ uint64_t warp_exchange(ShflKind kind, unsigned mask, uint64_t value, int arg, in
     S.line = line;
   } else if (S.mask != mask || S.kind != kind || S.width != width || S.line != line ||
              std::strcmp(S.file, file) != 0) {
-    throw Error(Check::kShuffle, fmt("warp %d diverges: lane %d at %s (%s:%d, mask 0x%08x) while lanes "
-                                     "0x%08x wait at %s (%s:%d, mask 0x%08x); %s", w, lane, name, file,
-                                     line, mask, S.arrived, kind_name(S.kind), S.file, S.line, S.mask,
-                                     where(B, f.tid).c_str()));
+    throw Error(Check::kShuffle,
+                fmt("warp %d diverges: lane %d at %s (%s:%d, mask 0x%08x) while lanes "
+                    "0x%08x wait at %s (%s:%d, mask 0x%08x); %s",
+                    w, lane, name, file, line, mask, S.arrived, kind_name(S.kind), S.file, S.line,
+                    S.mask, where(B, f.tid).c_str()));
   }
   for (unsigned m = mask; m != 0; m &= m - 1) {
     const int l = __builtin_ctz(m), t = w * 32 + l;
     if (t >= B.n) {
-      throw Error(Check::kShuffle, fmt("%s (%s:%d): mask 0x%08x names lane %d, which does not exist "
-                                       "(%d threads); %s", name, file, line, mask, l, B.n,
-                                       where(B, f.tid).c_str()));
+      throw Error(Check::kShuffle,
+                  fmt("%s (%s:%d): mask 0x%08x names lane %d, which does not exist "
+                      "(%d threads); %s",
+                      name, file, line, mask, l, B.n, where(B, f.tid).c_str()));
     }
     if (B.fibers[t].st == St::kDone) {
       throw Error(Check::kShuffle, fmt("%s (%s:%d, mask 0x%08x): lane %d has exited and will never "
-                                       "arrive; %s", name, file, line, mask, l, where(B, f.tid).c_str()));
+                                       "arrive; %s",
+                                       name, file, line, mask, l, where(B, f.tid).c_str()));
     }
   }
   S.val[lane] = value;
@@ -488,16 +522,26 @@ uint64_t warp_exchange(ShflKind kind, unsigned mask, uint64_t value, int arg, in
   if (S.arrived == mask) {
     const int seg_mask = ~(width - 1);
     unsigned ballot = 0;
-    for (unsigned m = mask; m != 0; m &= m - 1) ballot |= (S.val[__builtin_ctz(m)] != 0 ? 1u : 0u) << __builtin_ctz(m);
+    for (unsigned m = mask; m != 0; m &= m - 1)
+      ballot |= (S.val[__builtin_ctz(m)] != 0 ? 1u : 0u) << __builtin_ctz(m);
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int l = __builtin_ctz(m), seg = l & seg_mask, a = S.arg[l];
       int src = l;
       switch (kind) {
-        case ShflKind::kIdx: src = seg + (a & (width - 1)); break;
-        case ShflKind::kUp: src = (l - seg) >= a ? l - a : l; break;
-        case ShflKind::kDown: src = (l - seg) + a < width ? l + a : l; break;
-        case ShflKind::kXor: src = ((l ^ a) & seg_mask) <= seg ? (l ^ a) & 31 : l; break;
-        default: break;
+        case ShflKind::kIdx:
+          src = seg + (a & (width - 1));
+          break;
+        case ShflKind::kUp:
+          src = (l - seg) >= a ? l - a : l;
+          break;
+        case ShflKind::kDown:
+          src = (l - seg) + a < width ? l + a : l;
+          break;
+        case ShflKind::kXor:
+          src = ((l ^ a) & seg_mask) <= seg ? (l ^ a) & 31 : l;
+          break;
+        default:
+          break;
       }
       if (kind == ShflKind::kBallot) {
         S.out[l] = ballot;
@@ -505,9 +549,10 @@ uint64_t warp_exchange(ShflKind kind, unsigned mask, uint64_t value, int arg, in
         S.out[l] = 0;
       } else {
         if (((mask >> src) & 1u) == 0) {
-          throw Error(Check::kShuffle, fmt("%s (%s:%d, mask 0x%08x): lane %d reads lane %d, which is not "
-                                           "in the mask; %s", name, file, line, mask, l, src,
-                                           where(B, w * 32 + l).c_str()));
+          throw Error(Check::kShuffle,
+                      fmt("%s (%s:%d, mask 0x%08x): lane %d reads lane %d, which is not "
+                          "in the mask; %s",
+                          name, file, line, mask, l, src, where(B, w * 32 + l).c_str()));
         }
         S.out[l] = S.val[src];
       }
@@ -552,13 +597,15 @@ void run(const char* name, dim3 grid, dim3 block, size_t smem, const std::functi
   }
   const uint64_t n = uint64_t(block.x) * block.y * block.z;
   if (n == 0 || n > kMaxThreads || block.z > 64) {
-    throw Error(Check::kLaunch, fmt("kernel %s: block (%u,%u,%u) is not 1..1024 threads", name, block.x,
-                                    block.y, block.z));
+    throw Error(Check::kLaunch, fmt("kernel %s: block (%u,%u,%u) is not 1..1024 threads", name,
+                                    block.x, block.y, block.z));
   }
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
-    throw Error(Check::kLaunch, fmt("kernel %s: invalid grid (%u,%u,%u)", name, grid.x, grid.y, grid.z));
+    throw Error(Check::kLaunch,
+                fmt("kernel %s: invalid grid (%u,%u,%u)", name, grid.x, grid.y, grid.z));
   }
-  if (smem != 0) throw Error(Check::kLaunch, fmt("kernel %s: dynamic shared memory is not emulated", name));
+  if (smem != 0)
+    throw Error(Check::kLaunch, fmt("kernel %s: dynamic shared memory is not emulated", name));
   if (tb != nullptr) throw Error(Check::kLaunch, "nested launch");
   {
     std::lock_guard<std::mutex> lk(g_stacks_mu);
@@ -577,7 +624,8 @@ void run(const char* name, dim3 grid, dim3 block, size_t smem, const std::functi
   B.fibers.assign(n, Fiber{});
   for (int t = 0; t < B.n; ++t) {
     B.fibers[t].tid = t;
-    B.fibers[t].idx = {static_cast<unsigned>(t % block.x), static_cast<unsigned>((t / block.x) % block.y),
+    B.fibers[t].idx = {static_cast<unsigned>(t % block.x),
+                       static_cast<unsigned>((t / block.x) % block.y),
                        static_cast<unsigned>(t / (block.x * block.y))};
   }
   B.warps.assign((n + 31) / 32, WarpSlot{});

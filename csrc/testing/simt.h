@@ -6,7 +6,8 @@
 // or its end, and the scheduler then picks the next fiber at random (seeded): between two
 // synchronisation points the threads of a block run in a random order (per block, either any
 // ready thread at random, or warps by random priority so that one warp runs far ahead of the
-// others), so a missing barrier or a shared-memory race changes the result. Checks that raise simt::Error (category in brackets):
+// others), so a missing barrier or a shared-memory race changes the result. Checks that raise
+// simt::Error (category in brackets):
 //   [barrier]  a thread exits, or waits at another __syncthreads, while others wait at one;
 //   [shuffle]  a lane named in a shuffle's mask never arrives (exited, at a barrier, at another
 //              shuffle), the calling lane is not in its mask, or a lane reads a lane outside it;
@@ -116,8 +117,9 @@ inline void syncwarp(const char* f, int l, unsigned mask = 0xffffffffu) {
   warp_exchange(ShflKind::kSyncWarp, mask, 0, 0, 32, f, l);
 }
 
-// ---- launches ------------------------------------------------------------------------------------
-// Runs body() as every thread of every block of the grid. `name` appears in error messages.
+// ---- launches
+// ------------------------------------------------------------------------------------ Runs body()
+// as every thread of every block of the grid. `name` appears in error messages.
 void run(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
 
 template <typename... P, typename... A>
@@ -135,10 +137,11 @@ std::vector<std::string> take_launch_log();
 void set_seed(uint64_t seed);
 uint64_t next_random();
 
-// ---- global memory guards (simt.cpp) --------------------------------------------------------------
-// While a GuardScope is alive on this thread, CPU tensor allocations go to guarded mappings: the
-// buffer's end (or, at random one time in four, its start) abuts a PROT_NONE page, and the slack
-// on the other side holds a canary checked after every launch.
+// ---- global memory guards (simt.cpp)
+// -------------------------------------------------------------- While a GuardScope is alive on
+// this thread, CPU tensor allocations go to guarded mappings: the buffer's end (or, at random one
+// time in four, its start) abuts a PROT_NONE page, and the slack on the other side holds a canary
+// checked after every launch.
 struct GuardScope {
   GuardScope();
   ~GuardScope();
@@ -172,7 +175,9 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  return *p;
+}
 
 namespace simt {
 
@@ -185,7 +190,8 @@ struct Device {
   static int sm_count();
   static int64_t max_row_blocks();
   template <typename... P, typename... A>
-  void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&... a) {
+  void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+              A&&... a) {
     ::simt::launch(name, kernel, grid, block, smem, std::forward<A>(a)...);
   }
 };

@@ -9,13 +9,18 @@
 namespace cub {
 
 enum BlockScanAlgorithm { BLOCK_SCAN_RAKING, BLOCK_SCAN_RAKING_MEMOIZE, BLOCK_SCAN_WARP_SCANS };
-enum BlockReduceAlgorithm { BLOCK_REDUCE_RAKING, BLOCK_REDUCE_RAKING_COMMUTATIVE_ONLY, BLOCK_REDUCE_WARP_REDUCTIONS };
+enum BlockReduceAlgorithm {
+  BLOCK_REDUCE_RAKING,
+  BLOCK_REDUCE_RAKING_COMMUTATIVE_ONLY,
+  BLOCK_REDUCE_WARP_REDUCTIONS
+};
 
 namespace simt_detail {
 template <int BX, int BY, int BZ>
 inline int linear_tid() {
   if (static_cast<int>(blockDim.x * blockDim.y * blockDim.z) != BX * BY * BZ) {
-    throw ::simt::Error(::simt::Check::kLaunch, "cub block collective declared for a different block size");
+    throw ::simt::Error(::simt::Check::kLaunch,
+                        "cub block collective declared for a different block size");
   }
   return static_cast<int>(threadIdx.x + threadIdx.y * BX + threadIdx.z * BX * BY);
 }
@@ -30,7 +35,8 @@ class BlockScan {
   struct TempStorage {
     T items[kN];
   };
-  explicit BlockScan(TempStorage& s) : s_(s), tid_(simt_detail::linear_tid<BLOCK_DIM_X, BLOCK_DIM_Y, BLOCK_DIM_Z>()) {}
+  explicit BlockScan(TempStorage& s)
+      : s_(s), tid_(simt_detail::linear_tid<BLOCK_DIM_X, BLOCK_DIM_Y, BLOCK_DIM_Z>()) {}
 
   // output = init op x_0 op ... op x_{tid-1}; aggregate = x_0 op ... op x_{n-1} (without init).
   template <typename Op>
@@ -89,7 +95,8 @@ class BlockReduce {
   struct TempStorage {
     T items[kN];
   };
-  explicit BlockReduce(TempStorage& s) : s_(s), tid_(simt_detail::linear_tid<BLOCK_DIM_X, BLOCK_DIM_Y, BLOCK_DIM_Z>()) {}
+  explicit BlockReduce(TempStorage& s)
+      : s_(s), tid_(simt_detail::linear_tid<BLOCK_DIM_X, BLOCK_DIM_Y, BLOCK_DIM_Z>()) {}
 
   template <typename Op>
   T Reduce(T input, Op op, int num_valid = kN) {

@@ -70,7 +70,8 @@ class Guarded {
     }
     const int64_t isz = t.element_size();
     const int64_t lo = t.storage_offset() * isz, hi = (t.storage_offset() + last + 1) * isz;
-    auto [it, fresh] = spans_.try_emplace(t.storage().data(), Span{lo, hi, isz, t.scalar_type(), {}});
+    auto [it, fresh] =
+        spans_.try_emplace(t.storage().data(), Span{lo, hi, isz, t.scalar_type(), {}});
     if (!fresh) {
       TORCH_CHECK(it->second.itemsize == isz && it->second.dtype == t.scalar_type(),
                   "SIMT emulator: arguments view one storage with different dtypes");
@@ -88,15 +89,18 @@ class Guarded {
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(const at::Tensor& logits,
-                                                                  const at::Tensor& labels, double inv_t,
-                                                                  int64_t ignore_index, bool with_entropy) {
+                                                                  const at::Tensor& labels,
+                                                                  double inv_t,
+                                                                  int64_t ignore_index,
+                                                                  bool with_entropy) {
   const Guarded g(logits, labels);
   return token_logprobs_cuda::fwd<Device>(g(logits), g(labels), inv_t, ignore_index, with_entropy);
 }
 
-void token_logprobs_bwd(const at::Tensor& glp, const std::optional<at::Tensor>& gent, const at::Tensor& logits,
-                        const at::Tensor& labels, const at::Tensor& lse, const at::Tensor& entropy,
-                        double inv_t, int64_t ignore_index, at::Tensor grad_logits) {
+void token_logprobs_bwd(const at::Tensor& glp, const std::optional<at::Tensor>& gent,
+                        const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
+                        const at::Tensor& entropy, double inv_t, int64_t ignore_index,
+                        at::Tensor grad_logits) {
   const Guarded g(glp, gent, logits, labels, lse, entropy, grad_logits);
   const at::Tensor out = g(grad_logits);
   token_logprobs_cuda::bwd<Device>(g(glp), g(gent), g(logits), g(labels), g(lse), g(entropy), inv_t,
@@ -104,7 +108,8 @@ void token_logprobs_bwd(const at::Tensor& glp, const std::optional<at::Tensor>& 
   g.write_back(grad_logits, out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(const at::Tensor& logits, const at::Tensor& ref,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(const at::Tensor& logits,
+                                                           const at::Tensor& ref,
                                                            const std::optional<at::Tensor>& mask,
                                                            double inv_t) {
   const Guarded g(logits, ref, mask);
@@ -118,7 +123,8 @@ void full_kl_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Ten
   const Guarded g(grad, logits, ref, mask, kl, lz, lw, grad_logits, grad_ref);
   const at::Tensor gx = g(grad_logits);
   const std::optional<at::Tensor> gy = g(grad_ref);
-  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx, gy);
+  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx,
+                            gy);
   g.write_back(grad_logits, gx);
   if (grad_ref.has_value()) g.write_back(*grad_ref, *gy);
 }
@@ -130,8 +136,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd(
     const std::optional<at::Tensor>& init_value, const std::optional<at::Tensor>& init_adv,
     const std::optional<at::Tensor>& cu_seqlens, int64_t n_rows, int64_t row_len) {
   const Guarded g(rewards, values, mask, dones, gamma_t, lam_t, init_value, init_adv, cu_seqlens);
-  return gae_cuda::fwd<Device>(g(rewards), g(values), g(mask), g(dones), g(gamma_t), g(lam_t), gamma, lam,
-                               g(init_value), g(init_adv), g(cu_seqlens), n_rows, row_len);
+  return gae_cuda::fwd<Device>(g(rewards), g(values), g(mask), g(dones), g(gamma_t), g(lam_t),
+                               gamma, lam, g(init_value), g(init_adv), g(cu_seqlens), n_rows,
+                               row_len);
 }
 
 void set_seed(int64_t seed) { simt::set_seed(static_cast<uint64_t>(seed)); }
@@ -151,10 +158,12 @@ std::string schema_of(const char* name) {
 }
 
 void register_ops() {
-  static torch::Library defs(torch::Library::DEF, "ppo_kernels_simt", std::nullopt, __FILE__, __LINE__);
-  static torch::Library impls(torch::Library::IMPL, "ppo_kernels_simt", c10::DispatchKey::CPU, __FILE__,
-                              __LINE__);
-  for (const char* k : {"token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd", "full_kl_bwd", "gae_fwd"}) {
+  static torch::Library defs(torch::Library::DEF, "ppo_kernels_simt", std::nullopt, __FILE__,
+                             __LINE__);
+  static torch::Library impls(torch::Library::IMPL, "ppo_kernels_simt", c10::DispatchKey::CPU,
+                              __FILE__, __LINE__);
+  for (const char* k :
+       {"token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd", "full_kl_bwd", "gae_fwd"}) {
     defs.def(schema_of(k).c_str());
   }
   impls.impl("token_logprobs_fwd", &token_logprobs_fwd);

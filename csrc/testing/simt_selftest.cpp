@@ -35,8 +35,8 @@ __global__ void block_scan(const float* x, float* out, int64_t n) {
   float excl, agg;
   Scan(tmp).ExclusiveScan(v, excl, 0.f, [](float a, float b) { return a + b; }, agg);
   const unsigned lane = threadIdx.x & 31;
-  const float from0 = __shfl_sync(0xffffffffu, v, 0);           // lane 0's item
-  const unsigned pos = __ballot_sync(0xffffffffu, v > 0.f);     // lanes with a positive item
+  const float from0 = __shfl_sync(0xffffffffu, v, 0);        // lane 0's item
+  const unsigned pos = __ballot_sync(0xffffffffu, v > 0.f);  // lanes with a positive item
   if (i < n) out[i] = excl + 0.f * from0 + 0.f * float(pos >> lane & 1u);
   if (threadIdx.x == 0) out[n + blockIdx.x] = agg + from0 - from0;
 }
@@ -114,7 +114,8 @@ __global__ void too_much_shared(const float* x, float* out, int64_t n) {
 }
 
 at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blocks) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 1 && x_in.numel() > 0, "selftest: x");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 1 && x_in.numel() > 0,
+              "selftest: x");
   simt::GuardScope guard;
   const at::Tensor x = x_in.clone();  // guarded
   const int64_t n = x.numel();
@@ -125,22 +126,33 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blo
     out = at::full({out_n}, NAN, x.options());
     dev.launch(name.c_str(), kernel, grid, kBlock, 0, xp, out.data_ptr<float>(), n);
   };
-  if (name == "warp_sum") run(&warp_sum, blocks, blocks);
-  else if (name == "block_scan") run(&block_scan, n + blocks, blocks);
-  else if (name == "reuse_race_ok") run(&reuse_race<true>, kBlock, 1);
-  else if (name == "reuse_race") run(&reuse_race<false>, kBlock, 1);
-  else if (name == "read_unwritten") run(&read_unwritten, kBlock, 1);
-  else if (name == "off_by_one_read") run(&off_by_one_read, n, 1);
-  else if (name == "off_by_one_write") run(&off_by_one_write, n, 1);
-  else if (name == "shuffle_lane_missing") run(&shuffle_lane_missing, kBlock, 1);
-  else if (name == "divergent_barrier") run(&divergent_barrier, kBlock, 1);
-  else if (name == "split_barrier") run(&split_barrier, kBlock, 1);
-  else if (name == "too_much_shared") run(&too_much_shared, kBlock, 1);
+  if (name == "warp_sum")
+    run(&warp_sum, blocks, blocks);
+  else if (name == "block_scan")
+    run(&block_scan, n + blocks, blocks);
+  else if (name == "reuse_race_ok")
+    run(&reuse_race<true>, kBlock, 1);
+  else if (name == "reuse_race")
+    run(&reuse_race<false>, kBlock, 1);
+  else if (name == "read_unwritten")
+    run(&read_unwritten, kBlock, 1);
+  else if (name == "off_by_one_read")
+    run(&off_by_one_read, n, 1);
+  else if (name == "off_by_one_write")
+    run(&off_by_one_write, n, 1);
+  else if (name == "shuffle_lane_missing")
+    run(&shuffle_lane_missing, kBlock, 1);
+  else if (name == "divergent_barrier")
+    run(&divergent_barrier, kBlock, 1);
+  else if (name == "split_barrier")
+    run(&split_barrier, kBlock, 1);
+  else if (name == "too_much_shared")
+    run(&too_much_shared, kBlock, 1);
   else if (name == "block_too_large") {
     out = at::full({n}, NAN, x.options());
     dev.launch(name.c_str(), &warp_sum, 1, 2048, 0, xp, out.data_ptr<float>(), n);
-  }
-  else TORCH_CHECK(false, "selftest: unknown kernel ", name);
+  } else
+    TORCH_CHECK(false, "selftest: unknown kernel ", name);
   return out;
 }
 

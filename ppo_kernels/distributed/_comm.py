@@ -1,4 +1,5 @@
 """The one collective the distributed forms use."""
+
 import torch.distributed as dist
 
 # torch >= 2.14 names it all_gather_single (all_gather_into_tensor is deprecated there)

@@ -4,6 +4,7 @@ rank, with ONE collective and no host synchronisation: each rank reduces its dat
 both relative to a power-of-two scale, so nothing overflows -- an all-gather exchanges those four
 numbers, and every rank combines them with Chan et al.'s
 pairwise update (exact in real arithmetic, stable in floating point)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,7 @@ def local_moments(xf: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
     a power of two near max |x| (masked_stats' `_pow2_scale`: exact, so that finite inputs of any
     spread give finite moments); with weights w (a float mask's values) the weighted ones."""
     from ..masked_stats.op import _pow2_scale
+
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
     w = m.to(xf.dtype) if w is None else torch.where(m, w.to(xf.dtype), zero)
     s = _pow2_scale(xf, m)
@@ -58,8 +60,15 @@ def global_moments(xf: Tensor, m: Tensor, group, w: Tensor | None = None):
     return combine_moments(out.view(-1, 4))
 
 
-def whiten_global(xf: Tensor, m: Tensor, shift_mean: bool, unbiased: bool, eps: float,
-                  group, w: Tensor | None = None) -> Tensor:
+def whiten_global(
+    xf: Tensor,
+    m: Tensor,
+    shift_mean: bool,
+    unbiased: bool,
+    eps: float,
+    group,
+    w: Tensor | None = None,
+) -> Tensor:
     """masked_whiten with the statistics of every rank (the local op's conventions and scaling)."""
     n, mean, m2, S = global_moments(xf, m, group, w)
     if unbiased:
@@ -69,7 +78,7 @@ def whiten_global(xf: Tensor, m: Tensor, shift_mean: bool, unbiased: bool, eps: 
     else:
         var = m2 / torch.where(n > 0, n, 1.0)
     y = xf / S - mean
-    out = y / torch.hypot(var.sqrt(), (eps ** 0.5) / S)
+    out = y / torch.hypot(var.sqrt(), (eps**0.5) / S)
     return out + mean * S if not shift_mean else out
 
 
@@ -81,16 +90,27 @@ def gather_groups(scores: Tensor, group_index: Tensor | None, group):
         raise RuntimeError("process_group: torch.distributed is not initialised")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     B = scores.shape[0]
-    ids = group_index.double() if group_index is not None else torch.zeros_like(scores, dtype=torch.float64)
-    payload = torch.cat([torch.tensor([B], dtype=torch.float64, device=scores.device),
-                         scores.double(), ids.to(scores.device)])
+    ids = (
+        group_index.double()
+        if group_index is not None
+        else torch.zeros_like(scores, dtype=torch.float64)
+    )
+    payload = torch.cat(
+        [
+            torch.tensor([B], dtype=torch.float64, device=scores.device),
+            scores.double(),
+            ids.to(scores.device),
+        ]
+    )
     out = torch.empty(world * payload.numel(), dtype=torch.float64, device=scores.device)
     _all_gather(out, payload, group=group)
     out = out.view(world, -1)
     if bool((out[:, 0] != B).any()):
-        raise ValueError(f"scores: every rank must hold the same number of responses; got "
-                         f"{out[:, 0].long().tolist()}")
-    all_scores = out[:, 1:1 + B].reshape(-1).to(scores.dtype)
-    all_ids = out[:, 1 + B:].reshape(-1).long() if group_index is not None else None
+        raise ValueError(
+            f"scores: every rank must hold the same number of responses; got "
+            f"{out[:, 0].long().tolist()}"
+        )
+    all_scores = out[:, 1 : 1 + B].reshape(-1).to(scores.dtype)
+    all_ids = out[:, 1 + B :].reshape(-1).long() if group_index is not None else None
     rows = torch.arange(rank * B, (rank + 1) * B, device=scores.device)
     return all_scores, all_ids, rows

@@ -18,21 +18,21 @@ computes the same loss from the replicated outputs; nothing is scaled by the wor
 Bytes per token moved by the collective: (5 * 4) * world bytes gathered (vs 2 * V for gathering
 bf16 logits); see bench/bench_distributed.py.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._comm import all_gather as _all_gather
-
 from .. import _backend
 from .._checks import check_labels_in_range
 from ..linear_logprobs import reference as lin_ref
 from ..linear_logprobs.op import tile_bwd_, tile_stats_
+from ._comm import all_gather as _all_gather
 
-_HEADER = 3           # vocab_start, V_rank, N
-_ROWS = 5             # m, s, u, zlabel, owned
+_HEADER = 3  # vocab_start, V_rank, N
+_ROWS = 5  # m, s, u, zlabel, owned
 _BLOCK_BYTES = 64 << 20  # float32 row blocks of the shard handed to the tile kernels
 
 
@@ -45,8 +45,9 @@ def _row_blocks(N, V, acc):
     return range(0, N, rows), rows
 
 
-def local_states(logits: Tensor, labels: Tensor, vocab_start: int, inv_t: float,
-                 ignore_index: int) -> Tensor:
+def local_states(
+    logits: Tensor, labels: Tensor, vocab_start: int, inv_t: float, ignore_index: int
+) -> Tensor:
     """[_ROWS, N] (m, s, u, zlabel, owned) of this rank's vocabulary slice: the softmax statistics
     of z = logits * inv_t over the slice, the label's z where this slice owns the label (NaN
     elsewhere), and 1.0 where it owns it. Ignored rows keep the empty state."""
@@ -87,37 +88,43 @@ def merge_states(states: Tensor) -> Tensor:
     d = m - M_safe
     f = torch.where(empty, torch.zeros_like(d), d.exp())
     s_new = (f * s).sum(0)
-    u_new = torch.where(empty, torch.zeros_like(u), f * (u + d.clamp_min(torch.finfo(d.dtype).min) * s)).sum(0)
+    u_new = torch.where(
+        empty, torch.zeros_like(u), f * (u + d.clamp_min(torch.finfo(d.dtype).min) * s)
+    ).sum(0)
     return torch.stack([M, s_new, u_new])
 
 
 def _gather(local: Tensor, header: list[int], group) -> Tensor:
     """One all-gather of [header | local states] -> [world, _HEADER + _ROWS * N]."""
     world = dist.get_world_size(group)
-    flat = torch.cat([torch.tensor(header, dtype=local.dtype, device=local.device),
-                      local.reshape(-1)])
+    flat = torch.cat(
+        [torch.tensor(header, dtype=local.dtype, device=local.device), local.reshape(-1)]
+    )
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     _all_gather(out, flat, group=group)
     return out.view(world, -1)
 
 
-def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: int,
-            check_cpu: bool):
+def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: int, check_cpu: bool):
     """(logprobs, entropy, lse, V) from the gathered states; checks the slices tile [0, V)."""
     world = gathered.shape[0]
     header = gathered[:, :_HEADER].to(torch.int64).cpu()  # 3 * world numbers
     starts, sizes, ns = header[:, 0].tolist(), header[:, 1].tolist(), header[:, 2].tolist()
     N = labels.numel()
     if any(n != N for n in ns):
-        raise ValueError(f"labels: ranks hold different numbers of rows {ns}; every rank of the "
-                         "vocab-parallel group needs the same tokens")
+        raise ValueError(
+            f"labels: ranks hold different numbers of rows {ns}; every rank of the "
+            "vocab-parallel group needs the same tokens"
+        )
     order = sorted(range(world), key=lambda r: starts[r])
     pos = 0
     for r in order:
         if starts[r] != pos:
-            raise ValueError(f"vocab_start: the ranks' vocabulary slices (start, size) = "
-                             f"{[(starts[i], sizes[i]) for i in range(world)]} do not tile "
-                             "[0, V) contiguously")
+            raise ValueError(
+                f"vocab_start: the ranks' vocabulary slices (start, size) = "
+                f"{[(starts[i], sizes[i]) for i in range(world)]} do not tile "
+                "[0, V) contiguously"
+            )
         pos += sizes[r]
     V = pos
     if check_cpu:
@@ -140,7 +147,9 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         inv_t = 1.0 / temperature
         local = local_states(x, y, vocab_start, inv_t, ignore_index)
         gathered = _gather(local, [vocab_start, x.shape[1], y.numel()], group)
-        lp, ent, lse, V = _finish(gathered, y, vocab_start, ignore_index, logits.device.type == "cpu")
+        lp, ent, lse, V = _finish(
+            gathered, y, vocab_start, ignore_index, logits.device.type == "cpu"
+        )
         out = _backend.out_dtype(logits)
         lp, ent, lse = lp.to(out), ent.to(out), lse.to(out)
         ctx.save_for_backward(logits, labels, lse, ent)
@@ -156,8 +165,11 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         x = logits.reshape(labels.numel(), logits.shape[-1])
         y = labels.reshape(-1)
         N, Vr = x.shape
-        glp = (torch.zeros(N, dtype=acc, device=x.device) if grad_lp is None
-               else grad_lp.reshape(-1).to(acc))
+        glp = (
+            torch.zeros(N, dtype=acc, device=x.device)
+            if grad_lp is None
+            else grad_lp.reshape(-1).to(acc)
+        )
         gent = None if grad_ent is None else grad_ent.reshape(-1).to(acc)
         grad = _backend.new_output(x.shape, logits.dtype, logits.device)
         if N and Vr:
@@ -166,9 +178,18 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             for r0 in starts:
                 r1 = min(N, r0 + rows)
                 tile = buf[: (r1 - r0) * Vr].view(r1 - r0, Vr).copy_(x[r0:r1])
-                tile_bwd_(tile, y[r0:r1], vocab_start, lse.reshape(-1)[r0:r1],
-                          ent.reshape(-1)[r0:r1] if gent is not None else None, glp[r0:r1],
-                          gent[r0:r1] if gent is not None else None, inv_t, ignore_index, V)
+                tile_bwd_(
+                    tile,
+                    y[r0:r1],
+                    vocab_start,
+                    lse.reshape(-1)[r0:r1],
+                    ent.reshape(-1)[r0:r1] if gent is not None else None,
+                    glp[r0:r1],
+                    gent[r0:r1] if gent is not None else None,
+                    inv_t,
+                    ignore_index,
+                    V,
+                )
                 grad[r0:r1] = tile
         return grad.view(logits.shape), None, None, None, None, None
 
@@ -193,9 +214,15 @@ def default_vocab_start(v_rank: int, group) -> int:
     return _size_cache[key]
 
 
-def vocab_parallel_token_logprobs(logits: Tensor, labels: Tensor, temperature: float,
-                                  ignore_index: int, return_entropy: bool, process_group,
-                                  vocab_start: int | None):
+def vocab_parallel_token_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    process_group,
+    vocab_start: int | None,
+):
     """The body of token_logprobs(..., process_group=...); arguments already checked."""
     if not dist.is_initialized():
         raise RuntimeError("process_group: torch.distributed is not initialised")
@@ -203,19 +230,33 @@ def vocab_parallel_token_logprobs(logits: Tensor, labels: Tensor, temperature: f
         vocab_start = default_vocab_start(logits.shape[-1], process_group)
     elif not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    lp, ent, _ = _VocabParallelTokenLogprobs.apply(logits, labels, float(temperature),
-                                                   int(ignore_index), int(vocab_start),
-                                                   process_group)
+    lp, ent, _ = _VocabParallelTokenLogprobs.apply(
+        logits, labels, float(temperature), int(ignore_index), int(vocab_start), process_group
+    )
     return (lp, ent) if return_entropy else lp
 
 
 # ---- from hidden states: a vocab-sharded LM head (the logits are still never built) ----
 
+
 class _VocabParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, vocab_start, group,
-                budget, logits_dtype, reduce_hidden_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature,
+        ignore_index,
+        vocab_start,
+        group,
+        budget,
+        logits_dtype,
+        reduce_hidden_grad,
+    ):
         from ..linear_logprobs import op as lop
+
         N, H = hidden.shape
         Vr = weight.shape[0]
         acc = _acc(hidden.dtype)
@@ -225,28 +266,53 @@ class _VocabParallelLinear(torch.autograd.Function):
         k = labels.long() - vocab_start
         local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
         if N and Vr:
-            plan = lop.plan_chunks(N, Vr, H, hidden.dtype, hidden.device.type,
-                                   lop._resolve_budget(budget, hidden.device),
-                                   logits_dtype=logits_dtype, fused=False)
+            plan = lop.plan_chunks(
+                N,
+                Vr,
+                H,
+                hidden.dtype,
+                hidden.device.type,
+                lop._resolve_budget(budget, hidden.device),
+                logits_dtype=logits_dtype,
+                fused=False,
+            )
             tiler = lop.Tiler(hidden, weight, bias, plan, False)
             for r0 in range(0, N, plan.rows):
                 r1 = min(N, r0 + plan.rows)
-                st, zl = lop.chunk_states(tiler, plan, tiler.rows(r0, r1), labels[r0:r1], Vr,
-                                          inv_t, ignore_index, v_offset=vocab_start)
+                st, zl = lop.chunk_states(
+                    tiler,
+                    plan,
+                    tiler.rows(r0, r1),
+                    labels[r0:r1],
+                    Vr,
+                    inv_t,
+                    ignore_index,
+                    v_offset=vocab_start,
+                )
                 local[0:3, r0:r1] = st
                 local[3, r0:r1] = zl
         gathered = _gather(local, [vocab_start, Vr, N], group)
-        lp, ent, lse, V = _finish(gathered, labels, vocab_start, ignore_index,
-                                  hidden.device.type == "cpu")
+        lp, ent, lse, V = _finish(
+            gathered, labels, vocab_start, ignore_index, hidden.device.type == "cpu"
+        )
         ctx.save_for_backward(hidden, weight, labels, bias, lse, ent)
-        ctx.args = (inv_t, ignore_index, vocab_start, V, group, budget, logits_dtype,
-                    reduce_hidden_grad)
+        ctx.args = (
+            inv_t,
+            ignore_index,
+            vocab_start,
+            V,
+            group,
+            budget,
+            logits_dtype,
+            reduce_hidden_grad,
+        )
         ctx.mark_non_differentiable(lse)
         return lp, ent, lse
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent, _grad_lse):
         from ..linear_logprobs import op as lop
+
         hidden, weight, labels, bias, lse, ent = ctx.saved_tensors
         inv_t, ignore_index, vocab_start, V, group, budget, logits_dtype, reduce_h = ctx.args
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
@@ -260,28 +326,69 @@ class _VocabParallelLinear(torch.autograd.Function):
         gW = torch.zeros((Vr, H) if need_w else (0,), dtype=acc, device=dev)
         gb = torch.zeros((Vr,) if (need_b and bias is not None) else (0,), dtype=acc, device=dev)
         if N and Vr:
-            plan = lop.plan_chunks(N, Vr, H, hidden.dtype, dev.type,
-                                   lop._resolve_budget(budget, dev), logits_dtype=logits_dtype,
-                                   fused=False)
+            plan = lop.plan_chunks(
+                N,
+                Vr,
+                H,
+                hidden.dtype,
+                dev.type,
+                lop._resolve_budget(budget, dev),
+                logits_dtype=logits_dtype,
+                fused=False,
+            )
             tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
             for r0 in range(0, N, plan.rows):
                 r1 = min(N, r0 + plan.rows)
                 lop.chunk_backward(
-                    tiler, plan, False, tiler.rows(r0, r1), labels[r0:r1], glp[r0:r1],
-                    gent[r0:r1] if gent is not None else None, lse[r0:r1],
-                    ent[r0:r1] if gent is not None else None, inv_t, ignore_index, Vr,
-                    gh[r0:r1] if need_h else gh, gW, gb, v_offset=vocab_start, v_total=V)
+                    tiler,
+                    plan,
+                    False,
+                    tiler.rows(r0, r1),
+                    labels[r0:r1],
+                    glp[r0:r1],
+                    gent[r0:r1] if gent is not None else None,
+                    lse[r0:r1],
+                    ent[r0:r1] if gent is not None else None,
+                    inv_t,
+                    ignore_index,
+                    Vr,
+                    gh[r0:r1] if need_h else gh,
+                    gW,
+                    gb,
+                    v_offset=vocab_start,
+                    v_total=V,
+                )
         if need_h and reduce_h:
             # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
             dist.all_reduce(gh, group=group)
-        return (gh.to(hidden.dtype) if need_h else None, gW.to(weight.dtype) if need_w else None,
-                None, gb.to(bias.dtype) if gb.numel() else None,
-                None, None, None, None, None, None, None)
+        return (
+            gh.to(hidden.dtype) if need_h else None,
+            gW.to(weight.dtype) if need_w else None,
+            None,
+            gb.to(bias.dtype) if gb.numel() else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def vocab_parallel_linear_token_logprobs(hidden2d, weight, labels, bias, temperature,
-                                         ignore_index, process_group, vocab_start, budget,
-                                         logits_dtype, reduce_hidden_grad):
+def vocab_parallel_linear_token_logprobs(
+    hidden2d,
+    weight,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    process_group,
+    vocab_start,
+    budget,
+    logits_dtype,
+    reduce_hidden_grad,
+):
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
     weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
     Returns (logprobs, entropy) [N]."""
@@ -291,10 +398,19 @@ def vocab_parallel_linear_token_logprobs(hidden2d, weight, labels, bias, tempera
         vocab_start = default_vocab_start(weight.shape[0], process_group)
     elif not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    lp, ent, _ = _VocabParallelLinear.apply(hidden2d, weight, labels, bias, float(temperature),
-                                            int(ignore_index), int(vocab_start), process_group,
-                                            int(budget or 0), logits_dtype,
-                                            bool(reduce_hidden_grad))
+    lp, ent, _ = _VocabParallelLinear.apply(
+        hidden2d,
+        weight,
+        labels,
+        bias,
+        float(temperature),
+        int(ignore_index),
+        int(vocab_start),
+        process_group,
+        int(budget or 0),
+        logits_dtype,
+        bool(reduce_hidden_grad),
+    )
     out = _backend.out_dtype(hidden2d)
     return lp.to(out), ent.to(out)
 
@@ -306,6 +422,7 @@ def vocab_parallel_linear_token_logprobs(hidden2d, weight, labels, bias, tempera
 # all-gather of those three per-row numbers; the backward is elementwise given the global kl and
 # log-sum-exps (the full_kl backward kernel on each slice), no collective.
 
+
 def _logsumexp_ranks(x):
     m = x.amax(0)
     m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
@@ -316,6 +433,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_logits, mask, temperature, group):
         from ..full_kl import op as fop
+
         inv_t = 1.0 / temperature
         if logits.shape[-1] == 0:  # an empty slice: no mass, no cross term
             lz_r = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
@@ -323,9 +441,11 @@ class _VocabParallelFullKL(torch.autograd.Function):
         else:
             kl_r, lz_r, lw_r = fop.forward(logits, ref_logits, None, inv_t)
         world = dist.get_world_size(group)
-        local = torch.stack([kl_r, lz_r, lw_r]).reshape(3, -1).to(torch.float64 if
-                                                                  logits.dtype == torch.float64
-                                                                  else torch.float32)
+        local = (
+            torch.stack([kl_r, lz_r, lw_r])
+            .reshape(3, -1)
+            .to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        )
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         _all_gather(out, local.reshape(-1), group=group)
         st = out.view(world, 3, -1)
@@ -344,14 +464,19 @@ class _VocabParallelFullKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         from ..full_kl import op as fop
+
         logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
         need_ref = ctx.needs_input_grad[1]
         gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
-        gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) \
-            if need_ref else None
+        gw = (
+            _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device)
+            if need_ref
+            else None
+        )
         if logits.shape[-1]:
-            fop.backward(logits, grad.contiguous(), ref_logits, mask, kl, lse_z, lse_w,
-                         ctx.inv_t, gz, gw)
+            fop.backward(
+                logits, grad.contiguous(), ref_logits, mask, kl, lse_z, lse_w, ctx.inv_t, gz, gw
+            )
         return gz, gw, None, None, None
 
 

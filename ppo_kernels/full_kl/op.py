@@ -1,18 +1,23 @@
 """full_kl as torch ops: `ppo_kernels::full_kl` (forward) and `ppo_kernels::full_kl_backward`, with
 fake kernels, registered autograd and a backend per call. Semantics: reference.py next to this."""
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import (FLOAT_DTYPES, check_arg, check_bool, check_same_device, check_temperature,
-                       check_tensor)
+from .._checks import (
+    FLOAT_DTYPES,
+    check_arg,
+    check_bool,
+    check_same_device,
+    check_temperature,
+    check_tensor,
+)
 from . import reference
 
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="cpp")
-
-
 
 
 # The kernels, one implementation per backend with one signature (inv_temperature = 1 / T).
@@ -28,6 +33,7 @@ def _(logits, ref_logits, mask, inv_temperature):
 @forward.impl("triton")
 def _(logits, ref_logits, mask, inv_temperature):
     from . import triton_kernels
+
     return triton_kernels.forward(logits, ref_logits, mask, inv_temperature)
 
 
@@ -40,21 +46,33 @@ def _(logits, ref_logits, mask, inv_temperature):
 
 @backward.impl("cpp")
 def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
-    _backend.cpp_ops().full_kl_bwd(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
-                                   inv_temperature, grad_logits, grad_ref)
+    _backend.cpp_ops().full_kl_bwd(
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
+    )
 
 
 @backward.impl("triton")
 def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
     from . import triton_kernels
-    triton_kernels.backward(grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature,
-                            grad_logits, grad_ref)
+
+    triton_kernels.backward(
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
+    )
 
 
 @backward.impl("eager")
 def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
-    gz, gw = reference.backward(grad, logits, ref_logits, kl, lse_z, lse_w, 1.0 / inv_temperature,
-                                mask, grad_ref is not None)
+    gz, gw = reference.backward(
+        grad,
+        logits,
+        ref_logits,
+        kl,
+        lse_z,
+        lse_w,
+        1.0 / inv_temperature,
+        mask,
+        grad_ref is not None,
+    )
     grad_logits.copy_(gz)
     if grad_ref is not None:
         grad_ref.copy_(gw)
@@ -63,18 +81,32 @@ def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_lo
 def _check_forward_args(logits, ref_logits, temperature, mask):
     """What the registered forward op is given, whoever calls it (metadata only)."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("ref_logits", ref_logits, logits.device, dtypes=(logits.dtype,), shape=logits.shape,
-              what="like logits")
+    check_arg(
+        "ref_logits",
+        ref_logits,
+        logits.device,
+        dtypes=(logits.dtype,),
+        shape=logits.shape,
+        what="like logits",
+    )
     V = logits.shape[-1]
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if t.stride(-1) != 1 and V > 1:
-            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
-                             f"got strides {tuple(t.stride())}")
+            raise ValueError(
+                f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
+                f"got strides {tuple(t.stride())}"
+            )
     if V == 0 and logits.shape[:-1].numel() > 0:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     check_temperature(temperature)
-    check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]",
-              allow_none=True)
+    check_arg(
+        "mask",
+        mask,
+        logits.device,
+        shape=logits.shape[:-1],
+        what="logits.shape[:-1]",
+        allow_none=True,
+    )
 
 
 def _check_backward_args(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
@@ -89,8 +121,9 @@ def _check_backward_args(grad, logits, ref_logits, mask, kl, lse_z, lse_w, tempe
 
 
 @torch.library.custom_op("ppo_kernels::full_kl", mutates_args=())
-def full_kl_op(logits: Tensor, ref_logits: Tensor, temperature: float,
-               mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def full_kl_op(
+    logits: Tensor, ref_logits: Tensor, temperature: float, mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(kl, lse_z, lse_w); the two log-sum-exps are saved for backward."""
     _check_forward_args(logits, ref_logits, temperature, mask)
     return forward(logits, ref_logits, mask, 1.0 / temperature)
@@ -103,23 +136,48 @@ def _(logits, ref_logits, temperature, mask):
 
 
 @torch.library.custom_op("ppo_kernels::full_kl_backward", mutates_args=())
-def full_kl_backward_op(grad: Tensor, logits: Tensor, ref_logits: Tensor, mask: Tensor | None,
-                        kl: Tensor, lse_z: Tensor, lse_w: Tensor, temperature: float,
-                        need_ref: bool) -> tuple[Tensor, Tensor]:
+def full_kl_backward_op(
+    grad: Tensor,
+    logits: Tensor,
+    ref_logits: Tensor,
+    mask: Tensor | None,
+    kl: Tensor,
+    lse_z: Tensor,
+    lse_w: Tensor,
+    temperature: float,
+    need_ref: bool,
+) -> tuple[Tensor, Tensor]:
     """(grad_logits, grad_ref_logits or an empty tensor)."""
     _check_backward_args(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref)
     gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
-    gw = _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device) if need_ref \
+    gw = (
+        _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device)
+        if need_ref
         else ref_logits.new_empty(0)
-    backward(logits, grad, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature, gz,
-             gw if need_ref else None)
+    )
+    backward(
+        logits,
+        grad,
+        ref_logits,
+        mask,
+        kl,
+        lse_z,
+        lse_w,
+        1.0 / temperature,
+        gz,
+        gw if need_ref else None,
+    )
     return gz, gw
 
 
 @full_kl_backward_op.register_fake
 def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
-    return (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
-            torch.empty(ref_logits.shape if need_ref else (0,), dtype=ref_logits.dtype, device=ref_logits.device))
+    return (
+        torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
+        torch.empty(
+            ref_logits.shape if need_ref else (0,), dtype=ref_logits.dtype, device=ref_logits.device
+        ),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -133,16 +191,23 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_kl, _gz, _gw):
     logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
     need_ref = ctx.needs_input_grad[1]
-    gz, gw = torch.ops.ppo_kernels.full_kl_backward(grad_kl, logits, ref_logits, mask, kl, lse_z,
-                                                    lse_w, ctx.temperature, need_ref)
+    gz, gw = torch.ops.ppo_kernels.full_kl_backward(
+        grad_kl, logits, ref_logits, mask, kl, lse_z, lse_w, ctx.temperature, need_ref
+    )
     return gz, (gw if need_ref else None), None, None
 
 
 full_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
-            mask: Tensor | None = None, process_group=None) -> Tensor:
+def full_kl(
+    logits: Tensor,
+    ref_logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    process_group=None,
+) -> Tensor:
     """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
     tensors (online max and sums for both distributions; no N x V temporary).
 
@@ -168,15 +233,21 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
     check_tensor("ref_logits", ref_logits, dtypes=FLOAT_DTYPES)
     check_same_device(logits=logits, ref_logits=ref_logits, mask=mask)
     if ref_logits.dtype != logits.dtype:
-        raise TypeError(f"ref_logits: expected dtype {logits.dtype} (like logits), got {ref_logits.dtype}")
+        raise TypeError(
+            f"ref_logits: expected dtype {logits.dtype} (like logits), got {ref_logits.dtype}"
+        )
     if tuple(ref_logits.shape) != tuple(logits.shape):
-        raise ValueError(f"ref_logits: expected shape {tuple(logits.shape)} (logits.shape), "
-                         f"got {tuple(ref_logits.shape)}")
+        raise ValueError(
+            f"ref_logits: expected shape {tuple(logits.shape)} (logits.shape), "
+            f"got {tuple(ref_logits.shape)}"
+        )
     V = logits.shape[-1]
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if t.stride(-1) != 1 and V > 1:
-            raise ValueError(f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
-                             f"got strides {tuple(t.stride())}")
+            raise ValueError(
+                f"{name}: the last (vocabulary) dimension must be contiguous (stride 1); "
+                f"got strides {tuple(t.stride())}"
+            )
     if V == 0 and logits.shape[:-1].numel() > 0 and process_group is None:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
     temperature = check_temperature(temperature)
@@ -185,6 +256,7 @@ def full_kl(logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0,
         mask = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
     if process_group is not None:
         from ..distributed.vocab_parallel import vocab_parallel_full_kl
+
         return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     _check_forward_args(logits, ref_logits, temperature, mask)
     kl, _, _ = torch.ops.ppo_kernels.full_kl(logits, ref_logits, float(temperature), mask)

@@ -15,6 +15,7 @@ Documented edge cases (every backend matches them):
   * the backward op checks its saved inputs (grad, kl, lse_z, lse_w, mask: shape, dtype, device)
     and raises naming the argument instead of reading out of bounds.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """Triton kernels for full_kl: one program per row, one pass over both logits rows with the online
 state of csrc/common/kl_stats.h (maxes mz, mw; sums sz, sw; u = sum e^a (a - b)), merged block by
 block; backward in one pass."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,6 @@ import triton.language as tl
 from .._backend import new_output
 from .._triton_math import SERIES_BOUND, expm1_minus_x_series
 from .._triton_utils import row_indexer
-
-
 
 
 @triton.jit
@@ -24,8 +23,24 @@ def _log1p(x):
 
 
 @triton.jit
-def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, inv_t,
-                HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+def _fwd_kernel(
+    X,
+    Y,
+    MASK,
+    KL,
+    LZ,
+    LW,
+    V,
+    inner,
+    so,
+    si,
+    y_inner,
+    y_so,
+    y_si,
+    inv_t,
+    HAS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     keep = True
     if HAS_MASK:
@@ -53,7 +68,11 @@ def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, i
             sw = sz + v
             x = dw - dz
             sz2 = sz * fz
-            v_moved = tl.where(tl.abs(x) < SERIES_BOUND, v * fw + sz2 * (x + expm1_minus_x_series(x)), sw * fw - sz2)
+            v_moved = tl.where(
+                tl.abs(x) < SERIES_BOUND,
+                v * fw + sz2 * (x + expm1_minus_x_series(x)),
+                sw * fw - sz2,
+            )
             v = tl.where(sz != 0.0, v_moved, sw * fw)
             u = tl.where(sz != 0.0, tl.where(u == float("inf"), u, fz * (u + (dz - dw) * sz)), 0.0)
             sz = tl.where(sz != 0.0, sz2, 0.0)
@@ -66,7 +85,9 @@ def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, i
             eb = tl.exp(b)
             d = b - a
             sz += tl.sum(e, 0)
-            v += tl.sum(tl.where(tl.abs(d) < SERIES_BOUND, e * (d + expm1_minus_x_series(d)), eb - e), 0)
+            v += tl.sum(
+                tl.where(tl.abs(d) < SERIES_BOUND, e * (d + expm1_minus_x_series(d)), eb - e), 0
+            )
             u += tl.sum(tl.where(e > 0.0, e * (a - b), 0.0), 0)
         undefined = (mz == -float("inf")) | (mw == -float("inf"))
         kl = tl.where(undefined, float("nan"), u / sz + _log1p(v / sz))
@@ -80,8 +101,28 @@ def _fwd_kernel(X, Y, MASK, KL, LZ, LW, V, inner, so, si, y_inner, y_so, y_si, i
 
 
 @triton.jit
-def _bwd_kernel(G, X, Y, MASK, KL, LZ, LW, GX, GY, V, inner, so, si, y_inner, y_so, y_si, inv_t,
-                HAS_MASK: tl.constexpr, NEED_REF: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_kernel(
+    G,
+    X,
+    Y,
+    MASK,
+    KL,
+    LZ,
+    LW,
+    GX,
+    GY,
+    V,
+    inner,
+    so,
+    si,
+    y_inner,
+    y_so,
+    y_si,
+    inv_t,
+    HAS_MASK: tl.constexpr,
+    NEED_REF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     keep = True
     if HAS_MASK:
@@ -121,9 +162,21 @@ def forward(logits, ref_logits, mask, inv_t):
     if N:
         block = _block(V)
         has_mask = mask is not None
-        _fwd_kernel[(N,)](logits, ref_logits, mask.contiguous() if has_mask else kl, kl, lz, lw, V,
-                          *ix, *iy, float(inv_t), HAS_MASK=has_mask, BLOCK=block,
-                          num_warps=8 if block >= 2048 else 4)
+        _fwd_kernel[(N,)](
+            logits,
+            ref_logits,
+            mask.contiguous() if has_mask else kl,
+            kl,
+            lz,
+            lw,
+            V,
+            *ix,
+            *iy,
+            float(inv_t),
+            HAS_MASK=has_mask,
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )
     return kl, lz, lw
 
 
@@ -138,8 +191,22 @@ def backward(grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, gra
     need_ref = grad_ref is not None
     has_mask = mask is not None
     block = _block(V)
-    _bwd_kernel[(N,)](grad.float().contiguous(), logits, ref_logits,
-                      mask.contiguous() if has_mask else kl, kl.contiguous(), lz.contiguous(),
-                      lw.contiguous(), grad_logits, grad_ref if need_ref else grad_logits, V, *ix, *iy,
-                      float(inv_t), HAS_MASK=has_mask, NEED_REF=need_ref, BLOCK=block,
-                      num_warps=8 if block >= 2048 else 4)
+    _bwd_kernel[(N,)](
+        grad.float().contiguous(),
+        logits,
+        ref_logits,
+        mask.contiguous() if has_mask else kl,
+        kl.contiguous(),
+        lz.contiguous(),
+        lw.contiguous(),
+        grad_logits,
+        grad_ref if need_ref else grad_logits,
+        V,
+        *ix,
+        *iy,
+        float(inv_t),
+        HAS_MASK=has_mask,
+        NEED_REF=need_ref,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )

@@ -1,2 +1,2 @@
-from .op import gae  # noqa: F401
 from . import reference  # noqa: F401
+from .op import gae  # noqa: F401

@@ -1,17 +1,25 @@
 """gae as a torch op: `ppo_kernels::gae`, with a fake kernel and an autograd rule that refuses.
 Each call picks a backend (see ppo_kernels/_backend.py)."""
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_bool, check_float, check_same_device,
-                       check_shape, check_tensor)
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_arg,
+    check_bool,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from . import reference
 
 OP = _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp")
-
 
 
 # The kernel, one implementation per backend with one signature: flat (contiguous, 1-D) inputs,
@@ -21,35 +29,111 @@ forward = _backend.Kernel("gae", "forward")
 
 
 @forward.impl("cpp")
-def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
-      n_rows, row_len):
-    return _backend.cpp_ops().gae_fwd(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam,
-                                      init_value, init_adv, cu_seqlens, n_rows, row_len)
+def _(
+    rewards,
+    values,
+    mask,
+    dones,
+    gamma_t,
+    lam_t,
+    gamma,
+    lam,
+    init_value,
+    init_adv,
+    cu_seqlens,
+    n_rows,
+    row_len,
+):
+    return _backend.cpp_ops().gae_fwd(
+        rewards,
+        values,
+        mask,
+        dones,
+        gamma_t,
+        lam_t,
+        gamma,
+        lam,
+        init_value,
+        init_adv,
+        cu_seqlens,
+        n_rows,
+        row_len,
+    )
 
 
 @forward.impl("triton")
-def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
-      n_rows, row_len):
+def _(
+    rewards,
+    values,
+    mask,
+    dones,
+    gamma_t,
+    lam_t,
+    gamma,
+    lam,
+    init_value,
+    init_adv,
+    cu_seqlens,
+    n_rows,
+    row_len,
+):
     from . import triton_kernels
-    return triton_kernels.gae(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value,
-                              init_adv, cu_seqlens, n_rows, row_len)
+
+    return triton_kernels.gae(
+        rewards,
+        values,
+        mask,
+        dones,
+        gamma_t,
+        lam_t,
+        gamma,
+        lam,
+        init_value,
+        init_adv,
+        cu_seqlens,
+        n_rows,
+        row_len,
+    )
 
 
 @forward.impl("eager")
-def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens,
-      n_rows, row_len):
+def _(
+    rewards,
+    values,
+    mask,
+    dones,
+    gamma_t,
+    lam_t,
+    gamma,
+    lam,
+    init_value,
+    init_adv,
+    cu_seqlens,
+    n_rows,
+    row_len,
+):
     shape = (n_rows, row_len) if cu_seqlens is None else (-1,)
 
     def view(x):
         return None if x is None else x.view(shape)
+
     adv, ret, cv, ca = reference.gae_eager(
-        view(rewards), view(values), view(mask), gamma if gamma_t is None else view(gamma_t),
-        lam if lam_t is None else view(lam_t), view(dones), init_value, init_adv, cu_seqlens)
+        view(rewards),
+        view(values),
+        view(mask),
+        gamma if gamma_t is None else view(gamma_t),
+        lam if lam_t is None else view(lam_t),
+        view(dones),
+        init_value,
+        init_adv,
+        cu_seqlens,
+    )
     return adv.reshape(-1), ret.reshape(-1), cv.clone(), ca.clone()
 
 
-def _check_op_args(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv,
-                   cu_seqlens):
+def _check_op_args(
+    rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens
+):
     """What the registered op is given, whoever calls it (metadata only; see gae() for the
     normalised form)."""
     check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=1 if cu_seqlens is not None else 2)
@@ -64,36 +148,56 @@ def _check_op_args(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, ini
     if cu_seqlens is not None:
         check_arg("cu_seqlens", cu_seqlens, dev, dtypes=(torch.int32,))
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens: expected [n + 1] offsets, got shape {tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens: expected [n + 1] offsets, got shape {tuple(cu_seqlens.shape)}"
+            )
         if dev.type == "cpu":
             _check_cu_seqlens(cu_seqlens, rewards.numel())
     n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else shape[0]
     for name, t in (("init_value", init_value), ("init_adv", init_adv)):
-        check_arg(name, t, dev, dtypes=(torch.float32, torch.float64), shape=(n_rows,),
-                  what="one per row", allow_none=True)
+        check_arg(
+            name,
+            t,
+            dev,
+            dtypes=(torch.float32, torch.float64),
+            shape=(n_rows,),
+            what="one per row",
+            allow_none=True,
+        )
 
 
 @torch.library.custom_op("ppo_kernels::gae", mutates_args=())
-def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor | None,
-           gamma_t: Tensor | None, lam_t: Tensor | None, gamma: float, lam: float,
-           init_value: Tensor | None, init_adv: Tensor | None,
-           cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gae_op(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor | None,
+    dones: Tensor | None,
+    gamma_t: Tensor | None,
+    lam_t: Tensor | None,
+    gamma: float,
+    lam: float,
+    init_value: Tensor | None,
+    init_adv: Tensor | None,
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Normalised inputs (see gae()): rewards/values one dtype, [B, T] or flat [N] with
     cu_seqlens; mask/dones bool; gamma_t/lam_t float32 like rewards or None (then the floats);
     init_value/init_adv float32 [rows] or None. Returns (adv, returns, carry_value, carry_adv).
     The mask may also be float32 on the CPU: the C++ kernel reads it as it is (nonzero = action),
     the other backends get it as bool."""
-    _check_op_args(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv,
-                   cu_seqlens)
+    _check_op_args(
+        rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens
+    )
     backend = forward.backend(rewards)
     if mask is not None and mask.dtype != torch.bool and not (backend == "cpp" and mask.is_cpu):
         mask = mask != 0
     n_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else rewards.shape[0]
     row_len = rewards.shape[-1] if cu_seqlens is None else -1
-    flat = [None if x is None else x.contiguous().view(-1)
-            for x in (rewards, values, mask, dones, gamma_t, lam_t)]
-    adv, ret, cv, ca = forward(*flat, gamma, lam, init_value, init_adv, cu_seqlens, n_rows,
-                               row_len)
+    flat = [
+        None if x is None else x.contiguous().view(-1)
+        for x in (rewards, values, mask, dones, gamma_t, lam_t)
+    ]
+    adv, ret, cv, ca = forward(*flat, gamma, lam, init_value, init_adv, cu_seqlens, n_rows, row_len)
     return adv.view(rewards.shape), ret.view(rewards.shape), cv, ca
 
 
@@ -101,14 +205,19 @@ def gae_op(rewards: Tensor, values: Tensor, mask: Tensor | None, dones: Tensor |
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
     out = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     n_rows = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else rewards.shape[0]
-    return (rewards.new_empty(rewards.shape, dtype=out), rewards.new_empty(rewards.shape, dtype=out),
-            rewards.new_empty((n_rows,), dtype=out), rewards.new_empty((n_rows,), dtype=out))
+    return (
+        rewards.new_empty(rewards.shape, dtype=out),
+        rewards.new_empty(rewards.shape, dtype=out),
+        rewards.new_empty((n_rows,), dtype=out),
+        rewards.new_empty((n_rows,), dtype=out),
+    )
 
 
 def _no_backward(ctx, *grads):
     raise RuntimeError(
         "ppo_kernels.gae has no backward: advantages and returns are targets, not functions to "
-        "differentiate. Call it under torch.no_grad() or pass detached rewards/values.")
+        "differentiate. Call it under torch.no_grad() or pass detached rewards/values."
+    )
 
 
 gae_op.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
@@ -127,8 +236,10 @@ def _per_token(name, x, rewards):
         try:
             x = x.expand(rewards.shape)
         except RuntimeError:
-            raise ValueError(f"{name}: shape {tuple(x.shape)} does not broadcast to rewards' "
-                             f"{tuple(rewards.shape)}") from None
+            raise ValueError(
+                f"{name}: shape {tuple(x.shape)} does not broadcast to rewards' "
+                f"{tuple(rewards.shape)}"
+            ) from None
         return x.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
     return check_float(name, x)
 
@@ -143,15 +254,26 @@ def _check_cu_seqlens(cu: Tensor, total: int):
     c = cu.long()
     ok = bool((c[0] == 0) & (c[-1] == total) & (c[1:] >= c[:-1]).all())
     if not ok:
-        raise ValueError(f"cu_seqlens: must be non-decreasing offsets from 0 to {total} (the number "
-                         f"of tokens); got {cu.tolist() if cu.numel() <= 16 else 'a violating tensor'}")
+        raise ValueError(
+            f"cu_seqlens: must be non-decreasing offsets from 0 to {total} (the number "
+            f"of tokens); got {cu.tolist() if cu.numel() <= 16 else 'a violating tensor'}"
+        )
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
-        gamma: float | Tensor = 1.0, lam: float | Tensor = 1.0, dones: Tensor | None = None,
-        bootstrap_value: Tensor | None = None, cu_seqlens: Tensor | None = None,
-        carry: tuple[Tensor, Tensor] | None = None, return_carry: bool = False,
-        process_group=None):
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor | None = None,
+    *,
+    gamma: float | Tensor = 1.0,
+    lam: float | Tensor = 1.0,
+    dones: Tensor | None = None,
+    bootstrap_value: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    carry: tuple[Tensor, Tensor] | None = None,
+    return_carry: bool = False,
+    process_group=None,
+):
     """Generalised advantage estimation in one chunked reverse scan (no Python loop over time).
 
     Args:
@@ -185,25 +307,44 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
     """
     if process_group is not None:
         if cu_seqlens is not None:
-            raise ValueError("cu_seqlens: packed rows are not supported with process_group; "
-                             "split [B, T] rows along T instead")
+            raise ValueError(
+                "cu_seqlens: packed rows are not supported with process_group; "
+                "split [B, T] rows along T instead"
+            )
         from ..distributed import sequence_parallel_gae
+
         check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=2)
-        return sequence_parallel_gae(gae, rewards, values, mask, gamma=gamma, lam=lam,
-                                     dones=dones, bootstrap_value=bootstrap_value, carry=carry,
-                                     return_carry=return_carry, process_group=process_group)
+        return sequence_parallel_gae(
+            gae,
+            rewards,
+            values,
+            mask,
+            gamma=gamma,
+            lam=lam,
+            dones=dones,
+            bootstrap_value=bootstrap_value,
+            carry=carry,
+            return_carry=return_carry,
+            process_group=process_group,
+        )
     check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES)
     check_tensor("values", values, dtypes=FLOAT_DTYPES)
     return_carry = check_bool("return_carry", return_carry)
     if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
         raise TypeError("carry: expected a pair (next_value, next_advantage)")
     check_shape("values", values, rewards.shape, "like rewards")
-    check_same_device(rewards=rewards, values=values, mask=mask, dones=dones,
-                      bootstrap_value=bootstrap_value, cu_seqlens=cu_seqlens,
-                      gamma=gamma if isinstance(gamma, torch.Tensor) else None,
-                      lam=lam if isinstance(lam, torch.Tensor) else None,
-                      carry_value=carry[0] if carry is not None else None,
-                      carry_adv=carry[1] if carry is not None else None)
+    check_same_device(
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        dones=dones,
+        bootstrap_value=bootstrap_value,
+        cu_seqlens=cu_seqlens,
+        gamma=gamma if isinstance(gamma, torch.Tensor) else None,
+        lam=lam if isinstance(lam, torch.Tensor) else None,
+        carry_value=carry[0] if carry is not None else None,
+        carry_adv=carry[1] if carry is not None else None,
+    )
     if cu_seqlens is None:
         check_tensor("rewards", rewards, dim=2)
         n_rows = rewards.shape[0]
@@ -213,7 +354,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
         if cu_seqlens.numel() < 1:
             raise ValueError("cu_seqlens: expected at least one entry (n + 1 offsets)")
         if rewards.numel() >= 2**31:
-            raise ValueError("rewards: packed inputs are limited to 2^31 - 1 tokens (int32 offsets)")
+            raise ValueError(
+                "rewards: packed inputs are limited to 2^31 - 1 tokens (int32 offsets)"
+            )
         n_rows = cu_seqlens.numel() - 1
         if cu_seqlens.device.type == "cpu" or _backend.strict():
             _check_cu_seqlens(cu_seqlens, rewards.numel())  # host sync on the GPU, by request
@@ -237,8 +380,10 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
         g = lm = 1.0
     init_value = init_adv = None
     if bootstrap_value is not None and carry is not None:
-        raise ValueError("bootstrap_value and carry: pass one (a bootstrap value is the carry "
-                         "(bootstrap_value, 0) of a truncated row)")
+        raise ValueError(
+            "bootstrap_value and carry: pass one (a bootstrap value is the carry "
+            "(bootstrap_value, 0) of a truncated row)"
+        )
     if bootstrap_value is not None:
         init_value = _per_row("bootstrap_value", bootstrap_value, n_rows, rewards)
     if carry is not None:
@@ -246,8 +391,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor | None = None, *,
             raise TypeError("carry: expected a pair (next_value, next_advantage)")
         init_value = _per_row("carry[0]", carry[0], n_rows, rewards)
         init_adv = _per_row("carry[1]", carry[1], n_rows, rewards)
-    adv, ret, cv, ca = torch.ops.ppo_kernels.gae(rewards, values, m, d, gamma_t, lam_t, float(g),
-                                                 float(lm), init_value, init_adv, cu_seqlens)
+    adv, ret, cv, ca = torch.ops.ppo_kernels.gae(
+        rewards, values, m, d, gamma_t, lam_t, float(g), float(lm), init_value, init_adv, cu_seqlens
+    )
     if return_carry:
         return adv, ret, (cv, ca)
     return adv, ret

@@ -22,6 +22,7 @@ at a masked position only affects returns there (the recursion skips it). An emp
 gives empty outputs and passes every row's carry through. Bad arguments (a bootstrap_value that is
 not a tensor, a string gamma, wrong shapes) raise TypeError / ValueError naming the argument.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,18 @@ def _rows(n_rows, row_len, cu_seqlens):
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
-def gae_sequential(rewards, values, mask=None, *, gamma=1.0, lam=1.0, dones=None,
-                   bootstrap_value=None, cu_seqlens=None, carry=None):
+def gae_sequential(
+    rewards,
+    values,
+    mask=None,
+    *,
+    gamma=1.0,
+    lam=1.0,
+    dones=None,
+    bootstrap_value=None,
+    cu_seqlens=None,
+    carry=None,
+):
     """Float64, one position at a time, straight from the formulas with n(t) found explicitly (the
     test oracle: slow, for small inputs). Returns (advantages, returns, (carry_value, carry_adv))."""
     shape = rewards.shape
@@ -49,6 +60,7 @@ def gae_sequential(rewards, values, mask=None, *, gamma=1.0, lam=1.0, dones=None
         if isinstance(x, torch.Tensor):
             return x.detach().double().expand(shape).flatten().tolist()
         return [float(x)] * N
+
     g, lm = per_token(gamma), per_token(lam)
     n_rows = (cu_seqlens.numel() - 1) if cu_seqlens is not None else shape[0]
     row_len = shape[-1] if cu_seqlens is None else None
@@ -97,16 +109,26 @@ def gae_sequential(rewards, values, mask=None, *, gamma=1.0, lam=1.0, dones=None
     return A, ret, (torch.tensor(cv, dtype=torch.float64), torch.tensor(ca, dtype=torch.float64))
 
 
-def gae_eager(rewards, values, mask=None, gamma=1.0, lam=1.0, dones=None, init_value=None,
-              init_adv=None, cu_seqlens=None):
+def gae_eager(
+    rewards,
+    values,
+    mask=None,
+    gamma=1.0,
+    lam=1.0,
+    dones=None,
+    init_value=None,
+    init_adv=None,
+    cu_seqlens=None,
+):
     """The eager backend: verl's loop over time, vectorised over rows, extended with dones,
     per-token gamma/lam, the right-edge carry and packed rows (right-aligned into a padded batch).
     Float64 inputs compute in float64, everything else in float32 (in verl's operation order).
     Returns (advantages, returns, carry_value, carry_adv)."""
     acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     if cu_seqlens is not None:
-        return _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv,
-                             cu_seqlens, acc)
+        return _eager_packed(
+            rewards, values, mask, gamma, lam, dones, init_value, init_adv, cu_seqlens, acc
+        )
     B, T = rewards.shape
     r, v = rewards.to(acc), values.to(acc)
     nv = init_value.to(acc).clone() if init_value is not None else r.new_zeros(B)
@@ -141,7 +163,7 @@ def _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv
     # Right-align each row in an [n, L] batch: left padding is masked, never done (identity).
     col = torch.arange(L)
     pos = cu[:-1, None] + col[None, :] - (L - torch.tensor(lens, dtype=torch.long))[:, None]
-    valid = (col[None, :] >= (L - torch.tensor(lens, dtype=torch.long))[:, None])
+    valid = col[None, :] >= (L - torch.tensor(lens, dtype=torch.long))[:, None]
     idx = torch.where(valid, pos, torch.zeros_like(pos)).to(dev)
     valid = valid.to(dev)
 
@@ -149,17 +171,20 @@ def _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv
         if x is None:
             return None
         return torch.where(valid, x[idx], torch.full((), fill, dtype=x.dtype, device=dev))
+
     m = pad(mask if mask is not None else torch.ones_like(rewards, dtype=torch.bool), False)
     g = pad(gamma, 1.0) if isinstance(gamma, torch.Tensor) else gamma
     lm = pad(lam, 1.0) if isinstance(lam, torch.Tensor) else lam
-    adv, _, cv, ca = gae_eager(pad(rewards, 0.0), pad(values, 0.0), m, g, lm, pad(dones, False),
-                               init_value, init_adv)
+    adv, _, cv, ca = gae_eager(
+        pad(rewards, 0.0), pad(values, 0.0), m, g, lm, pad(dones, False), init_value, init_adv
+    )
     out = torch.empty(rewards.shape, dtype=acc, device=dev)
     out[idx[valid]] = adv[valid]
     return out, out + values.to(acc), cv, ca
 
 
 # ---- peers' loops (benchmark baselines and parity tests), written from their semantics ----
+
 
 def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam, bootstrap_value=None):
     """verl's compute_gae_advantage_return before its whitening: masked positions are skipped,

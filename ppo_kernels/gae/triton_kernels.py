@@ -8,6 +8,7 @@ row's carry (bootstrap value / carry), so a chunk may span several rows.
   otherwise: (1) each chunk's composed map, (2) one program scans the chunk maps right to left into
   the carry entering each chunk, (3) each chunk reruns from its carry and writes the outputs.
 No host synchronisation: packed rows find their row with a binary search in cu_seqlens."""
+
 from __future__ import annotations
 
 import math
@@ -34,11 +35,38 @@ def _lane(x, sel):
 
 
 @triton.jit
-def _chunk_kernel(R, V, M, D, G, L, IV, IA, CU, ADV, RET, CV, CA, MAPS, CARRY,
-                  N, CHUNK, row_len, n_rows, search_iters, gamma, lam,
-                  HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr, TOKEN_GL: tl.constexpr,
-                  HAS_IV: tl.constexpr, HAS_IA: tl.constexpr, PACKED: tl.constexpr,
-                  MODE: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_kernel(
+    R,
+    V,
+    M,
+    D,
+    G,
+    L,
+    IV,
+    IA,
+    CU,
+    ADV,
+    RET,
+    CV,
+    CA,
+    MAPS,
+    CARRY,
+    N,
+    CHUNK,
+    row_len,
+    n_rows,
+    search_iters,
+    gamma,
+    lam,
+    HAS_MASK: tl.constexpr,
+    HAS_DONES: tl.constexpr,
+    TOKEN_GL: tl.constexpr,
+    HAS_IV: tl.constexpr,
+    HAS_IA: tl.constexpr,
+    PACKED: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # MODE 0: aligned single pass; 1: the chunk's composed map only; 2: final pass from CARRY.
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * CHUNK
@@ -120,7 +148,9 @@ def _chunk_kernel(R, V, M, D, G, L, IV, IA, CU, ADV, RET, CV, CA, MAPS, CARRY,
             b_m = _lane(Mm, last)
             b_cv = _lane(CV_, last)
             b_ca = _lane(CA_, last)
-            t_p, t_q, t_m, t_cv, t_ca = _compose(t_p, t_q, t_m, t_cv, t_ca, b_p, b_q, b_m, b_cv, b_ca)
+            t_p, t_q, t_m, t_cv, t_ca = _compose(
+                t_p, t_q, t_m, t_cv, t_ca, b_p, b_q, b_m, b_cv, b_ca
+            )
         else:
             nv_j = P * s_nv + CV_
             a_j = Q * s_nv + Mm * s_a + CA_
@@ -181,8 +211,21 @@ def _programs_target(device):
     return 4 * _SMS[i]
 
 
-def gae(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv,
-        cu_seqlens, n_rows, row_len):
+def gae(
+    rewards,
+    values,
+    mask,
+    dones,
+    gamma_t,
+    lam_t,
+    gamma,
+    lam,
+    init_value,
+    init_adv,
+    cu_seqlens,
+    n_rows,
+    row_len,
+):
     """Flat inputs as for ppo_kernels_C::gae_fwd; returns (adv, returns, carry_value, carry_adv)."""
     dev = rewards.device
     N = rewards.numel()
@@ -221,14 +264,31 @@ def gae(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, in
     u8 = lambda t: None if t is None else (t.view(torch.uint8) if t.dtype == torch.bool else t)  # noqa: E731
     m8, d8 = u8(mask), u8(dones)
     search_iters = max(1, math.ceil(math.log2(max(n_rows, 1))) + 1) if packed else 0
-    args = (rewards, values, m8 if m8 is not None else dummy, d8 if d8 is not None else dummy,
-            gamma_t if gamma_t is not None else dummy, lam_t if lam_t is not None else dummy,
-            init_value if init_value is not None else dummy,
-            init_adv if init_adv is not None else dummy,
-            cu_seqlens if packed else dummy, adv, ret, cv, ca)
-    flags = dict(HAS_MASK=mask is not None, HAS_DONES=dones is not None,
-                 TOKEN_GL=gamma_t is not None, HAS_IV=init_value is not None,
-                 HAS_IA=init_adv is not None, PACKED=packed, BLOCK=block, num_warps=warps)
+    args = (
+        rewards,
+        values,
+        m8 if m8 is not None else dummy,
+        d8 if d8 is not None else dummy,
+        gamma_t if gamma_t is not None else dummy,
+        lam_t if lam_t is not None else dummy,
+        init_value if init_value is not None else dummy,
+        init_adv if init_adv is not None else dummy,
+        cu_seqlens if packed else dummy,
+        adv,
+        ret,
+        cv,
+        ca,
+    )
+    flags = dict(
+        HAS_MASK=mask is not None,
+        HAS_DONES=dones is not None,
+        TOKEN_GL=gamma_t is not None,
+        HAS_IV=init_value is not None,
+        HAS_IA=init_adv is not None,
+        PACKED=packed,
+        BLOCK=block,
+        num_warps=warps,
+    )
     scalars = (N, chunk, max(row_len, 1), n_rows, search_iters, float(gamma), float(lam))
     if aligned:
         _chunk_kernel[(nc,)](*args, dummy, dummy, *scalars, MODE=0, **flags)

@@ -19,6 +19,7 @@ Documented edge cases:
     torch.unique(..., return_inverse=True)[1]); the CPU raises IndexError otherwise, the GPU
     kernels give NaN for such rows (no host sync) and `strict_checks()` raises.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,13 +33,16 @@ def group_ids(B, group_index=None, group_size=None, device=None):
     return torch.arange(B, device=device) // group_size
 
 
-def group_advantages(scores, group_index=None, group_size=None, eps=1e-6, norm_by_std=True,
-                     mask=None, kind="grpo"):
+def group_advantages(
+    scores, group_index=None, group_size=None, eps=1e-6, norm_by_std=True, mask=None, kind="grpo"
+):
     """Advantages in float64 ([B], or [B, T] with a mask)."""
     x = scores.reshape(-1).to(torch.float64)
     B = x.numel()
     gid = group_ids(B, group_index, group_size, x.device)
-    cnt = torch.zeros(B, dtype=torch.float64, device=x.device).index_add_(0, gid, torch.ones_like(x))
+    cnt = torch.zeros(B, dtype=torch.float64, device=x.device).index_add_(
+        0, gid, torch.ones_like(x)
+    )
     mean = torch.zeros_like(cnt).index_add_(0, gid, x) / cnt.clamp_min(1.0)
     c = x - mean[gid]
     n = cnt[gid]
@@ -65,6 +69,7 @@ def eager_grpo_verl_style(scores, index, eps=1e-6, norm_by_std=True):
     torch.mean / torch.std and one tensor op per element), written from verl's documented
     semantics."""
     from collections import defaultdict
+
     scores = scores.clone()
     by_group = defaultdict(list)
     for i in range(scores.shape[0]):

@@ -4,6 +4,7 @@ count, sum and centred sum of squares in float64. With contiguous groups (group_
 rows of the block's own groups are visited (O(B * group_size) work); with an arbitrary group_index
 every row is (O(B^2): 67M compares for B = 8192, microseconds on a GPU) -- deterministic, no
 atomics, no host sync, no sort. The advantage is then broadcast over the mask's tokens."""
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,23 @@ def _gid(GI, jj, jin, group_size, BY_INDEX: tl.constexpr):
 
 
 @triton.jit
-def _group_adv_kernel(S, GI, M, OUT, B, T, group_size, eps, BY_INDEX: tl.constexpr,
-                      KIND: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr,
-                      BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
+def _group_adv_kernel(
+    S,
+    GI,
+    M,
+    OUT,
+    B,
+    T,
+    group_size,
+    eps,
+    BY_INDEX: tl.constexpr,
+    KIND: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BI: tl.constexpr,
+    BJ: tl.constexpr,
+    BT: tl.constexpr,
+):
     i0 = tl.program_id(0).to(tl.int64) * BI
     ii = i0 + tl.arange(0, BI)
     iin = ii < B
@@ -93,8 +108,21 @@ def group_advantages(scores, group_index, group_size, eps, norm_by_std, kind, ma
     BT = min(triton.next_power_of_2(max(T, 16)), 256)
     dummy = scores
     _group_adv_kernel[(triton.cdiv(B, BI),)](
-        scores, group_index if group_index is not None else dummy,
-        mask if mask is not None else dummy, out, B, T, max(int(group_size), 1), float(eps),
-        BY_INDEX=group_index is not None, KIND=int(kind), NORM=bool(norm_by_std),
-        HAS_MASK=mask is not None, BI=BI, BJ=64, BT=BT, num_warps=4)
+        scores,
+        group_index if group_index is not None else dummy,
+        mask if mask is not None else dummy,
+        out,
+        B,
+        T,
+        max(int(group_size), 1),
+        float(eps),
+        BY_INDEX=group_index is not None,
+        KIND=int(kind),
+        NORM=bool(norm_by_std),
+        HAS_MASK=mask is not None,
+        BI=BI,
+        BJ=64,
+        BT=BT,
+        num_warps=4,
+    )
     return out

@@ -21,6 +21,7 @@ strict=True raises `Unsupported` naming the argument when a call uses something 
 express; strict=False runs the peer's original for that call and counts it in `report`.
 dtype="peer" returns the dtype the peer's function returns; "float32" keeps our float32.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,10 +79,14 @@ def format_report(peer: str) -> str:
     r = report(peer)
     if not r["active"]:
         return f"{peer}: not patched"
-    lines = [f"{peer} {r['version']} patched by ppo_kernels (strict={r['strict']}, dtype={r['dtype']})"]
+    lines = [
+        f"{peer} {r['version']} patched by ppo_kernels (strict={r['strict']}, dtype={r['dtype']})"
+    ]
     for name, s in r["functions"].items():
-        lines.append(f"  {name}: {s['calls']} calls, {s['replaced']} replaced, {s['fallbacks']} "
-                     f"fallbacks; in {len(s['patched_in'])} places")
+        lines.append(
+            f"  {name}: {s['calls']} calls, {s['replaced']} replaced, {s['fallbacks']} "
+            f"fallbacks; in {len(s['patched_in'])} places"
+        )
         for why, n in s["fallback_reasons"].items():
             lines.append(f"      fallback x{n}: {why}")
     return "\n".join(lines)
@@ -90,7 +95,9 @@ def format_report(peer: str) -> str:
 def activate_from_env() -> list[str]:
     """Apply the peers named in $PPO_KERNELS_PATCH (comma-separated); strict only with
     PPO_KERNELS_PATCH_STRICT=1. A peer that cannot be patched here is a warning, not an error."""
-    names = [n.strip().lower() for n in os.environ.get("PPO_KERNELS_PATCH", "").split(",") if n.strip()]
+    names = [
+        n.strip().lower() for n in os.environ.get("PPO_KERNELS_PATCH", "").split(",") if n.strip()
+    ]
     strict = os.environ.get("PPO_KERNELS_PATCH_STRICT", "0") == "1"
     done = []
     for n in names:

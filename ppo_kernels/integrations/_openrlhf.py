@@ -1,5 +1,6 @@
 """OpenRLHF adapter: openrlhf.models.utils, openrlhf.models.loss (PolicyLoss / ValueLoss) and the
 experience maker's GAE / returns on ppo_kernels ops. Semantics read from OpenRLHF 0.11.2."""
+
 from __future__ import annotations
 
 import numbers
@@ -49,9 +50,13 @@ def compute_reward(a, orig, o):
     need(isinstance(m, torch.Tensor), "action_mask", "required")
     need(kl.dim() == 2, "kl", "expected [batch, response_length]")
     same_shape(kl, m, "action_mask")
-    need(is_binary_mask(m), "action_mask", "a fractional mask (OpenRLHF thresholds it with .long())")
+    need(
+        is_binary_mask(m), "action_mask", "a fractional mask (OpenRLHF thresholds it with .long())"
+    )
     r = a["r"]
-    need(isinstance(r, torch.Tensor) and r.shape == (kl.shape[0],), "r", "expected a [batch] tensor")
+    need(
+        isinstance(r, torch.Tensor) and r.shape == (kl.shape[0],), "r", "expected a [batch] tensor"
+    )
     coef = a["kl_coef"]
     need(isinstance(coef, numbers.Real), "kl_coef", "expected a number")
     coef = max(float(coef), 0.0)
@@ -89,16 +94,30 @@ def _agg(token_level, dp, n_tok, n_seq):
     """OpenRLHF's aggregate_loss: token-mean / seq-mean-token-mean; without the global total the
     local masked mean, where dp_size does not enter."""
     if token_level:
-        return {"agg": "token-mean", "global_num_tokens": n_tok, "dp_size": int(dp) if n_tok is not None else 1}
-    return {"agg": "seq-mean-token-mean", "global_batch_size": n_seq,
-            "dp_size": int(dp) if n_seq is not None else 1}
+        return {
+            "agg": "token-mean",
+            "global_num_tokens": n_tok,
+            "dp_size": int(dp) if n_tok is not None else 1,
+        }
+    return {
+        "agg": "seq-mean-token-mean",
+        "global_batch_size": n_seq,
+        "dp_size": int(dp) if n_seq is not None else 1,
+    }
 
 
 def policy_loss_forward(a, orig, o):
     self = a["self"]
-    need(self.policy_loss_type == "ppo", "policy_loss_type", f"{self.policy_loss_type!r} (only 'ppo')")
-    need(self.is_correction_level == "off", "is_correction_level",
-         f"{self.is_correction_level!r}: train/rollout importance correction is not supported")
+    need(
+        self.policy_loss_type == "ppo",
+        "policy_loss_type",
+        f"{self.policy_loss_type!r} (only 'ppo')",
+    )
+    need(
+        self.is_correction_level == "off",
+        "is_correction_level",
+        f"{self.is_correction_level!r}: train/rollout importance correction is not supported",
+    )
     lp = tensor(a["log_probs"], "log_probs")
     m = a["action_mask"]
     need(m is not None, "action_mask", "None")
@@ -107,12 +126,27 @@ def policy_loss_forward(a, orig, o):
     lo, hi = self.clip_eps_low, self.clip_eps_high
     need(0 <= float(lo) < 1, "clip_eps_low", "expected a number in [0, 1)")
     loss, st = pk.ppo_policy_loss(
-        lp, a["old_log_probs"], a["advantages"], m, clip_low=float(lo), clip_high=float(hi),
-        dual_clip=self.dual_clip, log_ratio_clamp=20.0, approx_kl="raw", empty="nan",
-        empty_stats="nan", **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"],
-                                  a["global_batch_size"]))
+        lp,
+        a["old_log_probs"],
+        a["advantages"],
+        m,
+        clip_low=float(lo),
+        clip_high=float(hi),
+        dual_clip=self.dual_clip,
+        log_ratio_clamp=20.0,
+        approx_kl="raw",
+        empty="nan",
+        empty_stats="nan",
+        **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"], a["global_batch_size"]),
+    )
     dt = out_dtype(lp, a["advantages"])
-    return o.out(loss, dt), o.out(st["clip_frac"], torch.float32), o.out(st["approx_kl"], dt), None, None
+    return (
+        o.out(loss, dt),
+        o.out(st["clip_frac"], torch.float32),
+        o.out(st["approx_kl"], dt),
+        None,
+        None,
+    )
 
 
 def value_loss_forward(a, orig, o):
@@ -124,10 +158,15 @@ def value_loss_forward(a, orig, o):
         same_shape(v, tensor(a[n], n), n)
     c = self.clip_eps
     need(c is None or float(c) > 0, "clip_eps", "expected None or a positive number")
-    loss, _ = pk.ppo_value_loss(v, a["old_values"], a["returns"], m,
-                                clip=None if c is None else float(c), empty="nan",
-                                **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"],
-                                       a["global_batch_size"]))
+    loss, _ = pk.ppo_value_loss(
+        v,
+        a["old_values"],
+        a["returns"],
+        m,
+        clip=None if c is None else float(c),
+        empty="nan",
+        **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"], a["global_batch_size"]),
+    )
     return o.out(loss, out_dtype(v, a["returns"]))
 
 
@@ -163,14 +202,19 @@ def get_cumulative_returns(a, orig, o):
     return o.out(ret, a["rewards"].dtype)
 
 
-PEER = Peer("openrlhf", "openrlhf", ("0.11.",), [
-    Target(UTILS, "compute_approx_kl", compute_approx_kl),
-    Target(UTILS, "compute_reward", compute_reward),
-    Target(UTILS, "log_probs_from_logits", log_probs_from_logits),
-    Target(UTILS, "compute_entropy", compute_entropy),
-    Target(UTILS, "masked_mean", masked_mean),
-    Target(LOSS, "PolicyLoss.forward", policy_loss_forward),
-    Target(LOSS, "ValueLoss.forward", value_loss_forward),
-    Target(EXP, "RemoteExperienceMaker.get_advantages_and_returns", get_advantages_and_returns),
-    Target(EXP, "RemoteExperienceMaker.get_cumulative_returns", get_cumulative_returns),
-])
+PEER = Peer(
+    "openrlhf",
+    "openrlhf",
+    ("0.11.",),
+    [
+        Target(UTILS, "compute_approx_kl", compute_approx_kl),
+        Target(UTILS, "compute_reward", compute_reward),
+        Target(UTILS, "log_probs_from_logits", log_probs_from_logits),
+        Target(UTILS, "compute_entropy", compute_entropy),
+        Target(UTILS, "masked_mean", masked_mean),
+        Target(LOSS, "PolicyLoss.forward", policy_loss_forward),
+        Target(LOSS, "ValueLoss.forward", value_loss_forward),
+        Target(EXP, "RemoteExperienceMaker.get_advantages_and_returns", get_advantages_and_returns),
+        Target(EXP, "RemoteExperienceMaker.get_cumulative_returns", get_cumulative_returns),
+    ],
+)

@@ -6,6 +6,7 @@ A target's replacement receives the call's arguments bound by name to the origin
 call uses something our ops cannot express; under strict=True that becomes `Unsupported` naming
 the argument, under strict=False the original runs for that call and the reason is counted.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,8 +29,10 @@ class Unsupported(ValueError):
     """A peer call uses an argument value the ppo_kernels op cannot express (strict=True)."""
 
     def __init__(self, where: str, argument: str, reason: str):
-        super().__init__(f"{where}: argument {argument!r}: {reason} (ppo_kernels cannot express "
-                         "this; apply(..., strict=False) runs the peer's own code for such calls)")
+        super().__init__(
+            f"{where}: argument {argument!r}: {reason} (ppo_kernels cannot express "
+            "this; apply(..., strict=False) runs the peer's own code for such calls)"
+        )
         self.argument = argument
         self.reason = reason
 
@@ -61,6 +64,7 @@ class Target:
     """`module.attr` (attr may be "Class.method") replaced by `make(original, options)`, a
     function `(bound: dict, original, options) -> result`. `registries`: names of dicts in
     `module` whose values may hold the original (verl's ADV_ESTIMATOR_REGISTRY, ...)."""
+
     module: str
     attr: str
     impl: Callable[..., Any]
@@ -94,13 +98,19 @@ class Peer:
     def check_version(self, strict: bool):
         v = self.version()
         if v is None:
-            raise UnsupportedVersion(f"{self.name}: the {self.dist!r} distribution is not installed")
+            raise UnsupportedVersion(
+                f"{self.name}: the {self.dist!r} distribution is not installed"
+            )
         if not any(v == p or v.startswith(p) for p in self.versions):
-            msg = (f"{self.name} {v} is not a supported version (supported: "
-                   f"{', '.join(p + 'x' if p.endswith('.') else p for p in self.versions)}); its "
-                   "functions may have changed semantics")
+            msg = (
+                f"{self.name} {v} is not a supported version (supported: "
+                f"{', '.join(p + 'x' if p.endswith('.') else p for p in self.versions)}); its "
+                "functions may have changed semantics"
+            )
             if strict:
-                raise UnsupportedVersion(msg + "; apply(..., strict=False) patches it anyway, with a warning")
+                raise UnsupportedVersion(
+                    msg + "; apply(..., strict=False) patches it anyway, with a warning"
+                )
             warnings.warn(msg + "; patching anyway (strict=False)", stacklevel=3)
         return v
 
@@ -133,9 +143,15 @@ class Peer:
             # apply binds the arguments of F.forward (without ctx)
             params = list(inspect.signature(original.forward).parameters.values())[1:]
             apply_fn = _make_wrapper(self, t, original.apply, stats, inspect.Signature(params))
-            wrapper = type(original.__name__, (), {"apply": staticmethod(apply_fn),
-                                                   "__doc__": original.__doc__,
-                                                   "__ppo_kernels_original__": original})
+            wrapper = type(
+                original.__name__,
+                (),
+                {
+                    "apply": staticmethod(apply_fn),
+                    "__doc__": original.__doc__,
+                    "__ppo_kernels_original__": original,
+                },
+            )
         else:
             wrapper = _make_wrapper(self, t, func, stats)
         if isinstance(original, staticmethod):
@@ -159,13 +175,17 @@ class Peer:
                     if v is original:
                         reg[k] = wrapper
                         places.append((reg, k, original, "item"))
-        stats.places = [f"{getattr(h, '__name__', t.module + ' registry')}.{k}" if kind == "attr"
-                        else f"{t.module}.{_registry_name(mod, h)}[{k!r}]" for h, k, _, kind in places]
+        stats.places = [
+            f"{getattr(h, '__name__', t.module + ' registry')}.{k}"
+            if kind == "attr"
+            else f"{t.module}.{_registry_name(mod, h)}[{k!r}]"
+            for h, k, _, kind in places
+        ]
         self.active[t.attr] = (stats, places, wrapper)
 
     def revert(self):
         active, self.active, self.options = self.active, None, None
-        for stats, places, wrapper in (active or {}).values():
+        for _stats, places, wrapper in (active or {}).values():
             for holder, key, original, kind in places:
                 if kind == "item":
                     if holder.get(key) is wrapper:
@@ -186,14 +206,22 @@ class Peer:
         if not self.active:
             return {"peer": self.name, "active": False, "functions": {}}
         return {
-            "peer": self.name, "active": True, "version": self.version(),
-            "strict": self.options.strict, "dtype": self.options.dtype,
+            "peer": self.name,
+            "active": True,
+            "version": self.version(),
+            "strict": self.options.strict,
+            "dtype": self.options.dtype,
             "functions": {
                 f"{t.module}.{t.attr}": {
-                    "calls": s.calls, "replaced": s.replaced,
+                    "calls": s.calls,
+                    "replaced": s.replaced,
                     "fallbacks": sum(s.fallbacks.values()),
-                    "fallback_reasons": dict(s.fallbacks), "patched_in": list(s.places)}
-                for t in self.targets for s, _, _ in [self.active[t.attr]]},
+                    "fallback_reasons": dict(s.fallbacks),
+                    "patched_in": list(s.places),
+                }
+                for t in self.targets
+                for s, _, _ in [self.active[t.attr]]
+            },
         }
 
 
@@ -236,6 +264,7 @@ def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
 
 # ---------------------------------------------------------------------- helpers for adapters
 
+
 def need(cond: bool, argument: str, reason: str):
     """Fall back (or raise under strict) unless cond holds."""
     if not cond:
@@ -269,14 +298,21 @@ def out_dtype(*ts):
 
 
 def same_shape(x, m, name):
-    need(tuple(m.shape) == tuple(x.shape), name, f"shape {tuple(m.shape)} is not that of the values "
-         f"{tuple(x.shape)} (broadcasting masks are not supported)")
+    need(
+        tuple(m.shape) == tuple(x.shape),
+        name,
+        f"shape {tuple(m.shape)} is not that of the values "
+        f"{tuple(x.shape)} (broadcasting masks are not supported)",
+    )
 
 
 def logits_arg(a, name="logits"):
     x = tensor(a[name], name)
-    need(x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
-         name, f"dtype {x.dtype} / {x.dim()} dims")
+    need(
+        x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+        name,
+        f"dtype {x.dtype} / {x.dim()} dims",
+    )
     need(x.stride(-1) == 1 or x.shape[-1] == 1, name, "the vocabulary dimension is not contiguous")
     return x
 
@@ -285,8 +321,6 @@ def entropy(x):
     """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
     zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
     return pk.token_logprobs(x, zeros, ignore_index=NO_IGNORE, return_entropy=True)[1]
-
-
 
 
 def labels_arg(a, x, name="labels"):

@@ -1,6 +1,7 @@
 """TRL adapter: trl.trainer.utils' per-token log-prob / entropy functions and the fused LM head's
 `ChunkedLogProbFunction` (the path GRPOTrainer / RLOOTrainer take in TRL 1.16 with
 `model(..., fused_lm_head=True)`) on ppo_kernels ops. Semantics read from TRL 1.16.0."""
+
 from __future__ import annotations
 
 import numbers
@@ -18,9 +19,12 @@ CHUNKED = "trl.kernels.chunked_logprob"
 def _index(a, x):
     y = tensor(a["index"], "index")
     need(y.dtype in (torch.int64, torch.int32), "index", f"dtype {y.dtype}")
-    need(tuple(y.shape) == tuple(x.shape[:-1]), "index",
-         f"shape {tuple(y.shape)}: only one label per row (shape logits.shape[:-1]); top-K gathers "
-         "are not supported")
+    need(
+        tuple(y.shape) == tuple(x.shape[:-1]),
+        "index",
+        f"shape {tuple(y.shape)}: only one label per row (shape logits.shape[:-1]); top-K gathers "
+        "are not supported",
+    )
     rm = a["row_mask"]
     if rm is not None:  # TRL: rows with row_mask == 0 give 0 (and no gradient): our ignore label
         rm = tensor(rm, "row_mask")
@@ -50,8 +54,9 @@ def entropy_from_logits(a, orig, o):
 def selective_log_softmax_and_entropy(a, orig, o):
     x = logits_arg(a)
     y = _index(a, x)
-    lp, ent = pk.token_logprobs(x, y, temperature=_temperature(a), ignore_index=NO_IGNORE,
-                                return_entropy=True)
+    lp, ent = pk.token_logprobs(
+        x, y, temperature=_temperature(a), ignore_index=NO_IGNORE, return_entropy=True
+    )
     if not a["entropy_requires_grad"]:
         ent = ent.detach()
     return o.out(lp, x.dtype), o.out(ent, x.dtype)
@@ -67,33 +72,55 @@ def chunked_logprob_apply(a, orig, o):
     h, w = tensor(a["hidden"], "hidden"), tensor(a["weight"], "weight")
     y = tensor(a["targets"], "targets")
     cap = a["final_logit_softcapping"]
-    need(cap is None or (isinstance(cap, numbers.Real) and cap > 0), "final_logit_softcapping",
-         "expected None or a positive number")
+    need(
+        cap is None or (isinstance(cap, numbers.Real) and cap > 0),
+        "final_logit_softcapping",
+        "expected None or a positive number",
+    )
     outputs = tuple(a["outputs"] or ())
     extra = sorted(set(outputs) - set(_PROVIDED))
     need(not extra, "outputs", f"{extra} are not computed by linear_token_logprobs")
     scale = a["logit_scale"]
-    need(isinstance(scale, numbers.Real) and scale > 0 and (cap is None or scale == 1), "logit_scale",
-         "only a positive scale (folded into the temperature), and not with soft-capping (TRL "
-         "scales before the cap)")
-    need(not torch.is_autocast_enabled(h.device.type), "hidden",
-         "autocast is on (TRL computes the tiles in the autocast dtype)")
+    need(
+        isinstance(scale, numbers.Real) and scale > 0 and (cap is None or scale == 1),
+        "logit_scale",
+        "only a positive scale (folded into the temperature), and not with soft-capping (TRL "
+        "scales before the cap)",
+    )
+    need(
+        not torch.is_autocast_enabled(h.device.type),
+        "hidden",
+        "autocast is on (TRL computes the tiles in the autocast dtype)",
+    )
     need(h.dim() == 2 and w.dim() == 2 and y.dim() == 1, "hidden", "expected [N, H], [V, H], [N]")
     need(w.dtype == h.dtype, "weight", f"dtype {w.dtype} differs from the hidden states' {h.dtype}")
     t = _temperature(a) / float(scale)  # z = scale * logits / T
     # bf16 / fp16: TRL rounds each logits tile to the input dtype, as logits_dtype="input" does
     mode = "input" if h.dtype in (torch.bfloat16, torch.float16) else "float32"
     want_ent = "entropy" in outputs
-    res = pk.linear_token_logprobs(h, w, y, bias=a["bias"], temperature=t, ignore_index=NO_IGNORE,
-                                   return_entropy=want_ent, logits_dtype=mode,
-                                   softcap=None if cap is None else float(cap))
+    res = pk.linear_token_logprobs(
+        h,
+        w,
+        y,
+        bias=a["bias"],
+        temperature=t,
+        ignore_index=NO_IGNORE,
+        return_entropy=want_ent,
+        logits_dtype=mode,
+        softcap=None if cap is None else float(cap),
+    )
     lp, ent = res if want_ent else (res, None)
     return lp.float(), (ent.float() if ent is not None else None), None, None, None
 
 
-PEER = Peer("trl", "trl", ("1.16.",), [
-    Target(UTILS, "selective_log_softmax", selective_log_softmax),
-    Target(UTILS, "entropy_from_logits", entropy_from_logits),
-    Target(UTILS, "selective_log_softmax_and_entropy", selective_log_softmax_and_entropy),
-    Target(CHUNKED, "ChunkedLogProbFunction", chunked_logprob_apply),
-])
+PEER = Peer(
+    "trl",
+    "trl",
+    ("1.16.",),
+    [
+        Target(UTILS, "selective_log_softmax", selective_log_softmax),
+        Target(UTILS, "entropy_from_logits", entropy_from_logits),
+        Target(UTILS, "selective_log_softmax_and_entropy", selective_log_softmax_and_entropy),
+        Target(CHUNKED, "ChunkedLogProbFunction", chunked_logprob_apply),
+    ],
+)

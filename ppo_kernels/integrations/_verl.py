@@ -3,6 +3,7 @@
 Semantics read from verl 0.9.1's source; what differs is listed in the README ("Use with verl / TRL /
 OpenRLHF").
 """
+
 from __future__ import annotations
 
 import numbers
@@ -40,17 +41,25 @@ def _labels(index, device):
 
 # ------------------------------------------------------------------ advantage estimators
 
+
 def gae(a, orig, o):
     r = tensor(a["token_level_rewards"], "token_level_rewards")
     v = tensor(a["values"], "values")
     m = tensor(a["response_mask"], "response_mask")
     need(r.dim() == 2, "token_level_rewards", "expected [batch, response_length]")
     same_shape(r, m, "response_mask")
-    need(is_binary_mask(m), "response_mask", "a fractional mask: verl's recursion blends values by it")
+    need(
+        is_binary_mask(m),
+        "response_mask",
+        "a fractional mask: verl's recursion blends values by it",
+    )
     gamma, lam = a["gamma"], a["lam"]
     for name, x in (("gamma", gamma), ("lam", lam)):
-        need(isinstance(x, numbers.Real) or (isinstance(x, torch.Tensor) and x.numel() == 1),
-             name, "expected a number")
+        need(
+            isinstance(x, numbers.Real) or (isinstance(x, torch.Tensor) and x.numel() == 1),
+            name,
+            "expected a number",
+        )
     gamma = float(gamma) if isinstance(gamma, torch.Tensor) else gamma
     lam = float(lam) if isinstance(lam, torch.Tensor) else lam
     adv, ret = pk.gae(r, v, m, gamma=gamma, lam=lam)
@@ -70,8 +79,13 @@ def _outcome(a, kind, **kw):
     g = _labels(idx, r.device)
     scores = r.sum(dim=-1)
     if kind == "grpo":
-        adv = pk.grpo_advantages(scores, g, eps=float(a["epsilon"]),
-                                 norm_by_std=bool(a["norm_adv_by_std_in_grpo"]), mask=m)
+        adv = pk.grpo_advantages(
+            scores,
+            g,
+            eps=float(a["epsilon"]),
+            norm_by_std=bool(a["norm_adv_by_std_in_grpo"]),
+            mask=m,
+        )
     else:
         adv = pk.rloo_advantages(scores, g, mask=m, **kw)
     return adv, scores.dtype
@@ -103,8 +117,12 @@ _KL = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
 def kl_penalty(a, orig, o):
     est = a["kl_penalty"]
     need(isinstance(est, str), "kl_penalty", "expected an estimator name")
-    need(est != "full", "kl_penalty", "'full' needs the logits of both policies: use "
-         "ppo_kernels.full_kl where the logits are at hand")
+    need(
+        est != "full",
+        "kl_penalty",
+        "'full' needs the logits of both policies: use "
+        "ppo_kernels.full_kl where the logits are at hand",
+    )
     need(est.rstrip("+") in _KL and est.count("+") <= 1, "kl_penalty", f"unknown estimator {est!r}")
     lp, ref = tensor(a["logprob"], "logprob"), tensor(a["ref_logprob"], "ref_logprob")
     need(lp.shape == ref.shape, "ref_logprob", "shape differs from logprob")
@@ -113,14 +131,17 @@ def kl_penalty(a, orig, o):
 
 # ------------------------------------------------------------------ losses
 
+
 def _agg_kwargs(info):
     info = dict(info or {})
     unknown = set(info) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
     need(not unknown, "config.global_batch_info", f"unknown keys {sorted(unknown)}")
-    return {"dp_size": int(info.get("dp_size", 1) or 1),
-            "global_num_tokens": info.get("batch_num_tokens"),
-            "global_batch_size": info.get("global_batch_size"),
-            "loss_scale_factor": info.get("loss_scale_factor")}
+    return {
+        "dp_size": int(info.get("dp_size", 1) or 1),
+        "global_num_tokens": info.get("batch_num_tokens"),
+        "global_batch_size": info.get("global_batch_size"),
+        "loss_scale_factor": info.get("loss_scale_factor"),
+    }
 
 
 def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
@@ -133,9 +154,20 @@ def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
     need(lo is not None and 0 <= float(lo) < 1, "clip_ratio_low", "expected a number in [0, 1)")
     need(hi is not None and float(hi) >= 0, "clip_ratio_high", "expected a non-negative number")
     need(c is not None and float(c) > 1, "clip_ratio_c", "expected a number > 1")
-    loss, st = pk.ppo_policy_loss(lp, old, adv, mask, clip_low=float(lo), clip_high=float(hi),
-                                  dual_clip=float(c), agg=mode, log_ratio_clamp=20.0, empty="nan",
-                                  weights=weights, **agg_kw)
+    loss, st = pk.ppo_policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        clip_low=float(lo),
+        clip_high=float(hi),
+        dual_clip=float(c),
+        agg=mode,
+        log_ratio_clamp=20.0,
+        empty="nan",
+        weights=weights,
+        **agg_kw,
+    )
     return loss, st
 
 
@@ -150,9 +182,18 @@ def policy_loss_vanilla(a, orig, o):
     hi = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else clip
     c = cfg.get("clip_ratio_c", 3.0)
     lp = a["log_prob"]
-    loss, st = _policy(lp, a["old_log_prob"], a["advantages"], a["response_mask"],
-                       a["loss_agg_mode"], lo, hi, c,
-                       _agg_kwargs(getattr(cfg, "global_batch_info", None)), weights=w)
+    loss, st = _policy(
+        lp,
+        a["old_log_prob"],
+        a["advantages"],
+        a["response_mask"],
+        a["loss_agg_mode"],
+        lo,
+        hi,
+        c,
+        _agg_kwargs(getattr(cfg, "global_batch_info", None)),
+        weights=w,
+    )
     # verl returns Python floats: one host sync for the three of them
     cf, kl, cfl = torch.stack([st["clip_frac"], st["approx_kl"], st["clip_frac_lower"]]).tolist()
     metrics = {"actor/pg_clipfrac": cf, "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": cfl}
@@ -164,11 +205,24 @@ def policy_loss_legacy(a, orig, o):
     lo = a["cliprange_low"] if a["cliprange_low"] is not None else clip
     hi = a["cliprange_high"] if a["cliprange_high"] is not None else clip
     lp = a["log_prob"]
-    loss, st = _policy(lp, a["old_log_prob"], a["advantages"], a["response_mask"],
-                       a["loss_agg_mode"], lo, hi, a["clip_ratio_c"], {})
+    loss, st = _policy(
+        lp,
+        a["old_log_prob"],
+        a["advantages"],
+        a["response_mask"],
+        a["loss_agg_mode"],
+        lo,
+        hi,
+        a["clip_ratio_c"],
+        {},
+    )
     dt = lp.dtype
-    return (o.out(loss, dt), o.out(st["clip_frac"], dt), o.out(st["approx_kl"], dt),
-            o.out(st["clip_frac_lower"], dt))
+    return (
+        o.out(loss, dt),
+        o.out(st["clip_frac"], dt),
+        o.out(st["approx_kl"], dt),
+        o.out(st["clip_frac_lower"], dt),
+    )
 
 
 def value_loss(a, orig, o):
@@ -182,10 +236,19 @@ def value_loss(a, orig, o):
     need(isinstance(c, numbers.Real) and c > 0, "cliprange_value", "expected a positive number")
     mode = a["loss_agg_mode"]
     need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
-    loss, st = pk.ppo_value_loss(vp, old, ret, m, clip=float(c), agg=mode, dp_size=a["dp_size"],
-                                 global_num_tokens=a["batch_num_tokens"],
-                                 global_batch_size=a["global_batch_size"],
-                                 loss_scale_factor=a["loss_scale_factor"], empty="nan")
+    loss, st = pk.ppo_value_loss(
+        vp,
+        old,
+        ret,
+        m,
+        clip=float(c),
+        agg=mode,
+        dp_size=a["dp_size"],
+        global_num_tokens=a["batch_num_tokens"],
+        global_batch_size=a["global_batch_size"],
+        loss_scale_factor=a["loss_scale_factor"],
+        empty="nan",
+    )
     return o.out(loss, vp.dtype), o.out(st["clip_frac"], vp.dtype)
 
 
@@ -196,14 +259,21 @@ def agg_loss(a, orig, o):
     mode = a["loss_agg_mode"]
     need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(x.dim() >= 1 and x.is_floating_point(), "loss_mat", "expected a float tensor")
-    loss = pk.masked_aggregate(x, m, mode, dp_size=a["dp_size"],
-                               global_num_tokens=a["batch_num_tokens"],
-                               global_batch_size=a["global_batch_size"],
-                               loss_scale_factor=a["loss_scale_factor"], empty="nan")
+    loss = pk.masked_aggregate(
+        x,
+        m,
+        mode,
+        dp_size=a["dp_size"],
+        global_num_tokens=a["batch_num_tokens"],
+        global_batch_size=a["global_batch_size"],
+        loss_scale_factor=a["loss_scale_factor"],
+        empty="nan",
+    )
     return o.out(loss, x.dtype)
 
 
 # ------------------------------------------------------------------ per-token log-probs
+
 
 def logprobs_from_logits(a, orig, o):
     x = logits_arg(a)
@@ -241,18 +311,26 @@ def masked_whiten(a, orig, o):
 
 
 def _targets():
-    core = [("compute_gae_advantage_return", gae), ("compute_grpo_outcome_advantage", grpo),
-            ("compute_grpo_vectorized_outcome_advantage", grpo),
-            ("compute_rloo_outcome_advantage", rloo),
-            ("compute_rloo_vectorized_outcome_advantage", rloo_vectorized),
-            ("kl_penalty", kl_penalty), ("compute_policy_loss_vanilla", policy_loss_vanilla),
-            ("compute_policy_loss", policy_loss_legacy), ("compute_value_loss", value_loss),
-            ("agg_loss", agg_loss)]
-    tf = [("logprobs_from_logits", logprobs_from_logits),
-          ("entropy_from_logits", entropy_from_logits),
-          ("entropy_from_logits_with_chunking", entropy_from_logits_chunked),
-          ("masked_mean", masked_mean), ("masked_whiten", masked_whiten)]
-    return ([Target(CORE, n, f, REGISTRIES) for n, f in core] + [Target(TF, n, f) for n, f in tf])
+    core = [
+        ("compute_gae_advantage_return", gae),
+        ("compute_grpo_outcome_advantage", grpo),
+        ("compute_grpo_vectorized_outcome_advantage", grpo),
+        ("compute_rloo_outcome_advantage", rloo),
+        ("compute_rloo_vectorized_outcome_advantage", rloo_vectorized),
+        ("kl_penalty", kl_penalty),
+        ("compute_policy_loss_vanilla", policy_loss_vanilla),
+        ("compute_policy_loss", policy_loss_legacy),
+        ("compute_value_loss", value_loss),
+        ("agg_loss", agg_loss),
+    ]
+    tf = [
+        ("logprobs_from_logits", logprobs_from_logits),
+        ("entropy_from_logits", entropy_from_logits),
+        ("entropy_from_logits_with_chunking", entropy_from_logits_chunked),
+        ("masked_mean", masked_mean),
+        ("masked_whiten", masked_whiten),
+    ]
+    return [Target(CORE, n, f, REGISTRIES) for n, f in core] + [Target(TF, n, f) for n, f in tf]
 
 
 PEER = Peer("verl", "verl", ("0.9.",), _targets())

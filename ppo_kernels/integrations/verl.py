@@ -2,6 +2,7 @@
 import (in the driver and in every Ray worker it starts), which patches verl's per-token math with
 ppo_kernels ops. strict=False (an unsupported call runs verl's own code, counted in
 `ppo_kernels.integrations.report("verl")`) unless PPO_KERNELS_PATCH_STRICT=1."""
+
 import os
 
 from . import apply

@@ -33,6 +33,7 @@ kl_penalized_rewards (RLHF-PPO rewards), for each row b with action mask m:
   beta is a float, a 0-dim tensor or a [B] tensor (read on the device: no sync, no recompile).
   No gradient flows (rewards are constants to PPO); use kl_penalty for a differentiable KL loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,11 +50,13 @@ ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accept
 class KLClamp:
     """Clamps of a KL estimator: `log_ratio` bounds d = logprob - ref_logprob before the estimator,
     `value` bounds its output; each a (lo, hi) pair whose sides may be None (unbounded)."""
+
     log_ratio: tuple[float | None, float | None] | None = None
     value: tuple[float | None, float | None] | None = None
 
     def bounds(self) -> tuple[float, float, float, float]:
         """(in_lo, in_hi, out_lo, out_hi) with +-inf for a missing bound."""
+
         def pair(p, what):
             if p is None:
                 return -math.inf, math.inf
@@ -65,11 +68,13 @@ class KLClamp:
             if not (lo <= hi):  # NaN fails too (comparisons only: traceable by torch.compile)
                 raise ValueError(f"clamp: {what} bounds must satisfy lo <= hi, got {p}")
             return lo, hi
+
         return pair(self.log_ratio, "log_ratio") + pair(self.value, "value")
 
 
 def _bound(x, what):
     from .._checks import check_float
+
     return check_float(f"clamp: {what} bound", x, finite=False)
 
 
@@ -78,9 +83,12 @@ PRESETS = {
     "none": {},
     "trl": {},
     "verl": {"k3": KLClamp(log_ratio=(-20.0, 20.0), value=(-10.0, 10.0))},
-    "openrlhf": {"k1": KLClamp(value=(-10.0, 10.0)), "abs": KLClamp(value=(-10.0, 10.0)),
-                 "k2": KLClamp(value=(-10.0, 10.0)),
-                 "k3": KLClamp(log_ratio=(-10.0, None), value=(-10.0, 10.0))},
+    "openrlhf": {
+        "k1": KLClamp(value=(-10.0, 10.0)),
+        "abs": KLClamp(value=(-10.0, 10.0)),
+        "k2": KLClamp(value=(-10.0, 10.0)),
+        "k3": KLClamp(log_ratio=(-10.0, None), value=(-10.0, 10.0)),
+    },
 }
 
 
@@ -93,8 +101,10 @@ def parse_estimator(estimator: str) -> tuple[str, bool]:
     st = name.endswith("+")
     code = ESTIMATORS.get(name[:-1] if st else name)
     if code is None:
-        raise ValueError(f"estimator: unknown KL estimator {estimator!r}; expected one of "
-                         f"{sorted(ESTIMATORS)} optionally followed by '+' (straight-through)")
+        raise ValueError(
+            f"estimator: unknown KL estimator {estimator!r}; expected one of "
+            f"{sorted(ESTIMATORS)} optionally followed by '+' (straight-through)"
+        )
     return code, st
 
 
@@ -106,8 +116,10 @@ def resolve_clamp(clamp, estimator: str) -> tuple[float, float, float, float]:
     if isinstance(clamp, str):
         table = PRESETS.get(clamp.strip().lower())
         if table is None:
-            raise ValueError(f"clamp: unknown preset {clamp!r}; expected one of {sorted(PRESETS)}, "
-                             "None, or a KLClamp")
+            raise ValueError(
+                f"clamp: unknown preset {clamp!r}; expected one of {sorted(PRESETS)}, "
+                "None, or a KLClamp"
+            )
         return table.get(estimator, NO_CLAMP).bounds()
     raise TypeError(f"clamp: expected a preset name, None or a KLClamp, got {type(clamp).__name__}")
 
@@ -134,8 +146,9 @@ def _k3(x):
     return torch.where(x.abs() < 0.25, x * x * t, v)
 
 
-def kl_penalty(logprobs, ref_logprobs, estimator="k1", straight_through=False,
-               bounds=NO_CLAMP.bounds()):
+def kl_penalty(
+    logprobs, ref_logprobs, estimator="k1", straight_through=False, bounds=NO_CLAMP.bounds()
+):
     """The estimator as a differentiable torch composition (its autograd is the reference
     gradient)."""
     in_lo, in_hi, out_lo, out_hi = bounds
@@ -166,8 +179,9 @@ def _passes(v, lo, hi):
     return ok
 
 
-def kl_penalty_grad(logprobs, ref_logprobs, estimator="k1", straight_through=False,
-                    bounds=NO_CLAMP.bounds()):
+def kl_penalty_grad(
+    logprobs, ref_logprobs, estimator="k1", straight_through=False, bounds=NO_CLAMP.bounds()
+):
     """d value / d logprobs (= -d value / d ref_logprobs) in closed form: the eager backward. The
     tests check it, and the kernels, against autograd through `kl_penalty`."""
     in_lo, in_hi, out_lo, out_hi = bounds
@@ -190,8 +204,9 @@ def kl_penalty_grad(logprobs, ref_logprobs, estimator="k1", straight_through=Fal
     return torch.where(_passes(v, out_lo, out_hi), g, zero)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta, estimator="k1",
-                         bounds=NO_CLAMP.bounds()):
+def kl_penalized_rewards(
+    scores, logprobs, ref_logprobs, mask, beta, estimator="k1", bounds=NO_CLAMP.bounds()
+):
     """(rewards, kl, mean_kl) per the module docstring; beta: float or a 0-dim / [B] tensor."""
     acc = _acc(logprobs, ref_logprobs)
     with torch.no_grad():
@@ -201,22 +216,31 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta, estimator="
         kl = torch.where(active, kl, torch.zeros_like(kl))
         wkl = torch.where(active, kl * m, torch.zeros_like(kl))
         B, T = kl.shape
-        b = torch.as_tensor(beta, dtype=acc, device=kl.device).reshape(-1, 1) if isinstance(beta, torch.Tensor) \
+        b = (
+            torch.as_tensor(beta, dtype=acc, device=kl.device).reshape(-1, 1)
+            if isinstance(beta, torch.Tensor)
             else torch.full((1, 1), float(beta), dtype=acc, device=kl.device)
+        )
         rewards = torch.where(active, -b * wkl, torch.zeros_like(kl))
         pos = torch.arange(T, device=kl.device).expand(B, T)
-        last = torch.where(active, pos, torch.full_like(pos, -1)).amax(-1) if T > 0 \
+        last = (
+            torch.where(active, pos, torch.full_like(pos, -1)).amax(-1)
+            if T > 0
             else torch.full((B,), -1, device=kl.device)
+        )
         is_last = (pos == last.unsqueeze(-1)) & active
         rewards = rewards + torch.where(is_last, scores.to(acc).unsqueeze(-1), torch.zeros_like(kl))
         cnt = m.sum(-1)
-        mean = torch.where(active.any(-1) & (cnt != 0),
-                           wkl.sum(-1) / torch.where(cnt == 0, torch.ones_like(cnt), cnt),
-                           torch.zeros_like(cnt))
+        mean = torch.where(
+            active.any(-1) & (cnt != 0),
+            wkl.sum(-1) / torch.where(cnt == 0, torch.ones_like(cnt), cnt),
+            torch.zeros_like(cnt),
+        )
     return rewards, kl, mean
 
 
 # -- the peers' formulas, written from their documented semantics (benchmark baselines) --
+
 
 def eager_kl_penalty_verl(logprob, ref_logprob, estimator="k1"):
     """verl-style composition: the estimator in the input dtype with verl's k3 clamps."""

@@ -1,5 +1,6 @@
 """Triton kernels for kl_penalty (elementwise) and kl_penalized_rewards (one program per row).
 The estimator math mirrors csrc/common/kl_stats.h line for line."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,6 @@ from .._backend import new_output
 from .._triton_math import SERIES_BOUND, expm1_minus_x_series
 
 
-
 @triton.jit
 def _clamp_nan(v, lo, hi):
     return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
@@ -19,7 +19,6 @@ def _clamp_nan(v, lo, hi):
 @triton.jit
 def _passes(v, lo, hi):
     return ((lo == -float("inf")) | (v > lo)) & ((hi == float("inf")) | (v < hi))
-
 
 
 @triton.jit
@@ -36,7 +35,9 @@ def _estimate(d, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, ST: tl.constex
         v = 0.5 * dc * dc
         g = dc
     else:
-        v = tl.where(tl.abs(-dc) < SERIES_BOUND, expm1_minus_x_series(-dc), (tl.exp(-dc) - 1.0) + dc)
+        v = tl.where(
+            tl.abs(-dc) < SERIES_BOUND, expm1_minus_x_series(-dc), (tl.exp(-dc) - 1.0) + dc
+        )
         g = dc - v
     g = tl.where(_passes(d, in_lo, in_hi), g, 0.0)
     g = tl.where(_passes(v, out_lo, out_hi), g, 0.0)
@@ -47,20 +48,41 @@ def _estimate(d, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, ST: tl.constex
 
 
 @triton.jit
-def _fwd_kernel(LP, REF, OUT, n, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, BLOCK: tl.constexpr):
+def _fwd_kernel(
+    LP, REF, OUT, n, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     msk = offs < n
-    d = tl.load(LP + offs, mask=msk, other=0.0).to(tl.float32) - tl.load(REF + offs, mask=msk, other=0.0).to(tl.float32)
+    d = tl.load(LP + offs, mask=msk, other=0.0).to(tl.float32) - tl.load(
+        REF + offs, mask=msk, other=0.0
+    ).to(tl.float32)
     v, g = _estimate(d, in_lo, in_hi, out_lo, out_hi, EST, False)
     tl.store(OUT + offs, v, mask=msk)
 
 
 @triton.jit
-def _bwd_kernel(G, LP, REF, GLP, GREF, n, in_lo, in_hi, out_lo, out_hi, EST: tl.constexpr,
-                ST: tl.constexpr, NEED_LP: tl.constexpr, NEED_REF: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_kernel(
+    G,
+    LP,
+    REF,
+    GLP,
+    GREF,
+    n,
+    in_lo,
+    in_hi,
+    out_lo,
+    out_hi,
+    EST: tl.constexpr,
+    ST: tl.constexpr,
+    NEED_LP: tl.constexpr,
+    NEED_REF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     msk = offs < n
-    d = tl.load(LP + offs, mask=msk, other=0.0).to(tl.float32) - tl.load(REF + offs, mask=msk, other=0.0).to(tl.float32)
+    d = tl.load(LP + offs, mask=msk, other=0.0).to(tl.float32) - tl.load(
+        REF + offs, mask=msk, other=0.0
+    ).to(tl.float32)
     v, g = _estimate(d, in_lo, in_hi, out_lo, out_hi, EST, ST)
     g = g * tl.load(G + offs, mask=msk, other=0.0).to(tl.float32)
     if NEED_LP:
@@ -70,8 +92,26 @@ def _bwd_kernel(G, LP, REF, GLP, GREF, n, in_lo, in_hi, out_lo, out_hi, EST: tl.
 
 
 @triton.jit
-def _rewards_kernel(SC, LP, REF, M, BETA, R, K, MEAN, T, beta_f, beta_stride, in_lo, in_hi, out_lo,
-                    out_hi, EST: tl.constexpr, HAS_BETA_T: tl.constexpr, BLOCK: tl.constexpr):
+def _rewards_kernel(
+    SC,
+    LP,
+    REF,
+    M,
+    BETA,
+    R,
+    K,
+    MEAN,
+    T,
+    beta_f,
+    beta_stride,
+    in_lo,
+    in_hi,
+    out_lo,
+    out_hi,
+    EST: tl.constexpr,
+    HAS_BETA_T: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * T
     # pass 1 (mask only): the last action position, so pass 2 writes every reward exactly once
@@ -90,8 +130,9 @@ def _rewards_kernel(SC, LP, REF, M, BETA, R, K, MEAN, T, beta_f, beta_stride, in
     for start in range(0, T, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < T
-        d = tl.load(LP + base + offs, mask=msk, other=0.0).to(tl.float32) - \
-            tl.load(REF + base + offs, mask=msk, other=0.0).to(tl.float32)
+        d = tl.load(LP + base + offs, mask=msk, other=0.0).to(tl.float32) - tl.load(
+            REF + base + offs, mask=msk, other=0.0
+        ).to(tl.float32)
         w = tl.load(M + base + offs, mask=msk, other=0).to(tl.float32)
         act = w != 0.0
         v, g = _estimate(d, in_lo, in_hi, out_lo, out_hi, EST, False)
@@ -127,15 +168,31 @@ def backward(grad, lp, ref, est, st, bounds, need_lp, need_ref):
     gref = new_output(lp.shape, lp.dtype, lp.device) if need_ref else lp.new_empty(0)
     n = lp.numel()
     if n and (need_lp or need_ref):
-        _bwd_kernel[(triton.cdiv(n, _BLOCK),)](grad, lp, ref, glp if need_lp else lp, gref if need_ref else lp,
-                                              n, *bounds, EST=est, ST=st, NEED_LP=need_lp,
-                                              NEED_REF=need_ref, BLOCK=_BLOCK)
+        _bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+            grad,
+            lp,
+            ref,
+            glp if need_lp else lp,
+            gref if need_ref else lp,
+            n,
+            *bounds,
+            EST=est,
+            ST=st,
+            NEED_LP=need_lp,
+            NEED_REF=need_ref,
+            BLOCK=_BLOCK,
+        )
     return glp, gref
 
 
 def rewards(scores, lp, ref, mask, beta_t, beta, est, bounds):
     B, T = lp.shape
-    lp, ref, mask, scores = lp.contiguous(), ref.contiguous(), mask.contiguous(), scores.contiguous()
+    lp, ref, mask, scores = (
+        lp.contiguous(),
+        ref.contiguous(),
+        mask.contiguous(),
+        scores.contiguous(),
+    )
     f32 = dict(dtype=torch.float32, device=lp.device)
     r, k, mean = new_output((B, T), **f32), new_output((B, T), **f32), new_output((B,), **f32)
     if B:
@@ -143,6 +200,21 @@ def rewards(scores, lp, ref, mask, beta_t, beta, est, bounds):
         has_bt = beta_t is not None
         bt = beta_t.contiguous() if has_bt else scores
         stride = 1 if has_bt and beta_t.numel() == B and B > 1 else 0
-        _rewards_kernel[(B,)](scores, lp, ref, mask, bt, r, k, mean, T, float(beta), stride, *bounds,
-                              EST=est, HAS_BETA_T=has_bt, BLOCK=block)
+        _rewards_kernel[(B,)](
+            scores,
+            lp,
+            ref,
+            mask,
+            bt,
+            r,
+            k,
+            mean,
+            T,
+            float(beta),
+            stride,
+            *bounds,
+            EST=est,
+            HAS_BETA_T=has_bt,
+            BLOCK=block,
+        )
     return r, k, mean

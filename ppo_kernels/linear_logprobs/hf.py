@@ -3,6 +3,7 @@ through the LM head with linear_token_logprobs, so the [B, T, V] logits are neve
 
 The helpers that take a transformers model apart (`backbone`, `lm_head`, `logit_transform`) live
 here once; the trainer (ppo_kernels/trainer/models.py) uses them too."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -28,8 +29,10 @@ def backbone(model):
         prefix = getattr(model, "base_model_prefix", "")
         dec = getattr(model, prefix, None) if prefix else None
     if dec is None or dec is model:
-        raise ValueError(f"model: cannot find the backbone of {type(model).__name__} (tried "
-                         "get_decoder() and base_model_prefix); pass a transformers *ForCausalLM")
+        raise ValueError(
+            f"model: cannot find the backbone of {type(model).__name__} (tried "
+            "get_decoder() and base_model_prefix); pass a transformers *ForCausalLM"
+        )
     return dec
 
 
@@ -38,8 +41,10 @@ def lm_head(model):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(f"model: {type(model).__name__} has no accessible LM head "
-                         "(get_output_embeddings() returned no module with a [V, H] weight)")
+        raise ValueError(
+            f"model: {type(model).__name__} has no accessible LM head "
+            "(get_output_embeddings() returned no module with a [V, H] weight)"
+        )
     return weight, getattr(head, "bias", None)
 
 
@@ -76,14 +81,23 @@ def _check_logit_transforms(model):
         raise NotImplementedError(
             f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
             "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
-            "does not support; compute the logits with the model instead")
+            "does not support; compute the logits with the model instead"
+        )
 
 
-def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                       labels: Tensor | None = None, temperature: float = 1.0,
-                       return_entropy: bool = False, ignore_index: int = -100,
-                       max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
-                       **model_kwargs):
+def causal_lm_logprobs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    labels: Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    max_chunk_bytes: int | None = None,
+    logits_dtype: str = "float32",
+    **model_kwargs,
+):
     """Log-probs of each next token under a causal LM, without materialising the logits.
 
     Runs the model's backbone on `input_ids` [B, T], then `linear_token_logprobs` of the last
@@ -104,19 +118,24 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids: expected a [batch, seq] tensor of token ids")
     if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
-        raise ValueError(f"labels: expected shape {tuple(input_ids.shape)} (input_ids.shape), "
-                         f"got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels: expected shape {tuple(input_ids.shape)} (input_ids.shape), "
+            f"got {tuple(labels.shape)}"
+        )
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} "
-                         f"(input_ids.shape), got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected shape {tuple(input_ids.shape)} "
+            f"(input_ids.shape), got {tuple(attention_mask.shape)}"
+        )
     # the scalars before the (expensive) backbone runs; linear_token_logprobs checks the rest
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
     check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
     weight, bias = lm_head(model)
-    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   **model_kwargs)
+    out = backbone(model)(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
+    )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     hidden = hidden[:, :-1]
     if hidden.dtype != weight.dtype:  # e.g. autocast: run the head in the weight's dtype
@@ -124,7 +143,15 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
     target = (labels if labels is not None else input_ids)[:, 1:]
     if attention_mask is not None:
         target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
-    return linear_token_logprobs(hidden, weight, target, bias=bias, temperature=temperature,
-                                 ignore_index=ignore_index, return_entropy=return_entropy,
-                                 max_chunk_bytes=max_chunk_bytes, logits_dtype=logits_dtype,
-                                 softcap=_softcap(model))
+    return linear_token_logprobs(
+        hidden,
+        weight,
+        target,
+        bias=bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        max_chunk_bytes=max_chunk_bytes,
+        logits_dtype=logits_dtype,
+        softcap=_softcap(model),
+    )

@@ -34,17 +34,36 @@ accumulator once (beta = 1 GEMM): (N / rows) x V x H x 8 bytes. If the GPU check
 squarer tiles (rows ~ vocab chunk ~ sqrt(budget / 6)) or walk the vocabulary outermost (then the
 float32 accumulator is grad_hidden [N, H] instead of grad_weight [V, H]).
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_bool, check_float, check_int,
-                       check_labels_in_range, check_same_device, check_temperature, check_tensor)
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_arg,
+    check_bool,
+    check_float,
+    check_int,
+    check_labels_in_range,
+    check_same_device,
+    check_temperature,
+    check_tensor,
+)
 from . import reference
-from .planner import (DEFAULT_MAX_CHUNK_BYTES, LOGITS_DTYPES, Plan, _acc,  # noqa: F401
-                      _check_logits_dtype, _input_tiles, _resolve_budget, plan_chunks)
+from .planner import (  # noqa: F401
+    DEFAULT_MAX_CHUNK_BYTES,
+    LOGITS_DTYPES,
+    Plan,
+    _acc,
+    _check_logits_dtype,
+    _input_tiles,
+    _resolve_budget,
+    plan_chunks,
+)
 from .tiler import Tiler
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
@@ -52,16 +71,21 @@ from .tiler import Tiler
 # (there is no CUDA C++ version of those). Default on CUDA for now: no GPU measurement yet says
 # Triton or a fused tl.dot kernel would beat cuBLAS + the fused CUDA reduction.
 OP = _backend.register_op(
-    "linear_token_logprobs", kernel="token_logprobs_fwd", triton=True, cuda_default="cpp",
-    public=("linear_token_logprobs", "causal_lm_logprobs"), folder="linear_logprobs",
+    "linear_token_logprobs",
+    kernel="token_logprobs_fwd",
+    triton=True,
+    cuda_default="cpp",
+    public=("linear_token_logprobs", "causal_lm_logprobs"),
+    folder="linear_logprobs",
     delegates={
         ("cpp", "cpu"): "BLAS matmuls (torch.mm) + C++ tile kernels",
         ("cpp", "cuda"): "cuBLAS matmuls (torch.mm); whole-vocabulary tiles: token_logprobs CUDA "
-                         "kernels; vocabulary-chunk tiles: Triton (eager without triton)",
+        "kernels; vocabulary-chunk tiles: Triton (eager without triton)",
         ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + Triton tile kernels",
         ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
         ("eager", "cuda"): "cuBLAS matmuls (torch.mm) + eager tile math",
-    })
+    },
+)
 
 
 # Per-tile kernels of vocabulary-chunk tiles (contract: reference.tile_stats_ / tile_bwd_), one
@@ -77,8 +101,12 @@ def _tile_delegate(device_type):
     """The backend that runs vocabulary-chunk tiles when the cpp backend has no compiled tile
     kernel for this device."""
     to = "triton" if device_type == "cuda" and _backend.HAS_TRITON else "eager"
-    _backend.note_delegation("linear_token_logprobs", "cpp", device_type,
-                             f"vocabulary-chunk tiles run on the {to} tile kernels")
+    _backend.note_delegation(
+        "linear_token_logprobs",
+        "cpp",
+        device_type,
+        f"vocabulary-chunk tiles run on the {to} tile kernels",
+    )
     return to
 
 
@@ -86,14 +114,17 @@ def _tile_delegate(device_type):
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
     if not _backend.has_compiled_kernel(_TILE_KERNEL, tile.device.type):
         return tile_stats_.impls[_tile_delegate(tile.device.type)](
-            tile, labels, v_start, inv_t, ignore_index, state, zlabel)
-    _backend.cpp_ops().linear_logprobs_tile_stats_(tile, labels, v_start, inv_t, ignore_index,
-                                                   state, zlabel)
+            tile, labels, v_start, inv_t, ignore_index, state, zlabel
+        )
+    _backend.cpp_ops().linear_logprobs_tile_stats_(
+        tile, labels, v_start, inv_t, ignore_index, state, zlabel
+    )
 
 
 @tile_stats_.impl("triton")
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
     from . import triton_kernels
+
     triton_kernels.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
@@ -106,33 +137,41 @@ def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
     if not _backend.has_compiled_kernel(_TILE_KERNEL, tile.device.type):
         return tile_bwd_.impls[_tile_delegate(tile.device.type)](
-            tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
-            ignore_index, V)
-    _backend.cpp_ops().linear_logprobs_tile_bwd_(tile, labels, v_start, lse, entropy,
-                                                 grad_logprobs, grad_entropy, inv_t, ignore_index)
+            tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+        )
+    _backend.cpp_ops().linear_logprobs_tile_bwd_(
+        tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index
+    )
 
 
 @tile_bwd_.impl("triton")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
     from . import triton_kernels
-    triton_kernels.tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy,
-                             inv_t, ignore_index, V)
+
+    triton_kernels.tile_bwd_(
+        tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+    )
 
 
 @tile_bwd_.impl("eager")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
-    reference.tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
-                        ignore_index, V)
+    reference.tile_bwd_(
+        tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+    )
 
 
 def _fused(hidden) -> bool:
     """Whole-vocabulary tiles go through the compiled token_logprobs kernels (cpp backend)."""
-    return (hidden.dtype != torch.float64 and tile_stats_.backend(hidden) == "cpp"
-            and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type))
+    return (
+        hidden.dtype != torch.float64
+        and tile_stats_.backend(hidden) == "cpp"
+        and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type)
+    )
 
 
-def _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
-                        logits_dtype):
+def _check_forward_args(
+    hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+):
     """What the registered ops are given, whoever calls them (metadata only; label range on the
     CPU): hidden [N, H], weight [V, H], labels [N], bias [V] or None."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, dim=2)
@@ -140,12 +179,20 @@ def _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index,
     dev = hidden.device
     check_arg("weight", weight, dev, dtypes=(hidden.dtype,))
     if weight.dim() != 2 or weight.shape[1] != H:
-        raise ValueError(f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), got {tuple(weight.shape)}"
+        )
     V = weight.shape[0]
     check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=(N,), what="hidden.shape[:-1]")
-    check_arg("bias", bias, dev, dtypes=(hidden.dtype,), shape=(V,), what="weight.shape[0]",
-              allow_none=True)
+    check_arg(
+        "bias",
+        bias,
+        dev,
+        dtypes=(hidden.dtype,),
+        shape=(V,),
+        what="weight.shape[0]",
+        allow_none=True,
+    )
     if V == 0 and N > 0:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     check_temperature(temperature)
@@ -156,17 +203,42 @@ def _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index,
         check_labels_in_range(labels, V, ignore_index)
 
 
-def _check_backward_args(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
-                         temperature, ignore_index, max_chunk_bytes, logits_dtype):
-    _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
-                        logits_dtype)
+def _check_backward_args(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    max_chunk_bytes,
+    logits_dtype,
+):
+    _check_forward_args(
+        hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    )
     rows, dev, acc = labels.shape, hidden.device, (_acc(hidden.dtype),)
-    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows,
-              what="hidden.shape[:-1]")
+    check_arg(
+        "grad_logprobs",
+        grad_logprobs,
+        dev,
+        dtypes=FLOAT_DTYPES,
+        shape=rows,
+        what="hidden.shape[:-1]",
+    )
     check_arg("lse", lse, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
     if grad_entropy is not None and grad_entropy.numel() > 0:
-        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows,
-                  what="hidden.shape[:-1]")
+        check_arg(
+            "grad_entropy",
+            grad_entropy,
+            dev,
+            dtypes=FLOAT_DTYPES,
+            shape=rows,
+            what="hidden.shape[:-1]",
+        )
         check_arg("entropy", entropy, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
 
 
@@ -180,13 +252,29 @@ def chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0):
     zl = torch.full((hc.shape[0],), float("nan"), dtype=acc, device=dev)
     for v0 in range(0, V, plan.vocab):
         v1 = min(V, v0 + plan.vocab)
-        tile_stats_(tiler.logits_acc(hc, v0, v1), lc, v_offset + v0, inv_t, ignore_index, state,
-                    zl)
+        tile_stats_(tiler.logits_acc(hc, v0, v1), lc, v_offset + v0, inv_t, ignore_index, state, zl)
     return state, zl
 
 
-def chunk_backward(tiler, plan, fused, hc, lc, glp, gent, lse, entropy, inv_t, ignore_index, V,
-                   gh, gW, gb, v_offset=0, v_total=None):
+def chunk_backward(
+    tiler,
+    plan,
+    fused,
+    hc,
+    lc,
+    glp,
+    gent,
+    lse,
+    entropy,
+    inv_t,
+    ignore_index,
+    V,
+    gh,
+    gW,
+    gb,
+    v_offset=0,
+    v_total=None,
+):
     """Gradients of one row chunk: gh += dL/dh (float32), gW[0:V] += dL/dW, gb += dL/db, over
     the weight's V entries whose ids start at v_offset in a vocabulary of v_total (default V)."""
     v_total = V if v_total is None else v_total
@@ -195,29 +283,37 @@ def chunk_backward(tiler, plan, fused, hc, lc, glp, gent, lse, entropy, inv_t, i
         if plan.vocab == V and fused and v_total == V:  # in place, in the tile's dtype
             g = tiler.logits(hc, v0, v1)
             tiler.softcap_grad(g)
-            _backend.cpp_ops().token_logprobs_bwd(glp, gent, g, lc, lse,
-                                                  entropy if gent is not None else lse, inv_t,
-                                                  ignore_index, g)
+            _backend.cpp_ops().token_logprobs_bwd(
+                glp, gent, g, lc, lse, entropy if gent is not None else lse, inv_t, ignore_index, g
+            )
             tiler.apply_softcap_grad(g)
         else:
             g = tiler.logits_acc(hc, v0, v1)
             tiler.softcap_grad(g)
-            tile_bwd_(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index,
-                      v_total)
+            tile_bwd_(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index, v_total)
             g = tiler.to_input(tiler.apply_softcap_grad(g))
         tiler.grad_matmuls(g, hc, v0, v1, gh, gW, gb)
 
 
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs", mutates_args=())
-def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
-                             temperature: float, ignore_index: int, with_entropy: bool,
-                             max_chunk_bytes: int, logits_dtype: str = "float32",
-                             softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def linear_token_logprobs_op(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    max_chunk_bytes: int,
+    logits_dtype: str = "float32",
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], labels [N], bias [V] or None. Returns (logprobs, entropy or an
     empty tensor, lse), float32 (float64 for float64 input); lse is saved for backward.
     logits_dtype: "float32" or "input" (see linear_token_logprobs)."""
-    _check_forward_args(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
-                        logits_dtype)
+    _check_forward_args(
+        hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    )
     N, H = hidden.shape
     V = weight.shape[0]
     acc = _acc(hidden.dtype)
@@ -228,8 +324,16 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
     if N == 0:
         return lp, ent, lse
     fused = _fused(hidden)
-    plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
-                       logits_dtype=logits_dtype, fused=fused)
+    plan = plan_chunks(
+        N,
+        V,
+        H,
+        hidden.dtype,
+        dev.type,
+        _resolve_budget(max_chunk_bytes, dev),
+        logits_dtype=logits_dtype,
+        fused=fused,
+    )
     tiler = Tiler(hidden, weight, bias, plan, fused, softcap=softcap)
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
@@ -237,8 +341,9 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
         hc, lc = tiler.rows(r0, r1), labels[r0:r1]
         if plan.vocab == V and fused:
             tile = tiler.logits(hc, 0, V)
-            a, e, s = _backend.cpp_ops().token_logprobs_fwd(tile, lc, inv_t, ignore_index,
-                                                                with_entropy)
+            a, e, s = _backend.cpp_ops().token_logprobs_fwd(
+                tile, lc, inv_t, ignore_index, with_entropy
+            )
         else:
             state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
@@ -250,8 +355,18 @@ def linear_token_logprobs_op(hidden: Tensor, weight: Tensor, labels: Tensor, bia
 
 
 @linear_token_logprobs_op.register_fake
-def _(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max_chunk_bytes,
-      logits_dtype="float32", softcap=None):
+def _(
+    hidden,
+    weight,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    with_entropy,
+    max_chunk_bytes,
+    logits_dtype="float32",
+    softcap=None,
+):
     acc = _acc(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
@@ -261,16 +376,40 @@ def _(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max
 
 @torch.library.custom_op("ppo_kernels::linear_token_logprobs_backward", mutates_args=())
 def linear_token_logprobs_backward_op(
-        grad_logprobs: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor,
-        labels: Tensor, bias: Tensor | None, lse: Tensor, entropy: Tensor, temperature: float,
-        ignore_index: int, max_chunk_bytes: int, need_hidden: bool, need_weight: bool,
-        need_bias: bool, logits_dtype: str = "float32",
-        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    grad_logprobs: Tensor,
+    grad_entropy: Tensor | None,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    max_chunk_bytes: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    logits_dtype: str = "float32",
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32); a gradient that is
     not needed comes back as an empty tensor. The float32 weight gradient is what this op returns;
     autograd hands the weight its own dtype."""
-    _check_backward_args(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
-                         temperature, ignore_index, max_chunk_bytes, logits_dtype)
+    _check_backward_args(
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        lse,
+        entropy,
+        temperature,
+        ignore_index,
+        max_chunk_bytes,
+        logits_dtype,
+    )
     N, H = hidden.shape
     V = weight.shape[0]
     acc = _acc(hidden.dtype)
@@ -282,8 +421,16 @@ def linear_token_logprobs_backward_op(
     if N == 0:
         return gh_out.zero_(), gW, gb
     fused = _fused(hidden)
-    plan = plan_chunks(N, V, H, hidden.dtype, dev.type, _resolve_budget(max_chunk_bytes, dev),
-                       logits_dtype=logits_dtype, fused=fused)
+    plan = plan_chunks(
+        N,
+        V,
+        H,
+        hidden.dtype,
+        dev.type,
+        _resolve_budget(max_chunk_bytes, dev),
+        logits_dtype=logits_dtype,
+        fused=fused,
+    )
     tiler = Tiler(hidden, weight, bias, plan, fused, backward=True, softcap=softcap)
     inv_t = 1.0 / temperature
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
@@ -297,17 +444,33 @@ def linear_token_logprobs_backward_op(
         gent = gent_all[r0:r1] if with_ent else None
         en = entropy[r0:r1] if with_ent else None
         ghc = gh[: r1 - r0].zero_() if need_hidden else gh
-        chunk_backward(tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V,
-                       ghc, gW, gb)
+        chunk_backward(
+            tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V, ghc, gW, gb
+        )
         if need_hidden:
             gh_out[r0:r1] = ghc
     return gh_out, gW, gb
 
 
 @linear_token_logprobs_backward_op.register_fake
-def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
-      ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype="float32",
-      softcap=None):
+def _(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    max_chunk_bytes,
+    need_hidden,
+    need_weight,
+    need_bias,
+    logits_dtype="float32",
+    softcap=None,
+):
     acc = _acc(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
@@ -339,22 +502,51 @@ def _backward(ctx, grad_lp, grad_ent, grad_lse):
         grad_ent = None
     temperature, ignore_index, budget, logits_dtype, softcap = ctx.args
     gh, gW, gb = torch.ops.ppo_kernels.linear_token_logprobs_backward(
-        grad_lp, grad_ent, hidden, weight, labels, bias, lse, entropy, temperature, ignore_index,
-        budget, need_h, need_w, need_b and bias is not None, logits_dtype, softcap)
-    return (gh if need_h else None, gW.to(weight.dtype) if need_w else None, None,
-            gb.to(bias.dtype) if (need_b and bias is not None) else None,
-            *(None,) * (ctx.n_inputs - 4))
+        grad_lp,
+        grad_ent,
+        hidden,
+        weight,
+        labels,
+        bias,
+        lse,
+        entropy,
+        temperature,
+        ignore_index,
+        budget,
+        need_h,
+        need_w,
+        need_b and bias is not None,
+        logits_dtype,
+        softcap,
+    )
+    return (
+        gh if need_h else None,
+        gW.to(weight.dtype) if need_w else None,
+        None,
+        gb.to(bias.dtype) if (need_b and bias is not None) else None,
+        *(None,) * (ctx.n_inputs - 4),
+    )
 
 
 linear_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
-                          bias: Tensor | None = None, temperature: float = 1.0,
-                          ignore_index: int = -100, return_entropy: bool = False,
-                          max_chunk_bytes: int | None = None, logits_dtype: str = "float32",
-                          softcap: float | None = None, process_group=None,
-                          vocab_start: int | None = None, reduce_hidden_grad: bool = True):
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    max_chunk_bytes: int | None = None,
+    logits_dtype: str = "float32",
+    softcap: float | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
+    reduce_hidden_grad: bool = True,
+):
     """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
     equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
     [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
@@ -410,13 +602,16 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     if bias is not None and bias.dtype != hidden.dtype:
         raise TypeError(f"bias: dtype {bias.dtype} differs from hidden's {hidden.dtype}")
     if weight.shape[1] != H:
-        raise ValueError(f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), got {tuple(weight.shape)}"
+        )
     if bias is not None and bias.shape[0] != V:
         raise ValueError(f"bias: expected shape ({V},) (weight.shape[0]), got {tuple(bias.shape)}")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
-                         f"got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
+            f"got {tuple(labels.shape)}"
+        )
     if V == 0 and labels.numel() > 0 and process_group is None:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     temperature = check_temperature(temperature)
@@ -433,16 +628,33 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     h2 = hidden.reshape(labels.numel(), H)  # not (-1, H): H may be 0
     if process_group is not None:
         from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
+
         lp, ent = vocab_parallel_linear_token_logprobs(
-            h2, weight, labels.reshape(-1), bias, temperature, ignore_index, process_group,
-            vocab_start, max_chunk_bytes, "input" if _input_tiles(hidden.dtype, logits_dtype)
-            else "float32", reduce_hidden_grad)
+            h2,
+            weight,
+            labels.reshape(-1),
+            bias,
+            temperature,
+            ignore_index,
+            process_group,
+            vocab_start,
+            max_chunk_bytes,
+            "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32",
+            reduce_hidden_grad,
+        )
         lp = lp.view(labels.shape)
         return (lp, ent.view(labels.shape)) if return_entropy else lp
     lp, ent, _ = torch.ops.ppo_kernels.linear_token_logprobs(
-        h2, weight, labels.reshape(-1), bias, float(temperature), ignore_index,
-        return_entropy, int(max_chunk_bytes or 0),
+        h2,
+        weight,
+        labels.reshape(-1),
+        bias,
+        float(temperature),
+        ignore_index,
+        return_entropy,
+        int(max_chunk_bytes or 0),
         "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32",
-        None if softcap is None else float(softcap))
+        None if softcap is None else float(softcap),
+    )
     lp = lp.view(labels.shape)
     return (lp, ent.view(labels.shape)) if return_entropy else lp

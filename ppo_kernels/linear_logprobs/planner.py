@@ -1,6 +1,7 @@
 """How linear_token_logprobs walks the work: rows (tokens) in chunks and, when a chunk of rows
 times the whole vocabulary does not fit the memory budget, the vocabulary in chunks too. Pure
 arithmetic on sizes (no tensors): the op (op.py) and the tiler (tiler.py) follow the Plan."""
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,6 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
 LOGITS_DTYPES = ("float32", "input")
 
 
@@ -35,21 +35,28 @@ def _input_tiles(dtype: torch.dtype, logits_dtype: str) -> bool:
     return logits_dtype == "input" and dtype in (torch.bfloat16, torch.float16)
 
 
-
 @dataclass(frozen=True)
 class Plan:
-    rows: int      # rows per chunk
-    vocab: int     # vocabulary entries per tile (V: one tile covers the vocabulary)
-    sub: int       # vocabulary entries per upcast weight block (CPU bf16/fp16)
+    rows: int  # rows per chunk
+    vocab: int  # vocabulary entries per tile (V: one tile covers the vocabulary)
+    sub: int  # vocabulary entries per upcast weight block (CPU bf16/fp16)
     upcast: bool
     whole_weight: bool = False  # upcast the whole weight once (it fits in half the budget)
-    input_tiles: bool = False   # logits_dtype="input": tiles in the input dtype; `sub` then sizes
-                                # the input-dtype block of the grad_weight product instead
+    input_tiles: bool = False  # logits_dtype="input": tiles in the input dtype; `sub` then sizes
+    # the input-dtype block of the grad_weight product instead
 
 
-def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
-                max_chunk_bytes: int, tiles: str | None = None, logits_dtype: str = "float32",
-                fused: bool = True) -> Plan:
+def plan_chunks(
+    N: int,
+    V: int,
+    H: int,
+    dtype: torch.dtype,
+    device_type: str,
+    max_chunk_bytes: int,
+    tiles: str | None = None,
+    logits_dtype: str = "float32",
+    fused: bool = True,
+) -> Plan:
     """Chunk sizes whose buffers fit in max_chunk_bytes: the logits tile, the upcast copies of the
     hidden chunk and of a weight block, and the per-chunk float32 grad_hidden accumulator.
 
@@ -69,8 +76,8 @@ def plan_chunks(N: int, V: int, H: int, dtype: torch.dtype, device_type: str,
     acc = 8 if dtype == torch.float64 else 4
     lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     upcast = dtype not in (torch.float32, torch.float64) and not lowp
-    tile_elem = acc + (2 if lowp else 0)           # + the rounded gradient tile on the GPU
-    row_fixed = acc * H * (2 if upcast else 1)     # upcast hidden chunk + grad_hidden accumulator
+    tile_elem = acc + (2 if lowp else 0)  # + the rounded gradient tile on the GPU
+    row_fixed = acc * H * (2 if upcast else 1)  # upcast hidden chunk + grad_hidden accumulator
     B = max(int(max_chunk_bytes), 1)
     # Upcast weight blocks: the whole weight once when its copy takes at most half the budget
     # (then each row chunk reuses it), else blocks of a quarter of the budget per row chunk.
@@ -111,7 +118,6 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused) -> Plan:
     rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + chunked * min(V, 64))))
     vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
     return Plan(rows, vocab, min(sub, vocab), False, False, True)
-
 
 
 def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:

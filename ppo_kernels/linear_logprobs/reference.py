@@ -11,6 +11,7 @@ benchmark baseline, never the op. The op (op.py) walks [rows, vocab_chunk] tiles
 `tile_stats_` and `tile_bwd_` are the eager versions of the per-tile kernels (C++:
 csrc/cpu/linear_logprobs.cpp, Triton: triton_kernels.py) and define what they must compute.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,11 +26,13 @@ def logits(hidden, weight, bias=None, dtype=None):
     return z + bias.to(dtype) if bias is not None else z
 
 
-def forward(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100,
-            with_entropy=True):
+def forward(
+    hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100, with_entropy=True
+):
     """(logprobs, entropy, lse) in float64 from the materialised float64 logits."""
-    return tl_ref.forward(logits(hidden, weight, bias), labels, temperature, ignore_index,
-                          with_entropy)
+    return tl_ref.forward(
+        logits(hidden, weight, bias), labels, temperature, ignore_index, with_entropy
+    )
 
 
 def eager_logprobs(hidden, weight, labels, bias=None, temperature=1.0, return_entropy=False):
@@ -41,6 +44,7 @@ def eager_logprobs(hidden, weight, labels, bias=None, temperature=1.0, return_en
 
 
 # ---- eager tile kernels (the `eager` backend; also the spec of the C++ and Triton ones) ----
+
 
 def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
     """Merge the softmax stats of z = tile * inv_t (one vocabulary chunk starting at v_start) into
@@ -60,7 +64,9 @@ def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
     # rescale the old state to the new max (an empty old state, s == 0, contributes nothing)
     d_old = m_old - m_safe
     f = torch.where(s_old == 0, torch.zeros_like(d_old), d_old.exp())
-    u_resc = torch.where(s_old == 0, torch.zeros_like(u_old), f * (u_old + d_old.clamp_min(floor) * s_old))
+    u_resc = torch.where(
+        s_old == 0, torch.zeros_like(u_old), f * (u_old + d_old.clamp_min(floor) * s_old)
+    )
     s_new = f * s_old + s_t
     u_new = u_resc + u_t
     keep = labels == ignore_index
@@ -89,8 +95,9 @@ def finalize(state, zlabel, labels, V, ignore_index):
     return lp, ent, lse.masked_fill(ignored, 0.0)
 
 
-def tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
-              ignore_index, V):
+def tile_bwd_(
+    tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+):
     """Overwrite the tile with d/d(logits) of sum(g_lp * logprobs + g_ent * entropy) over this
     vocabulary chunk: inv_t * (g_lp * (onehot - p) - g_ent * p * (log p + H)). Rows with
     label == ignore_index get 0; rows with a label outside [0, V) get NaN."""

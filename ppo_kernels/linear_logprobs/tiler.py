@@ -1,24 +1,38 @@
 """The logits tiles of linear_token_logprobs: each [rows, vocab_chunk] tile of hidden @ W^T + b
 computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient matmuls of a tile
 (see the precision notes in op.py's docstring)."""
+
 from __future__ import annotations
 
 import torch
 
 from .planner import Plan, _acc
 
+
 class Tiler:
     """Computes logits tiles (and the two gradient matmuls of a tile) for one call."""
 
-    def __init__(self, hidden, weight, bias, plan: Plan, fused: bool, backward: bool = False,
-                 softcap: float | None = None):
+    def __init__(
+        self,
+        hidden,
+        weight,
+        bias,
+        plan: Plan,
+        fused: bool,
+        backward: bool = False,
+        softcap: float | None = None,
+    ):
         self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
         self.cap = softcap
         self.acc = _acc(hidden.dtype)
         self.input_tiles = plan.input_tiles
         # CUDA bf16/fp16 with float32 tiles: matmuls with float32 output (cuBLAS)
-        self.lowp = hidden.device.type == "cuda" and not plan.upcast and not plan.input_tiles \
+        self.lowp = (
+            hidden.device.type == "cuda"
+            and not plan.upcast
+            and not plan.input_tiles
             and hidden.dtype in (torch.bfloat16, torch.float16)
+        )
         dev, n = hidden.device, plan.rows * plan.vocab
         # input tiles: the float32 buffer only holds copies of vocabulary-chunk tiles
         need_acc = not self.input_tiles or not (fused and plan.vocab == weight.shape[0])
@@ -85,7 +99,7 @@ class Tiler:
         step = self.plan.sub if self.plan.upcast else v1 - v0
         for s0 in range(v0, v1, step):
             s1 = min(v1, s0 + step)
-            out = tile[:, s0 - v0:s1 - v0]
+            out = tile[:, s0 - v0 : s1 - v0]
             if self.b is not None:
                 torch.addmm(self.b[s0:s1].to(self.acc), hc, self._w(s0, s1).T, out=out)
             else:
@@ -118,7 +132,7 @@ class Tiler:
             if gW.numel():
                 for s0 in range(v0, v1, self.plan.sub):
                     s1 = min(v1, s0 + self.plan.sub)
-                    gW[s0:s1] += torch.mm(g[:, s0 - v0:s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
+                    gW[s0:s1] += torch.mm(g[:, s0 - v0 : s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
             return
         if self.lowp:
             gc = g.to(hc.dtype)
@@ -131,7 +145,7 @@ class Tiler:
         step = self.plan.sub if self.plan.upcast else v1 - v0
         for s0 in range(v0, v1, step):
             s1 = min(v1, s0 + step)
-            gs = g[:, s0 - v0:s1 - v0]
+            gs = g[:, s0 - v0 : s1 - v0]
             if gh.numel():
                 gh.addmm_(gs, self._w(s0, s1))
             if gW.numel():

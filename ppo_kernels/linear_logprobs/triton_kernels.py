@@ -7,6 +7,7 @@ extra float32 tile through HBM per chunk (about 2 x 4 bytes per logit, small nex
 2 x H flops per logit of the matmul at H >= 1024), and it is the one we can make correct and test
 here (the interpreter runs these kernels on the CPU). Revisit with bench/gpu_checks/linear_logprobs.py.
 """
+
 from __future__ import annotations
 
 import triton
@@ -16,8 +17,9 @@ from .._triton_math import softmax_grad, softmax_grad_coefs, softmax_stats_updat
 
 
 @triton.jit
-def _tile_stats_kernel(X, LAB, ST, ZL, R, Vt, ld, v_start, inv_t, ignore_index,
-                       BLOCK: tl.constexpr):
+def _tile_stats_kernel(
+    X, LAB, ST, ZL, R, Vt, ld, v_start, inv_t, ignore_index, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LAB + row).to(tl.int64)
     if label != ignore_index:
@@ -38,8 +40,22 @@ def _tile_stats_kernel(X, LAB, ST, ZL, R, Vt, ld, v_start, inv_t, ignore_index,
 
 
 @triton.jit
-def _tile_bwd_kernel(X, LAB, LSE, ENT, GLP, GENT, Vt, ld, v_start, V, inv_t, ignore_index,
-                     WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_bwd_kernel(
+    X,
+    LAB,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    Vt,
+    ld,
+    v_start,
+    V,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LAB + row).to(tl.int64)
     base = X + row * ld
@@ -72,13 +88,25 @@ def tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
         return
     assert tile.stride(1) == 1 and state.is_contiguous() and zlabel.is_contiguous()
     block = _block(Vt)
-    _tile_stats_kernel[(R,)](tile, labels.contiguous(), state, zlabel, R, Vt, tile.stride(0),
-                             int(v_start), float(inv_t), int(ignore_index), BLOCK=block,
-                             num_warps=_warps(block))
+    _tile_stats_kernel[(R,)](
+        tile,
+        labels.contiguous(),
+        state,
+        zlabel,
+        R,
+        Vt,
+        tile.stride(0),
+        int(v_start),
+        float(inv_t),
+        int(ignore_index),
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
 
 
-def tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t,
-              ignore_index, V):
+def tile_bwd_(
+    tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+):
     """Same contract as reference.tile_bwd_ (in place on a float32 tile)."""
     R, Vt = tile.shape
     if R == 0 or Vt == 0:
@@ -89,6 +117,20 @@ def tile_bwd_(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, 
     gent = grad_entropy.float().contiguous() if with_ent else glp
     ent = entropy.float().contiguous() if with_ent else lse
     block = _block(Vt)
-    _tile_bwd_kernel[(R,)](tile, labels.contiguous(), lse.float().contiguous(), ent, glp, gent, Vt,
-                           tile.stride(0), int(v_start), int(V), float(inv_t), int(ignore_index),
-                           WITH_ENT=with_ent, BLOCK=block, num_warps=_warps(block))
+    _tile_bwd_kernel[(R,)](
+        tile,
+        labels.contiguous(),
+        lse.float().contiguous(),
+        ent,
+        glp,
+        gent,
+        Vt,
+        tile.stride(0),
+        int(v_start),
+        int(V),
+        float(inv_t),
+        int(ignore_index),
+        WITH_ENT=with_ent,
+        BLOCK=block,
+        num_warps=_warps(block),
+    )

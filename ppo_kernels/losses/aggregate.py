@@ -6,6 +6,7 @@ for every other per-token term a trainer aggregates the same way (entropy bonus,
 custom policy loss). It is a reduction over memory that is already there, so it has one eager
 implementation (a few fused torch reductions) on every device; its backward is one multiply.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from .._checks import check_tensor
 from . import reference
 from .op import AGG_NAMES, MASK_DTYPES, VALUE_DTYPES, _aggregation, _empty_value, _rows
 
-_backend.register_op("masked_aggregate", kernel=None, triton=False, cuda_default="eager",
-                     folder="losses")
+_backend.register_op(
+    "masked_aggregate", kernel=None, triton=False, cuda_default="eager", folder="losses"
+)
 
 
 def _masked_weights(mask, dtype):
@@ -26,9 +28,14 @@ def _masked_weights(mask, dtype):
 
 
 @torch.library.custom_op("ppo_kernels::masked_aggregate", mutates_args=())
-def masked_aggregate_op(loss_mat: Tensor, mask: Tensor, agg: str, scale: float,
-                        global_denom: Tensor | None,
-                        global_denom_value: float | None) -> tuple[Tensor, Tensor]:
+def masked_aggregate_op(
+    loss_mat: Tensor,
+    mask: Tensor,
+    agg: str,
+    scale: float,
+    global_denom: Tensor | None,
+    global_denom_value: float | None,
+) -> tuple[Tensor, Tensor]:
     """[B, T] inputs; agg one of reference.AGG_MODES ("token-sum" arrives as token-mean over a
     denominator of 1). Returns (loss [], row_coef [B]); row_coef is d loss / d (mask * loss_mat)."""
     _backend.backend_for("masked_aggregate", loss_mat)  # eager; refuses another requested backend
@@ -66,10 +73,17 @@ def _backward(ctx, grad_loss, _grad_coef):
 masked_aggregate_op.register_autograd(_backward, setup_context=_setup)
 
 
-def masked_aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean", *, dp_size: int = 1,
-                     global_num_tokens: float | Tensor | None = None,
-                     global_batch_size: float | Tensor | None = None,
-                     loss_scale_factor: float | None = None, empty: str = "zero") -> Tensor:
+def masked_aggregate(
+    loss_mat: Tensor,
+    mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    dp_size: int = 1,
+    global_num_tokens: float | Tensor | None = None,
+    global_batch_size: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    empty: str = "zero",
+) -> Tensor:
     """Aggregate a per-token loss `[..., T]` over `mask` into a scalar, as verl's `agg_loss`:
 
       token-mean               sum(mask * l) / N * dp_size   (N = global_num_tokens or sum(mask))
@@ -88,14 +102,27 @@ def masked_aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean", *,
     check_tensor("loss_mat", loss_mat, dtypes=VALUE_DTYPES, min_dim=1)
     check_tensor("mask", mask, dtypes=MASK_DTYPES)
     if tuple(mask.shape) != tuple(loss_mat.shape):
-        raise ValueError(f"mask: expected shape {tuple(loss_mat.shape)} (like loss_mat), got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask: expected shape {tuple(loss_mat.shape)} (like loss_mat), got {tuple(mask.shape)}"
+        )
     if mask.device != loss_mat.device:
-        raise ValueError(f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}")
+        raise ValueError(
+            f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}"
+        )
     if agg not in AGG_NAMES:
         raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_NAMES}")
-    mode, scale, gd, gdv = _aggregation(agg, loss_mat.shape[-1], dp_size, global_num_tokens,
-                                        global_batch_size, loss_scale_factor, loss_mat.device)
+    mode, scale, gd, gdv = _aggregation(
+        agg,
+        loss_mat.shape[-1],
+        dp_size,
+        global_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+        loss_mat.device,
+    )
     if gd is not None:
         gd = gd.to(reference._acc(loss_mat.dtype))
-    loss, _ = torch.ops.ppo_kernels.masked_aggregate(_rows(loss_mat), _rows(mask), mode, scale, gd, gdv)
+    loss, _ = torch.ops.ppo_kernels.masked_aggregate(
+        _rows(loss_mat), _rows(mask), mode, scale, gd, gdv
+    )
     return _empty_value(loss, mode, mask, gd, gdv, empty)

@@ -7,28 +7,59 @@ d loss / d token-loss of each row, non-differentiable) is saved for the backward
 recomputes the per-token gradient from the inputs. Backends: "cpp" (C++ on the CPU), "triton" (the
 GPU default; CPU under TRITON_INTERPRET=1), "eager" (reference.py, and always for float64).
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from .. import _backend, _modes
-from .._checks import (check_arg, check_float, check_int, check_same_device, check_shape, check_str,
-                       check_tensor)
-from . import reference
+from .._checks import (
+    check_arg,
+    check_float,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_str,
+    check_tensor,
+)
 from .._modes import AGG_MODES
+from . import reference
 from .reference import STAT_NAMES_POLICY, STAT_NAMES_VALUE
 
-_backend.register_op("ppo_policy_loss", kernel="ppo_policy_loss_fwd", triton=True,
-                     cuda_default="triton", folder="losses")
-_backend.register_op("ppo_value_loss", kernel="ppo_value_loss_fwd", triton=True,
-                     cuda_default="triton", folder="losses")
+_backend.register_op(
+    "ppo_policy_loss",
+    kernel="ppo_policy_loss_fwd",
+    triton=True,
+    cuda_default="triton",
+    folder="losses",
+)
+_backend.register_op(
+    "ppo_value_loss",
+    kernel="ppo_value_loss_fwd",
+    triton=True,
+    cuda_default="triton",
+    folder="losses",
+)
 # Reward-model and DPO losses: B values, not B x T -- an eager composition is all they need.
-_backend.register_op("pairwise_logsigmoid_loss", kernel=None, triton=False, cuda_default="eager",
-                     public=("reward_model_loss", "dpo_loss"), folder="losses")
+_backend.register_op(
+    "pairwise_logsigmoid_loss",
+    kernel=None,
+    triton=False,
+    cuda_default="eager",
+    public=("reward_model_loss", "dpo_loss"),
+    folder="losses",
+)
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + VALUE_DTYPES
+MASK_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+) + VALUE_DTYPES
 
 
 def _gden(global_denom, global_denom_value, like):
@@ -41,8 +72,11 @@ def _gden(global_denom, global_denom_value, like):
 
 def _fake_outputs(x, n_stats):
     out = _backend.out_dtype(x)
-    return (x.new_empty((), dtype=out), x.new_empty((n_stats,), dtype=out),
-            x.new_empty((x.shape[0],), dtype=out))
+    return (
+        x.new_empty((), dtype=out),
+        x.new_empty((n_stats,), dtype=out),
+        x.new_empty((x.shape[0],), dtype=out),
+    )
 
 
 def _check_op_args(names, x, y, z, mask, agg=None, global_denom=None):
@@ -57,14 +91,22 @@ def _check_op_args(names, x, y, z, mask, agg=None, global_denom=None):
     if global_denom is not None:
         check_arg("global_denom", global_denom, x.device, dtypes=MASK_DTYPES)  # a count
         if global_denom.numel() != 1:
-            raise ValueError(f"global_denom: expected a single value, got shape {tuple(global_denom.shape)}")
+            raise ValueError(
+                f"global_denom: expected a single value, got shape {tuple(global_denom.shape)}"
+            )
 
 
 def _check_backward_args(names, grad_loss, x, y, z, mask, row_coef):
     _check_op_args(names, x, y, z, mask)
     check_arg("grad_loss", grad_loss, x.device, dtypes=VALUE_DTYPES, shape=(), what="the loss")
-    check_arg("row_coef", row_coef, x.device, dtypes=(_backend.out_dtype(x),), shape=x.shape[:1],
-              what="one per row")
+    check_arg(
+        "row_coef",
+        row_coef,
+        x.device,
+        dtypes=(_backend.out_dtype(x),),
+        shape=x.shape[:1],
+        what="one per row",
+    )
 
 
 _POLICY = ("logprobs", "old_logprobs", "advantages")
@@ -100,92 +142,232 @@ value_backward = _backend.Kernel("ppo_value_loss", "backward", eager_if_empty=Tr
 
 
 @policy_forward.impl("cpp")
-def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-      agg, scale, global_denom, global_denom_value):
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+    agg,
+    scale,
+    global_denom,
+    global_denom_value,
+):
     return _backend.cpp_ops().ppo_policy_loss_fwd(
-        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-        agg, scale, global_denom, global_denom_value)
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+        log_ratio_clamp,
+        agg,
+        scale,
+        global_denom,
+        global_denom_value,
+    )
 
 
 @policy_forward.impl("triton")
-def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-      agg, scale, global_denom, global_denom_value):
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+    agg,
+    scale,
+    global_denom,
+    global_denom_value,
+):
     from . import triton_kernels
+
     params = (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
     return triton_kernels.loss_forward(
-        0, logprobs, old_logprobs, advantages, mask, params, _triton_agg(agg), scale, global_denom,
-        _NO_DENOM if global_denom_value is None else global_denom_value, 4)
+        0,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        params,
+        _triton_agg(agg),
+        scale,
+        global_denom,
+        _NO_DENOM if global_denom_value is None else global_denom_value,
+        4,
+    )
 
 
 @policy_forward.impl("eager")
-def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-      agg, scale, global_denom, global_denom_value):
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+    agg,
+    scale,
+    global_denom,
+    global_denom_value,
+):
     loss, stats, coef = reference.policy_loss(
-        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, agg,
-        log_ratio_clamp, scale, _gden(global_denom, global_denom_value, logprobs))
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+        agg,
+        log_ratio_clamp,
+        scale,
+        _gden(global_denom, global_denom_value, logprobs),
+    )
     out = _backend.out_dtype(logprobs)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
 @policy_backward.impl("cpp")
-def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
-      dual_clip, log_ratio_clamp):
+def _(
+    logprobs,
+    grad_loss,
+    old_logprobs,
+    advantages,
+    mask,
+    row_coef,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+):
     return _backend.cpp_ops().ppo_policy_loss_bwd(
-        grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
-        dual_clip, log_ratio_clamp)
+        grad_loss,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        row_coef,
+        clip_low,
+        clip_high,
+        dual_clip,
+        log_ratio_clamp,
+    )
 
 
 @policy_backward.impl("triton")
-def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
-      dual_clip, log_ratio_clamp):
+def _(
+    logprobs,
+    grad_loss,
+    old_logprobs,
+    advantages,
+    mask,
+    row_coef,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+):
     from . import triton_kernels
+
     params = (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
-    return triton_kernels.loss_backward(0, grad_loss, logprobs, old_logprobs, advantages, mask,
-                                        row_coef, params)
+    return triton_kernels.loss_backward(
+        0, grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, params
+    )
 
 
 @policy_backward.impl("eager")
-def _(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low, clip_high,
-      dual_clip, log_ratio_clamp):
-    g = reference.policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high,
-                                    dual_clip, log_ratio_clamp)
+def _(
+    logprobs,
+    grad_loss,
+    old_logprobs,
+    advantages,
+    mask,
+    row_coef,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+):
+    g = reference.policy_token_grad(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip, log_ratio_clamp
+    )
     return _eager_grad(g, logprobs, mask, row_coef, grad_loss)
 
 
 @value_forward.impl("cpp")
 def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
-    return _backend.cpp_ops().ppo_value_loss_fwd(values, old_values, returns, mask, clip, agg,
-                                                 scale, global_denom, global_denom_value)
+    return _backend.cpp_ops().ppo_value_loss_fwd(
+        values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value
+    )
 
 
 @value_forward.impl("triton")
 def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
     from . import triton_kernels
+
     params = (_OFF if clip is None else clip, 0.0, 0.0, 0.0)
     return triton_kernels.loss_forward(
-        1, values, old_values, returns, mask, params, _triton_agg(agg), scale, global_denom,
-        _NO_DENOM if global_denom_value is None else global_denom_value, 1)
+        1,
+        values,
+        old_values,
+        returns,
+        mask,
+        params,
+        _triton_agg(agg),
+        scale,
+        global_denom,
+        _NO_DENOM if global_denom_value is None else global_denom_value,
+        1,
+    )
 
 
 @value_forward.impl("eager")
 def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value):
-    loss, stats, coef = reference.value_loss(values, old_values, returns, mask, clip, agg, scale,
-                                             _gden(global_denom, global_denom_value, values))
+    loss, stats, coef = reference.value_loss(
+        values,
+        old_values,
+        returns,
+        mask,
+        clip,
+        agg,
+        scale,
+        _gden(global_denom, global_denom_value, values),
+    )
     out = _backend.out_dtype(values)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
 @value_backward.impl("cpp")
 def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
-    return _backend.cpp_ops().ppo_value_loss_bwd(grad_loss, values, old_values, returns, mask,
-                                                 row_coef, clip)
+    return _backend.cpp_ops().ppo_value_loss_bwd(
+        grad_loss, values, old_values, returns, mask, row_coef, clip
+    )
 
 
 @value_backward.impl("triton")
 def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
     from . import triton_kernels
-    return triton_kernels.loss_backward(1, grad_loss, values, old_values, returns, mask, row_coef,
-                                        (_OFF if clip is None else clip, 0.0, 0.0, 0.0))
+
+    return triton_kernels.loss_backward(
+        1,
+        grad_loss,
+        values,
+        old_values,
+        returns,
+        mask,
+        row_coef,
+        (_OFF if clip is None else clip, 0.0, 0.0, 0.0),
+    )
 
 
 @value_backward.impl("eager")
@@ -196,36 +378,98 @@ def _(values, grad_loss, old_values, returns, mask, row_coef, clip):
 
 # --------------------------------------------------------------------------- policy loss
 @torch.library.custom_op("ppo_kernels::ppo_policy_loss", mutates_args=())
-def ppo_policy_loss_op(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_low: float, clip_high: float, dual_clip: float | None,
-                       log_ratio_clamp: float, agg: str, scale: float, global_denom: Tensor | None,
-                       global_denom_value: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def ppo_policy_loss_op(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    log_ratio_clamp: float,
+    agg: str,
+    scale: float,
+    global_denom: Tensor | None,
+    global_denom_value: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """[B, T] contiguous inputs; dual_clip None: no dual clip; no global_denom and no
     global_denom_value: local denominators. Returns (loss [], stats [4], row_coef [B])."""
     _check_op_args(_POLICY, logprobs, old_logprobs, advantages, mask, agg, global_denom)
-    return policy_forward(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip,
-                          log_ratio_clamp, agg, scale, global_denom, global_denom_value)
+    return policy_forward(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+        log_ratio_clamp,
+        agg,
+        scale,
+        global_denom,
+        global_denom_value,
+    )
 
 
 @ppo_policy_loss_op.register_fake
-def _(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, log_ratio_clamp,
-      agg, scale, global_denom, global_denom_value):
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+    agg,
+    scale,
+    global_denom,
+    global_denom_value,
+):
     return _fake_outputs(logprobs, 4)
 
 
 @torch.library.custom_op("ppo_kernels::ppo_policy_loss_backward", mutates_args=())
-def ppo_policy_loss_backward_op(grad_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor,
-                                advantages: Tensor, mask: Tensor, row_coef: Tensor, clip_low: float,
-                                clip_high: float, dual_clip: float | None,
-                                log_ratio_clamp: float) -> Tensor:
+def ppo_policy_loss_backward_op(
+    grad_loss: Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    row_coef: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    log_ratio_clamp: float,
+) -> Tensor:
     _check_backward_args(_POLICY, grad_loss, logprobs, old_logprobs, advantages, mask, row_coef)
-    return policy_backward(logprobs, grad_loss, old_logprobs, advantages, mask, row_coef, clip_low,
-                           clip_high, dual_clip, log_ratio_clamp)
+    return policy_backward(
+        logprobs,
+        grad_loss,
+        old_logprobs,
+        advantages,
+        mask,
+        row_coef,
+        clip_low,
+        clip_high,
+        dual_clip,
+        log_ratio_clamp,
+    )
 
 
 @ppo_policy_loss_backward_op.register_fake
-def _(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, clip_low, clip_high, dual_clip,
-      log_ratio_clamp):
+def _(
+    grad_loss,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    row_coef,
+    clip_low,
+    clip_high,
+    dual_clip,
+    log_ratio_clamp,
+):
     return torch.empty_like(logprobs)
 
 
@@ -241,7 +485,9 @@ def _policy_backward(ctx, grad_loss, grad_stats, grad_coef):
     lp, old, adv, mask, coef = ctx.saved_tensors
     if grad_loss is None:
         return (None,) * 12
-    g = torch.ops.ppo_kernels.ppo_policy_loss_backward(grad_loss, lp, old, adv, mask, coef, *ctx.params)
+    g = torch.ops.ppo_kernels.ppo_policy_loss_backward(
+        grad_loss, lp, old, adv, mask, coef, *ctx.params
+    )
     return (g,) + (None,) * 11
 
 
@@ -250,13 +496,22 @@ ppo_policy_loss_op.register_autograd(_policy_backward, setup_context=_policy_set
 
 # --------------------------------------------------------------------------- value loss
 @torch.library.custom_op("ppo_kernels::ppo_value_loss", mutates_args=())
-def ppo_value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-                      clip: float | None, agg: str, scale: float, global_denom: Tensor | None,
-                      global_denom_value: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def ppo_value_loss_op(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None,
+    agg: str,
+    scale: float,
+    global_denom: Tensor | None,
+    global_denom_value: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """clip None: unclipped. Returns (loss [], stats [1], row_coef [B])."""
     _check_op_args(_VALUE, values, old_values, returns, mask, agg, global_denom)
-    return value_forward(values, old_values, returns, mask, clip, agg, scale, global_denom,
-                         global_denom_value)
+    return value_forward(
+        values, old_values, returns, mask, clip, agg, scale, global_denom, global_denom_value
+    )
 
 
 @ppo_value_loss_op.register_fake
@@ -265,9 +520,15 @@ def _(values, old_values, returns, mask, clip, agg, scale, global_denom, global_
 
 
 @torch.library.custom_op("ppo_kernels::ppo_value_loss_backward", mutates_args=())
-def ppo_value_loss_backward_op(grad_loss: Tensor, values: Tensor, old_values: Tensor,
-                               returns: Tensor, mask: Tensor, row_coef: Tensor,
-                               clip: float | None) -> Tensor:
+def ppo_value_loss_backward_op(
+    grad_loss: Tensor,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    row_coef: Tensor,
+    clip: float | None,
+) -> Tensor:
     _check_backward_args(_VALUE, grad_loss, values, old_values, returns, mask, row_coef)
     return value_backward(values, grad_loss, old_values, returns, mask, row_coef, clip)
 
@@ -302,10 +563,14 @@ def _check_loss_inputs(names, tensors, mask):
     for n, t in zip(names, tensors):
         check_tensor(n, t, dtypes=VALUE_DTYPES, min_dim=1)
         if tuple(t.shape) != tuple(x.shape):
-            raise ValueError(f"{n}: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{n}: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(t.shape)}"
+            )
     check_tensor("mask", mask, dtypes=MASK_DTYPES)
     if tuple(mask.shape) != tuple(x.shape):
-        raise ValueError(f"mask: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask: expected shape {tuple(x.shape)} (like {names[0]}), got {tuple(mask.shape)}"
+        )
     check_same_device(**dict(zip(names, tensors)), mask=mask)
 
 
@@ -321,15 +586,22 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
     passes all of them whatever the mode."""
     check_str("agg", agg, AGG_NAMES)
     dp_size = check_int("dp_size", dp_size, min_value=1)
-    loss_scale_factor = check_float("loss_scale_factor", loss_scale_factor, positive=True,
-                                    allow_none=True)
+    loss_scale_factor = check_float(
+        "loss_scale_factor", loss_scale_factor, positive=True, allow_none=True
+    )
     if agg == "token-sum":
         return "token-mean", float(dp_size), None, 1.0
     token = agg == "token-mean"
-    denom, name = (global_num_tokens, "global_num_tokens") if token else (global_batch_size, "global_batch_size")
+    denom, name = (
+        (global_num_tokens, "global_num_tokens")
+        if token
+        else (global_batch_size, "global_batch_size")
+    )
     if denom is None and dp_size > 1:
-        raise ValueError(f"{name}: required when dp_size > 1 (the data-parallel total of "
-                         f"{'action tokens' if token else 'non-empty sequences'})")
+        raise ValueError(
+            f"{name}: required when dp_size > 1 (the data-parallel total of "
+            f"{'action tokens' if token else 'non-empty sequences'})"
+        )
     scale = float(dp_size)
     if agg == "seq-mean-token-sum-norm":
         # default: T, as verl; T = 0 has no token, the loss is 0 whatever the factor
@@ -366,8 +638,10 @@ def _empty_stats(stats, mask, empty):
     if empty != "nan":
         raise ValueError(f"empty_stats: expected 'zero' or 'nan', got {empty!r}")
     some = (mask != 0).any()
-    return {k: torch.where(some, v, torch.full((), float("nan"), dtype=v.dtype, device=v.device))
-            for k, v in stats.items()}
+    return {
+        k: torch.where(some, v, torch.full((), float("nan"), dtype=v.dtype, device=v.device))
+        for k, v in stats.items()
+    }
 
 
 def _empty_value(loss, agg, mask, gd, gdv, empty):
@@ -378,7 +652,9 @@ def _empty_value(loss, agg, mask, gd, gdv, empty):
     if empty != "nan":
         raise ValueError(f"empty: expected 'zero' or 'nan', got {empty!r}")
     d = _denominator(agg, mask, gd, gdv)
-    return torch.where(d != 0, loss, torch.full((), float("nan"), dtype=loss.dtype, device=loss.device))
+    return torch.where(
+        d != 0, loss, torch.full((), float("nan"), dtype=loss.dtype, device=loss.device)
+    )
 
 
 def _rows(t):
@@ -395,21 +671,33 @@ def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
     acc = token_loss.dtype
     if gd is None and gdv is not None:
         gd = torch.tensor(gdv, dtype=acc, device=like.device)
-    loss, st, _ = reference.aggregate(token_loss * weights.detach().to(acc),
-                                      [t.detach() for t in stats], mask, agg, scale, gd)
+    loss, st, _ = reference.aggregate(
+        token_loss * weights.detach().to(acc), [t.detach() for t in stats], mask, agg, scale, gd
+    )
     return loss, st
 
 
-def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                    clip_low: float = 0.2, clip_high: float | None = None,
-                    dual_clip: float | None = None, agg: str = "token-mean",
-                    log_ratio_clamp: float = 20.0, dp_size: int = 1,
-                    global_num_tokens: int | float | Tensor | None = None,
-                    global_batch_size: int | float | Tensor | None = None,
-                    loss_scale_factor: float | None = None,
-                    entropy: Tensor | None = None, approx_kl: str = "clamped",
-                    empty: str = "zero", empty_stats: str = "zero",
-                    weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    log_ratio_clamp: float = 20.0,
+    dp_size: int = 1,
+    global_num_tokens: int | float | Tensor | None = None,
+    global_batch_size: int | float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    entropy: Tensor | None = None,
+    approx_kl: str = "clamped",
+    empty: str = "zero",
+    empty_stats: str = "zero",
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused.
 
     Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
@@ -446,40 +734,76 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     if dual_clip is not None and not (dual_clip > 1):
         raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
     log_ratio_clamp = check_float("log_ratio_clamp", log_ratio_clamp, positive=True, finite=False)
-    agg_i, scale, gd, gdv = _aggregation(agg, logprobs.shape[-1], dp_size, global_num_tokens,
-                                         global_batch_size, loss_scale_factor, logprobs.device)
+    agg_i, scale, gd, gdv = _aggregation(
+        agg,
+        logprobs.shape[-1],
+        dp_size,
+        global_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+        logprobs.device,
+    )
     if weights is not None:
         terms = reference.policy_token_terms(
-            logprobs, old_logprobs.detach(), advantages.detach(), float(clip_low), float(clip_high),
-            float(dual_clip) if dual_clip is not None else None, float(log_ratio_clamp))
+            logprobs,
+            old_logprobs.detach(),
+            advantages.detach(),
+            float(clip_low),
+            float(clip_high),
+            float(dual_clip) if dual_clip is not None else None,
+            float(log_ratio_clamp),
+        )
         loss, stats = _weighted(terms, weights, logprobs, mask, agg_i, scale, gd, gdv)
     else:
         loss, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(
-            _rows(logprobs), _rows(old_logprobs), _rows(advantages), _rows(mask), float(clip_low),
-            float(clip_high), float(dual_clip) if dual_clip is not None else None,
-            float(log_ratio_clamp), agg_i, scale, gd, gdv)
+            _rows(logprobs),
+            _rows(old_logprobs),
+            _rows(advantages),
+            _rows(mask),
+            float(clip_low),
+            float(clip_high),
+            float(dual_clip) if dual_clip is not None else None,
+            float(log_ratio_clamp),
+            agg_i,
+            scale,
+            gd,
+            gdv,
+        )
     loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
     out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
     if approx_kl == "raw":
         from ..masked_stats import masked_mean
-        out["approx_kl"] = masked_mean((old_logprobs.detach().float() - logprobs.detach().float()), mask)
+
+        out["approx_kl"] = masked_mean(
+            (old_logprobs.detach().float() - logprobs.detach().float()), mask
+        )
     elif approx_kl != "clamped":
         raise ValueError(f"approx_kl: expected 'clamped' or 'raw', got {approx_kl!r}")
     out = _empty_stats(out, mask, empty_stats)
     if entropy is not None:
         from ..masked_stats import masked_mean
+
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
         out["entropy_mean"] = masked_mean(entropy.detach().float(), mask)
     return loss, out
 
 
-def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
-                   clip: float | None = None, agg: str = "token-mean", dp_size: int = 1,
-                   global_num_tokens: int | float | Tensor | None = None,
-                   global_batch_size: int | float | Tensor | None = None,
-                   loss_scale_factor: float | None = None,
-                   empty: str = "zero", empty_stats: str = "zero",
-                   weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = None,
+    agg: str = "token-mean",
+    dp_size: int = 1,
+    global_num_tokens: int | float | Tensor | None = None,
+    global_batch_size: int | float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    empty: str = "zero",
+    empty_stats: str = "zero",
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss (verl's `compute_value_loss`), fused: per token
     `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
     clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats`, `weights` as there). The gradient flows to
@@ -488,16 +812,32 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
     Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
     _check_loss_inputs(_VALUE, (values, old_values, returns), mask)
     clip = check_float("clip", clip, positive=True, allow_none=True)
-    agg_i, scale, gd, gdv = _aggregation(agg, values.shape[-1], dp_size, global_num_tokens,
-                                         global_batch_size, loss_scale_factor, values.device)
+    agg_i, scale, gd, gdv = _aggregation(
+        agg,
+        values.shape[-1],
+        dp_size,
+        global_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+        values.device,
+    )
     if weights is not None:
-        terms = reference.value_token_terms(values, old_values.detach(), returns.detach(),
-                                            float(clip) if clip is not None else None)
+        terms = reference.value_token_terms(
+            values, old_values.detach(), returns.detach(), float(clip) if clip is not None else None
+        )
         loss, stats = _weighted(terms, weights, values, mask, agg_i, scale, gd, gdv)
     else:
         loss, stats, _ = torch.ops.ppo_kernels.ppo_value_loss(
-            _rows(values), _rows(old_values), _rows(returns), _rows(mask),
-            float(clip) if clip is not None else None, agg_i, scale, gd, gdv)
+            _rows(values),
+            _rows(old_values),
+            _rows(returns),
+            _rows(mask),
+            float(clip) if clip is not None else None,
+            agg_i,
+            scale,
+            gd,
+            gdv,
+        )
     loss = _empty_value(loss, agg_i, mask, gd, gdv, empty)
     return loss, _empty_stats(dict(zip(STAT_NAMES_VALUE, stats.unbind(0))), mask, empty_stats)
 
@@ -549,11 +889,15 @@ def _check_pairs(**tensors):
     for n, t in tensors.items():
         check_tensor(n, t, dtypes=VALUE_DTYPES)
         if tuple(t.shape) != tuple(tensors[first].shape):
-            raise ValueError(f"{n}: expected shape {tuple(tensors[first].shape)} (like {first}), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{n}: expected shape {tuple(tensors[first].shape)} (like {first}), got {tuple(t.shape)}"
+            )
     check_same_device(**tensors)
 
 
-def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reduction: str = "mean") -> Tensor:
+def reward_model_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor, *, reduction: str = "mean"
+) -> Tensor:
     """Bradley-Terry reward-model loss `-log sigmoid(r_chosen - r_rejected)`, stable for any margin.
 
     reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
@@ -565,17 +909,30 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor, *, reducti
     return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, reduction)
 
 
-def dpo_loss(policy_chosen_lp: Tensor, policy_rejected_lp: Tensor, ref_chosen_lp: Tensor,
-             ref_rejected_lp: Tensor, *, beta: float, reduction: str = "mean") -> Tensor:
+def dpo_loss(
+    policy_chosen_lp: Tensor,
+    policy_rejected_lp: Tensor,
+    ref_chosen_lp: Tensor,
+    ref_rejected_lp: Tensor,
+    *,
+    beta: float,
+    reduction: str = "mean",
+) -> Tensor:
     """DPO loss `-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))`, stable for any margin.
 
     The inputs are the summed log-probs of each response's action tokens (e.g. a masked sum of
     `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
-    _check_pairs(policy_chosen_lp=policy_chosen_lp, policy_rejected_lp=policy_rejected_lp,
-                 ref_chosen_lp=ref_chosen_lp, ref_rejected_lp=ref_rejected_lp)
+    _check_pairs(
+        policy_chosen_lp=policy_chosen_lp,
+        policy_rejected_lp=policy_rejected_lp,
+        ref_chosen_lp=ref_chosen_lp,
+        ref_rejected_lp=ref_rejected_lp,
+    )
     beta = check_float("beta", beta, positive=True)
     check_str("reduction", reduction, _REDUCTIONS)
     acc = _backend.out_dtype(policy_chosen_lp)
-    z = float(beta) * ((policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
-                       - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc)))
+    z = float(beta) * (
+        (policy_chosen_lp.to(acc) - ref_chosen_lp.to(acc))
+        - (policy_rejected_lp.to(acc) - ref_rejected_lp.to(acc))
+    )
     return torch.ops.ppo_kernels.pairwise_logsigmoid_loss(z, reduction)

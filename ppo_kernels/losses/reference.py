@@ -21,6 +21,7 @@ Documented edge cases (every backend matches them):
     passes no gradient at exactly a bound (|log-ratio| == 20, ratio == 1 -+ clip). torch <= 2.13
     passed the gradient at a clamp bound; only exact-boundary tokens can differ.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,7 +56,11 @@ def row_coefficients(mask, agg, scale=1.0, global_denominator=None):
         c = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
         return c.expand(n_b.shape).clone()
     nonempty = n_b > 0
-    denom = nonempty.to(mask.dtype).sum() if global_denominator is None else global_denominator.to(mask.dtype)
+    denom = (
+        nonempty.to(mask.dtype).sum()
+        if global_denominator is None
+        else global_denominator.to(mask.dtype)
+    )
     per = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
     c = torch.where(nonempty, per, zero)
     if agg == "seq-mean-token-mean":
@@ -65,8 +70,9 @@ def row_coefficients(mask, agg, scale=1.0, global_denominator=None):
     return c
 
 
-def policy_token_terms(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None,
-                       log_ratio_clamp=20.0):
+def policy_token_terms(
+    logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None, log_ratio_clamp=20.0
+):
     """Per-token (loss, clipped, clipped_lower, neg_log_ratio, ratio), verl's vanilla PPO loss."""
     acc = _acc(logprobs.dtype)
     lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
@@ -103,8 +109,9 @@ def _max_w(a, b):
     return torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).to(a.dtype)
 
 
-def policy_token_grad(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None,
-                      log_ratio_clamp=20.0):
+def policy_token_grad(
+    logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None, log_ratio_clamp=20.0
+):
     """d loss[t] / d logprob[t] in closed form: what autograd gives for policy_token_terms (the
     eager backend's backward; custom-op kernels run below autograd, so they cannot call it)."""
     acc = _acc(logprobs.dtype)
@@ -158,18 +165,37 @@ def aggregate(token_loss, stats, mask, agg, scale, global_denominator):
     return loss, st, coef
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=None,
-                dual_clip=None, agg="token-mean", log_ratio_clamp=20.0, scale=1.0,
-                global_denominator=None):
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=None,
+    dual_clip=None,
+    agg="token-mean",
+    log_ratio_clamp=20.0,
+    scale=1.0,
+    global_denominator=None,
+):
     """(loss, stats [clip_frac, clip_frac_lower, approx_kl, ratio_mean], row coefficients)."""
     clip_high = clip_low if clip_high is None else clip_high
-    loss, *stats = policy_token_terms(logprobs, old_logprobs, advantages, clip_low, clip_high,
-                                      dual_clip, log_ratio_clamp)
+    loss, *stats = policy_token_terms(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip, log_ratio_clamp
+    )
     return aggregate(loss, stats, mask, agg, scale, global_denominator)
 
 
-def value_loss(values, old_values, returns, mask, clip=None, agg="token-mean", scale=1.0,
-               global_denominator=None):
+def value_loss(
+    values,
+    old_values,
+    returns,
+    mask,
+    clip=None,
+    agg="token-mean",
+    scale=1.0,
+    global_denominator=None,
+):
     """(loss, stats [clip_frac], row coefficients)."""
     loss, clipped = value_token_terms(values, old_values, returns, clip)
     return aggregate(loss, [clipped], mask, agg, scale, global_denominator)
@@ -185,7 +211,10 @@ def reward_model_loss(chosen, rejected, reduction="mean"):
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, reduction="mean"):
     """-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))) per pair."""
     acc = _acc(policy_chosen.dtype)
-    z = beta * ((policy_chosen.to(acc) - ref_chosen.to(acc)) - (policy_rejected.to(acc) - ref_rejected.to(acc)))
+    z = beta * (
+        (policy_chosen.to(acc) - ref_chosen.to(acc))
+        - (policy_rejected.to(acc) - ref_rejected.to(acc))
+    )
     return _reduce(-F.logsigmoid(z), reduction)
 
 
@@ -208,8 +237,17 @@ def _masked_mean(x, m):
     return (torch.where(m.bool(), x, 0.0) * m).sum() / (m.sum() + 1e-8)
 
 
-def eager_policy_loss_verl_style(logprobs, old_logprobs, advantages, mask, clip_low=0.2,
-                                 clip_high=0.2, dual_clip=3.0, agg="token-mean", sync=True):
+def eager_policy_loss_verl_style(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=3.0,
+    agg="token-mean",
+    sync=True,
+):
     nlk = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
     ratio = torch.exp(nlk)
     kl = _masked_mean(-nlk, mask)

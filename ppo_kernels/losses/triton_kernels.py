@@ -7,6 +7,7 @@ no atomics, no host sync). Backward: one program per (row, chunk) recomputes the
 gradient and scales it by grad_loss * row_coef[row] * mask. The per-token math mirrors
 csrc/common/loss_math.h (torch's tie rules included).
 """
+
 from __future__ import annotations
 
 import torch
@@ -85,8 +86,22 @@ def _token(a, b, c, p0, p1, p2, p3, KIND: tl.constexpr, FLAG: tl.constexpr):
 
 
 @triton.jit
-def _fwd_partials_kernel(X, Y, Z, M, P, T, nch, p0, p1, p2, p3, KIND: tl.constexpr,
-                         FLAG: tl.constexpr, BLOCK: tl.constexpr):
+def _fwd_partials_kernel(
+    X,
+    Y,
+    Z,
+    M,
+    P,
+    T,
+    nch,
+    p0,
+    p1,
+    p2,
+    p3,
+    KIND: tl.constexpr,
+    FLAG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1).to(tl.int64)
     offs = ch * BLOCK + tl.arange(0, BLOCK)
@@ -108,8 +123,21 @@ def _fwd_partials_kernel(X, Y, Z, M, P, T, nch, p0, p1, p2, p3, KIND: tl.constex
 
 
 @triton.jit
-def _combine_kernel(P, COEF, LOSS, STATS, GDEN, B, nch, scale, gden_value, AGG: tl.constexpr,
-                    HAS_GDEN: tl.constexpr, N_STATS: tl.constexpr, RB: tl.constexpr):
+def _combine_kernel(
+    P,
+    COEF,
+    LOSS,
+    STATS,
+    GDEN,
+    B,
+    nch,
+    scale,
+    gden_value,
+    AGG: tl.constexpr,
+    HAS_GDEN: tl.constexpr,
+    N_STATS: tl.constexpr,
+    RB: tl.constexpr,
+):
     lanes = tl.arange(0, RB)
     n_tot = tl.zeros([RB], dtype=tl.float64)
     n_seq = tl.zeros([RB], dtype=tl.float64)
@@ -168,8 +196,23 @@ def _combine_kernel(P, COEF, LOSS, STATS, GDEN, B, nch, scale, gden_value, AGG: 
 
 
 @triton.jit
-def _bwd_kernel(G, X, Y, Z, M, COEF, GX, T, p0, p1, p2, p3, KIND: tl.constexpr, FLAG: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _bwd_kernel(
+    G,
+    X,
+    Y,
+    Z,
+    M,
+    COEF,
+    GX,
+    T,
+    p0,
+    p1,
+    p2,
+    p3,
+    KIND: tl.constexpr,
+    FLAG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1).to(tl.int64)
     offs = ch * BLOCK + tl.arange(0, BLOCK)
@@ -212,11 +255,25 @@ def loss_forward(kind, x, y, z, mask, params, agg, scale, gden, gden_value, n_st
     stats = new_output((n_stats,), **f32)
     flag = _flag(kind, params)
     p = _scalars(kind, params)
-    _fwd_partials_kernel[(B, nch)](x, y, z, mask, partials, T, nch, *p, KIND=kind, FLAG=flag,
-                                   BLOCK=block, num_warps=4)
-    _combine_kernel[(1,)](partials, coef, loss, stats, gden if gden is not None else partials, B, nch,
-                          float(scale), float(gden_value), AGG=int(agg), HAS_GDEN=gden is not None,
-                          N_STATS=n_stats, RB=128, num_warps=4)
+    _fwd_partials_kernel[(B, nch)](
+        x, y, z, mask, partials, T, nch, *p, KIND=kind, FLAG=flag, BLOCK=block, num_warps=4
+    )
+    _combine_kernel[(1,)](
+        partials,
+        coef,
+        loss,
+        stats,
+        gden if gden is not None else partials,
+        B,
+        nch,
+        float(scale),
+        float(gden_value),
+        AGG=int(agg),
+        HAS_GDEN=gden is not None,
+        N_STATS=n_stats,
+        RB=128,
+        num_warps=4,
+    )
     return loss, stats, coef
 
 
@@ -226,6 +283,19 @@ def loss_backward(kind, grad_loss, x, y, z, mask, row_coef, params):
     block = _block(T)
     nch = triton.cdiv(T, block)
     p = _scalars(kind, params)
-    _bwd_kernel[(B, nch)](grad_loss.reshape(()), x, y, z, mask, row_coef.float().contiguous(), grad, T, *p,
-                          KIND=kind, FLAG=_flag(kind, params), BLOCK=block, num_warps=4)
+    _bwd_kernel[(B, nch)](
+        grad_loss.reshape(()),
+        x,
+        y,
+        z,
+        mask,
+        row_coef.float().contiguous(),
+        grad,
+        T,
+        *p,
+        KIND=kind,
+        FLAG=_flag(kind, params),
+        BLOCK=block,
+        num_warps=4,
+    )
     return grad

@@ -3,6 +3,7 @@ check the mask count on the host twice per call). Plain PyTorch: a handful of re
 by torch.compile and CUDA-graph capturable, so the only backend is `eager` (a kernel would read
 the same bytes); the ops are still registered so use_backend / PPO_KERNELS_BACKEND accept their
 names and a request for a backend they do not have fails clearly."""
+
 from __future__ import annotations
 
 import torch
@@ -11,11 +12,12 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_bool, check_float, check_shape, check_tensor
 
-
-_backend.register_op("masked_mean", kernel=None, triton=False, cuda_default="eager",
-                     folder="masked_stats")
-_backend.register_op("masked_whiten", kernel=None, triton=False, cuda_default="eager",
-                     folder="masked_stats")
+_backend.register_op(
+    "masked_mean", kernel=None, triton=False, cuda_default="eager", folder="masked_stats"
+)
+_backend.register_op(
+    "masked_whiten", kernel=None, triton=False, cuda_default="eager", folder="masked_stats"
+)
 
 
 def _prep(x, mask):
@@ -51,8 +53,9 @@ def _check_empty(empty):
         raise ValueError(f"empty: expected one of {_EMPTY}, got {empty!r}")
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
-                process_group=None) -> Tensor:
+def masked_mean(
+    x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero", process_group=None
+) -> Tensor:
     """Mean of x over the positions where mask != 0 (over `dim`, or everything when None),
     weighted by the mask's values when it is a float mask: `sum(x * mask) / sum(mask)`.
     Masked-out entries never contribute, even when NaN. A set with no position (zero total weight)
@@ -65,9 +68,11 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
     _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
     if process_group is not None:
         if dim is not None:
-            raise ValueError("dim: a data-parallel masked_mean (process_group) reduces everything; "
-                             "pass dim=None")
+            raise ValueError(
+                "dim: a data-parallel masked_mean (process_group) reduces everything; pass dim=None"
+            )
         from ..distributed import global_moments
+
         n, mean, _, scale = global_moments(xf, m, process_group, w)
         mean = mean * scale
         return mean if empty == "zero" else torch.where(n != 0, mean, float("nan"))
@@ -78,8 +83,15 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
     return torch.where(n != 0, s / torch.where(n != 0, n, 1.0), 0.0)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased: bool = True,
-                  eps: float = 1e-8, process_group=None) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-8,
+    process_group=None,
+) -> Tensor:
     """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
     the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
     `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one. A float mask
@@ -99,11 +111,14 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
     _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
     if process_group is not None:
         from ..distributed.data_parallel import whiten_global
+
         return whiten_global(xf, m, shift_mean, unbiased, eps, process_group, w)
     n = w.sum()
     if _backend.strict() and unbiased and float(n) in (0.0, 1.0):  # host sync, by request
-        raise ValueError(f"mask: masked_whiten with unbiased=True needs at least two unmasked "
-                         f"positions, got {float(n):g}")
+        raise ValueError(
+            f"mask: masked_whiten with unbiased=True needs at least two unmasked "
+            f"positions, got {float(n):g}"
+        )
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
     nf = n.to(xf.dtype)
     s = _pow2_scale(xf, m)
@@ -119,7 +134,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, unbiased:
         bessel = torch.where((n != 0) & (n != 1), nf / (nf - 1), nan)
         var = var * bessel
     # sqrt(var + eps / s^2) as a hypot: eps / s^2 overflows for tiny s (then the result is 0).
-    out = y / torch.hypot(var.sqrt(), (eps ** 0.5) / s)
+    out = y / torch.hypot(var.sqrt(), (eps**0.5) / s)
     if not shift_mean:
         out = out + mean * s
     return out

@@ -14,6 +14,7 @@ Documented edge cases (every backend matches them):
     (ValueError naming temperature).
   * empty vocabulary with no rows: empty outputs; with rows: ValueError.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,8 +61,9 @@ def forward(logits, labels, temperature=1.0, ignore_index=-100, with_entropy=Tru
     return lp, ent, lse.masked_fill(ignored, 0.0)
 
 
-def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature=1.0,
-             ignore_index=-100):
+def backward(
+    grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature=1.0, ignore_index=-100
+):
     """Gradient w.r.t. logits, in logits' dtype:
     inv_t * (g_lp * (onehot - p) - g_ent * p * (log p + H)). p is recomputed from the shifted
     logits (the saved lse may have overflowed, see forward)."""

@@ -1,5 +1,6 @@
 """Triton kernels for token_logprobs: one program per row, one pass over the vocabulary with an
 online max / sum-exp (the same state as csrc/common/softmax_stats.h), backward in one pass."""
+
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ import triton.language as tl
 from .._backend import new_output
 from .._triton_math import softmax_grad, softmax_grad_coefs, softmax_stats_update
 from .._triton_utils import row_indexer
+
 
 @triton.jit
 def _unscaled_stats(base, V, inv_t, BLOCK: tl.constexpr):
@@ -30,13 +32,29 @@ def _unscaled_stats(base, V, inv_t, BLOCK: tl.constexpr):
         x = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         m, s, u = softmax_stats_update(m, s, u, (x - mx) * inv_t)
     ok = (bad == 0.0) & (mx > -float("inf"))
-    return (tl.where(ok, mx, float("nan")), tl.where(ok, m + tl.log(s), float("nan")),
-            tl.where(ok, tl.log(s) - u / s, float("nan")))
+    return (
+        tl.where(ok, mx, float("nan")),
+        tl.where(ok, m + tl.log(s), float("nan")),
+        tl.where(ok, tl.log(s) - u / s, float("nan")),
+    )
 
 
 @triton.jit
-def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_t, ignore_index,
-                WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _fwd_kernel(
+    X,
+    LAB,
+    LP,
+    ENT,
+    LSE,
+    V,
+    inner,
+    stride_outer,
+    stride_inner,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LAB + row).to(tl.int64)
     if label == ignore_index:
@@ -69,9 +87,26 @@ def _fwd_kernel(X, LAB, LP, ENT, LSE, V, inner, stride_outer, stride_inner, inv_
 
 
 @triton.jit
-def _bwd_kernel(X, G, LAB, GLP, GENT, LSE, ENT, V, inner, stride_outer, stride_inner,
-                g_inner, g_stride_outer, g_stride_inner, inv_t, ignore_index,
-                WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_kernel(
+    X,
+    G,
+    LAB,
+    GLP,
+    GENT,
+    LSE,
+    ENT,
+    V,
+    inner,
+    stride_outer,
+    stride_inner,
+    g_inner,
+    g_stride_outer,
+    g_stride_inner,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(LAB + row).to(tl.int64)
     base = X + (row // inner) * stride_outer + (row % inner) * stride_inner
@@ -115,14 +150,34 @@ def forward(logits, labels, inv_temperature, ignore_index, with_entropy):
     ent = new_output(labels.shape, **f32) if with_entropy else torch.empty(0, **f32)
     if N > 0:
         block = _block(V)
-        _fwd_kernel[(N,)](logits, labels, lp, ent if with_entropy else lp, lse, V, *idx,
-                          float(inv_temperature), int(ignore_index), WITH_ENT=with_entropy,
-                          BLOCK=block, num_warps=_warps(block))
+        _fwd_kernel[(N,)](
+            logits,
+            labels,
+            lp,
+            ent if with_entropy else lp,
+            lse,
+            V,
+            *idx,
+            float(inv_temperature),
+            int(ignore_index),
+            WITH_ENT=with_entropy,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
     return lp, ent, lse
 
 
-def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_temperature,
-             ignore_index, grad_logits):
+def backward(
+    grad_logprobs,
+    grad_entropy,
+    logits,
+    labels,
+    lse,
+    entropy,
+    inv_temperature,
+    ignore_index,
+    grad_logits,
+):
     V = logits.shape[-1]
     idx, logits = row_indexer(logits)
     # rows the kernel cannot address (leading dims that do not collapse to two strided dims, e.g.
@@ -137,8 +192,22 @@ def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, inv_temp
     gent = grad_entropy.float().contiguous() if with_ent else glp
     ent = entropy.contiguous() if with_ent else lse
     block = _block(V)
-    _bwd_kernel[(N,)](logits, g, labels, glp, gent, lse.contiguous(), ent, V, *idx, *gidx,
-                      float(inv_temperature), int(ignore_index), WITH_ENT=with_ent, BLOCK=block,
-                      num_warps=_warps(block))
+    _bwd_kernel[(N,)](
+        logits,
+        g,
+        labels,
+        glp,
+        gent,
+        lse.contiguous(),
+        ent,
+        V,
+        *idx,
+        *gidx,
+        float(inv_temperature),
+        int(ignore_index),
+        WITH_ENT=with_ent,
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
     if g is not grad_logits:
         grad_logits.copy_(g)

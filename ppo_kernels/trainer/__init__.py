@@ -9,10 +9,12 @@ ops (`python -m ppo_kernels train --help`).
 - algos.py    SFT, evaluation, PPO / GRPO steps, reward-model training, DPO
 - cli.py      `main(argv)`: run a job, metrics.jsonl, summary.json, curves.png, --compare
 """
+
 from .config import ConfigError, TrainConfig  # noqa: F401
 from .ops import Ops  # noqa: F401
 
 
 def run(cfg: "TrainConfig", log=print) -> dict:
     from .cli import run as _run
+
     return _run(cfg, log)

@@ -1,5 +1,6 @@
 """SFT warm-up, evaluation, and the PPO / GRPO / DPO / reward-model updates. Every per-token
 computation goes through `Ops` (fused ppo_kernels ops or the eager references)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,9 @@ def prompt_tokens(tok, problems):
 
 
 def _adamw(params, lr, wd):
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=wd,
-                             betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad], lr=lr, weight_decay=wd, betas=(0.9, 0.95)
+    )
 
 
 def _cosine(step, total, warmup=20):
@@ -31,8 +33,9 @@ def _cosine(step, total, warmup=20):
 
 def pairs_batch(tok, problems, segs_list, device) -> SeqBatch:
     ids, masks = zip(*(segments_to_tokens(tok, s) for s in segs_list))
-    return assemble(prompt_tokens(tok, problems), list(ids), list(masks), tok.pad_token_id,
-                    device=device)
+    return assemble(
+        prompt_tokens(tok, problems), list(ids), list(masks), tok.pad_token_id, device=device
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,9 +71,17 @@ def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk: int
     g = torch.Generator().manual_seed(seed)
     total, tool = 0.0, 0
     for i in range(0, len(problems), chunk):
-        ps = problems[i:i + chunk]
-        b = generate(actor, tok, task, prompt_tokens(tok, ps), max_new_tokens=cfg.max_new_tokens,
-                     temperature=cfg.temperature, generator=g, device=cfg.device)
+        ps = problems[i : i + chunk]
+        b = generate(
+            actor,
+            tok,
+            task,
+            prompt_tokens(tok, ps),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            generator=g,
+            device=cfg.device,
+        )
         total += sum(task.verify(p, r) for p, r in zip(ps, b.responses))
         tool += sum(("{" in r) for r in b.responses)
     return total / len(problems), tool / len(problems)
@@ -95,24 +106,33 @@ class RLTrainer:
     """One step = rollout, batched scoring (old / Reference log-probs, Critic values, reward),
     advantages, then `ppo_epochs` passes over shuffled minibatches."""
 
-    def __init__(self, cfg: TrainConfig, actor, ref, critic, tok, task, ops: Ops, reward_model=None):
+    def __init__(
+        self, cfg: TrainConfig, actor, ref, critic, tok, task, ops: Ops, reward_model=None
+    ):
         self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
         self.tok, self.task, self.ops, self.reward_model = tok, task, ops, reward_model
         self.actor_opt = _adamw(actor.parameters(), cfg.actor_lr, cfg.weight_decay)
-        self.critic_opt = (_adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay)
-                           if critic is not None else None)
+        self.critic_opt = (
+            _adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay)
+            if critic is not None
+            else None
+        )
         self.kl_ctl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon, cfg.adaptive_kl)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 3)
 
     # -- state for checkpoints ----------------------------------------------------------------
     def state_dict(self):
-        return {"actor": self.actor.state_dict(), "ref": self.ref.state_dict(),
-                "critic": self.critic.state_dict() if self.critic is not None else None,
-                "actor_opt": self.actor_opt.state_dict(),
-                "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
-                "beta": self.kl_ctl.beta, "sample_gen": self.sample_gen.get_state(),
-                "shuffle_gen": self.shuffle_gen.get_state()}
+        return {
+            "actor": self.actor.state_dict(),
+            "ref": self.ref.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "actor_opt": self.actor_opt.state_dict(),
+            "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
+            "beta": self.kl_ctl.beta,
+            "sample_gen": self.sample_gen.get_state(),
+            "shuffle_gen": self.shuffle_gen.get_state(),
+        }
 
     def load_state_dict(self, sd):
         self.actor.load_state_dict(sd["actor"])
@@ -129,15 +149,25 @@ class RLTrainer:
     def rollout(self, problems) -> tuple[SeqBatch, torch.Tensor]:
         cfg = self.cfg
         problems = [p for p in problems for _ in range(cfg.group_size)]
-        b = generate(self.actor, self.tok, self.task, prompt_tokens(self.tok, problems),
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     generator=self.sample_gen, device=cfg.device)
+        b = generate(
+            self.actor,
+            self.tok,
+            self.task,
+            prompt_tokens(self.tok, problems),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            generator=self.sample_gen,
+            device=cfg.device,
+        )
         if self.reward_model is not None:
             with torch.no_grad():
                 scores = self.reward_model.score(*b.model_inputs())
         else:
-            scores = torch.tensor([self.task.verify(p, r) for p, r in zip(problems, b.responses)],
-                                  dtype=torch.float32, device=cfg.device)
+            scores = torch.tensor(
+                [self.task.verify(p, r) for p, r in zip(problems, b.responses)],
+                dtype=torch.float32,
+                device=cfg.device,
+            )
         return b, scores
 
     @torch.no_grad()
@@ -150,8 +180,11 @@ class RLTrainer:
         ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature, only=mask)
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
-            seq_adv = (ops.rloo_advantages(scores, cfg.group_size) if cfg.group_advantage == "rloo"
-                       else ops.grpo_advantages(scores, cfg.group_size))
+            seq_adv = (
+                ops.rloo_advantages(scores, cfg.group_size)
+                if cfg.group_advantage == "rloo"
+                else ops.grpo_advantages(scores, cfg.group_size)
+            )
             out["advantages"] = seq_adv[:, None] * mask
             out["kl"] = ops.kl_penalty(old_lp, ref_lp, cfg.kl_estimator) * mask
             return out
@@ -163,15 +196,22 @@ class RLTrainer:
         values = v[:, :-1] * mask
         # truncated rows: the future after the last token still has value -> bootstrap from V
         bootstrap = v.gather(1, last_index(b.attention_mask)[:, None]).squeeze(1) * b.truncated
-        rewards, kl, _ = ops.kl_penalized_rewards(scores, old_lp, ref_lp, mask,
-                                                  beta=self.kl_ctl.beta,
-                                                  estimator=cfg.kl_estimator)
-        adv, returns = ops.gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam,
-                               bootstrap_value=bootstrap)
+        rewards, kl, _ = ops.kl_penalized_rewards(
+            scores, old_lp, ref_lp, mask, beta=self.kl_ctl.beta, estimator=cfg.kl_estimator
+        )
+        adv, returns = ops.gae(
+            rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam, bootstrap_value=bootstrap
+        )
         if cfg.whiten_advantages:
             adv = ops.masked_whiten(adv, mask)
-        out.update(values=values, rewards=rewards, kl=kl, advantages=adv, returns=returns,
-                   bootstrap=bootstrap)
+        out.update(
+            values=values,
+            rewards=rewards,
+            kl=kl,
+            advantages=adv,
+            returns=returns,
+            bootstrap=bootstrap,
+        )
         return out
 
     def update(self, b: SeqBatch, d: dict) -> dict:
@@ -184,20 +224,32 @@ class RLTrainer:
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle_gen)
             for s in range(0, n, cfg.minibatch_size):
-                idx = perm[s:s + cfg.minibatch_size].to(b.input_ids.device)
+                idx = perm[s : s + cfg.minibatch_size].to(b.input_ids.device)
                 mb = b.rows(idx)
                 mask = mb.action_mask
-                lp, ent = token_logprobs(ops, self.actor, *mb.model_inputs(),
-                                         temperature=cfg.temperature, return_entropy=True,
-                                         only=mask)
-                pg, st = ops.ppo_policy_loss(lp, d["old_logprobs"][idx], d["advantages"][idx],
-                                             mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                             dual_clip=cfg.dual_clip)
+                lp, ent = token_logprobs(
+                    ops,
+                    self.actor,
+                    *mb.model_inputs(),
+                    temperature=cfg.temperature,
+                    return_entropy=True,
+                    only=mask,
+                )
+                pg, st = ops.ppo_policy_loss(
+                    lp,
+                    d["old_logprobs"][idx],
+                    d["advantages"][idx],
+                    mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                )
                 ent_mean = ops.masked_mean(ent, mask)
                 loss = pg - cfg.ent_coef * ent_mean
                 if cfg.algo == "grpo" and cfg.kl_coef > 0:
-                    kl = ops.masked_mean(ops.kl_penalty(lp, d["ref_logprobs"][idx],
-                                                        cfg.kl_estimator), mask)
+                    kl = ops.masked_mean(
+                        ops.kl_penalty(lp, d["ref_logprobs"][idx], cfg.kl_estimator), mask
+                    )
                     loss = loss + cfg.kl_coef * kl
                 self.actor_opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -206,12 +258,14 @@ class RLTrainer:
                 rec = {"pg_loss": pg, "entropy": ent_mean, "actor_grad_norm": gn, **st}
                 if self.critic is not None:
                     v = self.critic(*mb.model_inputs())[:, :-1]
-                    vl, vst = ops.ppo_value_loss(v, d["values"][idx], d["returns"][idx], mask,
-                                                 clip=cfg.value_clip)
+                    vl, vst = ops.ppo_value_loss(
+                        v, d["values"][idx], d["returns"][idx], mask, clip=cfg.value_clip
+                    )
                     self.critic_opt.zero_grad(set_to_none=True)
                     (cfg.vf_coef * vl).backward()
-                    cgn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
-                                                         cfg.max_grad_norm)
+                    cgn = torch.nn.utils.clip_grad_norm_(
+                        self.critic.parameters(), cfg.max_grad_norm
+                    )
                     self.critic_opt.step()
                     rec.update(vf_loss=vl, critic_grad_norm=cgn, **vst)
                 for k, val in rec.items():
@@ -227,10 +281,14 @@ class RLTrainer:
         m = self.update(b, d)
         mask = b.action_mask
         seq_kl = (d["kl"].sum(1) / mask.sum(1).clamp(min=1)).mean().item()
-        m.update(score=scores.mean().item(), kl=seq_kl, beta=self.kl_ctl.beta,
-                 response_tokens=mask.sum(1).mean().item(),
-                 tool_call_frac=sum("{" in r for r in b.responses) / len(b),
-                 truncated_frac=b.truncated.float().mean().item())
+        m.update(
+            score=scores.mean().item(),
+            kl=seq_kl,
+            beta=self.kl_ctl.beta,
+            response_tokens=mask.sum(1).mean().item(),
+            tool_call_frac=sum("{" in r for r in b.responses) / len(b),
+            truncated_frac=b.truncated.float().mean().item(),
+        )
         if "values" in d:
             m["value_mean"] = self.ops.masked_mean(d["values"], mask).item()
         self.kl_ctl.update(seq_kl, len(b))
@@ -265,8 +323,9 @@ def rm_accuracy(cfg, rm, tok, problems, pairs):
     return right / len(problems)
 
 
-def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None,
-                       around_step=None):
+def train_reward_model(
+    cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None, around_step=None
+):
     """Backbone (from the SFT Actor) + scalar head, pairwise loss on 'A preferred to B'.
     `around_step(step)`: a context manager around each optimiser step (timing, memory)."""
     around_step = around_step or (lambda step: contextlib.nullcontext())
@@ -288,12 +347,20 @@ def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_ste
             gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
             opt.step()
         if on_step:
-            on_step(step, {"rm_loss": loss.item(), "rm_grad_norm": gn.item(),
-                           "train_pair_accuracy": (rc > rr).float().mean().item()})
+            on_step(
+                step,
+                {
+                    "rm_loss": loss.item(),
+                    "rm_grad_norm": gn.item(),
+                    "train_pair_accuracy": (rc > rr).float().mean().item(),
+                },
+            )
     rm.eval()
     acc_after = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs)
-    log(f"reward model: held-out pairwise accuracy {acc_before:.3f} -> {acc_after:.3f} "
-        f"({len(ev_problems)} pairs)")
+    log(
+        f"reward model: held-out pairwise accuracy {acc_before:.3f} -> {acc_after:.3f} "
+        f"({len(ev_problems)} pairs)"
+    )
     return rm, acc_before, acc_after
 
 
@@ -325,7 +392,13 @@ def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None):
             opt.step()
         margin = cfg.dpo_beta * ((pc - rc) - (pr - rr)).detach()
         if on_step:
-            on_step(step, {"dpo_loss": loss.item(), "grad_norm": gn.item(),
-                           "reward_margin": margin.mean().item(),
-                           "reward_accuracy": (margin > 0).float().mean().item()})
+            on_step(
+                step,
+                {
+                    "dpo_loss": loss.item(),
+                    "grad_norm": gn.item(),
+                    "reward_margin": margin.mean().item(),
+                    "reward_accuracy": (margin > 0).float().mean().item(),
+                },
+            )
     actor.eval()

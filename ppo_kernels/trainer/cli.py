@@ -6,6 +6,7 @@ DIR/metrics.csv, DIR/summary.json and DIR/curves.png, and (with --compare) repea
 `_train_rl` / `_train_dpo` / `_train_rm` (each steps through `_Run.step`, which times every step
 and measures the tensor peak of one) -> `_Run.finish` (summary, CSV, plot).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,20 @@ _EST = {"sft_step": 0.15, "fused_step": 2.6, "eager_step": 4.5, "eval": 10.0}
 
 
 def _sft_key(cfg: TrainConfig, vocab_size: int) -> str:
-    keys = ("model", "arch", "hidden", "layers", "heads", "sft_steps", "sft_batch", "sft_lr",
-            "p_tool", "p_format", "seed")
-    blob = json.dumps({"vocab": vocab_size, **{k: getattr(cfg, k) for k in keys}},
-                      sort_keys=True)
+    keys = (
+        "model",
+        "arch",
+        "hidden",
+        "layers",
+        "heads",
+        "sft_steps",
+        "sft_batch",
+        "sft_lr",
+        "p_tool",
+        "p_format",
+        "seed",
+    )
+    blob = json.dumps({"vocab": vocab_size, **{k: getattr(cfg, k) for k in keys}}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -53,6 +64,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
     """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one)."""
     from . import algos
     from .models import load_actor
+
     actor, tok = load_actor(cfg)
     actor.to(cfg.device)
     if cfg.sft_steps == 0:
@@ -65,9 +77,17 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
         return actor, tok, 0.0
     t0 = time.perf_counter()
     bar = _progress(cfg, cfg.sft_steps, "SFT warm-up")
-    algos.sft(cfg, actor, tok, task, ops, log=log if bar is None else (lambda *a: None),
-              on_step=(lambda s, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update(1)))
-              if bar is not None else None)
+    algos.sft(
+        cfg,
+        actor,
+        tok,
+        task,
+        ops,
+        log=log if bar is None else (lambda *a: None),
+        on_step=(lambda s, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update(1)))
+        if bar is not None
+        else None,
+    )
     if bar is not None:
         bar.close()
     os.makedirs(cache_dir, exist_ok=True)
@@ -84,6 +104,7 @@ def load_value_model(path, device):
     from transformers import AutoConfig, AutoModel
 
     from .models import ValueModel
+
     blob = torch.load(path, map_location=device)
     conf = dict(blob["config"])
     conf_obj = AutoConfig.for_model(conf.pop("model_type"), **conf)
@@ -96,8 +117,9 @@ def checkpoint_path(resume: str) -> str:
     """--resume takes the run directory (or the checkpoint file in it)."""
     path = os.path.join(resume, "checkpoint.pt") if os.path.isdir(resume) else resume
     if not os.path.isfile(path):
-        raise ConfigError(f"--resume: no checkpoint at {path!r} (pass the directory of a run "
-                          f"that saved one)")
+        raise ConfigError(
+            f"--resume: no checkpoint at {path!r} (pass the directory of a run that saved one)"
+        )
     return path
 
 
@@ -116,8 +138,11 @@ class _Run:
         self.task = DecimalAdditionTask(cfg.p_tool, cfg.p_format)
         self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
         self.ckpt_path = os.path.join(cfg.out, "checkpoint.pt")
-        self.resume = (torch.load(checkpoint_path(cfg.resume), map_location=cfg.device,
-                                  weights_only=False) if cfg.resume else None)
+        self.resume = (
+            torch.load(checkpoint_path(cfg.resume), map_location=cfg.device, weights_only=False)
+            if cfg.resume
+            else None
+        )
         if self.resume is None and os.path.exists(self.metrics_path):
             os.remove(self.metrics_path)
         self.step_times: list[float] = list(self.resume["step_times"]) if self.resume else []
@@ -126,14 +151,21 @@ class _Run:
         # CPU seconds of the process per step: with one torch thread, about the step's time on an
         # idle machine, whatever else runs here
         self.cpu_times: list[float] = list(self.resume.get("cpu_times", [])) if self.resume else []
-        self.summary = {"algo": cfg.algo, "ops": cfg.ops, "device": cfg.device,
-                        "torch_threads": torch.get_num_threads()}
+        self.summary = {
+            "algo": cfg.algo,
+            "ops": cfg.ops,
+            "device": cfg.device,
+            "torch_threads": torch.get_num_threads(),
+        }
         # the step whose tensor peak is measured: not the first (optimizer state is created then)
         self.measured_step = min(1, cfg.steps - 1)
 
     def record(self, step: int, metrics: dict, phase: str):
-        row = {"step": step, "phase": phase, **{k: (round(v, 6) if isinstance(v, float) else v)
-                                                 for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            "phase": phase,
+            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
+        }
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         return row
@@ -156,26 +188,36 @@ class _Run:
 
     def evaluate(self, actor, tok, problems, seed, when):
         from . import algos
+
         r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed)
         self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
-        self.log(f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} "
-                 f"held-out prompts")
+        self.log(
+            f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} held-out prompts"
+        )
 
     def finish(self) -> dict:
         cfg = self.cfg
-        kind = ("cuda_max_memory_allocated" if cfg.device.startswith("cuda") else
-                "torch profiler allocation events")
+        kind = (
+            "cuda_max_memory_allocated"
+            if cfg.device.startswith("cuda")
+            else "torch profiler allocation events"
+        )
         self.summary.update(
-            seconds_per_step=(sum(self.step_times) / len(self.step_times)) if self.step_times
+            seconds_per_step=(sum(self.step_times) / len(self.step_times))
+            if self.step_times
             else self.profiled_seconds,
-            cpu_seconds_per_step=(sum(self.cpu_times) / len(self.cpu_times)) if self.cpu_times
+            cpu_seconds_per_step=(sum(self.cpu_times) / len(self.cpu_times))
+            if self.cpu_times
             else None,
-            steps=cfg.steps, peak_memory_bytes=self.peak_bytes,
+            steps=cfg.steps,
+            peak_memory_bytes=self.peak_bytes,
             peak_memory_kind=f"tensor peak of step {self.measured_step} above the models and "
-                             f"optimizer state ({kind})",
+            f"optimizer state ({kind})",
             total_seconds=round(time.perf_counter() - self.t_start, 2),
-            ops_fused=sorted(self.ops.used), ops_eager_fallback=sorted(self.ops.fallbacks),
-            config=dataclasses.asdict(cfg))
+            ops_fused=sorted(self.ops.used),
+            ops_eager_fallback=sorted(self.ops.fallbacks),
+            config=dataclasses.asdict(cfg),
+        )
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(self.summary, f, indent=2)
         rows = read_rows(self.metrics_path) if os.path.exists(self.metrics_path) else []
@@ -197,6 +239,7 @@ def _train_problems(cfg, task, held_out):
             if (p.a, p.b) not in held_out:
                 out.append(p)
         return out
+
     return problems
 
 
@@ -205,6 +248,7 @@ def _rl_models(r: _Run, actor, tok):
     reward model (InstructGPT) when the reward is a trained RM."""
     from . import algos
     from .models import ValueModel, frozen_copy
+
     cfg = r.cfg
     if cfg.algo == "grpo":
         return None, None
@@ -213,8 +257,16 @@ def _rl_models(r: _Run, actor, tok):
     if cfg.rm_path:
         rm = load_value_model(cfg.rm_path, cfg.device)
     else:
-        rm, a0, a1 = algos.train_reward_model(cfg, actor, tok, r.task, r.ops, cfg.rm_steps,
-                                              log=r.log, on_step=lambda s, m: r.record(s, m, "rm"))
+        rm, a0, a1 = algos.train_reward_model(
+            cfg,
+            actor,
+            tok,
+            r.task,
+            r.ops,
+            cfg.rm_steps,
+            log=r.log,
+            on_step=lambda s, m: r.record(s, m, "rm"),
+        )
         r.summary.update(rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
         save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
     return copy.deepcopy(rm).train(), frozen_copy(rm)
@@ -223,10 +275,12 @@ def _rl_models(r: _Run, actor, tok):
 def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
     from . import algos
     from .models import frozen_copy
+
     cfg = r.cfg
     critic, reward_model = _rl_models(r, actor, tok)
-    trainer = algos.RLTrainer(cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops,
-                              reward_model)
+    trainer = algos.RLTrainer(
+        cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model
+    )
     start = 0
     if r.resume is not None:
         trainer.load_state_dict(r.resume["trainer"])
@@ -244,20 +298,28 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
             m = trainer.step(problems(step))
         r.record(step, {**m, "seconds": r.last_seconds}, cfg.algo)
         if bar is not None:
-            bar.set_postfix(score=f"{m['score']:.3f}", kl=f"{m['kl']:.4f}",
-                            tool=f"{m['tool_call_frac']:.2f}")
+            bar.set_postfix(
+                score=f"{m['score']:.3f}", kl=f"{m['kl']:.4f}", tool=f"{m['tool_call_frac']:.2f}"
+            )
             bar.update(1)
         else:
-            r.log(f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
-                  f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s")
+            r.log(
+                f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
+                f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s"
+            )
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            torch.save({"cfg": dataclasses.asdict(cfg), "step": step + 1,
-                        "trainer": trainer.state_dict(), "step_times": r.step_times,
-                        "cpu_times": r.cpu_times,
-                        "peak_memory_bytes": r.peak_bytes,
-                        **{k: r.summary[k] for k in ("eval_reward_before",
-                                                     "eval_tool_use_before")}},
-                       r.ckpt_path + ".tmp")
+            torch.save(
+                {
+                    "cfg": dataclasses.asdict(cfg),
+                    "step": step + 1,
+                    "trainer": trainer.state_dict(),
+                    "step_times": r.step_times,
+                    "cpu_times": r.cpu_times,
+                    "peak_memory_bytes": r.peak_bytes,
+                    **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
+                },
+                r.ckpt_path + ".tmp",
+            )
             os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
     if bar is not None:
         bar.close()
@@ -270,21 +332,37 @@ def _on_step(r: _Run, phase: str):
 
 def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
     from . import algos
+
     r.evaluate(actor, tok, eval_problems, eval_seed, "before")
-    algos.train_dpo(r.cfg, actor, tok, r.task, r.ops, on_step=_on_step(r, "dpo"),
-                    around_step=r.step)
+    algos.train_dpo(
+        r.cfg, actor, tok, r.task, r.ops, on_step=_on_step(r, "dpo"), around_step=r.step
+    )
     r.evaluate(actor, tok, eval_problems, eval_seed, "after")
 
 
 def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
     from . import algos
-    rm, a0, a1 = algos.train_reward_model(r.cfg, actor, tok, r.task, r.ops, r.cfg.steps,
-                                          log=r.log, on_step=_on_step(r, "rm"),
-                                          around_step=r.step)
+
+    rm, a0, a1 = algos.train_reward_model(
+        r.cfg,
+        actor,
+        tok,
+        r.task,
+        r.ops,
+        r.cfg.steps,
+        log=r.log,
+        on_step=_on_step(r, "rm"),
+        around_step=r.step,
+    )
     save_value_model(rm, os.path.join(r.cfg.out, "reward_model.pt"))
     # for the RM the "reward" being evaluated is its held-out pairwise accuracy
-    r.summary.update(eval_metric="held-out pairwise accuracy", eval_reward_before=a0,
-                     eval_reward_after=a1, rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
+    r.summary.update(
+        eval_metric="held-out pairwise accuracy",
+        eval_reward_before=a0,
+        eval_reward_after=a1,
+        rm_pair_accuracy_before=a0,
+        rm_pair_accuracy_after=a1,
+    )
 
 
 _TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_rm}
@@ -305,6 +383,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
 # ---------------------------------------------------------------------------------------------
 def write_csv(rows, path):
     import csv
+
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
@@ -317,17 +396,26 @@ def read_rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-_CURVES = [("score", "reward (train rollouts)"), ("kl", "KL to Reference (per sequence)"),
-           ("pg_loss", "policy loss"), ("vf_loss", "value loss"), ("seconds", "seconds per step"),
-           ("dpo_loss", "DPO loss"), ("reward_accuracy", "DPO reward accuracy"),
-           ("rm_loss", "reward-model loss"), ("train_pair_accuracy", "RM train pair accuracy")]
+_CURVES = [
+    ("score", "reward (train rollouts)"),
+    ("kl", "KL to Reference (per sequence)"),
+    ("pg_loss", "policy loss"),
+    ("vf_loss", "value loss"),
+    ("seconds", "seconds per step"),
+    ("dpo_loss", "DPO loss"),
+    ("reward_accuracy", "DPO reward accuracy"),
+    ("rm_loss", "reward-model loss"),
+    ("train_pair_accuracy", "RM train pair accuracy"),
+]
 
 
 def plot(runs: dict, summaries: dict, path):
     """One panel per metric, one line per run ({label: metrics rows}): fused and eager overlaid."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     keys = [(k, t) for k, t in _CURVES if any(k in row for rows in runs.values() for row in rows)]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, (k, title) in zip(axes[0], keys):
@@ -339,9 +427,13 @@ def plot(runs: dict, summaries: dict, path):
         if k == "score":
             for label, s in summaries.items():
                 if s.get("eval_reward_after") is not None:
-                    ax.axhline(s["eval_reward_after"], ls="--", lw=0.8,
-                               c=ax.lines[list(runs).index(label)].get_color(),
-                               label=f"{label}: eval after")
+                    ax.axhline(
+                        s["eval_reward_after"],
+                        ls="--",
+                        lw=0.8,
+                        c=ax.lines[list(runs).index(label)].get_color(),
+                        label=f"{label}: eval after",
+                    )
         ax.legend(fontsize=7)
     algo = next(iter(summaries.values()))["algo"]
     fig.suptitle(f"{algo}: " + " vs ".join(f"{label} ops" for label in runs))
@@ -356,19 +448,25 @@ def plot(runs: dict, summaries: dict, path):
 def compare_table(a: dict, b: dict) -> str:
     """Side by side, fused first, with fused / eager ratios."""
     fused, eager = (a, b) if a["ops"] == "fused" else (b, a)
-    rows = [("time per step (s)", "seconds_per_step", 1, ".3f"),
-            ("CPU time per step (s)", "cpu_seconds_per_step", 1, ".3f"),
-            ("peak tensor memory (MiB)", "peak_memory_bytes", 2 ** -20, ".1f"),
-            ("eval reward before", "eval_reward_before", 1, ".3f"),
-            ("eval reward after", "eval_reward_after", 1, ".3f")]
+    rows = [
+        ("time per step (s)", "seconds_per_step", 1, ".3f"),
+        ("CPU time per step (s)", "cpu_seconds_per_step", 1, ".3f"),
+        ("peak tensor memory (MiB)", "peak_memory_bytes", 2**-20, ".1f"),
+        ("eval reward before", "eval_reward_before", 1, ".3f"),
+        ("eval reward after", "eval_reward_after", 1, ".3f"),
+    ]
     lines = [f"{'':26s} {'fused':>10s} {'eager':>10s} {'fused/eager':>12s}"]
     for name, key, scale, spec in rows:
         vf, ve = fused.get(key), eager.get(key)
         f = "-" if vf is None else format(vf * scale, spec)
         e = "-" if ve is None else format(ve * scale, spec)
-        ratio = (f"{vf / ve:.2f}x" if key in ("seconds_per_step", "cpu_seconds_per_step",
-                                               "peak_memory_bytes") and vf is not None and ve
-                 else "")
+        ratio = (
+            f"{vf / ve:.2f}x"
+            if key in ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes")
+            and vf is not None
+            and ve
+            else ""
+        )
         lines.append(f"{name:26s} {f:>10s} {e:>10s} {ratio:>12s}")
     lines.append(f"(memory: {fused.get('peak_memory_kind')})")
     return "\n".join(lines)
@@ -391,14 +489,23 @@ def _without(argv, flag_names):
 
 def _estimate(cfg: TrainConfig, compare: bool) -> str:
     """Rough phase times, scaled from the reference machine's (only meaningful near defaults)."""
+
     def mins(s):
         return f"~{max(s / 60, 0.1):.1f} min"
+
     parts = []
-    cached = os.path.exists(os.path.join(cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
-                                         f"sft_{_sft_key(cfg, cfg.vocab)}.pt"))
+    cached = os.path.exists(
+        os.path.join(
+            cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+            f"sft_{_sft_key(cfg, cfg.vocab)}.pt",
+        )
+    )
     if cfg.sft_steps and cfg.model is None:
-        parts.append("SFT warm-up: cached" if cached else
-                     f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)")
+        parts.append(
+            "SFT warm-up: cached"
+            if cached
+            else f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)"
+        )
     runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
     for ops in runs:
         parts.append(f"{ops} run {mins(_EST[f'{ops}_step'] * cfg.steps + 2 * _EST['eval'])}")
@@ -409,8 +516,10 @@ def _check_dependencies():
     try:
         import transformers  # noqa: F401
     except ImportError:
-        return ("the trainer needs transformers: pip install 'ppo-kernels[train]' (or pip install "
-                "'transformers>=4.45' tqdm matplotlib)")
+        return (
+            "the trainer needs transformers: pip install 'ppo-kernels[train]' (or pip install "
+            "'transformers>=4.45' tqdm matplotlib)"
+        )
     return None
 
 
@@ -427,26 +536,48 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: summary[k] for k in ("eval_reward_before", "eval_reward_after",
-                                              "seconds_per_step", "peak_memory_bytes")}))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "eval_reward_before",
+                    "eval_reward_after",
+                    "seconds_per_step",
+                    "peak_memory_bytes",
+                )
+            }
+        )
+    )
     if summary["ops_eager_fallback"] and cfg.ops == "fused":
         print(f"note: ran eager (PPO_TRAINER_EAGER_OPS): {summary['ops_eager_fallback']}")
     if not args.compare:
         return 0
     other = "eager" if cfg.ops == "fused" else "fused"
     other_out = os.path.join(cfg.out, f"compare_{other}")
-    cmd = [sys.executable, "-m", "ppo_kernels", "train",
-           *_without(argv, {"--ops", "--out", "--compare", "--sft-cache", "--resume"}),
-           "--ops", other, "--out", other_out,
-           "--sft-cache", cfg.sft_cache or os.path.join(cfg.out, "sft_cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppo_kernels",
+        "train",
+        *_without(argv, {"--ops", "--out", "--compare", "--sft-cache", "--resume"}),
+        "--ops",
+        other,
+        "--out",
+        other_out,
+        "--sft-cache",
+        cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+    ]
     print(f"\n--compare: the same run with --ops {other} ({other_out})")
     rc = subprocess.call(cmd)
     if rc != 0:
         return rc
     with open(os.path.join(other_out, "summary.json")) as f:
         other_summary = json.load(f)
-    runs = {cfg.ops: read_rows(os.path.join(cfg.out, "metrics.jsonl")),
-            other: read_rows(os.path.join(other_out, "metrics.jsonl"))}
+    runs = {
+        cfg.ops: read_rows(os.path.join(cfg.out, "metrics.jsonl")),
+        other: read_rows(os.path.join(other_out, "metrics.jsonl")),
+    }
     plot_path = os.path.join(cfg.out, "curves.png")
     try:
         plot(runs, {cfg.ops: summary, other: other_summary}, plot_path)

@@ -1,4 +1,5 @@
 """The trainer's configuration: one dataclass, its command-line flags, and its validation."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,11 @@ def _f(default, help, **kw):
 class TrainConfig:
     # -- run ----------------------------------------------------------------------------------
     algo: str = _f("ppo", "ppo | grpo | dpo | rm", choices=("ppo", "grpo", "dpo", "rm"))
-    ops: str = _f("fused", "fused: ppo_kernels ops; eager: plain PyTorch references",
-                  choices=("fused", "eager"))
+    ops: str = _f(
+        "fused",
+        "fused: ppo_kernels ops; eager: plain PyTorch references",
+        choices=("fused", "eager"),
+    )
     out: str = _f("out/train", "output directory (metrics.jsonl, summary.json, plot, checkpoints)")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     seed: int = _f(0, "random seed (same seed: same run)")
@@ -31,8 +35,11 @@ class TrainConfig:
     # -- model --------------------------------------------------------------------------------
     model: Optional[str] = _f(None, "local transformers causal LM (dir) instead of the tiny one")
     arch: str = _f("llama", "tiny model architecture", choices=("llama", "qwen2"))
-    vocab: int = _f(32000, "tiny model vocabulary: the task's 22 character tokens, the rest "
-                    "tokens it never needs (a real LM's head size)")
+    vocab: int = _f(
+        32000,
+        "tiny model vocabulary: the task's 22 character tokens, the rest "
+        "tokens it never needs (a real LM's head size)",
+    )
     hidden: int = _f(64, "tiny model hidden size")
     layers: int = _f(2, "tiny model layers")
     heads: int = _f(4, "tiny model attention heads")
@@ -46,8 +53,11 @@ class TrainConfig:
     # -- rollouts -----------------------------------------------------------------------------
     prompts_per_step: int = _f(64, "prompts per RL step")
     group_size: int = _f(1, "responses per prompt (GRPO needs >= 2)")
-    group_advantage: str = _f("grpo", "critic-free advantage: grpo (mean/std of the group) or "
-                              "rloo (leave-one-out mean)", choices=("grpo", "rloo"))
+    group_advantage: str = _f(
+        "grpo",
+        "critic-free advantage: grpo (mean/std of the group) or rloo (leave-one-out mean)",
+        choices=("grpo", "rloo"),
+    )
     max_new_tokens: int = _f(40, "response budget incl. tool output; beyond it: truncated")
     temperature: float = _f(1.0, "sampling temperature (log-probs use the same)")
     # -- PPO ----------------------------------------------------------------------------------
@@ -71,8 +81,11 @@ class TrainConfig:
     adaptive_kl: bool = _f(False, "adaptive KL controller (Ziegler et al.)")
     kl_target: float = _f(0.1, "adaptive KL target (per-sequence mean KL)")
     kl_horizon: int = _f(2000, "adaptive KL horizon (sequences)")
-    reward: str = _f("verifier", "verifier | rm (a trained reward model scores; Critic from RM)",
-                     choices=("verifier", "rm"))
+    reward: str = _f(
+        "verifier",
+        "verifier | rm (a trained reward model scores; Critic from RM)",
+        choices=("verifier", "rm"),
+    )
     rm_path: Optional[str] = _f(None, "reward model dir (from --algo rm); default: train one")
     rm_steps: int = _f(150, "steps of the reward model trained inline for --reward rm")
     # -- DPO / RM -----------------------------------------------------------------------------
@@ -85,8 +98,9 @@ class TrainConfig:
     # -- eval / checkpoints -------------------------------------------------------------------
     eval_prompts: int = _f(200, "held-out prompts for eval_reward_before / after")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
-    resume: Optional[str] = _f(None, "run directory (or its checkpoint.pt) to resume from; "
-                               "--steps is the new total")
+    resume: Optional[str] = _f(
+        None, "run directory (or its checkpoint.pt) to resume from; --steps is the new total"
+    )
 
     # ------------------------------------------------------------------------------------------
     def validate(self) -> "TrainConfig":
@@ -97,22 +111,45 @@ class TrainConfig:
             ch = f.metadata.get("choices")
             if ch and getattr(self, f.name) not in ch:
                 bad(f.name, f"expected one of {list(ch)}, got {getattr(self, f.name)!r}")
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs",
-                     "minibatch_size", "sft_batch", "pairs", "pref_batch", "eval_prompts",
-                     "hidden", "layers", "heads", "vocab"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "ppo_epochs",
+            "minibatch_size",
+            "sft_batch",
+            "pairs",
+            "pref_batch",
+            "eval_prompts",
+            "hidden",
+            "layers",
+            "heads",
+            "vocab",
+        ):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("temperature", "actor_lr", "critic_lr", "sft_lr", "pref_lr", "dpo_lr",
-                     "max_grad_norm",
-                     "dpo_beta", "kl_target"):
+        for name in (
+            "temperature",
+            "actor_lr",
+            "critic_lr",
+            "sft_lr",
+            "pref_lr",
+            "dpo_lr",
+            "max_grad_norm",
+            "dpo_beta",
+            "kl_target",
+        ):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
         for name in ("gamma", "lam", "p_tool", "p_format"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            bad("clip_low", f"need 0 <= clip_low < 1 and clip_high >= 0, got "
-                            f"{self.clip_low}, {self.clip_high}")
+            bad(
+                "clip_low",
+                f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}",
+            )
         if self.dual_clip is not None and not self.dual_clip > 1:
             bad("dual_clip", f"the dual clip constant must be > 1, got {self.dual_clip}")
         if self.kl_coef < 0 or self.ent_coef < 0 or self.value_clip <= 0:
@@ -120,19 +157,28 @@ class TrainConfig:
         if self.hidden % self.heads:
             bad("hidden", f"{self.hidden} is not divisible by --heads {self.heads}")
         if self.algo == "grpo" and self.group_size < 2:
-            bad("group_size", "GRPO compares responses within a group: it needs --group-size >= 2 "
-                              f"(got {self.group_size}; with 1 every advantage is 0)")
+            bad(
+                "group_size",
+                "GRPO compares responses within a group: it needs --group-size >= 2 "
+                f"(got {self.group_size}; with 1 every advantage is 0)",
+            )
         if self.algo in ("ppo", "grpo"):
             n = self.prompts_per_step * self.group_size
             if n % self.minibatch_size:
-                bad("minibatch_size", f"the rollout batch of {n} sequences (--prompts-per-step "
-                                      f"{self.prompts_per_step} x --group-size {self.group_size}) "
-                                      f"is not divisible into minibatches of {self.minibatch_size}")
+                bad(
+                    "minibatch_size",
+                    f"the rollout batch of {n} sequences (--prompts-per-step "
+                    f"{self.prompts_per_step} x --group-size {self.group_size}) "
+                    f"is not divisible into minibatches of {self.minibatch_size}",
+                )
         if self.algo in ("dpo", "rm") and self.pairs % self.pref_batch:
-            bad("pref_batch", f"--pairs {self.pairs} is not divisible by --pref-batch "
-                              f"{self.pref_batch}")
+            bad(
+                "pref_batch",
+                f"--pairs {self.pairs} is not divisible by --pref-batch {self.pref_batch}",
+            )
         if self.device.startswith("cuda"):
             import torch
+
             if not torch.cuda.is_available():
                 bad("device", f"{self.device!r} requested but torch sees no CUDA GPU")
         elif self.device != "cpu":
@@ -150,11 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ppo_kernels train",
         description="The thin PPO / GRPO / DPO / reward-model trainer on transformers models, "
-                    "every per-token computation through ppo_kernels ops (--ops eager: the "
-                    "eager code trainers run today, materialised logits included). Default: the "
-                    "embedded decimal-addition-with-calculator task on a tiny random-init Llama "
-                    "with a 32000-token LM head, SFT-warmed, on the CPU.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "every per-token computation through ppo_kernels ops (--ops eager: the "
+        "eager code trainers run today, materialised logits included). Default: the "
+        "embedded decimal-addition-with-calculator task on a tiny random-init Llama "
+        "with a 32000-token LM head, SFT-warmed, on the CPU.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kw = {"default": f.default, "help": f.metadata["help"] + f" (default: {f.default})"}
@@ -167,9 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         p.add_argument(flag, type=typ.get(t, str), **kw)
-    p.add_argument("--compare", action="store_true",
-                   help="after the run, repeat it with the other --ops in a subprocess and print "
-                        "the fused-vs-eager comparison (time per step, peak memory, reward)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="after the run, repeat it with the other --ops in a subprocess and print "
+        "the fused-vs-eager comparison (time per step, peak memory, reward)",
+    )
     return p
 
 

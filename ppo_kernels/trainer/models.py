@@ -1,5 +1,6 @@
 """The four roles on transformers models: Actor (causal LM), Reference (frozen copy of the Actor
 after SFT), Critic and reward model (a backbone with a scalar head)."""
+
 from __future__ import annotations
 
 import copy
@@ -44,10 +45,20 @@ def tiny_model(cfg: TrainConfig, vocab_size: int):
         Qwen2Config,
         Qwen2ForCausalLM,
     )
-    kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
-              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-              num_key_value_heads=cfg.heads, max_position_embeddings=256,
-              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=2 * cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if cfg.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**kw))
     return LlamaForCausalLM(LlamaConfig(**kw))
@@ -60,9 +71,12 @@ def load_actor(cfg: TrainConfig):
         torch.manual_seed(cfg.seed)
         return tiny_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if not os.path.isdir(cfg.model):
-        raise ConfigError(f"--model: {cfg.model!r} is not a local directory with a transformers "
-                          f"model and tokenizer")
+        raise ConfigError(
+            f"--model: {cfg.model!r} is not a local directory with a transformers "
+            f"model and tokenizer"
+        )
     model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
     lm_head(model)  # raises for a model without an LM head
     return model, HFTokenizer(AutoTokenizer.from_pretrained(cfg.model))
@@ -73,18 +87,32 @@ def lm_head(model):
     try:
         return hf.lm_head(model)
     except ValueError as e:
-        raise ConfigError(f"--model: {e}; the Actor must be a causal LM "
-                          f"(AutoModelForCausalLM)") from None
+        raise ConfigError(
+            f"--model: {e}; the Actor must be a causal LM (AutoModelForCausalLM)"
+        ) from None
 
 
 def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
-    out = model_backbone(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False)
+    out = model_backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
     return out.last_hidden_state
 
 
-def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, temperature=1.0,
-                   return_entropy=False, only=None):
+def token_logprobs(
+    ops,
+    actor,
+    input_ids,
+    attention_mask,
+    position_ids,
+    *,
+    temperature=1.0,
+    return_entropy=False,
+    only=None,
+):
     """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:].
 
     `only` [B, L-1]: compute them (and the entropy) only where it is non-zero, 0 elsewhere -- the
@@ -93,22 +121,33 @@ def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, tempe
     labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
     keep = None if only is None else only > 0
     if hf.logit_transform(actor) is not None:  # soft-capped / scaled logits: the model's own
-        logits = actor(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids).logits[:, :-1]
+        logits = actor(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).logits[:, :-1]
         rows = logits if keep is None else logits[keep]
-        out = ops.logprobs_from_logits(rows, labels if keep is None else labels[keep],
-                                       temperature=temperature, return_entropy=return_entropy)
+        out = ops.logprobs_from_logits(
+            rows,
+            labels if keep is None else labels[keep],
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
     else:
         h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
         weight, bias = lm_head(actor)
-        out = ops.logprobs_from_hidden(h if keep is None else h[keep], weight, bias,
-                                       labels if keep is None else labels[keep],
-                                       temperature=temperature, return_entropy=return_entropy)
+        out = ops.logprobs_from_hidden(
+            h if keep is None else h[keep],
+            weight,
+            bias,
+            labels if keep is None else labels[keep],
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
     if keep is None:
         return out
 
     def unpack(x):
         return x.new_zeros(keep.shape).masked_scatter(keep, x)
+
     return tuple(map(unpack, out)) if return_entropy else unpack(out)
 
 

@@ -15,6 +15,7 @@
 `PPO_TRAINER_EAGER_OPS=gae,kl_penalty` (a debugging switch) runs the named ops eager in a fused
 run; they are listed in `Ops.fallbacks` (summary.json), so a run always says what it ran.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,9 @@ class Ops:
         if mode not in ("fused", "eager"):
             raise ValueError(f"ops: expected 'fused' or 'eager', got {mode!r}")
         self.mode = mode
-        self.forced_eager = {x.strip() for x in
-                             os.environ.get("PPO_TRAINER_EAGER_OPS", "").split(",") if x.strip()}
+        self.forced_eager = {
+            x.strip() for x in os.environ.get("PPO_TRAINER_EAGER_OPS", "").split(",") if x.strip()
+        }
         self.fallbacks: set[str] = set()
         self.used: set[str] = set()
 
@@ -76,22 +78,38 @@ class Ops:
             return fn(*args, **kwargs)
 
     # -- log-probs ---------------------------------------------------------------------------
-    def logprobs_from_hidden(self, hidden: Tensor, weight: Tensor, bias: Tensor | None,
-                             labels: Tensor, *, temperature: float, return_entropy: bool):
+    def logprobs_from_hidden(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        *,
+        temperature: float,
+        return_entropy: bool,
+    ):
         """Log-probs (and entropy) of `labels` under the LM head applied to `hidden`; labels
         -100 give 0."""
         if self._fused("linear_token_logprobs"):
-            return pk.linear_token_logprobs(hidden, weight, labels, bias=bias,
-                                            temperature=temperature, return_entropy=return_entropy)
+            return pk.linear_token_logprobs(
+                hidden,
+                weight,
+                labels,
+                bias=bias,
+                temperature=temperature,
+                return_entropy=return_entropy,
+            )
         safe, valid = _masked_labels(labels)
         out = linear_ref.eager_logprobs(hidden, weight, safe, bias, temperature, return_entropy)
         return _zero_ignored(out, valid, return_entropy)
 
-    def logprobs_from_logits(self, logits: Tensor, labels: Tensor, *, temperature: float,
-                             return_entropy: bool):
+    def logprobs_from_logits(
+        self, logits: Tensor, labels: Tensor, *, temperature: float, return_entropy: bool
+    ):
         if self._fused("token_logprobs"):
-            return pk.token_logprobs(logits, labels, temperature=temperature,
-                                     return_entropy=return_entropy)
+            return pk.token_logprobs(
+                logits, labels, temperature=temperature, return_entropy=return_entropy
+            )
         safe, valid = _masked_labels(labels)
         out = tl_ref.eager_logprobs(logits, safe, temperature, return_entropy)
         return _zero_ignored(out, valid, return_entropy)
@@ -107,8 +125,9 @@ class Ops:
 
     def gae(self, rewards, values, mask, *, gamma, lam, bootstrap_value=None):
         if self._fused("gae"):
-            return pk.gae(rewards, values, mask, gamma=gamma, lam=lam,
-                          bootstrap_value=bootstrap_value)
+            return pk.gae(
+                rewards, values, mask, gamma=gamma, lam=lam, bootstrap_value=bootstrap_value
+            )
         return gae_ref.verl_gae_loop(rewards, values, mask.float(), gamma, lam, bootstrap_value)
 
     def kl_penalty(self, logprobs, ref_logprobs, estimator):
@@ -118,10 +137,12 @@ class Ops:
 
     def kl_penalized_rewards(self, scores, logprobs, ref_logprobs, mask, *, beta, estimator):
         if self._fused("kl_penalized_rewards"):
-            return pk.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta=beta,
-                                           estimator=estimator, clamp="verl")
-        return kl_ref.eager_kl_rewards(scores, logprobs, ref_logprobs, mask.float(), beta,
-                                       estimator)
+            return pk.kl_penalized_rewards(
+                scores, logprobs, ref_logprobs, mask, beta=beta, estimator=estimator, clamp="verl"
+            )
+        return kl_ref.eager_kl_rewards(
+            scores, logprobs, ref_logprobs, mask.float(), beta, estimator
+        )
 
     def grpo_advantages(self, scores, group_size):
         if self._fused("grpo_advantages"):
@@ -133,27 +154,45 @@ class Ops:
         return self._op("rloo_advantages", scores, group_size=group_size)
 
     # -- losses -------------------------------------------------------------------------------
-    def ppo_policy_loss(self, logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
-                        dual_clip=None):
+    def ppo_policy_loss(
+        self, logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, dual_clip=None
+    ):
         """(token-mean loss, {"clipfrac", "approx_kl"})."""
         if self._fused("ppo_policy_loss"):
-            loss, st = pk.ppo_policy_loss(logprobs, old_logprobs, advantages, mask,
-                                          clip_low=clip_low, clip_high=clip_high,
-                                          dual_clip=dual_clip, agg="token-mean")
+            loss, st = pk.ppo_policy_loss(
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                dual_clip=dual_clip,
+                agg="token-mean",
+            )
         else:
             loss, st = loss_ref.eager_policy_loss_verl_style(
-                logprobs, old_logprobs, advantages, mask.float(), clip_low, clip_high, dual_clip,
-                "token-mean", sync=False)
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask.float(),
+                clip_low,
+                clip_high,
+                dual_clip,
+                "token-mean",
+                sync=False,
+            )
         return loss, {"clipfrac": st["clip_frac"], "approx_kl": st["approx_kl"]}
 
     def ppo_value_loss(self, values, old_values, returns, mask, *, clip):
         """(token-mean loss, {"vf_clipfrac"})."""
         if self._fused("ppo_value_loss"):
-            loss, st = pk.ppo_value_loss(values, old_values, returns, mask, clip=clip,
-                                         agg="token-mean")
+            loss, st = pk.ppo_value_loss(
+                values, old_values, returns, mask, clip=clip, agg="token-mean"
+            )
             return loss, {"vf_clipfrac": st["clip_frac"]}
-        loss, clipfrac = loss_ref.eager_value_loss_verl_style(values, old_values, returns,
-                                                              mask.float(), clip)
+        loss, clipfrac = loss_ref.eager_value_loss_verl_style(
+            values, old_values, returns, mask.float(), clip
+        )
         return loss, {"vf_clipfrac": clipfrac}
 
     def reward_model_loss(self, chosen, rejected):

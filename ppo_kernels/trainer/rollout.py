@@ -5,6 +5,7 @@ columns aligned with `input_ids[:, 1:]`: column t holds the prediction of token 
 `action_mask` is 1 exactly where the Actor sampled that token; prompt, tool output and padding
 are 0.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,20 +19,25 @@ from .task import EOS
 
 @dataclass
 class SeqBatch:
-    input_ids: torch.Tensor        # [B, L] int64
-    attention_mask: torch.Tensor   # [B, L] int64
-    position_ids: torch.Tensor     # [B, L] int64
-    action_mask: torch.Tensor      # [B, L-1] float32
-    truncated: torch.Tensor        # [B] bool: cut off by the length limit (bootstrap from V)
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] int64
+    position_ids: torch.Tensor  # [B, L] int64
+    action_mask: torch.Tensor  # [B, L-1] float32
+    truncated: torch.Tensor  # [B] bool: cut off by the length limit (bootstrap from V)
     responses: list = field(default_factory=list)  # decoded response text (actions + tool)
 
     def __len__(self):
         return self.input_ids.shape[0]
 
     def rows(self, idx):
-        return SeqBatch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
-                        self.action_mask[idx], self.truncated[idx],
-                        [self.responses[i] for i in idx.tolist()] if self.responses else [])
+        return SeqBatch(
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.position_ids[idx],
+            self.action_mask[idx],
+            self.truncated[idx],
+            [self.responses[i] for i in idx.tolist()] if self.responses else [],
+        )
 
     def model_inputs(self):
         return self.input_ids, self.attention_mask, self.position_ids
@@ -41,8 +47,15 @@ def position_ids_for(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def assemble(prompts: list[list[int]], responses: list[list[int]], resp_masks: list[list[int]],
-             pad_id: int, truncated=None, texts=None, device="cpu") -> SeqBatch:
+def assemble(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    resp_masks: list[list[int]],
+    pad_id: int,
+    truncated=None,
+    texts=None,
+    device="cpu",
+) -> SeqBatch:
     """Left-pad prompts, right-pad responses, build the aligned action mask."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -51,15 +64,21 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], resp_masks: l
     attn = torch.zeros((B, P + R), dtype=torch.long)
     act = torch.zeros((B, P + R), dtype=torch.float32)
     for i, (p, r, m) in enumerate(zip(prompts, responses, resp_masks)):
-        ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):P] = 1
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p) : P] = 1
         if r:
-            ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attn[i, P:P + len(r)] = 1
-            act[i, P:P + len(r)] = torch.tensor(m, dtype=torch.float32)
+            ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+            attn[i, P : P + len(r)] = 1
+            act[i, P : P + len(r)] = torch.tensor(m, dtype=torch.float32)
     trunc = torch.zeros(B, dtype=torch.bool) if truncated is None else torch.tensor(truncated)
-    return SeqBatch(ids.to(device), attn.to(device), position_ids_for(attn).to(device),
-                    act[:, 1:].contiguous().to(device), trunc.to(device), texts or [])
+    return SeqBatch(
+        ids.to(device),
+        attn.to(device),
+        position_ids_for(attn).to(device),
+        act[:, 1:].contiguous().to(device),
+        trunc.to(device),
+        texts or [],
+    )
 
 
 def segments_to_tokens(tok, segments):
@@ -67,8 +86,12 @@ def segments_to_tokens(tok, segments):
     ids, mask = [], []
     for text, is_action in segments:
         t = tok.encode(text)
-        if text.endswith(EOS) and is_action and tok.eos_token_id is not None and \
-                EOS not in tok.decode(t[-1:]):
+        if (
+            text.endswith(EOS)
+            and is_action
+            and tok.eos_token_id is not None
+            and EOS not in tok.decode(t[-1:])
+        ):
             t = t + [tok.eos_token_id]
         ids += t
         mask += [int(is_action)] * len(t)
@@ -87,8 +110,17 @@ def sample(logits, temperature, generator):
 
 
 @torch.no_grad()
-def generate(model, tok, task, prompts: list[list[int]], *, max_new_tokens: int,
-             temperature: float, generator: torch.Generator, device="cpu") -> SeqBatch:
+def generate(
+    model,
+    tok,
+    task,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    device="cpu",
+) -> SeqBatch:
     """Sample responses; a closed tool call makes the environment append the tool's output,
     which is fed to the model token by token as mask = 0 context. A row ends at EOS
     (terminated) or when its response reaches max_new_tokens (truncated)."""
@@ -100,8 +132,8 @@ def generate(model, tok, task, prompts: list[list[int]], *, max_new_tokens: int,
     ids = torch.full((B, P), tok.pad_token_id, dtype=torch.long)
     attn = torch.zeros((B, P), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p)
-        attn[i, P - len(p):] = 1
+        ids[i, P - len(p) :] = torch.tensor(p)
+        attn[i, P - len(p) :] = 1
     ids, attn = ids.to(device), attn.to(device)
     pos = position_ids_for(attn)
     # newer transformers call the KV cache argument `cache`, older ones `past_key_values`; the
@@ -144,8 +176,13 @@ def generate(model, tok, task, prompts: list[list[int]], *, max_new_tokens: int,
             break
         step_ids = torch.tensor(feed, device=device)[:, None]
         attn = torch.cat([attn, torch.tensor(live, device=device)[:, None]], 1)
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=next_pos[:, None],
-                    use_cache=True, **cache)
+        out = model(
+            input_ids=step_ids,
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **cache,
+        )
         logits = out.logits[:, -1]
         next_pos = next_pos + torch.tensor(live, device=device)
     truncated = [not d for d in done]

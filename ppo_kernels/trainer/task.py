@@ -13,6 +13,7 @@ else 0.0. The SFT demonstrations mix three behaviours (answer directly; call the
 float verbatim, execution B of the seed; call the tool and format it, execution A), so the SFT
 model is only partly right and RL has something to learn: use the tool, and format its output.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ class CharTokenizer:
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
         self.vocab_size = len(self.vocab) if vocab_size is None else vocab_size
         if self.vocab_size < len(self.vocab):
-            raise ValueError(f"vocab_size: the task needs at least {len(self.vocab)} ids, got "
-                             f"{vocab_size}")
+            raise ValueError(
+                f"vocab_size: the task needs at least {len(self.vocab)} ids, got {vocab_size}"
+            )
 
     def __len__(self):
         return self.vocab_size
@@ -49,8 +51,10 @@ class CharTokenizer:
         try:
             ids = [self.index[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary "
-                             f"{''.join(self.vocab)!r}") from None
+            raise ValueError(
+                f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary "
+                f"{''.join(self.vocab)!r}"
+            ) from None
         return ([self.bos_token_id] + ids) if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -64,6 +68,7 @@ class CharTokenizer:
 
     def save_pretrained(self, path):
         import os
+
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "char_tokenizer.json"), "w") as f:
             json.dump({"vocab": self.vocab, "vocab_size": self.vocab_size}, f)
@@ -111,6 +116,7 @@ class DecimalAdditionTask:
     def sample_problem(rng: random.Random) -> Problem:
         def amount():
             return f"{rng.randint(1, 999) / 100:.2f}"  # "0.01" .. "9.99", always d.dd
+
         return Problem(amount(), amount())
 
     def problems(self, n: int, seed: int) -> list[Problem]:
@@ -126,16 +132,16 @@ class DecimalAdditionTask:
         start = response_so_far.rfind(TOOL_OPEN)
         if start < 0:
             return None
-        return calculator(response_so_far[start + 1:-1]) + TOOL_END
+        return calculator(response_so_far[start + 1 : -1]) + TOOL_END
 
     @staticmethod
     def final_answer(response: str) -> str | None:
         """The text after the last tool output (or the whole response) up to the end marker."""
         if EOS not in response:
             return None  # truncated: no answer
-        body = response[:response.index(EOS)]
+        body = response[: response.index(EOS)]
         if TOOL_END in body:
-            body = body[body.rindex(TOOL_END) + 1:]
+            body = body[body.rindex(TOOL_END) + 1 :]
         return body
 
     def verify(self, problem: Problem, response: str) -> float:
@@ -176,7 +182,7 @@ class DecimalAdditionTask:
             rejected, pos = [], 0
             for t, a in chosen:  # keep the segments' action flags up to the cut
                 if pos < cut:
-                    rejected.append((t[:cut - pos], a))
+                    rejected.append((t[: cut - pos], a))
                 pos += len(t)
         else:
             rejected = [(off + EOS, True)]

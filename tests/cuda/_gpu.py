@@ -7,14 +7,14 @@ Without a GPU they skip. PPO_KERNELS_CUDA_TESTS_DEVICE=cpu runs their logic on t
 C++ CPU kernels and Triton through the interpreter; the large cases and the CUDA-graph captures
 skip): a check of the tests themselves on a machine without a GPU.
 """
+
 import os
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 from ppo_kernels import _backend
-
-from conftest import requires_cuda
 
 DEVICE = os.environ.get("PPO_KERNELS_CUDA_TESTS_DEVICE", "cuda")
 DRY_RUN = DEVICE != "cuda"

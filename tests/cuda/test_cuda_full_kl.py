@@ -1,24 +1,26 @@
 """full_kl on the GPU: the CUDA (cpp) and Triton kernels (and the eager composition) against the
 float64 definition, forward and both gradients, up to the Qwen vocabulary, with a mask, a
 temperature, strided rows at a misaligned offset, and rows with -inf / NaN entries."""
+
 import pytest
 import torch
+from _gpu import DEVICE, MARKS, big, close, require
+from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.full_kl import reference as R
 
-from _gpu import DEVICE, MARKS, big, close, require
-from _utils import GRAD_TOL, TOL, poisoned
-
 pytestmark = MARKS
 OP = "full_kl"
 BACKENDS = ["cpp", "triton", "eager"]
 # (dtype, N, V, temperature, masked, strided)
-CASES = [big(torch.bfloat16, 48, 152064, 1.0, False, False),
-         big(torch.float32, 40, 32000, 0.7, True, False),
-         (torch.float16, 33, 1001, 1.0, False, True),
-         (torch.bfloat16, 70, 5, 1.3, True, False)]
+CASES = [
+    big(torch.bfloat16, 48, 152064, 1.0, False, False),
+    big(torch.float32, 40, 32000, 0.7, True, False),
+    (torch.float16, 33, 1001, 1.0, False, True),
+    (torch.bfloat16, 70, 5, 1.3, True, False),
+]
 
 
 def _ref64(z, w, temperature, mask):
@@ -38,7 +40,7 @@ def _ref64(z, w, temperature, mask):
 def test_matches_float64(backend, dtype, n, v, t, masked, strided):
     require(OP, backend)
     if strided:  # rows at an odd offset: their alignment differs from the reference logits'
-        z = (torch.randn(n, v + 3, device=DEVICE) * 3).to(dtype)[:, 1:v + 1]
+        z = (torch.randn(n, v + 3, device=DEVICE) * 3).to(dtype)[:, 1 : v + 1]
     else:
         z = (torch.randn(n, v, device=DEVICE) * 3).to(dtype)
     w = (z.float() + 0.4 * torch.randn(n, v, device=DEVICE)).to(dtype)

@@ -1,15 +1,15 @@
 """gae on the GPU: the CUDA (cpp) and Triton kernels against float64 references: dense batches up to
 B=1024, T=8192 (dones, bootstrap values, carries out), packed rows (empty and length-1 rows,
 per-token gamma and lam, carries in and out) and one packed row of 4,194,304 tokens."""
+
 import pytest
 import torch
+from _gpu import DEVICE, MARKS, big, close, require
+from _utils import SCAN_TOL, SUM_SCAN_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.gae import reference as R
-
-from _gpu import DEVICE, MARKS, big, close, require
-from _utils import SCAN_TOL, SUM_SCAN_TOL, poisoned
 
 pytestmark = MARKS
 OP = "gae"
@@ -31,12 +31,15 @@ def _check(got, want, tol):
     close(ca, want[3], **tol)
 
 
-@pytest.mark.parametrize("B,T,dtype,gamma,lam", [
-    big(1024, 8192, torch.float32, 0.99, 0.95),
-    big(64, 3001, torch.bfloat16, 0.999, 0.9),
-    (8, 700, torch.bfloat16, 0.999, 0.9),
-    big(7, 20000, torch.float16, 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "B,T,dtype,gamma,lam",
+    [
+        big(1024, 8192, torch.float32, 0.99, 0.95),
+        big(64, 3001, torch.bfloat16, 0.999, 0.9),
+        (8, 700, torch.bfloat16, 0.999, 0.9),
+        big(7, 20000, torch.float16, 1.0, 1.0),
+    ],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dense(backend, B, T, dtype, gamma, lam):
     r = torch.randn(B, T, device=DEVICE).to(dtype)
@@ -45,11 +48,15 @@ def test_dense(backend, B, T, dtype, gamma, lam):
     d = torch.rand(B, T, device=DEVICE) > 0.9995
     bv = torch.randn(B, device=DEVICE)
     want = R.gae_eager(r.double(), v.double(), m, gamma, lam, d, bv.double())
-    got = _run(backend, r, v, m, gamma=gamma, lam=lam, dones=d, bootstrap_value=bv, return_carry=True)
+    got = _run(
+        backend, r, v, m, gamma=gamma, lam=lam, dones=d, bootstrap_value=bv, return_carry=True
+    )
     _check(got, want, SCAN_TOL if gamma * lam < 1 else SUM_SCAN_TOL)
 
 
-@pytest.mark.parametrize("lens", [big([0, 1, 5000, 0, 1, 70000, 3, 12345]), [0, 1, 500, 0, 1, 3000, 3]])
+@pytest.mark.parametrize(
+    "lens", [big([0, 1, 5000, 0, 1, 70000, 3, 12345]), [0, 1, 500, 0, 1, 3000, 3]]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_rows(backend, lens):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
@@ -61,10 +68,20 @@ def test_packed_rows(backend, lens):
     gt = torch.where(torch.rand(N, device=DEVICE) > 0.9, 0.9, 1.0)
     lt = torch.rand(N, device=DEVICE) * 0.5 + 0.5
     carry = (torch.randn(len(lens), device=DEVICE), torch.randn(len(lens), device=DEVICE))
-    want = R.gae_eager(r.double(), v.double(), m, gt.double(), lt.double(), d, carry[0].double(),
-                       carry[1].double(), cu)
-    got = _run(backend, r, v, m, gamma=gt, lam=lt, dones=d, carry=carry, cu_seqlens=cu,
-               return_carry=True)
+    want = R.gae_eager(
+        r.double(),
+        v.double(),
+        m,
+        gt.double(),
+        lt.double(),
+        d,
+        carry[0].double(),
+        carry[1].double(),
+        cu,
+    )
+    got = _run(
+        backend, r, v, m, gamma=gt, lam=lt, dones=d, carry=carry, cu_seqlens=cu, return_carry=True
+    )
     _check(got, want, SCAN_TOL)
 
 
@@ -87,12 +104,12 @@ def _long_row_ref64(r, v, m, gamma, lam, bootstrap):
     i = torch.arange(L, **f64)
     e = i[None, :] - i[:, None]
     M = torch.where(e >= 0, torch.tensor(gl, **f64) ** e.clamp(min=0), torch.zeros((), **f64))
-    loc = d @ M.T                                   # loc[c, i] = sum_{j>=i} gl^(j-i) d[c, j]
-    decay = torch.tensor(gl, **f64) ** (L - i)      # gl^(L - i)
+    loc = d @ M.T  # loc[c, i] = sum_{j>=i} gl^(j-i) d[c, j]
+    decay = torch.tensor(gl, **f64) ** (L - i)  # gl^(L - i)
     loc_first = loc[:, 0].cpu()
     firsts = torch.zeros(C + 1, dtype=torch.float64)  # A at the first position of each block
     for c in range(C - 1, -1, -1):
-        firsts[c] = loc_first[c] + gl ** L * firsts[c + 1]
+        firsts[c] = loc_first[c] + gl**L * firsts[c + 1]
     A = (loc + decay[None, :] * firsts[1:, None].to(r.device)).flatten()[:K]
     # every position: the advantage of the first action at or after it (0 past the last one)
     k = torch.searchsorted(idx, torch.arange(r.numel(), device=r.device))

@@ -1,15 +1,15 @@
 """kl_penalty and kl_penalized_rewards on the GPU (Triton; no CUDA C++ kernel: an elementwise op
 gains nothing from one), and the eager composition, against the float64 formulas: every estimator
 and clamp preset, forward and gradient, log-ratios up to 40 (clamps and overflow)."""
+
 import pytest
 import torch
+from _gpu import DEVICE, MARKS, close, require
+from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.kl import reference as R
-
-from _gpu import DEVICE, MARKS, close, require
-from _utils import GRAD_TOL, TOL, poisoned
 
 pytestmark = MARKS
 BACKENDS = ["triton", "eager"]
@@ -55,10 +55,19 @@ def test_kl_penalized_rewards(backend):
     scores = torch.randn(37, device=DEVICE)
     beta = torch.rand(37, device=DEVICE)
     code = R.parse_estimator("k3")[0]
-    want = R.kl_penalized_rewards(scores.double(), lp.double(), ref.double(), mask, beta.double(),
-                                  code, R.resolve_clamp("verl", code))
+    want = R.kl_penalized_rewards(
+        scores.double(),
+        lp.double(),
+        ref.double(),
+        mask,
+        beta.double(),
+        code,
+        R.resolve_clamp("verl", code),
+    )
     with use_backend(kl_penalized_rewards=backend), poisoned():
-        got = pk.kl_penalized_rewards(scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl")
+        got = pk.kl_penalized_rewards(
+            scores, lp, ref, mask, beta=beta, estimator="k3", clamp="verl"
+        )
     assert len(got) == len(want) == 3  # rewards, kl, mean kl
     for g, w in zip(got, want):
         close(g, w, **TOL[torch.float32])

@@ -2,26 +2,28 @@
 against the float64 reference on materialised logits, forward (log-probs, entropy) and the
 gradients of hidden, weight and bias; whole-vocabulary tiles and vocabulary chunks, odd H and V,
 bias, temperature, and the production size H=4096, V=152064."""
+
 import pytest
 import torch
+from _gpu import DEVICE, MARKS, big, close, close_scaled, require
+from _utils import GEMM_GRAD_TOL, GEMM_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference as ref
 from ppo_kernels.token_logprobs import reference as tl_ref
 
-from _gpu import DEVICE, MARKS, big, close, close_scaled, require
-from _utils import GEMM_GRAD_TOL, GEMM_TOL, poisoned
-
 pytestmark = MARKS
 OP = "linear_token_logprobs"
 BACKENDS = ["cpp", "triton", "eager"]
 # (N, H, V, dtype, bias, max_chunk_bytes): None = one whole-vocabulary tile; 200 kB = chunks
-CASES = [(300, 257, 5003, torch.float32, True, None),
-         (300, 257, 5003, torch.bfloat16, False, None),
-         (300, 257, 5003, torch.float16, True, 200_000),
-         (300, 257, 5003, torch.bfloat16, True, 200_000),
-         big(1024, 4096, 152064, torch.bfloat16, False, None)]
+CASES = [
+    (300, 257, 5003, torch.float32, True, None),
+    (300, 257, 5003, torch.bfloat16, False, None),
+    (300, 257, 5003, torch.float16, True, 200_000),
+    (300, 257, 5003, torch.bfloat16, True, 200_000),
+    big(1024, 4096, 152064, torch.bfloat16, False, None),
+]
 
 
 @pytest.mark.parametrize("N,H,V,dtype,bias,budget", CASES)
@@ -29,7 +31,7 @@ CASES = [(300, 257, 5003, torch.float32, True, None),
 def test_matches_float64(backend, N, H, V, dtype, bias, budget):
     require(OP, backend)
     h = torch.randn(N, H, device=DEVICE).to(dtype)
-    W = (torch.randn(V, H, device=DEVICE) / H ** 0.5).to(dtype)
+    W = (torch.randn(V, H, device=DEVICE) / H**0.5).to(dtype)
     b = torch.randn(V, device=DEVICE).to(dtype) if bias else None
     y = torch.randint(0, V, (N,), device=DEVICE)
     y[::7] = -100
@@ -40,9 +42,15 @@ def test_matches_float64(backend, N, H, V, dtype, bias, budget):
     ((lp_r * g_lp).sum() + (ent_r * g_ent).sum()).backward()
     ours = [t.detach().clone().requires_grad_() for t in inputs]
     with use_backend(**{OP: backend}), poisoned():
-        lp, ent = pk.linear_token_logprobs(ours[0], ours[1], y, bias=ours[2] if bias else None,
-                                           temperature=0.9, return_entropy=True,
-                                           max_chunk_bytes=budget)
+        lp, ent = pk.linear_token_logprobs(
+            ours[0],
+            ours[1],
+            y,
+            bias=ours[2] if bias else None,
+            temperature=0.9,
+            return_entropy=True,
+            max_chunk_bytes=budget,
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     close(lp, lp_r, **GEMM_TOL)
     close(ent, ent_r, **GEMM_TOL)
@@ -56,9 +64,15 @@ def test_causal_lm_logprobs_tiny_qwen2(backend):
     """causal_lm_logprobs on a small random Qwen2 against the float64 log-softmax of its logits."""
     transformers = pytest.importorskip("transformers")
     require(OP, backend)
-    cfg = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = transformers.Qwen2ForCausalLM(cfg).to(DEVICE)
     ids = torch.randint(0, 1001, (2, 33), device=DEVICE)
     with torch.no_grad():

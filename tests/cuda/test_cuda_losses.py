@@ -3,16 +3,16 @@ fused elementwise pass plus a tiny combine gains nothing from one), and the eage
 against float64 compositions of the formulas (ppo-math.md): every aggregation mode, dual clip,
 extreme log-ratios, a fully masked row; group advantages by index and by group size up to B=8192;
 and a CUDA-graph capture of the policy loss's forward and backward (no host sync)."""
+
 import pytest
 import torch
+from _gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
+from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.group_advantages import reference as GR
 from ppo_kernels.losses import reference as R
-
-from _gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
-from _utils import GRAD_TOL, TOL, poisoned
 
 pytestmark = MARKS
 BACKENDS = ["triton", "eager"]
@@ -39,13 +39,15 @@ def test_policy_loss(backend, dtype, agg, dual):
     lp, old, adv, mask = _inputs(B, T, dtype)
     scale = 1.0 / T if agg.endswith("norm") else 1.0  # loss_scale_factor defaults to T
     x64 = lp.double().requires_grad_(True)
-    want, want_stats, _ = R.policy_loss(x64, old.double(), adv.double(), mask, 0.2, 0.28, dual, agg,
-                                        20.0, scale)
+    want, want_stats, _ = R.policy_loss(
+        x64, old.double(), adv.double(), mask, 0.2, 0.28, dual, agg, 20.0, scale
+    )
     (want_g,) = torch.autograd.grad(want, x64)
     x = lp.clone().requires_grad_(True)
     with use_backend(ppo_policy_loss=backend), poisoned():
-        loss, stats = pk.ppo_policy_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28,
-                                         dual_clip=dual, agg=agg)
+        loss, stats = pk.ppo_policy_loss(
+            x, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual, agg=agg
+        )
         (g,) = torch.autograd.grad(loss, x)
     close(loss, want.detach(), **TOL[dtype])
     close(torch.stack(list(stats.values())), want_stats, **TOL[dtype])
@@ -84,8 +86,11 @@ def test_group_advantages(backend, Bg):
     tol = TOL[torch.float32]
     with use_backend(group_advantages=backend), poisoned():
         close(pk.grpo_advantages(s, idx), GR.group_advantages(s, idx), **tol)
-        close(pk.grpo_advantages(s, group_size=8, mask=mask),
-              GR.group_advantages(s, None, 8, mask=mask), **tol)
+        close(
+            pk.grpo_advantages(s, group_size=8, mask=mask),
+            GR.group_advantages(s, None, 8, mask=mask),
+            **tol,
+        )
         close(pk.rloo_advantages(s, idx), GR.group_advantages(s, idx, kind="rloo"), **tol)
 
 
@@ -99,8 +104,9 @@ def test_policy_loss_cuda_graph():
     x = lp.clone().requires_grad_(True)
 
     def step():
-        loss, st = pk.ppo_policy_loss(x, old, adv, mask, dual_clip=3.0, agg="seq-mean-token-mean",
-                                      global_batch_size=nseq)
+        loss, st = pk.ppo_policy_loss(
+            x, old, adv, mask, dual_clip=3.0, agg="seq-mean-token-mean", global_batch_size=nseq
+        )
         loss2, _ = pk.ppo_policy_loss(x, old, adv, mask, global_num_tokens=ntok, dp_size=2)
         (gx,) = torch.autograd.grad(loss + loss2, x)
         return loss, st["clip_frac"], gx

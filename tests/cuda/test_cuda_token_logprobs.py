@@ -1,15 +1,15 @@
 """token_logprobs on the GPU: the CUDA (cpp) and Triton kernels against the float64 reference,
 forward and gradient, up to the Qwen vocabulary (V=152064), strided logits, out-of-range labels and
 a CUDA-graph capture (no host sync on the path)."""
+
 import pytest
 import torch
+from _gpu import DEVICE, DRY_RUN, MARKS, big, close, close_scaled, graph_replay, require
+from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.token_logprobs import reference as ref
-
-from _gpu import DEVICE, DRY_RUN, MARKS, big, close, close_scaled, graph_replay, require
-from _utils import GRAD_TOL, TOL, poisoned
 
 pytestmark = MARKS
 OP = "token_logprobs"
@@ -75,6 +75,8 @@ def test_cuda_graph_capture(backend):
     require(OP, backend)
     logits, labels = _inputs((64,), 5000, torch.bfloat16)
     with use_backend(backend):
-        out = graph_replay(lambda: pk.token_logprobs(logits, labels),
-                           lambda: logits.copy_(torch.randn_like(logits)))
+        out = graph_replay(
+            lambda: pk.token_logprobs(logits, labels),
+            lambda: logits.copy_(torch.randn_like(logits)),
+        )
     close(out, ref.forward(logits.double(), labels)[0], **TOL[torch.bfloat16])
