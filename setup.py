@@ -10,6 +10,11 @@ found -- also on a machine without a GPU. Switches (environment variables):
                                  csrc/testing (no nvcc or GPU needed; CI sets it)
   TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
   MAX_JOBS                       parallel compile jobs (ninja)
+
+The extension must be compiled against the torch it will run with, so build with
+`pip install --no-build-isolation .` (pip's default build isolation would hide that torch; the
+build stops at once saying so). Next to the extension, `_C.torch_version` records the torch it was
+built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_backend.py).
 """
 import glob
 import os
@@ -35,6 +40,23 @@ def _default_cuda_home():
 
 
 _default_cuda_home()
+
+
+def _require_torch():
+    """The extension is compiled against the torch it will run with: stop at once, in one line,
+    when pip's build isolation hides it (instead of building against another torch)."""
+    hint = ("ppo-kernels: build with `pip install --no-build-isolation .` (torch installed "
+            "first): pip's default build isolation hides your torch, and the extension must be "
+            "compiled against the torch it runs with")
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(hint) from None
+    if "pip-build-env-" in torch.__file__:  # torch installed into an isolated build env
+        raise SystemExit(hint)
+
+
+_require_torch()
 
 
 def _flag(name):
@@ -85,6 +107,9 @@ def _extensions():
         # at::vec picks its 256-bit implementation from these two macros.
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     include_dirs = [os.path.join(ROOT, "csrc")]
+    # a torch upgrade (its version.py is rewritten) relinks the extension: never a stale build
+    # recorded as built against the new torch
+    depends = [os.path.join(os.path.dirname(torch.__file__), "version.py")]
 
     build_cuda = False
     why_not = None
@@ -117,14 +142,14 @@ def _extensions():
                 "--expt-relaxed-constexpr"]
         print(f"ppo-kernels: building CPU + CUDA kernels (arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
         main = cpp_extension.CUDAExtension(
-            "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs,
+            "ppo_kernels._C", sources + cuda_sources, include_dirs=include_dirs, depends=depends,
             extra_compile_args={"cxx": cxx,
                                 "nvcc": nvcc},
             extra_link_args=["-fopenmp"])
     else:
         print(f"ppo-kernels: building CPU kernels only ({why_not})")
         main = cpp_extension.CppExtension(
-            "ppo_kernels._C", sources, include_dirs=include_dirs,
+            "ppo_kernels._C", sources, include_dirs=include_dirs, depends=depends,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     exts = [main]
     if _flag("PPO_KERNELS_BUILD_SIMT"):
@@ -138,10 +163,27 @@ def _extensions():
     return exts
 
 
+TORCH_VERSION_FILE = "_C.torch_version"
+
+
 def _build_ext():
+    import torch
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=True)
+    class BuildExt(BuildExtension.with_options(use_ninja=True)):
+        def run(self):
+            super().run()
+            # next to the extension, in build/ and (--inplace) in the source tree: read by
+            # ppo_kernels._backend before it loads the extension
+            dirs, inplace = set(), self.inplace
+            for self.inplace in {0, inplace}:
+                dirs |= {os.path.dirname(self.get_ext_fullpath(e.name)) for e in self.extensions}
+            self.inplace = inplace
+            for d in dirs:
+                with open(os.path.join(d, TORCH_VERSION_FILE), "w") as f:
+                    f.write(torch.__version__ + "\n")
+
+    return BuildExt
 
 
 setup(
@@ -152,7 +194,7 @@ setup(
     ext_modules=_extensions(),
     cmdclass={"build_ext": _build_ext()},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
+    install_requires=["torch>=2.11", "numpy"],  # numpy: torch warns at import without it
     extras_require={
         "triton": ["triton>=3.6"],
         "test": ["pytest", "pytest-benchmark", "numpy", "expecttest", "hypothesis"],

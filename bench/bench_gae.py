@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
 from ppo_kernels.gae import reference as R  # noqa: E402
+from ppo_kernels.masked_stats import reference as MS  # noqa: E402
 from _common import median_seconds, peak_extra_bytes  # noqa: E402
 
 B, T = 256, 4096
@@ -31,17 +32,6 @@ def inputs(b, t):
     v = torch.randn(b, t, generator=g)
     m = torch.rand(b, t, generator=g) > 0.1
     return r, v, m
-
-
-def _verl_whiten(x, m):
-    """verl's masked_whiten (unbiased; the two `mask_sum == 0/1` checks are host syncs)."""
-    mean = (x * m).sum() / (m.sum() + 1e-8)
-    var = ((x - mean) ** 2 * m).sum() / (m.sum() + 1e-8)
-    n = m.sum()
-    if n == 0 or n == 1:
-        raise ValueError("too few")
-    var = var * (n / (n - 1))
-    return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
 def _copy_of(n_tokens):
@@ -79,7 +69,7 @@ def _cases():
             (case, "copy (same bytes moved)", _copy_of(LONG))]
     adv = torch.randn(B, T)
     case = f"masked_whiten B={B} T={T}"
-    out += [(case, "eager (verl masked_whiten)", lambda: _verl_whiten(adv, mf)),
+    out += [(case, "eager (verl masked_whiten)", lambda: MS.verl_masked_whiten(adv, mf)),
             (case, "ppo_kernels", lambda: pk.masked_whiten(adv, m))]
     return out
 

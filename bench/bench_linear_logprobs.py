@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import ppo_kernels as pk  # noqa: E402
 from _common import peak_extra_bytes  # noqa: E402
-from ppo_kernels.token_logprobs import reference as tl_ref  # noqa: E402
+from ppo_kernels.linear_logprobs import reference as ll_ref  # noqa: E402
 
 
 N, H, V = 1024, 256, 32000  # CPU size: the fp32 logits are 125 MiB
@@ -43,9 +43,7 @@ def impls(entropy=False, dtype=None):
         return f
 
     def mat_eager(x, w, y):
-        z = x @ w.T
-        lp = tl_ref.eager_logprobs(z, y)
-        return (lp, tl_ref.eager_entropy(z)) if entropy else lp
+        return ll_ref.eager_logprobs(x, w, y, return_entropy=entropy)
 
     def mat_fused(x, w, y):
         return pk.token_logprobs(x @ w.T, y, return_entropy=entropy)

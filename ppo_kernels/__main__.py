@@ -57,23 +57,32 @@ def _info(args):
         print(f"  handed off at run time: {op} on {d} ({b}): {what}")
 
 
+def _parser():
+    import ppo_kernels
+    parser = argparse.ArgumentParser(
+        prog="python -m ppo_kernels",
+        description="ppo-kernels: fused kernels for PPO-style RL on language models.",
+        epilog="python -m ppo_kernels train --help: the trainer's flags and examples")
+    parser.add_argument("--version", action="version", version=f"ppo-kernels {ppo_kernels.__version__}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{info,train}")
+    sub.add_parser("info", help="versions, compiled backends, and the backend each op uses")
+    sub.add_parser("train", help="the thin PPO / GRPO / DPO / RM trainer (the main job)",
+                   add_help=False)
+    return parser
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
         # argparse's REMAINDER does not pass on flags like --out through a subparser
         from ppo_kernels.trainer.cli import main as train_main
         return train_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m ppo_kernels")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="versions, compiled backends, and the backend each op uses")
-    pt = sub.add_parser("train", help="the thin PPO / GRPO / DPO / RM trainer", add_help=False)
-    pt.add_argument("rest", nargs=argparse.REMAINDER)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.cmd == "info":
         return _info(args)
-    if args.cmd == "train":
-        from ppo_kernels.trainer.cli import main as train_main
-        return train_main(args.rest)
+    parser.print_help()
+    return 0
 
 
 if __name__ == "__main__":

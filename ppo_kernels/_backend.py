@@ -23,7 +23,27 @@ BACKENDS = ("cpp", "triton", "eager")
 _ALIASES = {"cuda": "cpp", "native": "cpp", "c++": "cpp", "auto": "auto"}
 
 
+def _built_against():
+    """The torch version the extension was compiled against (setup.py writes it next to it)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.torch_version")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _load_extension():
+    built = _built_against()
+    if built is not None and built != torch.__version__ and \
+            os.environ.get("PPO_KERNELS_NO_EXTENSION") != "1":
+        # never dlopen it: another torch's ABI can crash instead of failing cleanly
+        msg = (f"ppo_kernels: the compiled extension was built against torch {built} but torch "
+               f"{torch.__version__} is running; it is not loaded (ops run through Triton on the "
+               f"GPU and eager PyTorch on the CPU). Rebuild it against this torch: `pip install "
+               f"--no-build-isolation .` (or `python setup.py build_ext --inplace`).")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return False, msg
     try:
         if os.environ.get("PPO_KERNELS_NO_EXTENSION") == "1":
             raise ImportError("disabled by PPO_KERNELS_NO_EXTENSION=1")

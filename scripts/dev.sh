@@ -1,35 +1,88 @@
 #!/usr/bin/env bash
 # Set up ppo-kernels on a fresh machine and run something, in one command:
-#   bash scripts/dev.sh test     # build, then the whole test suite
-#   bash scripts/dev.sh demo     # build, then the main job: PPO demo (fused vs eager) + benchmarks
-#   bash scripts/dev.sh bench    # build, then the CPU benchmark table
+#   bash scripts/dev.sh demo     # the main job: PPO with fused ops, then eager ops, side by side
+#   bash scripts/dev.sh test     # the test suite
+#   bash scripts/dev.sh bench    # the CPU benchmark tables (rewrites bench/results/, on purpose)
 #   bash scripts/dev.sh setup    # only create the venv and build
-# Environment: VENV (default .venv), TORCH (default 2.14.1, the CUDA 13.0 build; 2.13.0 is the
-# CPU-only build), PYTHON (default python3), MAX_JOBS, PPO_KERNELS_FORCE_CUDA / _SKIP_CUDA_BUILD.
+# The torch build follows the machine: with an NVIDIA GPU, torch 2.14.1 (CUDA 13.0) and the C++ +
+# CUDA kernels; without one, the CPU-only torch 2.13.0 and the C++ kernels. PPO_KERNELS_FORCE_CUDA=1
+# (or TORCH=2.14.1) takes the CUDA build on a machine without a GPU (CI does, to compile the CUDA
+# kernels). Later calls reuse the venv and rebuild only what changed (ninja), so they take seconds.
+# Environment: VENV (default .venv), TORCH, PYTHON (default python3), MAX_JOBS (default 2),
+# PPO_KERNELS_FORCE_CUDA / PPO_KERNELS_SKIP_CUDA_BUILD.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${VENV:-.venv}")
-TORCH=${TORCH:-2.14.1}
 PY=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-2}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+TORCH_CUDA=2.14.1 TORCH_CPU=2.13.0
+
+say() { echo "== $*"; }
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+
+if [ -z "${TORCH:-}" ]; then
+  if has_gpu || [ "${PPO_KERNELS_FORCE_CUDA:-0}" = 1 ]; then
+    TORCH=$TORCH_CUDA
+  else
+    TORCH=$TORCH_CPU
+    say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
+        "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)"
+  fi
+fi
+TORCH_PIP=("torch==$TORCH")
+if [ "$TORCH" = "$TORCH_CPU" ] && "$PY" -c \
+    "import socket; socket.getaddrinfo('download.pytorch.org', 443)" >/dev/null 2>&1; then
+  # PyPI's Linux torch is the CUDA build; the CPU-only wheel (+cpu, ~190 MB) is on PyTorch's index
+  TORCH_PIP+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+DEPS=(ninja numpy pytest pytest-benchmark expecttest hypothesis "transformers>=4.45" tqdm matplotlib)
 
 pip_() {  # pip without this machine's "Location ... is ignored" noise; failures still fail
   "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
 }
 
+build_filter() {  # ninja's [n/m] lines shortened to the source file; other output passes
+  local line n src
+  while IFS= read -r line; do
+    case "$line" in
+      "["[0-9]*/[0-9]*"] "*)
+        n=${line%%]*}]
+        if [[ $line == *" -c "* ]]; then
+          src=${line##* -c }; src=${src%% *}; echo "$n compiling csrc/${src#*/csrc/}"
+        else
+          echo "$n linking"
+        fi ;;
+      "Emitting ninja"*|"Compiling objects"*|"Allowing ninja"*|*" -shared "*) ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done
+}
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
     "$PY" -m venv "$VENV"
     pip_ install -q --upgrade pip setuptools wheel
   fi
-  pip_ install -q "torch==$TORCH" ninja pytest pytest-benchmark numpy expecttest hypothesis \
-    "transformers>=4.45" tqdm matplotlib
-  # Compiled against the torch just installed: C++ kernels, plus CUDA kernels if torch is a CUDA
-  # build and nvcc is found (no GPU needed).
-  pip_ install -q --no-build-isolation -e .
-  "$VENV/bin/python" -c "import ppo_kernels._C" || { echo "the extension did not build" >&2; exit 1; }
-  "$VENV/bin/python" -m ppo_kernels info
+  # dependencies: only when the wanted set changed since the last call
+  local want="${TORCH_PIP[*]} ${DEPS[*]}"
+  if [ "$(cat "$VENV/.ppo_deps" 2>/dev/null)" != "$want" ]; then
+    say "installing torch $TORCH and the test / trainer dependencies (first time: 1-3 min on a" \
+        "CPU machine, more for the 2.5 GB CUDA build)"
+    pip_ install -q "${TORCH_PIP[@]}" "${DEPS[@]}"
+    echo "$want" > "$VENV/.ppo_deps"
+  fi
+  # the package from this checkout (a .pth, no editable-install machinery), compiled in place
+  # against the torch just installed; ninja rebuilds only the sources that changed
+  "$VENV/bin/python" -c "import site; open(site.getsitepackages()[0] + '/ppo_kernels_dev.pth', 'w').write('$PWD\n')"
+  say "compiling the extension (ninja: only sources changed since the last build)"
+  "$VENV/bin/python" setup.py -q build_ext --inplace 2>&1 | build_filter
+  local info
+  info=$("$VENV/bin/python" -m ppo_kernels info)
+  echo "$info"
+  grep -q "^compiled extension: yes" <<< "$info" || { echo "the extension did not build" >&2; exit 1; }
 }
 
 # The peers for the drop-in tests (tests/test_integrations*.py) and the parity tests: the supported
@@ -48,15 +101,15 @@ peers() {
 }
 
 cmd=${1:-test}
+case "$cmd" in setup|test|bench|demo) ;; *) echo "usage: $0 {setup|test|bench|demo}" >&2; exit 2 ;; esac
 setup
 case "$cmd" in
-  setup) ;;
   test) peers; "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
-    if [ -f ppo_kernels/trainer/cli.py ]; then
-      "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo "${@:2}"
-    fi
-    "$VENV/bin/python" bench/run.py --ops token_logprobs ;;
-  *) echo "usage: $0 {setup|test|bench|demo}" >&2; exit 2 ;;
+    say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
+    # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
+    # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
+    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
+      "${@:2}" ;;
 esac

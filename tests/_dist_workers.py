@@ -179,6 +179,13 @@ def case_data_parallel_whiten(rank, world):
                                atol=1e-5, rtol=1e-5)
     mean = pk.masked_mean(xs[rank], ws[rank], process_group=dist.group.WORLD)
     torch.testing.assert_close(mean, pk.masked_mean(cat_x, cat_w), atol=1e-3, rtol=1e-6)
+    # finite inputs of any spread: per-rank scales differ by powers of two, nothing overflows
+    big = [x / 5e3 * (1e38 if r == 0 else 1e20) for r, x in enumerate(xs)]
+    cat_b = torch.cat([b.reshape(-1) for b in big])
+    got = pk.masked_whiten(big[rank], ms[rank], process_group=dist.group.WORLD)
+    want = pk.masked_whiten(cat_b, cat_m)[off:off + xs[rank].numel()]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.reshape(-1), want, atol=1e-5, rtol=1e-4)
 
 
 def case_data_parallel_grpo(rank, world):

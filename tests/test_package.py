@@ -61,3 +61,34 @@ def test_every_registered_op_is_opchecked_somewhere():
     ops = {n for n in dir(torch.ops.ppo_kernels) if not n.startswith("_") and n != "name"}
     assert ops, "no ops registered"
     assert ops <= checked, f"ops without an opcheck test: {sorted(ops - checked)}"
+
+
+def test_extension_built_against_another_torch_is_not_loaded(tmp_path):
+    """setup.py records the torch the extension was compiled against; under another torch it is
+    not loaded, with one warning naming both versions."""
+    import shutil
+    shutil.copytree(os.path.join(ROOT, "ppo_kernels"), tmp_path / "ppo_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "ppo_kernels" / "_C.torch_version").write_text("2.0.0+other\n")
+    code = ("import ppo_kernels, torch\n"
+            "from ppo_kernels import _backend\n"
+            "assert not _backend.HAS_EXTENSION\n"
+            "assert ppo_kernels.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)).shape == (2,)\n"
+            "print('OK')\n")
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+    msg = f"built against torch 2.0.0+other but torch {torch.__version__} is running"
+    assert r.stderr.count(msg) == 1, r.stderr
+    assert "--no-build-isolation" in r.stderr
+
+
+def test_no_args_prints_help_and_version():
+    r = subprocess.run([sys.executable, "-m", "ppo_kernels"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "usage: python -m ppo_kernels" in r.stdout, r.stderr
+    assert "info" in r.stdout and "train" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "ppo_kernels", "--version"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == f"ppo-kernels {ppo_kernels.__version__}"

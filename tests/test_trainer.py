@@ -5,14 +5,25 @@ import random
 import pytest
 import torch
 
+from ppo_kernels.gae import reference as gae_ref
 from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
-from ppo_kernels.trainer import ops as tops
 from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
 from ppo_kernels.trainer.config import config_from_args
-from ppo_kernels.trainer.models import ValueModel, frozen_copy, last_index, lm_head, tiny_model
+from ppo_kernels.trainer.models import (
+    ValueModel,
+    frozen_copy,
+    last_index,
+    lm_head,
+    tiny_model,
+)
 from ppo_kernels.trainer.models import token_logprobs as model_logprobs
 from ppo_kernels.trainer.rollout import generate
-from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask, Problem, calculator
+from ppo_kernels.trainer.task import (
+    CharTokenizer,
+    DecimalAdditionTask,
+    Problem,
+    calculator,
+)
 
 MODES = ["eager", "fused"]
 
@@ -28,7 +39,7 @@ def _one_thread():
 
 
 def tiny_cfg(**kw):
-    base = dict(hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
+    base = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=4, minibatch_size=2,
                 max_new_tokens=40, eval_prompts=4, progress=False, plot=False)
     base.update(kw)
     return TrainConfig(**base).validate()
@@ -45,7 +56,7 @@ def test_task_running_example():
     assert calculator("0.10+0.20") == "0.30000000000000004"
     assert task.tool_response("{0.10+0.20}") == "0.30000000000000004|"
     assert task.tool_response("{0.10+0.20") is None
-    resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))  # noqa: E731
+    resp = lambda kind: "".join(t for t, _ in task.segments(p, kind))
     assert resp("format") == "{0.10+0.20}0.30000000000000004|0.30$"
     assert task.verify(p, resp("format")) == 1.0
     assert task.verify(p, resp("copy")) == 0.0       # execution B: the float printed verbatim
@@ -166,7 +177,7 @@ def test_model_without_head_is_refused():
     from transformers import LlamaConfig, LlamaModel
     m = LlamaModel(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
                                num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(ConfigError, match="no linear LM head"):
+    with pytest.raises(ConfigError, match="no accessible LM head"):
         lm_head(m)
 
 
@@ -307,7 +318,7 @@ def test_eager_gae_matches_literal_loop_batched():
     torch.manual_seed(3)
     m = (torch.rand(5, 17) > 0.4).float()
     r, v, boot = torch.randn(5, 17), torch.randn(5, 17), torch.randn(5)
-    adv, _ = tops.eager_gae(r, v, m, 0.97, 0.9, boot)
+    adv, _ = gae_ref.verl_gae_loop(r, v, m, 0.97, 0.9, boot)
     for i in range(5):
         ref = _gae_by_hand(r[i].tolist(), v[i].tolist(), m[i].tolist(), 0.97, 0.9, boot[i].item())
         torch.testing.assert_close(adv[i], torch.tensor(ref), atol=1e-5, rtol=1e-5)
@@ -337,3 +348,53 @@ def test_fused_mode_reports_what_it_ran(monkeypatch):
     assert not e.used and not e.fallbacks
     with pytest.raises(ValueError, match="ops"):
         Ops("fast")
+
+
+def test_cli_without_transformers_is_one_line(monkeypatch, capsys, tmp_path):
+    from ppo_kernels.trainer.cli import main
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
+    assert main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'ppo-kernels[train]'" in err, err
+
+
+def test_train_help_ends_with_three_examples(capsys):
+    from ppo_kernels.trainer.cli import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    tail = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert all(line.strip().startswith("python -m ppo_kernels train") for line in tail), tail
+
+
+def test_resume_names_a_missing_checkpoint(tmp_path):
+    from ppo_kernels.trainer.cli import checkpoint_path
+    with pytest.raises(ConfigError, match="--resume"):
+        checkpoint_path(str(tmp_path))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert checkpoint_path(str(tmp_path)) == str(tmp_path / "checkpoint.pt")
+
+
+def test_eager_ops_materialise_the_logits_and_fused_do_not():
+    """--ops eager is what trainers run today (the [N, V] logits and their float32 softmax), the
+    tensor-peak measurement of --compare sees it, and the fused op stays far below it."""
+    from ppo_kernels._memory import tensor_peak
+    torch.manual_seed(0)
+    N, H, V = 256, 16, 32000
+    h = torch.randn(N, H, requires_grad=True)
+    w = (torch.randn(V, H) / 4).requires_grad_()
+    labels = torch.randint(0, V, (N,))
+    labels[:7] = -100
+    peaks, outs = {}, {}
+    for mode in MODES:
+        with tensor_peak("cpu") as peak:
+            lp, ent = Ops(mode).logprobs_from_hidden(h, w, None, labels, temperature=0.7,
+                                                     return_entropy=True)
+            (lp.sum() + ent.sum()).backward()
+        peaks[mode], outs[mode] = peak.bytes, (lp, ent)
+    logits_bytes = N * V * 4
+    assert peaks["eager"] >= 2 * logits_bytes, peaks
+    # (at this N one vocabulary tile of the fused op is the whole width: it holds ~ one logits)
+    assert 4 * peaks["fused"] < peaks["eager"], peaks
+    for a, b in zip(outs["eager"], outs["fused"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert (outs["eager"][0][:7] == 0).all() and (outs["eager"][1][:7] == 0).all()

@@ -23,13 +23,13 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--sft-steps", "20", "--sft-batch", "16",
+TINY = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--heads", "2", "--sft-steps", "20", "--sft-batch", "16",
         "--eval-prompts", "8", "--prompts-per-step", "8", "--minibatch-size", "4",
         "--max-new-tokens", "36", "--no-progress", "--threads", "1"]
 
 
 def _tiny_cfg(**kw):
-    base = dict(hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=8, minibatch_size=4,
+    base = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=0, prompts_per_step=8, minibatch_size=4,
                 max_new_tokens=36, progress=False, plot=False, ent_coef=0.01)
     base.update(kw)
     return TrainConfig(**base).validate()
@@ -84,13 +84,13 @@ class _PartialCredit(DecimalAdditionTask):
 
 
 def test_checkpoint_resume_gives_the_same_continuation(tmp_path):
-    args = dict(hidden=32, layers=1, heads=2, sft_steps=10, sft_batch=8, eval_prompts=4,
+    args = dict(vocab=64, hidden=32, layers=1, heads=2, sft_steps=10, sft_batch=8, eval_prompts=4,
                 prompts_per_step=8, minibatch_size=4, max_new_tokens=36, progress=False,
                 plot=False, sft_cache=str(tmp_path / "sft"), threads=1)
     full = run(TrainConfig(**args, steps=3, out=str(tmp_path / "full")).validate(), log=lambda *a: None)
     run(TrainConfig(**args, steps=1, out=str(tmp_path / "part")).validate(), log=lambda *a: None)
     resumed = run(TrainConfig(**args, steps=3, out=str(tmp_path / "part"),
-                              resume=str(tmp_path / "part" / "checkpoint.pt")).validate(),
+                              resume=str(tmp_path / "part")).validate(),
                   log=lambda *a: None)
 
     def rows(d):
@@ -173,3 +173,16 @@ def test_cuda_smoke(tmp_path, ops):
                  "--sft-cache", str(tmp_path / "sft"), *TINY]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["peak_memory_kind"] == "cuda_max_memory_allocated" and s["peak_memory_bytes"] > 0
+
+
+def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["--out", str(out), "--steps", "2", "--compare", "--sft-cache",
+                 str(tmp_path / "sft"), *TINY]) == 0
+    text = capsys.readouterr().out
+    assert "fused/eager" in text and "peak tensor memory" in text, text
+    assert text.rstrip().endswith(f"plot: {out / 'curves.png'}"), text
+    assert (out / "compare.txt").read_text() in text
+    for run_dir in (out, out / "compare_eager"):
+        s = json.loads((run_dir / "summary.json").read_text())
+        assert s["peak_memory_bytes"] > 0 and s["seconds_per_step"] > 0

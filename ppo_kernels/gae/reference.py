@@ -161,10 +161,12 @@ def _eager_packed(rewards, values, mask, gamma, lam, dones, init_value, init_adv
 
 # ---- peers' loops (benchmark baselines and parity tests), written from their semantics ----
 
-def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
+def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam, bootstrap_value=None):
     """verl's compute_gae_advantage_return before its whitening: masked positions are skipped,
-    carrying the next action's value and advantage (13 tensor ops per step)."""
-    nextvalues = 0
+    carrying the next action's value and advantage (13 tensor ops per step). `bootstrap_value`
+    [B] (not in verl, which always starts from 0): V after each row's last action, for rows
+    truncated by the response budget (the trainer's `--ops eager` passes it)."""
+    nextvalues = 0 if bootstrap_value is None else bootstrap_value
     lastgaelam = 0
     out = []
     for t in reversed(range(token_level_rewards.shape[-1])):

@@ -1,5 +1,8 @@
 """causal_lm_logprobs: per-token log-probs (and entropy) of a `transformers` causal LM's own tokens,
-through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built."""
+through the LM head with linear_token_logprobs, so the [B, T, V] logits are never built.
+
+The helpers that take a transformers model apart (`backbone`, `lm_head`, `logit_transform`) live
+here once; the trainer (ppo_kernels/trainer/models.py) uses them too."""
 from __future__ import annotations
 
 from torch import Tensor
@@ -13,7 +16,7 @@ from .op import linear_token_logprobs
 _LOGIT_TRANSFORMS = ("logit_softcapping", "logits_scaling", "logit_scale")
 
 
-def _backbone(model):
+def backbone(model):
     """The decoder that produces the last hidden states (model.model, model.transformer, ...)."""
     dec = None
     if hasattr(model, "get_decoder"):
@@ -30,7 +33,8 @@ def _backbone(model):
     return dec
 
 
-def _lm_head(model):
+def lm_head(model):
+    """(weight [V, H], bias or None) of the model's output embedding; ValueError if none."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
@@ -51,16 +55,28 @@ def _softcap(model):
     return caps.pop() if caps else None
 
 
-def _check_logit_transforms(model):
+def _transforms(model, names):
+    """(config field, value) of each of `names` the model applies to its logits."""
     for c in _configs(model):
-        for name in _LOGIT_TRANSFORMS:
+        for name in names:
             val = getattr(c, name, None)
             if val is None or ("scal" in name and val == 1):  # a scale of 1 changes nothing
                 continue
-            raise NotImplementedError(
-                f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
-                "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
-                "does not support; compute the logits with the model instead")
+            yield name, val
+
+
+def logit_transform(model):
+    """(config field, value) of the first transform the model applies to its logits after the LM
+    head (soft-capping included, scaling), or None when they are the LM head's output."""
+    return next(_transforms(model, ("final_logit_softcapping",) + _LOGIT_TRANSFORMS), None)
+
+
+def _check_logit_transforms(model):
+    for name, val in _transforms(model, _LOGIT_TRANSFORMS):
+        raise NotImplementedError(
+            f"causal_lm_logprobs: {type(model).__name__} applies config.{name}={val} to its "
+            "logits (soft-capping / scaling after the LM head), which linear_token_logprobs "
+            "does not support; compute the logits with the model instead")
 
 
 def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None = None, *,
@@ -98,9 +114,8 @@ def causal_lm_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None =
     check_int("ignore_index", ignore_index)
     check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
-    weight, bias = _lm_head(model)
-    backbone = _backbone(model)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+    weight, bias = lm_head(model)
+    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                    **model_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     hidden = hidden[:, :-1]

@@ -32,11 +32,12 @@ def forward(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-10
                           with_entropy)
 
 
-def eager_logprobs(hidden, weight, labels, bias=None, temperature=1.0):
-    """What trainers do today (benchmark baseline): logits in the input dtype, upcast,
-    log_softmax, gather."""
+def eager_logprobs(hidden, weight, labels, bias=None, temperature=1.0, return_entropy=False):
+    """What trainers do today (the benchmark baseline and the trainer's `--ops eager`): the LM
+    head materialises the logits in the input dtype, then upcast, log_softmax, gather (and the
+    entropy of the full distribution); see token_logprobs/reference.eager_logprobs."""
     z = torch.nn.functional.linear(hidden, weight, bias)
-    return tl_ref.eager_logprobs(z, labels, temperature)
+    return tl_ref.eager_logprobs(z, labels, temperature, return_entropy)
 
 
 # ---- eager tile kernels (the `eager` backend; also the spec of the C++ and Triton ones) ----

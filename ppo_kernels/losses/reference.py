@@ -217,10 +217,13 @@ def eager_policy_loss_verl_style(logprobs, old_logprobs, advantages, mask, clip_
     pg2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     c1 = torch.maximum(pg1, pg2)
     cf = _masked_mean(torch.gt(pg2, pg1).float(), mask)
-    pg3 = -advantages * dual_clip
-    c2 = torch.min(pg3, c1)
-    cfl = _masked_mean(torch.gt(c1, pg3) * (advantages < 0).float(), mask)
-    pg = torch.where(advantages < 0, c2, c1)
+    if dual_clip is None:  # the trainer's --dual-clip default (verl always applies clip_ratio_c)
+        pg, cfl = c1, torch.zeros_like(cf)
+    else:
+        pg3 = -advantages * dual_clip
+        c2 = torch.min(pg3, c1)
+        cfl = _masked_mean(torch.gt(c1, pg3) * (advantages < 0).float(), mask)
+        pg = torch.where(advantages < 0, c2, c1)
     if agg == "token-mean":
         loss = (torch.where(mask.bool(), pg, 0.0) * mask).sum() / mask.sum()
     else:

@@ -59,7 +59,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
     gives 0 with `empty="zero"` (verl divides by count + 1e-8 and gets 0 too) and NaN with
     `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x).
     process_group: the mean over the data of every rank of this torch.distributed group (dim must
-    be None), with one all-gather of three numbers and no host sync."""
+    be None), with one all-gather of four numbers per rank and no host sync."""
     _check_empty(empty)
     xf, m, w = _prep(x, mask)
     _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
@@ -68,7 +68,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero",
             raise ValueError("dim: a data-parallel masked_mean (process_group) reduces everything; "
                              "pass dim=None")
         from ..distributed import global_moments
-        n, mean, _ = global_moments(xf, m, process_group, w)
+        n, mean, _, scale = global_moments(xf, m, process_group, w)
+        mean = mean * scale
         return mean if empty == "zero" else torch.where(n != 0, mean, float("nan"))
     s = torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device))
     s, n = (s.sum(), w.sum()) if dim is None else (s.sum(dim), w.sum(dim))

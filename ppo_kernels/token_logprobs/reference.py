@@ -83,13 +83,17 @@ def backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperat
     return g.to(logits.dtype)
 
 
-def eager_logprobs(logits, labels, temperature=1.0):
-    """What trainers do today (the benchmark baseline): upcast, log_softmax, gather."""
+def eager_logprobs(logits, labels, temperature=1.0, return_entropy=False):
+    """What trainers do today (the benchmark baseline and the trainer's `--ops eager`): upcast,
+    log_softmax, gather; with return_entropy also the entropy of the full distribution, computed
+    separately as verl's entropy_from_logits does. Labels must be in [0, V)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return (lp, eager_entropy(logits, temperature)) if return_entropy else lp
 
 
 def eager_entropy(logits, temperature=1.0):
+    """verl's entropy_from_logits: softmax, then logsumexp(z) - sum(p * z), in float32."""
     z = logits.float() / temperature
     p = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)

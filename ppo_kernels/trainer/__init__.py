@@ -5,7 +5,7 @@ ops (`python -m ppo_kernels train --help`).
 - task.py     the embedded decimal-addition-with-calculator task, verifier, demonstrations
 - models.py   Actor / Reference / Critic / reward model on transformers models
 - rollout.py  sampling in the multi-turn tool environment; batches with action masks
-- ops.py      every per-token computation: fused ppo_kernels op or the eager reference
+- ops.py      every per-token computation: the fused op, or the eager code trainers run today
 - algos.py    SFT, evaluation, PPO / GRPO steps, reward-model training, DPO
 - cli.py      `main(argv)`: run a job, metrics.jsonl, summary.json, curves.png, --compare
 """

@@ -2,6 +2,7 @@
 computation goes through `Ops` (fused ppo_kernels ops or the eager references)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -37,7 +38,7 @@ def pairs_batch(tok, problems, segs_list, device) -> SeqBatch:
 # ---------------------------------------------------------------------------------------------
 # SFT and evaluation
 # ---------------------------------------------------------------------------------------------
-def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print):
+def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print, on_step=None):
     """Warm-up on generated demonstrations (loss on action tokens only)."""
     rng = random.Random(cfg.seed + 1)
     opt = _adamw(actor.parameters(), cfg.sft_lr, 0.0)
@@ -46,13 +47,15 @@ def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print):
     for step in range(cfg.sft_steps):
         probs = [task.sample_problem(rng) for _ in range(cfg.sft_batch)]
         b = pairs_batch(tok, probs, [task.demonstration(p, rng) for p in probs], cfg.device)
-        lp = token_logprobs(ops, actor, *b.model_inputs())
+        lp = token_logprobs(ops, actor, *b.model_inputs(), only=b.action_mask)
         loss = -ops.masked_mean(lp, b.action_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
         opt.step()
         sched.step()
+        if on_step is not None:
+            on_step(step, loss.item())
         if step % 100 == 0 or step == cfg.sft_steps - 1:
             log(f"sft step {step:4d}  loss {loss.item():.4f}")
     actor.eval()
@@ -142,9 +145,9 @@ class RLTrainer:
         """Old and Reference log-probs, values, rewards and advantages, in batch."""
         cfg, ops = self.cfg, self.ops
         inputs = b.model_inputs()
-        old_lp = token_logprobs(ops, self.actor, *inputs, temperature=cfg.temperature)
-        ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature)
         mask = b.action_mask
+        old_lp = token_logprobs(ops, self.actor, *inputs, temperature=cfg.temperature, only=mask)
+        ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature, only=mask)
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
             seq_adv = (ops.rloo_advantages(scores, cfg.group_size) if cfg.group_advantage == "rloo"
@@ -185,7 +188,8 @@ class RLTrainer:
                 mb = b.rows(idx)
                 mask = mb.action_mask
                 lp, ent = token_logprobs(ops, self.actor, *mb.model_inputs(),
-                                         temperature=cfg.temperature, return_entropy=True)
+                                         temperature=cfg.temperature, return_entropy=True,
+                                         only=mask)
                 pg, st = ops.ppo_policy_loss(lp, d["old_logprobs"][idx], d["advantages"][idx],
                                              mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                              dual_clip=cfg.dual_clip)
@@ -261,8 +265,11 @@ def rm_accuracy(cfg, rm, tok, problems, pairs):
     return right / len(problems)
 
 
-def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None):
-    """Backbone (from the SFT Actor) + scalar head, pairwise loss on 'A preferred to B'."""
+def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None,
+                       around_step=None):
+    """Backbone (from the SFT Actor) + scalar head, pairwise loss on 'A preferred to B'.
+    `around_step(step)`: a context manager around each optimiser step (timing, memory)."""
+    around_step = around_step or (lambda step: contextlib.nullcontext())
     rm = ValueModel.from_causal_lm(actor)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
     ev_problems, ev_pairs = preference_data(cfg, tok, task, cfg.eval_pairs, cfg.seed + 11)
@@ -272,13 +279,14 @@ def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_ste
     for step in range(steps):
         rm.train()
         lo = (step % nb) * cfg.pref_batch
-        ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
-        rc, rr = rm.score(*ch.model_inputs()), rm.score(*rj.model_inputs())
-        loss = ops.reward_model_loss(rc, rr)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
-        opt.step()
+        with around_step(step):
+            ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
+            rc, rr = rm.score(*ch.model_inputs()), rm.score(*rj.model_inputs())
+            loss = ops.reward_model_loss(rc, rr)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
+            opt.step()
         if on_step:
             on_step(step, {"rm_loss": loss.item(), "rm_grad_norm": gn.item(),
                            "train_pair_accuracy": (rc > rr).float().mean().item()})
@@ -290,12 +298,14 @@ def train_reward_model(cfg, actor, tok, task, ops: Ops, steps, log=print, on_ste
 
 
 def seq_logprob_sums(ops, model, b: SeqBatch):
-    lp = token_logprobs(ops, model, *b.model_inputs())
+    lp = token_logprobs(ops, model, *b.model_inputs(), only=b.action_mask)
     return (lp * b.action_mask).sum(1)
 
 
-def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None):
-    """Offline DPO on the preference pairs; the Reference is the frozen SFT Actor."""
+def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None):
+    """Offline DPO on the preference pairs; the Reference is the frozen SFT Actor.
+    `around_step(step)`: a context manager around each optimiser step (timing, memory)."""
+    around_step = around_step or (lambda step: contextlib.nullcontext())
     ref = frozen_copy(actor)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
     opt = _adamw(actor.parameters(), cfg.dpo_lr, cfg.weight_decay)
@@ -303,15 +313,16 @@ def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None):
     for step in range(cfg.steps):
         actor.train()
         lo = (step % nb) * cfg.pref_batch
-        ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
-        with torch.no_grad():
-            rc, rr = seq_logprob_sums(ops, ref, ch), seq_logprob_sums(ops, ref, rj)
-        pc, pr = seq_logprob_sums(ops, actor, ch), seq_logprob_sums(ops, actor, rj)
-        loss = ops.dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.max_grad_norm)
-        opt.step()
+        with around_step(step):
+            ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
+            with torch.no_grad():
+                rc, rr = seq_logprob_sums(ops, ref, ch), seq_logprob_sums(ops, ref, rj)
+            pc, pr = seq_logprob_sums(ops, actor, ch), seq_logprob_sums(ops, actor, rj)
+            loss = ops.dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.max_grad_norm)
+            opt.step()
         margin = cfg.dpo_beta * ((pc - rc) - (pr - rr)).detach()
         if on_step:
             on_step(step, {"dpo_loss": loss.item(), "grad_norm": gn.item(),

@@ -1,40 +1,34 @@
 """`python -m ppo_kernels train ...`: run one training job end to end, write DIR/metrics.jsonl,
-DIR/summary.json and DIR/curves.png, and (with --compare) repeat it with the other --ops."""
+DIR/metrics.csv, DIR/summary.json and DIR/curves.png, and (with --compare) repeat it with the other
+--ops and print the side-by-side table.
+
+`run(cfg)` is: `_Run` (seeds, output files, resume state) -> the SFT-warmed Actor -> one of
+`_train_rl` / `_train_dpo` / `_train_rm` (each steps through `_Run.step`, which times every step
+and measures the tensor peak of one) -> `_Run.finish` (summary, CSV, plot).
+"""
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import time
 
 import torch
 
+from .. import _memory
 from .config import ConfigError, TrainConfig, config_from_args
 from .ops import Ops
 from .task import DecimalAdditionTask
 
-
-class MetricsWriter:
-    def __init__(self, out):
-        self.path = os.path.join(out, "metrics.jsonl")
-        self.rows = []
-
-    def write(self, row: dict, append=True):
-        self.rows.append(row)
-        with open(self.path, "a" if append else "w") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def peak_memory(device: str) -> tuple[int, str]:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(), "cuda_max_memory_allocated"
-    # Linux reports kilobytes; the whole process's peak resident set (models, data, Python)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
+# The up-front estimate: CPU seconds of the default job, one torch thread, on the 2-core AMD EPYC
+# of README's table (about the wall time there when the machine is otherwise idle).
+_EST = {"sft_step": 0.15, "fused_step": 2.6, "eager_step": 4.5, "eval": 10.0}
 
 
 def _sft_key(cfg: TrainConfig, vocab_size: int) -> str:
@@ -43,6 +37,16 @@ def _sft_key(cfg: TrainConfig, vocab_size: int) -> str:
     blob = json.dumps({"vocab": vocab_size, **{k: getattr(cfg, k) for k in keys}},
                       sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _progress(cfg, total, desc):
+    if not cfg.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, leave=True)
 
 
 def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
@@ -60,7 +64,12 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
         log(f"SFT model loaded from {path}")
         return actor, tok, 0.0
     t0 = time.perf_counter()
-    algos.sft(cfg, actor, tok, task, ops, log=log)
+    bar = _progress(cfg, cfg.sft_steps, "SFT warm-up")
+    algos.sft(cfg, actor, tok, task, ops, log=log if bar is None else (lambda *a: None),
+              on_step=(lambda s, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update(1)))
+              if bar is not None else None)
+    if bar is not None:
+        bar.close()
     os.makedirs(cache_dir, exist_ok=True)
     torch.save(actor.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -83,44 +92,104 @@ def load_value_model(path, device):
     return vm.to(device).eval()
 
 
-def _progress(cfg, total, desc):
-    if not cfg.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout)
+def checkpoint_path(resume: str) -> str:
+    """--resume takes the run directory (or the checkpoint file in it)."""
+    path = os.path.join(resume, "checkpoint.pt") if os.path.isdir(resume) else resume
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume: no checkpoint at {path!r} (pass the directory of a run "
+                          f"that saved one)")
+    return path
 
 
-def run(cfg: TrainConfig, log=print) -> dict:
-    """Run one job; returns (and writes) the summary."""
-    from . import algos
-    from .models import ValueModel, frozen_copy
+class _Run:
+    """One job's state outside the models: config, ops, task, metrics file, timings, resume."""
 
-    t_start = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    os.makedirs(cfg.out, exist_ok=True)
-    if cfg.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    ops = Ops(cfg.ops)
-    task = DecimalAdditionTask(cfg.p_tool, cfg.p_format)
-    writer = MetricsWriter(cfg.out)
-    ckpt_path = os.path.join(cfg.out, "checkpoint.pt")
-    resume = torch.load(cfg.resume, map_location=cfg.device, weights_only=False) \
-        if cfg.resume else None
-    if resume is None and os.path.exists(writer.path):
-        os.remove(writer.path)
+    def __init__(self, cfg: TrainConfig, log):
+        self.cfg, self.log = cfg, log
+        self.t_start = time.perf_counter()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        os.makedirs(cfg.out, exist_ok=True)
+        self.ops = Ops(cfg.ops)
+        self.task = DecimalAdditionTask(cfg.p_tool, cfg.p_format)
+        self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+        self.ckpt_path = os.path.join(cfg.out, "checkpoint.pt")
+        self.resume = (torch.load(checkpoint_path(cfg.resume), map_location=cfg.device,
+                                  weights_only=False) if cfg.resume else None)
+        if self.resume is None and os.path.exists(self.metrics_path):
+            os.remove(self.metrics_path)
+        self.step_times: list[float] = list(self.resume["step_times"]) if self.resume else []
+        self.peak_bytes = self.resume.get("peak_memory_bytes") if self.resume else None
+        self.profiled_seconds = None
+        # CPU seconds of the process per step: with one torch thread, about the step's time on an
+        # idle machine, whatever else runs here
+        self.cpu_times: list[float] = list(self.resume.get("cpu_times", [])) if self.resume else []
+        self.summary = {"algo": cfg.algo, "ops": cfg.ops, "device": cfg.device,
+                        "torch_threads": torch.get_num_threads()}
+        # the step whose tensor peak is measured: not the first (optimizer state is created then)
+        self.measured_step = min(1, cfg.steps - 1)
 
-    actor, tok, sft_seconds = prepare_actor(cfg, task, ops, log)
-    eval_problems = task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
-    held_out = {(p.a, p.b) for p in eval_problems}
-    eval_seed = cfg.seed + 7
+    def record(self, step: int, metrics: dict, phase: str):
+        row = {"step": step, "phase": phase, **{k: (round(v, 6) if isinstance(v, float) else v)
+                                                 for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
 
-    def train_problems(step):
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Times a step; measures the tensor peak of `measured_step` (profiled, so its time is
+        left out of seconds_per_step unless it is the only step)."""
+        measure = step == self.measured_step and self.peak_bytes is None
+        peak = _memory.tensor_peak(self.cfg.device) if measure else contextlib.nullcontext()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with peak as p:
+            yield
+        self.last_seconds = time.perf_counter() - t0
+        if measure:
+            self.peak_bytes, self.profiled_seconds = p.bytes, self.last_seconds
+        else:
+            self.step_times.append(self.last_seconds)
+            self.cpu_times.append(time.process_time() - c0)
+
+    def evaluate(self, actor, tok, problems, seed, when):
+        from . import algos
+        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed)
+        self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
+        self.log(f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} "
+                 f"held-out prompts")
+
+    def finish(self) -> dict:
+        cfg = self.cfg
+        kind = ("cuda_max_memory_allocated" if cfg.device.startswith("cuda") else
+                "torch profiler allocation events")
+        self.summary.update(
+            seconds_per_step=(sum(self.step_times) / len(self.step_times)) if self.step_times
+            else self.profiled_seconds,
+            cpu_seconds_per_step=(sum(self.cpu_times) / len(self.cpu_times)) if self.cpu_times
+            else None,
+            steps=cfg.steps, peak_memory_bytes=self.peak_bytes,
+            peak_memory_kind=f"tensor peak of step {self.measured_step} above the models and "
+                             f"optimizer state ({kind})",
+            total_seconds=round(time.perf_counter() - self.t_start, 2),
+            ops_fused=sorted(self.ops.used), ops_eager_fallback=sorted(self.ops.fallbacks),
+            config=dataclasses.asdict(cfg))
+        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+            json.dump(self.summary, f, indent=2)
+        rows = read_rows(self.metrics_path) if os.path.exists(self.metrics_path) else []
+        write_csv(rows, os.path.join(cfg.out, "metrics.csv"))
+        if cfg.plot:
+            try:
+                plot({cfg.ops: rows}, {cfg.ops: self.summary}, os.path.join(cfg.out, "curves.png"))
+            except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+                self.log(f"plot skipped: {e}")
+        return self.summary
+
+
+def _train_problems(cfg, task, held_out):
+    def problems(step):
         rng = random.Random(cfg.seed * 1_000_033 + step)
         out = []
         while len(out) < cfg.prompts_per_step:
@@ -128,129 +197,112 @@ def run(cfg: TrainConfig, log=print) -> dict:
             if (p.a, p.b) not in held_out:
                 out.append(p)
         return out
+    return problems
 
-    summary = {"algo": cfg.algo, "ops": cfg.ops, "device": cfg.device,
-               "torch_threads": torch.get_num_threads(), "sft_seconds": round(sft_seconds, 2)}
-    step_times = []
 
-    def rec(step, metrics, phase):
-        row = {"step": step, "phase": phase, **{k: (round(v, 6) if isinstance(v, float) else v)
-                                                 for k, v in metrics.items()}}
-        writer.write(row)
-        return row
-
-    if cfg.algo in ("ppo", "grpo"):
-        reward_model = critic = None
-        if cfg.algo == "ppo":
-            if cfg.reward == "rm":
-                if cfg.rm_path:
-                    rm = load_value_model(cfg.rm_path, cfg.device)
-                else:
-                    rm, a0, a1 = algos.train_reward_model(
-                        cfg, actor, tok, task, ops, cfg.rm_steps, log=log,
-                        on_step=lambda s, m: rec(s, m, "rm"))
-                    summary.update(rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
-                    save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
-                import copy
-                critic = copy.deepcopy(rm).train()  # InstructGPT: the Critic starts as the RM
-                reward_model = frozen_copy(rm)
-            else:
-                critic = ValueModel.from_causal_lm(actor).to(cfg.device)
-        ref = frozen_copy(actor)
-        trainer = algos.RLTrainer(cfg, actor, ref, critic, tok, task, ops, reward_model)
-        start = 0
-        if resume is not None:
-            trainer.load_state_dict(resume["trainer"])
-            start = resume["step"]
-            summary["eval_reward_before"] = resume["eval_reward_before"]
-            summary["eval_tool_use_before"] = resume["eval_tool_use_before"]
-            step_times = list(resume["step_times"])
-            writer.rows = []
-        else:
-            r, tu = algos.evaluate(cfg, actor, tok, task, eval_problems, eval_seed)
-            summary.update(eval_reward_before=r, eval_tool_use_before=tu)
-            log(f"eval before: reward {r:.3f} (tool use {tu:.2f}) on {len(eval_problems)} "
-                f"held-out prompts")
-        bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops})")
-        if bar is not None:
-            bar.update(start)
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            m = trainer.step(train_problems(step))
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            rec(step, {**m, "seconds": dt}, cfg.algo)
-            if bar is not None:
-                bar.set_postfix(score=f"{m['score']:.3f}", kl=f"{m['kl']:.4f}",
-                                tool=f"{m['tool_call_frac']:.2f}")
-                bar.update(1)
-            else:
-                log(f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
-                    f"pg {m['pg_loss']:+.4f}  {dt:.2f}s")
-            last = step + 1 == cfg.steps
-            if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-                torch.save({"cfg": dataclasses.asdict(cfg), "step": step + 1,
-                            "trainer": trainer.state_dict(),
-                            "eval_reward_before": summary["eval_reward_before"],
-                            "eval_tool_use_before": summary["eval_tool_use_before"],
-                            "step_times": step_times}, ckpt_path + ".tmp")
-                os.replace(ckpt_path + ".tmp", ckpt_path)
-        if bar is not None:
-            bar.close()
-        r, tu = algos.evaluate(cfg, actor, tok, task, eval_problems, eval_seed)
-        summary.update(eval_reward_after=r, eval_tool_use_after=tu)
-        log(f"eval after:  reward {r:.3f} (tool use {tu:.2f})")
-    elif cfg.algo == "dpo":
-        r, tu = algos.evaluate(cfg, actor, tok, task, eval_problems, eval_seed)
-        summary.update(eval_reward_before=r, eval_tool_use_before=tu)
-        log(f"eval before: reward {r:.3f} (tool use {tu:.2f})")
-        last_t = [time.perf_counter()]
-
-        def on_step(s, m):
-            now = time.perf_counter()
-            step_times.append(now - last_t[0])
-            last_t[0] = now
-            rec(s, {**m, "seconds": step_times[-1]}, "dpo")
-        algos.train_dpo(cfg, actor, tok, task, ops, on_step=on_step)
-        r, tu = algos.evaluate(cfg, actor, tok, task, eval_problems, eval_seed)
-        summary.update(eval_reward_after=r, eval_tool_use_after=tu)
-        log(f"eval after:  reward {r:.3f} (tool use {tu:.2f})")
-    else:  # rm
-        last_t = [time.perf_counter()]
-
-        def on_step(s, m):
-            now = time.perf_counter()
-            step_times.append(now - last_t[0])
-            last_t[0] = now
-            rec(s, {**m, "seconds": step_times[-1]}, "rm")
-        rm, a0, a1 = algos.train_reward_model(cfg, actor, tok, task, ops, cfg.steps, log=log,
-                                              on_step=on_step)
+def _rl_models(r: _Run, actor, tok):
+    """(critic, reward_model) for PPO / GRPO: a Critic from the Actor's backbone, or from the
+    reward model (InstructGPT) when the reward is a trained RM."""
+    from . import algos
+    from .models import ValueModel, frozen_copy
+    cfg = r.cfg
+    if cfg.algo == "grpo":
+        return None, None
+    if cfg.reward != "rm":
+        return ValueModel.from_causal_lm(actor).to(cfg.device), None
+    if cfg.rm_path:
+        rm = load_value_model(cfg.rm_path, cfg.device)
+    else:
+        rm, a0, a1 = algos.train_reward_model(cfg, actor, tok, r.task, r.ops, cfg.rm_steps,
+                                              log=r.log, on_step=lambda s, m: r.record(s, m, "rm"))
+        r.summary.update(rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
         save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
-        # for the RM the "reward" being evaluated is its held-out pairwise accuracy
-        summary.update(eval_metric="held-out pairwise accuracy", eval_reward_before=a0,
-                       eval_reward_after=a1, rm_pair_accuracy_before=a0,
-                       rm_pair_accuracy_after=a1)
-
-    mem, kind = peak_memory(cfg.device)
-    summary.update(
-        seconds_per_step=(sum(step_times) / len(step_times)) if step_times else None,
-        steps=cfg.steps, peak_memory_bytes=mem, peak_memory_kind=kind,
-        total_seconds=round(time.perf_counter() - t_start, 2),
-        ops_fused=sorted(ops.used), ops_eager_fallback=sorted(ops.fallbacks),
-        config=dataclasses.asdict(cfg))
-    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    write_csv(_read_rows(writer.path) if os.path.exists(writer.path) else [],
-              os.path.join(cfg.out, "metrics.csv"))
-    if cfg.plot:
-        try:
-            plot(writer.rows if resume is None else _read_rows(writer.path), summary,
-                 os.path.join(cfg.out, "curves.png"))
-        except Exception as e:  # a plot must never fail a finished run
-            log(f"plot skipped: {e}")
-    return summary
+    return copy.deepcopy(rm).train(), frozen_copy(rm)
 
 
+def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
+    from . import algos
+    from .models import frozen_copy
+    cfg = r.cfg
+    critic, reward_model = _rl_models(r, actor, tok)
+    trainer = algos.RLTrainer(cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops,
+                              reward_model)
+    start = 0
+    if r.resume is not None:
+        trainer.load_state_dict(r.resume["trainer"])
+        start = r.resume["step"]
+        for k in ("eval_reward_before", "eval_tool_use_before"):
+            r.summary[k] = r.resume[k]
+    else:
+        r.evaluate(actor, tok, eval_problems, eval_seed, "before")
+    problems = _train_problems(cfg, r.task, {(p.a, p.b) for p in eval_problems})
+    bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops} ops)")
+    if bar is not None:
+        bar.update(start)
+    for step in range(start, cfg.steps):
+        with r.step(step):
+            m = trainer.step(problems(step))
+        r.record(step, {**m, "seconds": r.last_seconds}, cfg.algo)
+        if bar is not None:
+            bar.set_postfix(score=f"{m['score']:.3f}", kl=f"{m['kl']:.4f}",
+                            tool=f"{m['tool_call_frac']:.2f}")
+            bar.update(1)
+        else:
+            r.log(f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
+                  f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s")
+        if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            torch.save({"cfg": dataclasses.asdict(cfg), "step": step + 1,
+                        "trainer": trainer.state_dict(), "step_times": r.step_times,
+                        "cpu_times": r.cpu_times,
+                        "peak_memory_bytes": r.peak_bytes,
+                        **{k: r.summary[k] for k in ("eval_reward_before",
+                                                     "eval_tool_use_before")}},
+                       r.ckpt_path + ".tmp")
+            os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
+    if bar is not None:
+        bar.close()
+    r.evaluate(actor, tok, eval_problems, eval_seed, "after")
+
+
+def _on_step(r: _Run, phase: str):
+    return lambda s, m: r.record(s, {**m, "seconds": r.last_seconds}, phase)
+
+
+def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
+    from . import algos
+    r.evaluate(actor, tok, eval_problems, eval_seed, "before")
+    algos.train_dpo(r.cfg, actor, tok, r.task, r.ops, on_step=_on_step(r, "dpo"),
+                    around_step=r.step)
+    r.evaluate(actor, tok, eval_problems, eval_seed, "after")
+
+
+def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
+    from . import algos
+    rm, a0, a1 = algos.train_reward_model(r.cfg, actor, tok, r.task, r.ops, r.cfg.steps,
+                                          log=r.log, on_step=_on_step(r, "rm"),
+                                          around_step=r.step)
+    save_value_model(rm, os.path.join(r.cfg.out, "reward_model.pt"))
+    # for the RM the "reward" being evaluated is its held-out pairwise accuracy
+    r.summary.update(eval_metric="held-out pairwise accuracy", eval_reward_before=a0,
+                     eval_reward_after=a1, rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
+
+
+_TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_rm}
+
+
+def run(cfg: TrainConfig, log=print) -> dict:
+    """Run one job; returns (and writes) the summary."""
+    r = _Run(cfg, log)
+    actor, tok, sft_seconds = prepare_actor(cfg, r.task, r.ops, log)
+    r.summary["sft_seconds"] = round(sft_seconds, 2)
+    eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
+    _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
+    return r.finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics files and the plot
+# ---------------------------------------------------------------------------------------------
 def write_csv(rows, path):
     import csv
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -260,53 +312,71 @@ def write_csv(rows, path):
         w.writerows(rows)
 
 
-def _read_rows(path):
+def read_rows(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot(rows, summary, path):
+_CURVES = [("score", "reward (train rollouts)"), ("kl", "KL to Reference (per sequence)"),
+           ("pg_loss", "policy loss"), ("vf_loss", "value loss"), ("seconds", "seconds per step"),
+           ("dpo_loss", "DPO loss"), ("reward_accuracy", "DPO reward accuracy"),
+           ("rm_loss", "reward-model loss"), ("train_pair_accuracy", "RM train pair accuracy")]
+
+
+def plot(runs: dict, summaries: dict, path):
+    """One panel per metric, one line per run ({label: metrics rows}): fused and eager overlaid."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    keys = [("score", "reward (train rollouts)"), ("kl", "KL to Reference (per sequence)")] \
-        if any("score" in r for r in rows) else \
-        [(k, k) for k in ("dpo_loss", "reward_accuracy", "rm_loss", "train_pair_accuracy")
-         if any(k in r for r in rows)][:2]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    keys = [(k, t) for k, t in _CURVES if any(k in row for rows in runs.values() for row in rows)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, (k, title) in zip(axes[0], keys):
-        pts = [(r["step"], r[k]) for r in rows if k in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts])
-        ax.set_title(title)
+        for label, rows in runs.items():
+            pts = [(row["step"], row[k]) for row in rows if k in row]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label} ops", alpha=0.8)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        if k == "score" and summary.get("eval_reward_after") is not None:
-            ax.axhline(summary["eval_reward_before"], ls="--", c="gray", label="eval before")
-            ax.axhline(summary["eval_reward_after"], ls="--", c="green", label="eval after")
-            ax.legend(loc="lower right")
-    fig.suptitle(f"{summary['algo']} ({summary['ops']} ops)")
+        if k == "score":
+            for label, s in summaries.items():
+                if s.get("eval_reward_after") is not None:
+                    ax.axhline(s["eval_reward_after"], ls="--", lw=0.8,
+                               c=ax.lines[list(runs).index(label)].get_color(),
+                               label=f"{label}: eval after")
+        ax.legend(fontsize=7)
+    algo = next(iter(summaries.values()))["algo"]
+    fig.suptitle(f"{algo}: " + " vs ".join(f"{label} ops" for label in runs))
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------
 def compare_table(a: dict, b: dict) -> str:
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-    lines = [f"{'':24s} {a['ops']:>12s} {b['ops']:>12s}"]
-    for key, spec, scale in (("seconds_per_step", ".3f", 1), ("peak_memory_bytes", ".1f", 2**-20),
-                             ("eval_reward_before", ".3f", 1), ("eval_reward_after", ".3f", 1)):
-        name = key if key != "peak_memory_bytes" else "peak_memory_MiB"
-        va, vb = a.get(key), b.get(key)
-        lines.append(f"{name:24s} {fmt(va * scale if va is not None else None, spec):>12s} "
-                     f"{fmt(vb * scale if vb is not None else None, spec):>12s}")
-    if a.get("peak_memory_kind") == "process_peak_rss":
-        lines.append("(CPU memory: each run's process peak RSS, models and Python included)")
+    """Side by side, fused first, with fused / eager ratios."""
+    fused, eager = (a, b) if a["ops"] == "fused" else (b, a)
+    rows = [("time per step (s)", "seconds_per_step", 1, ".3f"),
+            ("CPU time per step (s)", "cpu_seconds_per_step", 1, ".3f"),
+            ("peak tensor memory (MiB)", "peak_memory_bytes", 2 ** -20, ".1f"),
+            ("eval reward before", "eval_reward_before", 1, ".3f"),
+            ("eval reward after", "eval_reward_after", 1, ".3f")]
+    lines = [f"{'':26s} {'fused':>10s} {'eager':>10s} {'fused/eager':>12s}"]
+    for name, key, scale, spec in rows:
+        vf, ve = fused.get(key), eager.get(key)
+        f = "-" if vf is None else format(vf * scale, spec)
+        e = "-" if ve is None else format(ve * scale, spec)
+        ratio = (f"{vf / ve:.2f}x" if key in ("seconds_per_step", "cpu_seconds_per_step",
+                                               "peak_memory_bytes") and vf is not None and ve
+                 else "")
+        lines.append(f"{name:26s} {f:>10s} {e:>10s} {ratio:>12s}")
+    lines.append(f"(memory: {fused.get('peak_memory_kind')})")
     return "\n".join(lines)
 
 
 def _without(argv, flag_names):
     out, skip = [], False
-    for i, x in enumerate(argv):
+    for x in argv:
         if skip:
             skip = False
             continue
@@ -319,14 +389,40 @@ def _without(argv, flag_names):
     return out
 
 
+def _estimate(cfg: TrainConfig, compare: bool) -> str:
+    """Rough phase times, scaled from the reference machine's (only meaningful near defaults)."""
+    def mins(s):
+        return f"~{max(s / 60, 0.1):.1f} min"
+    parts = []
+    cached = os.path.exists(os.path.join(cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+                                         f"sft_{_sft_key(cfg, cfg.vocab)}.pt"))
+    if cfg.sft_steps and cfg.model is None:
+        parts.append("SFT warm-up: cached" if cached else
+                     f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)")
+    runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
+    for ops in runs:
+        parts.append(f"{ops} run {mins(_EST[f'{ops}_step'] * cfg.steps + 2 * _EST['eval'])}")
+    return "rough phase times on an idle 2-core CPU: " + ", ".join(parts)
+
+
+def _check_dependencies():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return ("the trainer needs transformers: pip install 'ppo-kernels[train]' (or pip install "
+                "'transformers>=4.45' tqdm matplotlib)")
+    return None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg, args = config_from_args(argv)
-    except ConfigError as e:
-        print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
-        return 2
-    try:
+        problem = _check_dependencies()
+        if problem:
+            raise ConfigError(problem)
+        if cfg.algo in ("ppo", "grpo") and cfg.device == "cpu":
+            print(_estimate(cfg, args.compare))
         summary = run(cfg)
     except ConfigError as e:
         print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
@@ -334,19 +430,30 @@ def main(argv=None) -> int:
     print(json.dumps({k: summary[k] for k in ("eval_reward_before", "eval_reward_after",
                                               "seconds_per_step", "peak_memory_bytes")}))
     if summary["ops_eager_fallback"] and cfg.ops == "fused":
-        print(f"note: not yet fused in this build, ran eager: {summary['ops_eager_fallback']}")
-    if args.compare:
-        other = "eager" if cfg.ops == "fused" else "fused"
-        other_out = os.path.join(cfg.out, f"compare_{other}")
-        cmd = [sys.executable, "-m", "ppo_kernels", "train",
-               *_without(argv, {"--ops", "--out", "--compare", "--sft-cache"}),
-               "--ops", other, "--out", other_out,
-               "--sft-cache", cfg.sft_cache or os.path.join(cfg.out, "sft_cache")]
-        print(f"\n--compare: the same run with --ops {other} ({other_out})")
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            return rc
-        with open(os.path.join(other_out, "summary.json")) as f:
-            other_summary = json.load(f)
-        print("\n" + compare_table(summary, other_summary))
+        print(f"note: ran eager (PPO_TRAINER_EAGER_OPS): {summary['ops_eager_fallback']}")
+    if not args.compare:
+        return 0
+    other = "eager" if cfg.ops == "fused" else "fused"
+    other_out = os.path.join(cfg.out, f"compare_{other}")
+    cmd = [sys.executable, "-m", "ppo_kernels", "train",
+           *_without(argv, {"--ops", "--out", "--compare", "--sft-cache", "--resume"}),
+           "--ops", other, "--out", other_out,
+           "--sft-cache", cfg.sft_cache or os.path.join(cfg.out, "sft_cache")]
+    print(f"\n--compare: the same run with --ops {other} ({other_out})")
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        return rc
+    with open(os.path.join(other_out, "summary.json")) as f:
+        other_summary = json.load(f)
+    runs = {cfg.ops: read_rows(os.path.join(cfg.out, "metrics.jsonl")),
+            other: read_rows(os.path.join(other_out, "metrics.jsonl"))}
+    plot_path = os.path.join(cfg.out, "curves.png")
+    try:
+        plot(runs, {cfg.ops: summary, other: other_summary}, plot_path)
+    except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+        plot_path = f"(plot skipped: {e})"
+    table = compare_table(summary, other_summary)
+    with open(os.path.join(cfg.out, "compare.txt"), "w") as f:
+        f.write(table + "\n")
+    print("\n" + table + f"\nplot: {plot_path}")
     return 0

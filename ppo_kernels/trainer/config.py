@@ -31,6 +31,8 @@ class TrainConfig:
     # -- model --------------------------------------------------------------------------------
     model: Optional[str] = _f(None, "local transformers causal LM (dir) instead of the tiny one")
     arch: str = _f("llama", "tiny model architecture", choices=("llama", "qwen2"))
+    vocab: int = _f(32000, "tiny model vocabulary: the task's 22 character tokens, the rest "
+                    "tokens it never needs (a real LM's head size)")
     hidden: int = _f(64, "tiny model hidden size")
     layers: int = _f(2, "tiny model layers")
     heads: int = _f(4, "tiny model attention heads")
@@ -83,7 +85,8 @@ class TrainConfig:
     # -- eval / checkpoints -------------------------------------------------------------------
     eval_prompts: int = _f(200, "held-out prompts for eval_reward_before / after")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
-    resume: Optional[str] = _f(None, "checkpoint dir to resume from")
+    resume: Optional[str] = _f(None, "run directory (or its checkpoint.pt) to resume from; "
+                               "--steps is the new total")
 
     # ------------------------------------------------------------------------------------------
     def validate(self) -> "TrainConfig":
@@ -96,7 +99,7 @@ class TrainConfig:
                 bad(f.name, f"expected one of {list(ch)}, got {getattr(self, f.name)!r}")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs",
                      "minibatch_size", "sft_batch", "pairs", "pref_batch", "eval_prompts",
-                     "hidden", "layers", "heads"):
+                     "hidden", "layers", "heads", "vocab"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "actor_lr", "critic_lr", "sft_lr", "pref_lr", "dpo_lr",
@@ -137,13 +140,21 @@ class TrainConfig:
         return self
 
 
+EXAMPLES = """examples:
+  python -m ppo_kernels train --out runs/ppo --compare     # PPO, then eager ops, side by side
+  python -m ppo_kernels train --algo grpo --group-size 8 --prompts-per-step 8 --out runs/grpo
+  python -m ppo_kernels train --resume runs/ppo --steps 80 --out runs/ppo   # continue a run"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ppo_kernels train",
         description="The thin PPO / GRPO / DPO / reward-model trainer on transformers models, "
                     "every per-token computation through ppo_kernels ops (--ops eager: the "
-                    "eager references). Default: the embedded decimal-addition-with-calculator "
-                    "task on a tiny random-init Llama, SFT-warmed, on the CPU.")
+                    "eager code trainers run today, materialised logits included). Default: the "
+                    "embedded decimal-addition-with-calculator task on a tiny random-init Llama "
+                    "with a 32000-token LM head, SFT-warmed, on the CPU.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kw = {"default": f.default, "help": f.metadata["help"] + f" (default: {f.default})"}

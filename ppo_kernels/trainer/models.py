@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+from ..linear_logprobs import hf
 from .config import ConfigError, TrainConfig
 from .task import CharTokenizer
 
@@ -37,7 +38,12 @@ class HFTokenizer:
 
 def tiny_model(cfg: TrainConfig, vocab_size: int):
     """A random-init Llama- or Qwen2-style causal LM."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
     kw = dict(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
               num_key_value_heads=cfg.heads, max_position_embeddings=256,
@@ -50,7 +56,7 @@ def tiny_model(cfg: TrainConfig, vocab_size: int):
 def load_actor(cfg: TrainConfig):
     """(actor, tokenizer): the tiny model + character tokenizer, or `--model PATH`."""
     if cfg.model is None:
-        tok = CharTokenizer()
+        tok = CharTokenizer(cfg.vocab)
         torch.manual_seed(cfg.seed)
         return tiny_model(cfg, len(tok)), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,23 +68,13 @@ def load_actor(cfg: TrainConfig):
     return model, HFTokenizer(AutoTokenizer.from_pretrained(cfg.model))
 
 
-def lm_head(model) -> nn.Module:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        raise ConfigError(f"--model: {type(model).__name__} has no linear LM head "
-                          f"(get_output_embeddings() is {type(head).__name__}); the Actor must "
-                          f"be a causal LM (AutoModelForCausalLM)")
-    return head
-
-
-def backbone(model) -> nn.Module:
-    return model.base_model
-
-
-def needs_full_logits(model) -> bool:
-    """Models that post-process logits (soft-capping, scaling) cannot go hidden -> log-probs."""
-    c = model.config
-    return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
+def lm_head(model):
+    """(weight, bias) of the Actor's LM head (ppo_kernels.linear_logprobs.hf), as a ConfigError."""
+    try:
+        return hf.lm_head(model)
+    except ValueError as e:
+        raise ConfigError(f"--model: {e}; the Actor must be a causal LM "
+                          f"(AutoModelForCausalLM)") from None
 
 
 def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
@@ -88,18 +84,32 @@ def hidden_states(model_backbone, input_ids, attention_mask, position_ids):
 
 
 def token_logprobs(ops, actor, input_ids, attention_mask, position_ids, *, temperature=1.0,
-                   return_entropy=False):
-    """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:]."""
+                   return_entropy=False, only=None):
+    """Log-prob of each token given its prefix: [B, L-1], aligned with input_ids[:, 1:].
+
+    `only` [B, L-1]: compute them (and the entropy) only where it is non-zero, 0 elsewhere -- the
+    action tokens, the only ones a loss uses (packed rows, as a trainer that removes padding
+    does), in both --ops modes."""
     labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
-    if needs_full_logits(actor):
+    keep = None if only is None else only > 0
+    if hf.logit_transform(actor) is not None:  # soft-capped / scaled logits: the model's own
         logits = actor(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids).logits[:, :-1]
-        return ops.logprobs_from_logits(logits, labels, temperature=temperature,
-                                        return_entropy=return_entropy)
-    h = hidden_states(backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
-    head = lm_head(actor)
-    return ops.logprobs_from_hidden(h, head.weight, head.bias, labels, temperature=temperature,
-                                    return_entropy=return_entropy)
+        rows = logits if keep is None else logits[keep]
+        out = ops.logprobs_from_logits(rows, labels if keep is None else labels[keep],
+                                       temperature=temperature, return_entropy=return_entropy)
+    else:
+        h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+        weight, bias = lm_head(actor)
+        out = ops.logprobs_from_hidden(h if keep is None else h[keep], weight, bias,
+                                       labels if keep is None else labels[keep],
+                                       temperature=temperature, return_entropy=return_entropy)
+    if keep is None:
+        return out
+
+    def unpack(x):
+        return x.new_zeros(keep.shape).masked_scatter(keep, x)
+    return tuple(map(unpack, out)) if return_entropy else unpack(out)
 
 
 class ValueModel(nn.Module):
@@ -114,9 +124,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_causal_lm(cls, model) -> "ValueModel":
+    def from_causal_lm(cls, model) -> ValueModel:
         p = next(model.parameters())
-        return cls(copy.deepcopy(backbone(model)), model.config.hidden_size).to(p.device)
+        return cls(copy.deepcopy(hf.backbone(model)), model.config.hidden_size).to(p.device)
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = hidden_states(self.body, input_ids, attention_mask, position_ids)

@@ -24,18 +24,26 @@ TOOL_OPEN, TOOL_CLOSE, TOOL_END, EOS = "{", "}", "|", "$"
 
 
 class CharTokenizer:
-    """One id per character, plus pad / bos / eos. Enough of the HF tokenizer API for the trainer."""
+    """One id per character, plus pad / bos / eos, inside a vocabulary of `vocab_size` ids: the
+    ids past the task's characters are tokens the task never needs (as in any real LM, whose
+    vocabulary is far larger than what one task uses); they decode to a character outside the
+    task's alphabet. Enough of the HF tokenizer API for the trainer."""
 
     chars = "0123456789.+=" + TOOL_OPEN + TOOL_CLOSE + TOOL_END + "eor"  # "error" from the tool
+    unused = "\N{REPLACEMENT CHARACTER}"  # what an unused id decodes to
 
-    def __init__(self):
+    def __init__(self, vocab_size: int | None = None):
         self.pad_token, self.bos_token, self.eos_token = "_", "^", EOS
         self.vocab = [self.pad_token, self.bos_token, self.eos_token] + list(self.chars)
         self.index = {c: i for i, c in enumerate(self.vocab)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+        self.vocab_size = len(self.vocab) if vocab_size is None else vocab_size
+        if self.vocab_size < len(self.vocab):
+            raise ValueError(f"vocab_size: the task needs at least {len(self.vocab)} ids, got "
+                             f"{vocab_size}")
 
     def __len__(self):
-        return len(self.vocab)
+        return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         try:
@@ -51,14 +59,14 @@ class CharTokenizer:
             i = int(i)
             if skip_special_tokens and i in (self.pad_token_id, self.bos_token_id):
                 continue
-            out.append(self.vocab[i])
+            out.append(self.vocab[i] if i < len(self.vocab) else self.unused)
         return "".join(out)
 
     def save_pretrained(self, path):
         import os
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "char_tokenizer.json"), "w") as f:
-            json.dump({"vocab": self.vocab}, f)
+            json.dump({"vocab": self.vocab, "vocab_size": self.vocab_size}, f)
 
 
 @dataclass(frozen=True)
