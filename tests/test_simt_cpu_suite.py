@@ -1,5 +1,5 @@
 """The CPU suite's edge-case tests (special values, strided and masked rows, custom ignore_index,
-inplace backward, empty inputs, GAE's masks / dones / carries / packed rows), rerun with the
+inplace backward, empty inputs, scaled logits that overflow float32, GAE's masks / dones / carries / packed rows), rerun with the
 emulated CUDA kernels as the `cpp` backend (see tests/_simt.py). Tests of CPU-only behaviour
 (IndexError for out-of-range labels, peak memory, opcheck, compile) are not rerun; the GPU's
 NaN contract for labels is tests/test_simt_kernels.py::test_token_logprobs_bad_labels."""
@@ -23,6 +23,8 @@ CASES = [
     (TL.test_empty_inputs, {}),
     (EC.test_token_logprobs_backward_non_collapsing_strides, {"inplace": False}),
     (EC.test_token_logprobs_backward_non_collapsing_strides, {"inplace": True}),
+    (EC.test_token_logprobs_scaled_logit_overflow_is_finite, {"with_entropy": True}),
+    (EC.test_token_logprobs_scaled_logit_overflow_is_finite, {"with_entropy": False}),
     (FK.test_identical_and_shifted_distributions_are_exactly_zero, {}),
     (FK.test_small_kl_relative_accuracy, {}),
     (FK.test_mask_and_strided_rows, {}),

@@ -7,6 +7,7 @@
 #pragma once
 #include <ATen/Dispatch.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "common/alloc.h"
@@ -26,6 +27,61 @@ __device__ __forceinline__ SoftmaxStats block_reduce(SoftmaxStats st) {
   return dev::block_reduce(st, stats_empty(), [](const SoftmaxStats& a, const SoftmaxStats& b) {
     return stats_merge(a, b);
   });
+}
+
+// x * inv_t, never fused with a subtraction that follows: an FMA would keep the product's
+// rounding error (~1e31 for logits near 1e38) in z_label - max (as scaled() on the CPU).
+__device__ __forceinline__ float scale(float x, float inv_t) { return __fmul_rn(x, inv_t); }
+
+// lse not finite: NaN or +inf logits, an all -inf row, or finite logits whose scaled value
+// overflows float32 (x = 3e38 at temperature 0.5). NaN also counts.
+__device__ __forceinline__ bool not_finite(float v) { return !(fabsf(v) <= FLT_MAX); }
+
+// The rare slow path of such a row, as row_stats64 of csrc/cpu/token_logprobs.cpp: float64
+// statistics relative to the unscaled max. m, log_s, entropy are NaN for rows with NaN / +inf
+// logits or all -inf. Every thread of the block calls it; every thread gets the result.
+struct RowStats64 {
+  double m, log_s, entropy;  // max x, log sum exp((x - m) * inv_t), entropy
+};
+struct Sums64 {
+  double s, u;  // sum exp(d), sum exp(d) * d over the d = (x - m) * inv_t with exp(d) > 0
+};
+
+template <typename scalar_t>
+__device__ RowStats64 row_stats64(const scalar_t* p, int64_t V, double inv_t) {
+  PPO_SHARED(RowStats64, row, [1]);
+  double m = -INFINITY;  // NaN-propagating: NaN or +inf logits make it NaN
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const double x = static_cast<double>(p[j]);
+    m = (x != x || x == INFINITY || m != m) ? NAN : fmax(m, x);
+  }
+  const auto max64 = [](double a, double b) { return (a != a || b != b) ? NAN : fmax(a, b); };
+  m = dev::block_reduce(m, static_cast<double>(-INFINITY), max64);
+  if (threadIdx.x == 0) row[0].m = m == -INFINITY ? NAN : m;
+  __syncthreads();
+  m = row[0].m;
+  Sums64 t = {0.0, 0.0};
+  if (m == m) {  // uniform across the block
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+      const double d = (static_cast<double>(p[j]) - m) * inv_t;
+      const double e = exp(d);
+      t.s += e;
+      if (e > 0) t.u += e * d;
+    }
+  }
+  t = dev::block_reduce(t, Sums64{0.0, 0.0}, [](const Sums64& a, const Sums64& b) {
+    return Sums64{a.s + b.s, a.u + b.u};
+  });
+  if (threadIdx.x == 0 && m == m) {
+    row[0].log_s = log(t.s);
+    row[0].entropy = log(t.s) - t.u / t.s;
+  } else if (threadIdx.x == 0) {
+    row[0].log_s = row[0].entropy = NAN;
+  }
+  __syncthreads();
+  const RowStats64 out = row[0];
+  __syncthreads();  // `row` is reused by the next row
+  return out;
 }
 
 template <typename scalar_t, typename index_t>
@@ -50,22 +106,42 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __rest
     const int64_t tail = head + nvec * P::kN;
     SoftmaxStats st = stats_empty();
     for (int64_t j = threadIdx.x; j < head; j += blockDim.x)
-      stats_add(st, static_cast<float>(p[j]) * inv_t);
+      stats_add(st, scale(static_cast<float>(p[j]), inv_t));
     const P* pv = reinterpret_cast<const P*>(p + head);
     for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
       const P pk = pv[i];
 #pragma unroll
-      for (int k = 0; k < P::kN; ++k) stats_add(st, static_cast<float>(pk.v[k]) * inv_t);
+      for (int k = 0; k < P::kN; ++k) stats_add(st, scale(static_cast<float>(pk.v[k]), inv_t));
     }
     for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x)
-      stats_add(st, static_cast<float>(p[j]) * inv_t);
+      stats_add(st, scale(static_cast<float>(p[j]), inv_t));
     st = block_reduce(st);
+    PPO_SHARED(int, slow, [1]);  // thread 0's verdict, for the whole block
+    const bool valid = label >= 0 && label < V;
     if (threadIdx.x == 0) {
       const float l = stats_lse(st);
-      const bool valid = label >= 0 && label < V;
-      lse[r] = l;
-      lp[r] = valid ? static_cast<float>(p[label]) * inv_t - l : NAN;
-      if (ent) ent[r] = valid ? stats_entropy(st) : NAN;
+      slow[0] = not_finite(l);
+      if (!slow[0]) {
+        lse[r] = l;
+        // (z_label - max) - log s: exact where z_label is close to the max, even when |z| is
+        // so large that lse = max + log s rounds log s away
+        lp[r] = valid ? (scale(static_cast<float>(p[label]), inv_t) - st.m) - logf(st.s) : NAN;
+        if (ent) ent[r] = valid ? stats_entropy(st) : NAN;
+      }
+    }
+    __syncthreads();
+    const bool recompute = slow[0];
+    __syncthreads();  // `slow` is rewritten for the next row
+    if (recompute) {  // uniform across the block
+      const double inv_t64 = inv_t;
+      const RowStats64 s = row_stats64(p, V, inv_t64);
+      if (threadIdx.x == 0) {
+        lse[r] = static_cast<float>(s.m * inv_t64 + s.log_s);
+        lp[r] = valid
+                    ? static_cast<float>((static_cast<double>(p[label]) - s.m) * inv_t64 - s.log_s)
+                    : NAN;
+        if (ent) ent[r] = valid ? static_cast<float>(s.entropy) : NAN;
+      }
     }
   }
 }
@@ -85,13 +161,25 @@ __global__ void bwd_kernel(const scalar_t* __restrict__ x, scalar_t* g,
     const bool ignored = label == ignore_index;
     const bool valid = !ignored && label >= 0 && label < V;
     const float l = lse[r];
+    if (!ignored && not_finite(l)) {  // scaled logits overflow float32 (see row_stats64)
+      const double inv_t64 = inv_t;
+      const RowStats64 s = row_stats64(p, V, inv_t64);
+      const double a = glp[r] * inv_t64, b = gent ? gent[r] * inv_t64 : 0.0;
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        const double logp = (static_cast<double>(p[j]) - s.m) * inv_t64 - s.log_s;
+        const double pj = exp(logp);
+        const double w = pj > 0 ? pj * (logp + s.entropy) : 0.0;
+        q[j] = static_cast<scalar_t>(valid ? a * ((j == label ? 1.0 : 0.0) - pj) - b * w : NAN);
+      }
+      continue;
+    }
     const float a = ignored ? 0.f : glp[r] * inv_t;              // weight of (onehot - p)
     const float b = (gent && !ignored) ? gent[r] * inv_t : 0.f;  // weight of -p (log p + H)
     const float c = gent ? ent[r] - l : -l;                      // log p + H = z + c
     auto grad = [&](float xv, int64_t j) -> float {
       if (ignored) return 0.f;
       if (!valid) return NAN;
-      const float z = xv * inv_t;
+      const float z = scale(xv, inv_t);
       const float pj = __expf(z - l);
       return -a * pj - b * weighted_offset(pj, z + c) + (j == label ? a : 0.f);
     };

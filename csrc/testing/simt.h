@@ -172,6 +172,8 @@ inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __powf(float x, float y) { return powf(x, y); }
 inline float __fdividef(float a, float b) { return a / b; }
+// Never contracted into an FMA with what follows (noinline: whatever -ffp-contract says).
+[[gnu::noinline]] inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 template <typename T>
