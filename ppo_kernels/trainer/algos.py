@@ -9,6 +9,7 @@ import random
 
 import torch
 
+from . import dist
 from .config import TrainConfig
 from .models import ValueModel, frozen_copy, last_index, token_logprobs
 from .ops import Ops
@@ -107,8 +108,20 @@ class RLTrainer:
     advantages, then `ppo_epochs` passes over shuffled minibatches."""
 
     def __init__(
-        self, cfg: TrainConfig, actor, ref, critic, tok, task, ops: Ops, reward_model=None
+        self,
+        cfg: TrainConfig,
+        actor,
+        ref,
+        critic,
+        tok,
+        task,
+        ops: Ops,
+        reward_model=None,
+        group=None,
     ):
+        """group: the data-parallel process group (None: one process); every rank builds the
+        same models and generators from the same seed and takes its share of each step."""
+        self.group = group
         self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
         self.tok, self.task, self.ops, self.reward_model = tok, task, ops, reward_model
         self.actor_opt = _adamw(actor.parameters(), cfg.actor_lr, cfg.weight_decay)
@@ -148,6 +161,8 @@ class RLTrainer:
     # -- pieces (also used directly by the tests) ---------------------------------------------
     def rollout(self, problems) -> tuple[SeqBatch, torch.Tensor]:
         cfg = self.cfg
+        total = len(problems) * cfg.group_size
+        problems, lo = dist.share(problems, self.group)
         problems = [p for p in problems for _ in range(cfg.group_size)]
         b = generate(
             self.actor,
@@ -158,6 +173,8 @@ class RLTrainer:
             temperature=cfg.temperature,
             generator=self.sample_gen,
             device=cfg.device,
+            rows=(lo * cfg.group_size, total),
+            group=self.group,
         )
         if self.reward_model is not None:
             with torch.no_grad():
@@ -203,7 +220,7 @@ class RLTrainer:
             rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam, bootstrap_value=bootstrap
         )
         if cfg.whiten_advantages:
-            adv = ops.masked_whiten(adv, mask)
+            adv = ops.masked_whiten(adv, mask, process_group=self.group)
         out.update(
             values=values,
             rewards=rewards,
@@ -220,11 +237,11 @@ class RLTrainer:
         if self.critic is not None:
             self.critic.train()
         acc: dict[str, list] = {}
-        n = len(b)
+        n, mbs = len(b), cfg.minibatch_size // dist.world(self.group)
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle_gen)
-            for s in range(0, n, cfg.minibatch_size):
-                idx = perm[s : s + cfg.minibatch_size].to(b.input_ids.device)
+            for s in range(0, n, mbs):
+                idx = perm[s : s + mbs].to(b.input_ids.device)
                 mb = b.rows(idx)
                 mask = mb.action_mask
                 lp, ent = token_logprobs(
@@ -253,6 +270,7 @@ class RLTrainer:
                     loss = loss + cfg.kl_coef * kl
                 self.actor_opt.zero_grad(set_to_none=True)
                 loss.backward()
+                dist.average_grads(self.actor.parameters(), self.group)
                 gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm)
                 self.actor_opt.step()
                 rec = {"pg_loss": pg, "entropy": ent_mean, "actor_grad_norm": gn, **st}
@@ -263,6 +281,7 @@ class RLTrainer:
                     )
                     self.critic_opt.zero_grad(set_to_none=True)
                     (cfg.vf_coef * vl).backward()
+                    dist.average_grads(self.critic.parameters(), self.group)
                     cgn = torch.nn.utils.clip_grad_norm_(
                         self.critic.parameters(), cfg.max_grad_norm
                     )
@@ -291,7 +310,8 @@ class RLTrainer:
         )
         if "values" in d:
             m["value_mean"] = self.ops.masked_mean(d["values"], mask).item()
-        self.kl_ctl.update(seq_kl, len(b))
+        m = dist.mean_metrics(m, self.group)
+        self.kl_ctl.update(m["kl"], len(b) * dist.world(self.group))
         return m
 
 

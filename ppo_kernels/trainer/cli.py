@@ -23,6 +23,7 @@ import time
 import torch
 
 from .. import _memory
+from . import dist
 from .config import ConfigError, TrainConfig, config_from_args
 from .ops import Ops
 from .task import DecimalAdditionTask
@@ -60,7 +61,7 @@ def _progress(cfg, total, desc):
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, leave=True)
 
 
-def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
+def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True):
     """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one)."""
     from . import algos
     from .models import load_actor
@@ -90,9 +91,10 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log):
     )
     if bar is not None:
         bar.close()
-    os.makedirs(cache_dir, exist_ok=True)
-    torch.save(actor.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if main:  # data-parallel: every rank ran the same SFT; one writes it
+        os.makedirs(cache_dir, exist_ok=True)
+        torch.save(actor.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
     return actor, tok, time.perf_counter() - t0
 
 
@@ -127,7 +129,20 @@ class _Run:
     """One job's state outside the models: config, ops, task, metrics file, timings, resume."""
 
     def __init__(self, cfg: TrainConfig, log):
-        self.cfg, self.log = cfg, log
+        self.group, device = dist.init(cfg.device)
+        if self.group is not None:
+            cfg = dataclasses.replace(cfg, device=device)
+            w = dist.world(self.group)
+            if cfg.algo not in ("ppo", "grpo"):
+                raise ConfigError(f"--algo {cfg.algo}: data-parallel runs support ppo and grpo")
+            if cfg.prompts_per_step % w or cfg.minibatch_size % w:
+                raise ConfigError(
+                    f"--prompts-per-step {cfg.prompts_per_step} and --minibatch-size "
+                    f"{cfg.minibatch_size} must divide by the {w} data-parallel processes"
+                )
+        # rank 0 alone logs and writes metrics, summary, plot and checkpoints
+        self.main = dist.rank(self.group) == 0
+        self.cfg, self.log = cfg, (log if self.main else lambda *a: None)
         self.t_start = time.perf_counter()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -143,7 +158,7 @@ class _Run:
             if cfg.resume
             else None
         )
-        if self.resume is None and os.path.exists(self.metrics_path):
+        if self.main and self.resume is None and os.path.exists(self.metrics_path):
             os.remove(self.metrics_path)
         self.step_times: list[float] = list(self.resume["step_times"]) if self.resume else []
         self.peak_bytes = self.resume.get("peak_memory_bytes") if self.resume else None
@@ -156,6 +171,7 @@ class _Run:
             "ops": cfg.ops,
             "device": cfg.device,
             "torch_threads": torch.get_num_threads(),
+            "world_size": dist.world(self.group),
         }
         # the step whose tensor peak is measured: not the first (optimizer state is created then)
         self.measured_step = min(1, cfg.steps - 1)
@@ -166,6 +182,8 @@ class _Run:
             "phase": phase,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
         }
+        if not self.main:
+            return row
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         return row
@@ -218,6 +236,8 @@ class _Run:
             ops_eager_fallback=sorted(self.ops.fallbacks),
             config=dataclasses.asdict(cfg),
         )
+        if not self.main:
+            return self.summary
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(self.summary, f, indent=2)
         rows = read_rows(self.metrics_path) if os.path.exists(self.metrics_path) else []
@@ -279,7 +299,7 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
     cfg = r.cfg
     critic, reward_model = _rl_models(r, actor, tok)
     trainer = algos.RLTrainer(
-        cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model
+        cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model, r.group
     )
     start = 0
     if r.resume is not None:
@@ -287,10 +307,10 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
         start = r.resume["step"]
         for k in ("eval_reward_before", "eval_tool_use_before"):
             r.summary[k] = r.resume[k]
-    else:
+    elif r.main:
         r.evaluate(actor, tok, eval_problems, eval_seed, "before")
     problems = _train_problems(cfg, r.task, {(p.a, p.b) for p in eval_problems})
-    bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops} ops)")
+    bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops} ops)") if r.main else None
     if bar is not None:
         bar.update(start)
     for step in range(start, cfg.steps):
@@ -307,7 +327,9 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
                 f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
                 f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s"
             )
-        if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        if r.main and (
+            step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0)
+        ):
             torch.save(
                 {
                     "cfg": dataclasses.asdict(cfg),
@@ -323,7 +345,8 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
             os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
     if bar is not None:
         bar.close()
-    r.evaluate(actor, tok, eval_problems, eval_seed, "after")
+    if r.main:
+        r.evaluate(actor, tok, eval_problems, eval_seed, "after")
 
 
 def _on_step(r: _Run, phase: str):
@@ -371,11 +394,14 @@ _TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_r
 def run(cfg: TrainConfig, log=print) -> dict:
     """Run one job; returns (and writes) the summary."""
     r = _Run(cfg, log)
-    actor, tok, sft_seconds = prepare_actor(cfg, r.task, r.ops, log)
+    cfg = r.cfg  # data-parallel on GPUs: this rank's device
+    actor, tok, sft_seconds = prepare_actor(cfg, r.task, r.ops, r.log, r.main)
     r.summary["sft_seconds"] = round(sft_seconds, 2)
     eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
     _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
-    return r.finish()
+    summary = r.finish()
+    dist.close(r.group)
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,12 +556,20 @@ def main(argv=None) -> int:
         problem = _check_dependencies()
         if problem:
             raise ConfigError(problem)
-        if cfg.algo in ("ppo", "grpo") and cfg.device == "cpu":
+        if (
+            cfg.algo in ("ppo", "grpo")
+            and cfg.device == "cpu"
+            and os.environ.get("RANK", "0") == "0"
+        ):
             print(_estimate(cfg, args.compare))
+        if args.compare and "RANK" in os.environ:
+            raise ConfigError("--compare runs one process; run torchrun once per --ops instead")
         summary = run(cfg)
     except ConfigError as e:
         print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # data-parallel: rank 0 reports
     print(
         json.dumps(
             {

@@ -118,9 +118,10 @@ class Ops:
     def masked_mean(self, x, mask):
         return self._op("masked_mean", x, mask)
 
-    def masked_whiten(self, x, mask):
-        if self._fused("masked_whiten"):
-            return pk.masked_whiten(x, mask)
+    def masked_whiten(self, x, mask, process_group=None):
+        # data-parallel statistics exist only in the op (the eager reference is one-process)
+        if process_group is not None or self._fused("masked_whiten"):
+            return pk.masked_whiten(x, mask, process_group=process_group)
         return stats_ref.verl_masked_whiten(x, mask.float())
 
     def gae(self, rewards, values, mask, *, gamma, lam, bootstrap_value=None):

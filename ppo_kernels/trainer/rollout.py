@@ -98,13 +98,18 @@ def segments_to_tokens(tok, segments):
     return ids, mask
 
 
-def sample(logits, temperature, generator):
+def sample(logits, temperature, generator, rows=None):
     """One token per row from softmax(logits / temperature), by inverse transform sampling: one
     uniform per row against the float64 CDF (torch.multinomial draws one random number per
-    vocabulary entry, which at V = 32000 made sampling most of a rollout's time)."""
+    vocabulary entry, which at V = 32000 made sampling most of a rollout's time).
+    rows=(offset, total): these are rows offset.. of a batch of `total` split over data-parallel
+    ranks; the uniforms of the whole batch are drawn and this share's are used, so each row gets
+    the number it gets in a one-process run."""
     probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    B = probs.shape[0]
+    lo, total = rows or (0, B)
+    u = torch.rand(total, 1, generator=generator, dtype=torch.float64)[lo : lo + B]
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return idx.clamp(max=probs.shape[-1] - 1).squeeze(1).tolist()
 
@@ -120,11 +125,17 @@ def generate(
     temperature: float,
     generator: torch.Generator,
     device="cpu",
+    rows=None,
+    group=None,
 ) -> SeqBatch:
     """Sample responses; a closed tool call makes the environment append the tool's output,
     which is fed to the model token by token as mask = 0 context. A row ends at EOS
-    (terminated) or when its response reaches max_new_tokens (truncated)."""
+    (terminated) or when its response reaches max_new_tokens (truncated).
+    Data-parallel: rows=(offset, total) and the process group; decoding stops when the rows of
+    every rank are done, so the generator advances as in the one-process run."""
     from transformers import DynamicCache
+
+    from . import dist
 
     model.eval()
     B = len(prompts)
@@ -149,7 +160,7 @@ def generate(
     pending = [deque() for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
-        sampled = sample(logits, temperature, generator)
+        sampled = sample(logits, temperature, generator, rows)
         feed, live = [], []
         for i in range(B):
             if done[i]:
@@ -172,7 +183,7 @@ def generate(
                 if tool_out is not None:
                     pending[i].extend(tok.encode(tool_out))
             feed.append(t)
-        if all(done):
+        if not dist.any_true(not all(done), group):
             break
         step_ids = torch.tensor(feed, device=device)[:, None]
         attn = torch.cat([attn, torch.tensor(live, device=device)[:, None]], 1)
