@@ -32,7 +32,10 @@ struct CudaDevice {
   static int64_t max_row_blocks() { return int64_t(1) << 20; }
   template <typename... P, typename... A>
   void launch(const char*, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&... a) {
-    kernel<<<grid, block, smem, at::cuda::getCurrentCUDAStream()> > >(std::forward<A>(a)...);
+    // clang-format reads .cuh as plain C++ and would split the launch brackets
+    // clang-format off
+    kernel<<<grid, block, smem, at::cuda::getCurrentCUDAStream()>>>(std::forward<A>(a)...);
+    // clang-format on
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   c10::cuda::CUDAGuard guard;
