@@ -6,6 +6,12 @@ import torch.distributed as dist
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def require_initialized():
+    """A clear error naming the argument when a process_group is passed without a process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialised")
+
+
 SENT_BYTES = [0]  # bytes this process contributed to collectives (bench/bench_distributed.py)
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import all_gather as _all_gather
+from ._comm import require_initialized
 
 
 def local_moments(xf: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
@@ -52,8 +53,7 @@ def combine_moments(moments: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def global_moments(xf: Tensor, m: Tensor, group, w: Tensor | None = None):
     """Global (count, mean / S, M2 / S^2, S) over the ranks of `group` (one all-gather of four
     numbers per rank)."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
+    require_initialized()
     local = local_moments(xf, m, w)
     out = torch.empty(dist.get_world_size(group) * 4, dtype=local.dtype, device=local.device)
     _all_gather(out, local, group=group)
@@ -86,8 +86,7 @@ def gather_groups(scores: Tensor, group_index: Tensor | None, group):
     """Every rank's scores (and group ids) in rank order, for group statistics whose groups may
     span ranks: one all-gather of [1 + 2 B] float64 per rank (B, then scores and ids; float64
     holds ids exactly). Returns (scores of all ranks, their group ids or None, this rank's rows)."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
+    require_initialized()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     B = scores.shape[0]
     ids = (

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import all_gather as _all_gather
+from ._comm import require_initialized
 
 
 def _apply(maps: Tensor, carry: Tensor) -> Tensor:
@@ -44,8 +45,7 @@ def sequence_parallel_gae(
     process_group,
 ):
     """The body of gae(..., process_group=...). `gae_fn` is the single-device gae."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
+    require_initialized()
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     B, T = rewards.shape

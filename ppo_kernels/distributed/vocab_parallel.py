@@ -30,6 +30,7 @@ from .._checks import check_labels_in_range
 from ..linear_logprobs import reference as lin_ref
 from ..linear_logprobs.op import tile_bwd_, tile_stats_
 from ._comm import all_gather as _all_gather
+from ._comm import require_initialized
 
 _HEADER = 3  # vocab_start, V_rank, N
 _ROWS = 5  # m, s, u, zlabel, owned
@@ -214,6 +215,16 @@ def default_vocab_start(v_rank: int, group) -> int:
     return _size_cache[key]
 
 
+def _resolve_vocab_start(vocab_start, v_rank: int, group) -> int:
+    """The given first vocabulary id of this rank (checked), or the default from the slice sizes."""
+    require_initialized()
+    if vocab_start is None:
+        return default_vocab_start(v_rank, group)
+    if not (isinstance(vocab_start, int) and vocab_start >= 0):
+        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+    return vocab_start
+
+
 def vocab_parallel_token_logprobs(
     logits: Tensor,
     labels: Tensor,
@@ -224,12 +235,7 @@ def vocab_parallel_token_logprobs(
     vocab_start: int | None,
 ):
     """The body of token_logprobs(..., process_group=...); arguments already checked."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
-    if vocab_start is None:
-        vocab_start = default_vocab_start(logits.shape[-1], process_group)
-    elif not (isinstance(vocab_start, int) and vocab_start >= 0):
-        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+    vocab_start = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
     lp, ent, _ = _VocabParallelTokenLogprobs.apply(
         logits, labels, float(temperature), int(ignore_index), int(vocab_start), process_group
     )
@@ -392,12 +398,7 @@ def vocab_parallel_linear_token_logprobs(
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
     weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
     Returns (logprobs, entropy) [N]."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
-    if vocab_start is None:
-        vocab_start = default_vocab_start(weight.shape[0], process_group)
-    elif not (isinstance(vocab_start, int) and vocab_start >= 0):
-        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
+    vocab_start = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
     lp, ent, _ = _VocabParallelLinear.apply(
         hidden2d,
         weight,
@@ -482,7 +483,6 @@ class _VocabParallelFullKL(torch.autograd.Function):
 
 def vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group):
     """The body of full_kl(..., process_group=...): both logits this rank's vocabulary slice."""
-    if not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialised")
+    require_initialized()
     kl = _VocabParallelFullKL.apply(logits, ref_logits, mask, float(temperature), process_group)
     return kl.to(_backend.out_dtype(logits))
