@@ -56,6 +56,42 @@ def _square(f):
             os.environ["PPO_KERNELS_LINEAR_TILES"] = old
 
 
+def _trl_chunked_logprob():
+    """TRL 1.16's fused LM head (what GRPOTrainer runs with fused_lm_head=True) as add_fused_lm_head
+    calls it, or None without TRL. Its file, trl/kernels/chunked_logprob.py, needs only torch and
+    transformers, but `import trl.kernels` pulls in datasets (not on the device image): the file is
+    loaded under a stand-in package whose trainer.utils.maybe_gather_lm_head_ctx (the ZeRO-3 gather
+    its backward enters) is the null context it is outside DeepSpeed."""
+    import contextlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = "_trl_standin"
+    for name in (pkg, f"{pkg}.kernels", f"{pkg}.trainer", f"{pkg}.trainer.utils"):
+        sys.modules.setdefault(name, types.ModuleType(name)).__path__ = []
+    sys.modules[f"{pkg}.trainer.utils"].maybe_gather_lm_head_ctx = lambda *a: (
+        contextlib.nullcontext()
+    )
+    path = f"{list(spec.submodule_search_locations)[0]}/kernels/chunked_logprob.py"
+    mod_spec = importlib.util.spec_from_file_location(f"{pkg}.kernels.chunked_logprob", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_spec.name] = mod
+    mod_spec.loader.exec_module(mod)
+    chunk = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in 1.16
+
+    def run(h, W, y):
+        lp, ent, *_ = mod.ChunkedLogProbFunction.apply(
+            h, W, None, y, 1.0, chunk, None, 1.0, ("log_probs", "entropy")
+        )
+        return lp, ent
+
+    return run
+
+
 def timing(ctx):
     N, H, V = 32768, 4096, 152064
     dtype = torch.bfloat16
@@ -93,6 +129,10 @@ def timing(ctx):
         ),
         "eager: logits + log_softmax": fwd_bwd(mat_eager),
     }
+    trl_fused = _trl_chunked_logprob()
+    if trl_fused is not None:
+        y_trl = y.clamp(min=0)  # TRL has no ignore_index: -100 would index out of bounds
+        fns["trl ChunkedLogProbFunction (fused_lm_head)"] = fwd_bwd(lambda: trl_fused(h, W, y_trl))
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 +entropy fwd+bwd", fns, warmup=1, rep=5)
 
     # log-probs only, next to Liger's fused linear cross-entropy (a summed loss: no entropy, and
