@@ -227,7 +227,10 @@ def _sanitize(only, tools):
     if not os.path.exists(exe):
         return [("all", "skipped", "compute-sanitizer not found")]
     out = []
-    for name, _ in _modules(only):
+    for name, mod in _modules(only):
+        if not hasattr(mod, "sanitize_workload"):  # Triton / eager only: no CUDA C++ kernel
+            out.append((name, "-", "no CUDA C++ kernel (nothing to sanitize)"))
+            continue
         for tool in tools:
             r = subprocess.run(
                 [

@@ -129,9 +129,13 @@ def _acc(*ts):
 
 
 def _clamp(x, lo, hi):
+    """clamp with gradient 1 strictly inside (lo, hi) and 0 on and beyond a bound, as the kernels
+    (`_passes`). Not torch.clamp's autograd: its gradient at a value exactly on a bound changed
+    between torch releases (1 in 2.11, 0 in 2.14), and bf16 log-ratios land on 10.0 often."""
     if lo == -math.inf and hi == math.inf:
         return x
-    return torch.clamp(x, min=None if lo == -math.inf else lo, max=None if hi == math.inf else hi)
+    c = torch.clamp(x, min=None if lo == -math.inf else lo, max=None if hi == math.inf else hi)
+    return torch.where(_passes(x, lo, hi), x, c.detach())
 
 
 def _k3(x):
