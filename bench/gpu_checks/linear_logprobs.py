@@ -106,9 +106,11 @@ def timing(ctx):
 
         return run
 
+    y_in = y.clamp(min=0)  # the eager baseline (and TRL) take labels in [0, V): no ignore_index
+
     def mat_eager():
         z = h @ W.T
-        return tl_ref.eager_logprobs(z, y), tl_ref.eager_entropy(z)
+        return tl_ref.eager_logprobs(z, y_in), tl_ref.eager_entropy(z)
 
     fns = {
         "linear_token_logprobs": fwd_bwd(
@@ -131,8 +133,7 @@ def timing(ctx):
     }
     trl_fused = _trl_chunked_logprob()
     if trl_fused is not None:
-        y_trl = y.clamp(min=0)  # TRL has no ignore_index: -100 would index out of bounds
-        fns["trl ChunkedLogProbFunction (fused_lm_head)"] = fwd_bwd(lambda: trl_fused(h, W, y_trl))
+        fns["trl ChunkedLogProbFunction (fused_lm_head)"] = fwd_bwd(lambda: trl_fused(h, W, y_in))
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 +entropy fwd+bwd", fns, warmup=1, rep=5)
 
     # log-probs only, next to Liger's fused linear cross-entropy (a summed loss: no entropy, and
@@ -165,7 +166,7 @@ def timing(ctx):
             {
                 "linear_token_logprobs": lambda: pk.linear_token_logprobs(h, W, y),
                 "logits + token_logprobs": lambda: pk.token_logprobs(h @ W.T, y),
-                "eager: logits + log_softmax": lambda: tl_ref.eager_logprobs(h @ W.T, y),
+                "eager: logits + log_softmax": lambda: tl_ref.eager_logprobs(h @ W.T, y_in),
             },
             warmup=1,
             rep=5,

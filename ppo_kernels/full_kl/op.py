@@ -17,7 +17,7 @@ from .._checks import (
 )
 from . import reference
 
-_backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="cpp")
+_backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="triton")
 
 
 # The kernels, one implementation per backend with one signature (inv_temperature = 1 / T).

@@ -563,7 +563,7 @@ def linear_token_logprobs(
             softcap)` before the temperature (computed on each tile in the tile's dtype; the
             backward keeps one more tile for the derivative). None: no capping.
         max_chunk_bytes: cap on the chunk buffers (logits tile, upcast copies, per-chunk gradient
-            accumulator); default 64 MiB on the CPU, 512 MiB on the GPU. Extra memory beyond it
+            accumulator); default 64 MiB on the CPU, 2 GiB on the GPU. Extra memory beyond it
             is O(N + V) plus, in backward, the float32 weight-gradient accumulator [V, H].
         logits_dtype: the dtype the logits (and their gradient) are computed in, for bf16/fp16
             inputs; float32/float64 inputs ignore it.

@@ -13,9 +13,12 @@ import torch
 from .._checks import check_str
 
 # Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
-# CPU: a few hundred rows of a 32k-152k vocabulary; GPU: large enough (~600 rows at V = 152k) that
-# the cuBLAS matmuls stay efficient.
-DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}
+# CPU: a few hundred rows of a 32k-152k vocabulary. GPU: ~2300 rows at V = 152k; each row chunk
+# adds its product into the float32 [V, H] weight gradient (5 GB of traffic at H = 4096), so fewer,
+# larger chunks pay. Measured on the H200 (bench/results/gpu_2026-11-30_H200.md, N=32768 H=4096
+# V=152064 bf16 fwd+bwd): 512 MiB 336 ms, 1 GiB 298, 2 GiB 282-288 (3.2-3.5 GB peak), 4 GiB 280
+# (5.5 GB peak).
+DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
 

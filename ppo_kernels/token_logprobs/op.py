@@ -21,7 +21,7 @@ from .._checks import (
 from . import reference
 
 OP = _backend.register_op(
-    "token_logprobs", kernel="token_logprobs_fwd", triton=True, cuda_default="cpp"
+    "token_logprobs", kernel="token_logprobs_fwd", triton=True, cuda_default="triton"
 )
 
 
