@@ -290,6 +290,7 @@ def main():
         help="comma-separated compute-sanitizer tools (memcheck,racecheck,initcheck)",
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--commit", default="", help="the commit to name in the report")
     ap.add_argument("--sanitize-target", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
@@ -313,7 +314,8 @@ def main():
     from ppo_kernels import _backend
 
     ctx = Ctx()
-    commit = (
+    # the device tool's copy of the tree can carry an older .git than the files: pass --commit
+    commit = args.commit or (
         subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
