@@ -3,7 +3,9 @@ alternative (all-gather the sharded logits / the time slices, then run the singl
 and the time per call, on 2 gloo processes on this CPU. Not a test: `python
 bench/bench_distributed.py` writes bench/results/cpu_distributed.md.
 
-Bytes = what one rank contributes to the all-gather (it receives world - 1 times as much)."""
+Bytes = what one rank contributes to the all-gather (it receives world - 1 times as much),
+including, on the CPU, the tiny all-gather of sizes that checks shapes across ranks before a
+gather whose size depends on them (8 bytes per call; dense GAE and the vocab-parallel forms)."""
 
 import os
 import sys
@@ -113,6 +115,43 @@ def _worker(rank, world, init, q):
             naive,
             _time(lambda: pk.gae(r, v, m, gamma=0.99, lam=0.95, process_group=g)),
             _time(naive_gae),
+        )
+    )
+    # sequence-parallel GAE on packed rows: one stream of rows (~500 tokens each) split in halves,
+    # rows crossing the border
+    Ntot = B * T
+    lens = torch.randint(1, 1000, (2 * Ntot // 500,), generator=torch.Generator().manual_seed(0))
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    cu = torch.cat([cu[cu < Ntot], torch.tensor([Ntot])]).to(torch.int32)
+    Nr = Ntot // world
+    t0 = rank * Nr
+    rf, vf, mf = r.reshape(-1), v.reshape(-1), m.reshape(-1)  # this rank's Nr = B * Tr tokens
+    cu_local = cu - t0
+    _comm.SENT_BYTES[0] = 0
+    pk.gae(rf, vf, mf, gamma=0.99, lam=0.95, cu_seqlens=cu_local, process_group=g)
+    ours = _comm.SENT_BYTES[0] / Nr
+
+    def naive_packed():
+        parts = [torch.empty(world * Nr) for _ in range(2)]
+        dist.all_gather_into_tensor(parts[0], rf.contiguous(), group=g)
+        dist.all_gather_into_tensor(parts[1], vf.contiguous(), group=g)
+        mm = torch.empty(world * Nr, dtype=torch.uint8)
+        dist.all_gather_into_tensor(mm, mf.to(torch.uint8), group=g)
+        adv, ret = pk.gae(parts[0], parts[1], mm != 0, gamma=0.99, lam=0.95, cu_seqlens=cu)
+        return adv[t0 : t0 + Nr], ret[t0 : t0 + Nr]
+
+    rows.append(
+        (
+            "gae (sequence-parallel, packed rows)",
+            f"{Ntot} tokens, {cu.numel() - 1} rows",
+            ours,
+            naive,
+            _time(
+                lambda: pk.gae(
+                    rf, vf, mf, gamma=0.99, lam=0.95, cu_seqlens=cu_local, process_group=g
+                )
+            ),
+            _time(naive_packed),
         )
     )
     # data-parallel masked_whiten

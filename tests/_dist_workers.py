@@ -183,6 +183,128 @@ def case_sequence_parallel_gae(rank, world):
         torch.testing.assert_close(ret, ret_w[:, t0:t1], atol=2e-5, rtol=2e-5)
 
 
+def case_sequence_parallel_gae_packed(rank, world):
+    """Packed rows split contiguously over the ranks: rows spanning ranks, a rank inside one row,
+    row boundaries on rank borders, an empty row, an empty rank, a rank with no action."""
+    from _utils import poisoned
+
+    import ppo_kernels as pk
+
+    g = torch.Generator().manual_seed(17)
+    lens = [5, 0, 3, 40, 2, 1, 7, 9]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    N, n = int(cu[-1]), len(lens)
+    r, v = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    mask = torch.rand(N, generator=g) > 0.3
+    dones = torch.rand(N, generator=g) > 0.9
+    gamma = 0.9 + 0.1 * torch.rand(N, generator=g)
+    boot = torch.randn(n, generator=g)
+    # borders: 8 and 48 are row boundaries; rows 3 ([8, 48)) spans several ranks
+    splits = {
+        2: ([0, 8, N], [0, 20, N]),
+        3: ([0, 10, 45, N], [0, 5, 5, N]),
+        4: ([0, 8, 30, 48, N], [0, 20, 30, 31, N]),
+    }[world] + ([b for b, _ in _uneven_split(N, world, seed=world)] + [N],)
+    for cuts in splits:
+        t0, t1 = cuts[rank], cuts[rank + 1]
+        m = mask.clone()
+        if world > 2:
+            m[cuts[1] : cuts[2]] = False  # a rank with no action (inside row 3 for the first cuts)
+        for kw in (
+            dict(gamma=0.99, lam=0.95),
+            dict(gamma=gamma, lam=0.9, dones=dones, bootstrap_value=boot),
+            dict(gamma=0.97, lam=1.0, carry=(boot, boot.flip(0))),
+        ):
+            adv_w, ret_w = pk.gae(r, v, m, cu_seqlens=cu, **kw)
+            kws = {
+                k: (x[t0:t1] if isinstance(x, torch.Tensor) and x.numel() == N else x)
+                for k, x in kw.items()
+            }
+            with poisoned():
+                adv, ret = pk.gae(
+                    r[t0:t1],
+                    v[t0:t1],
+                    m[t0:t1],
+                    cu_seqlens=cu - t0,
+                    process_group=dist.group.WORLD,
+                    **kws,
+                )
+            msg = f"cuts {cuts}, {sorted(kw)}"
+            torch.testing.assert_close(adv, adv_w[t0:t1], atol=2e-5, rtol=2e-5, msg=msg)
+            torch.testing.assert_close(ret, ret_w[t0:t1], atol=2e-5, rtol=2e-5, msg=msg)
+
+
+def case_cross_rank_checks(rank, world):
+    """Shapes that differ across the ranks raise a ValueError naming the argument on every rank
+    (instead of a mismatched all-gather: gloo aborts, NCCL garbles); the group stays usable."""
+    import pytest
+
+    import ppo_kernels as pk
+
+    grp = dist.group.WORLD
+    B = 3 + (rank == world - 1)  # the last rank has one more row
+    with pytest.raises(ValueError, match="rewards: the ranks"):
+        pk.gae(torch.randn(B, 4), torch.randn(B, 4), process_group=grp)
+    with pytest.raises(ValueError, match="labels: the ranks"):
+        pk.token_logprobs(
+            torch.randn(B, 5), torch.zeros(B, dtype=torch.long), process_group=grp, vocab_start=0
+        )
+    with pytest.raises(ValueError, match="scores: the ranks"):
+        pk.grpo_advantages(torch.randn(B), group_size=1, process_group=grp)
+    cu = torch.tensor([0, 2, 4] + [4] * (rank == 0), dtype=torch.int32) - 2 * rank
+    with pytest.raises(ValueError, match="cu_seqlens: the ranks hold different numbers of rows"):
+        pk.gae(torch.randn(2), torch.randn(2), cu_seqlens=cu, process_group=grp)
+    cu = torch.tensor([0, 3, 2, 2 * world], dtype=torch.int32) - 2 * rank  # decreasing
+    with pytest.raises(ValueError, match=r"cu_seqlens: on rank\(s\) \[0"):
+        pk.gae(torch.randn(2), torch.randn(2), cu_seqlens=cu, process_group=grp)
+    adv, _ = pk.gae(torch.ones(2), torch.zeros(2), cu_seqlens=cu.sort().values, process_group=grp)
+    assert adv.shape == (2,)
+
+
+def case_compile(rank, world):
+    """torch.compile (aot_eager) of the distributed forms equals eager: fullgraph for
+    sequence-parallel gae (dense and packed) and data-parallel masked_whiten / masked_mean (their
+    all-gather is a functional collective, traced into the graph); vocab-parallel token_logprobs
+    forward and backward with fullgraph=False (its autograd.Function runs the per-slice kernels
+    in place from Python, which dynamo does not trace: it runs that function eagerly)."""
+    import ppo_kernels as pk
+
+    torch._dynamo.reset()
+    grp = dist.group.WORLD
+    g = torch.Generator().manual_seed(23)
+    r, v = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
+    m = torch.rand(2, 6, generator=g) > 0.3
+    cu = torch.tensor([0, 4, 4, 9, 6 * world], dtype=torch.int32) - 6 * rank
+
+    def sp(r, v, m, rf, vf, mf, cu):
+        dense = pk.gae(r, v, m, gamma=0.9, lam=0.8, process_group=grp)
+        packed = pk.gae(rf, vf, mf, gamma=0.9, lam=0.8, cu_seqlens=cu, process_group=grp)
+        return dense + packed
+
+    def dp(x, m):
+        return pk.masked_whiten(x, m, process_group=grp), pk.masked_mean(x, m, process_group=grp)
+
+    for fn, args in ((sp, (r, v, m, r[0], v[0], m[0], cu)), (dp, (r, m))):
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        torch.testing.assert_close(got, fn(*args), atol=1e-6, rtol=1e-6)
+    labels = torch.randint(0, 4 * world, (5,), generator=g)
+    labels[1] = -100
+    x = torch.randn(5, 4, generator=g).requires_grad_()
+
+    def vp(x, y):
+        lp, ent = pk.token_logprobs(
+            x, y, return_entropy=True, process_group=grp, vocab_start=4 * rank
+        )
+        return lp * 2 + ent
+
+    got, want = [], []
+    for fn, out in ((torch.compile(vp, fullgraph=False, backend="aot_eager"), got), (vp, want)):
+        y = fn(x, labels)
+        (gx,) = torch.autograd.grad(y.sum(), x)
+        out += [y, gx]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def case_data_parallel_whiten(rank, world):
     import ppo_kernels as pk
 

@@ -2,8 +2,10 @@
 (tests/_dist_workers.py) that compare against the single-process op on the same data, outputs
 NaN-poisoned: vocab-parallel token_logprobs (uneven and empty slices, ignore_index, temperature,
 fp32 / bf16, both outputs' gradients), sequence-parallel GAE (a slice with no action, dones at a
-slice border, per-token gamma, bootstrap on the last rank), data-parallel masked_whiten /
-masked_mean (a rank with no unmasked position)."""
+slice border, per-token gamma, bootstrap on the last rank; packed rows spanning ranks, a rank
+inside one row, row boundaries on rank borders), data-parallel masked_whiten / masked_mean (a rank
+with no unmasked position), shapes that differ across ranks (a clear error on every rank), and
+torch.compile of the distributed forms against eager."""
 
 import os
 import subprocess
@@ -22,12 +24,19 @@ pytestmark = pytest.mark.skipif(
 
 ALL = (
     "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae,"
-    "data_parallel_whiten,data_parallel_grpo"
+    "data_parallel_whiten,data_parallel_grpo,sequence_parallel_gae_packed,cross_rank_checks"
 )
 
 
 # one set of processes per world size (process start-up dominates on 2 cores)
-@pytest.mark.parametrize("cases,world", [(ALL, 2), (ALL, 3), ("sequence_parallel_gae", 4)])
+@pytest.mark.parametrize(
+    "cases,world",
+    [
+        (ALL + ",compile", 2),
+        (ALL, 3),
+        ("sequence_parallel_gae,sequence_parallel_gae_packed", 4),
+    ],
+)
 def test_distributed(cases, world):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
     r = subprocess.run(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import all_gather as _all_gather
-from ._comm import require_initialized
+from ._comm import check_same_sizes, cross_checks, require_initialized
 
 
 def local_moments(xf: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
@@ -55,9 +55,7 @@ def global_moments(xf: Tensor, m: Tensor, group, w: Tensor | None = None):
     numbers per rank)."""
     require_initialized()
     local = local_moments(xf, m, w)
-    out = torch.empty(dist.get_world_size(group) * 4, dtype=local.dtype, device=local.device)
-    _all_gather(out, local, group=group)
-    return combine_moments(out.view(-1, 4))
+    return combine_moments(_all_gather(local, group).view(-1, 4))
 
 
 def whiten_global(
@@ -84,32 +82,20 @@ def whiten_global(
 
 def gather_groups(scores: Tensor, group_index: Tensor | None, group):
     """Every rank's scores (and group ids) in rank order, for group statistics whose groups may
-    span ranks: one all-gather of [1 + 2 B] float64 per rank (B, then scores and ids; float64
-    holds ids exactly). Returns (scores of all ranks, their group ids or None, this rank's rows)."""
+    span ranks: one all-gather of [2 B] float64 per rank (scores and ids; float64 holds ids
+    exactly). Returns (scores of all ranks, their group ids or None, this rank's rows)."""
     require_initialized()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     B = scores.shape[0]
+    if cross_checks(scores):  # the payload's size depends on B
+        check_same_sizes(group, scores.device, scores=B)
     ids = (
         group_index.double()
         if group_index is not None
         else torch.zeros_like(scores, dtype=torch.float64)
     )
-    payload = torch.cat(
-        [
-            torch.tensor([B], dtype=torch.float64, device=scores.device),
-            scores.double(),
-            ids.to(scores.device),
-        ]
-    )
-    out = torch.empty(world * payload.numel(), dtype=torch.float64, device=scores.device)
-    _all_gather(out, payload, group=group)
-    out = out.view(world, -1)
-    if bool((out[:, 0] != B).any()):
-        raise ValueError(
-            f"scores: every rank must hold the same number of responses; got "
-            f"{out[:, 0].long().tolist()}"
-        )
-    all_scores = out[:, 1 : 1 + B].reshape(-1).to(scores.dtype)
-    all_ids = out[:, 1 + B :].reshape(-1).long() if group_index is not None else None
+    out = _all_gather(torch.cat([scores.double(), ids.to(scores.device)]), group).view(world, -1)
+    all_scores = out[:, :B].reshape(-1).to(scores.dtype)
+    all_ids = out[:, B:].reshape(-1).long() if group_index is not None else None
     rows = torch.arange(rank * B, (rank + 1) * B, device=scores.device)
     return all_scores, all_ids, rows

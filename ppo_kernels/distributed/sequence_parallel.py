@@ -1,16 +1,30 @@
 """Sequence-parallel GAE: each rank of a sequence/context-parallel group holds a contiguous time
-slice of the same rows (rank 0 the start). The reverse scan is affine in the carry (next value,
-next advantage) flowing in from the right (docs/ppo-math.md, csrc/common/gae_combine.h), so:
+slice of the data (rank 0 the start). The reverse scan is affine in the carry (next value, next
+advantage) flowing in from the right (docs/ppo-math.md, csrc/common/gae_combine.h), so:
 
-  1. each rank reduces its slice to that affine map, carry_out = M @ carry_in + c, per row: one
-     call of the gae kernel on the slice stacked three times with the probe carries (0, 0), (1, 0)
-     and (0, 1) -- c and the two columns of M by superposition;
-  2. ONE all-gather exchanges the maps ([B, 6] float32 per rank: 24 bytes per row, independent of
-     T, vs 8-12 bytes per token to gather the rows);
-  3. each rank composes the maps of the ranks to its right, applied to the right edge of the last
-     rank (its bootstrap value or carry; 0 = terminated), to get its incoming carry;
+  1. each rank reduces its slice to that affine map, carry_out = M @ carry_in + c: one call of the
+     gae kernel on the slice stacked three times with the probe carries (0, 0), (1, 0) and (0, 1)
+     -- c and the two columns of M by superposition;
+  2. ONE all-gather exchanges the maps;
+  3. each rank composes the maps of the ranks to its right to get its incoming carry;
   4. and runs its slice with that carry.
-The result on every rank equals the whole-row result (up to float32 rounding of the composition).
+The result on every rank equals the single-device result (up to float rounding of the
+composition).
+
+Dense rows (`[B, T_rank]`, every rank holds a time slice of the same B rows): one map per row,
+[B, 8] per rank (the map and the right edge of the last rank: its bootstrap value or carry) --
+32 bytes per row whatever T, vs 8-12 bytes per token to gather the rows.
+
+Packed rows (`[N_rank]` slices of one flat stream of n rows, `cu_seqlens` the stream's row
+offsets minus this rank's first token index, the same n + 1 numbers on every rank up to that
+shift): row i covers local positions [cu[i], cu[i+1]) -- negative where it started on a rank to
+the left, past N_rank where it continues on one to the right -- so each rank sees its pieces,
+clamp(cu, 0, N_rank), and where it sits in the stream (-cu[0]). Only the row crossing a rank's
+right border receives a carry from the right, and only the row crossing its left border passes
+one on (a row boundary on a border resets the carry: M = 0 then), so one map per rank does:
+[11] float64 (n, N_rank, start, total, valid, M, c) -- 88 bytes per rank, whatever the tokens.
+bootstrap_value / carry are per row ([n], the same on every rank): each rank uses those of the
+rows that end in its slice.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import all_gather as _all_gather
-from ._comm import require_initialized
+from ._comm import check_same_sizes, cross_checks, require_initialized
 
 
 def _apply(maps: Tensor, carry: Tensor) -> Tensor:
@@ -28,6 +42,55 @@ def _apply(maps: Tensor, carry: Tensor) -> Tensor:
     v = maps[:, 0] * carry[:, 0] + maps[:, 1] * carry[:, 1] + maps[:, 4]
     a = maps[:, 2] * carry[:, 0] + maps[:, 3] * carry[:, 1] + maps[:, 5]
     return torch.stack([v, a], 1)
+
+
+def _incoming(maps: Tensor, edge: Tensor, rank: int) -> Tensor:
+    """The carry at this rank's right border: the maps [world, B, 6] of the ranks to the right
+    applied, right to left, to the right edge [B, 2] of the last rank."""
+    carry = edge
+    for r in range(maps.shape[0] - 1, rank, -1):
+        carry = _apply(maps[r], carry)
+    return carry
+
+
+def _maps_from_probes(out: Tensor) -> Tensor:
+    """The carries [3, B, 2] the slice leaves with probes (0, 0), (1, 0), (0, 1) coming in ->
+    maps [B, 6] = (M00, M01, M10, M11, c0, c1)."""
+    c = out[0]
+    m0, m1 = out[1] - c, out[2] - c  # the columns of M
+    return torch.stack([m0[:, 0], m1[:, 0], m0[:, 1], m1[:, 1], c[:, 0], c[:, 1]], 1)
+
+
+def _stack3(x, shape):
+    """The slice three times along dim 0 (a per-token gamma / lam broadcast first); floats and
+    None as they are."""
+    if not isinstance(x, Tensor):
+        return x
+    x = x.expand(shape)
+    return torch.cat([x, x, x], 0)
+
+
+_CARRY = ("carry[0]", "carry[1]")
+
+
+def _edge(bootstrap_value, carry, n, acc, dev):
+    """The right-edge carry (value, advantage) [n] of each row: bootstrap value or carry, else 0."""
+    from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+    v = torch.zeros(n, dtype=acc, device=dev)
+    a = torch.zeros(n, dtype=acc, device=dev)
+    if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
+        raise TypeError("carry: expected a pair (next_value, next_advantage)")
+    given = {"bootstrap_value": bootstrap_value} if carry is None else dict(zip(_CARRY, carry))
+    for name, t in given.items():
+        if t is not None:
+            check_tensor(name, t, dtypes=FLOAT_DTYPES)
+            check_shape(name, t, (n,), "one per row")
+    if bootstrap_value is not None:
+        v = bootstrap_value.to(acc)
+    if carry is not None:
+        v, a = carry[0].to(acc), carry[1].to(acc)
+    return v, a
 
 
 def sequence_parallel_gae(
@@ -40,58 +103,64 @@ def sequence_parallel_gae(
     lam,
     dones,
     bootstrap_value,
+    cu_seqlens,
     carry,
     return_carry,
     process_group,
 ):
     """The body of gae(..., process_group=...). `gae_fn` is the single-device gae."""
     require_initialized()
+    if bootstrap_value is not None and carry is not None:
+        raise ValueError(
+            "bootstrap_value and carry: pass one (a bootstrap value is the carry "
+            "(bootstrap_value, 0) of a truncated row)"
+        )
+    if cu_seqlens is not None:
+        if return_carry:
+            raise ValueError(
+                "return_carry: not supported with cu_seqlens and process_group (a rank's left "
+                "edge is inside one row)"
+            )
+        return _packed(
+            gae_fn,
+            rewards,
+            values,
+            mask,
+            gamma,
+            lam,
+            dones,
+            bootstrap_value,
+            carry,
+            cu_seqlens,
+            process_group,
+        )
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     B, T = rewards.shape
     dev = rewards.device
     acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-
-    def stack3(x):  # the slice three times (a per-token gamma / lam broadcast first)
-        if not isinstance(x, Tensor) or x.dim() == 0:
-            return x
-        x = x.expand(B, T)
-        return torch.cat([x, x, x], 0)
+    if cross_checks(rewards):  # the payload's size depends on B
+        check_same_sizes(process_group, dev, rewards=B)
 
     probes = torch.zeros(3 * B, 2, dtype=acc, device=dev)
     probes[B : 2 * B, 0] = 1.0
     probes[2 * B :, 1] = 1.0
-    kw = dict(
-        gamma=stack3(gamma) if isinstance(gamma, Tensor) else gamma,
-        lam=stack3(lam) if isinstance(lam, Tensor) else lam,
-        dones=None if dones is None else stack3(dones),
-    )
     _, _, (cv, ca) = gae_fn(
-        stack3(rewards),
-        stack3(values),
-        None if mask is None else stack3(mask),
+        _stack3(rewards, (B, T)),
+        _stack3(values, (B, T)),
+        _stack3(mask, (B, T)),
+        gamma=_stack3(gamma, (B, T)),
+        lam=_stack3(lam, (B, T)),
+        dones=_stack3(dones, (B, T)),
         carry=(probes[:, 0], probes[:, 1]),
         return_carry=True,
-        **kw,
     )
-    out = torch.stack([cv, ca], 1).to(acc).view(3, B, 2)
-    c = out[0]
-    maps = torch.cat([out[1] - c, out[2] - c, c], 1)  # (M00, M10, M01, M11, c0, c1)
-    maps = maps[:, [0, 2, 1, 3, 4, 5]].contiguous()  # -> (M00, M01, M10, M11, c0, c1)
-    # the right edge of the whole row, owned by the last rank (zeros elsewhere)
-    edge = torch.zeros(B, 2, dtype=acc, device=dev)
-    if bootstrap_value is not None:
-        edge[:, 0] = bootstrap_value.to(acc)
-    if carry is not None:
-        edge[:, 0], edge[:, 1] = carry[0].to(acc), carry[1].to(acc)
-    payload = torch.cat([maps, edge], 1)  # [B, 8]
-    gathered = torch.empty(world * B * 8, dtype=acc, device=dev)
-    _all_gather(gathered, payload.reshape(-1), group=process_group)
-    gathered = gathered.view(world, B, 8)
-    incoming = gathered[world - 1, :, 6:8]
-    for r in range(world - 1, rank, -1):
-        incoming = _apply(gathered[r, :, :6], incoming)
-    res = gae_fn(
+    maps = _maps_from_probes(torch.stack([cv, ca], 1).to(acc).view(3, B, 2))
+    # the right edge of the whole row, owned by the last rank (the others' is not used)
+    edge = torch.stack(_edge(bootstrap_value, carry, B, acc, dev), 1)
+    gathered = _all_gather(torch.cat([maps, edge], 1), process_group).view(world, B, 8)
+    incoming = _incoming(gathered[:, :, :6], gathered[world - 1, :, 6:8], rank)
+    return gae_fn(
         rewards,
         values,
         mask,
@@ -101,4 +170,105 @@ def sequence_parallel_gae(
         carry=(incoming[:, 0].contiguous(), incoming[:, 1].contiguous()),
         return_carry=return_carry,
     )
-    return res
+
+
+def _packed(
+    gae_fn, rewards, values, mask, gamma, lam, dones, bootstrap_value, carry, cu, process_group
+):
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    (L,) = rewards.shape
+    n = cu.numel() - 1
+    dev = rewards.device
+    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    c = cu.long()
+    # Local validity, exchanged rather than raised here: a rank that raised before the collective
+    # would leave the others waiting in it.
+    valid = ((c[1:] >= c[:-1]).all() & (c[0] <= 0) & (c[-1] >= L)).to(torch.float64)
+    # This rank's pieces of the rows: non-decreasing offsets from 0 to L whatever cu holds (so the
+    # kernel never sees bad offsets; a bad cu is reported after the exchange).
+    pc = c.clamp(0, L).cummax(0).values
+    pc = torch.cat([pc.new_zeros(1), pc[1:-1], pc.new_full((1,), L)]) if n > 0 else pc * 0
+    right = (c[:-1] < L) & (c[1:] > L)  # the row continuing on the rank to the right
+    left = (c[:-1] < 0) & (c[1:] > 0)  # the row that started on a rank to the left
+    edge_v, edge_a = _edge(bootstrap_value, carry, n, acc, dev)
+
+    def run(r, v, m, g, lm, d, pieces, cv, ca):
+        return gae_fn(
+            r, v, m, gamma=g, lam=lm, dones=d, cu_seqlens=pieces, carry=(cv, ca), return_carry=True
+        )
+
+    # probes (0, 0), (1, 0), (0, 1) into the row crossing the right border, the rows' own edges
+    # into the others; the map is what leaves the row crossing the left border
+    probe_v = torch.tensor([0.0, 1.0, 0.0], dtype=acc, device=dev).repeat_interleave(n)
+    probe_a = torch.tensor([0.0, 0.0, 1.0], dtype=acc, device=dev).repeat_interleave(n)
+    right3 = right.repeat(3)
+    _, _, (cv, ca) = run(
+        _stack3(rewards, (L,)),
+        _stack3(values, (L,)),
+        _stack3(mask, (L,)),
+        _stack3(gamma, (L,)),
+        _stack3(lam, (L,)),
+        _stack3(dones, (L,)),
+        torch.cat([pc, pc[1:] + L, pc[1:] + 2 * L]).to(torch.int32),
+        torch.where(right3, probe_v, edge_v.repeat(3)),
+        torch.where(right3, probe_a, edge_a.repeat(3)),
+    )
+    out = torch.stack([cv, ca], 1).to(torch.float64).view(3, n, 2)
+    out = torch.where(left.view(1, n, 1), out, torch.zeros_like(out)).sum(1, keepdim=True)
+    maps = _maps_from_probes(out).view(6)  # zero when no row crosses the left border
+    header = torch.stack([c.new_tensor(n), c.new_tensor(L), -c[0], c[-1] - c[0]]).to(torch.float64)
+    payload = torch.cat([header, valid.view(1), maps])
+    gathered = _all_gather(payload, process_group).view(world, 11)
+    if cross_checks(rewards):
+        _check_packed(gathered[:, :5].cpu())
+    # the last rank's right border ends the stream: nothing comes in there
+    incoming = _incoming(
+        gathered[:, None, 5:], torch.zeros(1, 2, dtype=torch.float64, device=dev), rank
+    )
+    inc = incoming.to(acc)
+    adv, ret, _ = run(
+        rewards,
+        values,
+        mask,
+        gamma,
+        lam,
+        dones,
+        pc.to(torch.int32),
+        torch.where(right, inc[0, 0], edge_v).contiguous(),
+        torch.where(right, inc[0, 1], edge_a).contiguous(),
+    )
+    return adv, ret
+
+
+def _check_packed(h: Tensor):
+    """h [world, 5] = (rows, tokens, start, total, valid) per rank: every rank has the same rows
+    and stream, a valid cu_seqlens, and the slices tile the stream in rank order."""
+    rows, toks, start, total, ok = (h[:, j].long().tolist() for j in range(5))
+    if any(x != rows[0] for x in rows):
+        raise ValueError(
+            f"cu_seqlens: the ranks hold different numbers of rows {rows}; every rank passes the "
+            "stream's n + 1 row offsets (minus its first token index)"
+        )
+    bad = [r for r, x in enumerate(ok) if not x]
+    if bad:
+        raise ValueError(
+            f"cu_seqlens: on rank(s) {bad} not non-decreasing offsets with cu_seqlens[0] <= 0 <= "
+            "rewards.shape[0] <= cu_seqlens[-1] (the stream's offsets minus the rank's first token "
+            "index, so that its slice lies inside the stream)"
+        )
+    pos = 0
+    for r in range(len(rows)):
+        if start[r] != pos or total[r] != total[0]:
+            raise ValueError(
+                f"cu_seqlens: the ranks' slices (start = -cu_seqlens[0], tokens) = "
+                f"{list(zip(start, toks))} do not tile the stream of {total[0]} tokens in rank "
+                "order; pass the stream's offsets minus each rank's first token index "
+                "(cu_seqlens - t0)"
+            )
+        pos += toks[r]
+    if pos != total[0]:
+        raise ValueError(
+            f"cu_seqlens: the ranks' slices hold {pos} tokens, the stream (cu_seqlens[-1] - "
+            f"cu_seqlens[0]) {total[0]}"
+        )

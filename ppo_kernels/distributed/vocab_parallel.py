@@ -6,9 +6,10 @@ Forward, per rank: the softmax statistics (m, s, u) of its slice (csrc/common/so
 the label's logit where it owns the label -- computed by the same per-tile kernels that
 linear_token_logprobs uses for vocabulary chunks (a vocabulary shard is a vocabulary chunk that
 lives on another rank), on float32 row blocks of bounded size. ONE collective: an all-gather of
-those per-row states ([5, N] float32 per rank plus a 3-value header: the slice's start, size and N,
-so mismatched shapes are detected). Each rank then merges the states with `merge_states` (the
-Python mirror of stats_merge) and finishes exactly like linear_token_logprobs.
+those per-row states ([5, N] float32 per rank plus a 3-value header: the slice's start, size and
+N, checked; a different N across ranks is caught before, by _comm.check_same_sizes). Each rank
+then merges the states with `merge_states` (the Python mirror of stats_merge) and finishes
+exactly like linear_token_logprobs.
 
 Backward, per rank, no collective: with the merged log-sum-exp and entropy, the gradient of a
 slice is elementwise (d lp / d z_j = onehot_j - p_j, d H / d z_j = -p_j (log p_j + H), / T), so
@@ -30,7 +31,7 @@ from .._checks import check_labels_in_range
 from ..linear_logprobs import reference as lin_ref
 from ..linear_logprobs.op import tile_bwd_, tile_stats_
 from ._comm import all_gather as _all_gather
-from ._comm import require_initialized
+from ._comm import all_reduce_, check_same_sizes, cross_checks, require_initialized
 
 _HEADER = 3  # vocab_start, V_rank, N
 _ROWS = 5  # m, s, u, zlabel, owned
@@ -96,14 +97,15 @@ def merge_states(states: Tensor) -> Tensor:
 
 
 def _gather(local: Tensor, header: list[int], group) -> Tensor:
-    """One all-gather of [header | local states] -> [world, _HEADER + _ROWS * N]."""
+    """One all-gather of [header | local states] -> [world, _HEADER + _ROWS * N] (after a tiny
+    one of N where cross-rank checks run: the payload's size depends on it)."""
     world = dist.get_world_size(group)
+    if cross_checks(local):
+        check_same_sizes(group, local.device, labels=header[2])
     flat = torch.cat(
         [torch.tensor(header, dtype=local.dtype, device=local.device), local.reshape(-1)]
     )
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    _all_gather(out, flat, group=group)
-    return out.view(world, -1)
+    return _all_gather(flat, group).view(world, -1)
 
 
 def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: int, check_cpu: bool):
@@ -366,7 +368,7 @@ class _VocabParallelLinear(torch.autograd.Function):
                 )
         if need_h and reduce_h:
             # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
-            dist.all_reduce(gh, group=group)
+            all_reduce_(gh, group)
         return (
             gh.to(hidden.dtype) if need_h else None,
             gW.to(weight.dtype) if need_w else None,
@@ -447,9 +449,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
             .reshape(3, -1)
             .to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         )
-        out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-        _all_gather(out, local.reshape(-1), group=group)
-        st = out.view(world, 3, -1)
+        st = _all_gather(local, group).view(world, 3, -1)
         lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
         a = (st[:, 1] - lse_z).exp()
         cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))

@@ -298,7 +298,11 @@ def gae(
             contiguous time slice `[B, T_rank]` of the same rows (rank 0 the start); every rank
             gets its slice of the whole-row result (one all-gather of per-row affine carry maps;
             see ppo_kernels/distributed/sequence_parallel.py). bootstrap_value / carry belong to
-            the last rank (the right edge); the others' are ignored. Not with cu_seqlens.
+            the last rank (the right edge); the others' are ignored. Packed: `rewards` etc.
+            are this rank's contiguous slice `[N_rank]` of the packed stream (rows may span
+            ranks) and `cu_seqlens` the stream's `[n + 1]` row offsets minus this rank's first
+            token index (`cu_seqlens - t0`: the row boundaries at their local positions);
+            bootstrap_value / carry `[n]` per row, the same on every rank; no return_carry.
 
     Returns:
         `(advantages, returns)` float32 like rewards, or `(advantages, returns, carry)`.
@@ -306,14 +310,13 @@ def gae(
     documented semantics and edge cases.
     """
     if process_group is not None:
-        if cu_seqlens is not None:
-            raise ValueError(
-                "cu_seqlens: packed rows are not supported with process_group; "
-                "split [B, T] rows along T instead"
-            )
         from ..distributed import sequence_parallel_gae
 
-        check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=2)
+        check_tensor("rewards", rewards, dtypes=FLOAT_DTYPES, dim=2 if cu_seqlens is None else 1)
+        if cu_seqlens is not None:
+            check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, dim=1)
+            if cu_seqlens.numel() < 1:
+                raise ValueError("cu_seqlens: expected at least one entry (n + 1 offsets)")
         return sequence_parallel_gae(
             gae,
             rewards,
@@ -323,6 +326,7 @@ def gae(
             lam=lam,
             dones=dones,
             bootstrap_value=bootstrap_value,
+            cu_seqlens=cu_seqlens,
             carry=carry,
             return_carry=return_carry,
             process_group=process_group,
@@ -358,8 +362,11 @@ def gae(
                 "rewards: packed inputs are limited to 2^31 - 1 tokens (int32 offsets)"
             )
         n_rows = cu_seqlens.numel() - 1
-        if cu_seqlens.device.type == "cpu" or _backend.strict():
-            _check_cu_seqlens(cu_seqlens, rewards.numel())  # host sync on the GPU, by request
+        # host sync on the GPU, by request; under torch.compile the op checks CPU offsets itself
+        if (cu_seqlens.device.type == "cpu" or _backend.strict()) and not (
+            torch.compiler.is_compiling()
+        ):
+            _check_cu_seqlens(cu_seqlens, rewards.numel())
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     if values.dtype != rewards.dtype:
         acc = torch.float64 if torch.float64 in (rewards.dtype, values.dtype) else torch.float32
