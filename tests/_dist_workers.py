@@ -68,6 +68,48 @@ def case_vocab_parallel(rank, world):
             )
 
 
+def case_vocab_parallel_layouts(rank, world):
+    """vocab_start derived (not given) across calls whose uneven layouts change so that some ranks
+    keep their slice size and others do not: every rank settles the same way (no rank left in a
+    collective the others skip), results match the unsharded op, and a layout seen before costs
+    one collective."""
+    import ppo_kernels as pk
+    from ppo_kernels.distributed import _comm
+
+    g = torch.Generator().manual_seed(3)
+    N = 11
+    even = [5] * world
+    layouts = [even, [5] * (world - 1) + [9], [9] + [5] * (world - 1), even, even]
+    for i, sizes in enumerate(layouts):
+        V = sum(sizes)
+        logits = torch.randn(N, V, generator=g) * 2
+        labels = torch.randint(0, V, (N,), generator=g)
+        v0 = sum(sizes[:rank])
+        shard = logits[:, v0 : v0 + sizes[rank]].contiguous()
+        before = _comm.CALLS["all_gather"]
+        lp, ent = pk.token_logprobs(
+            shard, labels, return_entropy=True, process_group=dist.group.WORLD
+        )
+        gathers = _comm.CALLS["all_gather"] - before
+        lp_w, ent_w = pk.token_logprobs(logits, labels, return_entropy=True)
+        torch.testing.assert_close(lp, lp_w)
+        torch.testing.assert_close(ent, ent_w)
+        checks = 1 if _comm.cross_checks(shard) else 0  # the CPU's cross-rank size check
+        if i in (0, 4):  # even shards (the first guess), then the layout of the call before
+            assert gathers == 1 + checks, (i, gathers)
+    # a vocab_start given on some ranks only must fit the rank-order layout
+    shard = torch.randn(N, 5)
+    bad = 3 if rank == 0 else None
+    try:
+        pk.token_logprobs(
+            shard, torch.zeros(N, dtype=torch.long), process_group=dist.group.WORLD, vocab_start=bad
+        )
+    except ValueError as e:
+        assert "vocab_start" in str(e), e
+    else:
+        raise AssertionError("a vocab_start off the rank-order layout was accepted")
+
+
 def case_vocab_parallel_linear(rank, world):
     from _utils import GRAD_TOL, TOL
 

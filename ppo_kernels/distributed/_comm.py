@@ -18,6 +18,7 @@ def require_initialized():
 
 
 SENT_BYTES = [0]  # bytes this process contributed to collectives (bench/bench_distributed.py)
+CALLS = {"all_gather": 0, "all_reduce": 0}  # collectives run eagerly (tests count them)
 
 
 def _compiling() -> bool:
@@ -28,6 +29,7 @@ def all_gather(inp, group):
     """Every rank's `inp` (flattened) in rank order: a new flat tensor of world * inp.numel()."""
     if not _compiling():
         SENT_BYTES[0] += inp.numel() * inp.element_size()
+        CALLS["all_gather"] += 1
     return _fc.wait_tensor(_gather(inp.reshape(-1).contiguous(), 0, group))
 
 
@@ -35,6 +37,7 @@ def all_reduce_(t, group):
     """Sum `t` over the ranks of `group`, in place (the functional all_reduce, copied back)."""
     if not _compiling():
         SENT_BYTES[0] += t.numel() * t.element_size()
+        CALLS["all_reduce"] += 1
     t.copy_(_fc.wait_tensor(_fc.all_reduce(t, "sum", group)))
     return t
 

@@ -33,7 +33,7 @@ from ..linear_logprobs.op import tile_bwd_, tile_stats_
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, check_same_sizes, cross_checks, require_initialized
 
-_HEADER = 3  # vocab_start, V_rank, N
+_HEADER = 4  # vocab_start, V_rank, N, derived (1: vocab_start not given, see _settle_start)
 _ROWS = 5  # m, s, u, zlabel, owned
 _BLOCK_BYTES = 64 << 20  # float32 row blocks of the shard handed to the tile kernels
 
@@ -148,8 +148,15 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         x = logits.reshape(labels.numel(), logits.shape[-1])
         y = labels.reshape(-1)
         inv_t = 1.0 / temperature
-        local = local_states(x, y, vocab_start, inv_t, ignore_index)
-        gathered = _gather(local, [vocab_start, x.shape[1], y.numel()], group)
+        vocab_start, derived = vocab_start
+        gathered, vocab_start = _gather_settled(
+            lambda start: local_states(x, y, start, inv_t, ignore_index),
+            vocab_start,
+            derived,
+            x.shape[1],
+            y.numel(),
+            group,
+        )
         lp, ent, lse, V = _finish(
             gathered, y, vocab_start, ignore_index, logits.device.type == "cpu"
         )
@@ -197,34 +204,58 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         return grad.view(logits.shape), None, None, None, None, None
 
 
-_size_cache: dict[tuple[int, int, int], int] = {}
+# (id(group), rank, slice size) -> the slice start learned from a gather (see _settle_start)
+_start_cache: dict[tuple[int, int, int], int] = {}
 
 
-def default_vocab_start(v_rank: int, group) -> int:
-    """This rank's slice start, from every rank's slice size (one all-gather of sizes the first
-    time for a (group, size) pair; cached after that, so steady-state calls stay at one collective).
-    Ranks hold contiguous slices in rank order (Megatron's layout)."""
-    key = (id(group), dist.get_rank(group), v_rank)
-    if key not in _size_cache:
-        world = dist.get_world_size(group)
-        mine = torch.tensor([v_rank], dtype=torch.int64)
-        if dist.get_backend(group) == "nccl":
-            mine = mine.cuda()
-        sizes = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(sizes, mine, group=group)
-        rank = dist.get_rank(group)
-        _size_cache[key] = int(sum(int(s) for s in sizes[:rank]))
-    return _size_cache[key]
-
-
-def _resolve_vocab_start(vocab_start, v_rank: int, group) -> int:
-    """The given first vocabulary id of this rank (checked), or the default from the slice sizes."""
+def _resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, bool]:
+    """(start, derived): the given first vocabulary id of this rank (checked; derived False), or,
+    when not given, a provisional start (derived True): the one learned by an earlier call for
+    this (group, slice size), else rank * slice size (right for even shards). No collective here:
+    a collective only some ranks ran (those whose cache missed) would hang the others, so the
+    start is settled from the forward's own gather (_settle_start)."""
     require_initialized()
     if vocab_start is None:
-        return default_vocab_start(v_rank, group)
+        rank = dist.get_rank(group)
+        return _start_cache.get((id(group), rank, v_rank), rank * v_rank), True
     if not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    return vocab_start
+    return vocab_start, False
+
+
+def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:
+    """After the gather of headers [start, size, N, derived]: (this rank's start, redo). Where no
+    rank was given vocab_start, slices are contiguous in rank order (Megatron's layout); a given
+    start must fit that layout when other ranks derive theirs. redo: some derived start was wrong,
+    so every rank recomputes its states and gathers again -- decided from the gathered headers
+    alone, hence the same on every rank (at most once per new layout: the start is cached)."""
+    header = gathered[:, :_HEADER].to(torch.int64).cpu()
+    starts, sizes, derived = header[:, 0].tolist(), header[:, 1].tolist(), header[:, 3].tolist()
+    rank = dist.get_rank(group)
+    if not any(derived):
+        return starts[rank], False
+    expected = [sum(sizes[:r]) for r in range(len(sizes))]
+    for r, (st, ex, d) in enumerate(zip(starts, expected, derived)):
+        if not d and st != ex:
+            raise ValueError(
+                f"vocab_start: rank {r} was given {st} but other ranks derive theirs from the "
+                f"rank-order layout, where rank {r} starts at {ex} (slice sizes {sizes}); give "
+                "vocab_start on every rank or on none"
+            )
+    if derived[rank]:
+        _start_cache[(id(group), rank, sizes[rank])] = expected[rank]
+    redo = any(d and st != ex for st, ex, d in zip(starts, expected, derived))
+    return expected[rank], redo
+
+
+def _gather_settled(states, start: int, derived: bool, v_rank: int, n: int, group):
+    """(gathered, start): gather states(start) with its header; when a derived start turns out
+    wrong (_settle_start), every rank recomputes with the settled start and gathers once more."""
+    gathered = _gather(states(start), [start, v_rank, n, int(derived)], group)
+    settled, redo = _settle_start(gathered, group)
+    if redo:
+        gathered = _gather(states(settled), [settled, v_rank, n, int(derived)], group)
+    return gathered, settled
 
 
 def vocab_parallel_token_logprobs(
@@ -237,9 +268,9 @@ def vocab_parallel_token_logprobs(
     vocab_start: int | None,
 ):
     """The body of token_logprobs(..., process_group=...); arguments already checked."""
-    vocab_start = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
+    start = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
     lp, ent, _ = _VocabParallelTokenLogprobs.apply(
-        logits, labels, float(temperature), int(ignore_index), int(vocab_start), process_group
+        logits, labels, float(temperature), int(ignore_index), start, process_group
     )
     return (lp, ent) if return_entropy else lp
 
@@ -269,37 +300,42 @@ class _VocabParallelLinear(torch.autograd.Function):
         Vr = weight.shape[0]
         acc = _acc(hidden.dtype)
         inv_t = 1.0 / temperature
-        local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
-        local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
-        k = labels.long() - vocab_start
-        local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
-        if N and Vr:
-            plan = lop.plan_chunks(
-                N,
-                Vr,
-                H,
-                hidden.dtype,
-                hidden.device.type,
-                lop._resolve_budget(budget, hidden.device),
-                logits_dtype=logits_dtype,
-                fused=False,
-            )
-            tiler = lop.Tiler(hidden, weight, bias, plan, False)
-            for r0 in range(0, N, plan.rows):
-                r1 = min(N, r0 + plan.rows)
-                st, zl = lop.chunk_states(
-                    tiler,
-                    plan,
-                    tiler.rows(r0, r1),
-                    labels[r0:r1],
+
+        def states(start):
+            local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
+            local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
+            k = labels.long() - start
+            local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
+            if N and Vr:
+                plan = lop.plan_chunks(
+                    N,
                     Vr,
-                    inv_t,
-                    ignore_index,
-                    v_offset=vocab_start,
+                    H,
+                    hidden.dtype,
+                    hidden.device.type,
+                    lop._resolve_budget(budget, hidden.device),
+                    logits_dtype=logits_dtype,
+                    fused=False,
                 )
-                local[0:3, r0:r1] = st
-                local[3, r0:r1] = zl
-        gathered = _gather(local, [vocab_start, Vr, N], group)
+                tiler = lop.Tiler(hidden, weight, bias, plan, False)
+                for r0 in range(0, N, plan.rows):
+                    r1 = min(N, r0 + plan.rows)
+                    st, zl = lop.chunk_states(
+                        tiler,
+                        plan,
+                        tiler.rows(r0, r1),
+                        labels[r0:r1],
+                        Vr,
+                        inv_t,
+                        ignore_index,
+                        v_offset=start,
+                    )
+                    local[0:3, r0:r1] = st
+                    local[3, r0:r1] = zl
+            return local
+
+        vocab_start, derived = vocab_start
+        gathered, vocab_start = _gather_settled(states, vocab_start, derived, Vr, N, group)
         lp, ent, lse, V = _finish(
             gathered, labels, vocab_start, ignore_index, hidden.device.type == "cpu"
         )
@@ -400,7 +436,7 @@ def vocab_parallel_linear_token_logprobs(
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
     weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
     Returns (logprobs, entropy) [N]."""
-    vocab_start = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
+    start = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
     lp, ent, _ = _VocabParallelLinear.apply(
         hidden2d,
         weight,
@@ -408,7 +444,7 @@ def vocab_parallel_linear_token_logprobs(
         bias,
         float(temperature),
         int(ignore_index),
-        int(vocab_start),
+        start,
         process_group,
         int(budget or 0),
         logits_dtype,
