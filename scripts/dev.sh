@@ -99,6 +99,10 @@ peers() {
   done
   pip_ install -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
+  # TRL's GRPOTrainer end to end (tests/test_integrations_trl_e2e.py) needs its data stack
+  # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
+  pip_ install -q datasets==5.2.0 \
+    || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
 }
 
 # Formatter and linter (pinned, so a new release does not fail CI on unchanged code): ruff for
