@@ -367,6 +367,13 @@ def logits_arg(a, name="logits"):
     return x
 
 
+def softmax_dtype(x):
+    """The dtype of the peers' softmax-based results for logits x where they are called: x's, or
+    float32 under autocast on CUDA (softmax, log_softmax and logsumexp run in float32 there, as in
+    verl's forward); asked of torch on an empty tensor."""
+    return torch.promote_types(torch.softmax(x.new_empty(0, 1), -1).dtype, x.dtype)
+
+
 def entropy(x):
     """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
     zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)

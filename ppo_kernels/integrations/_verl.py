@@ -30,6 +30,7 @@ from ._patch import (
     need,
     out_dtype,
     same_shape,
+    softmax_dtype,
     swapped,
     tensor,
 )
@@ -287,12 +288,12 @@ def logprobs_from_logits(a, orig, o):
     y = labels_arg(a, x)
     # never inplace_backward: verl's CPU path does not, and callers reuse the logits (entropy)
     lp = pk.token_logprobs(x, y, ignore_index=NO_IGNORE)
-    return o.out(lp, x.dtype)
+    return o.out(lp, softmax_dtype(x))
 
 
 def entropy_from_logits(a, orig, o):
     x = logits_arg(a)
-    return o.out(entropy(x), x.dtype)
+    return o.out(entropy(x), softmax_dtype(x))
 
 
 def entropy_from_logits_chunked(a, orig, o):
@@ -357,13 +358,13 @@ def fsdp_model_outputs(a, orig, o):
         ent = pair.entropy(logits)
         if ent is None:
             return ent_before(logits, *args, **kwargs)
-        return o.out(ent, torch.float32 if chunked else logits.dtype)  # verl's chunked: float32
+        return o.out(ent, torch.float32 if chunked else softmax_dtype(logits))  # chunked: float32
 
     def logprobs_from_logits(logits, labels, inplace_backward=True):
         lp = pair.logprobs(logits, labels)
         if lp is None:
             return lp_before(logits, labels, inplace_backward=inplace_backward)
-        return o.out(lp, logits.dtype)
+        return o.out(lp, softmax_dtype(logits))
 
     with (
         swapped(self, "compute_entropy_from_logits", compute_entropy_from_logits),
