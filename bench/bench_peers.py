@@ -152,7 +152,6 @@ def caller_cases(n, v, dtype):
         eng.engine_config = types.SimpleNamespace(
             entropy_from_logits_with_chunking=False, entropy_checkpointing=False
         )
-        eng.compute_entropy_from_logits = tf.entropy_from_logits  # torch.compile off
         eng.pad_to_length, eng.pad_to_length_bucket, eng.use_ulysses_sp = False, 0, False
         seqs = _split(labels)
         mb = _MicroBatch(
@@ -166,6 +165,8 @@ def caller_cases(n, v, dtype):
         _, args = eng.prepare_model_inputs(micro_batch=mb)
 
         def verl_step():
+            # as an engine built after apply holds it (VERL_USE_EXTERNAL_MODULES); no compile
+            eng.compute_entropy_from_logits = tf.entropy_from_logits
             x = logits.detach().clone().requires_grad_(True)
             o = eng.prepare_model_outputs(
                 output=types.SimpleNamespace(logits=x.unsqueeze(0)),
@@ -208,6 +209,7 @@ def caller_cases(n, v, dtype):
             held["x"] = x
             lp, o = actor(seq, am, att, return_output=True, return_entropy=True)
             (lp.sum() + 0.01 * o.entropy.sum()).backward()
+            held.clear()  # no logits left over into the next measured call
             return x.grad
 
         out.append(("openrlhf", "Actor.forward", "Actor.forward(return_entropy=True)", openrlhf_step))
