@@ -57,6 +57,9 @@ def test_verl_external_module_activation():
         "rep = pki.report('verl')\n"
         "assert rep['active'] and not rep['strict'], rep\n"
         "assert hasattr(core_algos.compute_gae_advantage_return, '__ppo_kernels_original__')\n"
+        "caller = rep['functions']['verl.workers.engine.fsdp.transformer_impl."
+        "FSDPEngineWithLMHead.prepare_model_outputs']\n"
+        "assert 'unavailable' not in caller and caller['patched_in'], caller\n"
         "print('OK')",
         VERL_USE_EXTERNAL_MODULES="ppo_kernels.integrations.verl",
     )
@@ -100,3 +103,30 @@ def test_half_precision_logprobs(dtype):
     assert ((ours32.double() - exact).abs() <= 1e-5 * exact.abs().clamp(min=1)).all()
     assert ((ours.double() - exact).abs() <= eps * exact.abs().clamp(min=1)).all()  # one rounding
     assert ((ours.double() - theirs.double()).abs() <= 8 * eps * exact.abs().clamp(min=1)).all()
+
+
+def test_optional_target_unavailable():
+    """A caller target whose module does not import is listed as unavailable; apply succeeds."""
+    from ppo_kernels.integrations._patch import Peer, Target
+
+    import_peer("openrlhf.models.utils")
+    peer = Peer(
+        "openrlhf",
+        "openrlhf",
+        ("0.11.",),
+        [
+            Target("openrlhf.models.utils", "masked_mean", lambda a, orig, o: orig(**a)),
+            Target("no_such_peer_module", "f", lambda a, orig, o: None, optional=True),
+        ],
+    )
+    peer.apply(strict=True, dtype="peer")
+    try:
+        rep = peer.report()["functions"]
+        assert "ModuleNotFoundError" in rep["no_such_peer_module.f"]["unavailable"]
+        assert rep["openrlhf.models.utils.masked_mean"]["patched_in"]
+    finally:
+        peer.revert()
+    with pytest.raises(ModuleNotFoundError):
+        Peer("x", "openrlhf", ("0.11.",), [Target("no_such_peer_module", "f", None)]).apply(
+            strict=True, dtype="peer"
+        )

@@ -32,7 +32,7 @@ def test_apply_reaches_copies_and_methods(orl):
         assert exp.compute_approx_kl is utils.compute_approx_kl
         assert loss.PolicyLoss.forward is not orig_fwd
         rep = pki.report("openrlhf")
-        assert len(rep["functions"]) == 9
+        assert len(rep["functions"]) == 10
     assert loss.PolicyLoss.forward is orig_fwd
 
 

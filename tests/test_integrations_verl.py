@@ -57,7 +57,7 @@ def test_apply_reaches_every_copy_and_reverts(verl):
         assert core.get_policy_loss_fn("vanilla") is core.compute_policy_loss_vanilla
         for m in copies:
             assert m.logprobs_from_logits is tf.logprobs_from_logits is not orig_lp
-        assert len(rep["functions"]) == 15 and rep["active"]
+        assert len(rep["functions"]) == 16 and rep["active"]
         places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"][
             "patched_in"
         ]

@@ -71,7 +71,9 @@ def patched(peer: str, *, strict: bool = True, dtype: str = "peer"):
 
 def report(peer: str) -> dict:
     """{"peer", "active", "version", "strict", "dtype", "functions": {qualified name: {"calls",
-    "replaced", "fallbacks", "fallback_reasons": {reason: count}, "patched_in": [places]}}}."""
+    "replaced", "fallbacks", "fallback_reasons": {reason: count}, "passed", "passed_reasons"
+    (caller targets: calls with nothing to fuse, run as the peer's code), "patched_in": [places],
+    and "unavailable": why, for a caller whose module does not import here}}}."""
     return _peer(peer).report()
 
 
@@ -85,10 +87,14 @@ def format_report(peer: str) -> str:
     for name, s in r["functions"].items():
         lines.append(
             f"  {name}: {s['calls']} calls, {s['replaced']} replaced, {s['fallbacks']} "
-            f"fallbacks; in {len(s['patched_in'])} places"
+            f"fallbacks, {s['passed']} passed through; in {len(s['patched_in'])} places"
         )
+        if "unavailable" in s:
+            lines.append(f"      unavailable: {s['unavailable']}")
         for why, n in s["fallback_reasons"].items():
             lines.append(f"      fallback x{n}: {why}")
+        for why, n in s["passed_reasons"].items():
+            lines.append(f"      passed through x{n} (nothing to fuse): {why}")
     return "\n".join(lines)
 
 

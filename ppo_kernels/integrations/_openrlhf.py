@@ -4,6 +4,7 @@ experience maker's GAE / returns on ppo_kernels ops. Semantics read from OpenRLH
 from __future__ import annotations
 
 import numbers
+import sys
 
 import torch
 
@@ -11,8 +12,12 @@ import ppo_kernels as pk
 
 from ._patch import (
     NO_IGNORE,
+    FusedPair,
+    Passthrough,
     Peer,
     Target,
+    Unfused,
+    call,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -20,12 +25,14 @@ from ._patch import (
     need,
     out_dtype,
     same_shape,
+    swapped,
     tensor,
 )
 
 UTILS = "openrlhf.models.utils"
 LOSS = "openrlhf.models.loss"
 EXP = "openrlhf.trainer.ppo_utils.experience_maker"
+ACTOR = "openrlhf.models.actor"
 
 
 def compute_approx_kl(a, orig, o):
@@ -202,6 +209,49 @@ def get_cumulative_returns(a, orig, o):
     return o.out(ret, a["rewards"].dtype)
 
 
+def actor_forward(a, orig, o):
+    """Actor.forward with return_entropy and log-probs asked for: OpenRLHF calls compute_entropy
+    then log_probs_from_logits on the same (float32, temperature-scaled) logits; here one
+    token_logprobs pass gives both. The labels are the rolled sequences: computed here as
+    OpenRLHF does, or, packing samples, taken from its unpad_and_slice_tensor."""
+    if not a["return_entropy"]:
+        raise Passthrough("return_entropy=False: log-probs only (one pass already)")
+    if a["action_mask"] is None and not a["return_logprobs"]:
+        raise Passthrough("no log-probs asked for: entropy only")
+    seq = tensor(a["sequences"], "sequences")
+    need(seq.dim() == 2, "sequences", "expected [batch, seqlen]")
+    self, mod = a["self"], sys.modules[ACTOR]
+    packing = bool(getattr(self, "packing_samples", False))
+    pair = FusedPair(None if packing else torch.roll(seq, shifts=-1, dims=1))
+    before = {n: getattr(mod, n) for n in ("compute_entropy", "log_probs_from_logits")}
+    unpad_before = mod.unpad_and_slice_tensor
+
+    def unpad_and_slice_tensor(*args, **kwargs):
+        res = unpad_before(*args, **kwargs)
+        pair.labels = res[2]  # (sequences, position_ids, rolled_sequences, pad_len, indices)
+        return res
+
+    def compute_entropy(logits):
+        ent = pair.entropy(logits)
+        return before["compute_entropy"](logits) if ent is None else o.out(ent, logits.dtype)
+
+    def log_probs_from_logits(logits, labels, temperature=1.0):
+        lp = pair.logprobs(logits, labels) if temperature == 1.0 else None
+        if lp is None:
+            return before["log_probs_from_logits"](logits, labels, temperature)
+        return o.out(lp, logits.dtype)
+
+    with (
+        swapped(mod, "unpad_and_slice_tensor", unpad_and_slice_tensor),
+        swapped(mod, "compute_entropy", compute_entropy),
+        swapped(mod, "log_probs_from_logits", log_probs_from_logits),
+    ):
+        out = call(orig, a)
+    if not pair.complete:
+        raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
+    return out
+
+
 PEER = Peer(
     "openrlhf",
     "openrlhf",
@@ -216,5 +266,6 @@ PEER = Peer(
         Target(LOSS, "ValueLoss.forward", value_loss_forward),
         Target(EXP, "RemoteExperienceMaker.get_advantages_and_returns", get_advantages_and_returns),
         Target(EXP, "RemoteExperienceMaker.get_cumulative_returns", get_cumulative_returns),
+        Target(ACTOR, "Actor.forward", actor_forward, optional=True),
     ],
 )

@@ -10,6 +10,7 @@ the argument, under strict=False the original runs for that call and the reason 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -47,6 +48,25 @@ class Fallback(Exception):
         self.argument, self.reason = argument, reason
 
 
+class Passthrough(Exception):
+    """A caller target has nothing to fuse in this call (e.g. entropy was not asked for): the
+    original runs -- its inner functions still patched -- counted in `passed`, never an error."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Unfused(Exception):
+    """A caller target ran the original inside its replacement but the fused pass did not happen
+    (the peer's pieces did not meet as expected): `result` is the original's, correct but computed
+    in two passes. Counted as a fallback; not raised under strict (the call has already run)."""
+
+    def __init__(self, argument: str, reason: str, result):
+        super().__init__(argument, reason)
+        self.argument, self.reason, self.result = argument, reason, result
+
+
 @dataclasses.dataclass
 class Options:
     strict: bool
@@ -63,12 +83,15 @@ class Options:
 class Target:
     """`module.attr` (attr may be "Class.method") replaced by `make(original, options)`, a
     function `(bound: dict, original, options) -> result`. `registries`: names of dicts in
-    `module` whose values may hold the original (verl's ADV_ESTIMATOR_REGISTRY, ...)."""
+    `module` whose values may hold the original (verl's ADV_ESTIMATOR_REGISTRY, ...).
+    `optional`: a module that does not import here (a peer installed without that caller's
+    stack) leaves the target unavailable -- said in `report` -- instead of failing `apply`."""
 
     module: str
     attr: str
     impl: Callable[..., Any]
     registries: tuple[str, ...] = ()
+    optional: bool = False
 
 
 @dataclasses.dataclass
@@ -76,7 +99,9 @@ class _Stats:
     calls: int = 0
     replaced: int = 0
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    passed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     places: list = dataclasses.field(default_factory=list)
+    unavailable: str | None = None
 
 
 class Peer:
@@ -125,14 +150,19 @@ class Peer:
         self.generation += 1
         self.active = {}
         try:
+            # every module first, so that the `from ... import` copies a caller's module holds
+            # exist when the functions are replaced
+            mods = {t.module: _import(t) for t in self.targets}
             for t in self.targets:
-                self._apply_target(t)
+                self._apply_target(t, mods[t.module])
         except Exception:
             self.revert()
             raise
 
-    def _apply_target(self, t: Target):
-        mod = importlib.import_module(t.module)
+    def _apply_target(self, t: Target, mod):
+        if isinstance(mod, str):  # an optional target whose module does not import here
+            self.active[t.attr] = (_Stats(unavailable=mod), [], None)
+            return
         owner, _, name = t.attr.rpartition(".")
         holder = getattr(mod, owner) if owner else mod
         original = inspect.getattr_static(holder, name) if owner else getattr(mod, name)
@@ -205,24 +235,38 @@ class Peer:
     def report(self) -> dict:
         if not self.active:
             return {"peer": self.name, "active": False, "functions": {}}
+        functions = {}
+        for t in self.targets:
+            s = self.active[t.attr][0]
+            functions[f"{t.module}.{t.attr}"] = {
+                "calls": s.calls,
+                "replaced": s.replaced,
+                "fallbacks": sum(s.fallbacks.values()),
+                "fallback_reasons": dict(s.fallbacks),
+                "passed": sum(s.passed.values()),
+                "passed_reasons": dict(s.passed),
+                "patched_in": list(s.places),
+            }
+            if s.unavailable is not None:
+                functions[f"{t.module}.{t.attr}"]["unavailable"] = s.unavailable
         return {
             "peer": self.name,
             "active": True,
             "version": self.version(),
             "strict": self.options.strict,
             "dtype": self.options.dtype,
-            "functions": {
-                f"{t.module}.{t.attr}": {
-                    "calls": s.calls,
-                    "replaced": s.replaced,
-                    "fallbacks": sum(s.fallbacks.values()),
-                    "fallback_reasons": dict(s.fallbacks),
-                    "patched_in": list(s.places),
-                }
-                for t in self.targets
-                for s, _, _ in [self.active[t.attr]]
-            },
+            "functions": functions,
         }
+
+
+def _import(t: Target):
+    """The target's module, or (optional targets) the reason it does not import here."""
+    try:
+        return importlib.import_module(t.module)
+    except Exception as e:  # noqa: BLE001 -- a peer's stack fails to import in many ways
+        if not t.optional:
+            raise
+        return f"{t.module} does not import here: {type(e).__name__}: {e}"
 
 
 def _registry_name(mod, reg):
@@ -255,6 +299,12 @@ def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
                 raise Unsupported(where, f.argument, f.reason) from None
             stats.fallbacks[f"{f.argument}: {f.reason}"] += 1
             return original(*args, **kwargs)
+        except Passthrough as p:
+            stats.passed[p.reason] += 1
+            return original(*args, **kwargs)
+        except Unfused as u:
+            stats.fallbacks[f"{u.argument}: {u.reason}"] += 1
+            return u.result
         stats.replaced += 1
         return out
 
@@ -317,6 +367,13 @@ def logits_arg(a, name="logits"):
     return x
 
 
+def softmax_dtype(x):
+    """The dtype of the peers' softmax-based results for logits x where they are called: x's, or
+    float32 under autocast on CUDA (softmax, log_softmax and logsumexp run in float32 there, as in
+    verl's forward); asked of torch on an empty tensor."""
+    return torch.promote_types(torch.softmax(x.new_empty(0, 1), -1).dtype, x.dtype)
+
+
 def entropy(x):
     """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
     zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
@@ -328,3 +385,72 @@ def labels_arg(a, x, name="labels"):
     need(y.dtype in (torch.int64, torch.int32), name, f"dtype {y.dtype}")
     need(tuple(y.shape) == tuple(x.shape[:-1]), name, "shape is not logits.shape[:-1]")
     return y
+
+
+# ---------------------------------------------------------------------- caller targets
+
+
+@contextlib.contextmanager
+def swapped(holder, name: str, value):
+    """`holder.name = value` for the duration (a module global or an instance attribute)."""
+    had = name in vars(holder)
+    old = vars(holder).get(name)
+    setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(holder, name, old)
+        else:
+            delattr(holder, name)
+
+
+def call(original, a: dict):
+    """Call `original` with the arguments an impl received bound by name (*args / **kwargs
+    parameters spread again)."""
+    b = inspect.BoundArguments(inspect.signature(original), a)
+    return original(*b.args, **b.kwargs)
+
+
+class FusedPair:
+    """One call of a peer's caller that computes the entropy, then the log-probs, of the same
+    logits with two functions: the entropy call runs one `token_logprobs(return_entropy=True)`
+    pass and keeps the log-probs; the log-prob call on the same logits and labels returns them.
+    Either call on anything else is left to the function it replaces (`None` here)."""
+
+    def __init__(self, labels=None):
+        self.labels = labels  # set before the entropy call (or by a hook on the peer's unpad)
+        self._logits = self._lp = None
+        self.fused = self.used = 0
+
+    def entropy(self, x):
+        y = self.labels
+        if not (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and y.dtype in (torch.int64, torch.int32)
+            and x.dim() >= 1
+            and tuple(x.shape[:-1]) == tuple(y.shape)
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+            and (x.stride(-1) == 1 or x.shape[-1] == 1)
+        ):
+            return None
+        lp, ent = pk.token_logprobs(x, y, ignore_index=NO_IGNORE, return_entropy=True)
+        self._logits, self._lp = x, lp
+        self.fused += 1
+        return ent
+
+    def logprobs(self, x, y):
+        if self._lp is None or x is not self._logits:
+            return None
+        if y is not self.labels and not (
+            isinstance(y, torch.Tensor) and y.shape == self.labels.shape and torch.equal(y, self.labels)
+        ):
+            return None
+        lp, self._logits, self._lp = self._lp, None, None
+        self.used += 1
+        return lp
+
+    @property
+    def complete(self) -> bool:
+        return self.fused == 1 and self.used == 1

@@ -7,6 +7,7 @@ OpenRLHF").
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 import torch
@@ -16,8 +17,12 @@ import ppo_kernels as pk
 from ._patch import (
     NO_IGNORE,
     Fallback,
+    FusedPair,
+    Passthrough,
     Peer,
     Target,
+    Unfused,
+    call,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -25,11 +30,14 @@ from ._patch import (
     need,
     out_dtype,
     same_shape,
+    softmax_dtype,
+    swapped,
     tensor,
 )
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
+FSDP = "verl.workers.engine.fsdp.transformer_impl"
 REGISTRIES = ("ADV_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY")
 
 
@@ -280,12 +288,12 @@ def logprobs_from_logits(a, orig, o):
     y = labels_arg(a, x)
     # never inplace_backward: verl's CPU path does not, and callers reuse the logits (entropy)
     lp = pk.token_logprobs(x, y, ignore_index=NO_IGNORE)
-    return o.out(lp, x.dtype)
+    return o.out(lp, softmax_dtype(x))
 
 
 def entropy_from_logits(a, orig, o):
     x = logits_arg(a)
-    return o.out(entropy(x), x.dtype)
+    return o.out(entropy(x), softmax_dtype(x))
 
 
 def entropy_from_logits_chunked(a, orig, o):
@@ -310,6 +318,64 @@ def masked_whiten(a, orig, o):
     return o.out(w, x.dtype)
 
 
+# ------------------------------------------------------------------ the actor forward (caller)
+
+
+def fsdp_model_outputs(a, orig, o):
+    """FSDPEngineWithLMHead.prepare_model_outputs (verl 0.9's actor and reference forward after
+    the model): with remove-padding and entropy asked for, verl calls the engine's
+    `compute_entropy_from_logits` then `logprobs_from_logits` on the same temperature-scaled
+    logits; here one token_logprobs pass gives both. Everything else is verl's own code."""
+    self, mb = a["self"], a["micro_batch"]
+    flag = sys.modules[FSDP].tu.get_non_tensor_data
+    if flag(data=mb, key="use_fused_kernels", default=False):
+        raise Passthrough("use_fused_kernels: verl's fused kernels compute both from hidden states")
+    if not flag(data=mb, key="calculate_entropy", default=False):
+        raise Passthrough("calculate_entropy=False: log-probs only (one pass already)")
+    if flag(data=mb, key="distillation_only", default=False):
+        raise Passthrough("distillation_only: no log-probs")
+    need(
+        flag(data=mb, key="use_remove_padding", default=True),
+        "use_remove_padding",
+        "False: verl takes the entropy of the padded logits and the log-probs of the unpadded rows "
+        "(two different tensors)",
+    )
+    cfg = self.engine_config
+    need(
+        not cfg.entropy_checkpointing,
+        "engine_config.entropy_checkpointing",
+        "verl recomputes the entropy under torch.utils.checkpoint, which the fused pass cannot "
+        "share",
+    )
+    labels = a["output_args"].get("input_ids_rmpad_rolled")
+    need(isinstance(labels, torch.Tensor), "output_args", "no 'input_ids_rmpad_rolled' tensor")
+    pair = FusedPair(labels)
+    chunked = bool(cfg.entropy_from_logits_with_chunking)
+    ent_before, mod = self.compute_entropy_from_logits, sys.modules[FSDP]
+    lp_before = mod.logprobs_from_logits
+
+    def compute_entropy_from_logits(logits, *args, **kwargs):
+        ent = pair.entropy(logits)
+        if ent is None:
+            return ent_before(logits, *args, **kwargs)
+        return o.out(ent, torch.float32 if chunked else softmax_dtype(logits))  # chunked: float32
+
+    def logprobs_from_logits(logits, labels, inplace_backward=True):
+        lp = pair.logprobs(logits, labels)
+        if lp is None:
+            return lp_before(logits, labels, inplace_backward=inplace_backward)
+        return o.out(lp, softmax_dtype(logits))
+
+    with (
+        swapped(self, "compute_entropy_from_logits", compute_entropy_from_logits),
+        swapped(mod, "logprobs_from_logits", logprobs_from_logits),
+    ):
+        out = call(orig, a)
+    if not pair.complete:
+        raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
+    return out
+
+
 def _targets():
     core = [
         ("compute_gae_advantage_return", gae),
@@ -330,7 +396,15 @@ def _targets():
         ("masked_mean", masked_mean),
         ("masked_whiten", masked_whiten),
     ]
-    return [Target(CORE, n, f, REGISTRIES) for n, f in core] + [Target(TF, n, f) for n, f in tf]
+    return (
+        [Target(CORE, n, f, REGISTRIES) for n, f in core]
+        + [Target(TF, n, f) for n, f in tf]
+        + [
+            Target(
+                FSDP, "FSDPEngineWithLMHead.prepare_model_outputs", fsdp_model_outputs, optional=True
+            )
+        ]
+    )
 
 
 PEER = Peer("verl", "verl", ("0.9.",), _targets())
