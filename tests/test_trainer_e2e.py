@@ -393,8 +393,9 @@ def _assert_follows(rows_one, rows_two):
     for k in a:
         if k not in ("seconds", "phase", "step"):
             assert b[k] == pytest.approx(a[k], **(EXACT if k in PER_SEQUENCE else CLOSE)), k
-    assert a["actor_grad_norm"] > 0 and a["value_mean"] != 0
+    assert a["actor_grad_norm"] > 0
     a, b = rows_one[1], rows_two[1]  # after one update: same responses, metrics close
+    assert a["pg_loss"] != 0 and a["kl"] != 0 and a["vf_loss"] != 0
     for k in PER_SEQUENCE:
         assert b[k] == pytest.approx(a[k], **EXACT), k
     for k in ("kl", "pg_loss", "vf_loss", "entropy", "value_mean"):

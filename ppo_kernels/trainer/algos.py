@@ -397,8 +397,8 @@ def train_reward_model(
     rm = dist.wrap(plain, cfg.dist, group)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
     ev_problems, ev_pairs = preference_data(cfg, tok, task, cfg.eval_pairs, cfg.seed + 11)
+    opt = _adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)  # before any forward (dist.wrap)
     acc_before = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
-    opt = _adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)
     nb = cfg.pairs // cfg.pref_batch
     for step in range(steps):
         rm.train()

@@ -107,8 +107,9 @@ class Policy(nn.Module):
 def wrap(model: nn.Module, mode: str, group):
     """`model` ready for data-parallel calls: DDP for a trained model under --dist ddp (a frozen
     one is used as it is), fully_shard'ed under --dist fsdp2 (in place: the same object, whose
-    parameters become DTensor shards -- copy a model before this, never after). One process:
-    `model` itself."""
+    parameters become DTensor shards -- copy a model before this, never after; build its
+    optimiser before its first forward, after which FSDP2 may leave the root's parameters
+    unsharded and `parameters()` would list those temporary tensors). One process: `model`."""
     if group is None:
         return model
     if mode == "fsdp2":
