@@ -112,16 +112,21 @@ def wrap(model: nn.Module, mode: str, group):
     unsharded and `parameters()` would list those temporary tensors). One process: `model`."""
     if group is None:
         return model
+    p = next(model.parameters())
     if mode == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        # over our group on the models' device (the default mesh would pick CUDA whenever a GPU
+        # is visible, also for a gloo run on the CPU)
+        mesh = DeviceMesh.from_group(group, p.device.type)
         # shard each decoder layer (transformers names their classes in _no_split_modules), then
         # the rest (embeddings, final norm, heads) as the root group
         names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
         for m in list(model.modules()):
             if m is not model and type(m).__name__ in names:
-                fully_shard(m)
-        fully_shard(model)
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if mode != "ddp":
         raise ValueError(f"dist mode: expected one of {MODES}, got {mode!r}")
@@ -129,7 +134,6 @@ def wrap(model: nn.Module, mode: str, group):
         return model
     import inspect
 
-    p = next(model.parameters())
     ddp = nn.parallel.DistributedDataParallel
     # the models hold no buffers that change in training (rotary tables are constants): no
     # broadcast before each forward (torch 2.14 renamed the flag)
