@@ -308,6 +308,22 @@ def _rl_models(r: _Run, actor, tok):
     return copy.deepcopy(rm).train(), frozen_copy(rm)
 
 
+def _save_checkpoint(r: _Run, step: int, trainer_state: dict):
+    torch.save(
+        {
+            "cfg": dataclasses.asdict(r.cfg),
+            "step": step,
+            "trainer": trainer_state,
+            "step_times": r.step_times,
+            "cpu_times": r.cpu_times,
+            "peak_memory_bytes": r.peak_bytes,
+            **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
+        },
+        r.ckpt_path + ".tmp",
+    )
+    os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
+
+
 def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
     from . import algos
     from .models import frozen_copy
@@ -345,21 +361,8 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
             )
         if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             state = trainer.state_dict()  # FSDP2: gathers the shards (every rank calls it)
-            if not r.main:
-                continue
-            torch.save(
-                {
-                    "cfg": dataclasses.asdict(cfg),
-                    "step": step + 1,
-                    "trainer": state,
-                    "step_times": r.step_times,
-                    "cpu_times": r.cpu_times,
-                    "peak_memory_bytes": r.peak_bytes,
-                    **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
-                },
-                r.ckpt_path + ".tmp",
-            )
-            os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
+            if r.main:
+                _save_checkpoint(r, step + 1, state)
     if bar is not None:
         bar.close()
     r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "after")
