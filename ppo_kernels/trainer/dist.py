@@ -19,6 +19,7 @@ global ratios of all-reduced sums and counts (`global_ratio`), never means of pe
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -181,7 +182,8 @@ def load_state_dict(model, sd: dict):
     """Load a whole state dict (from `state_dict`) on every rank; FSDP2 keeps each rank's shard."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(unwrap(model), sd, options=_set())
+    # (it replaces the dict's values by this rank's shards: give it a copy)
+    set_model_state_dict(unwrap(model), dict(sd), options=_set())
 
 
 def optim_state_dict(model, opt) -> dict:
@@ -195,7 +197,7 @@ def optim_state_dict(model, opt) -> dict:
 def load_optim_state_dict(model, opt, sd: dict):
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(unwrap(model), opt, sd, options=_set())
+    set_optimizer_state_dict(unwrap(model), opt, copy.deepcopy(sd), options=_set())
 
 
 # ---------------------------------------------------------------------------------------------
