@@ -110,7 +110,9 @@ def write_results(args, names, table, summaries, walls):
         'Task: add two decimal amounts given as strings exactly ("0.10"+"0.20" -> "0.30"); a '
         "calculator tool answers in binary floating point (0.30000000000000004) and the Actor "
         "must format it. Verifier reward 1 for the exact two-decimal answer, else 0. Tiny "
-        "random-init Llama (2 layers, hidden 64, character tokenizer) SFT-warmed on a mix of "
+        "random-init Llama (2 layers, hidden 64, character tokenizer in a "
+        f"{next(iter(summaries.values()), {}).get('config', {}).get('vocab', '?')}-token "
+        "vocabulary, the trainer's default LM-head size) SFT-warmed on a mix of "
         "demonstrations (half answer without the tool, half call it; of those half copy the "
         "float verbatim, half format it).",
         "",
@@ -119,7 +121,8 @@ def write_results(args, names, table, summaries, walls):
         f"Eval: mean verifier reward of the sampled policy (temperature 1) on the same held-out "
         f"prompts before and after training.",
         "",
-        "| run | eval before | eval after | gain | steps | s/step | PPO wall (s) | peak RSS (MiB) | total wall (s) |",
+        "| run | eval before | eval after | gain | steps | s/step | PPO wall (s) "
+        "| peak tensor memory of a step (MiB) | total wall (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
@@ -179,9 +182,10 @@ def write_results(args, names, table, summaries, walls):
         lines.append(
             f"- fused vs eager PPO from the same SFT model and seed: s/step "
             f"{f['seconds_per_step']:.2f} vs {e['seconds_per_step']:.2f}, eval after "
-            f"{f['eval_reward_after']:.3f} vs {e['eval_reward_after']:.3f}. At this model size "
-            f"(vocabulary 22, hidden 64) the per-token ops are a small share of a step; the "
-            f"timings are of a shared, loaded 2-core machine and vary run to run."
+            f"{f['eval_reward_after']:.3f} vs {e['eval_reward_after']:.3f}; peak tensor memory "
+            f"{f['peak_memory_bytes'] / 2**20:.0f} vs {e['peak_memory_bytes'] / 2**20:.0f} MiB "
+            f"(vocabulary {f['config']['vocab']}, hidden {f['config']['hidden']}). The timings "
+            f"are of a shared, loaded 2-core machine and vary run to run."
         )
     lines.append(
         "- RM pairs: chosen = tool call + formatted answer; rejected = the float copied "

@@ -4,6 +4,7 @@ computation goes through `Ops` (fused ppo_kernels ops or the eager references)."
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 
@@ -11,7 +12,7 @@ import torch
 
 from . import dist
 from .config import TrainConfig
-from .models import ValueModel, frozen_copy, last_index, token_logprobs
+from .models import ValueModel, frozen_copy, last_index, score, token_logprobs
 from .ops import Ops
 from .rollout import SeqBatch, assemble, generate, segments_to_tokens
 
@@ -66,13 +67,16 @@ def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print, on_step=None):
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk: int = 100):
-    """Mean verifier reward of the sampled policy on held-out problems (own RNG: comparable
-    before / after, and it does not disturb the training RNG)."""
+def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk=100, group=None):
+    """(mean verifier reward, tool-call fraction) of the sampled policy on held-out problems (own
+    RNG: comparable before / after, and it does not disturb the training RNG). Data-parallel
+    (`group`): each rank samples its part of each chunk with the one-process run's uniforms, and
+    the counts are summed over the ranks."""
     g = torch.Generator().manual_seed(seed)
-    total, tool = 0.0, 0
-    for i in range(0, len(problems), chunk):
-        ps = problems[i : i + chunk]
+    total, tool, n = 0.0, 0, 0
+    for lo, hi in dist.chunks(len(problems), chunk, group):
+        a, z = dist.span(lo, hi, group)
+        ps = problems[a:z]
         b = generate(
             actor,
             tok,
@@ -82,10 +86,14 @@ def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk: int
             temperature=cfg.temperature,
             generator=g,
             device=cfg.device,
+            rows=(a - lo, hi - lo),
+            group=group,
         )
         total += sum(task.verify(p, r) for p, r in zip(ps, b.responses))
         tool += sum(("{" in r) for r in b.responses)
-    return total / len(problems), tool / len(problems)
+        n += len(ps)
+    m = dist.global_means({"reward": (total, n), "tool": (tool, n)}, group)
+    return m["reward"], m["tool"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,13 +128,20 @@ class RLTrainer:
         group=None,
     ):
         """group: the data-parallel process group (None: one process); every rank builds the
-        same models and generators from the same seed and takes its share of each step."""
-        self.group = group
-        self.cfg, self.actor, self.ref, self.critic = cfg, actor, ref, critic
-        self.tok, self.task, self.ops, self.reward_model = tok, task, ops, reward_model
-        self.actor_opt = _adamw(actor.parameters(), cfg.actor_lr, cfg.weight_decay)
+        same models and generators from the same seed and takes its share of each step. The
+        models are wrapped here (`dist.wrap`, --dist): copy them before, never after."""
+        self.group, self.cfg, self.tok, self.task, self.ops = group, cfg, tok, task, ops
+        self.actor, self.ref = actor, ref  # the modules (FSDP2 shards them in place)
+
+        def wrap(m):
+            return dist.wrap(m, cfg.dist, group) if m is not None else None
+
+        # every call of the Actor / Reference goes through `policy` / `ref_policy`
+        self.policy, self.ref_policy = wrap(dist.Policy(actor, ops)), wrap(dist.Policy(ref, ops))
+        self.critic, self.reward_model = wrap(critic), wrap(reward_model)
+        self.actor_opt = _adamw(self.policy.parameters(), cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = (
-            _adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay)
+            _adamw(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay)
             if critic is not None
             else None
         )
@@ -134,26 +149,27 @@ class RLTrainer:
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 3)
 
-    # -- state for checkpoints ----------------------------------------------------------------
+    # -- state for checkpoints (under FSDP2 a collective: every rank calls it, rank 0 gets it) --
     def state_dict(self):
+        c = self.critic is not None
         return {
-            "actor": self.actor.state_dict(),
-            "ref": self.ref.state_dict(),
-            "critic": self.critic.state_dict() if self.critic is not None else None,
-            "actor_opt": self.actor_opt.state_dict(),
-            "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
+            "actor": dist.state_dict(self.actor),
+            "ref": dist.state_dict(self.ref),
+            "critic": dist.state_dict(self.critic) if c else None,
+            "actor_opt": dist.optim_state_dict(self.actor, self.actor_opt),
+            "critic_opt": dist.optim_state_dict(self.critic, self.critic_opt) if c else None,
             "beta": self.kl_ctl.beta,
             "sample_gen": self.sample_gen.get_state(),
             "shuffle_gen": self.shuffle_gen.get_state(),
         }
 
     def load_state_dict(self, sd):
-        self.actor.load_state_dict(sd["actor"])
-        self.ref.load_state_dict(sd["ref"])
+        dist.load_state_dict(self.actor, sd["actor"])
+        dist.load_state_dict(self.ref, sd["ref"])
         if self.critic is not None:
-            self.critic.load_state_dict(sd["critic"])
-            self.critic_opt.load_state_dict(sd["critic_opt"])
-        self.actor_opt.load_state_dict(sd["actor_opt"])
+            dist.load_state_dict(self.critic, sd["critic"])
+            dist.load_optim_state_dict(self.critic, self.critic_opt, sd["critic_opt"])
+        dist.load_optim_state_dict(self.actor, self.actor_opt, sd["actor_opt"])
         self.kl_ctl.beta = sd["beta"]
         self.sample_gen.set_state(sd["sample_gen"])
         self.shuffle_gen.set_state(sd["shuffle_gen"])
@@ -165,7 +181,7 @@ class RLTrainer:
         problems, lo = dist.share(problems, self.group)
         problems = [p for p in problems for _ in range(cfg.group_size)]
         b = generate(
-            self.actor,
+            self.policy,
             self.tok,
             self.task,
             prompt_tokens(self.tok, problems),
@@ -178,7 +194,7 @@ class RLTrainer:
         )
         if self.reward_model is not None:
             with torch.no_grad():
-                scores = self.reward_model.score(*b.model_inputs())
+                scores = score(self.reward_model, *b.model_inputs())
         else:
             scores = torch.tensor(
                 [self.task.verify(p, r) for p, r in zip(problems, b.responses)],
@@ -193,8 +209,9 @@ class RLTrainer:
         cfg, ops = self.cfg, self.ops
         inputs = b.model_inputs()
         mask = b.action_mask
-        old_lp = token_logprobs(ops, self.actor, *inputs, temperature=cfg.temperature, only=mask)
-        ref_lp = token_logprobs(ops, self.ref, *inputs, temperature=cfg.temperature, only=mask)
+        how = dict(temperature=cfg.temperature, only=mask)
+        old_lp = self.policy(*inputs, logprobs=how)
+        ref_lp = self.ref_policy(*inputs, logprobs=how)
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
             seq_adv = (
@@ -231,92 +248,114 @@ class RLTrainer:
         )
         return out
 
+    def minibatches(self, n: int) -> list[torch.Tensor]:
+        """This rank's rows (local indices) of each minibatch of every epoch: the one-process
+        run's minibatches (a shuffle of all ranks' rows), so a rank may hold any number of a
+        minibatch's rows, none included."""
+        w, lo = dist.world(self.group), dist.rank(self.group) * n
+        out = []
+        for _ in range(self.cfg.ppo_epochs):
+            perm = torch.randperm(n * w, generator=self.shuffle_gen)
+            for s in range(0, n * w, self.cfg.minibatch_size):
+                rows = perm[s : s + self.cfg.minibatch_size]
+                out.append(rows[(rows >= lo) & (rows < lo + n)] - lo)
+        return out
+
     def update(self, b: SeqBatch, d: dict) -> dict:
+        """The optimiser steps of one rollout batch. Data-parallel: the token-mean losses are
+        scaled by (this rank's tokens x world / the minibatch's tokens), so the gradient that
+        DDP / FSDP2 average over the ranks is the one-process gradient of the minibatch; a rank
+        without rows in a minibatch runs one row with weight 0 (every rank joins every
+        collective). Metrics: token-weighted means over all ranks' tokens of each minibatch,
+        then averaged over the minibatches like the one-process run."""
         cfg, ops = self.cfg, self.ops
-        self.actor.train()
+        self.policy.train()
         if self.critic is not None:
             self.critic.train()
-        acc: dict[str, list] = {}
-        n, mbs = len(b), cfg.minibatch_size // dist.world(self.group)
-        for _ in range(cfg.ppo_epochs):
-            perm = torch.randperm(n, generator=self.shuffle_gen)
-            for s in range(0, n, mbs):
-                idx = perm[s : s + mbs].to(b.input_ids.device)
-                mb = b.rows(idx)
-                mask = mb.action_mask
-                lp, ent = token_logprobs(
-                    ops,
-                    self.actor,
-                    *mb.model_inputs(),
-                    temperature=cfg.temperature,
-                    return_entropy=True,
-                    only=mask,
+        mbs = self.minibatches(len(b))
+        dev = b.input_ids.device
+        tokens = torch.stack([b.action_mask[i.to(dev)].sum() for i in mbs]).double()
+        scales = (tokens * dist.world(self.group) / dist.all_sum(tokens, self.group).to(tokens))
+        rows = []
+        for idx, n_tok, scale in zip(mbs, tokens, scales.float()):
+            at = (idx if len(idx) else torch.zeros(1, dtype=torch.long)).to(dev)
+            mb = b.rows(at)
+            mask = mb.action_mask
+            lp, ent = self.policy(
+                *mb.model_inputs(),
+                logprobs=dict(temperature=cfg.temperature, return_entropy=True, only=mask),
+            )
+            pg, st = ops.ppo_policy_loss(
+                lp,
+                d["old_logprobs"][at],
+                d["advantages"][at],
+                mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+            )
+            ent_mean = ops.masked_mean(ent, mask)
+            loss = pg - cfg.ent_coef * ent_mean
+            if cfg.algo == "grpo" and cfg.kl_coef > 0:
+                kl = ops.masked_mean(
+                    ops.kl_penalty(lp, d["ref_logprobs"][at], cfg.kl_estimator), mask
                 )
-                pg, st = ops.ppo_policy_loss(
-                    lp,
-                    d["old_logprobs"][idx],
-                    d["advantages"][idx],
-                    mask,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    dual_clip=cfg.dual_clip,
+                loss = loss + cfg.kl_coef * kl
+            self.actor_opt.zero_grad(set_to_none=True)
+            (loss * scale).backward()
+            gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+            self.actor_opt.step()
+            per_token = {"pg_loss": pg, "entropy": ent_mean, **st}
+            per_step = {"actor_grad_norm": dist.local(gn)}
+            if self.critic is not None:
+                v = self.critic(*mb.model_inputs())[:, :-1]
+                vl, vst = ops.ppo_value_loss(
+                    v, d["values"][at], d["returns"][at], mask, clip=cfg.value_clip
                 )
-                ent_mean = ops.masked_mean(ent, mask)
-                loss = pg - cfg.ent_coef * ent_mean
-                if cfg.algo == "grpo" and cfg.kl_coef > 0:
-                    kl = ops.masked_mean(
-                        ops.kl_penalty(lp, d["ref_logprobs"][idx], cfg.kl_estimator), mask
-                    )
-                    loss = loss + cfg.kl_coef * kl
-                self.actor_opt.zero_grad(set_to_none=True)
-                loss.backward()
-                dist.average_grads(self.actor.parameters(), self.group)
-                gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm)
-                self.actor_opt.step()
-                rec = {"pg_loss": pg, "entropy": ent_mean, "actor_grad_norm": gn, **st}
-                if self.critic is not None:
-                    v = self.critic(*mb.model_inputs())[:, :-1]
-                    vl, vst = ops.ppo_value_loss(
-                        v, d["values"][idx], d["returns"][idx], mask, clip=cfg.value_clip
-                    )
-                    self.critic_opt.zero_grad(set_to_none=True)
-                    (cfg.vf_coef * vl).backward()
-                    dist.average_grads(self.critic.parameters(), self.group)
-                    cgn = torch.nn.utils.clip_grad_norm_(
-                        self.critic.parameters(), cfg.max_grad_norm
-                    )
-                    self.critic_opt.step()
-                    rec.update(vf_loss=vl, critic_grad_norm=cgn, **vst)
-                for k, val in rec.items():
-                    acc.setdefault(k, []).append(val.detach())
-        self.actor.eval()
+                self.critic_opt.zero_grad(set_to_none=True)
+                (cfg.vf_coef * vl * scale).backward()
+                cgn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                self.critic_opt.step()
+                per_token.update(vf_loss=vl, **vst)
+                per_step["critic_grad_norm"] = dist.local(cgn)
+            one = torch.ones((), dtype=torch.float64)
+            rows.append(
+                {k: (v.detach().double() * n_tok, n_tok) for k, v in per_token.items()}
+                # the same on every rank (the gradients are reduced): averaged over the ranks
+                | {k: (v.detach().double(), one) for k, v in per_step.items()}
+            )
+        self.policy.eval()
         if self.critic is not None:
             self.critic.eval()
-        return {k: torch.stack(v).float().mean().item() for k, v in acc.items()}
+        keys = list(rows[0])
+        sums = torch.stack([torch.stack([r[k][0].cpu() for k in keys]) for r in rows])
+        counts = torch.stack([torch.stack([r[k][1].cpu() for k in keys]) for r in rows])
+        means = dist.global_ratio(sums, counts, self.group).mean(0)
+        return dict(zip(keys, means.tolist()))
 
     def step(self, problems) -> dict:
         b, scores = self.rollout(problems)
         d = self.score_batch(b, scores)
         m = self.update(b, d)
-        mask = b.action_mask
-        seq_kl = (d["kl"].sum(1) / mask.sum(1).clamp(min=1)).mean().item()
-        m.update(
-            score=scores.mean().item(),
-            kl=seq_kl,
-            beta=self.kl_ctl.beta,
-            response_tokens=mask.sum(1).mean().item(),
-            tool_call_frac=sum("{" in r for r in b.responses) / len(b),
-            truncated_frac=b.truncated.float().mean().item(),
-        )
+        mask, n = b.action_mask, len(b)
+        # per-sequence means over every rank's rows; value_mean over every rank's tokens
+        pairs = {
+            "score": (scores.sum(), n),
+            "kl": ((d["kl"].sum(1) / mask.sum(1).clamp(min=1)).sum(), n),
+            "response_tokens": (mask.sum(), n),
+            "tool_call_frac": (sum("{" in r for r in b.responses), n),
+            "truncated_frac": (b.truncated.sum(), n),
+        }
         if "values" in d:
-            m["value_mean"] = self.ops.masked_mean(d["values"], mask).item()
-        m = dist.mean_metrics(m, self.group)
-        self.kl_ctl.update(m["kl"], len(b) * dist.world(self.group))
+            pairs["value_mean"] = ((d["values"] * mask).sum(), mask.sum())
+        m.update(dist.global_means(pairs, self.group), beta=self.kl_ctl.beta)
+        self.kl_ctl.update(m["kl"], n * dist.world(self.group))
         return m
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward model and DPO (preference pairs)
+# Reward model and DPO (preference pairs): each rank takes its equal share of every batch of
+# pairs; the pair-mean losses averaged over the ranks are the one-process loss
 # ---------------------------------------------------------------------------------------------
 def preference_data(cfg, tok, task, n, seed):
     rng = random.Random(seed)
@@ -325,100 +364,123 @@ def preference_data(cfg, tok, task, n, seed):
     return problems, pairs
 
 
-def _pair_batches(cfg, tok, problems, pairs, lo, hi):
+def _pair_batch(cfg, tok, problems, pairs, lo, hi) -> SeqBatch:
+    """Pairs lo..hi as one batch: the chosen responses, then the rejected ones."""
     ps = problems[lo:hi]
-    ch = pairs_batch(tok, ps, [c for c, _ in pairs[lo:hi]], cfg.device)
-    rj = pairs_batch(tok, ps, [r for _, r in pairs[lo:hi]], cfg.device)
-    return ch, rj
+    both = [c for c, _ in pairs[lo:hi]] + [r for _, r in pairs[lo:hi]]
+    return pairs_batch(tok, ps + ps, both, cfg.device)
 
 
 @torch.no_grad()
-def rm_accuracy(cfg, rm, tok, problems, pairs):
+def rm_accuracy(cfg, rm, tok, problems, pairs, group=None):
+    """Held-out pairwise accuracy (a tie counts half), over every rank's share of the pairs."""
     rm.eval()
-    right = 0
-    for lo in range(0, len(problems), 64):
-        ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + 64)
-        rc, rr = rm.score(*ch.model_inputs()), rm.score(*rj.model_inputs())
-        right += ((rc > rr).float() + 0.5 * (rc == rr).float()).sum().item()  # a tie: a coin flip
-    return right / len(problems)
+    right, n = 0.0, 0
+    for lo, hi in dist.chunks(len(problems), 64, group):
+        a, z = dist.span(lo, hi, group)
+        b = _pair_batch(cfg, tok, problems, pairs, a, z)
+        rc, rr = score(rm, *b.model_inputs()).chunk(2)
+        right += ((rc > rr).float() + 0.5 * (rc == rr).float()).sum().item()
+        n += z - a
+    return dist.global_means({"acc": (right, n)}, group)["acc"]
 
 
 def train_reward_model(
-    cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None, around_step=None
+    cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None, around_step=None, group=None
 ):
     """Backbone (from the SFT Actor) + scalar head, pairwise loss on 'A preferred to B'.
-    `around_step(step)`: a context manager around each optimiser step (timing, memory)."""
+    `around_step(step)`: a context manager around each optimiser step (timing, memory).
+    Returns (the trained model, unwrapped and whole on every rank, accuracy before, after)."""
     around_step = around_step or (lambda step: contextlib.nullcontext())
-    rm = ValueModel.from_causal_lm(actor)
+    plain = ValueModel.from_causal_lm(actor)
+    spare = copy.deepcopy(plain) if group is not None and cfg.dist == "fsdp2" else None
+    rm = dist.wrap(plain, cfg.dist, group)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
     ev_problems, ev_pairs = preference_data(cfg, tok, task, cfg.eval_pairs, cfg.seed + 11)
-    acc_before = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs)
-    opt = _adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)
+    opt = _adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)  # before any forward (dist.wrap)
+    acc_before = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
     nb = cfg.pairs // cfg.pref_batch
     for step in range(steps):
         rm.train()
-        lo = (step % nb) * cfg.pref_batch
+        start = (step % nb) * cfg.pref_batch
+        lo, hi = dist.span(start, start + cfg.pref_batch, group)
         with around_step(step):
-            ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
-            rc, rr = rm.score(*ch.model_inputs()), rm.score(*rj.model_inputs())
+            b = _pair_batch(cfg, tok, problems, pairs, lo, hi)
+            rc, rr = score(rm, *b.model_inputs()).chunk(2)
             loss = ops.reward_model_loss(rc, rr)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
             opt.step()
         if on_step:
+            n = hi - lo
             on_step(
                 step,
-                {
-                    "rm_loss": loss.item(),
-                    "rm_grad_norm": gn.item(),
-                    "train_pair_accuracy": (rc > rr).float().mean().item(),
-                },
+                dist.global_means(
+                    {
+                        "rm_loss": (loss.detach() * n, n),
+                        "rm_grad_norm": (dist.local(gn), 1),
+                        "train_pair_accuracy": ((rc > rr).sum(), n),
+                    },
+                    group,
+                ),
             )
     rm.eval()
-    acc_after = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs)
+    acc_after = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
     log(
         f"reward model: held-out pairwise accuracy {acc_before:.3f} -> {acc_after:.3f} "
         f"({len(ev_problems)} pairs)"
     )
-    return rm, acc_before, acc_after
+    if spare is not None:  # FSDP2: gather the shards into a whole copy
+        spare.load_state_dict(dist.state_dict(rm, everywhere=True))
+        return spare.eval(), acc_before, acc_after
+    return dist.unwrap(rm), acc_before, acc_after
 
 
-def seq_logprob_sums(ops, model, b: SeqBatch):
-    lp = token_logprobs(ops, model, *b.model_inputs(), only=b.action_mask)
+def seq_logprob_sums(policy, b: SeqBatch):
+    """Sum of each row's action log-probs; `policy` a `dist.Policy` (or its wrapper)."""
+    lp = policy(*b.model_inputs(), logprobs=dict(only=b.action_mask))
     return (lp * b.action_mask).sum(1)
 
 
-def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None):
+def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None, group=None):
     """Offline DPO on the preference pairs; the Reference is the frozen SFT Actor.
-    `around_step(step)`: a context manager around each optimiser step (timing, memory)."""
+    `around_step(step)`: a context manager around each optimiser step (timing, memory).
+    Returns the trained Actor behind its (data-parallel) `dist.Policy`, for evaluation."""
     around_step = around_step or (lambda step: contextlib.nullcontext())
-    ref = frozen_copy(actor)
+    ref = dist.wrap(dist.Policy(frozen_copy(actor), ops), cfg.dist, group)
+    policy = dist.wrap(dist.Policy(actor, ops), cfg.dist, group)
     problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
-    opt = _adamw(actor.parameters(), cfg.dpo_lr, cfg.weight_decay)
+    opt = _adamw(policy.parameters(), cfg.dpo_lr, cfg.weight_decay)
     nb = cfg.pairs // cfg.pref_batch
     for step in range(cfg.steps):
-        actor.train()
-        lo = (step % nb) * cfg.pref_batch
+        policy.train()
+        start = (step % nb) * cfg.pref_batch
+        lo, hi = dist.span(start, start + cfg.pref_batch, group)
         with around_step(step):
-            ch, rj = _pair_batches(cfg, tok, problems, pairs, lo, lo + cfg.pref_batch)
+            b = _pair_batch(cfg, tok, problems, pairs, lo, hi)
             with torch.no_grad():
-                rc, rr = seq_logprob_sums(ops, ref, ch), seq_logprob_sums(ops, ref, rj)
-            pc, pr = seq_logprob_sums(ops, actor, ch), seq_logprob_sums(ops, actor, rj)
+                rc, rr = seq_logprob_sums(ref, b).chunk(2)
+            pc, pr = seq_logprob_sums(policy, b).chunk(2)
             loss = ops.dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.max_grad_norm)
+            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             opt.step()
         margin = cfg.dpo_beta * ((pc - rc) - (pr - rr)).detach()
         if on_step:
+            n = hi - lo
             on_step(
                 step,
-                {
-                    "dpo_loss": loss.item(),
-                    "grad_norm": gn.item(),
-                    "reward_margin": margin.mean().item(),
-                    "reward_accuracy": (margin > 0).float().mean().item(),
-                },
+                dist.global_means(
+                    {
+                        "dpo_loss": (loss.detach() * n, n),
+                        "grad_norm": (dist.local(gn), 1),
+                        "reward_margin": (margin.sum(), n),
+                        "reward_accuracy": ((margin > 0).sum(), n),
+                    },
+                    group,
+                ),
             )
-    actor.eval()
+    policy.eval()
+    return policy

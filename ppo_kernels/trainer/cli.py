@@ -125,6 +125,27 @@ def checkpoint_path(resume: str) -> str:
     return path
 
 
+def _check_data_parallel(cfg: TrainConfig, w: int):
+    """The global batch sizes split into equal shares (each rank's rows of a PPO minibatch may
+    differ: the losses are weighted by tokens); every rank gets held-out rows to evaluate."""
+    if cfg.algo in ("ppo", "grpo") and cfg.prompts_per_step % w:
+        raise ConfigError(
+            f"--prompts-per-step {cfg.prompts_per_step} must divide by the {w} data-parallel "
+            "processes"
+        )
+    pairs = cfg.algo in ("dpo", "rm") or (cfg.reward == "rm" and not cfg.rm_path)
+    if pairs and cfg.pref_batch % w:
+        raise ConfigError(
+            f"--pref-batch {cfg.pref_batch} must divide by the {w} data-parallel processes"
+        )
+    for name in ("eval_prompts", "eval_pairs"):
+        if getattr(cfg, name) < w:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)}: fewer than the {w} "
+                "data-parallel processes"
+            )
+
+
 class _Run:
     """One job's state outside the models: config, ops, task, metrics file, timings, resume."""
 
@@ -132,14 +153,7 @@ class _Run:
         self.group, device = dist.init(cfg.device)
         if self.group is not None:
             cfg = dataclasses.replace(cfg, device=device)
-            w = dist.world(self.group)
-            if cfg.algo not in ("ppo", "grpo"):
-                raise ConfigError(f"--algo {cfg.algo}: data-parallel runs support ppo and grpo")
-            if cfg.prompts_per_step % w or cfg.minibatch_size % w:
-                raise ConfigError(
-                    f"--prompts-per-step {cfg.prompts_per_step} and --minibatch-size "
-                    f"{cfg.minibatch_size} must divide by the {w} data-parallel processes"
-                )
+            _check_data_parallel(cfg, dist.world(self.group))
         # rank 0 alone logs and writes metrics, summary, plot and checkpoints
         self.main = dist.rank(self.group) == 0
         self.cfg, self.log = cfg, (log if self.main else lambda *a: None)
@@ -207,7 +221,7 @@ class _Run:
     def evaluate(self, actor, tok, problems, seed, when):
         from . import algos
 
-        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed)
+        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
         self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
         self.log(
             f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} held-out prompts"
@@ -286,10 +300,28 @@ def _rl_models(r: _Run, actor, tok):
             cfg.rm_steps,
             log=r.log,
             on_step=lambda s, m: r.record(s, m, "rm"),
+            group=r.group,
         )
         r.summary.update(rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
-        save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
+        if r.main:
+            save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
     return copy.deepcopy(rm).train(), frozen_copy(rm)
+
+
+def _save_checkpoint(r: _Run, step: int, trainer_state: dict):
+    torch.save(
+        {
+            "cfg": dataclasses.asdict(r.cfg),
+            "step": step,
+            "trainer": trainer_state,
+            "step_times": r.step_times,
+            "cpu_times": r.cpu_times,
+            "peak_memory_bytes": r.peak_bytes,
+            **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
+        },
+        r.ckpt_path + ".tmp",
+    )
+    os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
 
 
 def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
@@ -307,8 +339,8 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
         start = r.resume["step"]
         for k in ("eval_reward_before", "eval_tool_use_before"):
             r.summary[k] = r.resume[k]
-    elif r.main:
-        r.evaluate(actor, tok, eval_problems, eval_seed, "before")
+    else:
+        r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "before")
     problems = _train_problems(cfg, r.task, {(p.a, p.b) for p in eval_problems})
     bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops} ops)") if r.main else None
     if bar is not None:
@@ -327,26 +359,13 @@ def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
                 f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
                 f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s"
             )
-        if r.main and (
-            step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0)
-        ):
-            torch.save(
-                {
-                    "cfg": dataclasses.asdict(cfg),
-                    "step": step + 1,
-                    "trainer": trainer.state_dict(),
-                    "step_times": r.step_times,
-                    "cpu_times": r.cpu_times,
-                    "peak_memory_bytes": r.peak_bytes,
-                    **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
-                },
-                r.ckpt_path + ".tmp",
-            )
-            os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
+        if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            state = trainer.state_dict()  # FSDP2: gathers the shards (every rank calls it)
+            if r.main:
+                _save_checkpoint(r, step + 1, state)
     if bar is not None:
         bar.close()
-    if r.main:
-        r.evaluate(actor, tok, eval_problems, eval_seed, "after")
+    r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "after")
 
 
 def _on_step(r: _Run, phase: str):
@@ -357,10 +376,17 @@ def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
     from . import algos
 
     r.evaluate(actor, tok, eval_problems, eval_seed, "before")
-    algos.train_dpo(
-        r.cfg, actor, tok, r.task, r.ops, on_step=_on_step(r, "dpo"), around_step=r.step
+    policy = algos.train_dpo(
+        r.cfg,
+        actor,
+        tok,
+        r.task,
+        r.ops,
+        on_step=_on_step(r, "dpo"),
+        around_step=r.step,
+        group=r.group,
     )
-    r.evaluate(actor, tok, eval_problems, eval_seed, "after")
+    r.evaluate(policy, tok, eval_problems, eval_seed, "after")
 
 
 def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
@@ -376,8 +402,10 @@ def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
         log=r.log,
         on_step=_on_step(r, "rm"),
         around_step=r.step,
+        group=r.group,
     )
-    save_value_model(rm, os.path.join(r.cfg.out, "reward_model.pt"))
+    if r.main:
+        save_value_model(rm, os.path.join(r.cfg.out, "reward_model.pt"))
     # for the RM the "reward" being evaluated is its held-out pairwise accuracy
     r.summary.update(
         eval_metric="held-out pairwise accuracy",

@@ -30,6 +30,13 @@ class TrainConfig:
     seed: int = _f(0, "random seed (same seed: same run)")
     threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
     steps: int = _f(40, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
+    dist: str = _f(
+        "ddp",
+        "data parallelism under torchrun: ddp (whole models, DistributedDataParallel) or fsdp2 "
+        "(fully_shard per decoder layer: parameters, gradients, optimiser state sharded); "
+        "one process: ignored",
+        choices=("ddp", "fsdp2"),
+    )
     progress: bool = _f(True, "progress bar")
     plot: bool = _f(True, "write DIR/curves.png")
     # -- model --------------------------------------------------------------------------------

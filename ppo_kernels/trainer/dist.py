@@ -1,20 +1,32 @@
-"""Data-parallel training when launched by torchrun (RANK / WORLD_SIZE / LOCAL_RANK set): every
-rank holds the whole Actor and Critic, takes its contiguous share of each step's prompts, and
-gradients are averaged over ranks before each optimiser step. Without torchrun (or with one
-process) `init` returns None and nothing changes.
+"""Data-parallel training when launched by torchrun (RANK / WORLD_SIZE / LOCAL_RANK set). Without
+torchrun (or with one process) `init` returns None and every function here is the identity.
 
-Gradients are averaged here rather than by wrapping the models in DDP: the trainer reads the
-Actor's hidden states and LM-head weight directly (`models.token_logprobs`), so the wrapper's
-forward, which DDP's reducer relies on, is never called. One all-reduce of the flattened
-gradients per model and optimiser step is what DDP would do, in one bucket.
+`--dist ddp` (default): every rank holds the whole models, wrapped in DistributedDataParallel,
+whose reducer averages the gradients over the ranks in buckets during the backward.
+`--dist fsdp2`: `fully_shard` on each decoder layer and on each model: parameters, gradients and
+optimiser state are sharded over the ranks, each layer's parameters all-gathered for its forward
+and backward, gradients reduce-scattered. The frozen Reference and reward model are sharded too.
+
+Both hook a module's forward, so every use of a model's weights goes through one: `Policy` puts
+the Actor's two uses behind its forward -- generation (the causal LM with its KV cache) and the
+trainer's per-token log-probs, which read the hidden states and the LM-head weight directly (the
+fused op never builds the logits). The Critic and reward model are `ValueModel`s, called as such.
+
+Exactness: each rank scales its token-mean losses by (its tokens x world / all ranks' tokens), so
+the averaged gradient is the one-process gradient of the global token mean, and metrics are
+global ratios of all-reduced sums and counts (`global_ratio`), never means of per-rank means.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+MODES = ("ddp", "fsdp2")
 
 
 def init(device: str):
@@ -53,31 +65,176 @@ def share(items: list, group) -> tuple[list, int]:
     return items[lo : lo + n], lo
 
 
-def average_grads(params, group):
-    """Average the gradients of `params` over the ranks (one all-reduce)."""
+def span(lo: int, hi: int, group) -> tuple[int, int]:
+    """This rank's contiguous part of [lo, hi) (parts differ by at most one; none is empty when
+    hi - lo >= world)."""
+    n, w, r = hi - lo, world(group), rank(group)
+    return lo + r * n // w, lo + (r + 1) * n // w
+
+
+def chunks(n: int, size: int, group) -> list[tuple[int, int]]:
+    """[lo, hi) chunks of `size` over n items, a tail smaller than the world merged into the
+    chunk before it (so that `span` never leaves a rank without rows; one process: unchanged)."""
+    out = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+    if len(out) > 1 and out[-1][1] - out[-1][0] < world(group):
+        out[-2:] = [(out[-2][0], n)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the models behind their forward
+# ---------------------------------------------------------------------------------------------
+class Policy(nn.Module):
+    """The Actor behind one forward. Called like the causal LM (keyword arguments, as generation
+    does) it is the causal LM; called with `logprobs={...}` it returns
+    `models.token_logprobs(ops, actor, input_ids, attention_mask, position_ids, **logprobs)`."""
+
+    def __init__(self, actor: nn.Module, ops):
+        super().__init__()
+        self.actor, self.ops = actor, ops
+
+    def forward(self, input_ids, attention_mask, position_ids, logprobs=None, **kw):
+        if logprobs is None:
+            return self.actor(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw
+            )
+        from .models import token_logprobs
+
+        return token_logprobs(
+            self.ops, self.actor, input_ids, attention_mask, position_ids, **logprobs
+        )
+
+
+def wrap(model: nn.Module, mode: str, group):
+    """`model` ready for data-parallel calls: DDP for a trained model under --dist ddp (a frozen
+    one is used as it is), fully_shard'ed under --dist fsdp2 (in place: the same object, whose
+    parameters become DTensor shards -- copy a model before this, never after; build its
+    optimiser before its first forward, after which FSDP2 may leave the root's parameters
+    unsharded and `parameters()` would list those temporary tensors). One process: `model`."""
     if group is None:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= world(group)
-    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(v.view_as(g))
+        return model
+    p = next(model.parameters())
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        # over our group on the models' device (the default mesh would pick CUDA whenever a GPU
+        # is visible, also for a gloo run on the CPU)
+        mesh = DeviceMesh.from_group(group, p.device.type)
+        # shard each decoder layer (transformers names their classes in _no_split_modules), then
+        # the rest (embeddings, final norm, heads) as the root group
+        names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+        for m in list(model.modules()):
+            if m is not model and type(m).__name__ in names:
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if mode != "ddp":
+        raise ValueError(f"dist mode: expected one of {MODES}, got {mode!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        return model
+    import inspect
+
+    ddp = nn.parallel.DistributedDataParallel
+    # the models hold no buffers that change in training (rotary tables are constants): no
+    # broadcast before each forward (torch 2.14 renamed the flag)
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(ddp).parameters
+        else {"broadcast_buffers": False}
+    )
+    return ddp(model, device_ids=[p.device] if p.device.type == "cuda" else None, **no_sync)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (a fully_shard'ed module is its own)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a replicated DTensor (FSDP2's clip_grad_norm_ returns one)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _full(everywhere=False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # the whole tensors, gathered on the CPU of rank 0 (the other ranks get {}: rank 0 saves)
+    # or on every rank
+    return StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+
+
+def _set():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True)
+
+
+def state_dict(model, everywhere=False) -> dict:
+    """The whole state dict of `model` (unwrapped, the keys of its own state_dict()); under
+    FSDP2 a collective (every rank calls it), rank 0 receives it (`everywhere`: every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(unwrap(model), options=_full(everywhere))
+
+
+def load_state_dict(model, sd: dict):
+    """Load a whole state dict (from `state_dict`) on every rank; FSDP2 keeps each rank's shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    # (it replaces the dict's values by this rank's shards: give it a copy)
+    set_model_state_dict(unwrap(model), dict(sd), options=_set())
+
+
+def optim_state_dict(model, opt) -> dict:
+    """The optimiser's whole state keyed by parameter names (the same format in every mode, so a
+    checkpoint resumes under another --dist or world size)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(unwrap(model), opt, options=_full())
+
+
+def load_optim_state_dict(model, opt, sd: dict):
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(unwrap(model), opt, copy.deepcopy(sd), options=_set())
+
+
+# ---------------------------------------------------------------------------------------------
+# small collectives
+# ---------------------------------------------------------------------------------------------
 def _dev(group):
     """Where small host values travel: NCCL moves only CUDA tensors."""
     return torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
 
 
-def mean_metrics(m: dict, group) -> dict:
-    """Every float metric averaged over the ranks (each rank holds the same number of rows)."""
+def all_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum of `t` over the ranks (float64, one all-reduce); `t` itself with one process."""
     if group is None:
-        return m
-    keys = sorted(k for k, v in m.items() if isinstance(v, float))
-    t = torch.tensor([m[k] for k in keys], dtype=torch.float64, device=_dev(group))
+        return t
+    t = t.to(_dev(group), torch.float64, copy=True)  # never reduce the caller's tensor in place
     dist.all_reduce(t, group=group)
-    return {**m, **dict(zip(keys, (t / world(group)).tolist()))}
+    return t
+
+
+def global_ratio(sums: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+    """sum over ranks of `sums` / sum over ranks of `counts`, elementwise, in one all-reduce:
+    a global mean of per-rank sums (counts 0 give 0)."""
+    both = all_sum(torch.stack([sums.double(), counts.double()]), group)
+    s, n = both.unbind(0)
+    return torch.where(n != 0, s / torch.where(n != 0, n, 1.0), 0.0)
+
+
+def global_means(pairs: dict, group) -> dict:
+    """{name: (local sum, local count)} -> {name: global sum / global count} as floats."""
+    keys = list(pairs)
+    to = lambda x: torch.as_tensor(x, dtype=torch.float64).detach().cpu()  # noqa: E731
+    r = global_ratio(
+        torch.stack([to(pairs[k][0]) for k in keys]),
+        torch.stack([to(pairs[k][1]) for k in keys]),
+        group,
+    )
+    return dict(zip(keys, r.tolist()))
 
 
 def any_true(flag: bool, group) -> bool:

@@ -172,10 +172,14 @@ class ValueModel(nn.Module):
         return self.head(h).squeeze(-1).float()
 
     def score(self, input_ids, attention_mask, position_ids):
-        """Reward-model score: the value at each row's last real token."""
-        v = self.forward(input_ids, attention_mask, position_ids)
-        last = last_index(attention_mask)
-        return v.gather(1, last[:, None]).squeeze(1)
+        return score(self, input_ids, attention_mask, position_ids)
+
+
+def score(value_model, input_ids, attention_mask, position_ids):
+    """Reward-model score: the value at each row's last real token. `value_model` is a
+    ValueModel or its data-parallel wrapper (called, so that DDP / FSDP2 see the forward)."""
+    v = value_model(input_ids, attention_mask, position_ids)
+    return v.gather(1, last_index(attention_mask)[:, None]).squeeze(1)
 
 
 def last_index(attention_mask):

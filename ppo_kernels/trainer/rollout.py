@@ -148,8 +148,11 @@ def generate(
     ids, attn = ids.to(device), attn.to(device)
     pos = position_ids_for(attn)
     # newer transformers call the KV cache argument `cache`, older ones `past_key_values`; the
-    # DynamicCache is updated in place either way
-    params = inspect.signature(model.forward).parameters
+    # DynamicCache is updated in place either way. `model`: the causal LM, or the data-parallel
+    # dist.Policy around it (called like it)
+    lm = dist.unwrap(model)
+    lm = lm.actor if isinstance(lm, dist.Policy) else lm
+    params = inspect.signature(lm.forward).parameters
     cache = {("cache" if "cache" in params else "past_key_values"): DynamicCache()}
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **cache)
     logits = out.logits[:, -1]
