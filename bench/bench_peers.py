@@ -212,7 +212,9 @@ def caller_cases(n, v, dtype):
             held.clear()  # no logits left over into the next measured call
             return x.grad
 
-        out.append(("openrlhf", "Actor.forward", "Actor.forward(return_entropy=True)", openrlhf_step))
+        out.append(
+            ("openrlhf", "Actor.forward", "Actor.forward(return_entropy=True)", openrlhf_step)
+        )
     except ImportError:
         pass
     return out
@@ -305,22 +307,25 @@ def main():
         paths = old_paths if a.only == "callers" else paths
         callers = CALLERS_HEAD + old_callers if a.only == "paths" and old_callers else ""
     if a.only != "paths":
-        callers = "\n".join(
-            [
-                CALLERS_HEAD,
-                "",
-                f"CPU: {machine()}. Forward + backward of the caller on given logits (no model",
-                "forward), temperature 1; peak extra memory beyond the inputs. Modes: unpatched;",
-                "`functions`: apply(peer) with the caller left unpatched (its two calls each run",
-                "our op: two passes); `caller`: apply(peer) (one token_logprobs pass for both).",
-                "Command: `python bench/bench_peers.py " + " ".join(sys.argv[1:]) + "`",
-                "",
-                "| peer | caller | N x V | dtype | unpatched | functions (2 passes) | "
-                "caller (1 pass) | speed-up vs unpatched | vs functions |",
-                "|---|---|---|---|---|---|---|---|---|",
-            ]
-            + bench_callers(sizes, a.dtypes, a.reps)
-        ) + "\n"
+        callers = (
+            "\n".join(
+                [
+                    CALLERS_HEAD,
+                    "",
+                    f"CPU: {machine()}. Forward + backward of the caller on given logits (no model",
+                    "forward), temperature 1; peak extra memory beyond the inputs. Modes: unpatched;",
+                    "`functions`: apply(peer) with the caller left unpatched (its two calls each run",
+                    "our op: two passes); `caller`: apply(peer) (one token_logprobs pass for both).",
+                    "Command: `python bench/bench_peers.py " + " ".join(sys.argv[1:]) + "`",
+                    "",
+                    "| peer | caller | N x V | dtype | unpatched | functions (2 passes) | "
+                    "caller (1 pass) | speed-up vs unpatched | vs functions |",
+                    "|---|---|---|---|---|---|---|---|---|",
+                ]
+                + bench_callers(sizes, a.dtypes, a.reps)
+            )
+            + "\n"
+        )
     with open(a.out, "w") as f:
         f.write(paths.rstrip("\n") + "\n\n" + callers if callers else paths)
     print(f"wrote {a.out}")

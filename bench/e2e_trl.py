@@ -85,7 +85,9 @@ def save_model(path: str, vocab: int, seed: int = 0):
 
 
 def prompts(vocab: int):
-    return [" ".join(f"t{3 + (7 * i + 5 * j) % (vocab - 3)}" for j in range(4)) for i in range(PROMPTS)]
+    return [
+        " ".join(f"t{3 + (7 * i + 5 * j) % (vocab - 3)}" for j in range(4)) for i in range(PROMPTS)
+    ]
 
 
 def grpo_config(out_dir, steps, seed, **overrides):

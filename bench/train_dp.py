@@ -120,8 +120,11 @@ def write(args, runs):
         "",
         f"Held-out prompts: {runs[names[0]][0]['config']['eval_prompts']}. Total wall: the "
         "whole command (process start, evaluations, checkpoint)"
-        + (f", for the first run with the SFT warm-up ({sft:.0f} s, cached for the others)."
-           if sft else "."),
+        + (
+            f", for the first run with the SFT warm-up ({sft:.0f} s, cached for the others)."
+            if sft
+            else "."
+        ),
         "",
     ]
     for name in names[1:]:

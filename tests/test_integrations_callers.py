@@ -208,7 +208,10 @@ def test_verl_fallbacks(verl_engine):
 # ------------------------------------------------------------------ OpenRLHF 0.11
 
 ORL_CALLER = "openrlhf.models.actor.Actor.forward"
-ORL_UNFUSED = ("openrlhf.models.utils.log_probs_from_logits", "openrlhf.models.utils.compute_entropy")
+ORL_UNFUSED = (
+    "openrlhf.models.utils.log_probs_from_logits",
+    "openrlhf.models.utils.compute_entropy",
+)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +311,9 @@ def test_trl_grpo_per_token_path_is_one_fused_call():
     model = _llama(2)
     utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     trainer = object.__new__(grpo.GRPOTrainer)
-    trainer.accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
+    trainer.accelerator = types.SimpleNamespace(
+        autocast=contextlib.nullcontext, is_main_process=True
+    )
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, V, (4, 11), generator=g)
     att = torch.ones_like(ids)

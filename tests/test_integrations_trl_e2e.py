@@ -24,7 +24,9 @@ def e2e():
         try:  # a distribution, not an importable name: tests/_peer_stubs.py may stand in for some
             importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            pytest.skip(f"{dist} is not installed: GRPOTrainer needs it (scripts/dev.sh installs it)")
+            pytest.skip(
+                f"{dist} is not installed: GRPOTrainer needs it (scripts/dev.sh installs it)"
+            )
     try:
         importlib.import_module("trl.trainer.grpo_trainer")
     except ImportError as e:
@@ -152,4 +154,3 @@ def test_grpo_loss_computation(e2e, case):
     assert any(g.abs().max() > 0 for g in ref[2])
     for a, b in zip(ref[2], got[2]):
         torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
-

@@ -444,7 +444,9 @@ class FusedPair:
         if self._lp is None or x is not self._logits:
             return None
         if y is not self.labels and not (
-            isinstance(y, torch.Tensor) and y.shape == self.labels.shape and torch.equal(y, self.labels)
+            isinstance(y, torch.Tensor)
+            and y.shape == self.labels.shape
+            and torch.equal(y, self.labels)
         ):
             return None
         lp, self._logits, self._lp = self._lp, None, None

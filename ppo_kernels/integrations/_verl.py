@@ -401,7 +401,10 @@ def _targets():
         + [Target(TF, n, f) for n, f in tf]
         + [
             Target(
-                FSDP, "FSDPEngineWithLMHead.prepare_model_outputs", fsdp_model_outputs, optional=True
+                FSDP,
+                "FSDPEngineWithLMHead.prepare_model_outputs",
+                fsdp_model_outputs,
+                optional=True,
             )
         ]
     )

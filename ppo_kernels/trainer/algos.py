@@ -275,7 +275,7 @@ class RLTrainer:
         mbs = self.minibatches(len(b))
         dev = b.input_ids.device
         tokens = torch.stack([b.action_mask[i.to(dev)].sum() for i in mbs]).double()
-        scales = (tokens * dist.world(self.group) / dist.all_sum(tokens, self.group).to(tokens))
+        scales = tokens * dist.world(self.group) / dist.all_sum(tokens, self.group).to(tokens)
         rows = []
         for idx, n_tok, scale in zip(mbs, tokens, scales.float()):
             at = (idx if len(idx) else torch.zeros(1, dtype=torch.long)).to(dev)
