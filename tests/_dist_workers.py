@@ -304,11 +304,15 @@ def case_cross_rank_checks(rank, world):
 
 
 def case_compile(rank, world):
-    """torch.compile (aot_eager) of the distributed forms equals eager: fullgraph for
-    sequence-parallel gae (dense and packed) and data-parallel masked_whiten / masked_mean (their
-    all-gather is a functional collective, traced into the graph); vocab-parallel token_logprobs
-    forward and backward with fullgraph=False (its autograd.Function runs the per-slice kernels
-    in place from Python, which dynamo does not trace: it runs that function eagerly)."""
+    """torch.compile (aot_eager, fullgraph=True) of the distributed forms equals eager: sequence-
+    parallel gae (dense and packed), data-parallel masked_whiten / masked_mean, and the vocab-
+    parallel token_logprobs / linear_token_logprobs / full_kl forward and both outputs' (every
+    input's) gradients -- their all-gathers are functional collectives and their per-slice work
+    registered ops, all traced into the graph. Under compile a vocab_start that is not given is
+    not settled by a second gather: right for even shards, a clear error for a new uneven
+    layout."""
+    import pytest
+
     import ppo_kernels as pk
 
     torch._dynamo.reset()
@@ -329,22 +333,45 @@ def case_compile(rank, world):
     for fn, args in ((sp, (r, v, m, r[0], v[0], m[0], cu)), (dp, (r, m))):
         got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
         torch.testing.assert_close(got, fn(*args), atol=1e-6, rtol=1e-6)
-    labels = torch.randint(0, 4 * world, (5,), generator=g)
+
+    # vocab parallel: uneven slices (vocab_start given), and even ones (derived)
+    N, H = 5, 3
+    sizes = [3 + 2 * q for q in range(world)]
+    V, v0 = sum(sizes), sum(sizes[:rank])
+    labels = torch.randint(0, V, (N,), generator=g)
     labels[1] = -100
-    x = torch.randn(5, 4, generator=g).requires_grad_()
+    mine = slice(v0, v0 + sizes[rank])  # the same data on every rank, then this rank's slice
+    z, zr = torch.randn(N, V, generator=g)[:, mine], torch.randn(N, V, generator=g)[:, mine]
+    h = torch.randn(N, H, generator=g)
+    w, b = torch.randn(V, H, generator=g)[mine], torch.randn(V, generator=g)[mine]
+    mask = torch.rand(N, generator=g) > 0.3
+    even = torch.randn(N, 4 * world, generator=g)[:, 4 * rank : 4 * rank + 4]
+    labels_even = torch.randint(0, 4 * world, (N,), generator=g)
 
-    def vp(x, y):
+    def vp(z, zr, h, w, b, even):
         lp, ent = pk.token_logprobs(
-            x, y, return_entropy=True, process_group=grp, vocab_start=4 * rank
+            z, labels, temperature=0.8, return_entropy=True, process_group=grp, vocab_start=v0
         )
-        return lp * 2 + ent
+        lp2, ent2 = pk.linear_token_logprobs(
+            h, w, labels, bias=b, return_entropy=True, process_group=grp, vocab_start=v0
+        )
+        kl = pk.full_kl(z, zr, temperature=0.9, mask=mask, process_group=grp)
+        lp3 = pk.token_logprobs(even, labels_even, process_group=grp)  # vocab_start derived
+        return lp * 2 + ent + lp2 - ent2 * 0.5 + kl * 3 + lp3
 
+    inputs = [t.clone().requires_grad_() for t in (z, zr, h, w, b, even)]
     got, want = [], []
-    for fn, out in ((torch.compile(vp, fullgraph=False, backend="aot_eager"), got), (vp, want)):
-        y = fn(x, labels)
-        (gx,) = torch.autograd.grad(y.sum(), x)
-        out += [y, gx]
+    for fn, out in ((torch.compile(vp, fullgraph=True, backend="aot_eager"), got), (vp, want)):
+        y = fn(*inputs)
+        out += [y, *torch.autograd.grad(y.sum(), inputs)]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+    # a new uneven layout without vocab_start: a clear error on every rank (no second gather)
+    def derived(z):
+        return pk.token_logprobs(z, labels, process_group=grp)
+
+    with pytest.raises(ValueError, match="vocab_start: the derived slice starts"):
+        torch.compile(derived, fullgraph=True, backend="aot_eager")(z)
 
 
 def case_data_parallel_whiten(rank, world):

@@ -80,3 +80,46 @@ def test_merge_states_matches_one_pass():
     ent_m = merged[1].log() - merged[2] / merged[1]
     ent_w = whole[1].log() - whole[2] / whole[1]
     torch.testing.assert_close(ent_m, ent_w, equal_nan=True)
+
+
+def test_vocab_parallel_ops_opcheck():
+    """The registered ops of the vocab-parallel forms (what torch.compile traces) pass opcheck:
+    schema, fake kernels, registered autograd; here on one rank's gathered states (world 1)."""
+    import torch
+
+    import ppo_kernels as pk
+    import ppo_kernels.distributed  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.ppo_kernels
+    g = torch.Generator().manual_seed(2)
+    N, V, H = 4, 6, 3
+    z, zr = torch.randn(N, V, generator=g), torch.randn(N, V, generator=g)
+    h, w, b = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randn(V)
+    y = torch.randint(0, V, (N,), generator=g)  # every label owned: no NaN in the states
+
+    def gathered(states):
+        return torch.cat([torch.tensor([0.0, V, N, 0.0]), states.reshape(-1)]).view(1, -1)
+
+    states = ops.vocab_parallel_states(z, y, 0, 0.7, -100)
+    lin_states = ops.vocab_parallel_linear_states(h, w, y, b, 0, 0.7, -100, 0, "float32")
+    kl_states = torch.stack(ops.full_kl(z, zr, 0.9, None)).reshape(1, -1)
+    mask = torch.tensor([True, False, True, True])
+    zg, zrg, hg, wg, bg = (t.clone().requires_grad_() for t in (z, zr, h, w, b))
+    for op, args in (
+        (ops.vocab_parallel_states, (z, y, 0, 0.7, -100)),
+        (ops.vocab_parallel_linear_states, (h, w, y, b, 0, 0.7, -100, 0, "float32")),
+        (ops.vocab_parallel_token_logprobs, (zg, y, gathered(states), 0, 0.7, -100, True)),
+        (
+            ops.vocab_parallel_linear_token_logprobs,
+            (hg, wg, y, bg, gathered(lin_states), 0, 0.7, -100, True, 0, "float32", None),
+        ),
+        (ops.vocab_parallel_full_kl, (zg, zrg, kl_states, mask, 0.9)),
+    ):
+        torch.library.opcheck(op.default, args)
+    # one rank holding the whole vocabulary is the single-device op
+    lp, ent, _, layout = ops.vocab_parallel_token_logprobs(
+        zg, y, gathered(states), 0, 0.7, -100, True
+    )
+    lp_w, ent_w = pk.token_logprobs(z, y, temperature=0.7, return_entropy=True)
+    torch.testing.assert_close((lp, ent), (lp_w, ent_w))
+    assert layout.tolist() == [0, V]

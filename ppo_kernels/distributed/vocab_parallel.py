@@ -18,6 +18,19 @@ computes the same loss from the replicated outputs; nothing is scaled by the wor
 
 Bytes per token moved by the collective: (5 * 4) * world bytes gathered (vs 2 * V for gathering
 bf16 logits); see bench/bench_distributed.py.
+
+torch.compile (fullgraph=True works for all three forms): the per-rank work is registered ops
+with fake kernels -- the local states (`vocab_parallel_states` / `vocab_parallel_linear_states`,
+or full_kl on the slice), then the finish (checks, merge, finalize), differentiable through
+register_autograd, and its backward op -- and the all-gather between them (and the linear form's
+all-reduce of the hidden gradient) is a functional collective, so dynamo traces one graph. The
+checks that read gathered numbers on the host run inside the finish op, at run time, compiled or
+not. Not available under compile (the number of collectives cannot depend on data): settling a
+derived vocab_start with a second gather. There the start that is not given is the one an earlier
+eager call cached for this group and slice size, else rank * slice size (even shards), and the
+finish op raises a ValueError on every rank if it is not the rank-order layout (never a silently
+wrong answer): give vocab_start for uneven shards under compile. As everywhere under compile, the
+tiny cross-rank size check before the gather (_comm.cross_checks) is skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +40,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_arg,
+    check_int,
+    check_labels_in_range,
+    check_temperature,
+    check_tensor,
+)
 from ..linear_logprobs import reference as lin_ref
 from ..linear_logprobs.op import tile_bwd_, tile_stats_
 from ._comm import all_gather as _all_gather
@@ -108,16 +129,51 @@ def _gather(local: Tensor, header: list[int], group) -> Tensor:
     return _all_gather(flat, group).view(world, -1)
 
 
-def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: int, check_cpu: bool):
-    """(logprobs, entropy, lse, V) from the gathered states; checks the slices tile [0, V)."""
+def _read_header(gathered: Tensor):
+    """The gathered headers on the host: (starts, sizes, ns, derived), lists in rank order."""
+    h = gathered[:, :_HEADER].to(torch.int64).cpu()
+    return h[:, 0].tolist(), h[:, 1].tolist(), h[:, 2].tolist(), h[:, 3].tolist()
+
+
+def _rank_order(starts, sizes, derived) -> list[int] | None:
+    """Where some rank derived its start: the starts of slices contiguous in rank order
+    (Megatron's layout), after checking that every given start fits it; None where every rank was
+    given its start."""
+    if not any(derived):
+        return None
+    expected = [sum(sizes[:r]) for r in range(len(sizes))]
+    for r, (st, ex, d) in enumerate(zip(starts, expected, derived)):
+        if not d and st != ex:
+            raise ValueError(
+                f"vocab_start: rank {r} was given {st} but other ranks derive theirs from the "
+                f"rank-order layout, where rank {r} starts at {ex} (slice sizes {sizes}); give "
+                "vocab_start on every rank or on none"
+            )
+    return expected
+
+
+def _finish(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int, with_entropy: bool):
+    """(logprobs, entropy or an empty tensor, lse, layout) from the gathered states, where layout
+    is int64 [2] on the CPU = (this rank's start, V) for the backward. Runs inside the registered
+    ops, so also under torch.compile, where it reads the headers at run time: checks that the
+    ranks hold the same N, that the slices tile [0, V), and that every derived start is right
+    (eager calls have settled them before, _settle_start; under compile a wrong one raises)."""
     world = gathered.shape[0]
-    header = gathered[:, :_HEADER].to(torch.int64).cpu()  # 3 * world numbers
-    starts, sizes, ns = header[:, 0].tolist(), header[:, 1].tolist(), header[:, 2].tolist()
+    starts, sizes, ns, derived = _read_header(gathered)
     N = labels.numel()
     if any(n != N for n in ns):
         raise ValueError(
             f"labels: ranks hold different numbers of rows {ns}; every rank of the "
             "vocab-parallel group needs the same tokens"
+        )
+    expected = _rank_order(starts, sizes, derived)
+    if expected is not None and expected != starts:
+        raise ValueError(
+            f"vocab_start: the derived slice starts {starts} (rank order) are not the rank-order "
+            f"layout {expected} of the slice sizes {sizes}. Under torch.compile a start that is "
+            "not given is the one cached by an earlier eager call for this group and slice size, "
+            "else rank * slice size (even shards), and cannot be settled by a second gather: "
+            "give vocab_start, or make one eager call with this layout first"
         )
     order = sorted(range(world), key=lambda r: starts[r])
     pos = 0
@@ -130,7 +186,7 @@ def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: in
             )
         pos += sizes[r]
     V = pos
-    if check_cpu:
+    if labels.device.type == "cpu":
         check_labels_in_range(labels, V, ignore_index)
     st = gathered[:, _HEADER:].view(world, _ROWS, N)
     merged = merge_states(st[:, 0:3])
@@ -138,70 +194,169 @@ def _finish(gathered: Tensor, labels: Tensor, vocab_start: int, ignore_index: in
     zl = torch.where(owned > 0, st[:, 3], torch.zeros_like(st[:, 3])).sum(0)
     zl = torch.where(owned.sum(0) > 0, zl, torch.full_like(zl, float("nan")))
     lp, ent, lse = lin_ref.finalize(merged, zl, labels, V, ignore_index)
-    return lp, ent, lse, V
+    layout = torch.tensor([starts[rank], V], dtype=torch.int64)
+    return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
 
 
-class _VocabParallelTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, ignore_index, vocab_start, group):
-        shape = labels.shape
-        x = logits.reshape(labels.numel(), logits.shape[-1])
-        y = labels.reshape(-1)
-        inv_t = 1.0 / temperature
-        vocab_start, derived = vocab_start
-        gathered, vocab_start = _gather_settled(
-            lambda start: local_states(x, y, start, inv_t, ignore_index),
-            vocab_start,
-            derived,
-            x.shape[1],
-            y.numel(),
-            group,
-        )
-        lp, ent, lse, V = _finish(
-            gathered, y, vocab_start, ignore_index, logits.device.type == "cpu"
-        )
-        out = _backend.out_dtype(logits)
-        lp, ent, lse = lp.to(out), ent.to(out), lse.to(out)
-        ctx.save_for_backward(logits, labels, lse, ent)
-        ctx.args = (inv_t, ignore_index, vocab_start, V)
-        ctx.mark_non_differentiable(lse)
-        return lp.view(shape), ent.view(shape), lse.view(shape)
+def _check_finish_args(labels, gathered, rank, rows, dev, acc):
+    """The arguments every vocab-parallel op shares (metadata only)."""
+    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
+    check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
+    check_arg("gathered", gathered, dev)
+    n = _HEADER + _ROWS * labels.numel()
+    if gathered.shape[1] != n:
+        raise ValueError(f"gathered: expected {n} columns per rank, got {gathered.shape[1]}")
+    check_int("rank", rank, min_value=0)
+    if rank >= gathered.shape[0]:
+        raise ValueError(f"rank: {rank} is not below the world size {gathered.shape[0]}")
 
-    @staticmethod
-    def backward(ctx, grad_lp, grad_ent, _grad_lse):
-        logits, labels, lse, ent = ctx.saved_tensors
-        inv_t, ignore_index, vocab_start, V = ctx.args
-        acc = _acc(logits.dtype)
-        x = logits.reshape(labels.numel(), logits.shape[-1])
-        y = labels.reshape(-1)
-        N, Vr = x.shape
-        glp = (
-            torch.zeros(N, dtype=acc, device=x.device)
-            if grad_lp is None
-            else grad_lp.reshape(-1).to(acc)
-        )
-        gent = None if grad_ent is None else grad_ent.reshape(-1).to(acc)
-        grad = _backend.new_output(x.shape, logits.dtype, logits.device)
-        if N and Vr:
-            starts, rows = _row_blocks(N, Vr, acc)
-            buf = torch.empty(min(rows, N) * Vr, dtype=acc, device=x.device)
-            for r0 in starts:
-                r1 = min(N, r0 + rows)
-                tile = buf[: (r1 - r0) * Vr].view(r1 - r0, Vr).copy_(x[r0:r1])
-                tile_bwd_(
-                    tile,
-                    y[r0:r1],
-                    vocab_start,
-                    lse.reshape(-1)[r0:r1],
-                    ent.reshape(-1)[r0:r1] if gent is not None else None,
-                    glp[r0:r1],
-                    gent[r0:r1] if gent is not None else None,
-                    inv_t,
-                    ignore_index,
-                    V,
-                )
-                grad[r0:r1] = tile
-        return grad.view(logits.shape), None, None, None, None, None
+
+def _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc):
+    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
+    check_arg("lse", lse, dev, dtypes=(acc,), shape=rows, what="the rows")
+    if grad_entropy is not None and grad_entropy.numel():
+        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
+        check_arg("entropy", entropy, dev, dtypes=(acc,), shape=rows, what="the rows")
+
+
+def _layout_ints(layout: Tensor) -> tuple[int, int]:
+    check_tensor("layout", layout, dtypes=(torch.int64,), dim=1)
+    if layout.numel() != 2 or layout.device.type != "cpu":
+        raise ValueError("layout: expected the forward's int64 [2] CPU tensor (start, V)")
+    start, V = layout.tolist()
+    return start, V
+
+
+# ---- token_logprobs on a vocabulary slice of the logits ----
+# Three registered ops (fake kernels, registered autograd), so that torch.compile traces the whole
+# form, the functional all-gather between them included: the local states of the slice, the
+# finish (checks, merge, finalize; differentiable in the logits) and its backward.
+
+
+@torch.library.custom_op("ppo_kernels::vocab_parallel_states", mutates_args=())
+def _states_op(
+    logits: Tensor, labels: Tensor, vocab_start: int, temperature: float, ignore_index: int
+) -> Tensor:
+    """[_ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows)."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES, shape=logits.shape[:-1])
+    check_int("vocab_start", vocab_start, min_value=0)
+    check_temperature(temperature)
+    check_int("ignore_index", ignore_index)
+    x = logits.reshape(labels.numel(), logits.shape[-1])
+    return local_states(x, labels.reshape(-1), vocab_start, 1.0 / temperature, ignore_index)
+
+
+@_states_op.register_fake
+def _(logits, labels, vocab_start, temperature, ignore_index):
+    return logits.new_empty((_ROWS, labels.numel()), dtype=_acc(logits.dtype))
+
+
+@torch.library.custom_op("ppo_kernels::vocab_parallel_token_logprobs", mutates_args=())
+def _token_logprobs_op(
+    logits: Tensor,
+    labels: Tensor,
+    gathered: Tensor,
+    rank: int,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, entropy or an empty tensor, lse, layout) of labels [...] from the states of
+    every rank, gathered [world, _HEADER + _ROWS * N]; logits [..., V_rank] (this rank's slice)
+    is read only by the backward."""
+    acc = _acc(logits.dtype)
+    _check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
+    check_temperature(temperature)
+    lp, ent, lse, layout = _finish(gathered, labels.reshape(-1), rank, ignore_index, with_entropy)
+    shape = labels.shape
+    return lp.view(shape), ent.view(shape if with_entropy else (0,)), lse.view(shape), layout
+
+
+@_token_logprobs_op.register_fake
+def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
+    acc, shape = _acc(logits.dtype), labels.shape
+    ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
+    out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
+    return out[0], ent, out[1], torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("ppo_kernels::vocab_parallel_token_logprobs_backward", mutates_args=())
+def _token_logprobs_backward_op(
+    grad_logprobs: Tensor,
+    grad_entropy: Tensor | None,
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    layout: Tensor,
+    temperature: float,
+    ignore_index: int,
+) -> Tensor:
+    """This rank's slice of the unsharded gradient: d(sum(g_lp * lp + g_ent * ent)) / d logits,
+    elementwise given the merged lse and entropy (no collective)."""
+    acc, dev, rows = _acc(logits.dtype), logits.device, logits.shape[:-1]
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
+    _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)
+    vocab_start, V = _layout_ints(layout)
+    inv_t = 1.0 / check_temperature(temperature)
+    x = logits.reshape(labels.numel(), logits.shape[-1])
+    y = labels.reshape(-1)
+    N, Vr = x.shape
+    glp = grad_logprobs.reshape(-1).to(acc)
+    with_ent = grad_entropy is not None and grad_entropy.numel() > 0
+    gent = grad_entropy.reshape(-1).to(acc) if with_ent else None
+    ent = entropy.reshape(-1) if with_ent else None
+    grad = _backend.new_output(x.shape, logits.dtype, dev)
+    if N and Vr:
+        starts, rows_per = _row_blocks(N, Vr, acc)
+        buf = torch.empty(min(rows_per, N) * Vr, dtype=acc, device=dev)
+        for r0 in starts:
+            r1 = min(N, r0 + rows_per)
+            tile = buf[: (r1 - r0) * Vr].view(r1 - r0, Vr).copy_(x[r0:r1])
+            tile_bwd_(
+                tile,
+                y[r0:r1],
+                vocab_start,
+                lse.reshape(-1)[r0:r1],
+                ent[r0:r1] if with_ent else None,
+                glp[r0:r1],
+                gent[r0:r1] if with_ent else None,
+                inv_t,
+                ignore_index,
+                V,
+            )
+            grad[r0:r1] = tile
+    return grad.view(logits.shape)
+
+
+@_token_logprobs_backward_op.register_fake
+def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore):
+    return logits.new_empty(logits.shape)
+
+
+def _token_logprobs_setup(ctx, inputs, output):
+    logits, labels, _, _, temperature, ignore_index, _ = inputs
+    _, ent, lse, layout = output
+    ctx.save_for_backward(logits, labels, lse, ent, layout)
+    ctx.args = (temperature, ignore_index)
+    ctx.mark_non_differentiable(lse, layout)
+
+
+def _token_logprobs_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
+    logits, labels, lse, ent, layout = ctx.saved_tensors
+    if grad_lp is None:
+        grad_lp = torch.zeros_like(lse)
+    if grad_ent is not None and grad_ent.numel() == 0:
+        grad_ent = None
+    grad = torch.ops.ppo_kernels.vocab_parallel_token_logprobs_backward(
+        grad_lp, grad_ent, logits, labels, lse, ent, layout, *ctx.args
+    )
+    return grad, None, None, None, None, None, None
+
+
+_token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
 
 
 # (id(group), rank, slice size) -> the slice start learned from a gather (see _settle_start)
@@ -224,38 +379,35 @@ def _resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, bool]:
 
 
 def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:
-    """After the gather of headers [start, size, N, derived]: (this rank's start, redo). Where no
-    rank was given vocab_start, slices are contiguous in rank order (Megatron's layout); a given
-    start must fit that layout when other ranks derive theirs. redo: some derived start was wrong,
-    so every rank recomputes its states and gathers again -- decided from the gathered headers
-    alone, hence the same on every rank (at most once per new layout: the start is cached)."""
-    header = gathered[:, :_HEADER].to(torch.int64).cpu()
-    starts, sizes, derived = header[:, 0].tolist(), header[:, 1].tolist(), header[:, 3].tolist()
+    """Eager only, after the gather of headers [start, size, N, derived]: (this rank's start,
+    redo). Where no rank was given vocab_start, slices are contiguous in rank order (Megatron's
+    layout); a given start must fit that layout when other ranks derive theirs. redo: some derived
+    start was wrong, so every rank recomputes its states and gathers again -- decided from the
+    gathered headers alone, hence the same on every rank (at most once per new layout: the start
+    is cached)."""
+    starts, sizes, _, derived = _read_header(gathered)
     rank = dist.get_rank(group)
-    if not any(derived):
+    expected = _rank_order(starts, sizes, derived)
+    if expected is None:
         return starts[rank], False
-    expected = [sum(sizes[:r]) for r in range(len(sizes))]
-    for r, (st, ex, d) in enumerate(zip(starts, expected, derived)):
-        if not d and st != ex:
-            raise ValueError(
-                f"vocab_start: rank {r} was given {st} but other ranks derive theirs from the "
-                f"rank-order layout, where rank {r} starts at {ex} (slice sizes {sizes}); give "
-                "vocab_start on every rank or on none"
-            )
     if derived[rank]:
         _start_cache[(id(group), rank, sizes[rank])] = expected[rank]
     redo = any(d and st != ex for st, ex, d in zip(starts, expected, derived))
     return expected[rank], redo
 
 
-def _gather_settled(states, start: int, derived: bool, v_rank: int, n: int, group):
-    """(gathered, start): gather states(start) with its header; when a derived start turns out
-    wrong (_settle_start), every rank recomputes with the settled start and gathers once more."""
+def _gather_settled(states, start: int, derived: bool, v_rank: int, n: int, group) -> Tensor:
+    """Gather states(start) with its header; when a derived start turns out wrong (_settle_start),
+    every rank recomputes with the settled start and gathers once more. Under torch.compile the
+    number of collectives cannot depend on the data: no settling there, the finish op checks the
+    starts at run time (_finish) and raises if a derived one was wrong."""
     gathered = _gather(states(start), [start, v_rank, n, int(derived)], group)
+    if torch.compiler.is_compiling():
+        return gathered
     settled, redo = _settle_start(gathered, group)
     if redo:
         gathered = _gather(states(settled), [settled, v_rank, n, int(derived)], group)
-    return gathered, settled
+    return gathered
 
 
 def vocab_parallel_token_logprobs(
@@ -268,9 +420,24 @@ def vocab_parallel_token_logprobs(
     vocab_start: int | None,
 ):
     """The body of token_logprobs(..., process_group=...); arguments already checked."""
-    start = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
-    lp, ent, _ = _VocabParallelTokenLogprobs.apply(
-        logits, labels, float(temperature), int(ignore_index), start, process_group
+    start, derived = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
+    temperature, ignore_index = float(temperature), int(ignore_index)
+    x = logits.detach()  # the states carry no gradient: the finish op does
+
+    def states(s):
+        return torch.ops.ppo_kernels.vocab_parallel_states(x, labels, s, temperature, ignore_index)
+
+    gathered = _gather_settled(
+        states, start, derived, logits.shape[-1], labels.numel(), process_group
+    )
+    lp, ent, _, _ = torch.ops.ppo_kernels.vocab_parallel_token_logprobs(
+        logits,
+        labels,
+        gathered,
+        dist.get_rank(process_group),
+        temperature,
+        ignore_index,
+        bool(return_entropy),
     )
     return (lp, ent) if return_entropy else lp
 
@@ -278,146 +445,224 @@ def vocab_parallel_token_logprobs(
 # ---- from hidden states: a vocab-sharded LM head (the logits are still never built) ----
 
 
-class _VocabParallelLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        labels,
-        bias,
-        temperature,
-        ignore_index,
-        vocab_start,
-        group,
-        budget,
-        logits_dtype,
-        reduce_hidden_grad,
-    ):
-        from ..linear_logprobs import op as lop
+def _check_linear_args(hidden, weight, labels, bias, temperature, ignore_index, budget, ldt):
+    """linear_logprobs' checks of a weight slice, which may be empty (labels are global ids)."""
+    from ..linear_logprobs import op as lop
 
-        N, H = hidden.shape
-        Vr = weight.shape[0]
-        acc = _acc(hidden.dtype)
-        inv_t = 1.0 / temperature
+    lop._check_forward_args(
+        hidden, weight, labels, bias, temperature, ignore_index, budget, ldt, vocab_slice=True
+    )
 
-        def states(start):
-            local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
-            local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
-            k = labels.long() - start
-            local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
-            if N and Vr:
-                plan = lop.plan_chunks(
-                    N,
-                    Vr,
-                    H,
-                    hidden.dtype,
-                    hidden.device.type,
-                    lop._resolve_budget(budget, hidden.device),
-                    logits_dtype=logits_dtype,
-                    fused=False,
-                )
-                tiler = lop.Tiler(hidden, weight, bias, plan, False)
-                for r0 in range(0, N, plan.rows):
-                    r1 = min(N, r0 + plan.rows)
-                    st, zl = lop.chunk_states(
-                        tiler,
-                        plan,
-                        tiler.rows(r0, r1),
-                        labels[r0:r1],
-                        Vr,
-                        inv_t,
-                        ignore_index,
-                        v_offset=start,
-                    )
-                    local[0:3, r0:r1] = st
-                    local[3, r0:r1] = zl
-            return local
 
-        vocab_start, derived = vocab_start
-        gathered, vocab_start = _gather_settled(states, vocab_start, derived, Vr, N, group)
-        lp, ent, lse, V = _finish(
-            gathered, labels, vocab_start, ignore_index, hidden.device.type == "cpu"
-        )
-        ctx.save_for_backward(hidden, weight, labels, bias, lse, ent)
-        ctx.args = (
-            inv_t,
-            ignore_index,
-            vocab_start,
-            V,
-            group,
-            budget,
-            logits_dtype,
-            reduce_hidden_grad,
-        )
-        ctx.mark_non_differentiable(lse)
-        return lp, ent, lse
+@torch.library.custom_op("ppo_kernels::vocab_parallel_linear_states", mutates_args=())
+def _linear_states_op(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    vocab_start: int,
+    temperature: float,
+    ignore_index: int,
+    max_chunk_bytes: int,
+    logits_dtype: str,
+) -> Tensor:
+    """[_ROWS, N] states of the logits hidden [N, H] @ weight[V_rank, H].T (+ bias) of this
+    rank's vocabulary slice, computed in chunks (linear_logprobs' chunk_states)."""
+    from ..linear_logprobs import op as lop
 
-    @staticmethod
-    def backward(ctx, grad_lp, grad_ent, _grad_lse):
-        from ..linear_logprobs import op as lop
-
-        hidden, weight, labels, bias, lse, ent = ctx.saved_tensors
-        inv_t, ignore_index, vocab_start, V, group, budget, logits_dtype, reduce_h = ctx.args
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        N, H = hidden.shape
-        Vr = weight.shape[0]
-        acc = _acc(hidden.dtype)
-        dev = hidden.device
-        glp = torch.zeros(N, dtype=acc, device=dev) if grad_lp is None else grad_lp.to(acc)
-        gent = None if grad_ent is None else grad_ent.to(acc)
-        gh = torch.zeros((N, H) if need_h else (0,), dtype=acc, device=dev)
-        gW = torch.zeros((Vr, H) if need_w else (0,), dtype=acc, device=dev)
-        gb = torch.zeros((Vr,) if (need_b and bias is not None) else (0,), dtype=acc, device=dev)
-        if N and Vr:
-            plan = lop.plan_chunks(
-                N,
+    _check_linear_args(
+        hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    )
+    check_int("vocab_start", vocab_start, min_value=0)
+    N, H = hidden.shape
+    Vr = weight.shape[0]
+    acc = _acc(hidden.dtype)
+    inv_t = 1.0 / temperature
+    local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
+    local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
+    k = labels.long() - vocab_start
+    local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
+    if N and Vr:
+        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
+        tiler = lop.Tiler(hidden, weight, bias, plan, False)
+        for r0 in range(0, N, plan.rows):
+            r1 = min(N, r0 + plan.rows)
+            st, zl = lop.chunk_states(
+                tiler,
+                plan,
+                tiler.rows(r0, r1),
+                labels[r0:r1],
                 Vr,
-                H,
-                hidden.dtype,
-                dev.type,
-                lop._resolve_budget(budget, dev),
-                logits_dtype=logits_dtype,
-                fused=False,
+                inv_t,
+                ignore_index,
+                v_offset=vocab_start,
             )
-            tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
-            for r0 in range(0, N, plan.rows):
-                r1 = min(N, r0 + plan.rows)
-                lop.chunk_backward(
-                    tiler,
-                    plan,
-                    False,
-                    tiler.rows(r0, r1),
-                    labels[r0:r1],
-                    glp[r0:r1],
-                    gent[r0:r1] if gent is not None else None,
-                    lse[r0:r1],
-                    ent[r0:r1] if gent is not None else None,
-                    inv_t,
-                    ignore_index,
-                    Vr,
-                    gh[r0:r1] if need_h else gh,
-                    gW,
-                    gb,
-                    v_offset=vocab_start,
-                    v_total=V,
-                )
-        if need_h and reduce_h:
-            # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
-            all_reduce_(gh, group)
-        return (
-            gh.to(hidden.dtype) if need_h else None,
-            gW.to(weight.dtype) if need_w else None,
-            None,
-            gb.to(bias.dtype) if gb.numel() else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            local[0:3, r0:r1] = st
+            local[3, r0:r1] = zl
+    return local
+
+
+@_linear_states_op.register_fake
+def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
+    return hidden.new_empty((_ROWS, hidden.shape[0]), dtype=_acc(hidden.dtype))
+
+
+def _linear_plan(hidden, Vr, budget, logits_dtype):
+    from ..linear_logprobs import op as lop
+
+    N, H = hidden.shape
+    dev = hidden.device
+    budget = lop._resolve_budget(budget, dev)
+    return lop.plan_chunks(
+        N, Vr, H, hidden.dtype, dev.type, budget, logits_dtype=logits_dtype, fused=False
+    )
+
+
+@torch.library.custom_op("ppo_kernels::vocab_parallel_linear_token_logprobs", mutates_args=())
+def _linear_op(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    gathered: Tensor,
+    rank: int,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    max_chunk_bytes: int,
+    logits_dtype: str,
+    reduce_group: str | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, entropy or an empty tensor, lse, layout) [N] from the gathered states of every
+    rank; hidden / weight / bias are read only by the backward, which all-reduces the hidden
+    gradient over the process group named reduce_group (None: leave it partial)."""
+    _check_linear_args(
+        hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    )
+    _check_finish_args(labels, gathered, rank, labels.shape, hidden.device, _acc(hidden.dtype))
+    return _finish(gathered, labels, rank, ignore_index, with_entropy)
+
+
+@_linear_op.register_fake
+def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, *rest):
+    acc, N = _acc(hidden.dtype), hidden.shape[0]
+    ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
+    out = [hidden.new_empty((N,), dtype=acc) for _ in range(2)]
+    return out[0], ent, out[1], torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op(
+    "ppo_kernels::vocab_parallel_linear_token_logprobs_backward", mutates_args=()
+)
+def _linear_backward_op(
+    grad_logprobs: Tensor,
+    grad_entropy: Tensor | None,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    layout: Tensor,
+    temperature: float,
+    ignore_index: int,
+    max_chunk_bytes: int,
+    logits_dtype: str,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) of this rank's slice, float32 (float64 for float64),
+    an empty tensor where not needed; grad_hidden is this slice's share (partial, not reduced)."""
+    from ..linear_logprobs import op as lop
+
+    _check_linear_args(
+        hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    )
+    dev, acc = hidden.device, _acc(hidden.dtype)
+    _check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc)
+    vocab_start, V = _layout_ints(layout)
+    N, H = hidden.shape
+    Vr = weight.shape[0]
+    inv_t = 1.0 / temperature
+    glp = grad_logprobs.to(acc)
+    with_ent = grad_entropy is not None and grad_entropy.numel() > 0
+    gent = grad_entropy.to(acc) if with_ent else None
+    gh = torch.zeros((N, H) if need_hidden else (0,), dtype=acc, device=dev)
+    gW = torch.zeros((Vr, H) if need_weight else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((Vr,) if (need_bias and bias is not None) else (0,), dtype=acc, device=dev)
+    if N and Vr:
+        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
+        tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
+        for r0 in range(0, N, plan.rows):
+            r1 = min(N, r0 + plan.rows)
+            lop.chunk_backward(
+                tiler,
+                plan,
+                False,
+                tiler.rows(r0, r1),
+                labels[r0:r1],
+                glp[r0:r1],
+                gent[r0:r1] if with_ent else None,
+                lse[r0:r1],
+                entropy[r0:r1] if with_ent else None,
+                inv_t,
+                ignore_index,
+                Vr,
+                gh[r0:r1] if need_hidden else gh,
+                gW,
+                gb,
+                v_offset=vocab_start,
+                v_total=V,
+            )
+    return gh, gW, gb
+
+
+@_linear_backward_op.register_fake
+def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb):
+    acc = _acc(hidden.dtype)
+    N, H = hidden.shape
+    Vr = weight.shape[0]
+    gh = hidden.new_empty((N, H) if nh else (0,), dtype=acc)
+    gW = hidden.new_empty((Vr, H) if nw else (0,), dtype=acc)
+    gb = hidden.new_empty((Vr,) if (nb and bias is not None) else (0,), dtype=acc)
+    return gh, gW, gb
+
+
+def _linear_setup(ctx, inputs, output):
+    hidden, weight, labels, bias, _, _, temperature, ignore_index, _, budget, ldt, group = inputs
+    _, ent, lse, layout = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, ent, layout)
+    ctx.args = (temperature, ignore_index, budget, ldt)
+    ctx.reduce_group = group
+    ctx.mark_non_differentiable(lse, layout)
+
+
+def _linear_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
+    hidden, weight, labels, bias, lse, ent, layout = ctx.saved_tensors
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    need_b = need_b and bias is not None
+    if grad_lp is None:
+        grad_lp = torch.zeros_like(lse)
+    if grad_ent is not None and grad_ent.numel() == 0:
+        grad_ent = None
+    gh, gW, gb = torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs_backward(
+        grad_lp, grad_ent, hidden, weight, labels, bias, lse, ent, layout, *ctx.args,
+        need_h, need_w, need_b,
+    )  # fmt: skip
+    if need_h and ctx.reduce_group is not None:
+        # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
+        gh = all_reduce_(gh, ctx.reduce_group)
+    return (
+        gh.to(hidden.dtype) if need_h else None,
+        gW.to(weight.dtype) if need_w else None,
+        None,
+        gb.to(bias.dtype) if need_b else None,
+        *(None,) * 8,
+    )
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def vocab_parallel_linear_token_logprobs(
@@ -436,19 +681,32 @@ def vocab_parallel_linear_token_logprobs(
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
     weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
     Returns (logprobs, entropy) [N]."""
-    start = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
-    lp, ent, _ = _VocabParallelLinear.apply(
+    start, derived = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
+    temperature, ignore_index, budget = float(temperature), int(ignore_index), int(budget or 0)
+    h, w = hidden2d.detach(), weight.detach()  # the states carry no gradient: the finish op does
+    b = None if bias is None else bias.detach()
+
+    def states(s):
+        return torch.ops.ppo_kernels.vocab_parallel_linear_states(
+            h, w, labels, b, s, temperature, ignore_index, budget, logits_dtype
+        )
+
+    gathered = _gather_settled(
+        states, start, derived, weight.shape[0], labels.numel(), process_group
+    )
+    lp, ent, _, _ = torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs(
         hidden2d,
         weight,
         labels,
         bias,
-        float(temperature),
-        int(ignore_index),
-        start,
-        process_group,
-        int(budget or 0),
+        gathered,
+        dist.get_rank(process_group),
+        temperature,
+        ignore_index,
+        True,
+        budget,
         logits_dtype,
-        bool(reduce_hidden_grad),
+        process_group.group_name if reduce_hidden_grad else None,
     )
     out = _backend.out_dtype(hidden2d)
     return lp.to(out), ent.to(out)
@@ -459,7 +717,9 @@ def vocab_parallel_linear_token_logprobs(
 # kl_r + lse_z_r - lse_w_r = sum_{j in r} softmax_r(z)_j (z_j - w_j). With the slice masses
 # a_r = exp(lse_z_r - lse_z): KL = sum_r a_r (kl_r + lse_z_r - lse_w_r) - lse_z + lse_w. One
 # all-gather of those three per-row numbers; the backward is elementwise given the global kl and
-# log-sum-exps (the full_kl backward kernel on each slice), no collective.
+# log-sum-exps (the full_kl backward op on each slice), no collective. The per-slice forward is
+# the registered full_kl op and the merge a registered op differentiable in both logits, so
+# torch.compile traces the whole form.
 
 
 def _logsumexp_ranks(x):
@@ -468,57 +728,76 @@ def _logsumexp_ranks(x):
     return m_safe + (x - m_safe).exp().sum(0).log()
 
 
-class _VocabParallelFullKL(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, ref_logits, mask, temperature, group):
-        from ..full_kl import op as fop
+@torch.library.custom_op("ppo_kernels::vocab_parallel_full_kl", mutates_args=())
+def _full_kl_op(
+    logits: Tensor, ref_logits: Tensor, gathered: Tensor, mask: Tensor | None, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(kl, lse_z, lse_w) with logits.shape[:-1] from every rank's per-slice (kl_r, lse_z_r,
+    lse_w_r), gathered [world, 3 * N]; the logits slices are read only by the backward."""
+    rows, dev, acc = logits.shape[:-1], logits.device, _backend.out_dtype(logits)
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    check_arg("ref_logits", ref_logits, dev, dtypes=(logits.dtype,), shape=logits.shape)
+    check_arg("mask", mask, dev, dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
+    check_arg("gathered", gathered, dev)
+    if gathered.shape[1] != 3 * rows.numel():
+        raise ValueError(f"gathered: expected {3 * rows.numel()} columns per rank")
+    check_temperature(temperature)
+    st = gathered.view(gathered.shape[0], 3, -1)
+    lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
+    a = (st[:, 1] - lse_z).exp()
+    cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))
+    kl = (cross.sum(0) - lse_z + lse_w).view(rows)
+    if mask is not None:
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+    return kl, lse_z.view(rows), lse_w.view(rows)
 
-        inv_t = 1.0 / temperature
-        if logits.shape[-1] == 0:  # an empty slice: no mass, no cross term
-            lz_r = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
-            kl_r, lw_r = torch.zeros_like(lz_r), lz_r.clone()
-        else:
-            kl_r, lz_r, lw_r = fop.forward(logits, ref_logits, None, inv_t)
-        world = dist.get_world_size(group)
-        local = (
-            torch.stack([kl_r, lz_r, lw_r])
-            .reshape(3, -1)
-            .to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        )
-        st = _all_gather(local, group).view(world, 3, -1)
-        lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
-        a = (st[:, 1] - lse_z).exp()
-        cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))
-        kl = cross.sum(0) - lse_z + lse_w
-        shape = logits.shape[:-1]
-        kl, lse_z, lse_w = kl.view(shape), lse_z.view(shape), lse_w.view(shape)
-        if mask is not None:
-            kl = torch.where(mask, kl, torch.zeros_like(kl))
-        ctx.save_for_backward(logits, ref_logits, mask, kl, lse_z, lse_w)
-        ctx.inv_t = inv_t
-        return kl
 
-    @staticmethod
-    def backward(ctx, grad):
-        from ..full_kl import op as fop
+@_full_kl_op.register_fake
+def _(logits, ref_logits, gathered, mask, temperature):
+    rows, o = logits.shape[:-1], _backend.out_dtype(logits)
+    return tuple(logits.new_empty(rows, dtype=o) for _ in range(3))
 
-        logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
-        need_ref = ctx.needs_input_grad[1]
-        gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
-        gw = (
-            _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device)
-            if need_ref
-            else None
-        )
-        if logits.shape[-1]:
-            fop.backward(
-                logits, grad.contiguous(), ref_logits, mask, kl, lse_z, lse_w, ctx.inv_t, gz, gw
-            )
-        return gz, gw, None, None, None
+
+def _full_kl_setup(ctx, inputs, output):
+    from ..full_kl import op as fop
+
+    logits, ref_logits, _, mask, temperature = inputs
+    fop._setup_context(ctx, (logits, ref_logits, temperature, mask), output)
+
+
+def _full_kl_backward(ctx, grad, _grad_lse_z, _grad_lse_w):
+    """The full_kl backward op on this rank's slice, given the global kl and log-sum-exps."""
+    from ..full_kl import op as fop
+
+    logits, ref_logits = ctx.saved_tensors[:2]
+    if logits.shape[-1] == 0:  # an empty slice: nothing to differentiate
+        gz = logits.new_zeros(logits.shape)
+        gw = ref_logits.new_zeros(ref_logits.shape) if ctx.needs_input_grad[1] else None
+    else:
+        gz, gw, _, _ = fop._backward(ctx, grad, None, None)
+    return gz, gw, None, None, None
+
+
+_full_kl_op.register_autograd(_full_kl_backward, setup_context=_full_kl_setup)
 
 
 def vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group):
     """The body of full_kl(..., process_group=...): both logits this rank's vocabulary slice."""
     require_initialized()
-    kl = _VocabParallelFullKL.apply(logits, ref_logits, mask, float(temperature), process_group)
-    return kl.to(_backend.out_dtype(logits))
+    temperature = float(temperature)
+    acc = _backend.out_dtype(logits)
+    if logits.shape[-1] == 0:  # an empty slice: no mass, no cross term
+        lz_r = torch.full(logits.shape[:-1], float("-inf"), dtype=acc, device=logits.device)
+        kl_r, lw_r = torch.zeros_like(lz_r), lz_r.clone()
+    else:  # the states carry no gradient: the merge op does
+        kl_r, lz_r, lw_r = torch.ops.ppo_kernels.full_kl(
+            logits.detach(), ref_logits.detach(), temperature, None
+        )
+    local = torch.stack([kl_r, lz_r, lw_r]).reshape(3, -1).to(acc)
+    world = dist.get_world_size(process_group)
+    gathered = _all_gather(local, process_group).view(world, -1)
+    kl, _, _ = torch.ops.ppo_kernels.vocab_parallel_full_kl(
+        logits, ref_logits, gathered, mask, temperature
+    )
+    return kl.to(acc)

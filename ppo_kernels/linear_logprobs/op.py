@@ -170,10 +170,20 @@ def _fused(hidden) -> bool:
 
 
 def _check_forward_args(
-    hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
+    hidden,
+    weight,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    max_chunk_bytes,
+    logits_dtype,
+    vocab_slice=False,
 ):
     """What the registered ops are given, whoever calls them (metadata only; label range on the
-    CPU): hidden [N, H], weight [V, H], labels [N], bias [V] or None."""
+    CPU): hidden [N, H], weight [V, H], labels [N], bias [V] or None. vocab_slice: weight is one
+    rank's slice of a vocab-parallel head (ppo_kernels/distributed/vocab_parallel.py), which may
+    be empty, and labels are global ids (checked against the whole vocabulary there)."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, dim=2)
     N, H = hidden.shape
     dev = hidden.device
@@ -193,13 +203,13 @@ def _check_forward_args(
         what="weight.shape[0]",
         allow_none=True,
     )
-    if V == 0 and N > 0:
+    if V == 0 and N > 0 and not vocab_slice:
         raise ValueError("weight: the vocabulary dimension (first) is empty")
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
     check_int("max_chunk_bytes", max_chunk_bytes, min_value=0)
     _check_logits_dtype(logits_dtype)
-    if dev.type == "cpu" or _backend.strict():
+    if (dev.type == "cpu" or _backend.strict()) and not vocab_slice:
         check_labels_in_range(labels, V, ignore_index)
 
 
@@ -581,7 +591,8 @@ def linear_token_logprobs(
             all-gather of per-row softmax statistics). Each rank's weight / bias gradient is its
             slice of the unsharded one; the hidden gradient is all-reduced (the full gradient on
             every rank) unless `reduce_hidden_grad=False` (frameworks whose own layers reduce it).
-        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order).
+        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order;
+            see token_logprobs for torch.compile).
 
     Returns:
         float32 log-probs with `labels.shape`, or `(logprobs, entropy)`. Gradients flow to

@@ -351,8 +351,10 @@ def token_logprobs(
             ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
             statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
             rank's slice is its slice of the unsharded gradient.
-        vocab_start: this rank's first vocabulary id; default: from the slice sizes of the ranks
-            in rank order (one extra all-gather of sizes on the first call, then cached).
+        vocab_start: this rank's first vocabulary id; default: slices contiguous in rank order,
+            settled from the forward's own gather (a new uneven layout costs one more gather,
+            then it is cached; under torch.compile it cannot: give vocab_start for uneven
+            shards there, or a clear error says so).
 
     Returns:
         float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
