@@ -75,7 +75,10 @@ def case_vocab_parallel_layouts(rank, world):
     one collective."""
     import ppo_kernels as pk
     from ppo_kernels.distributed import _comm
+    from ppo_kernels.distributed import vocab_parallel as vp
 
+    vp._start_cache.clear()  # what earlier cases of this process learned
+    vp._layouts.clear()
     g = torch.Generator().manual_seed(3)
     N = 11
     even = [5] * world
@@ -108,6 +111,55 @@ def case_vocab_parallel_layouts(rank, world):
         assert "vocab_start" in str(e), e
     else:
         raise AssertionError("a vocab_start off the rank-order layout was accepted")
+
+
+def case_vocab_parallel_device_checks(rank, world):
+    """The GPU's path (device_checks, forced on gloo): once a layout is validated on the host,
+    later calls read nothing back (no host sync) and still match the unsharded op; a header that
+    disagrees with the validated layout gives NaN rows on every rank instead of an error."""
+    import ppo_kernels as pk
+    from ppo_kernels.distributed import vocab_parallel as vp
+
+    vp._start_cache.clear()  # what earlier cases of this process learned
+    vp._layouts.clear()
+    g = torch.Generator().manual_seed(4)
+    sizes = [3 + 2 * r for r in range(world)]  # uneven
+    V, N = sum(sizes), 9
+    v0 = sum(sizes[:rank])
+    reads = [0]
+    read = vp._read_header
+
+    def counting(gathered):
+        reads[0] += 1
+        return read(gathered)
+
+    vp._read_header, vp.DEVICE_CHECKS_ON_CPU = counting, True
+    try:
+        for call in range(3):
+            logits = torch.randn(N, V, generator=g) * 2
+            labels = torch.randint(0, V, (N,), generator=g)
+            shard = logits[:, v0 : v0 + sizes[rank]].clone().requires_grad_()
+            before = reads[0]
+            lp, ent = pk.token_logprobs(
+                shard, labels, return_entropy=True, process_group=dist.group.WORLD
+            )
+            (lp.sum() + ent.sum()).backward()
+            full = logits.clone().requires_grad_()
+            lp_w, ent_w = pk.token_logprobs(full, labels, return_entropy=True)
+            (lp_w.sum() + ent_w.sum()).backward()
+            torch.testing.assert_close((lp, ent), (lp_w, ent_w))
+            torch.testing.assert_close(shard.grad, full.grad[:, v0 : v0 + sizes[rank]])
+            if call == 0:
+                assert reads[0] - before == 2, reads  # the guess settled, then the layout checked
+            else:
+                assert reads[0] == before, reads  # nothing read back: no host sync on a GPU
+        # a given start that disagrees with the validated layout: NaN rows, no error, no hang
+        lp = pk.token_logprobs(
+            shard.detach(), labels, process_group=dist.group.WORLD, vocab_start=v0 + (rank == 0)
+        )
+        assert lp.isnan().all(), lp
+    finally:
+        vp._read_header, vp.DEVICE_CHECKS_ON_CPU = read, False
 
 
 def case_vocab_parallel_linear(rank, world):

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 ALL = (
     "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae,"
     "data_parallel_whiten,data_parallel_grpo,sequence_parallel_gae_packed,cross_rank_checks,"
-    "vocab_parallel_layouts"
+    "vocab_parallel_layouts,vocab_parallel_device_checks"
 )
 
 

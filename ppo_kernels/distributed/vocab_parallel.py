@@ -54,7 +54,7 @@ from ..linear_logprobs.op import tile_bwd_, tile_stats_
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, check_same_sizes, cross_checks, require_initialized
 
-_HEADER = 4  # vocab_start, V_rank, N, derived (1: vocab_start not given, see _settle_start)
+_HEADER = 4  # vocab_start, V_rank, N, how it was derived (GIVEN 0 / CACHED 1 / GUESSED 2)
 _ROWS = 5  # m, s, u, zlabel, owned
 _BLOCK_BYTES = 64 << 20  # float32 row blocks of the shard handed to the tile kernels
 
@@ -152,15 +152,51 @@ def _rank_order(starts, sizes, derived) -> list[int] | None:
     return expected
 
 
-def _finish(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int, with_entropy: bool):
+# (rank, world, slice size) -> (starts, sizes) of a layout the host has validated (_finish):
+# later calls with device-side checks compare the gathered headers with it on the device
+_layouts: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
+DEVICE_CHECKS_ON_CPU = False  # tests: the GPU path's device-side checks on gloo
+
+
+def device_checks(t: Tensor) -> bool:
+    """Whether the gathered headers are checked on the device, without a host sync: on the GPU
+    unless `ppo_kernels.strict_checks()` (CPU tensors are always checked on the host)."""
+    return (t.device.type != "cpu" or DEVICE_CHECKS_ON_CPU) and not _backend.strict()
+
+
+def _finish(
+    gathered: Tensor,
+    labels: Tensor,
+    rank: int,
+    ignore_index: int,
+    with_entropy: bool,
+    v_rank: int,
+):
     """(logprobs, entropy or an empty tensor, lse, layout) from the gathered states, where layout
     is int64 [2] on the CPU = (this rank's start, V) for the backward. Runs inside the registered
     ops, so also under torch.compile, where it reads the headers at run time: checks that the
     ranks hold the same N, that the slices tile [0, V), and that every derived start is right
-    (eager calls have settled them before, _settle_start; under compile a wrong one raises)."""
+    (eager calls have settled them before, _settle_start; under compile a wrong one raises).
+    With device_checks (the GPU), once this rank's layout has been validated on the host, later
+    calls compare the gathered headers with it on the device instead (no host sync): a different
+    layout or N then gives NaN rows, as an out-of-range label does on the GPU."""
     world = gathered.shape[0]
-    starts, sizes, ns, derived = _read_header(gathered)
     N = labels.numel()
+    known = _layouts.get((rank, world, v_rank)) if device_checks(gathered) else None
+    if known is not None:
+        starts, sizes = known
+        want = torch.tensor(
+            [[st, sz, N] for st, sz in zip(starts, sizes)],
+            dtype=gathered.dtype,
+            device=gathered.device,
+        )
+        ok = (gathered[:, :3] == want).all()
+        lp, ent, lse = _merge_finalize(gathered, labels, sum(sizes), ignore_index, world, N)
+        nan = torch.full((), float("nan"), dtype=lp.dtype, device=lp.device)
+        lp, ent, lse = (torch.where(ok, t, nan) for t in (lp, ent, lse))
+        layout = torch.tensor([starts[rank], sum(sizes)], dtype=torch.int64)
+        return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
+    starts, sizes, ns, derived = _read_header(gathered)
     if any(n != N for n in ns):
         raise ValueError(
             f"labels: ranks hold different numbers of rows {ns}; every rank of the "
@@ -188,14 +224,19 @@ def _finish(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int, with
     V = pos
     if labels.device.type == "cpu":
         check_labels_in_range(labels, V, ignore_index)
+    _layouts[(rank, world, v_rank)] = (starts, sizes)
+    lp, ent, lse = _merge_finalize(gathered, labels, V, ignore_index, world, N)
+    layout = torch.tensor([starts[rank], V], dtype=torch.int64)
+    return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
+
+
+def _merge_finalize(gathered, labels, V, ignore_index, world, N):
     st = gathered[:, _HEADER:].view(world, _ROWS, N)
     merged = merge_states(st[:, 0:3])
     owned = st[:, 4]
     zl = torch.where(owned > 0, st[:, 3], torch.zeros_like(st[:, 3])).sum(0)
     zl = torch.where(owned.sum(0) > 0, zl, torch.full_like(zl, float("nan")))
-    lp, ent, lse = lin_ref.finalize(merged, zl, labels, V, ignore_index)
-    layout = torch.tensor([starts[rank], V], dtype=torch.int64)
-    return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
+    return lin_ref.finalize(merged, zl, labels, V, ignore_index)
 
 
 def _check_finish_args(labels, gathered, rank, rows, dev, acc):
@@ -268,7 +309,9 @@ def _token_logprobs_op(
     acc = _acc(logits.dtype)
     _check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
     check_temperature(temperature)
-    lp, ent, lse, layout = _finish(gathered, labels.reshape(-1), rank, ignore_index, with_entropy)
+    lp, ent, lse, layout = _finish(
+        gathered, labels.reshape(-1), rank, ignore_index, with_entropy, logits.shape[-1]
+    )
     shape = labels.shape
     return lp.view(shape), ent.view(shape if with_entropy else (0,)), lse.view(shape), layout
 
@@ -361,21 +404,23 @@ _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_to
 
 # (id(group), rank, slice size) -> the slice start learned from a gather (see _settle_start)
 _start_cache: dict[tuple[int, int, int], int] = {}
+GIVEN, CACHED, GUESSED = 0, 1, 2  # how _resolve_vocab_start got the start (derived: not GIVEN)
 
 
-def _resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, bool]:
-    """(start, derived): the given first vocabulary id of this rank (checked; derived False), or,
-    when not given, a provisional start (derived True): the one learned by an earlier call for
-    this (group, slice size), else rank * slice size (right for even shards). No collective here:
+def _resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, int]:
+    """(start, how): the given first vocabulary id of this rank (checked; GIVEN), or, when not
+    given, a provisional start: the one learned by an earlier call for this (group, slice size)
+    (CACHED), else rank * slice size (GUESSED; right for even shards). No collective here:
     a collective only some ranks ran (those whose cache missed) would hang the others, so the
     start is settled from the forward's own gather (_settle_start)."""
     require_initialized()
     if vocab_start is None:
         rank = dist.get_rank(group)
-        return _start_cache.get((id(group), rank, v_rank), rank * v_rank), True
+        cached = _start_cache.get((id(group), rank, v_rank))
+        return (rank * v_rank, GUESSED) if cached is None else (cached, CACHED)
     if not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    return vocab_start, False
+    return vocab_start, GIVEN
 
 
 def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:
@@ -396,17 +441,30 @@ def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:
     return expected[rank], redo
 
 
-def _gather_settled(states, start: int, derived: bool, v_rank: int, n: int, group) -> Tensor:
+def _gather_settled(states, start: int, derived: int, v_rank: int, n: int, group) -> Tensor:
     """Gather states(start) with its header; when a derived start turns out wrong (_settle_start),
     every rank recomputes with the settled start and gathers once more. Under torch.compile the
     number of collectives cannot depend on the data: no settling there, the finish op checks the
     starts at run time (_finish) and raises if a derived one was wrong."""
-    gathered = _gather(states(start), [start, v_rank, n, int(derived)], group)
+    gathered = _gather(states(start), [start, v_rank, n, derived], group)
     if torch.compiler.is_compiling():
         return gathered
+    dev = device_checks(gathered)
+    if derived != GUESSED and dev:
+        return gathered  # the finish op checks the start on the device (no host sync)
     settled, redo = _settle_start(gathered, group)
     if redo:
-        gathered = _gather(states(settled), [settled, v_rank, n, int(derived)], group)
+        flags = gathered[:, 3].tolist()  # host values here already (_settle_start read them)
+        if dev and any(f != GUESSED for f in flags):
+            # ranks with a given or cached start read nothing on the GPU and would not gather
+            # again: raise here rather than leave them waiting
+            raise ValueError(
+                f"vocab_start: rank {dist.get_rank(group)}'s slice does not start at "
+                f"{start} in this layout, and other ranks hold given or cached starts (flags "
+                f"{flags}: 0 given, 1 cached, 2 guessed); on the GPU give vocab_start on every "
+                "rank when a group's uneven layout changes, or use ppo_kernels.strict_checks()"
+            )
+        gathered = _gather(states(settled), [settled, v_rank, n, derived], group)
     return gathered
 
 
@@ -540,7 +598,7 @@ def _linear_op(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     _check_finish_args(labels, gathered, rank, labels.shape, hidden.device, _acc(hidden.dtype))
-    return _finish(gathered, labels, rank, ignore_index, with_entropy)
+    return _finish(gathered, labels, rank, ignore_index, with_entropy, weight.shape[0])
 
 
 @_linear_op.register_fake
