@@ -448,17 +448,11 @@ def standardize_scores(cfg, rm, tok, problems, pairs):
     (--kl-coef) against that scale, so unscaled it barely holds the policy. An affine map with a
     positive factor: the RM's preferences (pairwise accuracy) are unchanged. Every rank scores
     all the pairs with its whole copy, so all ranks get the same model."""
-    s = torch.cat(
-        [
-            score(
-                rm,
-                *_pair_batch(
-                    cfg, tok, problems, pairs, lo, min(lo + 64, len(pairs))
-                ).model_inputs(),
-            )
-            for lo in range(0, len(pairs), 64)
-        ]
+    batches = (
+        _pair_batch(cfg, tok, problems, pairs, lo, min(lo + 64, len(pairs)))
+        for lo in range(0, len(pairs), 64)
     )
+    s = torch.cat([score(rm, *b.model_inputs()) for b in batches])
     mean, std = s.mean(), s.std().clamp(min=1e-6)
     rm.head.weight.div_(std)
     rm.head.bias.sub_(mean).div_(std)
