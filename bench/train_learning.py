@@ -193,6 +193,18 @@ def write_results(args, names, table, summaries, walls):
         "wrong value, or the chosen response cut off unfinished (without that last kind "
         "an earlier RM rewarded unfinished text and PPO learned to never stop)."
     )
+    lines.append(
+        "- The trained RM's scores are standardised (its head rescaled: mean 0, std 1 over both "
+        "responses of the held-out pairs), so PPO's --kl-coef weighs against a reward of the "
+        "verifier's scale; unscaled (about +-5) the KL barely held the policy, which drifted to "
+        "responses the RM never saw (unused tokens, wrong tool calls) and scores high."
+    )
+    lines.append(
+        "- DPO adds the chosen responses' per-token NLL to its loss (--dpo-nll-coef 1, RPO); "
+        "plain DPO (--dpo-nll-coef 0) lowers the rejected responses' likelihood by moving "
+        "probability onto tokens no pair holds, here the vocabulary's unused ids, and its "
+        "samples fill with them."
+    )
     lines += [
         "",
         "Commands (each also writes DIR/metrics.jsonl, DIR/metrics.csv, DIR/summary.json, DIR/curves.png):",

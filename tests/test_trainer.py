@@ -1,6 +1,7 @@
 """The thin trainer: task and verifier, rollout masks in the tool environment, prefix restriction,
 reward placement, GAE over tool tokens, truncation bootstrap, config errors."""
 
+import math
 import random
 
 import pytest
@@ -87,6 +88,50 @@ def test_preference_pairs_prefer_the_right_answer():
         ch, rj = task.preference_pair(p, rng)
         assert task.verify(p, "".join(t for t, _ in ch)) == 1.0
         assert task.verify(p, "".join(t for t, _ in rj)) == 0.0
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_dpo_loss_adds_the_chosen_nll(coef):
+    """Step 0 (policy = Reference, DPO term log 2): the logged loss is log 2 + coef x the chosen
+    responses' per-token NLL, which is checked against the log-probs computed here."""
+    from ppo_kernels.trainer.algos import _pair_batch, preference_data, train_dpo
+
+    cfg = tiny_cfg(algo="dpo", steps=1, pairs=8, pref_batch=8, dpo_nll_coef=coef)
+    tok, task = CharTokenizer(cfg.vocab), DecimalAdditionTask()
+    torch.manual_seed(0)
+    actor = tiny_model(cfg, len(tok))
+    b = _pair_batch(cfg, tok, *preference_data(cfg, tok, task, 8, cfg.seed + 10), 0, 8)
+    with torch.no_grad():
+        lp = model_logprobs(Ops("eager"), actor, *b.model_inputs())[:8]
+    m = b.action_mask[:8]
+    nll = -((lp * m).sum(1) / m.sum(1)).mean().item()
+    logged = []
+    train_dpo(cfg, actor, tok, task, Ops("fused"), on_step=lambda s, x: logged.append(x))
+    assert logged[0]["chosen_nll"] == pytest.approx(nll, rel=1e-5)
+    assert logged[0]["dpo_loss"] == pytest.approx(math.log(2) + coef * nll, rel=1e-5)
+
+
+def test_reward_model_scores_are_standardised():
+    """After training, the RM's head is rescaled: mean 0 and std 1 over the scored responses,
+    the same preferences (an increasing affine map)."""
+    from ppo_kernels.trainer.algos import _pair_batch, preference_data, standardize_scores
+    from ppo_kernels.trainer.models import score
+
+    cfg = tiny_cfg(algo="rm")
+    tok, task = CharTokenizer(cfg.vocab), DecimalAdditionTask()
+    torch.manual_seed(0)
+    rm = ValueModel.from_causal_lm(tiny_model(cfg, len(tok))).eval()
+    torch.nn.init.normal_(rm.head.weight, std=3.0)
+    rm.head.bias.data.fill_(2.0)
+    problems, pairs = preference_data(cfg, tok, task, 70, 1)
+    b = _pair_batch(cfg, tok, problems, pairs, 0, 70)
+    with torch.no_grad():
+        before = score(rm, *b.model_inputs())
+        standardize_scores(cfg, rm, tok, problems, pairs)
+        after = score(rm, *b.model_inputs())
+    assert after.mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert after.std().item() == pytest.approx(1.0, rel=1e-4)
+    assert torch.equal(*(s.chunk(2)[0] > s.chunk(2)[1] for s in (before, after)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -433,14 +433,36 @@ def train_reward_model(
     )
     if spare is not None:  # FSDP2: gather the shards into a whole copy
         spare.load_state_dict(dist.state_dict(rm, everywhere=True))
-        return spare.eval(), acc_before, acc_after
-    return dist.unwrap(rm), acc_before, acc_after
+        whole = spare.eval()
+    else:
+        whole = dist.unwrap(rm)
+    standardize_scores(cfg, whole, tok, ev_problems, ev_pairs)
+    return whole, acc_before, acc_after
+
+
+@torch.no_grad()
+def standardize_scores(cfg, rm, tok, problems, pairs):
+    """Rescale the RM's head so its scores of these responses (both of each pair) have mean 0
+    and std 1. The pairwise loss fixes only score differences, at whatever scale training
+    reached (about +-5 here, ten times the verifier's 0 / 1); PPO weighs its KL penalty
+    (--kl-coef) against that scale, so unscaled it barely holds the policy. An affine map with a
+    positive factor: the RM's preferences (pairwise accuracy) are unchanged. Every rank scores
+    all the pairs with its whole copy, so all ranks get the same model."""
+    batches = (
+        _pair_batch(cfg, tok, problems, pairs, lo, min(lo + 64, len(pairs)))
+        for lo in range(0, len(pairs), 64)
+    )
+    s = torch.cat([score(rm, *b.model_inputs()) for b in batches])
+    mean, std = s.mean(), s.std().clamp(min=1e-6)
+    rm.head.weight.div_(std)
+    rm.head.bias.sub_(mean).div_(std)
 
 
 def seq_logprob_sums(policy, b: SeqBatch):
-    """Sum of each row's action log-probs; `policy` a `dist.Policy` (or its wrapper)."""
+    """(sum, token count) of each row's action log-probs; `policy` a `dist.Policy` (or its
+    wrapper)."""
     lp = policy(*b.model_inputs(), logprobs=dict(only=b.action_mask))
-    return (lp * b.action_mask).sum(1)
+    return (lp * b.action_mask).sum(1), b.action_mask.sum(1)
 
 
 def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None, group=None):
@@ -460,9 +482,14 @@ def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None, g
         with around_step(step):
             b = _pair_batch(cfg, tok, problems, pairs, lo, hi)
             with torch.no_grad():
-                rc, rr = seq_logprob_sums(ref, b).chunk(2)
-            pc, pr = seq_logprob_sums(policy, b).chunk(2)
+                rc, rr = seq_logprob_sums(ref, b)[0].chunk(2)
+            sums, n_tok = seq_logprob_sums(policy, b)
+            pc, pr = sums.chunk(2)
             loss = ops.dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta)
+            # RPO: the chosen responses' NLL per token (a pair mean, like the DPO loss)
+            nll = -(pc / n_tok[: len(pc)].clamp(min=1)).mean()
+            if cfg.dpo_nll_coef:
+                loss = loss + cfg.dpo_nll_coef * nll
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
@@ -478,6 +505,7 @@ def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None, g
                         "grad_norm": (dist.local(gn), 1),
                         "reward_margin": (margin.sum(), n),
                         "reward_accuracy": ((margin > 0).sum(), n),
+                        "chosen_nll": (nll.detach() * n, n),
                     },
                     group,
                 ),

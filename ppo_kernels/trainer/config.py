@@ -97,6 +97,12 @@ class TrainConfig:
     rm_steps: int = _f(150, "steps of the reward model trained inline for --reward rm")
     # -- DPO / RM -----------------------------------------------------------------------------
     dpo_beta: float = _f(0.1, "DPO beta")
+    dpo_nll_coef: float = _f(
+        1.0,
+        "DPO: weight of the chosen responses' per-token NLL added to the loss (RPO, Pang et al. "
+        "2024; 0: plain DPO, whose push-down of rejected tokens leaks probability to tokens no "
+        "pair holds, here the unused vocabulary)",
+    )
     pairs: int = _f(2048, "preference pairs for dpo / rm training")
     eval_pairs: int = _f(256, "held-out preference pairs (rm accuracy)")
     pref_batch: int = _f(32, "pairs per optimiser step (dpo / rm)")
