@@ -17,6 +17,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _fresh_vocab_layouts():
+    """Forget the vocabulary layouts earlier cases of this process taught the vocab-parallel
+    forms (derived starts, validated layouts): a case that counts gathers or expects an error for
+    a new layout must not depend on which cases ran before it."""
+    from ppo_kernels.distributed import vocab_parallel as vp
+
+    vp._start_cache.clear()
+    vp._layouts.clear()
+
+
 def _uneven_split(n, world, seed=1):
     """Contiguous, uneven, possibly empty slices of range(n)."""
     g = torch.Generator().manual_seed(seed)
@@ -75,10 +85,8 @@ def case_vocab_parallel_layouts(rank, world):
     one collective."""
     import ppo_kernels as pk
     from ppo_kernels.distributed import _comm
-    from ppo_kernels.distributed import vocab_parallel as vp
 
-    vp._start_cache.clear()  # what earlier cases of this process learned
-    vp._layouts.clear()
+    _fresh_vocab_layouts()
     g = torch.Generator().manual_seed(3)
     N = 11
     even = [5] * world
@@ -120,8 +128,7 @@ def case_vocab_parallel_device_checks(rank, world):
     import ppo_kernels as pk
     from ppo_kernels.distributed import vocab_parallel as vp
 
-    vp._start_cache.clear()  # what earlier cases of this process learned
-    vp._layouts.clear()
+    _fresh_vocab_layouts()
     g = torch.Generator().manual_seed(4)
     sizes = [3 + 2 * r for r in range(world)]  # uneven
     V, N = sum(sizes), 9
@@ -368,6 +375,7 @@ def case_compile(rank, world):
     import ppo_kernels as pk
 
     torch._dynamo.reset()
+    _fresh_vocab_layouts()
     grp = dist.group.WORLD
     g = torch.Generator().manual_seed(23)
     r, v = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)

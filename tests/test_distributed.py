@@ -105,17 +105,30 @@ def test_vocab_parallel_ops_opcheck():
     kl_states = torch.stack(ops.full_kl(z, zr, 0.9, None)).reshape(1, -1)
     mask = torch.tensor([True, False, True, True])
     zg, zrg, hg, wg, bg = (t.clone().requires_grad_() for t in (z, zr, h, w, b))
-    for op, args in (
-        (ops.vocab_parallel_states, (z, y, 0, 0.7, -100)),
-        (ops.vocab_parallel_linear_states, (h, w, y, b, 0, 0.7, -100, 0, "float32")),
-        (ops.vocab_parallel_token_logprobs, (zg, y, gathered(states), 0, 0.7, -100, True)),
-        (
-            ops.vocab_parallel_linear_token_logprobs,
-            (hg, wg, y, bg, gathered(lin_states), 0, 0.7, -100, True, 0, "float32", None),
-        ),
-        (ops.vocab_parallel_full_kl, (zg, zrg, kl_states, mask, 0.9)),
-    ):
-        torch.library.opcheck(op.default, args)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_states.default, (z, y, 0, 0.7, -100))
+    opcheck(
+        torch.ops.ppo_kernels.vocab_parallel_linear_states.default,
+        (h, w, y, b, 0, 0.7, -100, 0, "float32"),
+    )
+    tl_args = (zg, y, gathered(states), 0, 0.7, -100, True)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_token_logprobs.default, tl_args)
+    lin_args = (hg, wg, y, bg, gathered(lin_states), 0, 0.7, -100, True, 0, "float32", None)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs.default, lin_args)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_full_kl.default, (zg, zrg, kl_states, mask, 0.9))
+    # the backward ops on the forward's own outputs
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    with torch.no_grad():
+        _, ent, lse, layout = ops.vocab_parallel_token_logprobs(*tl_args)
+        _, lent, llse, llayout = ops.vocab_parallel_linear_token_logprobs(*lin_args)
+    opcheck(
+        torch.ops.ppo_kernels.vocab_parallel_token_logprobs_backward.default,
+        (gl, ge, z, y, lse, ent, layout, 0.7, -100),
+    )
+    opcheck(
+        torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs_backward.default,
+        (gl, ge, h, w, y, b, llse, lent, llayout, 0.7, -100, 0, "float32", True, True, True),
+    )
     # one rank holding the whole vocabulary is the single-device op
     lp, ent, _, layout = ops.vocab_parallel_token_logprobs(
         zg, y, gathered(states), 0, 0.7, -100, True
