@@ -11,8 +11,9 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 101  # odd, not a multiple of anything
 
 
-def _llama(tied):
-    cfg = transformers.LlamaConfig(
+def _llama_like(config_cls, model_cls, tied):
+    """A tiny random Llama-style model (Llama and Qwen2 share these config fields)."""
+    cfg = config_cls(
         vocab_size=VOCAB,
         hidden_size=24,
         intermediate_size=40,
@@ -25,24 +26,15 @@ def _llama(tied):
         eos_token_id=2,
         pad_token_id=0,
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return model_cls(cfg)
+
+
+def _llama(tied):
+    return _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM, tied)
 
 
 def _qwen2(tied):
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return transformers.Qwen2ForCausalLM(cfg)
+    return _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, tied)
 
 
 def _gpt2(tied):

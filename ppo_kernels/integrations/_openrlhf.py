@@ -16,8 +16,6 @@ from ._patch import (
     Passthrough,
     Peer,
     Target,
-    Unfused,
-    call,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -25,7 +23,6 @@ from ._patch import (
     need,
     out_dtype,
     same_shape,
-    swapped,
     tensor,
 )
 
@@ -241,15 +238,15 @@ def actor_forward(a, orig, o):
             return before["log_probs_from_logits"](logits, labels, temperature)
         return o.out(lp, logits.dtype)
 
-    with (
-        swapped(mod, "unpad_and_slice_tensor", unpad_and_slice_tensor),
-        swapped(mod, "compute_entropy", compute_entropy),
-        swapped(mod, "log_probs_from_logits", log_probs_from_logits),
-    ):
-        out = call(orig, a)
-    if not pair.complete:
-        raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
-    return out
+    return pair.run(
+        orig,
+        a,
+        (
+            (mod, "unpad_and_slice_tensor", unpad_and_slice_tensor),
+            (mod, "compute_entropy", compute_entropy),
+            (mod, "log_probs_from_logits", log_probs_from_logits),
+        ),
+    )
 
 
 PEER = Peer(

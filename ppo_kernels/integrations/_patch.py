@@ -456,3 +456,14 @@ class FusedPair:
     @property
     def complete(self) -> bool:
         return self.fused == 1 and self.used == 1
+
+    def run(self, original, a: dict, swaps):
+        """The caller `original` with `swaps` ((holder, name, value), ...) in place for the call;
+        Unfused (with the output) when its two calls did not share the logits."""
+        with contextlib.ExitStack() as stack:
+            for holder, name, value in swaps:
+                stack.enter_context(swapped(holder, name, value))
+            out = call(original, a)
+        if not self.complete:
+            raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
+        return out

@@ -21,8 +21,6 @@ from ._patch import (
     Passthrough,
     Peer,
     Target,
-    Unfused,
-    call,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -31,7 +29,6 @@ from ._patch import (
     out_dtype,
     same_shape,
     softmax_dtype,
-    swapped,
     tensor,
 )
 
@@ -366,14 +363,14 @@ def fsdp_model_outputs(a, orig, o):
             return lp_before(logits, labels, inplace_backward=inplace_backward)
         return o.out(lp, softmax_dtype(logits))
 
-    with (
-        swapped(self, "compute_entropy_from_logits", compute_entropy_from_logits),
-        swapped(mod, "logprobs_from_logits", logprobs_from_logits),
-    ):
-        out = call(orig, a)
-    if not pair.complete:
-        raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
-    return out
+    return pair.run(
+        orig,
+        a,
+        (
+            (self, "compute_entropy_from_logits", compute_entropy_from_logits),
+            (mod, "logprobs_from_logits", logprobs_from_logits),
+        ),
+    )
 
 
 def _targets():
