@@ -38,6 +38,21 @@ def _ref(h, W, b, labels, temperature, ignore_index):
     return lp, ent
 
 
+def _ours(leaves, labels, temperature, budget, **kw):
+    """(log-probs, entropy) of linear_token_logprobs on (hidden, weight, bias)."""
+    h, W, b = leaves
+    return ppo_kernels.linear_token_logprobs(
+        h,
+        W,
+        labels,
+        bias=b,
+        temperature=temperature,
+        return_entropy=True,
+        max_chunk_bytes=budget,
+        **kw,
+    )
+
+
 # Forward outputs are float32 from float32 accumulation over H and V; the reference sees the same
 # (dtype-rounded) inputs, so the error is float32 rounding only.
 FWD_TOL = dict(atol=2e-5, rtol=2e-5)
@@ -110,16 +125,7 @@ def test_gradients_match_reference(backend, dtype, budget, which):
 
     ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
     with use_backend(linear_token_logprobs=backend), poisoned():
-        lp, ent = ppo_kernels.linear_token_logprobs(
-            ours[0],
-            ours[1],
-            labels,
-            bias=ours[2],
-            temperature=1.3,
-            ignore_index=ignore_index,
-            return_entropy=True,
-            max_chunk_bytes=budget,
-        )
+        lp, ent = _ours(ours, labels, 1.3, budget, ignore_index=ignore_index)
         loss(lp, ent).backward()
     # Accumulation is float32 throughout (the CPU upcasts bf16 chunks); the only other error is
     # rounding the returned gradient to the input dtype.
@@ -639,3 +645,91 @@ def test_softcap(budget, entropy):
     )
     with pytest.raises(ValueError, match="softcap"):
         pk.linear_token_logprobs(h.float(), w.float(), y, softcap=0.0)
+
+
+@pytest.fixture
+def lowp_on_cpu(monkeypatch):
+    """Run the CUDA bf16/fp16 path ("lowp": no upcast, matmuls with float32 output, the gradient
+    tile rounded to the input dtype for the backward matmuls) on the CPU. The planner treats the
+    CPU as a device with such matmuls and they are emulated by float32 matmuls of the upcast
+    inputs, whose products are exact in float32 -- what cuBLAS computes up to summation order."""
+    from ppo_kernels.linear_logprobs import planner, tiler
+
+    monkeypatch.setattr(planner, "F32_OUT_MATMUL_DEVICES", ("cuda", "cpu"))
+
+    written = []  # ("mm" / "addmm", input dtype) of each matmul; (backend, tile, gradient dtypes)
+
+    def mm_f32(a, b, out):
+        assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+        written.append(("mm", a.dtype))
+        torch.mm(a.float(), b.float(), out=out)
+
+    def addmm_f32(c, a, b):
+        assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+        written.append(("addmm", a.dtype))
+        c.addmm_(a.float(), b.float())
+
+    monkeypatch.setattr(tiler.Tiler, "mm_f32", staticmethod(mm_f32))
+    monkeypatch.setattr(tiler.Tiler, "addmm_f32", staticmethod(addmm_f32))
+    # the dtypes of the whole-vocabulary gradient tiles the token_logprobs kernels write
+    from ppo_kernels.token_logprobs import op as tl_op
+
+    for name, impl in list(tl_op.backward.impls.items()):
+
+        def spy(*args, _impl=impl, _name=name):
+            written.append((_name, args[0].dtype, args[-1].dtype))
+            return _impl(*args)
+
+        monkeypatch.setitem(tl_op.backward.impls, name, spy)
+    return written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("budget", [None, TINY])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_lowp_path_emulated_on_cpu(lowp_on_cpu, backend, dtype, budget, softcap):
+    """The GPU's bf16/fp16 path (float32 tiles from bf16 matmuls; with Triton, the gradient tile
+    rounded to bf16 as the kernel stores it, never written in float32) against the float64
+    reference: forward, and the gradients of hidden, weight and bias."""
+    h, W, b, labels = _inputs(dtype, True)
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    leaves = [t.detach().double().requires_grad_() for t in (h, W, b)]
+    z = reference.logits(*leaves)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    from ppo_kernels.token_logprobs import reference as tl_ref
+
+    ref_lp, ref_ent, _ = tl_ref.forward(z, labels, 0.7, -100, True)
+    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+    ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
+    with use_backend(linear_token_logprobs=backend), poisoned():
+        lp, ent = _ours(ours, labels, 0.7, budget, softcap=softcap)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    # softcap's tanh is computed on the float32 tile: float32 rounding only
+    torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
+    torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
+    # the gradient tile is rounded to the input dtype before the matmuls (as a bf16 model's
+    # materialised grad_logits is), then the result to the input dtype: two roundings
+    eps = torch.finfo(dtype).eps
+    for name, t, ref in zip(("hidden", "weight", "bias"), ours, leaves):
+        assert t.grad.dtype == dtype, name
+        torch.testing.assert_close(
+            t.grad.double(),
+            ref.grad,
+            atol=4 * eps * ref.grad.abs().max(),
+            rtol=2 * eps,
+            msg=lambda m: f"{name}: {m}",
+        )
+    mms = [w for w in lowp_on_cpu if w[0] in ("mm", "addmm")]
+    assert {w[0] for w in mms} == {"mm", "addmm"} and all(w[1] == dtype for w in mms)
+    whole = [w for w in lowp_on_cpu if w[0] not in ("mm", "addmm")]
+    if budget is None and backend != "eager":
+        # whole-vocabulary tiles (float32) went through the token_logprobs kernels; Triton writes
+        # the input-dtype gradient straight from them unless softcap's derivative must multiply it
+        direct = backend == "triton" and not softcap
+        assert whole and all(w[0] == backend and w[1] == torch.float32 for w in whole), whole
+        assert all(w[2] == (dtype if direct else torch.float32) for w in whole), whole
+    else:
+        assert not whole, whole  # vocabulary chunks: the per-chunk tile kernels

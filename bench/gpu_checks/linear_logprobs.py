@@ -5,8 +5,9 @@ Sanitizer: small calls of the CUDA path (whole-vocabulary tiles and vocabulary c
 Timing: the issue's target size N=32768, H=4096, V=152064 bf16, forward+backward, against
 materialised logits + eager log_softmax and materialised logits + our token_logprobs; the
 targets are peak memory <= 1/10 of the materialised path, time <= eager and <= 1.35x fused.
-The CUDA path is chunked cuBLAS (bf16 GEMMs with float32 output) + reduction kernels; if it misses
-the time target, a fused tl.dot kernel is the next thing to try (see triton_kernels.py).
+The CUDA path is chunked cuBLAS (bf16 GEMMs with float32 output) + reduction kernels (Triton by
+default, CUDA C++ timed beside it), next to TRL 1.16's fused LM head; if it misses the time target,
+a fused tl.dot kernel is the next thing to try (see triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -35,25 +36,16 @@ def sanitize_workload():
         for budget in (None, 20_000):
             h, W, b, y = _inputs(37, 67, 1001, dtype, True)
             h.requires_grad_(), W.requires_grad_()
-            lp, ent = pk.linear_token_logprobs(
-                h, W, y, bias=b, return_entropy=True, max_chunk_bytes=budget
-            )
-            (lp.sum() + ent.sum()).backward()
+            with pk.use_backend(**{OP: "cpp"}):  # the CUDA C++ reductions (default: Triton)
+                lp, ent = pk.linear_token_logprobs(
+                    h, W, y, bias=b, return_entropy=True, max_chunk_bytes=budget
+                )
+                (lp.sum() + ent.sum()).backward()
 
 
-def _square(f):
-    """Run f with square-ish tiles (rows ~ vocabulary chunk) instead of whole-vocabulary tiles."""
-    import os
-
-    old = os.environ.get("PPO_KERNELS_LINEAR_TILES")
-    os.environ["PPO_KERNELS_LINEAR_TILES"] = "square"
-    try:
+def _with_backend(backend, f):
+    with pk.use_backend(**{OP: backend}):
         return f()
-    finally:
-        if old is None:
-            del os.environ["PPO_KERNELS_LINEAR_TILES"]
-        else:
-            os.environ["PPO_KERNELS_LINEAR_TILES"] = old
 
 
 def _trl_chunked_logprob():
@@ -116,15 +108,13 @@ def timing(ctx):
         "linear_token_logprobs": fwd_bwd(
             lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)
         ),
-        "linear_token_logprobs 2GiB chunks": fwd_bwd(
-            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True, max_chunk_bytes=2 << 30)
+        # the CUDA C++ reductions (the default until the H200 run of 2026-11-30: 282-288 ms)
+        "linear_token_logprobs cpp": lambda: _with_backend(
+            "cpp", fwd_bwd(lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True))
         ),
-        "linear_token_logprobs square 1GiB tiles": lambda: _square(
-            fwd_bwd(
-                lambda: pk.linear_token_logprobs(
-                    h, W, y, return_entropy=True, max_chunk_bytes=1 << 30
-                )
-            )
+        # bf16 logits tiles, as TRL's fused head computes them (mm_buf in the compute dtype)
+        'linear_token_logprobs logits_dtype="input"': fwd_bwd(
+            lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True, logits_dtype="input")
         ),
         "logits + token_logprobs": fwd_bwd(
             lambda: pk.token_logprobs(h @ W.T, y, return_entropy=True)

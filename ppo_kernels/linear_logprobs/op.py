@@ -6,9 +6,9 @@ How: the rows (tokens) are walked in chunks, and when a chunk of rows times the 
 does not fit the memory budget, the vocabulary is walked in chunks too. Each [rows, vocab_chunk]
 tile of the logits is computed by a BLAS / cuBLAS matmul into a reused float32 buffer and reduced
 right away:
-  * whole vocabulary in one tile, `cpp` backend: the fused token_logprobs kernels
-    (torch.ops.ppo_kernels_C.token_logprobs_fwd / _bwd) reduce the tile;
-  * vocabulary chunks (or the triton / eager backends): per-chunk kernels merge the softmax stats
+  * whole vocabulary in one tile, `cpp` and `triton` backends: that backend's fused
+    token_logprobs kernels (ppo_kernels/token_logprobs) reduce the tile;
+  * vocabulary chunks (or the eager backend): per-chunk kernels merge the softmax stats
     (m, s, u) of csrc/common/softmax_stats.h across chunks (C++: csrc/cpu/linear_logprobs.cpp,
     Triton: triton_kernels.py, eager: reference.py), then one elementwise finish.
 The backward recomputes each tile, turns it into d(out)/d(logits) in place (the gradient is
@@ -19,7 +19,8 @@ Precision (logits_dtype="float32", the default): float32 accumulation everywhere
 for float32 inputs) bf16/fp16 inputs are upcast chunk by chunk and all matmuls run in float32. On
 CUDA bf16/fp16 matmuls use cuBLAS with float32 output (torch.mm(..., out_dtype=float32)); the
 logits-gradient tile is rounded to the input dtype for the two backward matmuls, as the
-materialised path (bf16 grad_logits) does.
+materialised path (bf16 grad_logits) does (the Triton whole-vocabulary kernel rounds as it
+stores: the float32 gradient is never written).
 logits_dtype="input" (bf16/fp16 only): every matmul runs in the input dtype -- the logits tile,
 the gradient tile and the per-chunk products are rounded to it, exactly the roundings of the
 materialised path `token_logprobs(hidden @ weight.T + bias, ...)` in bf16 -- and the reductions
@@ -53,6 +54,7 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
+from ..token_logprobs import op as tl_op
 from . import reference
 from .planner import (  # noqa: F401
     DEFAULT_MAX_CHUNK_BYTES,
@@ -68,20 +70,24 @@ from .tiler import Tiler
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
 # vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA
-# (there is no CUDA C++ version of those). Default on CUDA for now: no GPU measurement yet says
-# Triton or a fused tl.dot kernel would beat cuBLAS + the fused CUDA reduction.
+# (there is no CUDA C++ version of those). "triton" = the Triton token_logprobs kernels reduce
+# whole-vocabulary tiles. Default on CUDA: triton, from the H200 measurements
+# (bench/results/gpu_2026-11-30_H200.md): the Triton token_logprobs kernels reach 79-83% of the
+# bandwidth, the CUDA C++ ones 44-60%, and only the Triton backward writes the bf16 gradient tile
+# the backward matmuls read without a float32 round trip.
 OP = _backend.register_op(
     "linear_token_logprobs",
     kernel="token_logprobs_fwd",
     triton=True,
-    cuda_default="cpp",
+    cuda_default="triton",
     public=("linear_token_logprobs", "causal_lm_logprobs"),
     folder="linear_logprobs",
     delegates={
         ("cpp", "cpu"): "BLAS matmuls (torch.mm) + C++ tile kernels",
         ("cpp", "cuda"): "cuBLAS matmuls (torch.mm); whole-vocabulary tiles: token_logprobs CUDA "
         "kernels; vocabulary-chunk tiles: Triton (eager without triton)",
-        ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + Triton tile kernels",
+        ("triton", "cuda"): "cuBLAS matmuls (torch.mm); whole-vocabulary tiles: token_logprobs "
+        "Triton kernels; vocabulary-chunk tiles: Triton tile kernels",
         ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
         ("eager", "cuda"): "cuBLAS matmuls (torch.mm) + eager tile math",
     },
@@ -160,13 +166,17 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
     )
 
 
-def _fused(hidden) -> bool:
-    """Whole-vocabulary tiles go through the compiled token_logprobs kernels (cpp backend)."""
-    return (
-        hidden.dtype != torch.float64
-        and tile_stats_.backend(hidden) == "cpp"
-        and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type)
-    )
+def _fused(hidden) -> str | None:
+    """The backend ("cpp" or "triton") whose token_logprobs kernels reduce whole-vocabulary tiles
+    in one pass each, or None: the per-chunk tile kernels do (eager, float64)."""
+    if hidden.dtype == torch.float64:
+        return None
+    backend = tile_stats_.backend(hidden)
+    if backend == "triton":
+        return backend
+    if backend == "cpp" and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type):
+        return backend
+    return None
 
 
 def _check_forward_args(
@@ -290,12 +300,13 @@ def chunk_backward(
     v_total = V if v_total is None else v_total
     for v0 in range(0, V, plan.vocab):
         v1 = min(V, v0 + plan.vocab)
-        if plan.vocab == V and fused and v_total == V:  # in place, in the tile's dtype
-            g = tiler.logits(hc, v0, v1)
-            tiler.softcap_grad(g)
-            _backend.cpp_ops().token_logprobs_bwd(
-                glp, gent, g, lc, lse, entropy if gent is not None else lse, inv_t, ignore_index, g
-            )
+        if plan.vocab == V and fused and v_total == V:
+            z = tiler.logits(hc, v0, v1)
+            tiler.softcap_grad(z)
+            # in place, or (Triton, lowp) rounded to the input dtype as it is stored
+            g = tiler.grad_tile(z, rounds_on_store=fused == "triton")
+            ent = entropy if gent is not None else lse
+            tl_op.backward.impls[fused](z, glp, gent, lc, lse, ent, inv_t, ignore_index, g)
             tiler.apply_softcap_grad(g)
         else:
             g = tiler.logits_acc(hc, v0, v1)
@@ -351,9 +362,7 @@ def linear_token_logprobs_op(
         hc, lc = tiler.rows(r0, r1), labels[r0:r1]
         if plan.vocab == V and fused:
             tile = tiler.logits(hc, 0, V)
-            a, e, s = _backend.cpp_ops().token_logprobs_fwd(
-                tile, lc, inv_t, ignore_index, with_entropy
-            )
+            a, e, s = tl_op.forward.impls[fused](tile, lc, inv_t, ignore_index, with_entropy)
         else:
             state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)

@@ -22,6 +22,12 @@ DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
 
+# Devices with bf16/fp16 x bf16/fp16 -> float32 matmuls (torch.mm(..., out_dtype=float32) is
+# CUDA-only): there bf16/fp16 inputs are not upcast, the tiles come straight out of the matmul in
+# float32 ("lowp" in tiler.py). A tuple so that tests can add "cpu" with an emulated matmul.
+F32_OUT_MATMUL_DEVICES = ("cuda",)
+
+
 def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -77,7 +83,7 @@ def plan_chunks(
     if _input_tiles(dtype, logits_dtype):
         return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused)
     acc = 8 if dtype == torch.float64 else 4
-    lowp = device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    lowp = device_type in F32_OUT_MATMUL_DEVICES and dtype in (torch.bfloat16, torch.float16)
     upcast = dtype not in (torch.float32, torch.float64) and not lowp
     tile_elem = acc + (2 if lowp else 0)  # + the rounded gradient tile on the GPU
     row_fixed = acc * H * (2 if upcast else 1)  # upcast hidden chunk + grad_hidden accumulator

@@ -26,10 +26,10 @@ class Tiler:
         self.cap = softcap
         self.acc = _acc(hidden.dtype)
         self.input_tiles = plan.input_tiles
-        # CUDA bf16/fp16 with float32 tiles: matmuls with float32 output (cuBLAS)
+        # bf16/fp16 with float32 tiles where the planner did not upcast (CUDA): matmuls with
+        # float32 output (cuBLAS)
         self.lowp = (
-            hidden.device.type == "cuda"
-            and not plan.upcast
+            not plan.upcast
             and not plan.input_tiles
             and hidden.dtype in (torch.bfloat16, torch.float16)
         )
@@ -44,6 +44,11 @@ class Tiler:
         H = hidden.shape[1]
         self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
+        # lowp backward: the gradient tile rounded to the input dtype, which the two gradient
+        # matmuls read (the planner counts it: 2 bytes per logit beside the float32 tile)
+        self.buf_g = torch.empty(
+            n if (backward and self.lowp) else 0, dtype=hidden.dtype, device=dev
+        )
         # the plan keeps a whole upcast weight only when it fits in half the budget
         self.W_acc = weight.to(self.acc) if plan.whole_weight else None
         # soft-capping's derivative 1 - tanh^2 of one tile, kept for the backward (one tile more
@@ -82,6 +87,25 @@ class Tiler:
             g.mul_(self.dcap[: g.numel()].view(g.shape))
         return g
 
+    def grad_tile(self, tile, rounds_on_store: bool):
+        """Where a whole-vocabulary tile's gradient is written: straight into the input-dtype
+        buffer of the lowp backward when the kernel rounds as it stores (Triton) and no
+        soft-capping derivative must multiply it in float32 first -- one pass over the tile
+        instead of a float32 write and a separate rounding pass; else the tile itself."""
+        if rounds_on_store and self.buf_g.numel() and not self.cap:
+            return self.buf_g[: tile.numel()].view(tile.shape)
+        return tile
+
+    # bf16/fp16 x bf16/fp16 -> float32 matmuls (cuBLAS; torch has them on CUDA only). Static
+    # methods: the CPU tests swap in an emulation to run the lowp path there.
+    @staticmethod
+    def mm_f32(a, b, out):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+    @staticmethod
+    def addmm_f32(c, a, b):
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+
     def _linear(self, hc, v0, v1):
         R = hc.shape[0]
         if self.input_tiles:
@@ -92,7 +116,7 @@ class Tiler:
             return tile
         tile = self.buf[: R * (v1 - v0)].view(R, v1 - v0)
         if self.lowp:
-            torch.mm(hc, self.W[v0:v1].T, out_dtype=torch.float32, out=tile)
+            self.mm_f32(hc, self.W[v0:v1].T, tile)
             if self.b is not None:
                 tile += self.b[v0:v1].to(self.acc)
             return tile
@@ -135,12 +159,11 @@ class Tiler:
                     gW[s0:s1] += torch.mm(g[:, s0 - v0 : s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
             return
         if self.lowp:
-            gc = g.to(hc.dtype)
+            gc = g if g.dtype == hc.dtype else self.buf_g[: g.numel()].view(g.shape).copy_(g)
             if gh.numel():
-                torch.addmm(gh, gc, self.W[v0:v1], out_dtype=torch.float32, out=gh)
+                self.addmm_f32(gh, gc, self.W[v0:v1])
             if gW.numel():
-                gw = gW[v0:v1]
-                torch.addmm(gw, gc.T, hc, out_dtype=torch.float32, out=gw)
+                self.addmm_f32(gW[v0:v1], gc.T, hc)
             return
         step = self.plan.sub if self.plan.upcast else v1 - v0
         for s0 in range(v0, v1, step):
