@@ -1,5 +1,7 @@
 """linear_token_logprobs against token_logprobs' float64 reference on materialised logits."""
 
+import itertools
+
 import pytest
 import torch
 from _utils import peak_extra_bytes, poisoned
@@ -407,15 +409,22 @@ def test_input_logits_dtype_plan_respects_budget():
         (1000, 50000, 64, 1 << 20),
         (7, 11, 3, 1),
     ]:
-        for fused in (True, False):
+        for fused, dev in itertools.product((True, False), ("cpu", "cuda")):
             p = plan_chunks(
-                N, V_, H_, torch.bfloat16, "cpu", budget, logits_dtype="input", fused=fused
+                N, V_, H_, torch.bfloat16, dev, budget, logits_dtype="input", fused=fused
             )
             assert p.input_tiles and not p.upcast
             assert 1 <= p.rows <= N and 1 <= p.vocab <= V_ and 1 <= p.sub <= p.vocab
             f32_copy = not fused or p.vocab < V_
-            used = p.rows * p.vocab * (2 + 4 * f32_copy) + p.rows * H_ * 10 + p.sub * H_ * 6
+            used = p.rows * p.vocab * (2 + 4 * f32_copy)
+            # CUDA: the float32-output matmuls need no input-dtype product buffers
+            used += p.rows * H_ * 4 if dev == "cuda" else p.rows * H_ * 10 + p.sub * H_ * 6
             assert used <= max(budget, 2 * (3 * V_ + 5 * H_ + 3 * H_)), (p, used, budget)
+    big = dict(logits_dtype="input", fused=True)
+    assert (
+        plan_chunks(4096, 152064, 4096, torch.bfloat16, "cuda", 1 << 30, **big).rows
+        > plan_chunks(4096, 152064, 4096, torch.bfloat16, "cpu", 1 << 30, **big).rows
+    )
     # the float32 copy of vocabulary chunks only when the fused kernels cannot take the tile
     assert (
         plan_chunks(4096, 1000, 16, torch.bfloat16, "cpu", 1 << 20, logits_dtype="input").rows
@@ -429,7 +438,13 @@ def test_input_logits_dtype_plan_respects_budget():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("budget", [None, INPUT_TINY])  # whole vocabulary; chunks
-def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, budget):
+@pytest.mark.parametrize("f32_out", [False, True])  # True: the GPU's float32-output matmuls
+def test_input_logits_dtype_matches_materialised_logits(
+    request, backend, dtype, bias, budget, f32_out
+):
+    """f32_out: as on CUDA, the gradient products are accumulated into the float32 sums by
+    matmuls with float32 output (emulated here) instead of rounded per chunk and added."""
+    mms = request.getfixturevalue("lowp_on_cpu") if f32_out else None
     h, W, b, labels = _inputs(dtype, bias)
     assert (
         plan_chunks(B * T, V, H, dtype, "cpu", budget or (64 << 20), logits_dtype="input").vocab < V
@@ -477,6 +492,9 @@ def test_input_logits_dtype_matches_materialised_logits(backend, dtype, bias, bu
             msg=lambda m: f"{name}: {m}",
         )
     assert (ours[0].grad[labels == -100] == 0).all()
+    if f32_out:  # the gradient products went through the float32-output matmuls
+        adds = [w for w in mms if w[0] == "addmm"]
+        assert adds and all(w[1] == dtype for w in adds), mms
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

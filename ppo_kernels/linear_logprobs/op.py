@@ -27,7 +27,10 @@ materialised path `token_logprobs(hidden @ weight.T + bias, ...)` in bf16 -- and
 still run in float32 (the fused kernels upcast as they load). Why: the CPU has no bf16 x bf16 ->
 float32 matmul (torch.mm(..., out_dtype=float32) is CUDA-only), and its bf16 matmul (AVX-512 BF16 /
 AMX) is ~2x faster than the float32 one on the upcast chunks. Sums across chunks stay float32
-(grad_hidden across vocabulary chunks, grad_weight across row chunks, grad_bias).
+(grad_hidden across vocabulary chunks, grad_weight across row chunks, grad_bias). On CUDA the two
+gradient products are not rounded per chunk: the bf16 x bf16 -> float32 matmul adds them into the
+float32 sums itself (as TRL's fused head does): the whole sum is rounded once, as the materialised
+path rounds its one product, and no separate addition pass is needed.
 GPU choice: chunked cuBLAS + reduction kernels, not a fused tl.dot kernel -- see the docstring of
 triton_kernels.py; bench/gpu_checks/linear_logprobs.py measures it. Unmeasured cost to watch: the
 backward walks rows outermost, so each row chunk reads and writes the whole float32 weight-gradient
@@ -591,8 +594,9 @@ def linear_token_logprobs(
             "input": matmuls in the input dtype, so the logits and their gradient are rounded to
             it exactly as in `token_logprobs(hidden @ weight.T + bias, ...)` with bf16 logits
             (what a trainer materialising the logits gets); reductions and the sums across
-            chunks stay float32. About 2x faster on CPUs with native bf16 matmuls (AVX-512 BF16,
-            AMX); on CUDA the default is already fast.
+            chunks stay float32 (on CUDA the gradient matmuls accumulate into them directly).
+            The roundings of TRL's fused LM head. About 2x faster on CPUs with native bf16
+            matmuls (AVX-512 BF16, AMX); on CUDA it moves fewer bytes than the default.
 
         process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout):
             `weight` / `bias` hold this rank's contiguous slice of the vocabulary, `hidden` is

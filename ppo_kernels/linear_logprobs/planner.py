@@ -81,7 +81,8 @@ def plan_chunks(
     if tiles not in ("rows", "square"):
         raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
     if _input_tiles(dtype, logits_dtype):
-        return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused)
+        f32_out = device_type in F32_OUT_MATMUL_DEVICES
+        return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out)
     acc = 8 if dtype == torch.float64 else 4
     lowp = device_type in F32_OUT_MATMUL_DEVICES and dtype in (torch.bfloat16, torch.float16)
     upcast = dtype not in (torch.float32, torch.float64) and not lowp
@@ -105,17 +106,22 @@ def plan_chunks(
     return Plan(rows, vocab, min(sub, vocab), upcast, whole)
 
 
-def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused) -> Plan:
+def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=False) -> Plan:
     """Buffers of logits_dtype="input": the input-dtype tile (plus its float32 copy for the
     per-chunk kernels of vocabulary chunks), per row the float32 grad_hidden accumulator and the
     input-dtype product g @ W, and a [sub, H] input-dtype block of the product g^T @ h that is
     added into the float32 grad_weight (no [V, H] temporary). The two products count twice: adding
-    an input-dtype tensor into a float32 one makes a float32 copy of it first."""
+    an input-dtype tensor into a float32 one makes a float32 copy of it first.
+    f32_out (CUDA): the matmuls add the products into the float32 sums themselves -- no product
+    buffers, only the grad_hidden accumulator per row."""
     isz = dtype.itemsize
     B = max(int(max_chunk_bytes), 1)
-    sub = max(1, min(V, (B // 4) // max((isz + 4) * H, 1)))
-    avail = max(B - sub * (isz + 4) * H, 0)
-    row_fixed = (4 + isz + 4) * H
+    if f32_out:
+        sub, avail, row_fixed = V, B, 4 * H
+    else:
+        sub = max(1, min(V, (B // 4) // max((isz + 4) * H, 1)))
+        avail = max(B - sub * (isz + 4) * H, 0)
+        row_fixed = (4 + isz + 4) * H
     chunked = isz + 4  # tile + float32 copy
     if tiles == "square":
         rows = max(1, min(N, math.isqrt(avail // chunked)))

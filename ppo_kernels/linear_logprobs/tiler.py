@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from . import planner
 from .planner import Plan, _acc
 
 
@@ -40,7 +41,11 @@ class Tiler:
         self.buf_in = torch.empty(n if self.input_tiles else 0, dtype=hidden.dtype, device=dev)
         # input-dtype products of one chunk (g @ W, and g^T @ h block by block) before they are
         # added into the float32 accumulators
-        bw = backward and self.input_tiles
+        # input tiles where matmuls with float32 output exist (CUDA): the two gradient products
+        # are accumulated into the float32 sums by the matmul itself, as TRL's fused head does --
+        # one rounding of the whole sum, not one per chunk, and no separate addition pass
+        self.f32_acc = self.input_tiles and dev.type in planner.F32_OUT_MATMUL_DEVICES
+        bw = backward and self.input_tiles and not self.f32_acc
         H = hidden.shape[1]
         self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
@@ -150,7 +155,7 @@ class Tiler:
         empty ones are skipped)."""
         if gb.numel():
             gb[v0:v1] += g.sum(0, dtype=gb.dtype)
-        if self.input_tiles:
+        if self.input_tiles and not self.f32_acc:
             if gh.numel():
                 gh += torch.mm(g, self.W[v0:v1], out=self.gh_in[: g.shape[0]])
             if gW.numel():
@@ -158,7 +163,7 @@ class Tiler:
                     s1 = min(v1, s0 + self.plan.sub)
                     gW[s0:s1] += torch.mm(g[:, s0 - v0 : s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
             return
-        if self.lowp:
+        if self.lowp or self.f32_acc:  # (input tiles: g is already in the input dtype)
             gc = g if g.dtype == hc.dtype else self.buf_g[: g.numel()].view(g.shape).copy_(g)
             if gh.numel():
                 self.addmm_f32(gh, gc, self.W[v0:v1])

@@ -59,6 +59,47 @@ def test_matches_float64(backend, N, H, V, dtype, bias, budget):
         close_scaled(t.grad, r.grad, **GEMM_GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("budget", [None, 200_000])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_logits_dtype_matches_materialised(backend, budget):
+    """logits_dtype="input" (bf16 logits and gradient tiles; on CUDA the gradient matmuls add
+    into the float32 sums themselves) against float64 on the bf16 logits a trainer materialises
+    (h @ W.T + b in bf16): forward within 2 bf16 ulps of the largest logit (cuBLAS may sum a
+    row chunk in another order than the whole matrix: a logit can differ by an ulp), gradients
+    within the rounding of the gradient tile to bf16."""
+    require(OP, backend)
+    N, H, V = 300, 257, 5003
+    h = torch.randn(N, H, device=DEVICE).to(torch.bfloat16)
+    W = (torch.randn(V, H, device=DEVICE) / H**0.5).to(torch.bfloat16)
+    b = torch.randn(V, device=DEVICE).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device=DEVICE)
+    y[::7] = -100
+    g_lp, g_ent = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    z = (h @ W.T + b).double().requires_grad_()
+    lp_r, ent_r, _ = tl_ref.forward(z, y, 0.9, -100, True)
+    ((lp_r * g_lp).sum() + (ent_r * g_ent).sum()).backward()
+    gz = z.grad
+    want = (gz @ W.double(), gz.T @ h.double(), gz.sum(0))
+    ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
+    with use_backend(**{OP: backend}), poisoned():
+        lp, ent = pk.linear_token_logprobs(
+            *ours[:2],
+            y,
+            bias=ours[2],
+            temperature=0.9,
+            return_entropy=True,
+            max_chunk_bytes=budget,
+            logits_dtype="input",
+        )
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    ulp = 2.0**-8 * float(z.detach().abs().max()) / 0.9
+    close(lp, lp_r, atol=2 * ulp, rtol=0)
+    close(ent, ent_r, atol=2 * ulp, rtol=0)
+    for name, t, r in zip(("hidden", "weight", "bias"), ours, want):
+        assert t.grad.dtype == torch.bfloat16, name
+        close_scaled(t.grad, r, **GEMM_GRAD_TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_lm_logprobs_tiny_qwen2(backend):
     """causal_lm_logprobs on a small random Qwen2 against the float64 log-softmax of its logits."""
