@@ -48,10 +48,12 @@ def close_scaled(got, want, atol, rtol, scale=None):
     close(got, want, atol * s, rtol)
 
 
-def graph_replay(fn, change_inputs=None):
+def graph_replay(fn, change_inputs=None, capture_error_mode="global"):
     """Capture fn() in a CUDA graph (after a warm-up on a side stream, where Triton compiles),
     optionally change the inputs in place, replay, and return the outputs of the replay. A host
-    sync inside fn makes the capture fail."""
+    sync inside fn makes the capture fail. capture_error_mode "thread_local" tolerates
+    capture-unsafe calls made by other threads (e.g. autograd's device thread runs the backward),
+    for telling those apart from unsafe calls in the capturing thread."""
     if DRY_RUN:
         pytest.skip("CUDA graphs need a GPU")
     side = torch.cuda.Stream()
@@ -66,7 +68,7 @@ def graph_replay(fn, change_inputs=None):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         out = fn()
     if change_inputs is not None:
         change_inputs()
