@@ -428,7 +428,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
     _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
     summary = r.finish()
-    dist.close(r.group)
+    group = r.group
+    del r, actor, tok  # the models (DDP / FSDP wrappers hold the group) before the group
+    dist.close(group)
     return summary
 
 

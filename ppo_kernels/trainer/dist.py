@@ -20,6 +20,7 @@ global ratios of all-reduced sums and counts (`global_ratio`), never means of pe
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 import torch
@@ -44,8 +45,12 @@ def init(device: str):
 
 
 def close(group):
-    """Wait for every rank, then leave the process group."""
+    """Wait for every rank, then leave the process group. First collect the garbage: modules
+    wrapped by DDP / FSDP sit in reference cycles and hold the group; one still alive at
+    interpreter exit destroys a gloo group during finalization, which can abort the process
+    ("terminate called without an active exception", seen once in CI)."""
     if group is not None:
+        gc.collect()
         dist.barrier(group)
         dist.destroy_process_group()
 
