@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -102,4 +103,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # a torchrun rank whose run finished (process group destroyed, files closed): leave
+        # without the interpreter's finalization, which can destroy gloo threads and abort the
+        # process ("terminate called without an active exception") after a successful run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc or 0)
+    sys.exit(rc)
