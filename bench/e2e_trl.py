@@ -64,8 +64,9 @@ def tokenizer(vocab: int):
     return tok
 
 
-def save_model(path: str, vocab: int, seed: int = 0):
-    """A tiny random-init LlamaForCausalLM (float32) saved to `path`."""
+def tiny_llama(vocab: int, seed: int = 0, **config):
+    """A tiny random-init LlamaForCausalLM (float32, hidden 32, 2 layers); `config`: more
+    LlamaConfig fields (token ids). Also the model of tests/test_integrations_callers.py."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -76,12 +77,15 @@ def save_model(path: str, vocab: int, seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **config,
     )
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def save_model(path: str, vocab: int, seed: int = 0):
+    """tiny_llama with the tokenizer's special ids, saved to `path`."""
+    tiny_llama(vocab, seed, pad_token_id=0, eos_token_id=1, bos_token_id=2).save_pretrained(path)
 
 
 def prompts(vocab: int):

@@ -8,6 +8,8 @@ called."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import types
 
 import pytest
@@ -18,22 +20,15 @@ from _peer_stubs import import_peer
 import ppo_kernels as pk
 import ppo_kernels.integrations as pki
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 V = 48
 
 
 def _llama(seed=0):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg)
+    pytest.importorskip("transformers")
+    from e2e_trl import tiny_llama  # bench/
+
+    return tiny_llama(V, seed)
 
 
 @contextlib.contextmanager
