@@ -53,6 +53,9 @@ class Plan:
     whole_weight: bool = False  # upcast the whole weight once (it fits in half the budget)
     input_tiles: bool = False  # logits_dtype="input": tiles in the input dtype; `sub` then sizes
     # the input-dtype block of the grad_weight product instead
+    f32_out: bool = False  # bf16/fp16 matmuls with float32 output (F32_OUT_MATMUL_DEVICES): the
+    # float32 tiles come from them (no upcast), and with input tiles the gradient products are
+    # accumulated into the float32 sums by them
 
 
 def plan_chunks(
@@ -80,13 +83,12 @@ def plan_chunks(
         tiles = os.environ.get("PPO_KERNELS_LINEAR_TILES", "rows")
     if tiles not in ("rows", "square"):
         raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
+    f32_out = device_type in F32_OUT_MATMUL_DEVICES and dtype in (torch.bfloat16, torch.float16)
     if _input_tiles(dtype, logits_dtype):
-        f32_out = device_type in F32_OUT_MATMUL_DEVICES
         return _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out)
     acc = 8 if dtype == torch.float64 else 4
-    lowp = device_type in F32_OUT_MATMUL_DEVICES and dtype in (torch.bfloat16, torch.float16)
-    upcast = dtype not in (torch.float32, torch.float64) and not lowp
-    tile_elem = acc + (2 if lowp else 0)  # + the rounded gradient tile on the GPU
+    upcast = dtype not in (torch.float32, torch.float64) and not f32_out
+    tile_elem = acc + (2 if f32_out else 0)  # + the rounded gradient tile on the GPU
     row_fixed = acc * H * (2 if upcast else 1)  # upcast hidden chunk + grad_hidden accumulator
     B = max(int(max_chunk_bytes), 1)
     # Upcast weight blocks: the whole weight once when its copy takes at most half the budget
@@ -97,13 +99,13 @@ def plan_chunks(
     if tiles == "square":
         rows = max(1, min(N, math.isqrt(avail // tile_elem)))
         vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
-        return Plan(rows, vocab, min(sub, vocab), upcast, whole)
+        return Plan(rows, vocab, min(sub, vocab), upcast, whole, f32_out=f32_out)
     rows = avail // (V * tile_elem + row_fixed)
     if rows >= min(N, _MIN_ROWS):
-        return Plan(max(1, min(N, rows)), V, sub, upcast, whole)
+        return Plan(max(1, min(N, rows)), V, sub, upcast, whole, f32_out=f32_out)
     rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + tile_elem * min(V, 64))))
     vocab = max(1, min(V, (avail // rows - row_fixed) // tile_elem))
-    return Plan(rows, vocab, min(sub, vocab), upcast, whole)
+    return Plan(rows, vocab, min(sub, vocab), upcast, whole, f32_out=f32_out)
 
 
 def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=False) -> Plan:
@@ -126,13 +128,13 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
     if tiles == "square":
         rows = max(1, min(N, math.isqrt(avail // chunked)))
         vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
-        return Plan(rows, vocab, min(sub, vocab), False, False, True)
+        return Plan(rows, vocab, min(sub, vocab), False, False, True, f32_out)
     rows = avail // (V * (isz if fused else chunked) + row_fixed)
     if rows >= min(N, _MIN_ROWS):
-        return Plan(max(1, min(N, rows)), V, sub, False, False, True)
+        return Plan(max(1, min(N, rows)), V, sub, False, False, True, f32_out)
     rows = max(1, min(N, _MIN_ROWS, avail // (row_fixed + chunked * min(V, 64))))
     vocab = max(1, min(V, (avail // rows - row_fixed) // chunked))
-    return Plan(rows, vocab, min(sub, vocab), False, False, True)
+    return Plan(rows, vocab, min(sub, vocab), False, False, True, f32_out)
 
 
 def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:

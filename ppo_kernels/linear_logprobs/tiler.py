@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from . import planner
 from .planner import Plan, _acc
 
 
@@ -27,25 +26,16 @@ class Tiler:
         self.cap = softcap
         self.acc = _acc(hidden.dtype)
         self.input_tiles = plan.input_tiles
-        # bf16/fp16 with float32 tiles where the planner did not upcast (CUDA): matmuls with
-        # float32 output (cuBLAS)
-        self.lowp = (
-            not plan.upcast
-            and not plan.input_tiles
-            and hidden.dtype in (torch.bfloat16, torch.float16)
-        )
+        # bf16/fp16 float32 tiles straight from matmuls with float32 output (cuBLAS)
+        self.lowp = plan.f32_out and not plan.input_tiles
         dev, n = hidden.device, plan.rows * plan.vocab
         # input tiles: the float32 buffer only holds copies of vocabulary-chunk tiles
         need_acc = not self.input_tiles or not (fused and plan.vocab == weight.shape[0])
         self.buf = torch.empty(n if need_acc else 0, dtype=self.acc, device=dev)
         self.buf_in = torch.empty(n if self.input_tiles else 0, dtype=hidden.dtype, device=dev)
         # input-dtype products of one chunk (g @ W, and g^T @ h block by block) before they are
-        # added into the float32 accumulators
-        # input tiles where matmuls with float32 output exist (CUDA): the two gradient products
-        # are accumulated into the float32 sums by the matmul itself, as TRL's fused head does --
-        # one rounding of the whole sum, not one per chunk, and no separate addition pass
-        self.f32_acc = self.input_tiles and dev.type in planner.F32_OUT_MATMUL_DEVICES
-        bw = backward and self.input_tiles and not self.f32_acc
+        # added into the float32 accumulators (not with plan.f32_out: the matmuls add them)
+        bw = backward and self.input_tiles and not plan.f32_out
         H = hidden.shape[1]
         self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
@@ -155,20 +145,24 @@ class Tiler:
         empty ones are skipped)."""
         if gb.numel():
             gb[v0:v1] += g.sum(0, dtype=gb.dtype)
-        if self.input_tiles and not self.f32_acc:
+        if self.plan.f32_out:
+            # the products accumulated into the float32 sums by the matmul itself (as TRL's fused
+            # head does): one rounding of the whole sum, no separate addition pass. The float32
+            # tiles' gradient is rounded to the input dtype first, unless a kernel stored it so;
+            # input tiles' gradient already is.
+            gc = g if g.dtype == hc.dtype else self.buf_g[: g.numel()].view(g.shape).copy_(g)
+            if gh.numel():
+                self.addmm_f32(gh, gc, self.W[v0:v1])
+            if gW.numel():
+                self.addmm_f32(gW[v0:v1], gc.T, hc)
+            return
+        if self.input_tiles:
             if gh.numel():
                 gh += torch.mm(g, self.W[v0:v1], out=self.gh_in[: g.shape[0]])
             if gW.numel():
                 for s0 in range(v0, v1, self.plan.sub):
                     s1 = min(v1, s0 + self.plan.sub)
                     gW[s0:s1] += torch.mm(g[:, s0 - v0 : s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
-            return
-        if self.lowp or self.f32_acc:  # (input tiles: g is already in the input dtype)
-            gc = g if g.dtype == hc.dtype else self.buf_g[: g.numel()].view(g.shape).copy_(g)
-            if gh.numel():
-                self.addmm_f32(gh, gc, self.W[v0:v1])
-            if gW.numel():
-                self.addmm_f32(gW[v0:v1], gc.T, hc)
             return
         step = self.plan.sub if self.plan.upcast else v1 - v0
         for s0 in range(v0, v1, step):

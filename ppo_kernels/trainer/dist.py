@@ -48,7 +48,8 @@ def close(group):
     """Wait for every rank, then leave the process group. First collect the garbage: modules
     wrapped by DDP / FSDP sit in reference cycles and hold the group; one still alive at
     interpreter exit destroys a gloo group during finalization, which can abort the process
-    ("terminate called without an active exception", seen once in CI)."""
+    ("terminate called without an active exception", seen in CI; torchrun ranks of the CLI also
+    skip finalization: ppo_kernels/__main__.py)."""
     if group is not None:
         gc.collect()
         dist.barrier(group)
