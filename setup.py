@@ -102,7 +102,9 @@ def _extensions():
     import torch
     from torch.utils import cpp_extension
 
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(
+        glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/ops/*.cpp")
+    )
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
 
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-DPPO_KERNELS_BUILD"]

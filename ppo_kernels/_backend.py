@@ -102,12 +102,17 @@ def cpp_ops():
 
 @contextlib.contextmanager
 def use_cpp_namespace(name: str):
-    """Route the `cpp` backend's raw-kernel calls to `torch.ops.<name>` (same schemas)."""
+    """Route the `cpp` backend's raw-kernel calls to `torch.ops.<name>` (same schemas), in Python
+    and in the registered ops' C++ routing (csrc/ops/route.h)."""
     _cpp_namespace.append(name)
+    if HAS_EXTENSION:
+        torch.ops.ppo_kernels_C.set_cpp_namespace(name)
     try:
         yield
     finally:
         _cpp_namespace.pop()
+        if HAS_EXTENSION:
+            torch.ops.ppo_kernels_C.set_cpp_namespace(_cpp_namespace[-1])
 
 
 @dataclass(frozen=True)
@@ -281,10 +286,12 @@ def use_backend(default: str | None = None, **per_op: str):
     if default is not None:
         layer["*"] = _normalise(default, "use_backend")
     _stack.append(layer)
+    _invalidate()
     try:
         yield
     finally:
         _stack.remove(layer)
+        _invalidate()
 
 
 def available(op: str, backend: str, device_type: str) -> tuple[bool, str]:
@@ -414,3 +421,118 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     if _poison[0]:
         t.fill_(float("nan") if t.is_floating_point() else -1)
     return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops defined in C++ (csrc/ops/<op>.cpp: schema, checks, routing, autograd). Python
+# adds their fake kernels and their triton / eager implementations, and fills the C++ backend
+# table (csrc/ops/route.h) with what `resolve` says for every op and device type: a call then
+# costs a table read. The table is invalidated by use_backend and re-read when
+# PPO_KERNELS_BACKEND changes (the C++ side compares it per call).
+
+_IMPL_LIBS: dict[str, torch.library.Library] = {}
+
+
+def _impl_lib(backend: str) -> torch.library.Library:
+    if backend not in _IMPL_LIBS:
+        _IMPL_LIBS[backend] = torch.library.Library(f"ppo_kernels_{backend}", "DEF")
+    return _IMPL_LIBS[backend]
+
+
+def registered(name: str):
+    """`torch.ops.ppo_kernels.<name>` (defined in C++)."""
+    return getattr(torch.ops.ppo_kernels, name)
+
+
+_FALLBACKS: dict[str, object] = {}
+_PY_IMPLS: dict[tuple[str, str], object] = {}
+
+
+def fallback(name: str):
+    """Register `fn` as what the public API calls for the registered op `<name>` when the
+    compiled extension is not loaded: the op's eager reference with the op's signature,
+    differentiable by autograd (there is no registered op, hence no registered autograd)."""
+
+    def register(fn):
+        _FALLBACKS[name] = fn
+        return fn
+
+    return register
+
+
+def python_impl(name: str, backend: str):
+    """The Python function registered with `impl(name, backend)`."""
+    return _PY_IMPLS[(name, backend)]
+
+
+def op(name: str):
+    """What the public API calls for the registered op `<name>`: `torch.ops.ppo_kernels.<name>`
+    (its `.default` overload: no overload resolution per call), or without the extension the
+    op's `fallback`."""
+    if HAS_EXTENSION:
+        return registered(name).default
+    if name not in _FALLBACKS:
+        raise RuntimeError(f"ppo_kernels: {name} has no fallback without the compiled extension")
+    return _FALLBACKS[name]
+
+
+def impl(name: str, backend: str):
+    """Register `fn` as the `backend` ("triton" or "eager") implementation of the registered op
+    `ppo_kernels::<name>`: a Python op `ppo_kernels_<backend>::<name>` with the same schema, which
+    the op's C++ routing calls. `fn` takes the op's arguments (names and order of its schema)."""
+    if backend not in ("triton", "eager"):
+        raise ValueError(f"backend: expected 'triton' or 'eager', got {backend!r}")
+
+    def register(fn):
+        _PY_IMPLS[(name, backend)] = fn
+        if not HAS_EXTENSION:
+            return fn
+        schema = str(registered(name).default._schema)
+        lib = _impl_lib(backend)
+        lib.define(schema.split("::", 1)[1])
+        lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+def fake(name: str):
+    """Register `fn` as the fake (meta) kernel of `ppo_kernels::<name>` (torch.compile, opcheck)."""
+
+    def register(fn):
+        if HAS_EXTENSION:
+            torch.library.register_fake(f"ppo_kernels::{name}", fn, _stacklevel=2)
+        return fn
+
+    return register
+
+
+def _invalidate():
+    if HAS_EXTENSION and _TABLE_OPS:
+        torch.ops.ppo_kernels_C.set_resolved(False)
+
+
+_TABLE_OPS: list[str] = []  # backend keys whose registered ops route in C++
+
+
+def routes_in_cpp(key: str):
+    """Declare that backend key `key` has C++-registered ops that read the backend table."""
+    _TABLE_OPS.append(key)
+
+
+def refresh_backends():
+    """Resolve every C++-routed op for both device types into the C++ table (see above)."""
+    C = torch.ops.ppo_kernels_C
+    for key in _TABLE_OPS:
+        for device in ("cpu", "cuda"):
+            try:
+                C.set_backend(key, device, resolve(key, device), "")
+            except RuntimeError as e:
+                C.set_backend(key, device, "", str(e))
+    C.set_resolved(True)
+
+
+if HAS_EXTENSION:
+    _py_lib = torch.library.Library("ppo_kernels_py", "DEF")
+    _py_lib.define("refresh_backends() -> ()")
+    _py_lib.impl("refresh_backends", refresh_backends, "CompositeImplicitAutograd")

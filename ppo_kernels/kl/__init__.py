@@ -1,3 +1,2 @@
-from . import reference  # noqa: F401
-from .op import kl_penalized_rewards, kl_penalty  # noqa: F401
-from .reference import KLClamp  # noqa: F401
+"""kl_penalty / kl_penalized_rewards: reference.py (semantics), triton_kernels.py, op.py (the
+registered ops' Python side), api.py (the public functions, exported by ppo_kernels)."""

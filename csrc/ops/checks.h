@@ -1,0 +1,121 @@
+// Argument checks of the registered ops (`ppo_kernels::*`), run once per call before any backend:
+// each message starts with the argument's name. Wrong dtypes are TypeErrors, wrong shapes,
+// devices and values ValueErrors (TORCH_CHECK_TYPE / TORCH_CHECK_VALUE), so Python sees the same
+// exception types as from the public API. Metadata only: never a host sync.
+#pragma once
+#include <torch/types.h>
+
+#include <cmath>
+#include <initializer_list>
+#include <optional>
+#include <string>
+
+namespace ppo_kernels {
+
+inline std::string dtype_name(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return "float32";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
+    case at::kDouble:
+      return "float64";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kBool:
+      return "bool";
+    default:
+      return c10::toString(st);
+  }
+}
+
+inline bool is_value_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble;
+}
+
+// float32 / bfloat16 / float16 / float64
+inline void expect_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  TORCH_CHECK_TYPE(is_value_dtype(t.scalar_type()), name, ": dtype ", dtype_name(t.scalar_type()),
+                   " is not supported (expected one of float32, bfloat16, float16, float64)");
+}
+
+// int64 / int32
+inline void expect_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kLong || st == at::kInt, name, ": dtype ", dtype_name(st),
+                   " is not supported (expected one of int64, int32)");
+}
+
+// a mask: bool, integer or float (not complex)
+inline void expect_mask(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kBool || at::isIntegralType(st, false) || is_value_dtype(st), name,
+                   ": dtype ", dtype_name(st),
+                   " is not supported (expected bool, an integer or a float dtype)");
+}
+
+inline void expect_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                          const char* like_name) {
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, ": expected device ", like.device(),
+                    " (like ", like_name, "), got ", t.device());
+}
+
+inline void expect_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                         const char* what) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, " (", what, "), got ",
+                    t.sizes());
+}
+
+inline void expect_dim(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected ", dim, " dimensions, got shape ", t.sizes());
+}
+
+inline void expect_dtype(const at::Tensor& t, const char* name, at::ScalarType st,
+                         const char* what) {
+  TORCH_CHECK_TYPE(t.scalar_type() == st, name, ": expected dtype ", dtype_name(st), " (", what,
+                   "), got ", dtype_name(t.scalar_type()));
+}
+
+// `t` on `like`'s device with `like`'s shape (and dtype when same_dtype)
+inline void expect_like(const at::Tensor& t, const char* name, const at::Tensor& like,
+                        const char* like_name, bool same_dtype) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  expect_device(t, name, like, like_name);
+  if (same_dtype) {
+    TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, ": expected dtype ",
+                     dtype_name(like.scalar_type()), " (like ", like_name, "), got ",
+                     dtype_name(t.scalar_type()));
+  }
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, ": expected shape ", like.sizes(), " (like ",
+                    like_name, "), got ", t.sizes());
+}
+
+// lo <= hi (+-inf allowed; NaN never passes)
+inline void expect_bounds(const char* name, double lo, double hi) {
+  TORCH_CHECK_VALUE(lo <= hi, name, ": bounds must satisfy lo <= hi, got (", lo, ", ", hi, ")");
+}
+
+inline double expect_finite(const char* name, double x) {
+  TORCH_CHECK_VALUE(std::isfinite(x), name, ": expected a finite number, got ", x);
+  return x;
+}
+
+inline double expect_positive(const char* name, double x) {
+  TORCH_CHECK_VALUE(std::isfinite(x) && x > 0, name, ": expected a positive finite number, got ",
+                    x);
+  return x;
+}
+
+// The per-token output dtype: float32, float64 for float64 inputs.
+inline at::ScalarType out_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace ppo_kernels
