@@ -1,5 +1,5 @@
 """The developer tooling around the suite: scripts/pip_filter.py (what scripts/dev.sh shows of
-pip)."""
+pip) and the one-line-per-reason skip summary (tests/_skip_summary.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
@@ -74,3 +75,68 @@ def test_pip_filter_shows_real_errors_and_keeps_pips_exit_status():
         )
         assert p.returncode == status
         assert p.stdout.splitlines() == out
+
+
+def test_skip_summary_is_one_line_per_reason(tmp_path):
+    """An inner pytest run with the plugin: 5 skips over 2 reasons from 3 sites, a failure and an
+    xfail; -ra gives one line per reason with its count, pytest's lines for the rest."""
+    (tmp_path / "test_a.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.parametrize("i", range(3))
+            def test_gpu(i):
+                pytest.skip("needs a CUDA GPU")
+
+            @pytest.mark.skip(reason="needs a CUDA GPU")
+            def test_gpu_marked():
+                pass
+
+            def test_peer():
+                pytest.skip("verl is not installed")
+
+            def test_fails():
+                assert 1 == 2
+
+            @pytest.mark.xfail(reason="known")
+            def test_xfail():
+                assert False
+            """
+        )
+    )
+
+    def inner(*args):
+        env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "_skip_summary",
+            "-p",
+            "no:cacheprovider",
+        ]
+        return subprocess.run(
+            [*cmd, "--rootdir", str(tmp_path), *args, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        ).stdout
+
+    out = inner("-ra")
+    lines = out.splitlines()
+    skips = [x for x in lines if x.startswith("SKIPPED")]
+    assert skips == ["SKIPPED [4] needs a CUDA GPU", "SKIPPED [1] verl is not installed"], out
+    assert any("5 skipped, 2 reasons" in x for x in lines), out
+    assert any(x.startswith("FAILED") and "test_fails" in x for x in lines), out
+    assert any(x.startswith("XFAIL") and "test_xfail" in x for x in lines), out
+    # before pytest's short summary: the failures stay last
+    assert lines.index(skips[-1]) < next(i for i, x in enumerate(lines) if x.startswith("XFAIL"))
+    assert "5 skipped" in lines[-1] and "1 failed" in lines[-1], out
+    # without -rs there are none; --no-fold-skipped lists each test as pytest does
+    assert "SKIPPED" not in inner("-rf")
+    per_test = [x for x in inner("-ra", "--no-fold-skipped").splitlines() if "SKIPPED" in x]
+    assert len(per_test) == 5, per_test
