@@ -7,7 +7,7 @@ the reward model.
   Actor, the frozen Reference, the Critic, both AdamW states (their moments shape every later
   update: without them the continuation differs), the KL coefficient, the sampling and shuffling
   generators, and the timings so far. One file, overwritten (written to a temporary name, then
-  renamed): at the end of the run and every `--save-every` steps.
+  renamed): at the end of the run and every `--save-every` steps, never with `--no-checkpoint`.
 - `DIR/reward_model.pt` (`--algo rm`, or PPO with `--reward rm` and no `--rm-path`).
 """
 
@@ -79,7 +79,8 @@ def checkpoint_path(resume: str) -> str:
     path = os.path.join(resume, CHECKPOINT) if os.path.isdir(resume) else resume
     if not os.path.isfile(path):
         raise ConfigError(
-            f"--resume: no checkpoint at {path!r} (pass the directory of a run that saved one)"
+            f"--resume: no checkpoint at {path!r} (pass the directory of a run that saved one; "
+            "a run with --no-checkpoint saves none)"
         )
     return path
 
@@ -106,4 +107,6 @@ def save_checkpoint(
 
 def due(cfg: TrainConfig, step: int) -> bool:
     """Whether a checkpoint is written after step `step` (0-based)."""
+    if not cfg.checkpoint:
+        return False
     return step + 1 == cfg.steps or bool(cfg.save_every and (step + 1) % cfg.save_every == 0)

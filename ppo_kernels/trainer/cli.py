@@ -100,6 +100,8 @@ def _compare(argv, cfg, summary) -> int:
         other_out,
         "--sft-cache",
         cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+        # --compare never resumes this run (it starts over: no --resume above), so no checkpoint
+        "--no-checkpoint",
     ]
     print(f"\n--compare: the same run with --ops {other} ({other_out})")
     rc = subprocess.call(cmd)
