@@ -352,8 +352,12 @@ def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert "fused/eager" in text and "peak tensor memory" in text, text
-    assert text.rstrip().endswith(f"plot: {out / 'curves.png'}"), text
-    assert (out / "compare.txt").read_text() in text
+    assert text.startswith("phase times from a 3-step probe of this machine"), text
+    # the table, the plot, then the closing notes (also in compare.txt, after the table)
+    table, notes = text.split(f"plot: {out / 'curves.png'}\n\n")
+    assert notes.startswith("What was compared: the same 2 PPO steps"), notes
+    assert "Why the rewards part after the first steps" in notes
+    assert (out / "compare.txt").read_text().replace(notes.strip(), "").strip() in table
     for run_dir in (out, out / "compare_eager"):
         s = json.loads((run_dir / "summary.json").read_text())
         assert s["peak_memory_bytes"] > 0 and s["seconds_per_step"] > 0

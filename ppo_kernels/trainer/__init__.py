@@ -9,8 +9,8 @@ ops (`python -m ppo_kernels train --help`).
 - algos.py    SFT, evaluation, PPO / GRPO steps, reward-model training, DPO
 - job.py      `run(cfg)`: one job end to end (SFT warm-up, training, evaluation, summary)
 - checkpoint.py  the SFT cache, the resumable checkpoint (--resume), the reward model file
-- report.py   metrics.jsonl / metrics.csv, curves.png, the --compare table
-- estimate.py the rough phase times printed up front
+- report.py   metrics.jsonl / metrics.csv, curves.png, the --compare table and closing notes
+- estimate.py the phase times printed up front, from a probe of this machine
 - cli.py      `main(argv)`: the flags, the estimate, a job, --compare
 """
 

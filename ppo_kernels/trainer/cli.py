@@ -1,6 +1,6 @@
 """`python -m ppo_kernels train ...`: parse the flags, print the phase-time estimate, run one job
 (job.run), and with --compare repeat it with the other --ops in a subprocess, then print the
-side-by-side table (report.py).
+side-by-side table and the closing notes (report.py).
 
 The trainer's modules below this one: config (flags), job (a run end to end), checkpoint (files
 for --resume and the SFT cache), report (metrics files, plot, table, notes), estimate (phase
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from . import estimate, job, report
+from . import job, report
 from .config import ConfigError, config_from_args
 
 
@@ -31,6 +31,20 @@ def _without(argv, flag_names):
             continue
         out.append(x)
     return out
+
+
+def _estimator(cfg, compare: bool):
+    """The `before_sft` of job.run that prints the phase times (PPO / GRPO on the CPU, rank 0)."""
+    if cfg.algo not in ("ppo", "grpo") or cfg.device != "cpu" or os.environ.get("RANK", "0") != "0":
+        return None
+    from . import estimate
+
+    runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
+
+    def before_sft(actor, tok, task, sft_to_run):
+        print(estimate.estimate(cfg, actor, tok, task, runs, sft_to_run), flush=True)
+
+    return before_sft
 
 
 def _check_dependencies():
@@ -51,15 +65,9 @@ def main(argv=None) -> int:
         problem = _check_dependencies()
         if problem:
             raise ConfigError(problem)
-        if (
-            cfg.algo in ("ppo", "grpo")
-            and cfg.device == "cpu"
-            and os.environ.get("RANK", "0") == "0"
-        ):
-            print(estimate.estimate(cfg, args.compare))
         if args.compare and "RANK" in os.environ:
             raise ConfigError("--compare runs one process; run torchrun once per --ops instead")
-        summary = job.run(cfg)
+        summary = job.run(cfg, before_sft=_estimator(cfg, args.compare))
     except ConfigError as e:
         print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
         return 2
@@ -85,7 +93,7 @@ def main(argv=None) -> int:
 
 def _compare(argv, cfg, summary) -> int:
     """--compare: the same run with the other --ops in a subprocess (same SFT cache), then the
-    table and the overlaid plot."""
+    table, the overlaid plot and the closing notes."""
     other = "eager" if cfg.ops == "fused" else "fused"
     other_out = os.path.join(cfg.out, f"compare_{other}")
     cmd = [
@@ -119,7 +127,8 @@ def _compare(argv, cfg, summary) -> int:
     except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
         plot_path = f"(plot skipped: {e})"
     table = report.compare_table(summary, other_summary)
+    notes = report.closing_notes(summary, other_summary, runs[cfg.ops], runs[other])
     with open(os.path.join(cfg.out, "compare.txt"), "w") as f:
-        f.write(table + "\n")
-    print("\n" + table + f"\nplot: {plot_path}")
+        f.write(table + "\n" + (f"\n{notes}\n" if notes else ""))
+    print("\n" + table + f"\nplot: {plot_path}" + (f"\n\n{notes}" if notes else ""))
     return 0

@@ -37,16 +37,20 @@ def _progress(cfg, total, desc):
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, leave=True)
 
 
-def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True):
-    """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one)."""
+def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=None):
+    """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one).
+    `before_sft(actor, tok, task, sft_to_run)`: called once the Actor is built (the CLI's
+    estimate)."""
     from . import algos
     from .models import load_actor
 
     actor, tok = load_actor(cfg)
     actor.to(cfg.device)
+    path = checkpoint.sft_cache_path(cfg, len(tok))
+    if before_sft is not None:
+        before_sft(actor, tok, task, cfg.sft_steps > 0 and not os.path.exists(path))
     if cfg.sft_steps == 0:
         return actor, tok, 0.0
-    path = checkpoint.sft_cache_path(cfg, len(tok))
     if os.path.exists(path):
         actor.load_state_dict(torch.load(path, map_location=cfg.device))
         log(f"SFT model loaded from {path}")
@@ -355,11 +359,14 @@ def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
 _TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_rm}
 
 
-def run(cfg: TrainConfig, log=print) -> dict:
-    """Run one job; returns (and writes) the summary."""
+def run(cfg: TrainConfig, log=print, before_sft=None) -> dict:
+    """Run one job; returns (and writes) the summary. `before_sft`: see `prepare_actor` (rank 0
+    alone calls it)."""
     r = _Run(cfg, log)
     cfg = r.cfg  # data-parallel on GPUs: this rank's device
-    actor, tok, sft_seconds = prepare_actor(cfg, r.task, r.ops, r.log, r.main)
+    actor, tok, sft_seconds = prepare_actor(
+        cfg, r.task, r.ops, r.log, r.main, before_sft if r.main else None
+    )
     r.summary["sft_seconds"] = round(sft_seconds, 2)
     eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
     _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
