@@ -121,8 +121,8 @@ def test_closing_notes_say_what_the_numbers_mean():
     assert (
         "Fused: reward 0.305 -> 0.505, tool use 0.52 -> 0.81; eager: reward 0.305 -> 0.650" in flat
     )
-    assert "time per step 0.50x (2.00 s vs 4.00 s, CPU time 0.45x" in flat
-    assert "peak tensor memory 0.25x" in flat
+    assert "Time per step: 0.50x (2.00 s vs 4.00 s; CPU time 0.45x, the steadier" in flat
+    assert "Peak tensor memory: 0.25x;" in flat
     assert "identical for steps 0-1 and first differed at step 2" in flat
     same = report.closing_notes(fused, eager, _rows([0.1] * 3), _rows([0.1] * 3))
     assert "identical for every one of the 3 steps" in " ".join(same.split())

@@ -159,24 +159,25 @@ def closing_notes(a: dict, b: dict, rows_a: list, rows_b: list) -> str:
     m = _ratio(fused, eager, "peak_memory_bytes")
     said = []
     if t is not None:
-        cpu = f", CPU time {c:.2f}x" if c is not None else ""
+        cpu = (
+            f"; CPU time {c:.2f}x, the steadier figure on a shared machine with one torch thread"
+            if c is not None
+            else ""
+        )
         said.append(
-            f"time per step {t:.2f}x ({fused['seconds_per_step']:.2f} s vs "
-            f"{eager['seconds_per_step']:.2f} s{cpu}; with one torch thread CPU time is the "
-            "steadier figure on a shared machine). Each step also samples its responses token by "
-            "token with the same code in both modes, so the step's ratio is closer to 1 than the "
-            "ops' own (bench/)"
+            f"Time per step: {t:.2f}x ({fused['seconds_per_step']:.2f} s vs "
+            f"{eager['seconds_per_step']:.2f} s{cpu}); each step also samples its responses "
+            "token by token with the same code in both modes, so the step's ratio is closer to 1 "
+            "than the ops' own (bench/)."
         )
     if m is not None:
         said.append(
-            f"peak tensor memory {m:.2f}x: the eager step holds float32 logits of its tokens over "
-            "the whole vocabulary, the fused ops one tile of them at a time"
+            f"Peak tensor memory: {m:.2f}x; the eager step holds the float32 logits of its tokens "
+            "over the whole vocabulary, the fused ops one tile of them at a time."
         )
     if said:
         paras.append(
-            "The ratios are fused / eager, below 1x in favour of the fused ops: "
-            + "; ".join(said)
-            + "."
+            " ".join(["The ratios are fused / eager, below 1x in favour of the fused ops.", *said])
         )
     k = first_divergence(rows_f, rows_e)
     here = (
