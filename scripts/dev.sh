@@ -40,8 +40,12 @@ if [ "$TORCH" = "$TORCH_CPU" ] && "$PY" -c \
 fi
 DEPS=(ninja numpy pytest pytest-benchmark expecttest hypothesis "transformers>=4.45" tqdm matplotlib)
 
-pip_() {  # pip without this machine's "Location ... is ignored" noise; failures still fail
-  "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+# The peers for the drop-in tests, installed by peers() below (names also used by pip_)
+PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
+
+pip_() {  # pip minus the noise scripts/pip_filter.py describes; pip's failures still fail
+  # shellcheck disable=SC2086  # one argument per peer
+  "$VENV/bin/pip" "$@" 2>&1 | "$PY" scripts/pip_filter.py $PEERS
 }
 
 build_filter() {  # ninja's [n/m] lines shortened to the source file; other output passes
@@ -90,19 +94,21 @@ setup() {
 # verl / TRL / OpenRLHF without their dependencies, plus the few light imports their modules need
 # at import time; tests/_peer_stubs.py stands in for what only a GPU cluster needs (ray,
 # tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
-# per Python) makes its tests skip.
-PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
+# per Python) makes its tests skip. The peers go in last: an install with dependencies makes pip
+# list every unmet pin of an installed package that depends on what it installed (for verl: ~20
+# lines), an install --no-deps checks nothing (pip_ folds such a list into one line should a
+# later install still bring one).
 peers() {
   local p
-  for p in $PEERS; do
-    pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
-  done
   pip_ install -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
   # TRL's GRPOTrainer end to end (tests/test_integrations_trl_e2e.py) needs its data stack
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
   pip_ install -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
+  for p in $PEERS; do
+    pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
+  done
 }
 
 # Formatter and linter (pinned, so a new release does not fail CI on unchanged code): ruff for
@@ -132,6 +138,7 @@ case "$cmd" in
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
     # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
     # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
+    # no checkpoint (92 MB; README "What is kept on disk"): `demo --checkpoint` keeps one
     "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
-      "${@:2}" ;;
+      --no-checkpoint "${@:2}" ;;
 esac

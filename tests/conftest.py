@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from _skip_summary import pytest_configure, pytest_terminal_summary  # noqa: E402,F401
 
 from ppo_kernels import _backend  # noqa: E402
 

@@ -462,7 +462,7 @@ def test_train_help_ends_with_three_examples(capsys):
 
 
 def test_resume_names_a_missing_checkpoint(tmp_path):
-    from ppo_kernels.trainer.cli import checkpoint_path
+    from ppo_kernels.trainer.checkpoint import checkpoint_path
 
     with pytest.raises(ConfigError, match="--resume"):
         checkpoint_path(str(tmp_path))

@@ -11,7 +11,8 @@ import torch
 
 from ppo_kernels.trainer import Ops, TrainConfig
 from ppo_kernels.trainer.algos import RLTrainer
-from ppo_kernels.trainer.cli import main, run
+from ppo_kernels.trainer.cli import main
+from ppo_kernels.trainer.job import run
 from ppo_kernels.trainer.models import ValueModel, frozen_copy, tiny_model
 from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask, Problem
 
@@ -174,12 +175,21 @@ def test_checkpoint_resume_gives_the_same_continuation(tmp_path):
     cb = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)["trainer"]["actor"]
     for k in ca:
         torch.testing.assert_close(ca[k], cb[k], rtol=0, atol=0)
+    # the footprint: one checkpoint file (no temporary left) holding what the resume above
+    # needed -- Actor and Reference, Critic, and the two AdamW states (2 moments each) -- and
+    # nothing else of size (pickle overhead aside)
+    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint*")) == ["checkpoint.pt"]
+    actor = sum(v.numel() * v.element_size() for v in ca.values())
+    critic = ValueModel.from_causal_lm(tiny_model(TrainConfig(**args), 64))
+    critic = sum(p.numel() * p.element_size() for p in critic.parameters())
+    size = (tmp_path / "part" / "checkpoint.pt").stat().st_size
+    assert 4 * actor + 3 * critic <= size <= 1.1 * (4 * actor + 3 * critic) + 200_000, size
 
 
 @pytest.mark.parametrize(
     "algo, extra",
     [
-        ("ppo", ["--steps", "2", "--ops", "fused"]),
+        ("ppo", ["--steps", "2", "--ops", "fused", "--no-checkpoint"]),
         (
             "grpo",
             [
@@ -215,6 +225,8 @@ def test_cli_smoke(tmp_path, algo, extra):
     assert len((out / "metrics.csv").read_text().splitlines()) == steps + 1
     if algo == "rm":
         assert os.path.exists(out / "reward_model.pt")
+    # PPO / GRPO checkpoint unless --no-checkpoint (the ppo case); DPO / RM never do
+    assert (out / "checkpoint.pt").exists() == (algo == "grpo")
 
 
 def test_ppo_with_reward_model_and_critic_from_it(tmp_path):
@@ -340,11 +352,18 @@ def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert "fused/eager" in text and "peak tensor memory" in text, text
-    assert text.rstrip().endswith(f"plot: {out / 'curves.png'}"), text
-    assert (out / "compare.txt").read_text() in text
+    assert text.startswith("phase times from a 3-step probe of this machine"), text
+    # the table, the plot, then the closing notes (also in compare.txt, after the table)
+    table, notes = text.split(f"plot: {out / 'curves.png'}\n\n")
+    assert notes.startswith("What was compared: the same 2 PPO steps"), notes
+    assert "Why the rewards part after the first steps" in notes
+    assert (out / "compare.txt").read_text().replace(notes.strip(), "").strip() in table
     for run_dir in (out, out / "compare_eager"):
         s = json.loads((run_dir / "summary.json").read_text())
         assert s["peak_memory_bytes"] > 0 and s["seconds_per_step"] > 0
+    # the first run's checkpoint (what --compare --resume uses), none for the second
+    assert (out / "checkpoint.pt").exists()
+    assert not list((out / "compare_eager").glob("checkpoint*"))
 
 
 def _torchrun(args, nproc=2):

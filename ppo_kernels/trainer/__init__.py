@@ -7,7 +7,11 @@ ops (`python -m ppo_kernels train --help`).
 - rollout.py  sampling in the multi-turn tool environment; batches with action masks
 - ops.py      every per-token computation: the fused op, or the eager code trainers run today
 - algos.py    SFT, evaluation, PPO / GRPO steps, reward-model training, DPO
-- cli.py      `main(argv)`: run a job, metrics.jsonl, summary.json, curves.png, --compare
+- job.py      `run(cfg)`: one job end to end (SFT warm-up, training, evaluation, summary)
+- checkpoint.py  the SFT cache, the resumable checkpoint (--resume), the reward model file
+- report.py   metrics.jsonl / metrics.csv, curves.png, the --compare table and closing notes
+- estimate.py the phase times printed up front, from a probe of this machine
+- cli.py      `main(argv)`: the flags, the estimate, a job, --compare
 """
 
 from .config import ConfigError, TrainConfig  # noqa: F401
@@ -15,6 +19,6 @@ from .ops import Ops  # noqa: F401
 
 
 def run(cfg: "TrainConfig", log=print) -> dict:
-    from .cli import run as _run
+    from .job import run as _run
 
     return _run(cfg, log)

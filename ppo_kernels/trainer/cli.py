@@ -1,531 +1,21 @@
-"""`python -m ppo_kernels train ...`: run one training job end to end, write DIR/metrics.jsonl,
-DIR/metrics.csv, DIR/summary.json and DIR/curves.png, and (with --compare) repeat it with the other
---ops and print the side-by-side table.
+"""`python -m ppo_kernels train ...`: parse the flags, print the phase-time estimate, run one job
+(job.run), and with --compare repeat it with the other --ops in a subprocess, then print the
+side-by-side table and the closing notes (report.py).
 
-`run(cfg)` is: `_Run` (seeds, output files, resume state) -> the SFT-warmed Actor -> one of
-`_train_rl` / `_train_dpo` / `_train_rm` (each steps through `_Run.step`, which times every step
-and measures the tensor peak of one) -> `_Run.finish` (summary, CSV, plot).
+The trainer's modules below this one: config (flags), job (a run end to end), checkpoint (files
+for --resume and the SFT cache), report (metrics files, plot, table, notes), estimate (phase
+times); imports point from here to them, never back.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import hashlib
 import json
 import os
-import random
 import subprocess
 import sys
-import time
 
-import torch
-
-from .. import _memory
-from . import dist
-from .config import ConfigError, TrainConfig, config_from_args
-from .ops import Ops
-from .task import DecimalAdditionTask
-
-# The up-front estimate: CPU seconds of the default job, one torch thread, on the 2-core AMD EPYC
-# of README's table (about the wall time there when the machine is otherwise idle).
-_EST = {"sft_step": 0.15, "fused_step": 2.6, "eager_step": 4.5, "eval": 10.0}
-
-
-def _sft_key(cfg: TrainConfig, vocab_size: int) -> str:
-    keys = (
-        "model",
-        "arch",
-        "hidden",
-        "layers",
-        "heads",
-        "sft_steps",
-        "sft_batch",
-        "sft_lr",
-        "p_tool",
-        "p_format",
-        "seed",
-    )
-    blob = json.dumps({"vocab": vocab_size, **{k: getattr(cfg, k) for k in keys}}, sort_keys=True)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-
-def _progress(cfg, total, desc):
-    if not cfg.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, leave=True)
-
-
-def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True):
-    """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one)."""
-    from . import algos
-    from .models import load_actor
-
-    actor, tok = load_actor(cfg)
-    actor.to(cfg.device)
-    if cfg.sft_steps == 0:
-        return actor, tok, 0.0
-    cache_dir = cfg.sft_cache or os.path.join(cfg.out, "sft_cache")
-    path = os.path.join(cache_dir, f"sft_{_sft_key(cfg, len(tok))}.pt")
-    if os.path.exists(path):
-        actor.load_state_dict(torch.load(path, map_location=cfg.device))
-        log(f"SFT model loaded from {path}")
-        return actor, tok, 0.0
-    t0 = time.perf_counter()
-    bar = _progress(cfg, cfg.sft_steps, "SFT warm-up")
-    algos.sft(
-        cfg,
-        actor,
-        tok,
-        task,
-        ops,
-        log=log if bar is None else (lambda *a: None),
-        on_step=(lambda s, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update(1)))
-        if bar is not None
-        else None,
-    )
-    if bar is not None:
-        bar.close()
-    if main:  # data-parallel: every rank ran the same SFT; one writes it
-        os.makedirs(cache_dir, exist_ok=True)
-        torch.save(actor.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
-    return actor, tok, time.perf_counter() - t0
-
-
-def save_value_model(vm, path):
-    torch.save({"config": vm.body.config.to_dict(), "state_dict": vm.state_dict()}, path)
-
-
-def load_value_model(path, device):
-    from transformers import AutoConfig, AutoModel
-
-    from .models import ValueModel
-
-    blob = torch.load(path, map_location=device)
-    conf = dict(blob["config"])
-    conf_obj = AutoConfig.for_model(conf.pop("model_type"), **conf)
-    vm = ValueModel(AutoModel.from_config(conf_obj), conf_obj.hidden_size)
-    vm.load_state_dict(blob["state_dict"])
-    return vm.to(device).eval()
-
-
-def checkpoint_path(resume: str) -> str:
-    """--resume takes the run directory (or the checkpoint file in it)."""
-    path = os.path.join(resume, "checkpoint.pt") if os.path.isdir(resume) else resume
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"--resume: no checkpoint at {path!r} (pass the directory of a run that saved one)"
-        )
-    return path
-
-
-def _check_data_parallel(cfg: TrainConfig, w: int):
-    """The global batch sizes split into equal shares (each rank's rows of a PPO minibatch may
-    differ: the losses are weighted by tokens); every rank gets held-out rows to evaluate."""
-    if cfg.algo in ("ppo", "grpo") and cfg.prompts_per_step % w:
-        raise ConfigError(
-            f"--prompts-per-step {cfg.prompts_per_step} must divide by the {w} data-parallel "
-            "processes"
-        )
-    pairs = cfg.algo in ("dpo", "rm") or (cfg.reward == "rm" and not cfg.rm_path)
-    if pairs and cfg.pref_batch % w:
-        raise ConfigError(
-            f"--pref-batch {cfg.pref_batch} must divide by the {w} data-parallel processes"
-        )
-    for name in ("eval_prompts", "eval_pairs"):
-        if getattr(cfg, name) < w:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} {getattr(cfg, name)}: fewer than the {w} "
-                "data-parallel processes"
-            )
-
-
-class _Run:
-    """One job's state outside the models: config, ops, task, metrics file, timings, resume."""
-
-    def __init__(self, cfg: TrainConfig, log):
-        self.group, device = dist.init(cfg.device)
-        if self.group is not None:
-            cfg = dataclasses.replace(cfg, device=device)
-            _check_data_parallel(cfg, dist.world(self.group))
-        # rank 0 alone logs and writes metrics, summary, plot and checkpoints
-        self.main = dist.rank(self.group) == 0
-        self.cfg, self.log = cfg, (log if self.main else lambda *a: None)
-        self.t_start = time.perf_counter()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        os.makedirs(cfg.out, exist_ok=True)
-        self.ops = Ops(cfg.ops)
-        self.task = DecimalAdditionTask(cfg.p_tool, cfg.p_format)
-        self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-        self.ckpt_path = os.path.join(cfg.out, "checkpoint.pt")
-        self.resume = (
-            torch.load(checkpoint_path(cfg.resume), map_location=cfg.device, weights_only=False)
-            if cfg.resume
-            else None
-        )
-        if self.main and self.resume is None and os.path.exists(self.metrics_path):
-            os.remove(self.metrics_path)
-        self.step_times: list[float] = list(self.resume["step_times"]) if self.resume else []
-        self.peak_bytes = self.resume.get("peak_memory_bytes") if self.resume else None
-        self.profiled_seconds = None
-        # CPU seconds of the process per step: with one torch thread, about the step's time on an
-        # idle machine, whatever else runs here
-        self.cpu_times: list[float] = list(self.resume.get("cpu_times", [])) if self.resume else []
-        self.summary = {
-            "algo": cfg.algo,
-            "ops": cfg.ops,
-            "device": cfg.device,
-            "torch_threads": torch.get_num_threads(),
-            "world_size": dist.world(self.group),
-        }
-        # the step whose tensor peak is measured: not the first (optimizer state is created then)
-        self.measured_step = min(1, cfg.steps - 1)
-
-    def record(self, step: int, metrics: dict, phase: str):
-        row = {
-            "step": step,
-            "phase": phase,
-            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
-        }
-        if not self.main:
-            return row
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
-
-    @contextlib.contextmanager
-    def step(self, step: int):
-        """Times a step; measures the tensor peak of `measured_step` (profiled, so its time is
-        left out of seconds_per_step unless it is the only step)."""
-        measure = step == self.measured_step and self.peak_bytes is None
-        peak = _memory.tensor_peak(self.cfg.device) if measure else contextlib.nullcontext()
-        t0, c0 = time.perf_counter(), time.process_time()
-        with peak as p:
-            yield
-        self.last_seconds = time.perf_counter() - t0
-        if measure:
-            self.peak_bytes, self.profiled_seconds = p.bytes, self.last_seconds
-        else:
-            self.step_times.append(self.last_seconds)
-            self.cpu_times.append(time.process_time() - c0)
-
-    def evaluate(self, actor, tok, problems, seed, when):
-        from . import algos
-
-        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
-        self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
-        self.log(
-            f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} held-out prompts"
-        )
-
-    def finish(self) -> dict:
-        cfg = self.cfg
-        kind = (
-            "cuda_max_memory_allocated"
-            if cfg.device.startswith("cuda")
-            else "torch profiler allocation events"
-        )
-        self.summary.update(
-            seconds_per_step=(sum(self.step_times) / len(self.step_times))
-            if self.step_times
-            else self.profiled_seconds,
-            cpu_seconds_per_step=(sum(self.cpu_times) / len(self.cpu_times))
-            if self.cpu_times
-            else None,
-            steps=cfg.steps,
-            peak_memory_bytes=self.peak_bytes,
-            peak_memory_kind=f"tensor peak of step {self.measured_step} above the models and "
-            f"optimizer state ({kind})",
-            total_seconds=round(time.perf_counter() - self.t_start, 2),
-            ops_fused=sorted(self.ops.used),
-            ops_eager_fallback=sorted(self.ops.fallbacks),
-            config=dataclasses.asdict(cfg),
-        )
-        if not self.main:
-            return self.summary
-        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-            json.dump(self.summary, f, indent=2)
-        rows = read_rows(self.metrics_path) if os.path.exists(self.metrics_path) else []
-        write_csv(rows, os.path.join(cfg.out, "metrics.csv"))
-        if cfg.plot:
-            try:
-                plot({cfg.ops: rows}, {cfg.ops: self.summary}, os.path.join(cfg.out, "curves.png"))
-            except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
-                self.log(f"plot skipped: {e}")
-        return self.summary
-
-
-def _train_problems(cfg, task, held_out):
-    def problems(step):
-        rng = random.Random(cfg.seed * 1_000_033 + step)
-        out = []
-        while len(out) < cfg.prompts_per_step:
-            p = task.sample_problem(rng)
-            if (p.a, p.b) not in held_out:
-                out.append(p)
-        return out
-
-    return problems
-
-
-def _rl_models(r: _Run, actor, tok):
-    """(critic, reward_model) for PPO / GRPO: a Critic from the Actor's backbone, or from the
-    reward model (InstructGPT) when the reward is a trained RM."""
-    from . import algos
-    from .models import ValueModel, frozen_copy
-
-    cfg = r.cfg
-    if cfg.algo == "grpo":
-        return None, None
-    if cfg.reward != "rm":
-        return ValueModel.from_causal_lm(actor).to(cfg.device), None
-    if cfg.rm_path:
-        rm = load_value_model(cfg.rm_path, cfg.device)
-    else:
-        rm, a0, a1 = algos.train_reward_model(
-            cfg,
-            actor,
-            tok,
-            r.task,
-            r.ops,
-            cfg.rm_steps,
-            log=r.log,
-            on_step=lambda s, m: r.record(s, m, "rm"),
-            group=r.group,
-        )
-        r.summary.update(rm_pair_accuracy_before=a0, rm_pair_accuracy_after=a1)
-        if r.main:
-            save_value_model(rm, os.path.join(cfg.out, "reward_model.pt"))
-    return copy.deepcopy(rm).train(), frozen_copy(rm)
-
-
-def _save_checkpoint(r: _Run, step: int, trainer_state: dict):
-    torch.save(
-        {
-            "cfg": dataclasses.asdict(r.cfg),
-            "step": step,
-            "trainer": trainer_state,
-            "step_times": r.step_times,
-            "cpu_times": r.cpu_times,
-            "peak_memory_bytes": r.peak_bytes,
-            **{k: r.summary[k] for k in ("eval_reward_before", "eval_tool_use_before")},
-        },
-        r.ckpt_path + ".tmp",
-    )
-    os.replace(r.ckpt_path + ".tmp", r.ckpt_path)
-
-
-def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
-    from .models import frozen_copy
-
-    cfg = r.cfg
-    critic, reward_model = _rl_models(r, actor, tok)
-    trainer = algos.RLTrainer(
-        cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model, r.group
-    )
-    start = 0
-    if r.resume is not None:
-        trainer.load_state_dict(r.resume["trainer"])
-        start = r.resume["step"]
-        for k in ("eval_reward_before", "eval_tool_use_before"):
-            r.summary[k] = r.resume[k]
-    else:
-        r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "before")
-    problems = _train_problems(cfg, r.task, {(p.a, p.b) for p in eval_problems})
-    bar = _progress(cfg, cfg.steps, f"{cfg.algo} ({cfg.ops} ops)") if r.main else None
-    if bar is not None:
-        bar.update(start)
-    for step in range(start, cfg.steps):
-        with r.step(step):
-            m = trainer.step(problems(step))
-        r.record(step, {**m, "seconds": r.last_seconds}, cfg.algo)
-        if bar is not None:
-            bar.set_postfix(
-                score=f"{m['score']:.3f}", kl=f"{m['kl']:.4f}", tool=f"{m['tool_call_frac']:.2f}"
-            )
-            bar.update(1)
-        else:
-            r.log(
-                f"step {step:4d}  score {m['score']:.3f}  kl {m['kl']:.4f}  "
-                f"pg {m['pg_loss']:+.4f}  {r.last_seconds:.2f}s"
-            )
-        if step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            state = trainer.state_dict()  # FSDP2: gathers the shards (every rank calls it)
-            if r.main:
-                _save_checkpoint(r, step + 1, state)
-    if bar is not None:
-        bar.close()
-    r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "after")
-
-
-def _on_step(r: _Run, phase: str):
-    return lambda s, m: r.record(s, {**m, "seconds": r.last_seconds}, phase)
-
-
-def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
-
-    r.evaluate(actor, tok, eval_problems, eval_seed, "before")
-    policy = algos.train_dpo(
-        r.cfg,
-        actor,
-        tok,
-        r.task,
-        r.ops,
-        on_step=_on_step(r, "dpo"),
-        around_step=r.step,
-        group=r.group,
-    )
-    r.evaluate(policy, tok, eval_problems, eval_seed, "after")
-
-
-def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
-
-    rm, a0, a1 = algos.train_reward_model(
-        r.cfg,
-        actor,
-        tok,
-        r.task,
-        r.ops,
-        r.cfg.steps,
-        log=r.log,
-        on_step=_on_step(r, "rm"),
-        around_step=r.step,
-        group=r.group,
-    )
-    if r.main:
-        save_value_model(rm, os.path.join(r.cfg.out, "reward_model.pt"))
-    # for the RM the "reward" being evaluated is its held-out pairwise accuracy
-    r.summary.update(
-        eval_metric="held-out pairwise accuracy",
-        eval_reward_before=a0,
-        eval_reward_after=a1,
-        rm_pair_accuracy_before=a0,
-        rm_pair_accuracy_after=a1,
-    )
-
-
-_TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_rm}
-
-
-def run(cfg: TrainConfig, log=print) -> dict:
-    """Run one job; returns (and writes) the summary."""
-    r = _Run(cfg, log)
-    cfg = r.cfg  # data-parallel on GPUs: this rank's device
-    actor, tok, sft_seconds = prepare_actor(cfg, r.task, r.ops, r.log, r.main)
-    r.summary["sft_seconds"] = round(sft_seconds, 2)
-    eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
-    _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
-    summary = r.finish()
-    group = r.group
-    del r, actor, tok  # the models (DDP / FSDP wrappers hold the group) before the group
-    dist.close(group)
-    return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# metrics files and the plot
-# ---------------------------------------------------------------------------------------------
-def write_csv(rows, path):
-    import csv
-
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def read_rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-_CURVES = [
-    ("score", "reward (train rollouts)"),
-    ("kl", "KL to Reference (per sequence)"),
-    ("pg_loss", "policy loss"),
-    ("vf_loss", "value loss"),
-    ("seconds", "seconds per step"),
-    ("dpo_loss", "DPO loss"),
-    ("reward_accuracy", "DPO reward accuracy"),
-    ("rm_loss", "reward-model loss"),
-    ("train_pair_accuracy", "RM train pair accuracy"),
-]
-
-
-def plot(runs: dict, summaries: dict, path):
-    """One panel per metric, one line per run ({label: metrics rows}): fused and eager overlaid."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = [(k, t) for k, t in _CURVES if any(k in row for rows in runs.values() for row in rows)]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
-    for ax, (k, title) in zip(axes[0], keys):
-        for label, rows in runs.items():
-            pts = [(row["step"], row[k]) for row in rows if k in row]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label} ops", alpha=0.8)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        if k == "score":
-            for label, s in summaries.items():
-                if s.get("eval_reward_after") is not None:
-                    ax.axhline(
-                        s["eval_reward_after"],
-                        ls="--",
-                        lw=0.8,
-                        c=ax.lines[list(runs).index(label)].get_color(),
-                        label=f"{label}: eval after",
-                    )
-        ax.legend(fontsize=7)
-    algo = next(iter(summaries.values()))["algo"]
-    fig.suptitle(f"{algo}: " + " vs ".join(f"{label} ops" for label in runs))
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# the command line
-# ---------------------------------------------------------------------------------------------
-def compare_table(a: dict, b: dict) -> str:
-    """Side by side, fused first, with fused / eager ratios."""
-    fused, eager = (a, b) if a["ops"] == "fused" else (b, a)
-    rows = [
-        ("time per step (s)", "seconds_per_step", 1, ".3f"),
-        ("CPU time per step (s)", "cpu_seconds_per_step", 1, ".3f"),
-        ("peak tensor memory (MiB)", "peak_memory_bytes", 2**-20, ".1f"),
-        ("eval reward before", "eval_reward_before", 1, ".3f"),
-        ("eval reward after", "eval_reward_after", 1, ".3f"),
-    ]
-    lines = [f"{'':26s} {'fused':>10s} {'eager':>10s} {'fused/eager':>12s}"]
-    for name, key, scale, spec in rows:
-        vf, ve = fused.get(key), eager.get(key)
-        f = "-" if vf is None else format(vf * scale, spec)
-        e = "-" if ve is None else format(ve * scale, spec)
-        ratio = (
-            f"{vf / ve:.2f}x"
-            if key in ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes")
-            and vf is not None
-            and ve
-            else ""
-        )
-        lines.append(f"{name:26s} {f:>10s} {e:>10s} {ratio:>12s}")
-    lines.append(f"(memory: {fused.get('peak_memory_kind')})")
-    return "\n".join(lines)
+from . import job, report
+from .config import ConfigError, config_from_args
 
 
 def _without(argv, flag_names):
@@ -543,29 +33,18 @@ def _without(argv, flag_names):
     return out
 
 
-def _estimate(cfg: TrainConfig, compare: bool) -> str:
-    """Rough phase times, scaled from the reference machine's (only meaningful near defaults)."""
+def _estimator(cfg, compare: bool):
+    """The `before_sft` of job.run that prints the phase times (PPO / GRPO on the CPU, rank 0)."""
+    if cfg.algo not in ("ppo", "grpo") or cfg.device != "cpu" or os.environ.get("RANK", "0") != "0":
+        return None
+    from . import estimate
 
-    def mins(s):
-        return f"~{max(s / 60, 0.1):.1f} min"
-
-    parts = []
-    cached = os.path.exists(
-        os.path.join(
-            cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
-            f"sft_{_sft_key(cfg, cfg.vocab)}.pt",
-        )
-    )
-    if cfg.sft_steps and cfg.model is None:
-        parts.append(
-            "SFT warm-up: cached"
-            if cached
-            else f"SFT warm-up {mins(_EST['sft_step'] * cfg.sft_steps)} (cached for later runs)"
-        )
     runs = [cfg.ops] + ([{"fused": "eager", "eager": "fused"}[cfg.ops]] if compare else [])
-    for ops in runs:
-        parts.append(f"{ops} run {mins(_EST[f'{ops}_step'] * cfg.steps + 2 * _EST['eval'])}")
-    return "rough phase times on an idle 2-core CPU: " + ", ".join(parts)
+
+    def before_sft(actor, tok, task, sft_to_run):
+        print(estimate.estimate(cfg, actor, tok, task, runs, sft_to_run), flush=True)
+
+    return before_sft
 
 
 def _check_dependencies():
@@ -586,15 +65,9 @@ def main(argv=None) -> int:
         problem = _check_dependencies()
         if problem:
             raise ConfigError(problem)
-        if (
-            cfg.algo in ("ppo", "grpo")
-            and cfg.device == "cpu"
-            and os.environ.get("RANK", "0") == "0"
-        ):
-            print(_estimate(cfg, args.compare))
         if args.compare and "RANK" in os.environ:
             raise ConfigError("--compare runs one process; run torchrun once per --ops instead")
-        summary = run(cfg)
+        summary = job.run(cfg, before_sft=_estimator(cfg, args.compare))
     except ConfigError as e:
         print(f"python -m ppo_kernels train: error: {e}", file=sys.stderr)
         return 2
@@ -615,8 +88,12 @@ def main(argv=None) -> int:
     )
     if summary["ops_eager_fallback"] and cfg.ops == "fused":
         print(f"note: ran eager (PPO_TRAINER_EAGER_OPS): {summary['ops_eager_fallback']}")
-    if not args.compare:
-        return 0
+    return _compare(argv, cfg, summary) if args.compare else 0
+
+
+def _compare(argv, cfg, summary) -> int:
+    """--compare: the same run with the other --ops in a subprocess (same SFT cache), then the
+    table, the overlaid plot and the closing notes."""
     other = "eager" if cfg.ops == "fused" else "fused"
     other_out = os.path.join(cfg.out, f"compare_{other}")
     cmd = [
@@ -631,6 +108,8 @@ def main(argv=None) -> int:
         other_out,
         "--sft-cache",
         cfg.sft_cache or os.path.join(cfg.out, "sft_cache"),
+        # --compare never resumes this run (it starts over: no --resume above), so no checkpoint
+        "--no-checkpoint",
     ]
     print(f"\n--compare: the same run with --ops {other} ({other_out})")
     rc = subprocess.call(cmd)
@@ -639,16 +118,17 @@ def main(argv=None) -> int:
     with open(os.path.join(other_out, "summary.json")) as f:
         other_summary = json.load(f)
     runs = {
-        cfg.ops: read_rows(os.path.join(cfg.out, "metrics.jsonl")),
-        other: read_rows(os.path.join(other_out, "metrics.jsonl")),
+        cfg.ops: report.read_rows(os.path.join(cfg.out, "metrics.jsonl")),
+        other: report.read_rows(os.path.join(other_out, "metrics.jsonl")),
     }
     plot_path = os.path.join(cfg.out, "curves.png")
     try:
-        plot(runs, {cfg.ops: summary, other: other_summary}, plot_path)
+        report.plot(runs, {cfg.ops: summary, other: other_summary}, plot_path)
     except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
         plot_path = f"(plot skipped: {e})"
-    table = compare_table(summary, other_summary)
+    table = report.compare_table(summary, other_summary)
+    notes = report.closing_notes(summary, other_summary, runs[cfg.ops], runs[other])
     with open(os.path.join(cfg.out, "compare.txt"), "w") as f:
-        f.write(table + "\n")
-    print("\n" + table + f"\nplot: {plot_path}")
+        f.write(table + "\n" + (f"\n{notes}\n" if notes else ""))
+    print("\n" + table + f"\nplot: {plot_path}" + (f"\n\n{notes}" if notes else ""))
     return 0

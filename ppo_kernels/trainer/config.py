@@ -110,6 +110,11 @@ class TrainConfig:
     dpo_lr: float = _f(3e-4, "DPO learning rate (higher drifts the policy off the pairs)")
     # -- eval / checkpoints -------------------------------------------------------------------
     eval_prompts: int = _f(200, "held-out prompts for eval_reward_before / after")
+    checkpoint: bool = _f(
+        True,
+        "write DIR/checkpoint.pt, what --resume needs (PPO / GRPO: models and optimiser states, "
+        "~92 MB for the default model; one file, overwritten)",
+    )
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
     resume: Optional[str] = _f(
         None, "run directory (or its checkpoint.pt) to resume from; --steps is the new total"

@@ -1,0 +1,151 @@
+"""What the trainer's command line says and keeps, without training: the phase-time estimate
+(trainer/estimate.py), the --compare closing notes (trainer/report.py) and when a checkpoint is
+written (trainer/checkpoint.py)."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from ppo_kernels.trainer import TrainConfig, checkpoint, estimate, report
+from ppo_kernels.trainer.models import tiny_model
+from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask
+
+
+def test_estimate_format_gives_ranges_and_a_total():
+    lo, hi = estimate.SPREAD
+    phases = [("SFT warm-up", 200.0), ("fused run", 100.0), ("eager run", 40.0)]
+    line = estimate.format_estimate(phases, probe=0.25, sft_cached=False)
+    assert line == (
+        "phase times from a 3-step probe of this machine (0.25 s per SFT step now): "
+        f"SFT warm-up {200 * lo / 60:.1f}-{200 * hi / 60:.1f} min (cached for later runs), "
+        f"fused run {100 * lo / 60:.1f}-{100 * hi / 60:.1f} min, "
+        f"eager run {40 * lo:.0f}-{40 * hi:.0f} s; in all "
+        f"{340 * lo / 60:.1f}-{340 * hi / 60:.1f} min"
+    )
+    assert (lo, hi) == (0.8, 1.5)  # the line above spells out these numbers
+    line = estimate.format_estimate([("eager run", 3000.0)], probe=1.0, sft_cached=True)
+    assert line.endswith(": SFT warm-up: cached, eager run 40-75 min; in all 40-75 min")
+
+
+def test_estimate_phases_scale_with_the_probe_and_the_config():
+    cfg = TrainConfig().validate()  # the defaults: 800 SFT steps, 40 steps of 64, 200 eval
+    ref = estimate.REF
+    probe = 2 * ref["sft_step"]["fused"]  # a machine twice as slow as the reference one
+    got = dict(estimate.phase_seconds(cfg, probe, ["fused", "eager"], sft_to_run=True))
+    assert got["SFT warm-up"] == pytest.approx(probe * 800)
+    for ops in ("fused", "eager"):
+        assert got[f"{ops} run"] == pytest.approx(2 * (40 * ref["rl_step"][ops] + 2 * ref["eval"]))
+    # half the responses per step and eval prompts: half the run; a cached SFT: no SFT phase
+    small = TrainConfig(prompts_per_step=32, eval_prompts=100).validate()
+    got2 = dict(estimate.phase_seconds(small, probe, ["fused"], sft_to_run=False))
+    assert list(got2) == ["fused run"]
+    assert got2["fused run"] == pytest.approx(got["fused run"] / 2)
+    # an eager run's probe is an eager SFT step: the same machine gives the same RL estimate
+    eager = TrainConfig(ops="eager").validate()
+    probe_e = 2 * ref["sft_step"]["eager"]
+    got3 = dict(estimate.phase_seconds(eager, probe_e, ["eager"], sft_to_run=False))
+    assert got3["eager run"] == pytest.approx(got["eager run"])
+
+
+def test_estimate_probe_leaves_the_model_and_random_state_alone():
+    cfg = TrainConfig(vocab=64, hidden=32, layers=1, heads=2, sft_batch=4).validate()
+    tok, task = CharTokenizer(64), DecimalAdditionTask()
+    actor = tiny_model(cfg, len(tok))
+    before = copy.deepcopy(actor.state_dict())
+
+    def draws():
+        return torch.rand(3), random.random()
+
+    torch.manual_seed(5)
+    random.seed(5)
+    want = draws()
+    torch.manual_seed(5)
+    random.seed(5)
+    line = estimate.estimate(cfg, actor, tok, task, ["fused", "eager"], sft_to_run=True)
+    got = draws()
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    for k, v in actor.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert line.startswith("phase times from a 3-step probe") and "eager run" in line
+    assert estimate.probe_sft_step(cfg, actor, tok, task, "eager") > 0
+
+
+def _summary(ops, t, cpu, mem, before, after, tool=(0.5, 0.8)):
+    return {
+        "ops": ops,
+        "algo": "ppo",
+        "seconds_per_step": t,
+        "cpu_seconds_per_step": cpu,
+        "peak_memory_bytes": mem,
+        "peak_memory_kind": "tensor peak",
+        "eval_reward_before": before,
+        "eval_reward_after": after,
+        "eval_tool_use_before": tool[0],
+        "eval_tool_use_after": tool[1],
+        "config": {
+            "algo": "ppo",
+            "steps": 3,
+            "prompts_per_step": 64,
+            "group_size": 1,
+            "eval_prompts": 200,
+            "reward": "verifier",
+        },
+    }
+
+
+def _rows(scores):
+    keys = ("response_tokens", "tool_call_frac", "truncated_frac")
+    return [{"step": i, "score": s, **{k: 1.0 for k in keys}} for i, s in enumerate(scores)]
+
+
+def test_first_divergence_is_the_first_step_whose_rollouts_differ():
+    a = _rows([0.1, 0.2, 0.3])
+    assert report.first_divergence(a, _rows([0.1, 0.2, 0.3])) is None
+    assert report.first_divergence(a, _rows([0.1, 0.2, 0.4])) == 2
+    b = _rows([0.1, 0.2, 0.3])
+    b[1]["response_tokens"] = 2.0
+    b[1]["kl"] = 5.0  # not a rollout statistic
+    assert report.first_divergence(a, b) == 1
+
+
+def test_closing_notes_say_what_the_numbers_mean():
+    fused = _summary("fused", 2.0, 1.9, 100 * 2**20, 0.305, 0.505, (0.52, 0.81))
+    eager = _summary("eager", 4.0, 4.2, 400 * 2**20, 0.305, 0.650)
+    text = report.closing_notes(eager, fused, _rows([0.1, 0.2, 0.4]), _rows([0.1, 0.2, 0.3]))
+    flat = " ".join(text.split())
+    assert all(len(line) <= 100 for line in text.splitlines())
+    assert "the same 3 PPO steps (64 responses each)" in flat
+    assert "Reward is the verifier's mean score on 200 held-out sums" in flat
+    assert (
+        "Fused: reward 0.305 -> 0.505, tool use 0.52 -> 0.81; eager: reward 0.305 -> 0.650" in flat
+    )
+    assert "Time per step: 0.50x (2.00 s vs 4.00 s; CPU time 0.45x, the steadier" in flat
+    assert "Peak tensor memory: 0.25x;" in flat
+    assert "identical for steps 0-1 and first differed at step 2" in flat
+    same = report.closing_notes(fused, eager, _rows([0.1] * 3), _rows([0.1] * 3))
+    assert "identical for every one of the 3 steps" in " ".join(same.split())
+    # DPO / RM runs compare no rollouts: no notes
+    dpo = {**fused, "config": {**fused["config"], "algo": "dpo"}}
+    assert report.closing_notes(dpo, eager, [], []) == ""
+
+
+def test_compare_table_has_tool_use():
+    fused = _summary("fused", 2.0, 1.9, 100 * 2**20, 0.305, 0.505, (0.52, 0.81))
+    table = report.compare_table(_summary("eager", 4.0, 4.2, 400 * 2**20, 0.3, 0.6), fused)
+    assert "eval tool use after" in table and "0.81" in table and "0.50x" in table
+
+
+@pytest.mark.parametrize(
+    "kw, due",
+    [
+        (dict(steps=5), [4]),
+        (dict(steps=5, save_every=2), [1, 3, 4]),
+        (dict(steps=5, save_every=2, checkpoint=False), []),
+        (dict(steps=5, checkpoint=False), []),
+    ],
+)
+def test_checkpoint_is_written_at_the_end_and_every_save_every(kw, due):
+    cfg = TrainConfig(**kw).validate()
+    assert [s for s in range(cfg.steps) if checkpoint.due(cfg, s)] == due
