@@ -17,29 +17,37 @@ The loss is `L = sum_b c_b sum_t m w l_t` and its gradient
 where, per type, l_t is the per-token term, g_t = dl_t/dlp_t holding the row statistic fixed, and
 (only where a gradient flows through a row statistic S_b) q_t = dl_t/dS_b and s_t = dS_b/dlp_t.
 
-  type        l_t                                          g_t                         stats first        S_b / q_t
-  ppo,grpo,.. max(-A r1, -A clip(r,lo,hi)), r1 = min(r,delta)  -A (w1 r1' + (1-w1) [lo<r<hi]) r [|d|<L]  -   -
-              A<0 & dual_clip c: min(that, -A c)             x (weight of that in the min)
-  (sequence)  same with r = exp(clamp(mu_b, -L, L))          0                           mu_b              mu_b / dl/dr r [|mu|<L]; s_t = m_t / max(n_b,1)
-  gspo        same with r = exp(min(mu_b, L)) (verl: L=10)   dl/dr r [mu_b < L]          mu_b              - (stop-gradient on mu_b)
-  sapo        -A f(r), f = sigmoid(tau(r-1)) 4/tau           -A 4 sig (1-sig) r [|d|<L]  - (seq.: mu_b)    (seq.: as the clip family)
-  cispo       -sg(clip(r, lo, hi)) A lp                      -clip(r, lo, hi) A          - (seq.: mu_b)    -
-  gpg         -A lp                                          -A                          -                 -
-  dro         -(A lp - beta/2 d^2)                           -A + beta d                 -                 -
-  dppo_tv/kl  -A sg(min(r, C)) lp v (v: valid mask, below)   -A min(r, C) v              -                 -
-  geo_mean    -Abar_b rho_b sw_b / n_b, rho_b = exp(S_b)     0                           S_b, Abar_b       S_b = sum m k_t / n_b, k_t = sgn(A) min(sgn(A) d, sgn(A) clamp(d, -clip_low, clip_high));
-                                                                                                           q_t = l_t, s_t = m_t k'(d_t) / n_b
-  clip_cov    max(-A r, -A clip(r)) corr_t (r = exp(d))      corr_t x the clip gradient  corr (batch)      -
-  kl_cov      -A r + kappa |d| sel_t (r = exp(d))            -A r + kappa sign(d) sel_t  sel (batch)       -
-
-(r1' = [r < delta]; w1 = torch's weight of the first argument of the max: 1, 0, or 1/2 at a tie;
-dppo_tv: v = [p - p_old <= clip_high] for A > 0 else [p - p_old >= -clip_low], p = exp(lp);
-dppo_kl: v = [kl_b <= clip_high or p <= p_old] for A > 0 else [kl_b <= clip_low or p >= p_old],
-kl_b = p_old (old - lp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)); geo_mean's
-weights are per row, sw_b = exp(sum m log(w + 1e-10) / (n_b + 1e-8)) as verl; clip_cov:
-corr_t = 0 for up to max(floor(clip_cov_ratio * sum m), 1) tokens drawn at random among those with
-clip_cov_lb < (A - mean A)(lp - mean lp) < clip_cov_ub that the clip did not already clip; kl_cov:
-sel_t = 1 for the max(floor(kl_cov_ratio * N), 1) tokens of largest covariance, N = #(m > 0).)
+Per type: l_t; g_t; the stage-1 statistics; the terms through a row statistic (if any).
+  ppo, grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate; they differ in aggregation):
+      l = max(-A r1, -A clip(r, lo, hi)), r1 = min(r, delta); for A < 0 with dual clip c,
+      min(l, -A c).  g = -A (w1 [r < delta] + (1 - w1) [lo < r < hi]) r [|d| < L], times the
+      min's weight of l under the dual clip (w1: torch's weight of the first argument of the max:
+      1, 0, or 1/2 at a tie).  No statistic.
+    importance_sampling_level="sequence" (TRL's GSPO): r = exp(clamp(mu_b, -L, L)) for every
+      token of the row; g = 0; S = mu_b, q = dl/dr r [|mu_b| < L], s = m / max(n_b, 1).
+  gspo (verl): the surrogate (no dual clip) of r = exp(min(mu_b, L)), L = 10, mu_b a
+      stop-gradient: g = dl/dr r [mu_b < L].  Statistic mu_b.
+  sapo: l = -A f(r), f = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg;
+      g = -A 4 sig (1 - sig) r [|d| < L].  Sequence level: as the clipped types.
+  cispo: l = -sg(clip(r, lo, hi)) A lp; g = -clip(r, lo, hi) A.  Sequence level: r of mu_b
+      (a statistic, no gradient through it).
+  gpg = reinforce: l = -A lp; g = -A.      dro: l = -(A lp - beta d^2 / 2); g = -A + beta d.
+  dppo_tv, dppo_kl: l = -A sg(min(r, C)) lp v; g = -A min(r, C) v, with v = [p - p_old <=
+      clip_high] for A > 0 else [p - p_old >= -clip_low] (tv), v = [kl <= clip_high or
+      p <= p_old] for A > 0 else [kl <= clip_low or p >= p_old] (kl), p = exp(lp),
+      kl = p_old (old - lp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)).
+  geo_mean: per row -Abar_b rho_b sw_b (mean over the B rows), written per token as
+      l = -Abar_b rho_b / n_b; rho_b = exp(S_b), S_b = sum_t m k_t / n_b,
+      k_t = sgn(A) min(sgn(A) d, sgn(A) clamp(d, -clip_low, clip_high)), Abar_b = sum m A / n_b;
+      g = 0, q = l, s = m k'(d) / n_b.  Statistics S_b, Abar_b; the weights per row,
+      sw_b = exp(sum m log(w + 1e-10) / (n_b + 1e-8)) (verl).
+  clip_cov: l = max(-A r, -A clip(r, lo, hi)) corr_t, r = exp(d); g = corr_t x the surrogate's.
+      Statistic corr (batch): 0 for min(max(floor(clip_cov_ratio sum m), 1), #candidates)
+      tokens drawn uniformly among those with clip_cov_lb < (A - mean A)(lp - mean lp) <
+      clip_cov_ub that the clip did not already clip.
+  kl_cov: l = -A r + kappa |d| sel_t, r = exp(d); g = -A r + kappa sign(d) sel_t.  Statistic sel
+      (batch): 1 for the max(floor(kl_cov_ratio N), 1) largest covariances (N = #(m > 0),
+      unweighted means).
 
 Stage 1 (`statistics`) computes what needs more than the token itself: mu_b, geo_mean's S_b and
 Abar_b (per sequence: every token of the row first), clip_cov's / kl_cov's selections (per batch:
@@ -49,7 +57,8 @@ coefficient dL/dlp_t -- what a fused op multiplies into its logits-gradient tile
 In a fused op whose chunk holds whole sequences, per-sequence statistics cost nothing extra; a
 sequence longer than a chunk, and every batch statistic (clip_cov, kl_cov, batch-normalised
 rollout weights, a local token-mean denominator of a mask that depends on the current log-probs),
-needs its log-probs before any gradient tile can be formed: a second pass over those rows.
+needs its log-probs before any gradient tile can be formed: a second pass over those rows
+(`stat_scope` says which).
 """
 
 from __future__ import annotations
@@ -101,6 +110,20 @@ _DEFAULT_LOG_RATIO_CLAMP = {
     "dppo_kl": 20.0,
     "gspo": 10.0,  # one-sided, on the log sequence ratio
 }
+
+
+def stat_scope(cfg: "LossConfig") -> str:
+    """What a token's gradient coefficient needs beyond the token: "token" (nothing: one pass),
+    "sequence" (every token of its row: a second pass for a row longer than a chunk) or "batch"
+    (every token of the batch: a second pass). Rollout correction in bypass mode can widen it
+    (policy_loss.stat_scope)."""
+    if cfg.loss_type in BATCH_STAT_TYPES:
+        return "batch"
+    if cfg.loss_type in ("gspo", "geo_mean") or (
+        cfg.sequence_level and cfg.loss_type in SEQUENCE_LEVEL_TYPES
+    ):
+        return "sequence"
+    return "token"
 
 
 def default_aggregation(loss_type: str) -> tuple[str, bool]:
