@@ -184,7 +184,7 @@ class Terms(NamedTuple):
     the per-token values whose masked means are the statistics."""
 
     loss: Tensor
-    grad: Tensor
+    grad: Tensor | None  # None: 0
     seq_grad: Tensor | None
     seq_dstat: Tensor | None
     metrics: dict[str, Tensor]
@@ -281,7 +281,7 @@ def statistics(cfg: LossConfig, x: Inputs, generator: torch.Generator | None = N
 
 def clip_surrogate(r, adv, lo, hi, dual_clip=None, delta=None):
     """The clipped surrogate max(-A min(r, delta), -A clip(r, lo, hi)) (dual clip for A < 0):
-    (loss, dloss/dr, clipped [pg2 > pg1], clipped_lower) with torch's tie rules."""
+    (loss, dloss/dr, clipped [pg2 > pg1], clipped_lower or None) with torch's tie rules."""
     r1 = r if delta is None else torch.clamp(r, max=delta)
     dr1 = 1.0 if delta is None else (r < delta).to(r.dtype)
     pg1 = -adv * r1
@@ -291,7 +291,7 @@ def clip_surrogate(r, adv, lo, hi, dual_clip=None, delta=None):
     in_clip = ((r > lo) & (r < hi)).to(r.dtype)
     g = -adv * (w1 * dr1 + (1 - w1) * in_clip)
     clipped = (pg2 > pg1).to(r.dtype)
-    lower = torch.zeros_like(clipped)
+    lower = None  # no dual clip: never
     if dual_clip is not None:
         pg3 = -adv * dual_clip
         neg = adv < 0
@@ -303,8 +303,11 @@ def clip_surrogate(r, adv, lo, hi, dual_clip=None, delta=None):
 
 def _ratio(d, L):
     """(exp(clamp(d, -L, L)), d ratio / d d)."""
+    if L == math.inf:
+        r = torch.exp(d)
+        return r, r
     r = torch.exp(torch.clamp(d, -L, L))
-    return r, r * ((d > -L) & (d < L)).to(d.dtype)
+    return r, torch.where((d > -L) & (d < L), r, torch.zeros((), dtype=d.dtype, device=d.device))
 
 
 def _trl_clip_metrics(out, r, adv, lo, hi):
@@ -322,11 +325,10 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
     t = cfg.loss_type
     lo, hi, L = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.log_ratio_clamp
     d = lp - old
-    zero = torch.zeros_like(lp)
     seq_grad = seq_dstat = None
     met: dict[str, Tensor] = {}
-    clipped = lower = zero
-    kl_term = -torch.clamp(d, -L, L)  # verl's ppo_kl, for the types that clamp
+    clipped = lower = None  # None: 0 everywhere
+    kl_term = -d if L == math.inf else -torch.clamp(d, -L, L)  # verl's ppo_kl
     seq = cfg.sequence_level and t in SEQUENCE_LEVEL_TYPES
     if seq:
         mu = st.seq_log_ratio.unsqueeze(-1)
@@ -339,10 +341,11 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
     if t in CLIP_TYPES:
         loss, dl_dr, clipped, lower = clip_surrogate(r, adv, lo, hi, cfg.dual_clip, cfg.delta)
         if seq:
-            grad, seq_grad = zero, dl_dr * drdmu
+            grad, seq_grad = None, dl_dr * drdmu
         else:
             grad = dl_dr * drdlp
-        _trl_clip_metrics(met, r, adv, lo, hi)
+        if t != "ppo":  # TRL's / Liger's statistics of their clipped types
+            _trl_clip_metrics(met, r, adv, lo, hi)
     elif t == "gspo":
         mu = st.seq_log_ratio.unsqueeze(-1)
         r = torch.exp(torch.clamp(mu, max=L)).expand(lp.shape)
@@ -357,7 +360,7 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
         loss = -adv * sig * (4.0 / tau)
         dl_dr = -adv * 4.0 * sig * (1 - sig)
         if seq:
-            grad, seq_grad = zero, dl_dr * drdmu
+            grad, seq_grad = None, dl_dr * drdmu
         else:
             grad = dl_dr * drdlp
     elif t == "cispo":
@@ -389,7 +392,7 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
         rho = torch.exp(st.geo_log_ratio).unsqueeze(-1)
         inv_n = _safe_div(torch.ones_like(st.n), st.n).unsqueeze(-1)
         loss = (-st.geo_adv.unsqueeze(-1) * rho * inv_n).expand(lp.shape)
-        grad, seq_grad, seq_dstat = zero, loss, m * dk * inv_n
+        grad, seq_grad, seq_dstat = None, loss, m * dk * inv_n
         r = rho.expand(lp.shape)
         cl = (d != torch.clamp(d, -cfg.clip_low, cfg.clip_high)).to(lp.dtype)
         clipped, lower = cl * (adv > 0).to(lp.dtype), cl * (adv < 0).to(lp.dtype)
@@ -410,6 +413,8 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
     else:
         raise ValueError(f"loss_type: unknown {t!r}; expected one of {LOSS_TYPES}")
     met.update(clip_frac=clipped, clip_frac_lower=lower, approx_kl=kl_term, ratio_mean=r)
+    if seq_grad is None:
+        seq_dstat = None
     return Terms(loss, grad, seq_grad, seq_dstat, met)
 
 
@@ -431,16 +436,17 @@ def combine(terms: Terms, x: Inputs, row_coef: Tensor, weights: Tensor | None = 
     if weights is not None:
         k = k * torch.where(x.m != 0, weights, torch.zeros_like(weights))
     loss = (k * terms.loss).sum()
-    coef = k * terms.grad
+    coef = torch.zeros_like(k) if terms.grad is None else k * terms.grad
     if terms.seq_grad is not None:
         coef = coef + (k * terms.seq_grad).sum(-1, keepdim=True) * terms.seq_dstat
     return loss, coef
 
 
-def masked_means(values: dict[str, Tensor], m: Tensor) -> dict[str, Tensor]:
-    """Masked means over the local mask (0 for an empty mask), sync-free."""
+def masked_means(values: dict[str, Tensor | None], m: Tensor) -> dict[str, Tensor]:
+    """Masked means over the local mask (0 for an empty mask; a None value is 0), sync-free."""
     total = m.sum()
-    return {k: _safe_div((v * m).sum(), total) for k, v in values.items()}
+    zero = torch.zeros((), dtype=m.dtype, device=m.device)
+    return {k: zero if v is None else _safe_div((v * m).sum(), total) for k, v in values.items()}
 
 
 def row_metrics(values: dict[str, Tensor], m: Tensor, per_row: bool) -> dict[str, Tensor]:
