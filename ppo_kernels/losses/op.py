@@ -778,10 +778,11 @@ def ppo_policy_loss(
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 logprobs) and 0-dim tensors
         `clip_frac`, `clip_frac_lower` (dual clip; 0 without it), `approx_kl` (masked mean of
         -log-ratio, verl's ppo_kl) and `ratio_mean`, all over the local (corrected) mask, no host
-        sync; the other loss types add TRL's `clip_low_frac` / `clip_high_frac` /
-        `clip_region_frac` (and `seq_*`, `clip_low_frac_min`, `clip_high_frac_max`), rollout
-        correction adds `masked_fraction`, `is_weight_mean` and verl's metrics as
-        `rollout_corr/<name>`.
+        sync (each as that type's verl function reports it); TRL's types (grpo, bnpo, dr_grpo,
+        dapo, luspo, cispo) add TRL's `clip_low_frac` / `clip_high_frac` / `clip_region_frac`,
+        `clip_low_frac_min`, `clip_high_frac_max` (and, at sequence level with per-sequence
+        advantages, TRL's per-row `seq_clip_*_frac`); rollout correction adds `masked_fraction`,
+        `is_weight_mean` and verl's metrics as `rollout_corr/<name>`.
     See ppo_kernels/losses/reference.py for the documented edge cases (all-zero mask: loss 0).
     """
     per_row_adv = (
