@@ -229,6 +229,37 @@ def _compile_cases():
             lambda a, b, c, m: pk.ppo_policy_loss(a, b, c, m, dual_clip=3.0)[0],
             (lp, ref, ref, mask),
         ),
+        "ppo_policy_loss_gspo_seq": (
+            lambda a, b, c, m: pk.ppo_policy_loss(
+                a, b, c, m, loss_type="grpo", importance_sampling_level="sequence", delta=2.0
+            )[0],
+            (lp, ref, ref, mask),
+        ),
+        "ppo_policy_loss_geo_mean": (
+            lambda a, b, c, m: pk.ppo_policy_loss(a, b, c, m, loss_type="geo_mean")[0],
+            (lp, ref, ref, mask),
+        ),
+        "ppo_policy_loss_rollout": (
+            lambda a, b, c, m: pk.ppo_policy_loss(
+                a,
+                b,
+                c,
+                m,
+                loss_type="cispo",
+                rollout_logprobs=b - 0.1,
+                rollout_is="sequence",
+                rollout_is_threshold="0.5_2",
+                rollout_rs="token_k1,seq_mean_k3",
+                rollout_rs_threshold="0.5_2,0.5",
+            )[0],
+            (lp, ref, ref, mask),
+        ),
+        "rollout_correction": (
+            lambda a, b, m: pk.rollout_correction(
+                a, b, m, rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold=0.5
+            )[:2],
+            (lp, ref, mask),
+        ),
         "ppo_value_loss": (
             lambda a, b, c, m: pk.ppo_value_loss(a, b, c, m, clip=0.2)[0],
             (lp, ref, ref, mask),
@@ -294,6 +325,25 @@ def _scalar_cases():
             lambda v: pk.ppo_policy_loss(
                 lp, lp, lp, m, agg="seq-mean-token-sum-norm", loss_scale_factor=v
             ),
+        ),
+        ("loss_type", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, loss_type=v)),
+        (
+            "importance_sampling_level",
+            lambda v: pk.ppo_policy_loss(lp, lp, lp, m, importance_sampling_level=v),
+        ),
+        ("delta", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, loss_type="grpo", delta=v)),
+        ("tau_pos", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, loss_type="sapo", tau_pos=v)),
+        ("dro_beta", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, loss_type="dro", dro_beta=v)),
+        ("clip_cov_ub", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, clip_cov_ub=v)),
+        ("kl_cov_ratio", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, kl_cov_ratio=v)),
+        ("kl_cov_coef", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, kl_cov_coef=v)),
+        ("rollout_is", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, rollout_is=v)),
+        ("rollout_rs", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, rollout_rs=v)),
+        ("bypass_mode", lambda v: pk.ppo_policy_loss(lp, lp, lp, m, bypass_mode=v)),
+        ("rollout_is", lambda v: pk.rollout_correction(lp, lp, m, rollout_is=v)),
+        (
+            "rollout_is_batch_normalize",
+            lambda v: pk.rollout_correction(lp, lp, m, rollout_is_batch_normalize=v),
         ),
         ("clip", lambda v: pk.ppo_value_loss(lp, lp, lp, m, clip=v)),
         ("agg", lambda v: pk.ppo_value_loss(lp, lp, lp, m, agg=v)),

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .._modes import AGG_MODES
+from .policy_math import _max_w, clip_surrogate
 
 STAT_NAMES_POLICY = ("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean")
 STAT_NAMES_VALUE = ("clip_frac",)
@@ -104,29 +105,18 @@ def value_token_terms(values, old_values, returns, clip=None):
     return 0.5 * torch.maximum(l1, l2), (l2 > l1).to(acc)
 
 
-def _max_w(a, b):
-    """d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie."""
-    return torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).to(a.dtype)
-
-
 def policy_token_grad(
     logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None, log_ratio_clamp=20.0
 ):
     """d loss[t] / d logprob[t] in closed form: what autograd gives for policy_token_terms (the
-    eager backend's backward; custom-op kernels run below autograd, so they cannot call it)."""
+    eager backend's backward; custom-op kernels run below autograd, so they cannot call it).
+    The clipped surrogate's derivative lives in policy_math.clip_surrogate (shared by every
+    clipped loss type)."""
     acc = _acc(logprobs.dtype)
     lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
     d = lp - old
     ratio = torch.exp(torch.clamp(d, -log_ratio_clamp, log_ratio_clamp))
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, lo, hi)
-    w1 = _max_w(pg1, pg2)
-    in_clip = ((ratio > lo) & (ratio < hi)).to(acc)
-    g = -adv * (w1 + (1 - w1) * in_clip)
-    if dual_clip is not None:
-        clip1 = torch.maximum(pg1, pg2)
-        g = torch.where(adv < 0, g * _max_w(-adv * dual_clip, clip1), g)
+    _, g, _, _ = clip_surrogate(ratio, adv, 1.0 - clip_low, 1.0 + clip_high, dual_clip)
     in_lr = ((d > -log_ratio_clamp) & (d < log_ratio_clamp)).to(acc)
     return g * ratio * in_lr
 

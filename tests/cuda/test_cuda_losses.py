@@ -141,3 +141,111 @@ def test_policy_loss_cuda_graph(part, mode):
         got = graph_replay(step, capture_error_mode=mode)
     for a, b in zip(got, want):
         close(a, b, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------- loss types
+def _type_case(t, level):
+    from ppo_kernels.losses import policy_math as PM
+
+    opts = {"dro": dict(dro_beta=0.3), "clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=0.05)}
+    opts = dict(opts.get(t, {}), loss_type=t, importance_sampling_level=level)
+    if t in PM.CLIP_TYPES:
+        opts.update(dual_clip=3.0, delta=2.0)
+    return opts
+
+
+TYPE_CASES = [
+    ("grpo", "sequence"),
+    ("dapo", "token"),
+    ("gspo", "token"),
+    ("sapo", "token"),
+    ("cispo", "token"),
+    ("dro", "token"),
+    ("dppo_kl", "token"),
+    ("geo_mean", "token"),
+    ("clip_cov", "token"),
+    ("kl_cov", "token"),
+]
+
+
+@pytest.mark.parametrize("t,level", TYPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_types(t, level, dtype):
+    """The shared two-stage math (plain torch) on the device against the float64 autograd
+    reference on the CPU, with rollout correction (sequence-level IS, token + sequence
+    rejection)."""
+    from ppo_kernels.losses import policy_loss as PL
+    from ppo_kernels.losses import policy_math as PM
+    from ppo_kernels.losses import policy_reference as PR
+
+    lp, old, adv, mask = _inputs(8, 257, dtype, spread=0.4)
+    old = old.clamp(min=-30.0, max=-0.01)
+    roll = old + 0.2 * torch.randn(old.shape, device=DEVICE)
+    rc = dict(
+        rollout_logprobs=roll,
+        rollout_is="sequence",
+        rollout_is_threshold="0.01_100",
+        rollout_rs="token_k1,seq_mean_k3",
+        rollout_rs_threshold="0.3_3,2.0",
+    )
+    opts = _type_case(t, level)
+    x = lp.clone().requires_grad_(True)
+    with poisoned():
+        loss, stats = pk.ppo_policy_loss(x, old, adv, mask, **opts, **rc)
+        (g,) = torch.autograd.grad(loss, x)
+    # the reference: the same correction and selection (clip_cov: every candidate) in float64
+    cpu = [a.detach().double().cpu() for a in (lp, old, adv, roll)]
+    corr = pk.rollout_correction(cpu[1], cpu[3], mask.cpu(), **{k: rc[k] for k in list(rc)[1:]})
+    o = {k: v for k, v in opts.items() if k not in ("loss_type", "importance_sampling_level")}
+    cfg = PL.make_config(
+        t,
+        0.2,
+        None,
+        o.pop("dual_clip", None),
+        o.pop("delta", None),
+        None,
+        level,
+        **o,
+    )
+    xs = PM.prepare(cpu[0], cpu[1], cpu[2], corr.mask)
+    leaf = xs.lp.clone().requires_grad_(True)
+    agg, rows = PM.default_aggregation(t)
+    gd = torch.tensor(8.0, dtype=torch.float64) if rows else None
+    want = PR.policy_loss(cfg, xs, leaf, agg, 1.0, gd, corr.weights)
+    (want_g,) = torch.autograd.grad(want, leaf)
+    close(loss.cpu(), want.detach(), **TOL[dtype])
+    assert g.dtype == dtype and stats["rollout_corr/rollout_is_mean"].device == g.device
+    close_scaled(g.cpu(), want_g, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("t,level", TYPE_CASES)
+def test_policy_loss_types_cuda_graph(t, level):
+    """Stage 1 + 2 + combine and the rollout correction captured in a CUDA graph (no host sync;
+    the warm-up runs under sync_debug_mode="error"); the replay gives the eager numbers (clip_cov
+    draws its tokens at random: only captured)."""
+    from ppo_kernels.losses import policy_loss as PL
+    from ppo_kernels.losses import policy_math as PM
+    from ppo_kernels.losses import rollout as RC
+
+    lp, old, adv, mask = _inputs(8, 512)
+    roll = old - 0.1
+    opts = _type_case(t, level)
+    o = {k: v for k, v in opts.items() if k not in ("loss_type", "importance_sampling_level")}
+    cfg = PL.make_config(
+        t, 0.2, None, o.pop("dual_clip", None), o.pop("delta", None), None, level, **o
+    )
+    specs = RC.parse_rs("token_k1,seq_mean_k3", "0.3_3,2.0")
+    gd = torch.tensor(8.0, device=DEVICE)
+
+    def step():
+        x = PM.prepare(lp, old, adv, mask)
+        w, keep, met = RC.compute(x.lp, roll * (x.m != 0), x.m, "sequence", (2.0, 0.5), True, specs)
+        x = x._replace(m=x.m * keep)
+        loss, coef, st = PL.shared_loss(cfg, x, w, "token-mean", 1.0, gd, None, False)
+        return loss, coef, met["rollout_is_mean"], st["approx_kl"]
+
+    want = step()
+    got = graph_replay(step)
+    if t != "clip_cov":
+        for a, b in zip(got, want):
+            close(a, b, atol=0, rtol=0)

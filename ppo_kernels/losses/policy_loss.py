@@ -1,0 +1,296 @@
+"""The loss types of `ppo_policy_loss` beyond the fused "ppo" kernels: argument checks, rollout
+correction inside the loss, and the shared two-stage math (policy_math.py) with its analytic
+gradient attached to the loss (formed in the forward, as the fused hidden-states op does).
+
+`ppo_policy_loss` (op.py) resolves the aggregation and calls `extended_policy_loss`; this module
+never imports op.py (the registered "ppo" op is reached through torch.ops).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import check_bool, check_float, check_str, check_tensor
+from . import policy_math as pm
+from . import rollout as rc
+from .reference import STAT_NAMES_POLICY, row_coefficients
+
+_RATIO_CLIP_TYPES = pm.CLIP_TYPES + ("gspo", "clip_cov")
+_DUAL_CLIP_TYPES = pm.CLIP_TYPES + ("dppo_tv", "dppo_kl")
+_BYPASS_TYPES = pm.CLIP_TYPES + ("gpg", "reinforce")
+
+
+# the type-specific options of LossConfig and their checks (check_float's keywords)
+OPTION_CHECKS = {
+    "tau_pos": dict(positive=True),
+    "tau_neg": dict(positive=True),
+    "dro_beta": dict(positive=True, allow_none=True),
+    "clip_cov_ratio": dict(positive=True),
+    "clip_cov_lb": dict(finite=False),
+    "clip_cov_ub": dict(finite=False),
+    "kl_cov_ratio": dict(positive=True),
+    "kl_cov_coef": {},
+}
+
+
+def make_config(
+    loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, **options
+) -> pm.LossConfig:
+    """A checked LossConfig (options: OPTION_CHECKS' names); every bad value is an error naming
+    its argument."""
+    t = check_str("loss_type", loss_type, pm.LOSS_TYPES)
+    clip_low = check_float("clip_low", clip_low, nonneg=True)
+    clip_high = clip_low if clip_high is None else check_float("clip_high", clip_high)
+    if t in _RATIO_CLIP_TYPES and not (clip_low < 1):
+        raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
+    if t == "cispo":  # TRL's / Liger's upper-only bound epsilon_high: clip_low=1, clip_high=eps-1
+        if not (clip_low <= 1):
+            raise ValueError(f"clip_low: expected a number in [0, 1] for cispo, got {clip_low!r}")
+        if not (clip_high > -1):
+            raise ValueError(f"clip_high: expected a number > -1 for cispo, got {clip_high!r}")
+    elif not (clip_high >= 0):
+        raise ValueError(f"clip_high: expected a non-negative number, got {clip_high!r}")
+    dual_clip = check_float("dual_clip", dual_clip, allow_none=True)
+    if dual_clip is not None:
+        if t not in _DUAL_CLIP_TYPES:
+            raise ValueError(f"dual_clip: loss_type {t!r} has no dual clip / truncation")
+        if t in pm.CLIP_TYPES and not (dual_clip > 1):
+            raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
+        if not (dual_clip > 0):
+            raise ValueError(f"dual_clip: expected a positive truncation, got {dual_clip!r}")
+    delta = check_float("delta", delta, allow_none=True)
+    if delta is not None:
+        if t not in pm.CLIP_TYPES:
+            raise ValueError(f"delta: only the clipped types {pm.CLIP_TYPES} take delta")
+        if not (delta > 0):
+            raise ValueError(f"delta: expected a positive number, got {delta!r}")
+    if log_ratio_clamp is None:
+        log_ratio_clamp = pm.default_log_ratio_clamp(t)
+    log_ratio_clamp = check_float("log_ratio_clamp", log_ratio_clamp, positive=True, finite=False)
+    level = check_str("importance_sampling_level", level, ("token", "sequence"))
+    if level == "sequence" and t not in pm.SEQUENCE_LEVEL_TYPES:
+        raise ValueError(
+            f"importance_sampling_level: 'sequence' applies to {pm.SEQUENCE_LEVEL_TYPES}, not "
+            f"{t!r} (gspo and geo_mean are sequence-level by definition)"
+        )
+    opts = {k: check_float(k, v, **OPTION_CHECKS[k]) for k, v in options.items()}
+    if t == "dro" and opts.get("dro_beta") is None:
+        raise ValueError("dro_beta: required (a positive number) for loss_type='dro'")
+    if not (opts.get("kl_cov_ratio", 0.0) <= 1):
+        raise ValueError(
+            f"kl_cov_ratio: expected a fraction in (0, 1], got {opts['kl_cov_ratio']!r}"
+        )
+    return pm.LossConfig(t, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, **opts)
+
+
+class RolloutOptions:
+    """Checked rollout-correction options of `ppo_policy_loss` (None: no rollout correction)."""
+
+    def __init__(self, level, is_spec, batch_normalize, rs_specs, bypass):
+        self.level, self.is_spec, self.batch_normalize = level, is_spec, batch_normalize
+        self.rs_specs, self.bypass = rs_specs, bypass
+
+
+def rollout_options(
+    cfg,
+    rollout_logprobs,
+    rollout_is,
+    rollout_is_threshold,
+    rollout_is_batch_normalize,
+    rollout_rs,
+    rollout_rs_threshold,
+    bypass_mode,
+) -> RolloutOptions | None:
+    bypass = check_bool("bypass_mode", bypass_mode)
+    batch_normalize = check_bool("rollout_is_batch_normalize", rollout_is_batch_normalize)
+    level, is_spec, rs_specs = rc.check_options(
+        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold
+    )
+    if bypass:
+        if rollout_logprobs is not None:
+            raise ValueError(
+                "rollout_logprobs: in bypass_mode the old_logprobs are the rollout log-probs; "
+                "pass them as old_logprobs only"
+            )
+        if cfg.loss_type not in _BYPASS_TYPES:
+            raise ValueError(
+                f"bypass_mode: defined for loss_type in {_BYPASS_TYPES} (verl's ppo_clip and "
+                f"reinforce), not {cfg.loss_type!r}"
+            )
+    elif rollout_logprobs is None:
+        if rollout_is is not None or rollout_rs is not None:
+            name = "rollout_is" if rollout_is is not None else "rollout_rs"
+            raise ValueError(f"{name}: needs rollout_logprobs (or bypass_mode=True)")
+        return None
+    return RolloutOptions(level, is_spec, batch_normalize, rs_specs, bypass)
+
+
+def stat_scope(
+    cfg: pm.LossConfig, rollout: RolloutOptions | None, agg: str, global_denominator
+) -> str:
+    """policy_math.stat_scope widened by the rollout correction: in bypass mode the weights and
+    the rejection come from the current log-probs -- per sequence at sequence level, per batch
+    when batch-normalised or when a rejection changes a local denominator (no global one)."""
+    scope = pm.stat_scope(cfg)
+    if rollout is None or not rollout.bypass:
+        return scope  # from old / rollout log-probs: known before the forward
+    order = ("token", "sequence", "batch")
+    need = "token"
+    if rollout.level == "sequence" or any(
+        not o.startswith("token") for o, _, _ in rollout.rs_specs
+    ):
+        need = "sequence"
+    if rollout.batch_normalize or (rollout.rs_specs and global_denominator is None):
+        need = "batch"
+    return max(scope, need, key=order.index)
+
+
+def needs_extension(cfg: pm.LossConfig, rollout: RolloutOptions | None) -> bool:
+    """Whether a call leaves today's fused "ppo" path (op.py runs that one itself)."""
+    return (
+        cfg.loss_type != "ppo" or cfg.sequence_level or cfg.delta is not None or rollout is not None
+    )
+
+
+class _PrecomputedGrad(torch.autograd.Function):
+    """loss with its gradient d loss / d logprobs formed in the forward (grad_out * coef)."""
+
+    @staticmethod
+    def forward(ctx, logprobs, value, coef):
+        ctx.save_for_backward(coef)
+        ctx.dtype = logprobs.dtype
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (coef,) = ctx.saved_tensors
+        return (coef * grad.to(coef.dtype)).to(ctx.dtype), None, None
+
+
+def _rows(t):
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
+def _global(gd, gdv, like):
+    if gd is not None:
+        return gd.to(like.dtype)
+    if gdv is not None:
+        return torch.tensor(gdv, dtype=like.dtype, device=like.device)
+    return None
+
+
+def shared_loss(cfg, x: pm.Inputs, weights, agg, scale, gd, generator, per_row_adv):
+    """(loss value, d loss / d lp [B, T], stats) of the shared math on prepared rows."""
+    st = pm.statistics(cfg, x, generator)
+    terms = pm.token_terms(cfg, x, st)
+    coef_rows = row_coefficients(x.m, agg, scale, gd)
+    loss, coef = pm.combine(terms, x, coef_rows, pm.token_weights(cfg, x, st, weights))
+    stats = pm.masked_means(terms.metrics, x.m)
+    stats.update(pm.row_metrics(terms.metrics, x.m, cfg.sequence_level and per_row_adv))
+    return loss, coef, stats
+
+
+def extended_policy_loss(
+    cfg: pm.LossConfig,
+    rollout: RolloutOptions | None,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    weights: Tensor | None,
+    agg: str,
+    scale: float,
+    gd: Tensor | None,
+    gdv: float | None,
+    generator: torch.Generator | None,
+    rollout_logprobs: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """(loss, stats, effective mask) of any loss type; the inputs are checked by the caller
+    (advantages [..., T] or [...]). Rollout correction: the weights multiply the per-token loss
+    (not in bypass mode for the clipped types, whose ratio already is pi / pi_rollout), the
+    rejected tokens leave the mask (denominators and statistics included)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator)}")
+    shape = logprobs.shape
+    per_row_adv = advantages.dim() == logprobs.dim() - 1
+    adv_rows = advantages.reshape(-1, 1) if per_row_adv else _rows(advantages)
+    lp_rows = _rows(logprobs)
+    x = pm.prepare(lp_rows, _rows(old_logprobs).detach(), adv_rows.detach(), _rows(mask))
+    if weights is not None:
+        check_tensor(
+            "weights", weights, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        )
+        if tuple(weights.shape) != tuple(shape):
+            raise ValueError(
+                f"weights: expected shape {tuple(shape)} (like the per-token inputs), got "
+                f"{tuple(weights.shape)}"
+            )
+        if weights.device != logprobs.device:
+            raise ValueError(f"weights: expected device {logprobs.device}, got {weights.device}")
+    w = None if weights is None else _rows(weights).detach().to(x.m.dtype)
+    stats: dict[str, Tensor] = {}
+    eff_mask = mask
+    if rollout is not None:
+        # bypass: the old policy is the rollout policy; the weights use the current log-probs
+        base = x.lp if rollout.bypass else x.old
+        if rollout.bypass:
+            roll = x.old
+        else:
+            roll = _rows(rollout_logprobs).detach().to(x.m.dtype)
+            roll = torch.where(x.m != 0, roll, torch.zeros_like(roll))
+        rw, keep, met = rc.compute(
+            base.detach(),
+            roll,
+            x.m,
+            rollout.level,
+            rollout.is_spec,
+            rollout.batch_normalize,
+            rollout.rs_specs,
+        )
+        stats.update({f"rollout_corr/{k}": v for k, v in met.items()})
+        if keep is not None:
+            x = x._replace(m=x.m * keep)
+            eff_mask = (mask * keep.reshape(shape)).to(mask.dtype)
+        if rw is not None:
+            stats["is_weight_mean"] = pm.masked_means({"w": rw}, x.m)["w"]
+            if not (rollout.bypass and cfg.loss_type in pm.CLIP_TYPES):
+                w = rw if w is None else w * rw
+    stats["masked_fraction"] = _masked_fraction(mask, eff_mask, x.m.dtype)
+    gden = _global(gd, gdv, x.m)
+    if (
+        cfg.loss_type == "ppo" and not cfg.sequence_level and cfg.delta is None and w is None
+    ):  # today's fused kernels on the corrected mask
+        adv = advantages.unsqueeze(-1).expand(shape) if per_row_adv else advantages
+        loss, st, _ = torch.ops.ppo_kernels.ppo_policy_loss(
+            lp_rows.contiguous(),
+            _rows(old_logprobs).contiguous(),
+            _rows(adv).contiguous(),
+            x.m.contiguous(),
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.dual_clip,
+            cfg.log_ratio_clamp,
+            agg,
+            scale,
+            gd,
+            gdv,
+        )
+        stats.update(zip(STAT_NAMES_POLICY, st.unbind(0)))
+        return loss, stats, eff_mask
+    with torch.no_grad():
+        value, coef, st = shared_loss(cfg, x, w, agg, scale, gden, generator, per_row_adv)
+    stats.update(st)
+    loss = _PrecomputedGrad.apply(logprobs, value, coef.reshape(shape))
+    return loss, stats, eff_mask
+
+
+def _masked_fraction(mask, eff_mask, dtype):
+    """Fraction of the mask's tokens the rejection removed (0 without rejection or tokens)."""
+    if eff_mask is mask:
+        return torch.zeros((), dtype=dtype, device=mask.device)
+    a = (mask != 0).sum().to(dtype)
+    b = (eff_mask != 0).sum().to(dtype)
+    return torch.where(
+        a > 0, (a - b) / a.clamp(min=1), torch.zeros((), dtype=dtype, device=mask.device)
+    )
