@@ -10,12 +10,8 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import (
+from ._args import (
     NO_IGNORE,
-    FusedPair,
-    Passthrough,
-    Peer,
-    Target,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -25,6 +21,8 @@ from ._patch import (
     same_shape,
     tensor,
 )
+from ._fused import FusedPair
+from ._patch import Passthrough, Peer, Target
 
 UTILS = "openrlhf.models.utils"
 LOSS = "openrlhf.models.loss"

@@ -14,13 +14,8 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import (
+from ._args import (
     NO_IGNORE,
-    Fallback,
-    FusedPair,
-    Passthrough,
-    Peer,
-    Target,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -31,6 +26,8 @@ from ._patch import (
     softmax_dtype,
     tensor,
 )
+from ._fused import FusedPair
+from ._patch import Fallback, Passthrough, Peer, Target
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
