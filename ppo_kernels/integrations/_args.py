@@ -3,6 +3,8 @@ strict) naming the argument, and the dtypes the peers' arithmetic gives."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 import ppo_kernels as pk
@@ -80,3 +82,38 @@ def labels_arg(a, x, name="labels"):
     need(y.dtype in (torch.int64, torch.int32), name, f"dtype {y.dtype}")
     need(tuple(y.shape) == tuple(x.shape[:-1]), name, "shape is not logits.shape[:-1]")
     return y
+
+
+def matmul_dtype(h, w, argument="vocab_weights"):
+    """The dtype of the peer's `hidden @ weight.T` where it is called: the autocast dtype under
+    autocast (matmul is on its lower-precision list), else the operands' own (asked of torch on
+    empty tensors)."""
+    try:
+        return torch.matmul(h.new_empty(0, 1), w.new_empty(1, 0)).dtype
+    except RuntimeError:  # mismatched dtypes without autocast: the peer raises its own error
+        raise Fallback(
+            argument, f"dtype {w.dtype} differs from the hidden states' {h.dtype}"
+        ) from None
+
+
+def temperature_arg(t, rows_shape, argument="temperature"):
+    """The peers' `logits / temperature` as (scalar, rows): a positive number gives (t, None); a
+    tensor broadcasting against the logits [*rows_shape, V] with a vocabulary dimension of 1 (a
+    0-dim, per-sample or per-token temperature) gives (1.0, the per-row temperatures, broadcast
+    to rows_shape), which linear_token_logprobs takes as hidden / t (logits / t = (hidden / t) W^T).
+    A temperature varying along the vocabulary falls back."""
+    if isinstance(t, numbers.Real) and not isinstance(t, bool):
+        need(t > 0, argument, f"expected a positive number, got {t}")
+        return float(t), None
+    tensor(t, argument, "expected a number or a tensor")
+    need(t.is_floating_point(), argument, f"dtype {t.dtype}")
+    rows = t if t.dim() == 0 else t.squeeze(-1) if t.shape[-1] == 1 else None
+    need(rows is not None, argument, f"shape {tuple(t.shape)} varies along the vocabulary")
+    try:
+        ok = torch.broadcast_shapes(rows.shape, rows_shape) == tuple(rows_shape)
+    except RuntimeError:
+        ok = False
+    need(
+        ok, argument, f"shape {tuple(t.shape)} does not broadcast to the logits {rows_shape} + [V]"
+    )
+    return 1.0, rows.detach().expand(rows_shape)

@@ -65,6 +65,14 @@ class Unfused(Exception):
         self.argument, self.reason, self.result = argument, reason, result
 
 
+class Noted:
+    """An impl's result, replaced, with a note on how (e.g. "the logits path: the LM head is not a
+    plain Linear"): counted under `notes` in `report`, the call still counts as replaced."""
+
+    def __init__(self, result, note: str):
+        self.result, self.note = result, note
+
+
 @dataclasses.dataclass
 class Options:
     strict: bool
@@ -98,6 +106,7 @@ class _Stats:
     replaced: int = 0
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     passed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     places: list = dataclasses.field(default_factory=list)
     unavailable: str | None = None
 
@@ -181,7 +190,7 @@ class Peer:
                 },
             )
         else:
-            wrapper = _make_wrapper(self, t, func, stats)
+            wrapper = _make_wrapper(self, t, func, stats, _function_apply_signature(func))
         if isinstance(original, staticmethod):
             wrapper = staticmethod(wrapper)
         places = []
@@ -243,6 +252,7 @@ class Peer:
                 "fallback_reasons": dict(s.fallbacks),
                 "passed": sum(s.passed.values()),
                 "passed_reasons": dict(s.passed),
+                "notes": dict(s.notes),
                 "patched_in": list(s.places),
             }
             if s.unavailable is not None:
@@ -265,6 +275,21 @@ def _import(t: Target):
         if not t.optional:
             raise
         return f"{t.module} does not import here: {type(e).__name__}: {e}"
+
+
+def _function_apply_signature(func):
+    """The arguments of `F.forward` (without ctx) when `func` is an autograd Function's bound
+    `apply` held under a name of its own (verl's `linear_cross_entropy = LinearCrossEntropy.apply`),
+    else None (the function's own signature)."""
+    owner = getattr(func, "__self__", None)
+    if (
+        getattr(func, "__name__", None) == "apply"
+        and inspect.isclass(owner)
+        and issubclass(owner, torch.autograd.Function)
+    ):
+        params = list(inspect.signature(owner.forward).parameters.values())[1:]
+        return inspect.Signature(params)
+    return None
 
 
 def _registry_name(mod, reg):
@@ -304,6 +329,9 @@ def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
             stats.fallbacks[f"{u.argument}: {u.reason}"] += 1
             return u.result
         stats.replaced += 1
+        if isinstance(out, Noted):
+            stats.notes[out.note] += 1
+            out = out.result
         return out
 
     wrapper.__ppo_kernels_original__ = original
