@@ -1,8 +1,8 @@
-"""The peers' own test suites with `apply(peer)` active (tests/peer_suites/run.py): every test of
-theirs that passes unpatched passes patched (the documented known differences excepted), and our
-ops ran. verl's from its PyPI sdist (fetched once into .peer_tests/); TRL's and OpenRLHF's only
-where a checkout is given ($PPO_KERNELS_PEER_SRC_TRL / $PPO_KERNELS_PEER_SRC_OPENRLHF, a work tree
-or a bare git mirror): neither ships its tests on PyPI."""
+"""The peers' own test suites with `apply(peer)` active (tests/peer_suites/run_peer_suites.py):
+every test of theirs that passes unpatched passes patched (the documented known differences
+excepted), and our ops ran. verl's from its PyPI sdist (fetched once into .peer_tests/); TRL's and
+OpenRLHF's only where a checkout is given ($PPO_KERNELS_PEER_SRC_TRL / $PPO_KERNELS_PEER_SRC_OPENRLHF,
+a work tree or a bare git mirror): neither ships its tests on PyPI."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from _peer_stubs import import_peer
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "peer_suites"))
-import run as peer_suites  # noqa: E402
+import run_peer_suites as peer_suites  # noqa: E402
 
 PROBE = {
     "verl": "verl.trainer.ppo.core_algos",

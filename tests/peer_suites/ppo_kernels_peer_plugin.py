@@ -1,7 +1,8 @@
-"""pytest plugin for running a peer's own test suite (tests/peer_suites/run.py): the peers'
-cluster-only imports stubbed as in our tests (tests/_peer_stubs.py); with
+"""pytest plugin for running a peer's own test suite (tests/peer_suites/run_peer_suites.py): the
+peers' cluster-only imports stubbed as in our tests (tests/_peer_stubs.py); with
 PPO_KERNELS_PEER_SUITE_PATCH=<peer>, `ppo_kernels.integrations.apply(peer, strict=False)` for the
-whole session, before the peer's test modules are imported. Set by run.py where a suite needs it:
+whole session, before the peer's test modules are imported. Set by run_peer_suites.py where a
+suite needs it:
   PPO_KERNELS_PEER_SUITE_ALIASES="private.name=peer.module,...": modules the suite loads from the
       peer's source files under private names (OpenRLHF's tests do): after collection the peer's
       targets of `peer.module` are applied to them too;

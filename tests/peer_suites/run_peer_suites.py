@@ -1,7 +1,7 @@
 """The peers' own test suites, unpatched and with `ppo_kernels.integrations.apply(peer)` active:
 every test that passes unpatched must pass patched.
 
-    python tests/peer_suites/run.py [verl] [trl] [openrlhf]
+    python tests/peer_suites/run_peer_suites.py [verl] [trl] [openrlhf]
         [--src trl=DIR --src openrlhf=DIR --src verl=DIR] [--cache DIR] [--out FILE.md]
 
 Where their tests come from (none of their code is kept in this repository):
