@@ -254,6 +254,7 @@ def bench_callers(sizes, dtypes, reps):
 
 
 CALLERS_HEAD = "## Callers: log-probs and entropy of one logits tensor"
+HIDDEN_HEAD = "## From hidden states"  # bench_peers_hidden.py writes that section
 
 
 def main():
@@ -301,9 +302,12 @@ def main():
         "| peer | path | N x V | dtype | unpatched | patched | speed-up |",
         "|---|---|---|---|---|---|---|",
     ]
-    paths, callers = "\n".join(head + rows) + "\n", ""
-    if os.path.exists(a.out):  # keep the section this run does not redo
-        old_paths, _, old_callers = open(a.out).read().partition(CALLERS_HEAD)
+    paths, callers, hidden = "\n".join(head + rows) + "\n", "", ""
+    if os.path.exists(a.out):  # keep the sections this run does not redo
+        old = open(a.out).read()
+        old, _, hidden = old.partition(HIDDEN_HEAD)  # bench_peers_hidden.py's section
+        hidden = HIDDEN_HEAD + hidden if hidden else ""
+        old_paths, _, old_callers = old.partition(CALLERS_HEAD)
         paths = old_paths if a.only == "callers" else paths
         callers = CALLERS_HEAD + old_callers if a.only == "paths" and old_callers else ""
     if a.only != "paths":
@@ -328,6 +332,8 @@ def main():
         )
     with open(a.out, "w") as f:
         f.write(paths.rstrip("\n") + "\n\n" + callers if callers else paths)
+        if hidden:
+            f.write("\n" + hidden)
     print(f"wrote {a.out}")
 
 

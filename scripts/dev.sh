@@ -106,6 +106,11 @@ peers() {
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
   pip_ install -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
+  # a local Ray for the worker-activation test (tests/test_integrations_ray.py), the version
+  # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
+  pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
+  pip_ install -q --no-deps liger-kernel==0.8.5 \
+    || echo "liger-kernel did not install: verl's liger backend runs its torch route" >&2
   for p in $PEERS; do
     pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
   done

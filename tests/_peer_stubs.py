@@ -3,8 +3,9 @@
 Installed for the tests (scripts/dev.sh): `pip install --no-deps verl==0.9.1 trl==1.16.0
 openrlhf==0.11.2` plus the light pure-Python imports they need at module level (omegaconf,
 accelerate, codetiming, orjson), and datasets 5.2.0 (with pandas, pyarrow) for TRL's GRPOTrainer
-end to end. What only a cluster needs (ray, tensordict, deepspeed, vllm,
-flash_attn, ...) is replaced, only when it is not installed, by an empty stand-in module whose
+end to end, and ray 2.55 for tests/test_integrations_ray.py. What only a cluster needs (tensordict,
+deepspeed, vllm, flash_attn, ray where absent, ...) is replaced, only when it is not installed, by
+an empty stand-in module whose
 attributes are inert placeholders -- enough for `import` and decorators, never called by the
 per-token functions the tests exercise.
 """

@@ -57,7 +57,7 @@ def test_apply_reaches_every_copy_and_reverts(verl):
         assert core.get_policy_loss_fn("vanilla") is core.compute_policy_loss_vanilla
         for m in copies:
             assert m.logprobs_from_logits is tf.logprobs_from_logits is not orig_lp
-        assert len(rep["functions"]) == 16 and rep["active"]
+        assert len(rep["functions"]) == 18 and rep["active"]
         places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"][
             "patched_in"
         ]
@@ -87,7 +87,7 @@ def test_strict_and_fallback(verl):
     with pki.patched("verl"):
         with pytest.raises(pki.Unsupported, match="clip_ratio_low"):
             core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
-        with pytest.raises(pki.Unsupported, match="'kl_penalty'.*full"):
+        with pytest.raises(ValueError, match="kl_penalty='full'.*full_kl"):  # per-token inputs
             core.kl_penalty(lp, old, "full")
     ref = core.compute_policy_loss_vanilla(old, lp, adv, mask, config=cfg)
     with pki.patched("verl", strict=False):

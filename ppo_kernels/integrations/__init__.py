@@ -72,7 +72,9 @@ def patched(peer: str, *, strict: bool = True, dtype: str = "peer"):
 def report(peer: str) -> dict:
     """{"peer", "active", "version", "strict", "dtype", "functions": {qualified name: {"calls",
     "replaced", "fallbacks", "fallback_reasons": {reason: count}, "passed", "passed_reasons"
-    (caller targets: calls with nothing to fuse, run as the peer's code), "patched_in": [places],
+    (caller targets: calls with nothing to fuse, run as the peer's code), "notes" ({how: count}
+    for replaced calls that took a second-best path, e.g. the logits instead of the hidden
+    states), "patched_in": [places],
     and "unavailable": why, for a caller whose module does not import here}}}."""
     return _peer(peer).report()
 
@@ -95,6 +97,8 @@ def format_report(peer: str) -> str:
             lines.append(f"      fallback x{n}: {why}")
         for why, n in s["passed_reasons"].items():
             lines.append(f"      passed through x{n} (nothing to fuse): {why}")
+        for how, n in s["notes"].items():
+            lines.append(f"      replaced x{n} by {how}")
     return "\n".join(lines)
 
 

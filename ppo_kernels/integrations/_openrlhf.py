@@ -3,6 +3,7 @@ experience maker's GAE / returns on ppo_kernels ops. Semantics read from OpenRLH
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import sys
 
@@ -10,12 +11,8 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import (
+from ._args import (
     NO_IGNORE,
-    FusedPair,
-    Passthrough,
-    Peer,
-    Target,
     entropy,
     is_binary_mask,
     labels_arg,
@@ -25,6 +22,9 @@ from ._patch import (
     same_shape,
     tensor,
 )
+from ._fused import FusedPair, call, swapped
+from ._hidden import HeadCapture, lm_head
+from ._patch import Noted, Passthrough, Peer, Target, Unfused
 
 UTILS = "openrlhf.models.utils"
 LOSS = "openrlhf.models.loss"
@@ -206,19 +206,10 @@ def get_cumulative_returns(a, orig, o):
     return o.out(ret, a["rewards"].dtype)
 
 
-def actor_forward(a, orig, o):
-    """Actor.forward with return_entropy and log-probs asked for: OpenRLHF calls compute_entropy
+def _logits_path(a, orig, o, self, mod, seq, packing):
+    """Actor.forward with return_entropy on the model's logits: OpenRLHF calls compute_entropy
     then log_probs_from_logits on the same (float32, temperature-scaled) logits; here one
-    token_logprobs pass gives both. The labels are the rolled sequences: computed here as
-    OpenRLHF does, or, packing samples, taken from its unpad_and_slice_tensor."""
-    if not a["return_entropy"]:
-        raise Passthrough("return_entropy=False: log-probs only (one pass already)")
-    if a["action_mask"] is None and not a["return_logprobs"]:
-        raise Passthrough("no log-probs asked for: entropy only")
-    seq = tensor(a["sequences"], "sequences")
-    need(seq.dim() == 2, "sequences", "expected [batch, seqlen]")
-    self, mod = a["self"], sys.modules[ACTOR]
-    packing = bool(getattr(self, "packing_samples", False))
+    token_logprobs pass gives both (FusedPair)."""
     pair = FusedPair(None if packing else torch.roll(seq, shifts=-1, dims=1))
     before = {n: getattr(mod, n) for n in ("compute_entropy", "log_probs_from_logits")}
     unpad_before = mod.unpad_and_slice_tensor
@@ -247,6 +238,84 @@ def actor_forward(a, orig, o):
             (mod, "log_probs_from_logits", log_probs_from_logits),
         ),
     )
+
+
+def _hidden_path(a, orig, o, self, mod, seq, packing, head, softcap):
+    """Actor.forward with log-probs asked for, from the hidden states: the model runs with its LM
+    head keeping its input and returning logits with an empty vocabulary (HeadCapture), and
+    OpenRLHF's compute_entropy / log_probs_from_logits on those run linear_token_logprobs (one
+    pass for both); OpenRLHF's own code does the rest (labels, packing, slicing, the mask)."""
+    t = self.temperature
+    need(isinstance(t, numbers.Real) and t > 0, "temperature", "expected a positive number")
+    cap = HeadCapture(
+        self.model, head, softcap, float(t), None if packing else torch.roll(seq, -1, dims=1)
+    )
+    before = {n: getattr(mod, n) for n in ("compute_entropy", "log_probs_from_logits")}
+    unpad_before = mod.unpad_and_slice_tensor
+
+    def unpad_and_slice_tensor(*args, **kwargs):
+        res = unpad_before(*args, **kwargs)
+        cap.labels = res[2]
+        return res
+
+    def unexpected(logits):
+        if isinstance(logits, torch.Tensor) and logits.shape[-1] == 0 and cap.hidden is not None:
+            raise RuntimeError(
+                "ppo_kernels.integrations (openrlhf): Actor.forward handed the LM head's "
+                "placeholder logits to an unexpected call; apply('openrlhf') does not match "
+                "this OpenRLHF's Actor.forward"
+            )
+
+    def compute_entropy(logits):
+        ent = cap.entropy(logits)
+        if ent is None:
+            unexpected(logits)
+            return before["compute_entropy"](logits)
+        return o.out(ent, logits.dtype)
+
+    def log_probs_from_logits(logits, labels, temperature=1.0):
+        lp = cap.logprobs(logits, labels, temperature)
+        if lp is None:
+            unexpected(logits)
+            return before["log_probs_from_logits"](logits, labels, temperature)
+        return o.out(lp, logits.dtype)
+
+    with cap.active():
+        with contextlib.ExitStack() as stack:
+            for name, fn in (
+                ("unpad_and_slice_tensor", unpad_and_slice_tensor),
+                ("compute_entropy", compute_entropy),
+                ("log_probs_from_logits", log_probs_from_logits),
+            ):
+                stack.enter_context(swapped(mod, name, fn))
+            out = call(orig, a)
+    if cap.rerun:
+        raise Unfused("model", cap.rerun + ": ran again with its own head (the logits path)", out)
+    return out
+
+
+def actor_forward(a, orig, o):
+    """Actor.forward when log-probs are asked for (action_mask or return_logprobs): from the
+    hidden states, the logits never built (`_hidden_path`; `output.logits` of return_output is
+    then an empty [batch, seqlen, 0] tensor); a model whose LM head is not a plain Linear takes
+    the logits path (`_logits_path` with return_entropy, else OpenRLHF's own calls)."""
+    want_lp = a["action_mask"] is not None or a["return_logprobs"]
+    if not want_lp:
+        raise Passthrough(
+            "no log-probs asked for: entropy only"
+            if a["return_entropy"]
+            else "no log-probs asked for: the logits are returned"
+        )
+    seq = tensor(a["sequences"], "sequences")
+    need(seq.dim() == 2, "sequences", "expected [batch, seqlen]")
+    self, mod = a["self"], sys.modules[ACTOR]
+    packing = bool(getattr(self, "packing_samples", False))
+    head, why = lm_head(self.model)
+    if head is not None:
+        return _hidden_path(a, orig, o, self, mod, seq, packing, head, why)
+    if not a["return_entropy"]:
+        raise Passthrough(f"log-probs only, from the logits (one pass already): {why}")
+    return Noted(_logits_path(a, orig, o, self, mod, seq, packing), f"the logits path: {why}")
 
 
 PEER = Peer(

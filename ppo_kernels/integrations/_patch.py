@@ -1,5 +1,6 @@
 """The patch machinery shared by the peer adapters: one `Target` per peer function, replaced
-wherever the peer can reach it, counted, and put back by `revert`.
+wherever the peer can reach it, counted, and put back by `revert`. The adapters' argument helpers
+are in `_args`, the caller-target helpers (one pass for two calls) in `_fused`.
 
 A target's replacement receives the call's arguments bound by name to the original's signature
 (defaults applied). It raises `Fallback(argument, reason)` -- before doing anything -- when the
@@ -10,7 +11,6 @@ the argument, under strict=False the original runs for that call and the reason 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -22,8 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-import ppo_kernels as pk
 
 
 class Unsupported(ValueError):
@@ -67,6 +65,14 @@ class Unfused(Exception):
         self.argument, self.reason, self.result = argument, reason, result
 
 
+class Noted:
+    """An impl's result, replaced, with a note on how (e.g. "the logits path: the LM head is not a
+    plain Linear"): counted under `notes` in `report`, the call still counts as replaced."""
+
+    def __init__(self, result, note: str):
+        self.result, self.note = result, note
+
+
 @dataclasses.dataclass
 class Options:
     strict: bool
@@ -100,6 +106,7 @@ class _Stats:
     replaced: int = 0
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     passed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     places: list = dataclasses.field(default_factory=list)
     unavailable: str | None = None
 
@@ -183,7 +190,7 @@ class Peer:
                 },
             )
         else:
-            wrapper = _make_wrapper(self, t, func, stats)
+            wrapper = _make_wrapper(self, t, func, stats, _function_apply_signature(func))
         if isinstance(original, staticmethod):
             wrapper = staticmethod(wrapper)
         places = []
@@ -245,6 +252,7 @@ class Peer:
                 "fallback_reasons": dict(s.fallbacks),
                 "passed": sum(s.passed.values()),
                 "passed_reasons": dict(s.passed),
+                "notes": dict(s.notes),
                 "patched_in": list(s.places),
             }
             if s.unavailable is not None:
@@ -267,6 +275,21 @@ def _import(t: Target):
         if not t.optional:
             raise
         return f"{t.module} does not import here: {type(e).__name__}: {e}"
+
+
+def _function_apply_signature(func):
+    """The arguments of `F.forward` (without ctx) when `func` is an autograd Function's bound
+    `apply` held under a name of its own (verl's `linear_cross_entropy = LinearCrossEntropy.apply`),
+    else None (the function's own signature)."""
+    owner = getattr(func, "__self__", None)
+    if (
+        getattr(func, "__name__", None) == "apply"
+        and inspect.isclass(owner)
+        and issubclass(owner, torch.autograd.Function)
+    ):
+        params = list(inspect.signature(owner.forward).parameters.values())[1:]
+        return inspect.Signature(params)
+    return None
 
 
 def _registry_name(mod, reg):
@@ -306,164 +329,10 @@ def _make_wrapper(peer: Peer, t: Target, original, stats: _Stats, sig=None):
             stats.fallbacks[f"{u.argument}: {u.reason}"] += 1
             return u.result
         stats.replaced += 1
+        if isinstance(out, Noted):
+            stats.notes[out.note] += 1
+            out = out.result
         return out
 
     wrapper.__ppo_kernels_original__ = original
     return wrapper
-
-
-# ---------------------------------------------------------------------- helpers for adapters
-
-
-def need(cond: bool, argument: str, reason: str):
-    """Fall back (or raise under strict) unless cond holds."""
-    if not cond:
-        raise Fallback(argument, reason)
-
-
-def tensor(x, argument: str, reason: str = "expected a torch.Tensor"):
-    need(isinstance(x, torch.Tensor), argument, reason)
-    return x
-
-
-def is_binary_mask(mask: torch.Tensor) -> bool:
-    """bool / integer masks are 0/1 by construction for our ops (nonzero = in); a float mask is
-    checked (one host sync; the peers' own code syncs more than that on the same call)."""
-    if not mask.is_floating_point():
-        return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
-    return bool(((mask == 0) | (mask == 1)).all())
-
-
-# A label value no tokenizer produces: the peers have no ignore_index (a negative label is an error).
-NO_IGNORE = -(2**62)
-
-
-def out_dtype(*ts):
-    """The floating dtype torch's type promotion gives the peer's arithmetic on these tensors."""
-    dt = ts[0].dtype
-    for t in ts[1:]:
-        if t.is_floating_point():
-            dt = torch.promote_types(dt, t.dtype)
-    return dt if dt.is_floating_point else torch.get_default_dtype()
-
-
-def same_shape(x, m, name):
-    need(
-        tuple(m.shape) == tuple(x.shape),
-        name,
-        f"shape {tuple(m.shape)} is not that of the values "
-        f"{tuple(x.shape)} (broadcasting masks are not supported)",
-    )
-
-
-def logits_arg(a, name="logits"):
-    x = tensor(a[name], name)
-    need(
-        x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
-        name,
-        f"dtype {x.dtype} / {x.dim()} dims",
-    )
-    need(x.stride(-1) == 1 or x.shape[-1] == 1, name, "the vocabulary dimension is not contiguous")
-    return x
-
-
-def softmax_dtype(x):
-    """The dtype of the peers' softmax-based results for logits x where they are called: x's, or
-    float32 under autocast on CUDA (softmax, log_softmax and logsumexp run in float32 there, as in
-    verl's forward); asked of torch on an empty tensor."""
-    return torch.promote_types(torch.softmax(x.new_empty(0, 1), -1).dtype, x.dtype)
-
-
-def entropy(x):
-    """Entropy of softmax(x) over the last dim with our fused op (no label: a dummy one)."""
-    zeros = torch.zeros(x.shape[:-1], dtype=torch.int64, device=x.device)
-    return pk.token_logprobs(x, zeros, ignore_index=NO_IGNORE, return_entropy=True)[1]
-
-
-def labels_arg(a, x, name="labels"):
-    y = tensor(a[name], name)
-    need(y.dtype in (torch.int64, torch.int32), name, f"dtype {y.dtype}")
-    need(tuple(y.shape) == tuple(x.shape[:-1]), name, "shape is not logits.shape[:-1]")
-    return y
-
-
-# ---------------------------------------------------------------------- caller targets
-
-
-@contextlib.contextmanager
-def swapped(holder, name: str, value):
-    """`holder.name = value` for the duration (a module global or an instance attribute)."""
-    had = name in vars(holder)
-    old = vars(holder).get(name)
-    setattr(holder, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(holder, name, old)
-        else:
-            delattr(holder, name)
-
-
-def call(original, a: dict):
-    """Call `original` with the arguments an impl received bound by name (*args / **kwargs
-    parameters spread again)."""
-    b = inspect.BoundArguments(inspect.signature(original), a)
-    return original(*b.args, **b.kwargs)
-
-
-class FusedPair:
-    """One call of a peer's caller that computes the entropy, then the log-probs, of the same
-    logits with two functions: the entropy call runs one `token_logprobs(return_entropy=True)`
-    pass and keeps the log-probs; the log-prob call on the same logits and labels returns them.
-    Either call on anything else is left to the function it replaces (`None` here)."""
-
-    def __init__(self, labels=None):
-        self.labels = labels  # set before the entropy call (or by a hook on the peer's unpad)
-        self._logits = self._lp = None
-        self.fused = self.used = 0
-
-    def entropy(self, x):
-        y = self.labels
-        if not (
-            isinstance(x, torch.Tensor)
-            and isinstance(y, torch.Tensor)
-            and y.dtype in (torch.int64, torch.int32)
-            and x.dim() >= 1
-            and tuple(x.shape[:-1]) == tuple(y.shape)
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-            and (x.stride(-1) == 1 or x.shape[-1] == 1)
-        ):
-            return None
-        lp, ent = pk.token_logprobs(x, y, ignore_index=NO_IGNORE, return_entropy=True)
-        self._logits, self._lp = x, lp
-        self.fused += 1
-        return ent
-
-    def logprobs(self, x, y):
-        if self._lp is None or x is not self._logits:
-            return None
-        if y is not self.labels and not (
-            isinstance(y, torch.Tensor)
-            and y.shape == self.labels.shape
-            and torch.equal(y, self.labels)
-        ):
-            return None
-        lp, self._logits, self._lp = self._lp, None, None
-        self.used += 1
-        return lp
-
-    @property
-    def complete(self) -> bool:
-        return self.fused == 1 and self.used == 1
-
-    def run(self, original, a: dict, swaps):
-        """The caller `original` with `swaps` ((holder, name, value), ...) in place for the call;
-        Unfused (with the output) when its two calls did not share the logits."""
-        with contextlib.ExitStack() as stack:
-            for holder, name, value in swaps:
-                stack.enter_context(swapped(holder, name, value))
-            out = call(original, a)
-        if not self.complete:
-            raise Unfused("output", "the entropy and log-prob calls did not share the logits", out)
-        return out

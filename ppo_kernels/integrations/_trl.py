@@ -10,7 +10,8 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import NO_IGNORE, Peer, Target, entropy, logits_arg, need, tensor
+from ._args import NO_IGNORE, entropy, logits_arg, need, tensor
+from ._patch import Peer, Target
 
 UTILS = "trl.trainer.utils"
 CHUNKED = "trl.kernels.chunked_logprob"

@@ -14,27 +14,29 @@ import torch
 
 import ppo_kernels as pk
 
-from ._patch import (
+from ._args import (
     NO_IGNORE,
-    Fallback,
-    FusedPair,
-    Passthrough,
-    Peer,
-    Target,
     entropy,
     is_binary_mask,
     labels_arg,
     logits_arg,
+    matmul_dtype,
     need,
     out_dtype,
     same_shape,
     softmax_dtype,
+    temperature_arg,
     tensor,
 )
+from ._fused import FusedPair
+from ._hidden import half_tiles, linear_logprobs
+from ._patch import Fallback, Passthrough, Peer, Target
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
 FSDP = "verl.workers.engine.fsdp.transformer_impl"
+EXP_TF = "verl.utils.experimental.torch_functional"
+KERNEL = "verl.utils.kernel.linear_cross_entropy"
 REGISTRIES = ("ADV_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY")
 
 
@@ -122,16 +124,32 @@ _KL = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
 def kl_penalty(a, orig, o):
     est = a["kl_penalty"]
     need(isinstance(est, str), "kl_penalty", "expected an estimator name")
-    need(
-        est != "full",
-        "kl_penalty",
-        "'full' needs the logits of both policies: use "
-        "ppo_kernels.full_kl where the logits are at hand",
-    )
-    need(est.rstrip("+") in _KL and est.count("+") <= 1, "kl_penalty", f"unknown estimator {est!r}")
     lp, ref = tensor(a["logprob"], "logprob"), tensor(a["ref_logprob"], "ref_logprob")
     need(lp.shape == ref.shape, "ref_logprob", "shape differs from logprob")
+    if est == "full":
+        return o.out(_full_kl(lp, ref), out_dtype(lp, ref))
+    need(est != "full+", "kl_penalty", "'full+': the straight-through k2 gradient is per token")
+    need(est.rstrip("+") in _KL and est.count("+") <= 1, "kl_penalty", f"unknown estimator {est!r}")
     return o.out(pk.kl_penalty(lp, ref, est, clamp="verl"), out_dtype(lp, ref))
+
+
+def _full_kl(logits, ref_logits):
+    """kl_penalty="full" (verl raises NotImplementedError; its comment: both arguments hold the
+    logits of every vocabulary token): KL(pi || pi_ref) per token with full_kl, for
+    [batch, response_length, vocab] logits (or full log-probs: the same softmax). Per-token
+    log-probs ([batch, response_length], what verl's own callers pass) cannot give it: a clear
+    error saying what to pass, in strict and non-strict mode alike (verl's code only raises)."""
+    if logits.dim() < 3 or not logits.is_floating_point():
+        raise ValueError(
+            "verl kl_penalty='full' (ppo_kernels.integrations): logprob and ref_logprob must be "
+            "the logits (or full log-probs) of both policies over the whole vocabulary, shape "
+            f"[batch, response_length, vocab]; got shape {tuple(logits.shape)}. Per-token "
+            "log-probs cannot give the full KL: pass the logits where they are at hand (the "
+            "actor / reference forward), call ppo_kernels.full_kl(logits, ref_logits) there "
+            "(also for packed [tokens, vocab] logits), or choose a per-token estimator "
+            "('k1', 'k2', 'k3', 'low_var_kl', 'abs', 'mse')"
+        )
+    return pk.full_kl(logits, ref_logits)
 
 
 # ------------------------------------------------------------------ losses
@@ -373,6 +391,96 @@ def fsdp_model_outputs(a, orig, o):
     )
 
 
+# ------------------------------------------------------------------ use_fused_kernels (hidden states)
+
+
+def _hidden_args(h, w, y, names):
+    """hidden [..., H], weight [V, H], labels hidden.shape[:-1] (integer) or Fallback."""
+    nh, nw, ny = names
+    tensor(h, nh)
+    tensor(w, nw)
+    tensor(y, ny)
+    need(h.dim() >= 1 and h.is_floating_point(), nh, "expected a float [..., hidden] tensor")
+    need(w.dim() == 2 and w.shape[1] == h.shape[-1], nw, f"expected [vocab, {h.shape[-1]}]")
+    need(not y.is_floating_point() and y.dtype != torch.bool, ny, f"dtype {y.dtype}")
+    need(tuple(y.shape) == tuple(h.shape[:-1]), ny, "shape is not hidden_states.shape[:-1]")
+
+
+def fused_linear_for_ppo(a, orig, o):
+    """FusedLinearForPPO.forward (use_fused_kernels=True, backends "torch" and "liger": the fused
+    forwards of verl.models.transformers call it with the last hidden states and lm_head.weight)
+    -> (log_probs float32, entropy in the hidden states' dtype) on linear_token_logprobs. The "liger"
+    backend (where liger-kernel imports) ignores labels -100, as Liger's kernel does; bf16 / fp16
+    logits tiles are rounded to that dtype, as verl's `hidden @ weight.T` rounds them."""
+    self, h, w, y = a["self"], a["hidden_states"], a["vocab_weights"], a["input_ids"]
+    _hidden_args(h, w, y, ("hidden_states", "vocab_weights", "input_ids"))
+    need(h.dim() in (2, 3), "hidden_states", "expected [tokens, hidden] or [batch, tokens, hidden]")
+    liger = self.impl_backend == "liger" and (
+        sys.modules[EXP_TF]._LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY is not None
+    )
+    t = a["temperature"]
+    need(
+        not liger or not isinstance(t, torch.Tensor),
+        "temperature",
+        "a tensor: Liger's kernel takes a number",
+    )
+    t, rows = temperature_arg(t, tuple(y.shape))
+    dt = matmul_dtype(h, w)
+    lp, ent = linear_logprobs(
+        h,
+        w,
+        y.long(),
+        temperature=t,
+        rows=rows,
+        compute_dtype=dt,
+        ignore_index=-100 if liger else NO_IGNORE,
+        logits_dtype=half_tiles(dt),
+    )
+    return o.out(lp, torch.float32), o.out(ent, h.dtype)  # verl's output buffers' dtypes
+
+
+def linear_cross_entropy(a, orig, o):
+    """verl.utils.kernel.linear_cross_entropy (use_fused_kernels with the "triton" backend, and
+    Megatron's fused forward with its tensor-parallel group) -> (log-probs, entropy), float32,
+    flattened to [tokens] (the log-probs summed / averaged for reduction "sum" / "mean"), on
+    linear_token_logprobs (float32 tiles, as verl's kernel accumulates them); a process group:
+    this rank's vocabulary slice, the hidden gradient left to the caller's layers, as verl's."""
+    h, w, y = a["hidden"], a["weight"], a["labels"]
+    tensor(h, "hidden")
+    tensor(y, "labels")
+    need(h.dim() >= 1 and y.numel() * h.shape[-1] == h.numel(), "labels", "one per hidden row")
+    h2, y2 = h.reshape(-1, h.shape[-1]), y.reshape(-1)
+    _hidden_args(h2, w, y2, ("hidden", "weight", "labels"))
+    need(w.dtype == h.dtype, "weight", f"dtype {w.dtype} differs from the hidden's {h.dtype}")
+    t = a["temperature"]
+    need(
+        isinstance(t, numbers.Real) and not isinstance(t, bool) and t > 0,
+        "temperature",
+        "expected a positive number (verl asserts a float)",
+    )
+    red = a["reduction"]
+    need(
+        isinstance(red, str) and red.lower() in ("none", "sum", "mean"),
+        "reduction",
+        f"{red!r} (verl: 'none', 'sum' or 'mean')",
+    )
+    pg, kw = a["dist_process_group"], {}
+    if pg is not None:
+        import torch.distributed as dist
+
+        kw = {
+            "process_group": pg,
+            "vocab_start": dist.get_rank(pg) * w.shape[0],  # verl's kernel: rank * its slice
+            "reduce_hidden_grad": False,
+        }
+    lp, ent = linear_logprobs(h2, w, y2.long(), temperature=float(t), compute_dtype=h.dtype, **kw)
+    if red.lower() == "sum":
+        lp = lp.sum()
+    elif red.lower() == "mean":
+        lp = lp.mean()
+    return o.out(lp, torch.float32), o.out(ent, torch.float32)
+
+
 def _targets():
     core = [
         ("compute_gae_advantage_return", gae),
@@ -397,12 +505,14 @@ def _targets():
         [Target(CORE, n, f, REGISTRIES) for n, f in core]
         + [Target(TF, n, f) for n, f in tf]
         + [
+            Target(EXP_TF, "FusedLinearForPPO.forward", fused_linear_for_ppo),
+            Target(KERNEL, "linear_cross_entropy", linear_cross_entropy),
             Target(
                 FSDP,
                 "FSDPEngineWithLMHead.prepare_model_outputs",
                 fsdp_model_outputs,
                 optional=True,
-            )
+            ),
         ]
     )
 
