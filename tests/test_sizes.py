@@ -79,7 +79,10 @@ def test_gae_packed_stream_of_2_24_tokens(backend):
     for r in (0, 1, cu.numel() - 3, cu.numel() - 2):
         a, b = int(cu[r]), int(cu[r + 1])
         wa, wr, _ = GR.gae_sequential(
-            rewards[None, a:b].double(), values[None, a:b].double(), mask[None, a:b], gamma=0.99,
+            rewards[None, a:b].double(),
+            values[None, a:b].double(),
+            mask[None, a:b],
+            gamma=0.99,
             lam=0.95,
         )
         torch.testing.assert_close(adv[a:b].double(), wa[0], atol=1e-4, rtol=1e-4)
