@@ -171,6 +171,16 @@ def test_bypass_mode(verl, loss_type, rc):
     compare("verl", _loss_fn(verl, "bypass_mode"), old, lp, adv, mask, "token-mean", cfg)
 
 
+@pytest.mark.parametrize("agg", AGGS)
+def test_reinforce(verl, agg):
+    """compute_policy_loss_reinforce (bypass mode's REINFORCE, called directly)."""
+    old, lp, adv, mask = _inputs("random", seed=5)
+    w = torch.rand(lp.shape, generator=torch.Generator().manual_seed(3)) * 2
+    fn = lambda: verl.core.compute_policy_loss_reinforce  # noqa: E731
+    compare("verl", fn, old, lp, adv, mask, agg, _config(verl, "vanilla"), w)
+    compare("verl", fn, old, lp, adv, mask, agg, _config(verl, "vanilla"))
+
+
 def test_bypass_mode_empty_mask_raises_like_verl(verl):
     old, lp, adv, mask = _inputs("random")
     cfg = _config(verl, "bypass_mode", rc={"bypass_mode": True, "rollout_is": "token"})

@@ -211,9 +211,10 @@ def _agg(name, mode, cfg):
     return mode, kw
 
 
-def registry_loss(name):
+def registry_loss(name, metrics=None):
     """The replacement of verl's registry function `name`: (loss, {metric: float})."""
-    loss_type, options, metrics = REGISTRY[name]
+    loss_type, options, default_metrics = REGISTRY[name]
+    metrics = default_metrics if metrics is None else metrics
 
     def impl(a, orig, o):
         cfg = a["config"]
@@ -236,6 +237,13 @@ def registry_loss(name):
 
     impl.__name__ = f"policy_loss_{name}"
     return impl
+
+
+def reinforce(a, orig, o):
+    """compute_policy_loss_reinforce (bypass mode's "reinforce", not in the registry): gpg with
+    the rollout IS weights, its ppo_kl against the rollout log-probs."""
+    a = dict(a, old_log_prob=a["rollout_log_prob"])
+    return registry_loss("gpg", metrics=_THREE[1:2])(a, orig, o)
 
 
 def legacy_policy_loss(a, orig, o):
@@ -467,7 +475,7 @@ def targets(Target, registries):
     """The Targets of this module: the registry (core_algos) and the helper (rollout_corr_helper,
     optional: it imports verl.protocol, which needs tensordict)."""
     core = [(FUNCTIONS[n], registry_loss(n)) for n in REGISTRY]
-    core.append((FUNCTIONS["bypass_mode"], bypass_mode))
+    core += [(FUNCTIONS["bypass_mode"], bypass_mode), ("compute_policy_loss_reinforce", reinforce)]
     rch = [
         ("compute_rollout_correction_and_rejection_mask", correction_and_rejection_mask),
         ("compute_rollout_correction_weights", correction_weights),
