@@ -161,13 +161,24 @@ def test_clip_cov_random_draw(verl):
         dict(rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold=0.3),
     ],
 )
-def test_bypass_mode(verl, loss_type, rc):
-    old, lp, adv, mask = _inputs("random", seed=2)
+@pytest.mark.parametrize("case", ["random", "all_clipped", "extreme"])
+def test_bypass_mode(verl, loss_type, rc, case):
+    old, lp, adv, mask = _inputs(case, seed=2)
     cfg = _config(
         verl,
         "bypass_mode",
         rc={"bypass_mode": True, "loss_type": loss_type, "rollout_is": None, **rc},
     )
+    if case == "extreme" and rc.get("rollout_is_threshold") == "0.2_5.0":
+        # every sequence weight outside the IcePop band: verl's effective sample size divides by
+        # zero in Python; ours is inf (losses/rollout.py)
+        fn = verl.core.get_policy_loss_fn("bypass_mode")
+        with pytest.raises(ZeroDivisionError):
+            fn(old, lp, adv, mask, "token-mean", cfg)
+        with pki.patched("verl"):
+            _, met = fn(old, lp, adv, mask, "token-mean", cfg)
+        assert met["rollout_corr/rollout_is_eff_sample_size"] == math.inf
+        return
     compare("verl", _loss_fn(verl, "bypass_mode"), old, lp, adv, mask, "token-mean", cfg)
 
 
@@ -230,10 +241,13 @@ RC_CASES = [
 ]
 
 
-def _rc_data(seed=21, float_mask=False):
+def _rc_data(seed=21, float_mask=False, extreme=False):
     old, lp, _, mask = _inputs("random", seed)
     roll = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed))
     roll[3, 2] -= 4.0  # an outlier token
+    if extreme:  # log-ratios past verl's +-20 safety bound, for a token and a whole row
+        roll[0, 0] += 30.0
+        roll[2] -= 25.0
     if float_mask:
         mask = mask * (0.5 + torch.rand(mask.shape, generator=torch.Generator().manual_seed(9)))
     return old, roll, mask
@@ -252,9 +266,9 @@ def _replaced(name):
 
 
 @pytest.mark.parametrize("case", RC_CASES, ids=lambda c: ",".join(map(str, c.values())) or "none")
-@pytest.mark.parametrize("float_mask", [False, True])
-def test_correction_and_rejection_mask(verl, case, float_mask):
-    old, roll, mask = _rc_data(float_mask=float_mask)
+@pytest.mark.parametrize("float_mask,extreme", [(False, False), (True, False), (False, True)])
+def test_correction_and_rejection_mask(verl, case, float_mask, extreme):
+    old, roll, mask = _rc_data(float_mask=float_mask, extreme=extreme)
     f = verl.rch.compute_rollout_correction_and_rejection_mask
     ref_w, ref_m, ref_met = f(old, roll, mask, **case)
     with pki.patched("verl"):
