@@ -109,8 +109,14 @@ peers() {
   # a local Ray for the worker-activation test (tests/test_integrations_ray.py), the version
   # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
   pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
-  pip_ install -q --no-deps liger-kernel==0.8.5 \
-    || echo "liger-kernel did not install: verl's liger backend runs its torch route" >&2
+  # Liger's kernels need triton (the CUDA build of torch brings it); without triton an installed
+  # liger-kernel breaks verl's own import of its fused-kernel module, so it is left out
+  if "$VENV/bin/python" -c "import triton" >/dev/null 2>&1; then
+    pip_ install -q --no-deps liger-kernel==0.8.5 \
+      || echo "liger-kernel did not install: verl's liger backend runs its torch route" >&2
+  elif "$VENV/bin/python" -c "import liger_kernel" >/dev/null 2>&1; then
+    "$VENV/bin/pip" uninstall -q -y liger-kernel  # a venv reused from before
+  fi
   for p in $PEERS; do
     pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
   done

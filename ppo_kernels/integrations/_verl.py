@@ -414,7 +414,9 @@ def _targets():
         + loss_targets(Target, REGISTRIES)
         + [Target(TF, n, f) for n, f in tf]
         + [
-            Target(EXP_TF, "FusedLinearForPPO.forward", fused_linear_for_ppo),
+            # verl imports liger-kernel there unguarded, which needs triton (absent with a
+            # CPU-only torch): then verl's fused-kernel path cannot run at all, nothing to patch
+            Target(EXP_TF, "FusedLinearForPPO.forward", fused_linear_for_ppo, optional=True),
             Target(KERNEL, "linear_cross_entropy", linear_cross_entropy),
             Target(
                 FSDP,
