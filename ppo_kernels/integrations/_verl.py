@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import ppo_kernels as pk
+from ppo_kernels.losses.aggregate import AGG_NAMES
 
 from ._args import (
     NO_IGNORE,
@@ -173,7 +174,7 @@ def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
         same_shape(lp, t, n)
     tensor(mask, "response_mask")
     same_shape(lp, mask, "response_mask")
-    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(lo is not None and 0 <= float(lo) < 1, "clip_ratio_low", "expected a number in [0, 1)")
     need(hi is not None and float(hi) >= 0, "clip_ratio_high", "expected a non-negative number")
     need(c is not None and float(c) > 1, "clip_ratio_c", "expected a number > 1")
@@ -258,7 +259,7 @@ def value_loss(a, orig, o):
     c = a["cliprange_value"]
     need(isinstance(c, numbers.Real) and c > 0, "cliprange_value", "expected a positive number")
     mode = a["loss_agg_mode"]
-    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     loss, st = pk.ppo_value_loss(
         vp,
         old,
@@ -280,7 +281,7 @@ def agg_loss(a, orig, o):
     m = tensor(a["loss_mask"], "loss_mask")
     same_shape(x, m, "loss_mask")
     mode = a["loss_agg_mode"]
-    need(mode in pk.losses.op.AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(x.dim() >= 1 and x.is_floating_point(), "loss_mat", "expected a float tensor")
     loss = pk.masked_aggregate(
         x,
