@@ -4,8 +4,9 @@
 
 `masked_aggregate` is for every per-token term a trainer aggregates the way the fused losses do
 inside their kernels (entropy bonus, KL loss, a custom policy loss). It is a reduction over memory
-that is already there: a composition of torch ops on every device, differentiable by autograd
-(d loss / d loss_mat = row_coef[b] * mask, zero where mask == 0), with no custom op around it.
+that is already there: a composition of torch ops on every device (as many passes as verl's
+agg_loss for a bool mask), differentiable by autograd (d loss / d loss_mat = row_coef[b] * mask,
+zero where mask == 0), with no custom op around it.
 """
 
 from __future__ import annotations
@@ -194,16 +195,19 @@ def masked_aggregate(
         loss_scale_factor,
         loss_mat.device,
     )
-    _backend.backend_for("masked_aggregate", loss_mat)  # eager; refuses another requested backend
+    _backend.check_eager_only("masked_aggregate", loss_mat)
     acc = reference._acc(loss_mat.dtype)
-    m = rows(mask).to(acc)
-    keep = m != 0
-    zero = torch.zeros((), dtype=acc, device=m.device)
-    m = torch.where(keep, m, zero)
+    x, mk = rows(loss_mat), rows(mask)
+    # the row sums of mask * loss_mat where mask != 0 (masked NaN never reach them), in acc
+    if mk.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
+        row_sums = torch.where(mk, x, 0.0).sum(-1, dtype=acc)
+        counts = mk.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: ~10x faster on the CPU
+    else:
+        m = mk.to(acc)
+        row_sums = (torch.where(m != 0, x, 0.0) * m).sum(-1)
+        counts = m.sum(-1)
     den = gd.to(acc) if gd is not None else None
     if den is None and gdv is not None:
-        den = torch.full((), gdv, dtype=acc, device=m.device)
-    coef = reference.row_coefficients(m, mode, scale, den)  # depends on the mask only
-    x = torch.where(keep, rows(loss_mat).to(acc), zero)  # masked NaN never reach the sum
-    loss = (coef * (x * m).sum(-1)).sum()
-    return apply_empty(loss, mode, mask, den, gdv, empty)
+        den = torch.full((), gdv, dtype=acc, device=x.device)
+    coef = reference.row_coefficients_of_counts(counts, mode, scale, den)  # the mask's alone
+    return apply_empty((coef * row_sums).sum(), mode, mask, den, gdv, empty)

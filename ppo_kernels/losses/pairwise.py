@@ -38,7 +38,7 @@ def _check_pairs(reduction, **tensors):
         elif t.device != x.device:
             raise ValueError(f"{n}: expected device {x.device} (like {first}), got {t.device}")
     check_str("reduction", reduction, _REDUCTIONS)
-    _backend.backend_for("pairwise_logsigmoid_loss", x)  # eager; refuses another requested one
+    _backend.check_eager_only("pairwise_logsigmoid_loss", x)
 
 
 def reward_model_loss(
