@@ -192,6 +192,31 @@ def test_grpo_eps_zero_equal_scores_is_zero(backend):
 
 
 # --------------------------------------------------------------------------- torch.compile
+class _TinyCausalLM(torch.nn.Module):
+    """The parts of a transformers causal LM that causal_lm_logprobs uses: a backbone returning
+    the last hidden states, an output embedding, a config."""
+
+    class _Backbone(torch.nn.Module):
+        def __init__(self, V, H):
+            super().__init__()
+            self.embed = torch.nn.Embedding(V, H)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return (torch.tanh(self.embed(input_ids)),)
+
+    def __init__(self, V=7, H=4):
+        super().__init__()
+        self.model = self._Backbone(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.config = type("Config", (), {})()
+
+    def get_decoder(self):
+        return self.model
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
 def _compile_cases():
     B, T, V, H = 2, 5, 7, 4
     lp = torch.randn(B, T, requires_grad=True)
@@ -201,6 +226,7 @@ def _compile_cases():
     labels = torch.randint(0, V, (B, T))
     scores = torch.randn(B)
     hid, w = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    lm = _TinyCausalLM(V, H)
     return {
         "token_logprobs": (
             lambda x, y: pk.token_logprobs(x[:, :-1], y, temperature=0.7, return_entropy=True),
@@ -209,6 +235,10 @@ def _compile_cases():
         "linear_token_logprobs": (
             lambda a, b, y: pk.linear_token_logprobs(a, b, y, temperature=0.7),
             (hid, w, labels),
+        ),
+        "causal_lm_logprobs": (
+            lambda ids, m: pk.causal_lm_logprobs(lm, ids, m, temperature=0.7),
+            (labels, mask.long()),
         ),
         "full_kl": (lambda x, y: pk.full_kl(x, y), (logits, logits.detach() + 1)),
         "kl_penalty": (lambda a, b: pk.kl_penalty(a, b, "k3", clamp="verl"), (lp, ref)),
@@ -259,6 +289,10 @@ def _compile_cases():
                 a, b, m, rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold=0.5
             )[:2],
             (lp, ref, mask),
+        ),
+        "masked_aggregate": (
+            lambda a, m: pk.masked_aggregate(a, m, "seq-mean-token-mean"),
+            (lp, mask),
         ),
         "ppo_value_loss": (
             lambda a, b, c, m: pk.ppo_value_loss(a, b, c, m, clip=0.2)[0],

@@ -151,18 +151,87 @@ def test_gae_and_returns(orl):
     compare("openrlhf", lambda: maker.get_cumulative_returns, r, None, 1.0)
 
 
-def test_unsupported_policy_loss_types(orl):
+def _rollout(old, seed=5, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    roll = old + spread * torch.randn(old.shape, generator=g)
+    roll[1, 2] -= 3.0  # a token far off the band
+    return roll
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("glob", [False, True])
+@pytest.mark.parametrize("level", ["off", "token"])
+def test_gspo(orl, dual_clip, glob, level):
+    """policy_loss_type="gspo": the clipped loss on the row's mean log-ratio (gradient through the
+    mean), against the rollout log-probs with is_correction_level set, per-sample aggregation."""
     _, loss, _ = orl
     mask, lp, old, adv, _ = _batch()
-    fn = loss.PolicyLoss(policy_loss_type="gspo")
-    with pki.patched("openrlhf"), pytest.raises(pki.Unsupported, match="policy_loss_type"):
-        fn(lp, old, adv, mask)
-    ref = fn(lp, old, adv, mask)
-    with pki.patched("openrlhf", strict=False):
-        got = fn(lp, old, adv, mask)
-        s = pki.report("openrlhf")["functions"]["openrlhf.models.loss.PolicyLoss.forward"]
-        assert s["fallbacks"] == 1
-    torch.testing.assert_close(got[0], ref[0])
+    old[0, 1] = lp[0, 1] - 2.0  # OpenRLHF's gspo has no log-ratio clamp: keep it finite
+    lp.requires_grad_(True)
+    fn = loss.PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip=dual_clip,
+        policy_loss_type="gspo",
+        is_correction_level=level,
+    )
+    kw = dict(dp_size=2, batch_num_tokens=60.0, global_batch_size=9.0) if glob else {}
+    roll = _rollout(old, spread=0.2)
+    compare("openrlhf", lambda: fn, lp, old, adv, mask, rollout_log_probs=roll, **kw)
+    ref, got, _ = compare(
+        "openrlhf", lambda: fn, lp, old, adv, torch.zeros_like(mask), roll, grads=False
+    )
+    assert ref[0].isnan() and got[0].isnan()
+
+
+@pytest.mark.parametrize("level", ["token", "seq"])
+@pytest.mark.parametrize("threshold", [(0.5, 5.0), (0.8, 1.25)])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("token_level", [True, False])
+def test_is_correction(orl, level, threshold, dual_clip, token_level):
+    """is_correction_level with the "mask" mode and "ratio" gating: OpenRLHF's per-token IS
+    weights (0 outside the band, per token or per row) on rollout_correction, its vllm_kl and
+    filter ratio."""
+    _, loss, _ = orl
+    mask, lp, old, adv, _ = _batch(seed=3)
+    lp.requires_grad_(True)
+    fn = loss.PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip=dual_clip,
+        token_level_loss=token_level,
+        is_correction_level=level,
+        is_correction_threshold=threshold,
+    )
+    roll = _rollout(old)
+    ref, got, _ = compare("openrlhf", lambda: fn, lp, old, adv, mask, rollout_log_probs=roll)
+    assert 0 < ref[4].item() < 1  # some tokens / rows filtered, not all
+    ref, got, _ = compare(
+        "openrlhf", lambda: fn, lp, old, adv, torch.zeros_like(mask), roll, grads=False
+    )
+    assert ref[0].isnan() and got[0].isnan()
+
+
+def test_unsupported_is_correction(orl):
+    _, loss, _ = orl
+    mask, lp, old, adv, _ = _batch()
+    roll = _rollout(old)
+    kinds = [
+        ("is_correction_mode", dict(is_correction_mode="clip")),
+        ("is_correction_gating", dict(is_correction_gating="tv", is_correction_threshold=(0, 0.2))),
+        ("is_correction_threshold", dict(is_correction_threshold=(1e-12, 5.0))),
+    ]
+    for arg, kw in kinds:
+        fn = loss.PolicyLoss(is_correction_level="token", **kw)
+        with pki.patched("openrlhf"), pytest.raises(pki.Unsupported, match=arg):
+            fn(lp, old, adv, mask, rollout_log_probs=roll)
+        ref = fn(lp, old, adv, mask, rollout_log_probs=roll)
+        with pki.patched("openrlhf", strict=False):
+            got = fn(lp, old, adv, mask, rollout_log_probs=roll)
+            s = pki.report("openrlhf")["functions"]["openrlhf.models.loss.PolicyLoss.forward"]
+            assert s["fallbacks"] == 1 and arg in next(iter(s["fallback_reasons"]))
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(a, b)
 
 
 def test_experience_math_pipeline(orl):

@@ -57,7 +57,12 @@ def test_apply_reaches_every_copy_and_reverts(verl):
         assert core.get_policy_loss_fn("vanilla") is core.compute_policy_loss_vanilla
         for m in copies:
             assert m.logprobs_from_logits is tf.logprobs_from_logits is not orig_lp
-        assert len(rep["functions"]) == 18 and rep["active"]
+        # 16 core_algos / torch_functional / fused-kernel / engine targets, 14 policy losses
+        # (the registry's 12, compute_policy_loss_reinforce, the pre-registry compute_policy_loss),
+        # 5 rollout helpers
+        assert len(rep["functions"]) == 35 and rep["active"]
+        for name, fn in core.POLICY_LOSS_REGISTRY.items():  # every registry entry replaced
+            assert hasattr(fn, "__ppo_kernels_original__"), name
         places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"][
             "patched_in"
         ]
@@ -327,15 +332,27 @@ def test_core_algos_pipeline(verl, adv_est, agg):
     compare("verl", lambda: pipeline, logits, vpred)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_end_to_end_training(verl, algo):
-    """bench/e2e_verl.py for a few iterations: same losses step by step, same final parameters."""
+@pytest.mark.parametrize(
+    "algo,loss,fused",
+    [
+        ("ppo", "vanilla", False),
+        ("ppo", "gspo", True),
+        ("grpo", "clip_cov", True),
+        ("grpo", "cispo", True),
+    ],
+)
+def test_end_to_end_training(verl, algo, loss, fused):
+    """bench/e2e_verl.py for a few iterations (use_fused_kernels: log-probs from the hidden
+    states; registry losses): the same sampled data, the same losses step by step (1e-5), the same
+    final parameters (1e-6 of their norm), every call of verl's functions replaced."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
     import e2e_verl
 
-    lu, pu, _, _ = e2e_verl.run(algo, iters=4)
-    lp, pp, _, replaced = e2e_verl.run(algo, iters=4, patched=True)
-    assert replaced > 0
-    for a, b in zip(lu, lp):
-        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), (lu, lp)
-    torch.testing.assert_close(pp, pu, rtol=1e-5, atol=1e-5)
+    kw = dict(algo=algo, loss=loss, fused=fused, iters=3)
+    u = e2e_verl.run(**kw)
+    p = e2e_verl.run(patched=True, **kw)
+    assert p.replaced > 0 and p.fallbacks == 0
+    c = e2e_verl.compare(u, p)
+    assert c["same_samples"]
+    assert c["loss_abs"] <= 1e-5, (u.losses, p.losses)
+    assert c["param_rel"] <= 1e-6, c

@@ -255,52 +255,16 @@ def test_clip_cov_draws_exactly_clip_num_candidates():
 # --------------------------------------------------------------------------- verl's registry
 @pytest.fixture(scope="module")
 def verl():
-    from _peer_stubs import import_peer
+    from _verl_losses import verl_loss_modules
 
-    core = import_peer("verl.trainer.ppo.core_algos")
-    rch = import_peer("verl.trainer.ppo.rollout_corr_helper")
-    actor = import_peer("verl.workers.config.actor")
-    algo = import_peer("verl.trainer.config.algorithm")
-
-    class _Proto:  # verl's DataProto needs tensordict; the helper only wraps the weights in it
-        def __init__(self, batch):
-            self.batch = batch
-
-        @classmethod
-        def from_dict(cls, tensors):
-            return cls(dict(tensors))
-
-    saved = rch.DataProto
-    rch.DataProto = _Proto
-    yield types.SimpleNamespace(core=core, rch=rch, actor=actor, algo=algo)
-    rch.DataProto = saved
+    with verl_loss_modules() as v:
+        yield v
 
 
 def _verl_config(verl, mode, info=None, rollout_correction=None, **policy):
-    kw = dict(
-        clip_cov_ratio=policy.pop("clip_cov_ratio", 2e-4),
-        clip_cov_lb=policy.pop("clip_cov_lb", 1.0),
-        clip_cov_ub=policy.pop("clip_cov_ub", 5.0),
-        kl_cov_ratio=policy.pop("kl_cov_ratio", 2e-4),
-        ppo_kl_coef=policy.pop("ppo_kl_coef", 0.1),
-        dro_beta=policy.pop("dro_beta", None),
-    )
-    if rollout_correction is not None:
-        kw["rollout_correction"] = rollout_correction
-    plc = verl.actor.PolicyLossConfig(loss_mode=mode, **kw)
-    return verl.actor.ActorConfig(
-        strategy="fsdp",
-        ppo_micro_batch_size_per_gpu=1,
-        rollout_n=1,
-        clip_ratio=0.2,
-        clip_ratio_low=0.15,
-        clip_ratio_high=0.28,
-        clip_ratio_c=policy.pop("clip_ratio_c", 3.0),
-        tau_pos=1.0,
-        tau_neg=1.3,
-        policy_loss=plc,
-        global_batch_info=dict(info or {}),
-    )
+    from _verl_losses import actor_config
+
+    return actor_config(verl, mode, info, rollout_correction, **policy)
 
 
 VERL_METRICS = {

@@ -4,6 +4,7 @@ experience maker's GAE / returns on ppo_kernels ops. Semantics read from OpenRLH
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import sys
 
@@ -110,46 +111,124 @@ def _agg(token_level, dp, n_tok, n_seq):
     }
 
 
+# log-ratios beyond +-20 enter rollout_correction clamped (verl's SAFETY_BOUND): a ratio band
+# inside [e^-20, e^20] makes that clamp invisible to the band test
+_RATIO_BAND = (math.exp(-20.0), math.exp(20.0))
+
+
+def _is_correction(self, lp, old, roll, m):
+    """OpenRLHF's train / rollout IS correction of the ppo loss (is_correction_level token or
+    seq, mode "mask", gating "ratio") on rollout_correction: per-token weights exp(old - rollout),
+    zeroed where the token's ratio (token) or the row's geometric-mean ratio (seq) leaves
+    [low, high]; the mask is unchanged (a dropped token still counts in the denominator).
+    -> (weights, vllm_kl, is_filter_ratio)."""
+    level, mode = self.is_correction_level, self.is_correction_mode
+    need(
+        self.is_correction_gating == "ratio",
+        "is_correction_gating",
+        f"{self.is_correction_gating!r}: the binary-KL / TV gates are not rollout_correction's "
+        "estimators (k1 / k2 / k3 of the log-ratio)",
+    )
+    need(
+        mode == "mask",
+        "is_correction_mode",
+        f"{mode!r}: clamping the weight from below too is not rollout_correction's truncation "
+        "(TIS: from above)",
+    )
+    low, high = (float(x) for x in self.is_correction_threshold)
+    need(
+        _RATIO_BAND[0] < low <= high < _RATIO_BAND[1],
+        "is_correction_threshold",
+        f"({low}, {high}): expected e^-20 < low <= high < e^20",
+    )
+    need(is_binary_mask(m), "action_mask", "a fractional mask (it would scale the IS weights)")
+    some = (m != 0).any()  # OpenRLHF's masked means of nothing are 0 / 0 = NaN, ours 0
+
+    def nan_if_empty(x):
+        return torch.where(some, x, torch.full_like(x, math.nan))
+
+    if level == "token":  # IcePop: the weight where low <= ratio <= high, else 0
+        rc = pk.rollout_correction(
+            old, roll, m, rollout_is="token", rollout_is_threshold=(low, high)
+        )
+        oob = rc.metrics["rollout_is_oob_ratio"]
+        return rc.weights, nan_if_empty(rc.metrics["kl"]), nan_if_empty(oob)
+    # seq: rows whose mean log-ratio leaves [log low, log high] rejected by seq_mean_k1 (the mean
+    # of -log-ratio within [log 1/high, log 1/low]); weights untruncated (bound above e^20)
+    rc = pk.rollout_correction(
+        old,
+        roll,
+        m,
+        rollout_is="token",
+        rollout_is_threshold=_RATIO_BAND[1] * 2,
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold=(f"{1.0 / high!r}_{1.0 / low!r}"),
+    )
+    kept = rc.mask != 0
+    # OpenRLHF's fraction is over every row, a row with no action counting as filtered
+    filtered = (~kept.any(-1)).float().mean()
+    return rc.weights * kept, nan_if_empty(rc.metrics["kl"]), filtered
+
+
 def policy_loss_forward(a, orig, o):
+    """PolicyLoss.forward: "ppo" on the fused ppo_policy_loss (with the train / rollout IS
+    correction as per-token weights), "gspo" on ppo_policy_loss's clipped loss at sequence level
+    (the ratio of the row's mean log-ratio, gradient through the mean; against the rollout
+    log-probs when is_correction_level is set, as OpenRLHF's)."""
     self = a["self"]
-    need(
-        self.policy_loss_type == "ppo",
-        "policy_loss_type",
-        f"{self.policy_loss_type!r} (only 'ppo')",
-    )
-    need(
-        self.is_correction_level == "off",
-        "is_correction_level",
-        f"{self.is_correction_level!r}: train/rollout importance correction is not supported",
-    )
+    kind = self.policy_loss_type
+    need(kind in ("ppo", "gspo"), "policy_loss_type", f"{kind!r} (OpenRLHF: 'ppo' or 'gspo')")
     lp = tensor(a["log_probs"], "log_probs")
     m = a["action_mask"]
     need(m is not None, "action_mask", "None")
     for n in ("old_log_probs", "advantages", "action_mask"):
         same_shape(lp, tensor(a[n], n), n)
+    old, adv = a["old_log_probs"], a["advantages"]
     lo, hi = self.clip_eps_low, self.clip_eps_high
     need(0 <= float(lo) < 1, "clip_eps_low", "expected a number in [0, 1)")
-    loss, st = pk.ppo_policy_loss(
-        lp,
-        a["old_log_probs"],
-        a["advantages"],
-        m,
+    corrected = self.is_correction_level != "off"
+    roll = a["rollout_log_probs"]
+    if corrected:
+        need(
+            self.is_correction_level in ("token", "seq"),
+            "is_correction_level",
+            f"{self.is_correction_level!r}",
+        )
+        same_shape(lp, tensor(roll, "rollout_log_probs"), "rollout_log_probs")
+    agg = _agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"], a["global_batch_size"])
+    dt = out_dtype(lp, adv)
+    common = dict(
         clip_low=float(lo),
         clip_high=float(hi),
         dual_clip=self.dual_clip,
-        log_ratio_clamp=20.0,
-        approx_kl="raw",
         empty="nan",
         empty_stats="nan",
-        **_agg(self.token_level_loss, a["dp_size"], a["batch_num_tokens"], a["global_batch_size"]),
+        **agg,
     )
-    dt = out_dtype(lp, a["advantages"])
+    if kind == "gspo":  # no IS weights: the ratio itself is against the rollout policy
+        loss, st = pk.ppo_policy_loss(
+            lp,
+            roll if corrected else old,
+            adv,
+            m,
+            loss_type="grpo",
+            importance_sampling_level="sequence",
+            **common,
+        )
+        ppo_kl = pk.masked_mean((old.detach() - lp.detach()).float(), m, empty="nan")
+        return o.out(loss, dt), o.out(st["clip_frac"], torch.float32), o.out(ppo_kl, dt), None, None
+    w = vllm_kl = filtered = None
+    if corrected:
+        w, vllm_kl, filtered = _is_correction(self, lp, old, roll, m)
+    loss, st = pk.ppo_policy_loss(
+        lp, old, adv, m, log_ratio_clamp=20.0, approx_kl="raw", weights=w, **common
+    )
     return (
         o.out(loss, dt),
         o.out(st["clip_frac"], torch.float32),
         o.out(st["approx_kl"], dt),
-        None,
-        None,
+        None if vllm_kl is None else o.out(vllm_kl, out_dtype(roll, old)),
+        None if filtered is None else o.out(filtered, torch.float32),
     )
 
 

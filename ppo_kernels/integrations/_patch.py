@@ -160,13 +160,20 @@ class Peer:
             # every module first, so that the `from ... import` copies a caller's module holds
             # exist when the functions are replaced
             mods = {t.module: _import(t) for t in self.targets}
+            copies: dict = {}  # id(original) -> (original, wrapper, places): one scan for all
             for t in self.targets:
-                self._apply_target(t, mods[t.module])
+                self._apply_target(t, mods[t.module], copies)
+            _replace_copies(copies)
+            for t in self.targets:
+                stats, places, _ = self.active[t.attr]
+                stats.places = [
+                    _place_name(t, mods[t.module], h, k, kind) for h, k, _, kind in places
+                ]
         except Exception:
             self.revert()
             raise
 
-    def _apply_target(self, t: Target, mod):
+    def _apply_target(self, t: Target, mod, copies: dict):
         if isinstance(mod, str):  # an optional target whose module does not import here
             self.active[t.attr] = (_Stats(unavailable=mod), [], None)
             return
@@ -197,31 +204,19 @@ class Peer:
         if owner:  # a class attribute (method): the class is the one place
             setattr(holder, name, wrapper)
             places.append((holder, name, original, "attr"))
-        else:
-            for m in list(sys.modules.values()):  # the defining module and every `from` copy
-                d = getattr(m, "__dict__", None)
-                if not isinstance(d, dict):
-                    continue
-                for k, v in list(d.items()):
-                    if v is original:
-                        setattr(m, k, wrapper)
-                        places.append((m, k, original, "attr"))
+        else:  # the defining module and every `from` copy: filled by _replace_copies
+            copies.setdefault(id(original), (original, wrapper, places))
             for r in t.registries:
                 reg = getattr(mod, r)
                 for k, v in list(reg.items()):
                     if v is original:
                         reg[k] = wrapper
                         places.append((reg, k, original, "item"))
-        stats.places = [
-            f"{getattr(h, '__name__', t.module + ' registry')}.{k}"
-            if kind == "attr"
-            else f"{t.module}.{_registry_name(mod, h)}[{k!r}]"
-            for h, k, _, kind in places
-        ]
         self.active[t.attr] = (stats, places, wrapper)
 
     def revert(self):
         active, self.active, self.options = self.active, None, None
+        late = {}  # id(wrapper) -> original, for modules that imported it after apply
         for _stats, places, wrapper in (active or {}).values():
             for holder, key, original, kind in places:
                 if kind == "item":
@@ -229,15 +224,12 @@ class Peer:
                         holder[key] = original
                 else:
                     setattr(holder, key, original)
-            if places and places[0][3] == "attr" and not inspect.isclass(places[0][0]):
-                # modules that imported the replacement after apply
-                original = places[0][2]
-                for m in list(sys.modules.values()):
-                    d = getattr(m, "__dict__", None)
-                    if isinstance(d, dict):
-                        for k, v in list(d.items()):
-                            if v is wrapper:
-                                setattr(m, k, original)
+                    if not inspect.isclass(holder):
+                        late[id(wrapper)] = (wrapper, original)
+        for m, k, v in _module_items():
+            hit = late.get(id(v))
+            if hit is not None and hit[0] is v:
+                setattr(m, k, hit[1])
 
     def report(self) -> dict:
         if not self.active:
@@ -265,6 +257,33 @@ class Peer:
             "dtype": self.options.dtype,
             "functions": functions,
         }
+
+
+def _module_items():
+    """(module, name, value) of every loaded module's globals (a snapshot: callers set them)."""
+    for m in list(sys.modules.values()):
+        d = getattr(m, "__dict__", None)
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                yield m, k, v
+
+
+def _replace_copies(copies: dict):
+    """Every module global holding one of the originals (its defining module and each `from ...
+    import` copy) set to its wrapper, in one pass over the loaded modules."""
+    if not copies:
+        return
+    for m, k, v in _module_items():
+        hit = copies.get(id(v))
+        if hit is not None and hit[0] is v:
+            setattr(m, k, hit[1])
+            hit[2].append((m, k, v, "attr"))
+
+
+def _place_name(t: Target, mod, holder, key, kind):
+    if kind == "attr":
+        return f"{getattr(holder, '__name__', t.module + ' registry')}.{key}"
+    return f"{t.module}.{_registry_name(mod, holder)}[{key!r}]"
 
 
 def _import(t: Target):

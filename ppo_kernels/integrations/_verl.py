@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels.losses.aggregate import AGG_NAMES
 
 from ._args import (
     NO_IGNORE,
@@ -32,6 +31,8 @@ from ._args import (
 from ._fused import FusedPair
 from ._hidden import half_tiles, linear_logprobs
 from ._patch import Fallback, Passthrough, Peer, Target
+from ._verl_losses import AGG_MODES, legacy_policy_loss
+from ._verl_losses import targets as loss_targets
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
@@ -156,99 +157,6 @@ def _full_kl(logits, ref_logits):
 # ------------------------------------------------------------------ losses
 
 
-def _agg_kwargs(info):
-    info = dict(info or {})
-    unknown = set(info) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
-    need(not unknown, "config.global_batch_info", f"unknown keys {sorted(unknown)}")
-    return {
-        "dp_size": int(info.get("dp_size", 1) or 1),
-        "global_num_tokens": info.get("batch_num_tokens"),
-        "global_batch_size": info.get("global_batch_size"),
-        "loss_scale_factor": info.get("loss_scale_factor"),
-    }
-
-
-def _policy(lp, old, adv, mask, mode, lo, hi, c, agg_kw, weights=None):
-    for n, t in (("log_prob", lp), ("old_log_prob", old), ("advantages", adv)):
-        tensor(t, n)
-        same_shape(lp, t, n)
-    tensor(mask, "response_mask")
-    same_shape(lp, mask, "response_mask")
-    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
-    need(lo is not None and 0 <= float(lo) < 1, "clip_ratio_low", "expected a number in [0, 1)")
-    need(hi is not None and float(hi) >= 0, "clip_ratio_high", "expected a non-negative number")
-    need(c is not None and float(c) > 1, "clip_ratio_c", "expected a number > 1")
-    loss, st = pk.ppo_policy_loss(
-        lp,
-        old,
-        adv,
-        mask,
-        clip_low=float(lo),
-        clip_high=float(hi),
-        dual_clip=float(c),
-        agg=mode,
-        log_ratio_clamp=20.0,
-        empty="nan",
-        weights=weights,
-        **agg_kw,
-    )
-    return loss, st
-
-
-def policy_loss_vanilla(a, orig, o):
-    cfg = a["config"]
-    need(cfg is not None, "config", "required (verl asserts it)")
-    w = a["rollout_is_weights"]
-    if w is not None:
-        same_shape(a["log_prob"], tensor(w, "rollout_is_weights"), "rollout_is_weights")
-    clip = cfg.clip_ratio
-    lo = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else clip
-    hi = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else clip
-    c = cfg.get("clip_ratio_c", 3.0)
-    lp = a["log_prob"]
-    loss, st = _policy(
-        lp,
-        a["old_log_prob"],
-        a["advantages"],
-        a["response_mask"],
-        a["loss_agg_mode"],
-        lo,
-        hi,
-        c,
-        _agg_kwargs(getattr(cfg, "global_batch_info", None)),
-        weights=w,
-    )
-    # verl returns Python floats: one host sync for the three of them
-    cf, kl, cfl = torch.stack([st["clip_frac"], st["approx_kl"], st["clip_frac_lower"]]).tolist()
-    metrics = {"actor/pg_clipfrac": cf, "actor/ppo_kl": kl, "actor/pg_clipfrac_lower": cfl}
-    return o.out(loss, lp.dtype), metrics
-
-
-def policy_loss_legacy(a, orig, o):
-    clip = a["cliprange"]
-    lo = a["cliprange_low"] if a["cliprange_low"] is not None else clip
-    hi = a["cliprange_high"] if a["cliprange_high"] is not None else clip
-    lp = a["log_prob"]
-    loss, st = _policy(
-        lp,
-        a["old_log_prob"],
-        a["advantages"],
-        a["response_mask"],
-        a["loss_agg_mode"],
-        lo,
-        hi,
-        a["clip_ratio_c"],
-        {},
-    )
-    dt = lp.dtype
-    return (
-        o.out(loss, dt),
-        o.out(st["clip_frac"], dt),
-        o.out(st["approx_kl"], dt),
-        o.out(st["clip_frac_lower"], dt),
-    )
-
-
 def value_loss(a, orig, o):
     vp, ret, old = a["vpreds"], a["returns"], a["values"]
     for n, t in (("vpreds", vp), ("returns", ret), ("values", old)):
@@ -259,7 +167,7 @@ def value_loss(a, orig, o):
     c = a["cliprange_value"]
     need(isinstance(c, numbers.Real) and c > 0, "cliprange_value", "expected a positive number")
     mode = a["loss_agg_mode"]
-    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(mode in AGG_MODES, "loss_agg_mode", f"unknown mode {mode!r}")
     loss, st = pk.ppo_value_loss(
         vp,
         old,
@@ -281,7 +189,7 @@ def agg_loss(a, orig, o):
     m = tensor(a["loss_mask"], "loss_mask")
     same_shape(x, m, "loss_mask")
     mode = a["loss_agg_mode"]
-    need(mode in AGG_NAMES, "loss_agg_mode", f"unknown mode {mode!r}")
+    need(mode in AGG_MODES, "loss_agg_mode", f"unknown mode {mode!r}")
     need(x.dim() >= 1 and x.is_floating_point(), "loss_mat", "expected a float tensor")
     loss = pk.masked_aggregate(
         x,
@@ -490,8 +398,7 @@ def _targets():
         ("compute_rloo_outcome_advantage", rloo),
         ("compute_rloo_vectorized_outcome_advantage", rloo_vectorized),
         ("kl_penalty", kl_penalty),
-        ("compute_policy_loss_vanilla", policy_loss_vanilla),
-        ("compute_policy_loss", policy_loss_legacy),
+        ("compute_policy_loss", legacy_policy_loss),
         ("compute_value_loss", value_loss),
         ("agg_loss", agg_loss),
     ]
@@ -504,6 +411,7 @@ def _targets():
     ]
     return (
         [Target(CORE, n, f, REGISTRIES) for n, f in core]
+        + loss_targets(Target, REGISTRIES)
         + [Target(TF, n, f) for n, f in tf]
         + [
             Target(EXP_TF, "FusedLinearForPPO.forward", fused_linear_for_ppo),
