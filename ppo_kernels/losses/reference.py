@@ -58,7 +58,8 @@ def row_coefficients_of_counts(n_b, agg, scale=1.0, global_denominator=None):
     zero = torch.zeros((), dtype=n_b.dtype, device=n_b.device)
     if agg == "token-mean":
         denom = n_b.sum() if global_denominator is None else global_denominator.to(n_b.dtype)
-        c = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+        nz = denom != 0
+        c = torch.where(nz, scale / torch.where(nz, denom, 1.0), zero)
         return c.expand(n_b.shape).clone()
     nonempty = n_b > 0
     denom = (
@@ -66,7 +67,8 @@ def row_coefficients_of_counts(n_b, agg, scale=1.0, global_denominator=None):
         if global_denominator is None
         else global_denominator.to(n_b.dtype)
     )
-    per = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+    nz = denom != 0
+    per = torch.where(nz, scale / torch.where(nz, denom, 1.0), zero)
     c = torch.where(nonempty, per, zero)
     if agg == "seq-mean-token-mean":
         c = torch.where(nonempty, c / torch.where(nonempty, n_b, 1.0), zero)
