@@ -111,3 +111,47 @@ def test_step_has_no_host_sync(backend):
     assert not found, found
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+LOSS_TYPE_CASES = [
+    dict(loss_type="grpo"),  # TRL: every row counts, global_batch_size = B (a Python number)
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="dapo", global_num_tokens=37),
+    dict(loss_type="gspo"),
+    dict(loss_type="sapo"),
+    dict(loss_type="cispo", clip_low=1.0, clip_high=3.0),
+    dict(loss_type="dro", dro_beta=0.3),
+    dict(loss_type="geo_mean"),
+    dict(loss_type="kl_cov", kl_cov_ratio=0.5),
+    dict(loss_type="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=0.05),
+    dict(loss_type="ppo", importance_sampling_level="sequence"),
+    dict(
+        rollout_is="sequence", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.3_3,2.0"
+    ),
+    dict(
+        loss_type="gpg",
+        bypass_mode=True,
+        rollout_is="token",
+        rollout_rs="token_k1",
+        rollout_rs_threshold="0.5_2",
+    ),
+]
+
+
+@pytest.mark.parametrize("opts", LOSS_TYPE_CASES, ids=lambda o: "-".join(map(str, o.values())))
+def test_loss_types_have_no_host_sync(opts):
+    """The other loss types (the shared two-stage math) and rollout correction through the public
+    API, forward and backward, under the same guard: no sync, no tensor from a Python number
+    (e.g. TRL's default global_batch_size, a Python int, becomes a fill on the device)."""
+    x = make_inputs()
+    lp = x["logprobs"].clone().requires_grad_(True)
+    kw = dict(opts)
+    if "rollout_is" in kw and not kw.get("bypass_mode"):
+        kw["rollout_logprobs"] = x["old_logprobs"] - 0.1
+    if kw.get("loss_type") == "clip_cov":
+        kw["generator"] = torch.Generator().manual_seed(0)
+    with no_sync_no_python_tensors() as found:
+        loss, stats = pk.ppo_policy_loss(lp, x["old_logprobs"], x["scores"], x["mask"], **kw)
+        torch.autograd.grad(loss, lp)
+    assert not found, found
+    assert torch.isfinite(loss)
