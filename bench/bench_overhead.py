@@ -66,6 +66,11 @@ def _verl_masked_mean(x, m):
     return (x * m).sum() / (m.sum() + 1e-8)
 
 
+def _verl_agg_seq_mean_token_mean(x, m):
+    """verl's agg_loss, "seq-mean-token-mean" (masked_mean per row, then the mean of the rows)."""
+    return ((x * m).sum(-1) / (m.sum(-1) + 1e-8)).mean()
+
+
 def _backward(fn):
     def run():
         loss = fn()
@@ -154,6 +159,30 @@ def cases(B, T):
                     -torch.nn.functional.logsigmoid(xg["values"][:, 0] - x["returns"][:, 0]).mean()
                 )
             ),
+        ),
+        (
+            "dpo_loss fwd+bwd",
+            _backward(
+                lambda: pk.dpo_loss(
+                    xg["values"][:, 0], x["returns"][:, 0], x["old"][:, 0], x["ref"][:, 0], beta=0.1
+                )
+            ),
+            _backward(
+                lambda: (
+                    -torch.nn.functional.logsigmoid(
+                        0.1
+                        * (
+                            (xg["values"][:, 0] - x["old"][:, 0])
+                            - (x["returns"][:, 0] - x["ref"][:, 0])
+                        )
+                    ).mean()
+                )
+            ),
+        ),
+        (
+            "masked_aggregate seq-mean-token-mean fwd+bwd",
+            _backward(lambda: pk.masked_aggregate(xg["values"], x["mask"], "seq-mean-token-mean")),
+            _backward(lambda: _verl_agg_seq_mean_token_mean(xg["values"], x["fmask"])),
         ),
     ]
     if B * T <= 4096:  # the vocabulary ops' per-call cost (their speed at size: their benches)

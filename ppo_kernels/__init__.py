@@ -12,15 +12,10 @@ from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
 from .linear_logprobs import causal_lm_logprobs, linear_token_logprobs  # noqa: F401
-from .losses import (  # noqa: F401
-    RolloutCorrection,
-    dpo_loss,
-    masked_aggregate,
-    ppo_policy_loss,
-    ppo_value_loss,
-    reward_model_loss,
-    rollout_correction,
-)
+from .losses.aggregate import masked_aggregate  # noqa: F401
+from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
+from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401
+from .losses.rollout import RolloutCorrection, rollout_correction  # noqa: F401
 from .masked_stats import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs import token_logprobs  # noqa: F401
 

@@ -337,6 +337,13 @@ def backend_for(op: str, t: torch.Tensor) -> str:
     return resolve(op, t.device.type)
 
 
+def check_eager_only(op: str, t: torch.Tensor) -> None:
+    """For an op that is a composition of torch ops (eager only): raise as `backend_for` does if
+    another backend was requested for it by name. Free when nothing was requested at all."""
+    if _stack or os.environ.get("PPO_KERNELS_BACKEND"):
+        backend_for(op, t)
+
+
 def out_dtype(t: torch.Tensor) -> torch.dtype:
     """Per-token outputs are float32, float64 for float64 inputs."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -11,7 +11,7 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.losses import op as loss_op
+from ppo_kernels.losses import api as loss_api
 
 BACKENDS = cpu_backends("ppo_policy_loss")
 VBACKENDS = cpu_backends("ppo_value_loss")
@@ -622,20 +622,29 @@ def test_dpo_loss():
         pk.dpo_loss(pw, pl_, rw, rl[:3], beta=0.1)
 
 
-def test_pairwise_opcheck_and_compile():
-    z = torch.randn(9, requires_grad=True)
-    for red in ("mean", "sum", "none"):
-        torch.library.opcheck(torch.ops.ppo_kernels.pairwise_logsigmoid_loss.default, (z, red))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_pairwise_compile(dynamic):
+    """Compositions of torch ops (no custom op): they trace into the graph, gradients included."""
+    assert not hasattr(torch.ops.ppo_kernels, "pairwise_logsigmoid_loss")
     torch._dynamo.reset()
-    f = torch.compile(
-        lambda a, b, c, d: pk.dpo_loss(a, b, c, d, beta=0.2), fullgraph=True, backend="aot_eager"
-    )
-    a = [torch.randn(5) for _ in range(4)]
-    torch.testing.assert_close(f(*a), pk.dpo_loss(*a, beta=0.2))
+
+    def step(a, b, c, d):
+        return pk.dpo_loss(a, b, c, d, beta=0.2) + pk.reward_model_loss(a, b, reduction="sum")
+
+    f = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for n in (5, 7):
+        a = [torch.randn(n, requires_grad=True) for _ in range(4)]
+        b = [t.detach().clone().requires_grad_(True) for t in a]
+        got, want = f(*a), step(*b)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.grad, y.grad)
 
 
 def test_module_exports():
-    assert loss_op.ppo_policy_loss is pk.ppo_policy_loss
+    assert loss_api.ppo_policy_loss is pk.ppo_policy_loss
 
 
 def test_torch_compile_inductor_fullgraph():
@@ -729,14 +738,28 @@ def test_masked_aggregate(agg):
         pk.masked_aggregate(x, m, agg, empty="inf")
 
 
-def test_masked_aggregate_opcheck_and_compile():
-    x, m = torch.randn(3, 4, requires_grad=True), torch.rand(3, 4) > 0.3
-    torch.library.opcheck(
-        torch.ops.ppo_kernels.masked_aggregate.default,
-        (x, m, "seq-mean-token-mean", 1.0, None, None),
-    )
-    f = torch.compile(lambda a, b: pk.masked_aggregate(a, b, "token-mean"), fullgraph=True)
-    torch.testing.assert_close(f(x, m), pk.masked_aggregate(x, m, "token-mean"))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_masked_aggregate_compile(dynamic):
+    """A composition of torch ops (no custom op): traced with its gradient, a device-side global
+    count included."""
+    assert not hasattr(torch.ops.ppo_kernels, "masked_aggregate")
+    torch._dynamo.reset()
+
+    def step(a, b, n):
+        return pk.masked_aggregate(a, b, "seq-mean-token-mean") + pk.masked_aggregate(
+            a, b, "token-mean", dp_size=2, global_num_tokens=n
+        )
+
+    f = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for T in (4, 6):
+        x, m = torch.randn(3, T, requires_grad=True), torch.rand(3, T) > 0.3
+        y = x.detach().clone().requires_grad_(True)
+        n = m.sum() * 2
+        got, want = f(x, m, n), step(y, m, n)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x.grad, y.grad)
 
 
 @pytest.mark.parametrize("agg", AGGS)

@@ -1,10 +1,12 @@
-"""`masked_aggregate`: a per-token loss matrix to one scalar over a mask, with verl's aggregation
-modes (`agg_loss`) plus "token-sum", differentiable, no host synchronisation.
+"""Aggregation over a mask, verl's `agg_loss` modes plus "token-sum": the public
+`masked_aggregate` and the aggregation arguments every loss API shares (`aggregation`,
+`apply_empty`, `apply_empty_stats`).
 
-The fused losses (`ppo_policy_loss`, `ppo_value_loss`) aggregate inside their kernels; this op is
-for every other per-token term a trainer aggregates the same way (entropy bonus, KL loss, a
-custom policy loss). It is a reduction over memory that is already there, so it has one eager
-implementation (a few fused torch reductions) on every device; its backward is one multiply.
+`masked_aggregate` is for every per-token term a trainer aggregates the way the fused losses do
+inside their kernels (entropy bonus, KL loss, a custom policy loss). It is a reduction over memory
+that is already there: a composition of torch ops on every device (as many passes as verl's
+agg_loss for a bool mask), differentiable by autograd (d loss / d loss_mat = row_coef[b] * mask,
+zero where mask == 0), with no custom op around it.
 """
 
 from __future__ import annotations
@@ -13,64 +15,139 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_tensor
+from .._checks import check_float, check_int, check_str, check_tensor
+from .._modes import AGG_MODES
 from . import reference
-from .op import AGG_NAMES, MASK_DTYPES, VALUE_DTYPES, _aggregation, _empty_value, _rows
 
 _backend.register_op(
     "masked_aggregate", kernel=None, triton=False, cuda_default="eager", folder="losses"
 )
 
-
-def _masked_weights(mask, dtype):
-    m = mask.to(dtype)
-    return torch.where(m != 0, m, torch.zeros((), dtype=dtype, device=m.device))
-
-
-@torch.library.custom_op("ppo_kernels::masked_aggregate", mutates_args=())
-def masked_aggregate_op(
-    loss_mat: Tensor,
-    mask: Tensor,
-    agg: str,
-    scale: float,
-    global_denom: Tensor | None,
-    global_denom_value: float | None,
-) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs; agg one of reference.AGG_MODES ("token-sum" arrives as token-mean over a
-    denominator of 1). Returns (loss [], row_coef [B]); row_coef is d loss / d (mask * loss_mat)."""
-    _backend.backend_for("masked_aggregate", loss_mat)  # eager; refuses another requested backend
-    acc = reference._acc(loss_mat.dtype)
-    m = _masked_weights(mask, acc)
-    gd = global_denom
-    if gd is None and global_denom_value is not None:
-        gd = torch.tensor(global_denom_value, dtype=acc, device=loss_mat.device)
-    coef = reference.row_coefficients(m, agg, scale, gd)
-    x = torch.where(m != 0, loss_mat.to(acc), torch.zeros((), dtype=acc, device=m.device))
-    return (coef * (x * m).sum(-1)).sum(), coef
+AGG_NAMES = AGG_MODES + ("token-sum",)
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MASK_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+) + VALUE_DTYPES
 
 
-@masked_aggregate_op.register_fake
-def _(loss_mat, mask, agg, scale, global_denom, global_denom_value):
-    acc = reference._acc(loss_mat.dtype)
-    return loss_mat.new_empty((), dtype=acc), loss_mat.new_empty((loss_mat.shape[0],), dtype=acc)
+def rows(t: Tensor) -> Tensor:
+    """[..., T] -> [B, T] (not (-1, T): T may be 0)."""
+    return t if t.dim() == 2 else t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
-def _setup(ctx, inputs, output):
-    loss_mat, mask = inputs[0], inputs[1]
-    ctx.save_for_backward(mask, output[1])
-    ctx.dtype = loss_mat.dtype
-    ctx.mark_non_differentiable(output[1])
+def memo(cache: dict, fn, *args):
+    """fn(*args) for checked scalar arguments, remembered per argument values *and types* (True
+    and 1 are equal keys, but only 1 is a number): a repeated call skips its argument checks.
+    Never while tracing (symbolic values), never for unhashable arguments; fn must return an
+    immutable value and raise on every bad argument (a raising call is not remembered)."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    types = tuple(map(type, args))
+    try:
+        hit = cache.get(args)
+    except TypeError:
+        return fn(*args)
+    if hit is not None and hit[0] == types:
+        return hit[1]
+    out = fn(*args)
+    if len(cache) < 256:
+        cache[args] = (types, out)
+    return out
 
 
-def _backward(ctx, grad_loss, _grad_coef):
-    mask, coef = ctx.saved_tensors
-    if grad_loss is None:
-        return (None,) * 6
-    g = grad_loss * coef.unsqueeze(-1) * _masked_weights(mask, coef.dtype)
-    return (g.to(ctx.dtype),) + (None,) * 5
+_AGGREGATIONS: dict = {}
 
 
-masked_aggregate_op.register_autograd(_backward, setup_context=_setup)
+def aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
+    """(agg, scale, global_denom tensor or None, global_denom value or None), remembered per
+    argument set when no denominator is a tensor.
+
+    "token-sum" is token-mean over a denominator of 1. A normaliser the mode does not use
+    (global_batch_size for the token modes, global_num_tokens for the sequence modes,
+    loss_scale_factor outside seq-mean-token-sum-norm) is ignored, as verl's agg_loss does: verl
+    passes all of them whatever the mode."""
+    args = (agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device)
+    if isinstance(global_num_tokens, Tensor) or isinstance(global_batch_size, Tensor):
+        return _aggregation(*args)
+    return memo(_AGGREGATIONS, _aggregation, *args)
+
+
+def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
+    check_str("agg", agg, AGG_NAMES)
+    dp_size = check_int("dp_size", dp_size, min_value=1)
+    if loss_scale_factor is not None:
+        loss_scale_factor = check_float("loss_scale_factor", loss_scale_factor, positive=True)
+    if agg == "token-sum":
+        return "token-mean", float(dp_size), None, 1.0
+    token = agg == "token-mean"
+    denom, name = (
+        (global_num_tokens, "global_num_tokens")
+        if token
+        else (global_batch_size, "global_batch_size")
+    )
+    if denom is None and dp_size > 1:
+        raise ValueError(
+            f"{name}: required when dp_size > 1 (the data-parallel total of "
+            f"{'action tokens' if token else 'non-empty sequences'})"
+        )
+    scale = float(dp_size)
+    if agg == "seq-mean-token-sum-norm":
+        # default: T, as verl; T = 0 has no token, the loss is 0 whatever the factor
+        lsf = max(T, 1) if loss_scale_factor is None else loss_scale_factor
+        scale /= float(lsf)
+    if isinstance(denom, Tensor):
+        if denom.numel() != 1:
+            raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
+        if denom.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {denom.device}")
+        return agg, scale, denom.reshape(()), None
+    if denom is not None:
+        return agg, scale, None, check_float(name, denom, nonneg=True)
+    return agg, scale, None, None
+
+
+def _denominator(agg, mask, gd, gdv):
+    """The aggregation's denominator as a 0-dim tensor (no host sync): the global one when given,
+    else the mask total (token-mean) or the number of non-empty rows (sequence modes)."""
+    if gd is not None:
+        return gd
+    if gdv is not None:
+        return torch.full((), gdv, device=mask.device)
+    m = rows(mask)
+    if agg == "token-mean":
+        return m.sum(dtype=torch.float64 if m.dtype == torch.float64 else torch.float32)
+    return (m != 0).any(-1).sum()
+
+
+def apply_empty(loss, agg, mask, gd, gdv, empty):
+    """empty="zero": as computed (0 over a zero denominator); "nan": NaN there, as verl's and
+    OpenRLHF's 0 / 0."""
+    if empty == "zero":
+        return loss
+    if empty != "nan":
+        raise ValueError(f"empty: expected 'zero' or 'nan', got {empty!r}")
+    d = _denominator(agg, mask, gd, gdv)
+    return torch.where(
+        d != 0, loss, torch.full((), float("nan"), dtype=loss.dtype, device=loss.device)
+    )
+
+
+def apply_empty_stats(stats, mask, empty):
+    """empty="zero": the statistics as computed (0 over an empty mask); "nan": NaN there."""
+    if empty == "zero":
+        return stats
+    if empty != "nan":
+        raise ValueError(f"empty_stats: expected 'zero' or 'nan', got {empty!r}")
+    some = (mask != 0).any()
+    return {
+        k: torch.where(some, v, torch.full((), float("nan"), dtype=v.dtype, device=v.device))
+        for k, v in stats.items()
+    }
 
 
 def masked_aggregate(
@@ -101,7 +178,7 @@ def masked_aggregate(
     """
     check_tensor("loss_mat", loss_mat, dtypes=VALUE_DTYPES, min_dim=1)
     check_tensor("mask", mask, dtypes=MASK_DTYPES)
-    if tuple(mask.shape) != tuple(loss_mat.shape):
+    if mask.shape != loss_mat.shape:
         raise ValueError(
             f"mask: expected shape {tuple(loss_mat.shape)} (like loss_mat), got {tuple(mask.shape)}"
         )
@@ -109,9 +186,7 @@ def masked_aggregate(
         raise ValueError(
             f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}"
         )
-    if agg not in AGG_NAMES:
-        raise ValueError(f"agg: unknown mode {agg!r}; expected one of {AGG_NAMES}")
-    mode, scale, gd, gdv = _aggregation(
+    mode, scale, gd, gdv = aggregation(
         agg,
         loss_mat.shape[-1],
         dp_size,
@@ -120,9 +195,19 @@ def masked_aggregate(
         loss_scale_factor,
         loss_mat.device,
     )
-    if gd is not None:
-        gd = gd.to(reference._acc(loss_mat.dtype))
-    loss, _ = torch.ops.ppo_kernels.masked_aggregate(
-        _rows(loss_mat), _rows(mask), mode, scale, gd, gdv
-    )
-    return _empty_value(loss, mode, mask, gd, gdv, empty)
+    _backend.check_eager_only("masked_aggregate", loss_mat)
+    acc = reference._acc(loss_mat.dtype)
+    x, mk = rows(loss_mat), rows(mask)
+    # the row sums of mask * loss_mat where mask != 0 (masked NaN never reach them), in acc
+    if mk.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
+        row_sums = torch.where(mk, x, 0.0).sum(-1, dtype=acc)
+        counts = mk.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: ~10x faster on the CPU
+    else:
+        m = mk.to(acc)
+        row_sums = (torch.where(m != 0, x, 0.0) * m).sum(-1)
+        counts = m.sum(-1)
+    den = gd.to(acc) if gd is not None else None
+    if den is None and gdv is not None:
+        den = torch.full((), gdv, dtype=acc, device=x.device)
+    coef = reference.row_coefficients_of_counts(counts, mode, scale, den)  # the mask's alone
+    return apply_empty((coef * row_sums).sum(), mode, mask, den, gdv, empty)

@@ -2,8 +2,8 @@
 correction inside the loss, and the shared two-stage math (policy_math.py) with its analytic
 gradient attached to the loss (formed in the forward, as the fused hidden-states op does).
 
-`ppo_policy_loss` (op.py) resolves the aggregation and calls `extended_policy_loss`; this module
-never imports op.py (the registered "ppo" op is reached through torch.ops).
+`ppo_policy_loss` (api.py) resolves the aggregation and calls `extended_policy_loss`; the fused
+"ppo" op is reached as the registered op (op.py registers its Python side).
 """
 
 from __future__ import annotations
@@ -11,10 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _backend
 from .._checks import check_bool, check_float, check_str, check_tensor
+from . import op  # noqa: F401  (registers the fused op's Python side)
 from . import policy_math as pm
 from . import rollout as rc
 from .reference import STAT_NAMES_POLICY, row_coefficients
+
+_policy_op = _backend.op("ppo_policy_loss")
 
 _RATIO_CLIP_TYPES = pm.CLIP_TYPES + ("gspo", "clip_cov")
 _DUAL_CLIP_TYPES = pm.CLIP_TYPES + ("dppo_tv", "dppo_kl")
@@ -147,7 +151,7 @@ def stat_scope(
 
 
 def needs_extension(cfg: pm.LossConfig, rollout: RolloutOptions | None) -> bool:
-    """Whether a call leaves today's fused "ppo" path (op.py runs that one itself)."""
+    """Whether a call leaves today's fused "ppo" path (api.py runs that one itself)."""
     return (
         cfg.loss_type != "ppo" or cfg.sequence_level or cfg.delta is not None or rollout is not None
     )
@@ -176,7 +180,7 @@ def _global(gd, gdv, like):
     if gd is not None:
         return gd.to(like.dtype)
     if gdv is not None:
-        return torch.tensor(gdv, dtype=like.dtype, device=like.device)
+        return torch.full((), gdv, dtype=like.dtype, device=like.device)  # a fill: no copy
     return None
 
 
@@ -262,11 +266,11 @@ def extended_policy_loss(
         cfg.loss_type == "ppo" and not cfg.sequence_level and cfg.delta is None and w is None
     ):  # today's fused kernels on the corrected mask
         adv = advantages.unsqueeze(-1).expand(shape) if per_row_adv else advantages
-        loss, st, _ = torch.ops.ppo_kernels.ppo_policy_loss(
-            lp_rows.contiguous(),
-            _rows(old_logprobs).contiguous(),
-            _rows(adv).contiguous(),
-            x.m.contiguous(),
+        loss, st, _ = _policy_op(
+            lp_rows,
+            _rows(old_logprobs),
+            _rows(adv),
+            x.m,
             cfg.clip_low,
             cfg.clip_high,
             cfg.dual_clip,

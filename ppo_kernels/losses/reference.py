@@ -50,19 +50,25 @@ def row_coefficients(mask, agg, scale=1.0, global_denominator=None):
     seq-mean-token-sum(-norm): c_b = scale / S for rows with sum(mask[b]) > 0, S = global or #such rows
     seq-mean-token-mean:     c_b = scale / (S * sum(mask[b]))
     (for -norm the caller folds 1 / loss_scale_factor into scale). A zero denominator gives 0."""
-    n_b = mask.sum(-1)
-    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+    return row_coefficients_of_counts(mask.sum(-1), agg, scale, global_denominator)
+
+
+def row_coefficients_of_counts(n_b, agg, scale=1.0, global_denominator=None):
+    """`row_coefficients` from the rows' mask totals n_b = sum_t mask[b, t] ([B])."""
+    zero = torch.zeros((), dtype=n_b.dtype, device=n_b.device)
     if agg == "token-mean":
-        denom = n_b.sum() if global_denominator is None else global_denominator.to(mask.dtype)
-        c = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+        denom = n_b.sum() if global_denominator is None else global_denominator.to(n_b.dtype)
+        nz = denom != 0
+        c = torch.where(nz, scale / torch.where(nz, denom, 1.0), zero)
         return c.expand(n_b.shape).clone()
     nonempty = n_b > 0
     denom = (
-        nonempty.to(mask.dtype).sum()
+        nonempty.to(n_b.dtype).sum()
         if global_denominator is None
-        else global_denominator.to(mask.dtype)
+        else global_denominator.to(n_b.dtype)
     )
-    per = torch.where(denom != 0, scale / torch.where(denom != 0, denom, 1.0), zero)
+    nz = denom != 0
+    per = torch.where(nz, scale / torch.where(nz, denom, 1.0), zero)
     c = torch.where(nonempty, per, zero)
     if agg == "seq-mean-token-mean":
         c = torch.where(nonempty, c / torch.where(nonempty, n_b, 1.0), zero)

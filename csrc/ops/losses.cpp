@@ -1,0 +1,259 @@
+// Registered ops `ppo_kernels::ppo_policy_loss` and `ppo_kernels::ppo_value_loss` (+ their
+// backward ops): schemas, argument checks, backend routing and autograd. Each forward returns
+// (loss [], stats [n], row_coef [B]); row_coef (d loss / d (mask * token loss) per row) is saved
+// for the backward op, which recomputes the per-token gradient from the inputs.
+// Kernels: csrc/cpu/losses.cpp (cpp), ppo_kernels/losses/op.py (triton, eager); semantics:
+// ppo_kernels/losses/reference.py.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <array>
+
+#include "common/modes.h"
+#include "ops/checks.h"
+#include "ops/route.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using std::optional;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Out3 = std::tuple<Tensor, Tensor, Tensor>;
+
+using PolicySig = Out3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
+                       optional<double>, double, const std::string&, double,
+                       const optional<Tensor>&, optional<double>);
+using PolicyBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, double, double, optional<double>, double);
+using ValueSig = Out3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, optional<double>,
+                      const std::string&, double, const optional<Tensor>&, optional<double>);
+using ValueBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, optional<double>);
+
+const OpRef kPolicy("ppo_policy_loss"), kPolicyBwd("ppo_policy_loss_backward"),
+    kValue("ppo_value_loss"), kValueBwd("ppo_value_loss_backward"),
+    kPolicyKernel("ppo_policy_loss_fwd"), kPolicyBwdKernel("ppo_policy_loss_bwd"),
+    kValueKernel("ppo_value_loss_fwd"), kValueBwdKernel("ppo_value_loss_bwd");
+
+// The names of a loss's three [B, T] inputs, and "like <first>" for the shape messages.
+struct Names {
+  const char* x;
+  const char* y;
+  const char* z;
+};
+constexpr Names kPolicyNames{"logprobs", "old_logprobs", "advantages"};
+constexpr Names kValueNames{"values", "old_values", "returns"};
+
+// [B, T] float inputs of one shape on one device, and the mask like them.
+void check_inputs(const Names& n, const Tensor& x, const Tensor& y, const Tensor& z,
+                  const Tensor& mask) {
+  expect_float(x, n.x);
+  expect_dim(x, n.x, 2);
+  expect_float(y, n.y);
+  expect_like(y, n.y, x, n.x, /*same_dtype=*/false);
+  expect_float(z, n.z);
+  expect_like(z, n.z, x, n.x, /*same_dtype=*/false);
+  expect_mask(mask, "mask");
+  expect_like(mask, "mask", x, n.x, /*same_dtype=*/false);
+}
+
+void check_aggregation(const Names& n, const Tensor& x, const std::string& agg,
+                       const optional<Tensor>& global_denom) {
+  mode_index("agg", agg_names(), agg);
+  if (global_denom) {
+    expect_mask(*global_denom, "global_denom");  // a count: bool, integer or float
+    expect_device(*global_denom, "global_denom", x, n.x);
+    TORCH_CHECK_VALUE(global_denom->numel() == 1,
+                      "global_denom: expected a single value, got shape ", global_denom->sizes());
+  }
+}
+
+void check_backward(const Names& n, const Tensor& grad_loss, const Tensor& x, const Tensor& y,
+                    const Tensor& z, const Tensor& mask, const Tensor& row_coef) {
+  check_inputs(n, x, y, z, mask);
+  expect_float(grad_loss, "grad_loss");
+  expect_device(grad_loss, "grad_loss", x, n.x);
+  expect_shape(grad_loss, "grad_loss", {}, "the loss");
+  TORCH_CHECK_VALUE(row_coef.defined(), "row_coef: expected a tensor");
+  expect_dtype(row_coef, "row_coef", out_dtype(x), "the forward's output");
+  expect_device(row_coef, "row_coef", x, n.x);
+  expect_shape(row_coef, "row_coef", {x.size(0)}, "one per row");
+}
+
+// ------------------------------------------------------------------------------ routing
+// The kernels take contiguous rows (a no-op for what the public API passes); an empty input
+// needs no kernel (eager).
+Out3 policy(const Tensor& lp, const Tensor& old, const Tensor& adv, const Tensor& mask,
+            double clip_low, double clip_high, optional<double> dual_clip, double lr_clamp,
+            const std::string& agg, double scale, const optional<Tensor>& gd,
+            optional<double> gdv) {
+  check_inputs(kPolicyNames, lp, old, adv, mask);
+  check_aggregation(kPolicyNames, lp, agg, gd);
+  const Backend b = backend_for("ppo_policy_loss", lp, /*eager_if_empty=*/true);
+  const auto& h = b == Backend::kCpp ? kPolicyKernel.in<PolicySig>(Ns::kCppKernels)
+                                     : kPolicy.python<PolicySig>(b);
+  return h.call(lp.contiguous(), old.contiguous(), adv.contiguous(), mask.contiguous(), clip_low,
+                clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv);
+}
+
+Tensor policy_backward(const Tensor& grad, const Tensor& lp, const Tensor& old, const Tensor& adv,
+                       const Tensor& mask, const Tensor& coef, double clip_low, double clip_high,
+                       optional<double> dual_clip, double lr_clamp) {
+  check_backward(kPolicyNames, grad, lp, old, adv, mask, coef);
+  const Backend b = backend_for("ppo_policy_loss", lp, /*eager_if_empty=*/true);
+  const auto& h = b == Backend::kCpp ? kPolicyBwdKernel.in<PolicyBwdSig>(Ns::kCppKernels)
+                                     : kPolicyBwd.python<PolicyBwdSig>(b);
+  return h.call(grad, lp.contiguous(), old.contiguous(), adv.contiguous(), mask.contiguous(),
+                coef.contiguous(), clip_low, clip_high, dual_clip, lr_clamp);
+}
+
+Out3 value(const Tensor& v, const Tensor& vo, const Tensor& ret, const Tensor& mask,
+           optional<double> clip, const std::string& agg, double scale, const optional<Tensor>& gd,
+           optional<double> gdv) {
+  check_inputs(kValueNames, v, vo, ret, mask);
+  check_aggregation(kValueNames, v, agg, gd);
+  const Backend b = backend_for("ppo_value_loss", v, /*eager_if_empty=*/true);
+  const auto& h =
+      b == Backend::kCpp ? kValueKernel.in<ValueSig>(Ns::kCppKernels) : kValue.python<ValueSig>(b);
+  return h.call(v.contiguous(), vo.contiguous(), ret.contiguous(), mask.contiguous(), clip, agg,
+                scale, gd, gdv);
+}
+
+Tensor value_backward(const Tensor& grad, const Tensor& v, const Tensor& vo, const Tensor& ret,
+                      const Tensor& mask, const Tensor& coef, optional<double> clip) {
+  check_backward(kValueNames, grad, v, vo, ret, mask, coef);
+  const Backend b = backend_for("ppo_value_loss", v, /*eager_if_empty=*/true);
+  const auto& h = b == Backend::kCpp ? kValueBwdKernel.in<ValueBwdSig>(Ns::kCppKernels)
+                                     : kValueBwd.python<ValueBwdSig>(b);
+  return h.call(grad, v.contiguous(), vo.contiguous(), ret.contiguous(), mask.contiguous(),
+                coef.contiguous(), clip);
+}
+
+// ------------------------------------------------------------------------------ autograd
+// The gradient flows to the first input only (logprobs / values); stats and row_coef are not
+// differentiable. An unused loss (grad undefined) gives no gradient.
+variable_list loss_outputs(AutogradContext* ctx, const Out3& out, const Tensor& x, const Tensor& y,
+                           const Tensor& z, const Tensor& mask) {
+  const auto& [loss, stats, coef] = out;
+  ctx->save_for_backward({x, y, z, mask, coef});
+  ctx->mark_non_differentiable({stats, coef});
+  return {loss, stats, coef};
+}
+
+template <size_t N>
+variable_list first_grad(const Tensor& g) {
+  variable_list out(N);
+  out[0] = g;
+  return out;
+}
+
+class PolicyFn : public torch::autograd::Function<PolicyFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& lp, const Tensor& old,
+                               const Tensor& adv, const Tensor& mask, double clip_low,
+                               double clip_high, optional<double> dual_clip, double lr_clamp,
+                               const std::string& agg, double scale, const optional<Tensor>& gd,
+                               optional<double> gdv) {
+    Out3 out;
+    {
+      BelowAutograd guard;
+      out = kPolicy.in<PolicySig>(Ns::kOps).call(lp, old, adv, mask, clip_low, clip_high, dual_clip,
+                                                 lr_clamp, agg, scale, gd, gdv);
+    }
+    ctx->saved_data["clip"] = std::vector<double>{clip_low, clip_high, lr_clamp};
+    ctx->saved_data["dual"] = dual_clip;
+    return loss_outputs(ctx, out, lp, old, adv, mask);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(12);
+    const auto s = ctx->get_saved_variables();
+    const auto c = ctx->saved_data["clip"].toDoubleVector();
+    return first_grad<12>(kPolicyBwd.in<PolicyBwdSig>(Ns::kOps).call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], c[0], c[1],
+        ctx->saved_data["dual"].toOptional<double>(), c[2]));
+  }
+};
+
+class ValueFn : public torch::autograd::Function<ValueFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& v, const Tensor& vo,
+                               const Tensor& ret, const Tensor& mask, optional<double> clip,
+                               const std::string& agg, double scale, const optional<Tensor>& gd,
+                               optional<double> gdv) {
+    Out3 out;
+    {
+      BelowAutograd guard;
+      out = kValue.in<ValueSig>(Ns::kOps).call(v, vo, ret, mask, clip, agg, scale, gd, gdv);
+    }
+    ctx->saved_data["clip"] = clip;
+    return loss_outputs(ctx, out, v, vo, ret, mask);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(9);
+    const auto s = ctx->get_saved_variables();
+    return first_grad<9>(kValueBwd.in<ValueBwdSig>(Ns::kOps).call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["clip"].toOptional<double>()));
+  }
+};
+
+Out3 as_tuple(const variable_list& v) { return {v[0], v[1], v[2]}; }
+
+Out3 policy_autograd(const Tensor& lp, const Tensor& old, const Tensor& adv, const Tensor& mask,
+                     double clip_low, double clip_high, optional<double> dual_clip, double lr_clamp,
+                     const std::string& agg, double scale, const optional<Tensor>& gd,
+                     optional<double> gdv) {
+  return as_tuple(PolicyFn::apply(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg,
+                                  scale, gd, gdv));
+}
+
+Out3 value_autograd(const Tensor& v, const Tensor& vo, const Tensor& ret, const Tensor& mask,
+                    optional<double> clip, const std::string& agg, double scale,
+                    const optional<Tensor>& gd, optional<double> gdv) {
+  return as_tuple(ValueFn::apply(v, vo, ret, mask, clip, agg, scale, gd, gdv));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.losses.op");  // the fake kernels
+  // Returns (loss [], stats [n], row_coef [B]). [B, T] inputs; agg: a name of
+  // ppo_kernels/_modes.AGG_MODES; dual_clip None: no dual clip; global_denom / global_denom_value:
+  // the aggregation's denominator (none: the local one); scale multiplies the loss (dp_size, 1 /
+  // loss_scale_factor).
+  m.def(
+      "ppo_policy_loss(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+      "float clip_low, float clip_high, float? dual_clip, float log_ratio_clamp, str agg, "
+      "float scale, Tensor? global_denom, float? global_denom_value) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "ppo_policy_loss_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, "
+      "Tensor advantages, Tensor mask, Tensor row_coef, float clip_low, float clip_high, "
+      "float? dual_clip, float log_ratio_clamp) -> Tensor");
+  // clip None: unclipped
+  m.def(
+      "ppo_value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
+      "str agg, float scale, Tensor? global_denom, float? global_denom_value) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "ppo_value_loss_backward(Tensor grad_loss, Tensor values, Tensor old_values, "
+      "Tensor returns, Tensor mask, Tensor row_coef, float? clip) -> Tensor");
+}
+
+// One router for every device (route.h: cpu and cuda; others are refused, naming the device).
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("ppo_policy_loss", &policy);
+  m.impl("ppo_policy_loss_backward", &policy_backward);
+  m.impl("ppo_value_loss", &value);
+  m.impl("ppo_value_loss_backward", &value_backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("ppo_policy_loss", &policy_autograd);
+  m.impl("ppo_value_loss", &value_autograd);
+}
+
+}  // namespace ppo_kernels

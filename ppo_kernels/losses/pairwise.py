@@ -1,0 +1,96 @@
+"""The pairwise `-log sigmoid` losses: `reward_model_loss` (Bradley-Terry) and `dpo_loss`.
+
+B values, not B x T: a composition of torch ops is all they need (no kernel, no custom op);
+torch's logsigmoid and its gradient are finite for any margin. Semantics: reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _backend
+from .._checks import check_float, check_str, check_tensor
+from .aggregate import VALUE_DTYPES
+
+_backend.register_op(
+    "pairwise_logsigmoid_loss",
+    kernel=None,
+    triton=False,
+    cuda_default="eager",
+    public=("reward_model_loss", "dpo_loss"),
+    folder="losses",
+)
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_pairs(reduction, **tensors):
+    """Float tensors of one shape on one device and the reduction; returns the result's dtype."""
+    first = None
+    for n, t in tensors.items():
+        check_tensor(n, t, dtypes=VALUE_DTYPES)
+        if first is None:
+            first, x = n, t
+        elif t.shape != x.shape:
+            raise ValueError(
+                f"{n}: expected shape {tuple(x.shape)} (like {first}), got {tuple(t.shape)}"
+            )
+        elif t.device != x.device:
+            raise ValueError(f"{n}: expected device {x.device} (like {first}), got {t.device}")
+    check_str("reduction", reduction, _REDUCTIONS)
+    _backend.check_eager_only("pairwise_logsigmoid_loss", x)
+    return _backend.out_dtype(x)
+
+
+def _acc(t: Tensor, acc: torch.dtype) -> Tensor:
+    return t if t.dtype == acc else t.to(acc)
+
+
+def _neg_logsigmoid(z: Tensor, reduction: str) -> Tensor:
+    """-log sigmoid(z), reduced before the negation (one pass fewer than reference._reduce's; the
+    mean of no pairs is 0)."""
+    ls = F.logsigmoid(z)
+    if reduction == "none":
+        return -ls
+    if reduction == "sum" or ls.numel() == 0:
+        return -ls.sum()
+    return -ls.mean()
+
+
+def reward_model_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor, *, reduction: str = "mean"
+) -> Tensor:
+    """Bradley-Terry reward-model loss `-log sigmoid(r_chosen - r_rejected)`, stable for any margin.
+
+    reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
+    float64 inputs); gradients to both scores."""
+    acc = _check_pairs(reduction, chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    return _neg_logsigmoid(_acc(chosen_scores, acc) - _acc(rejected_scores, acc), reduction)
+
+
+def dpo_loss(
+    policy_chosen_lp: Tensor,
+    policy_rejected_lp: Tensor,
+    ref_chosen_lp: Tensor,
+    ref_rejected_lp: Tensor,
+    *,
+    beta: float,
+    reduction: str = "mean",
+) -> Tensor:
+    """DPO loss `-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))`, stable for any margin.
+
+    The inputs are the summed log-probs of each response's action tokens (e.g. a masked sum of
+    `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
+    acc = _check_pairs(
+        reduction,
+        policy_chosen_lp=policy_chosen_lp,
+        policy_rejected_lp=policy_rejected_lp,
+        ref_chosen_lp=ref_chosen_lp,
+        ref_rejected_lp=ref_rejected_lp,
+    )
+    beta = check_float("beta", beta, positive=True)
+    chosen = _acc(policy_chosen_lp, acc) - _acc(ref_chosen_lp, acc)
+    rejected = _acc(policy_rejected_lp, acc) - _acc(ref_rejected_lp, acc)
+    return _neg_logsigmoid(beta * (chosen - rejected), reduction)
