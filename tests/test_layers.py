@@ -22,6 +22,17 @@ PKG = os.path.join(ROOT, "ppo_kernels")
 BASE = {"_backend", "_checks", "_modes", "_memory", "_triton_utils"}
 MATH = {"_math", "_triton_math"}
 KERNELS = {"reference", "triton_kernels", "planner", "tiler", "chunks"}
+# losses/: the shared two-stage math of every policy-loss type, its autograd reference and the
+# rollout-correction math are kernel-level; policy_loss holds the registered op's Python side
+LEAVES = {
+    ("losses", "policy_math"): 3,
+    ("losses", "policy_reference"): 3,
+    ("losses", "rollout"): 3,
+    ("losses", "policy_loss"): 4,
+    ("losses", "aggregate"): 5,
+}
+# compiled extensions: `from ppo_kernels import _C` is not an import of the package
+EXTENSIONS = {"ppo_kernels._C", "ppo_kernels._simt"}
 
 
 def layer(mod: str) -> int | None:
@@ -38,12 +49,16 @@ def layer(mod: str) -> int | None:
             return 1
         if head in MATH or head.startswith("_math"):
             return 2
+        if head == "distributed":
+            return 4  # the package of the distributed forms (its __init__ re-exports them)
         return 0  # an op folder's __init__: a docstring, no imports
     if head == "distributed":
-        return 1 if rest[1] == "_comm" else 4
+        return 1 if len(rest) > 1 and rest[1] == "_comm" else 4
     if head == "_math":
         return 2
     leaf = rest[-1]
+    if (head, leaf) in LEAVES:
+        return LEAVES[head, leaf]
     if leaf == "api" or (head == "linear_logprobs" and leaf == "hf"):
         return 5
     if leaf == "op":
@@ -79,6 +94,7 @@ def _imports(mod: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+            names = [n for n in names if n not in EXTENSIONS]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
@@ -89,7 +105,8 @@ def _imports(mod: str) -> set[str]:
             names = []
             for a in node.names:
                 sub = f"{target}.{a.name}"
-                names.append(sub if sub in MODULES else target)
+                if sub not in EXTENSIONS:
+                    names.append(sub if sub in MODULES else target)
         else:
             continue
         for n in names:
@@ -108,21 +125,50 @@ ALLOWED_UP = {("ppo_kernels", "ppo_kernels.integrations")}
 
 GRAPH = {m: {n for n in _imports(m) if (m, n) not in ALLOWED_UP} for m in MODULES}
 
+# Issue 18 in progress: the modules of the op folders whose registration has not moved to C++ yet
+# still break the rules (their op.py routes process_group=, their __init__ exports the API). Their
+# tests are strict expected failures: once a folder has moved its tests pass, which fails them
+# until the module leaves this set. Empty when issue 18 is done.
+PENDING = {
+    "ppo_kernels.full_kl",
+    "ppo_kernels.full_kl.op",
+    "ppo_kernels.gae",
+    "ppo_kernels.gae.op",
+    "ppo_kernels.group_advantages",
+    "ppo_kernels.group_advantages.op",
+    "ppo_kernels.linear_logprobs",
+    "ppo_kernels.linear_logprobs.op",
+    "ppo_kernels.losses",
+    "ppo_kernels.masked_stats",
+    "ppo_kernels.masked_stats.op",
+    "ppo_kernels.token_logprobs",
+    "ppo_kernels.token_logprobs.op",
+}
+
+
+def _expect_pending(request, *mods):
+    pending = sorted(m for m in mods if m in PENDING)
+    if pending:
+        reason = f"not moved to the C++ op layer yet: {pending}"
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+
 
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in MODULES if layer(m) is None)
     assert not unplaced, f"modules the layer table does not place: {unplaced}"
 
 
-def test_op_folder_inits_import_nothing():
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == 0))
+def test_op_folder_inits_import_nothing(mod, request):
     """`import ppo_kernels.kl.reference` runs ppo_kernels/kl/__init__.py first: an import there
     would pull the API (or anything) into every kernel module's import."""
-    bad = {m: sorted(GRAPH[m]) for m in MODULES if layer(m) == 0 and GRAPH[m]}
-    assert not bad, bad
+    _expect_pending(request, mod)
+    assert not GRAPH[mod], f"{mod} imports {sorted(GRAPH[mod])}"
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))
-def test_imports_point_down(mod):
+def test_imports_point_down(mod, request):
+    _expect_pending(request, mod)
     mine = layer(mod)
     if mine is None:
         pytest.skip("unplaced (test_every_module_has_a_layer fails)")
@@ -134,7 +180,8 @@ def test_imports_point_down(mod):
             assert not dist, f"{mod} imports {dist}: only the API routes process_group="
 
 
-def test_no_import_cycle():
+def test_no_import_cycle(request):
+    _expect_pending(request, *PENDING)
     state: dict[str, int] = {}
     stack: list[str] = []
 
