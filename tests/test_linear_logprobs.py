@@ -11,7 +11,7 @@ import ppo_kernels
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
-from ppo_kernels.linear_logprobs.op import plan_chunks
+from ppo_kernels.linear_logprobs.planner import plan_chunks
 
 BACKENDS = cpu_backends("linear_token_logprobs")
 B, T, H, V = 2, 9, 19, 103  # odd H and V: no divisibility anywhere

@@ -49,8 +49,10 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
+from ..linear_logprobs import chunks
 from ..linear_logprobs import reference as lin_ref
-from ..linear_logprobs.op import tile_bwd_, tile_stats_
+from ..linear_logprobs.chunks import tile_bwd_, tile_stats_
+from ..linear_logprobs.tiler import Tiler
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import (
@@ -348,9 +350,7 @@ def vocab_parallel_token_logprobs(
 
 def _check_linear_args(hidden, weight, labels, bias, temperature, ignore_index, budget, ldt):
     """linear_logprobs' checks of a weight slice, which may be empty (labels are global ids)."""
-    from ..linear_logprobs import op as lop
-
-    lop._check_forward_args(
+    chunks.check_args(
         hidden, weight, labels, bias, temperature, ignore_index, budget, ldt, vocab_slice=True
     )
 
@@ -369,8 +369,6 @@ def _linear_states_op(
 ) -> Tensor:
     """[_ROWS, N] states of the logits hidden [N, H] @ weight[V_rank, H].T (+ bias) of this
     rank's vocabulary slice, computed in chunks (linear_logprobs' chunk_states)."""
-    from ..linear_logprobs import op as lop
-
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
@@ -384,11 +382,11 @@ def _linear_states_op(
     k = labels.long() - vocab_start
     local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
     if N and Vr:
-        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
-        tiler = lop.Tiler(hidden, weight, bias, plan, False)
+        plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
+        tiler = Tiler(hidden, weight, bias, plan, False)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
-            st, zl = lop.chunk_states(
+            st, zl = chunks.chunk_states(
                 tiler,
                 plan,
                 tiler.rows(r0, r1),
@@ -406,17 +404,6 @@ def _linear_states_op(
 @_linear_states_op.register_fake
 def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
     return hidden.new_empty((_ROWS, hidden.shape[0]), dtype=_acc(hidden.dtype))
-
-
-def _linear_plan(hidden, Vr, budget, logits_dtype):
-    from ..linear_logprobs import op as lop
-
-    N, H = hidden.shape
-    dev = hidden.device
-    budget = lop._resolve_budget(budget, dev)
-    return lop.plan_chunks(
-        N, Vr, H, hidden.dtype, dev.type, budget, logits_dtype=logits_dtype, fused=False
-    )
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_linear_token_logprobs", mutates_args=())
@@ -475,8 +462,6 @@ def _linear_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of this rank's slice, float32 (float64 for float64),
     an empty tensor where not needed; grad_hidden is this slice's share (partial, not reduced)."""
-    from ..linear_logprobs import op as lop
-
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
@@ -493,11 +478,11 @@ def _linear_backward_op(
     gW = torch.zeros((Vr, H) if need_weight else (0,), dtype=acc, device=dev)
     gb = torch.zeros((Vr,) if (need_bias and bias is not None) else (0,), dtype=acc, device=dev)
     if N and Vr:
-        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
-        tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
+        plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
+        tiler = Tiler(hidden, weight, bias, plan, False, backward=True)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
-            lop.chunk_backward(
+            chunks.chunk_backward(
                 tiler,
                 plan,
                 False,
