@@ -11,7 +11,8 @@ from .gae import gae  # noqa: F401
 from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
-from .linear_logprobs import causal_lm_logprobs, linear_token_logprobs  # noqa: F401
+from .linear_logprobs.api import linear_token_logprobs  # noqa: F401
+from .linear_logprobs.hf import causal_lm_logprobs  # noqa: F401
 from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401

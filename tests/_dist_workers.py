@@ -21,10 +21,9 @@ def _fresh_vocab_layouts():
     """Forget the vocabulary layouts earlier cases of this process taught the vocab-parallel
     forms (derived starts, validated layouts): a case that counts gathers or expects an error for
     a new layout must not depend on which cases ran before it."""
-    from ppo_kernels.distributed import vocab_parallel as vp
+    from ppo_kernels.distributed import vocab_layout
 
-    vp._start_cache.clear()
-    vp._layouts.clear()
+    vocab_layout.forget_layouts()
 
 
 def _uneven_split(n, world, seed=1):
@@ -126,7 +125,7 @@ def case_vocab_parallel_device_checks(rank, world):
     later calls read nothing back (no host sync) and still match the unsharded op; a header that
     disagrees with the validated layout gives NaN rows on every rank instead of an error."""
     import ppo_kernels as pk
-    from ppo_kernels.distributed import vocab_parallel as vp
+    from ppo_kernels.distributed import vocab_layout as vl
 
     _fresh_vocab_layouts()
     g = torch.Generator().manual_seed(4)
@@ -134,13 +133,13 @@ def case_vocab_parallel_device_checks(rank, world):
     V, N = sum(sizes), 9
     v0 = sum(sizes[:rank])
     reads = [0]
-    read = vp._read_header
+    read = vl.read_header
 
     def counting(gathered):
         reads[0] += 1
         return read(gathered)
 
-    vp._read_header, vp.DEVICE_CHECKS_ON_CPU = counting, True
+    vl.read_header, vl.DEVICE_CHECKS_ON_CPU = counting, True
     try:
         for call in range(3):
             logits = torch.randn(N, V, generator=g) * 2
@@ -166,7 +165,7 @@ def case_vocab_parallel_device_checks(rank, world):
         )
         assert lp.isnan().all(), lp
     finally:
-        vp._read_header, vp.DEVICE_CHECKS_ON_CPU = read, False
+        vl.read_header, vl.DEVICE_CHECKS_ON_CPU = read, False
 
 
 def case_vocab_parallel_linear(rank, world):

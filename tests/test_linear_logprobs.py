@@ -11,7 +11,7 @@ import ppo_kernels
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import reference
-from ppo_kernels.linear_logprobs.op import plan_chunks
+from ppo_kernels.linear_logprobs.planner import plan_chunks
 
 BACKENDS = cpu_backends("linear_token_logprobs")
 B, T, H, V = 2, 9, 19, 103  # odd H and V: no divisibility anywhere
@@ -751,3 +751,54 @@ def test_lowp_path_emulated_on_cpu(lowp_on_cpu, backend, dtype, budget, softcap)
         assert all(w[2] == (dtype if direct else torch.float32) for w in whole), whole
     else:
         assert not whole, whole  # vocabulary chunks: the per-chunk tile kernels
+
+
+def test_fallback_without_the_extension():
+    """Without the compiled extension there is no registered op: the API runs the same chunk loop
+    (eager tile kernels on the CPU) in an autograd.Function, its arguments checked in Python.
+    Forward against the float64 reference (chunked vocabulary too), gradcheck, and the errors."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, ppo_kernels as pk
+from ppo_kernels import _backend
+from ppo_kernels.linear_logprobs import reference as R
+assert not _backend.HAS_EXTENSION
+g = torch.Generator().manual_seed(0)
+h = torch.randn(6, 5, dtype=torch.float64, generator=g).requires_grad_()
+W = torch.randn(11, 5, dtype=torch.float64, generator=g).requires_grad_()
+b = torch.randn(11, dtype=torch.float64, generator=g).requires_grad_()
+y = torch.randint(0, 11, (6,), generator=g)
+y[2] = -100
+for budget in (None, 300):  # 300 bytes: vocabulary chunks
+    def f(h, W, b):
+        return pk.linear_token_logprobs(h, W, y, bias=b, temperature=0.8, return_entropy=True,
+                                        max_chunk_bytes=budget)
+    lp, ent = f(h, W, b)
+    lp_r, ent_r, _ = R.forward(h, W, y, b, 0.8)
+    torch.testing.assert_close((lp, ent), (lp_r, ent_r))
+    assert torch.autograd.gradcheck(f, (h, W, b))
+lp = pk.linear_token_logprobs(h.float(), W.float(), y, bias=b.float())
+assert lp.dtype == torch.float32 and lp.shape == (6,)
+for exc, arg, call in (
+    (IndexError, "labels", lambda: pk.linear_token_logprobs(h, W, torch.full((6,), 11))),
+    (ValueError, "weight", lambda: pk.linear_token_logprobs(h, W[:, :2], y)),
+    (TypeError, "weight", lambda: pk.linear_token_logprobs(h, W.float(), y)),
+    (ValueError, "bias", lambda: pk.linear_token_logprobs(h, W, y, bias=b[:3])),
+):
+    try:
+        call()
+    except exc as e:
+        assert str(e).startswith(arg + ":"), e
+    else:
+        raise AssertionError(f"no {exc.__name__} for {arg}")
+print("OK")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PPO_KERNELS_NO_EXTENSION="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

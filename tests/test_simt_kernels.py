@@ -30,7 +30,7 @@ gae (csrc/cuda/gae.cuh): sm_count chooses the plan (4 * sm_count target chunks)
       chunks), carries
 tests/test_simt_cpu_suite.py reruns the CPU suite's edge cases (inf / NaN rows, masks, carries,
 ...) on the emulated kernels.
-linear_token_logprobs (ppo_kernels/linear_logprobs/op.py): on CUDA its whole-vocabulary tiles go
+linear_token_logprobs (ppo_kernels/linear_logprobs/chunks.py): on CUDA its whole-vocabulary tiles go
   through the token_logprobs kernels (forward, then the in-place backward over the tile)
   test_linear_token_logprobs     float32 tiles and input-dtype (bf16 / fp16) tiles, fwd + bwd
 """

@@ -70,7 +70,7 @@ void refresh() {
 
 std::vector<std::string>& namespaces() {  // slot -> namespace of the cpp kernels seen
   static std::vector<std::string> ns = {"ppo_kernels", "ppo_kernels_triton", "ppo_kernels_eager",
-                                        "ppo_kernels_C"};
+                                        "ppo_kernels_cpp", "ppo_kernels_C"};
   return ns;
 }
 std::atomic<int> cpp_slot{static_cast<int>(Ns::kCppKernels)};

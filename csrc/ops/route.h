@@ -6,6 +6,9 @@
 //           dispatcher in the namespace `set_cpp_namespace` names (the SIMT emulator's in tests);
 //   triton  Python: `ppo_kernels_triton::<op>`, the op's schema, registered by its op.py;
 //   eager   Python: `ppo_kernels_eager::<op>`, likewise (float64 inputs always run there).
+// An op whose cpp backend is itself a Python loop around compiled kernels (linear_token_logprobs'
+// chunk loop: BLAS matmuls, then the compiled tile kernels) registers it as
+// `ppo_kernels_cpp::<op>` and routes there with `OpRef::python(Backend::kCpp)`.
 // The choice per (op, device type) is resolved in Python (ppo_kernels/_backend.py: use_backend,
 // PPO_KERNELS_BACKEND, the measured defaults) and cached here, so a call costs a table read. A
 // change of PPO_KERNELS_BACKEND is seen at the next call (the cached value is compared with the
@@ -30,8 +33,9 @@ enum class Backend : uint8_t { kCpp = 0, kTriton = 1, kEager = 2 };
 Backend backend_for(const char* op, const at::Tensor& like, bool eager_if_empty = false);
 
 // Namespaces an op name is looked up in. kCppKernels is the one the cpp backend calls now:
-// "ppo_kernels_C", or the emulator's while a test routes there (set_cpp_namespace).
-enum class Ns : uint8_t { kOps = 0, kTriton = 1, kEager = 2, kCppKernels = 3 };
+// "ppo_kernels_C", or the emulator's while a test routes there (set_cpp_namespace). kCppPython:
+// the Python implementations of the cpp backend ("ppo_kernels_cpp", see above).
+enum class Ns : uint8_t { kOps = 0, kTriton = 1, kEager = 2, kCppPython = 3, kCppKernels = 4 };
 
 // An op name with its dispatcher handles, looked up once per namespace (a static per call site).
 class OpRef {
@@ -41,15 +45,18 @@ class OpRef {
   c10::TypedOperatorHandle<Sig> in(Ns ns) const {
     return handle(ns).typed<Sig>();
   }
-  // the Python implementation of a registered op on backend b (triton or eager)
+  // the Python implementation of a registered op on backend b (triton, eager, or a cpp backend
+  // that is a Python loop around compiled kernels)
   template <class Sig>
   c10::TypedOperatorHandle<Sig> python(Backend b) const {
-    return in<Sig>(b == Backend::kTriton ? Ns::kTriton : Ns::kEager);
+    return in<Sig>(b == Backend::kTriton ? Ns::kTriton
+                   : b == Backend::kCpp  ? Ns::kCppPython
+                                         : Ns::kEager);
   }
   const char* name() const { return name_; }
 
  private:
-  static constexpr int kSlots = 8;  // 3 fixed namespaces + the cpp kernel namespaces seen
+  static constexpr int kSlots = 8;  // 4 fixed namespaces + the cpp kernel namespaces seen
   const c10::OperatorHandle& handle(Ns ns) const;
   const char* name_;
   mutable std::array<std::optional<c10::OperatorHandle>, kSlots> handles_{};

@@ -6,8 +6,9 @@ Forward, per rank: the softmax statistics (m, s, u) of its slice (csrc/common/so
 the label's logit where it owns the label -- computed by the same per-tile kernels that
 linear_token_logprobs uses for vocabulary chunks (a vocabulary shard is a vocabulary chunk that
 lives on another rank), on float32 row blocks of bounded size. ONE collective: an all-gather of
-those per-row states ([5, N] float32 per rank plus a 3-value header: the slice's start, size and
-N, checked; a different N across ranks is caught before, by _comm.check_same_sizes). Each rank
+those per-row states ([5, N] float32 per rank plus a header: the slice's start, size and N,
+checked, and how the start was derived -- the layout negotiation lives in vocab_layout.py; a
+different N across ranks is caught before, by _comm.check_same_sizes). Each rank
 then merges the states with `merge_states` (the Python mirror of stats_merge) and finishes
 exactly like linear_token_logprobs.
 
@@ -45,16 +46,23 @@ from .._checks import (
     INDEX_DTYPES,
     check_arg,
     check_int,
-    check_labels_in_range,
     check_temperature,
     check_tensor,
 )
+from ..linear_logprobs import chunks
 from ..linear_logprobs import reference as lin_ref
-from ..linear_logprobs.op import tile_bwd_, tile_stats_
+from ..linear_logprobs.chunks import tile_bwd_, tile_stats_
+from ..linear_logprobs.tiler import Tiler
 from ._comm import all_gather as _all_gather
-from ._comm import all_reduce_, check_same_sizes, cross_checks, require_initialized
+from ._comm import all_reduce_, require_initialized
+from .vocab_layout import (
+    HEADER,
+    check_layout,
+    gather_settled,
+    layout_ints,
+    resolve_vocab_start,
+)
 
-_HEADER = 4  # vocab_start, V_rank, N, how it was derived (GIVEN 0 / CACHED 1 / GUESSED 2)
 _ROWS = 5  # m, s, u, zlabel, owned
 _BLOCK_BYTES = 64 << 20  # float32 row blocks of the shard handed to the tile kernels
 
@@ -117,53 +125,6 @@ def merge_states(states: Tensor) -> Tensor:
     return torch.stack([M, s_new, u_new])
 
 
-def _gather(local: Tensor, header: list[int], group) -> Tensor:
-    """One all-gather of [header | local states] -> [world, _HEADER + _ROWS * N] (after a tiny
-    one of N where cross-rank checks run: the payload's size depends on it)."""
-    world = dist.get_world_size(group)
-    if cross_checks(local):
-        check_same_sizes(group, local.device, labels=header[2])
-    flat = torch.cat(
-        [torch.tensor(header, dtype=local.dtype, device=local.device), local.reshape(-1)]
-    )
-    return _all_gather(flat, group).view(world, -1)
-
-
-def _read_header(gathered: Tensor):
-    """The gathered headers on the host: (starts, sizes, ns, derived), lists in rank order."""
-    h = gathered[:, :_HEADER].to(torch.int64).cpu()
-    return h[:, 0].tolist(), h[:, 1].tolist(), h[:, 2].tolist(), h[:, 3].tolist()
-
-
-def _rank_order(starts, sizes, derived) -> list[int] | None:
-    """Where some rank derived its start: the starts of slices contiguous in rank order
-    (Megatron's layout), after checking that every given start fits it; None where every rank was
-    given its start."""
-    if not any(derived):
-        return None
-    expected = [sum(sizes[:r]) for r in range(len(sizes))]
-    for r, (st, ex, d) in enumerate(zip(starts, expected, derived)):
-        if not d and st != ex:
-            raise ValueError(
-                f"vocab_start: rank {r} was given {st} but other ranks derive theirs from the "
-                f"rank-order layout, where rank {r} starts at {ex} (slice sizes {sizes}); give "
-                "vocab_start on every rank or on none"
-            )
-    return expected
-
-
-# (rank, world, slice size) -> (starts, sizes) of a layout the host has validated (_finish):
-# later calls with device-side checks compare the gathered headers with it on the device
-_layouts: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
-DEVICE_CHECKS_ON_CPU = False  # tests: the GPU path's device-side checks on gloo
-
-
-def device_checks(t: Tensor) -> bool:
-    """Whether the gathered headers are checked on the device, without a host sync: on the GPU
-    unless `ppo_kernels.strict_checks()` (CPU tensors are always checked on the host)."""
-    return (t.device.type != "cpu" or DEVICE_CHECKS_ON_CPU) and not _backend.strict()
-
-
 def _finish(
     gathered: Tensor,
     labels: Tensor,
@@ -173,65 +134,23 @@ def _finish(
     v_rank: int,
 ):
     """(logprobs, entropy or an empty tensor, lse, layout) from the gathered states, where layout
-    is int64 [2] on the CPU = (this rank's start, V) for the backward. Runs inside the registered
-    ops, so also under torch.compile, where it reads the headers at run time: checks that the
-    ranks hold the same N, that the slices tile [0, V), and that every derived start is right
-    (eager calls have settled them before, _settle_start; under compile a wrong one raises).
-    With device_checks (the GPU), once this rank's layout has been validated on the host, later
-    calls compare the gathered headers with it on the device instead (no host sync): a different
-    layout or N then gives NaN rows, as an out-of-range label does on the GPU."""
+    is int64 [2] on the CPU = (this rank's start, V) for the backward. The gathered headers are
+    checked first (vocab_layout.check_layout); where they were compared with a validated layout
+    on the device, a mismatch gives NaN rows instead of an error (no host sync)."""
     world = gathered.shape[0]
     N = labels.numel()
-    known = _layouts.get((rank, world, v_rank)) if device_checks(gathered) else None
-    if known is not None:
-        starts, sizes = known
-        want = torch.tensor(
-            [[st, sz, N] for st, sz in zip(starts, sizes)],
-            dtype=gathered.dtype,
-            device=gathered.device,
-        )
-        ok = (gathered[:, :3] == want).all()
-        lp, ent, lse = _merge_finalize(gathered, labels, sum(sizes), ignore_index, world, N)
+    starts, sizes, ok = check_layout(gathered, labels, rank, ignore_index, v_rank)
+    V = sum(sizes)
+    lp, ent, lse = _merge_finalize(gathered, labels, V, ignore_index, world, N)
+    if ok is not None:
         nan = torch.full((), float("nan"), dtype=lp.dtype, device=lp.device)
         lp, ent, lse = (torch.where(ok, t, nan) for t in (lp, ent, lse))
-        layout = torch.tensor([starts[rank], sum(sizes)], dtype=torch.int64)
-        return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
-    starts, sizes, ns, derived = _read_header(gathered)
-    if any(n != N for n in ns):
-        raise ValueError(
-            f"labels: ranks hold different numbers of rows {ns}; every rank of the "
-            "vocab-parallel group needs the same tokens"
-        )
-    expected = _rank_order(starts, sizes, derived)
-    if expected is not None and expected != starts:
-        raise ValueError(
-            f"vocab_start: the derived slice starts {starts} (rank order) are not the rank-order "
-            f"layout {expected} of the slice sizes {sizes}. Under torch.compile a start that is "
-            "not given is the one cached by an earlier eager call for this group and slice size, "
-            "else rank * slice size (even shards), and cannot be settled by a second gather: "
-            "give vocab_start, or make one eager call with this layout first"
-        )
-    order = sorted(range(world), key=lambda r: starts[r])
-    pos = 0
-    for r in order:
-        if starts[r] != pos:
-            raise ValueError(
-                f"vocab_start: the ranks' vocabulary slices (start, size) = "
-                f"{[(starts[i], sizes[i]) for i in range(world)]} do not tile "
-                "[0, V) contiguously"
-            )
-        pos += sizes[r]
-    V = pos
-    if labels.device.type == "cpu":
-        check_labels_in_range(labels, V, ignore_index)
-    _layouts[(rank, world, v_rank)] = (starts, sizes)
-    lp, ent, lse = _merge_finalize(gathered, labels, V, ignore_index, world, N)
     layout = torch.tensor([starts[rank], V], dtype=torch.int64)
     return lp, (ent if with_entropy else ent.new_empty(0)), lse, layout
 
 
 def _merge_finalize(gathered, labels, V, ignore_index, world, N):
-    st = gathered[:, _HEADER:].view(world, _ROWS, N)
+    st = gathered[:, HEADER:].view(world, _ROWS, N)
     merged = merge_states(st[:, 0:3])
     owned = st[:, 4]
     zl = torch.where(owned > 0, st[:, 3], torch.zeros_like(st[:, 3])).sum(0)
@@ -244,7 +163,7 @@ def _check_finish_args(labels, gathered, rank, rows, dev, acc):
     check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
     check_arg("gathered", gathered, dev)
-    n = _HEADER + _ROWS * labels.numel()
+    n = HEADER + _ROWS * labels.numel()
     if gathered.shape[1] != n:
         raise ValueError(f"gathered: expected {n} columns per rank, got {gathered.shape[1]}")
     check_int("rank", rank, min_value=0)
@@ -258,14 +177,6 @@ def _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc):
     if grad_entropy is not None and grad_entropy.numel():
         check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
         check_arg("entropy", entropy, dev, dtypes=(acc,), shape=rows, what="the rows")
-
-
-def _layout_ints(layout: Tensor) -> tuple[int, int]:
-    check_tensor("layout", layout, dtypes=(torch.int64,), dim=1)
-    if layout.numel() != 2 or layout.device.type != "cpu":
-        raise ValueError("layout: expected the forward's int64 [2] CPU tensor (start, V)")
-    start, V = layout.tolist()
-    return start, V
 
 
 # ---- token_logprobs on a vocabulary slice of the logits ----
@@ -304,7 +215,7 @@ def _token_logprobs_op(
     with_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logprobs, entropy or an empty tensor, lse, layout) of labels [...] from the states of
-    every rank, gathered [world, _HEADER + _ROWS * N]; logits [..., V_rank] (this rank's slice)
+    every rank, gathered [world, HEADER + _ROWS * N]; logits [..., V_rank] (this rank's slice)
     is read only by the backward."""
     acc = _acc(logits.dtype)
     _check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
@@ -342,7 +253,7 @@ def _token_logprobs_backward_op(
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
     _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)
-    vocab_start, V = _layout_ints(layout)
+    vocab_start, V = layout_ints(layout)
     inv_t = 1.0 / check_temperature(temperature)
     x = logits.reshape(labels.numel(), logits.shape[-1])
     y = labels.reshape(-1)
@@ -402,72 +313,6 @@ def _token_logprobs_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
 _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
 
 
-# (id(group), rank, slice size) -> the slice start learned from a gather (see _settle_start)
-_start_cache: dict[tuple[int, int, int], int] = {}
-GIVEN, CACHED, GUESSED = 0, 1, 2  # how _resolve_vocab_start got the start (derived: not GIVEN)
-
-
-def _resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, int]:
-    """(start, how): the given first vocabulary id of this rank (checked; GIVEN), or, when not
-    given, a provisional start: the one learned by an earlier call for this (group, slice size)
-    (CACHED), else rank * slice size (GUESSED; right for even shards). No collective here:
-    a collective only some ranks ran (those whose cache missed) would hang the others, so the
-    start is settled from the forward's own gather (_settle_start)."""
-    require_initialized()
-    if vocab_start is None:
-        rank = dist.get_rank(group)
-        cached = _start_cache.get((id(group), rank, v_rank))
-        return (rank * v_rank, GUESSED) if cached is None else (cached, CACHED)
-    if not (isinstance(vocab_start, int) and vocab_start >= 0):
-        raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
-    return vocab_start, GIVEN
-
-
-def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:
-    """Eager only, after the gather of headers [start, size, N, derived]: (this rank's start,
-    redo). Where no rank was given vocab_start, slices are contiguous in rank order (Megatron's
-    layout); a given start must fit that layout when other ranks derive theirs. redo: some derived
-    start was wrong, so every rank recomputes its states and gathers again -- decided from the
-    gathered headers alone, hence the same on every rank (at most once per new layout: the start
-    is cached)."""
-    starts, sizes, _, derived = _read_header(gathered)
-    rank = dist.get_rank(group)
-    expected = _rank_order(starts, sizes, derived)
-    if expected is None:
-        return starts[rank], False
-    if derived[rank]:
-        _start_cache[(id(group), rank, sizes[rank])] = expected[rank]
-    redo = any(d and st != ex for st, ex, d in zip(starts, expected, derived))
-    return expected[rank], redo
-
-
-def _gather_settled(states, start: int, derived: int, v_rank: int, n: int, group) -> Tensor:
-    """Gather states(start) with its header; when a derived start turns out wrong (_settle_start),
-    every rank recomputes with the settled start and gathers once more. Under torch.compile the
-    number of collectives cannot depend on the data: no settling there, the finish op checks the
-    starts at run time (_finish) and raises if a derived one was wrong."""
-    gathered = _gather(states(start), [start, v_rank, n, derived], group)
-    if torch.compiler.is_compiling():
-        return gathered
-    dev = device_checks(gathered)
-    if derived != GUESSED and dev:
-        return gathered  # the finish op checks the start on the device (no host sync)
-    settled, redo = _settle_start(gathered, group)
-    if redo:
-        flags = gathered[:, 3].tolist()  # host values here already (_settle_start read them)
-        if dev and any(f != GUESSED for f in flags):
-            # ranks with a given or cached start read nothing on the GPU and would not gather
-            # again: raise here rather than leave them waiting
-            raise ValueError(
-                f"vocab_start: rank {dist.get_rank(group)}'s slice does not start at "
-                f"{start} in this layout, and other ranks hold given or cached starts (flags "
-                f"{flags}: 0 given, 1 cached, 2 guessed); on the GPU give vocab_start on every "
-                "rank when a group's uneven layout changes, or use ppo_kernels.strict_checks()"
-            )
-        gathered = _gather(states(settled), [settled, v_rank, n, derived], group)
-    return gathered
-
-
 def vocab_parallel_token_logprobs(
     logits: Tensor,
     labels: Tensor,
@@ -478,14 +323,14 @@ def vocab_parallel_token_logprobs(
     vocab_start: int | None,
 ):
     """The body of token_logprobs(..., process_group=...); arguments already checked."""
-    start, derived = _resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
+    start, derived = resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
     temperature, ignore_index = float(temperature), int(ignore_index)
     x = logits.detach()  # the states carry no gradient: the finish op does
 
     def states(s):
         return torch.ops.ppo_kernels.vocab_parallel_states(x, labels, s, temperature, ignore_index)
 
-    gathered = _gather_settled(
+    gathered = gather_settled(
         states, start, derived, logits.shape[-1], labels.numel(), process_group
     )
     lp, ent, _, _ = torch.ops.ppo_kernels.vocab_parallel_token_logprobs(
@@ -505,9 +350,7 @@ def vocab_parallel_token_logprobs(
 
 def _check_linear_args(hidden, weight, labels, bias, temperature, ignore_index, budget, ldt):
     """linear_logprobs' checks of a weight slice, which may be empty (labels are global ids)."""
-    from ..linear_logprobs import op as lop
-
-    lop._check_forward_args(
+    chunks.check_args(
         hidden, weight, labels, bias, temperature, ignore_index, budget, ldt, vocab_slice=True
     )
 
@@ -526,8 +369,6 @@ def _linear_states_op(
 ) -> Tensor:
     """[_ROWS, N] states of the logits hidden [N, H] @ weight[V_rank, H].T (+ bias) of this
     rank's vocabulary slice, computed in chunks (linear_logprobs' chunk_states)."""
-    from ..linear_logprobs import op as lop
-
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
@@ -541,11 +382,11 @@ def _linear_states_op(
     k = labels.long() - vocab_start
     local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
     if N and Vr:
-        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
-        tiler = lop.Tiler(hidden, weight, bias, plan, False)
+        plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
+        tiler = Tiler(hidden, weight, bias, plan, False)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
-            st, zl = lop.chunk_states(
+            st, zl = chunks.chunk_states(
                 tiler,
                 plan,
                 tiler.rows(r0, r1),
@@ -563,17 +404,6 @@ def _linear_states_op(
 @_linear_states_op.register_fake
 def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
     return hidden.new_empty((_ROWS, hidden.shape[0]), dtype=_acc(hidden.dtype))
-
-
-def _linear_plan(hidden, Vr, budget, logits_dtype):
-    from ..linear_logprobs import op as lop
-
-    N, H = hidden.shape
-    dev = hidden.device
-    budget = lop._resolve_budget(budget, dev)
-    return lop.plan_chunks(
-        N, Vr, H, hidden.dtype, dev.type, budget, logits_dtype=logits_dtype, fused=False
-    )
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_linear_token_logprobs", mutates_args=())
@@ -632,14 +462,12 @@ def _linear_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of this rank's slice, float32 (float64 for float64),
     an empty tensor where not needed; grad_hidden is this slice's share (partial, not reduced)."""
-    from ..linear_logprobs import op as lop
-
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     dev, acc = hidden.device, _acc(hidden.dtype)
     _check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc)
-    vocab_start, V = _layout_ints(layout)
+    vocab_start, V = layout_ints(layout)
     N, H = hidden.shape
     Vr = weight.shape[0]
     inv_t = 1.0 / temperature
@@ -650,11 +478,11 @@ def _linear_backward_op(
     gW = torch.zeros((Vr, H) if need_weight else (0,), dtype=acc, device=dev)
     gb = torch.zeros((Vr,) if (need_bias and bias is not None) else (0,), dtype=acc, device=dev)
     if N and Vr:
-        plan = _linear_plan(hidden, Vr, max_chunk_bytes, logits_dtype)
-        tiler = lop.Tiler(hidden, weight, bias, plan, False, backward=True)
+        plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
+        tiler = Tiler(hidden, weight, bias, plan, False, backward=True)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
-            lop.chunk_backward(
+            chunks.chunk_backward(
                 tiler,
                 plan,
                 False,
@@ -739,7 +567,7 @@ def vocab_parallel_linear_token_logprobs(
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
     weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
     Returns (logprobs, entropy) [N]."""
-    start, derived = _resolve_vocab_start(vocab_start, weight.shape[0], process_group)
+    start, derived = resolve_vocab_start(vocab_start, weight.shape[0], process_group)
     temperature, ignore_index, budget = float(temperature), int(ignore_index), int(budget or 0)
     h, w = hidden2d.detach(), weight.detach()  # the states carry no gradient: the finish op does
     b = None if bias is None else bias.detach()
@@ -749,7 +577,7 @@ def vocab_parallel_linear_token_logprobs(
             h, w, labels, b, s, temperature, ignore_index, budget, logits_dtype
         )
 
-    gathered = _gather_settled(
+    gathered = gather_settled(
         states, start, derived, weight.shape[0], labels.numel(), process_group
     )
     lp, ent, _, _ = torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs(

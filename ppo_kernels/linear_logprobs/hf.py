@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._checks import check_bool, check_int, check_temperature
-from .op import linear_token_logprobs
+from .api import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
 # does not reproduce; refused rather than silently giving different numbers. Gemma-2 style

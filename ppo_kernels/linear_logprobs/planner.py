@@ -1,6 +1,7 @@
 """How linear_token_logprobs walks the work: rows (tokens) in chunks and, when a chunk of rows
 times the whole vocabulary does not fit the memory budget, the vocabulary in chunks too. Pure
-arithmetic on sizes (no tensors): the op (op.py) and the tiler (tiler.py) follow the Plan."""
+arithmetic on sizes (no tensors): the chunk loop (chunks.py) and the tiler (tiler.py) follow the
+Plan."""
 
 from __future__ import annotations
 

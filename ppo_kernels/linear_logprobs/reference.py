@@ -7,7 +7,7 @@ for float64 inputs) -- every edge case of ppo_kernels/token_logprobs/reference.p
 the GPU; NaN / inf logits give NaN). Gradients flow to hidden, weight and bias.
 
 `forward` / `backward` below materialise the logits: they are the float64 test reference and the
-benchmark baseline, never the op. The op (op.py) walks [rows, vocab_chunk] tiles of the logits;
+benchmark baseline, never the op. The chunk loop (chunks.py) walks [rows, vocab_chunk] tiles of the logits;
 `tile_stats_` and `tile_bwd_` are the eager versions of the per-tile kernels (C++:
 csrc/cpu/linear_logprobs.cpp, Triton: triton_kernels.py) and define what they must compute.
 """

@@ -1,6 +1,6 @@
 """The logits tiles of linear_token_logprobs: each [rows, vocab_chunk] tile of hidden @ W^T + b
 computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient matmuls of a tile
-(see the precision notes in op.py's docstring)."""
+(see the precision notes in chunks.py's docstring)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Triton kernels for linear_token_logprobs: reductions of one float32 logits tile
-[rows, vocab_chunk] (the tile itself comes from a cuBLAS matmul in op.py). One program per row.
+[rows, vocab_chunk] (the tile itself comes from a cuBLAS matmul in chunks.py). One program per row.
 
 Why not a fused tl.dot kernel (logits tiles computed on chip, as the issue sketches)? It has not
 been measured against cuBLAS + these reductions on a GPU yet; the chunked cuBLAS path moves one

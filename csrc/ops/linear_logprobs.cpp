@@ -1,0 +1,227 @@
+// Registered ops `ppo_kernels::linear_token_logprobs` (+ its backward): schemas, argument checks,
+// backend routing and autograd. Every backend runs the same Python chunk loop
+// (ppo_kernels/linear_logprobs/chunks.py: plan the chunks, BLAS / cuBLAS matmuls into a reused
+// tile, then that backend's tile kernels), registered by ppo_kernels/linear_logprobs/op.py as
+// `ppo_kernels_cpp::` (the compiled token_logprobs and tile kernels: csrc/cpu/linear_logprobs.cpp,
+// csrc/cpu/token_logprobs.cpp, csrc/cuda/token_logprobs.cu), `ppo_kernels_triton::` and
+// `ppo_kernels_eager::`. Semantics: ppo_kernels/linear_logprobs/reference.py.
+#include <ATen/Dispatch.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/checks.h"
+#include "ops/route.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+using Out3 = std::tuple<Tensor, Tensor, Tensor>;
+
+using FwdSig = Out3(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double, int64_t,
+                    bool, int64_t, const std::string&, std::optional<double>);
+using BwdSig = Out3(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
+                    const OptTensor&, const Tensor&, const Tensor&, double, int64_t, int64_t, bool,
+                    bool, bool, const std::string&, std::optional<double>);
+
+const OpRef kFwd("linear_token_logprobs"), kBwd("linear_token_logprobs_backward");
+constexpr const char* kKey = "linear_token_logprobs";  // the backend key (use_backend)
+
+// A positive finite temperature whose inverse is finite in float32 (the kernels' 1 / T).
+void check_temperature(double t) {
+  expect_positive("temperature", t);
+  constexpr double kFloat32Max = 3.4028234663852886e38;
+  TORCH_CHECK_VALUE(1.0 / t <= kFloat32Max, "temperature: ", t,
+                    " is too small (1 / temperature overflows float32; the smallest accepted is ",
+                    1.0 / kFloat32Max, ")");
+}
+
+// Every label in [0, V) or ignore_index, else an IndexError naming the first one outside. CPU
+// labels only (reading GPU labels is a host sync: op.py checks them under strict_checks()).
+void check_labels_in_range(const Tensor& labels, int64_t V, int64_t ignore_index) {
+  if (!labels.is_cpu() || labels.numel() == 0) return;
+  const Tensor l = labels.contiguous();
+  AT_DISPATCH_INDEX_TYPES(l.scalar_type(), "linear_token_logprobs labels", [&] {
+    const index_t* p = l.const_data_ptr<index_t>();
+    for (int64_t i = 0; i < l.numel(); ++i) {
+      const int64_t v = p[i];
+      TORCH_CHECK_INDEX(v == ignore_index || (v >= 0 && v < V), "labels: value ", v,
+                        " at flat position ", i, " is outside the vocabulary [0, ", V,
+                        ") and is not ignore_index (", ignore_index, ")");
+    }
+  });
+}
+
+// hidden [N, H], weight [V, H], labels [N], bias [V] or none; the scalars (metadata, and the
+// labels on the CPU).
+void check_forward(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
+                   const OptTensor& bias, double temperature, int64_t ignore_index,
+                   int64_t max_chunk_bytes, const std::string& logits_dtype,
+                   std::optional<double> softcap) {
+  expect_float(hidden, "hidden");
+  expect_dim(hidden, "hidden", 2);
+  const int64_t N = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK_VALUE(weight.defined(), "weight: expected a tensor");
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight: expected dtype ",
+                   dtype_name(hidden.scalar_type()), " (like hidden), got ",
+                   dtype_name(weight.scalar_type()));
+  expect_device(weight, "weight", hidden, "hidden");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H,
+                    ") (H = hidden.shape[-1]), got ", weight.sizes());
+  const int64_t V = weight.size(0);
+  expect_index(labels, "labels");
+  expect_device(labels, "labels", hidden, "hidden");
+  expect_shape(labels, "labels", {N}, "hidden.shape[:-1]");
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->defined(), "bias: expected a tensor");
+    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(), "bias: expected dtype ",
+                     dtype_name(hidden.scalar_type()), " (like hidden), got ",
+                     dtype_name(bias->scalar_type()));
+    expect_device(*bias, "bias", hidden, "hidden");
+    expect_shape(*bias, "bias", {V}, "weight.shape[0]");
+  }
+  TORCH_CHECK_VALUE(V > 0 || N == 0, "weight: the vocabulary dimension (first) is empty");
+  check_temperature(temperature);
+  TORCH_CHECK_VALUE(max_chunk_bytes >= 0, "max_chunk_bytes: expected an int >= 0, got ",
+                    max_chunk_bytes);
+  TORCH_CHECK_VALUE(logits_dtype == "float32" || logits_dtype == "input",
+                    "logits_dtype: expected one of ('float32', 'input'), got '", logits_dtype, "'");
+  if (softcap) expect_positive("softcap", *softcap);
+  check_labels_in_range(labels, V, ignore_index);
+}
+
+Out3 forward(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
+             const OptTensor& bias, double temperature, int64_t ignore_index, bool with_entropy,
+             int64_t max_chunk_bytes, const std::string& logits_dtype,
+             std::optional<double> softcap) {
+  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                logits_dtype, softcap);
+  return kFwd.python<FwdSig>(backend_for(kKey, hidden))
+      .call(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max_chunk_bytes,
+            logits_dtype, softcap);
+}
+
+// (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor where
+// not needed (float64 for float64 inputs).
+Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const Tensor& hidden,
+              const Tensor& weight, const Tensor& labels, const OptTensor& bias, const Tensor& lse,
+              const Tensor& entropy, double temperature, int64_t ignore_index,
+              int64_t max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias,
+              const std::string& logits_dtype, std::optional<double> softcap) {
+  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                logits_dtype, softcap);
+  const auto rows = labels.sizes();
+  const auto acc = out_dtype(hidden);
+  expect_float(grad_logprobs, "grad_logprobs");
+  expect_device(grad_logprobs, "grad_logprobs", hidden, "hidden");
+  expect_shape(grad_logprobs, "grad_logprobs", rows, "hidden.shape[:-1]");
+  TORCH_CHECK_VALUE(lse.defined(), "lse: expected a tensor");
+  expect_dtype(lse, "lse", acc, "the forward's lse");
+  expect_device(lse, "lse", hidden, "hidden");
+  expect_shape(lse, "lse", rows, "hidden.shape[:-1]");
+  if (grad_entropy && grad_entropy->defined() && grad_entropy->numel() > 0) {
+    expect_float(*grad_entropy, "grad_entropy");
+    expect_device(*grad_entropy, "grad_entropy", hidden, "hidden");
+    expect_shape(*grad_entropy, "grad_entropy", rows, "hidden.shape[:-1]");
+    TORCH_CHECK_VALUE(entropy.defined(), "entropy: expected a tensor");
+    expect_dtype(entropy, "entropy", acc, "the forward's entropy");
+    expect_device(entropy, "entropy", hidden, "hidden");
+    expect_shape(entropy, "entropy", rows, "hidden.shape[:-1]");
+  }
+  return kBwd.python<BwdSig>(backend_for(kKey, hidden))
+      .call(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
+            ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype,
+            softcap);
+}
+
+class LinearFn : public torch::autograd::Function<LinearFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
+                               const Tensor& labels, const OptTensor& bias, double temperature,
+                               int64_t ignore_index, bool with_entropy, int64_t max_chunk_bytes,
+                               const std::string& logits_dtype, std::optional<double> softcap) {
+    Tensor lp, ent, lse;
+    {
+      BelowAutograd guard;
+      std::tie(lp, ent, lse) =
+          kFwd.in<FwdSig>(Ns::kOps).call(hidden, weight, labels, bias, temperature, ignore_index,
+                                         with_entropy, max_chunk_bytes, logits_dtype, softcap);
+    }
+    ctx->save_for_backward({hidden, weight, labels, bias.value_or(Tensor()), lse, ent});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["max_chunk_bytes"] = max_chunk_bytes;
+    ctx->saved_data["logits_dtype"] = logits_dtype;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["with_entropy"] = with_entropy;
+    ctx->mark_non_differentiable({lse});
+    return {lp, ent, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &hidden = saved[0], &weight = saved[1], &labels = saved[2], &bias = saved[3];
+    const Tensor &lse = saved[4], &entropy = saved[5];
+    // the input edges are the tensor arguments given: hidden, weight, labels (, bias)
+    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = bias.defined() && ctx->needs_input_grad(3);
+    variable_list out(10);  // one per argument of the op
+    if (!(need_h || need_w || need_b)) return out;
+    const Tensor& grad_lp = grads[0].defined() ? grads[0] : at::zeros_like(lse);
+    OptTensor grad_ent;  // (from the flag: the sizes may be symbolic under torch.compile)
+    if (ctx->saved_data["with_entropy"].toBool() && grads[1].defined()) grad_ent = grads[1];
+    const auto softcap = ctx->saved_data["softcap"];
+    auto [gh, gW, gb] = kBwd.in<BwdSig>(Ns::kOps).call(
+        grad_lp, grad_ent, hidden, weight, labels, bias.defined() ? OptTensor(bias) : OptTensor(),
+        lse, entropy, ctx->saved_data["temperature"].toDouble(),
+        ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["max_chunk_bytes"].toInt(), need_h,
+        need_w, need_b, ctx->saved_data["logits_dtype"].toStringRef(),
+        softcap.isNone() ? std::optional<double>() : softcap.toDouble());
+    if (need_h) out[0] = gh;
+    if (need_w) out[1] = gW.to(weight.scalar_type());  // accumulated in float32
+    if (need_b) out[3] = gb.to(bias.scalar_type());
+    return out;
+  }
+};
+
+Out3 forward_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
+                      const OptTensor& bias, double temperature, int64_t ignore_index,
+                      bool with_entropy, int64_t max_chunk_bytes, const std::string& logits_dtype,
+                      std::optional<double> softcap) {
+  auto out = LinearFn::apply(hidden, weight, labels, bias, temperature, ignore_index, with_entropy,
+                             max_chunk_bytes, logits_dtype, softcap);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.linear_logprobs.op");  // the fake kernels
+  // hidden [N, H], weight [V, H], labels [N], bias [V]. Returns (logprobs, entropy or an empty
+  // tensor, lse) [N], float32 (float64 for float64 input); lse is saved for the backward.
+  // max_chunk_bytes 0: the device's default; logits_dtype "float32" or "input"; softcap: Gemma-2
+  // style soft-capping of the logits (see ppo_kernels.linear_token_logprobs).
+  m.def(
+      "linear_token_logprobs(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
+      "float temperature, int ignore_index, bool with_entropy, int max_chunk_bytes, "
+      "str logits_dtype=\"float32\", float? softcap=None) -> (Tensor, Tensor, Tensor)");
+  // (grad_hidden, grad_weight float32, grad_bias float32), each an empty tensor when not needed
+  m.def(
+      "linear_token_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, "
+      "Tensor weight, Tensor labels, Tensor? bias, Tensor lse, Tensor entropy, float temperature, "
+      "int ignore_index, int max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias, "
+      "str logits_dtype=\"float32\", float? softcap=None) -> (Tensor, Tensor, Tensor)");
+}
+
+// One router for every device (route.h: cpu and cuda; others are refused, naming the device).
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("linear_token_logprobs", &forward);
+  m.impl("linear_token_logprobs_backward", &backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("linear_token_logprobs", &forward_autograd); }
+
+}  // namespace ppo_kernels
