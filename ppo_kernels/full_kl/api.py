@@ -15,9 +15,10 @@ from . import op  # noqa: F401  (registers the ops' Python side)
 _full_kl = _backend.op("full_kl")
 
 
-def _check_tensors(logits, ref_logits, vocab_parallel):
-    """The registered op's tensor checks, where it does not run them: the vocab-parallel form
-    (whose slice may be empty) and the fallback without the compiled extension."""
+def _check_args(logits, ref_logits, temperature, vocab_parallel):
+    """The registered op's checks, where it does not run them: the vocab-parallel form (whose
+    slice may be empty) and the fallback without the compiled extension."""
+    check_temperature(temperature)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_tensor("ref_logits", ref_logits, dtypes=(logits.dtype,))
     if tuple(ref_logits.shape) != tuple(logits.shape):
@@ -65,7 +66,8 @@ def full_kl(
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
     See ppo_kernels/full_kl/reference.py for the documented edge cases.
     """
-    temperature = check_temperature(temperature)
+    if type(temperature) is not float:  # the op checks its value; a float passes for free
+        temperature = check_temperature(temperature)
     for name, t in (("logits", logits), ("ref_logits", ref_logits)):
         if not isinstance(t, Tensor):
             check_tensor(name, t)
@@ -80,11 +82,11 @@ def full_kl(
             mask = mask != 0
         mask = mask.contiguous()
     if process_group is not None:
-        _check_tensors(logits, ref_logits, vocab_parallel=True)
+        _check_args(logits, ref_logits, temperature, vocab_parallel=True)
         from ..distributed.vocab_parallel import vocab_parallel_full_kl
 
         return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     if not _backend.HAS_EXTENSION:
-        _check_tensors(logits, ref_logits, vocab_parallel=False)
+        _check_args(logits, ref_logits, temperature, vocab_parallel=False)
     kl, _, _ = _full_kl(logits, ref_logits, float(temperature), mask)
     return kl

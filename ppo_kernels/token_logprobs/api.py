@@ -22,9 +22,10 @@ from . import op  # noqa: F401  (registers the ops' Python side)
 _token_logprobs = _backend.op("token_logprobs")
 
 
-def _check_tensors(logits, labels, vocab_parallel):
-    """The registered op's tensor checks, where it does not run them: the vocab-parallel form
-    (whose slice may be empty) and the fallback without the compiled extension."""
+def _check_args(logits, labels, temperature, vocab_parallel):
+    """The registered op's checks, where it does not run them: the vocab-parallel form (whose
+    slice may be empty) and the fallback without the compiled extension."""
+    check_temperature(temperature)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
@@ -79,10 +80,15 @@ def token_logprobs(
         `(logprobs, entropy)` when `return_entropy=True`.
     See ppo_kernels/token_logprobs/reference.py for the documented edge cases.
     """
-    temperature = check_temperature(temperature)
-    ignore_index = check_int("ignore_index", ignore_index)
-    return_entropy = check_bool("return_entropy", return_entropy)
-    inplace_backward = check_bool("inplace_backward", inplace_backward)
+    # the scalars' types (the op checks the temperature's value; exact types pass for free)
+    if type(temperature) is not float:
+        temperature = check_temperature(temperature)
+    if type(ignore_index) is not int:
+        ignore_index = check_int("ignore_index", ignore_index)
+    if return_entropy is not True and return_entropy is not False:
+        return_entropy = check_bool("return_entropy", return_entropy)
+    if inplace_backward is not True and inplace_backward is not False:
+        inplace_backward = check_bool("inplace_backward", inplace_backward)
     if not isinstance(logits, Tensor):
         check_tensor("logits", logits)
     if not isinstance(labels, Tensor):
@@ -94,14 +100,14 @@ def token_logprobs(
     if process_group is not None:
         if inplace_backward:
             raise ValueError("inplace_backward: not supported with process_group")
-        _check_tensors(logits, labels, vocab_parallel=True)
+        _check_args(logits, labels, temperature, vocab_parallel=True)
         from ..distributed.vocab_parallel import vocab_parallel_token_logprobs
 
         return vocab_parallel_token_logprobs(
             logits, labels, temperature, ignore_index, return_entropy, process_group, vocab_start
         )
     if not _backend.HAS_EXTENSION:
-        _check_tensors(logits, labels, vocab_parallel=False)
+        _check_args(logits, labels, temperature, vocab_parallel=False)
     lp, ent, _ = _token_logprobs(
         logits, labels, float(temperature), ignore_index, return_entropy, inplace_backward
     )
