@@ -399,14 +399,25 @@ def strict_checks(enabled: bool = True):
 
     Without it GPU kernels never read out of bounds and give the documented NaN instead."""
     _strict.append(enabled)
+    _mirror_strict()
     try:
         yield
     finally:
         _strict.pop()
+        _mirror_strict()
+
+
+def _mirror_strict():
+    """The registered ops defined in C++ read the setting there (csrc/ops/route.h)."""
+    if HAS_EXTENSION:
+        torch.ops.ppo_kernels_C.set_strict(_strict[-1])
 
 
 def strict() -> bool:
     return _strict[-1]
+
+
+_mirror_strict()
 
 
 _poison = [False]

@@ -257,6 +257,26 @@ def test_bad_arguments_name_the_argument():
         pk.token_logprobs(torch.randn(3, 0), torch.zeros(3, dtype=torch.long))
 
 
+@pytest.mark.skipif(not pk.HAS_EXTENSION, reason="needs the compiled extension")
+def test_strict_checks_reach_the_cpp_ops():
+    """The registered ops check GPU label ranges under strict_checks(): they read the setting in
+    C++ (csrc/ops/route.h), which must follow the Python context, nested ones included."""
+    C = torch.ops.ppo_kernels_C
+
+    def cpp_strict():
+        old = C.set_strict(True)
+        C.set_strict(old)
+        return old
+
+    assert cpp_strict() is False
+    with pk.strict_checks():
+        assert cpp_strict() is True
+        with pk.strict_checks(False):
+            assert cpp_strict() is False
+        assert cpp_strict() is True
+    assert cpp_strict() is False
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown backend"):
         with use_backend("fast"):

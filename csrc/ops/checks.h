@@ -113,6 +113,42 @@ inline double expect_positive(const char* name, double x) {
   return x;
 }
 
+inline void expect_min_dim(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() >= dim, name, ": expected at least ", dim, " dimension(s), got shape ",
+                    t.sizes());
+}
+
+// [..., V] with the last (vocabulary) dimension contiguous (a size-1 one may have any stride)
+inline void expect_rows_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) <= 1, name,
+                    ": the last (vocabulary) dimension must be contiguous (stride 1); got strides ",
+                    t.strides());
+}
+
+// A positive finite temperature whose inverse is finite in float32 (the kernels' 1 / T).
+inline double expect_temperature(double t) {
+  TORCH_CHECK_VALUE(std::isfinite(t) && t > 0,
+                    "temperature: expected a positive finite number, got ", t);
+  constexpr double kFloat32Max = 3.4028234663852886e38;
+  TORCH_CHECK_VALUE(1.0 / t <= kFloat32Max, "temperature: ", t,
+                    " is too small (1 / temperature overflows float32; the smallest accepted is ",
+                    1.0 / kFloat32Max, ")");
+  return t;
+}
+
+// Every label in [0, V) or equal to ignore_index, else an IndexError naming the first one outside.
+// Reads the labels: a host sync on the GPU, where callers run it only under strict_checks()
+// (route.h); the CPU kernels check their labels themselves.
+inline void expect_labels_in_range(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
+  const at::Tensor bad =
+      labels.ne(ignore_index).logical_and_(labels.lt(0).logical_or_(labels.ge(V)));
+  if (!bad.any().item<bool>()) return;
+  const int64_t pos = bad.flatten().nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_INDEX(false, "labels: value ", labels.flatten()[pos].item<int64_t>(),
+                    " at flat position ", pos, " is outside the vocabulary [0, ", V,
+                    ") and is not ignore_index (", ignore_index, ")");
+}
+
 // The per-token output dtype: float32, float64 for float64 inputs.
 inline at::ScalarType out_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -145,7 +145,13 @@ void set_cpp_namespace(const std::string& ns) {
 
 std::string get_cpp_namespace() { return namespaces()[cpp_slot.load()]; }
 
+std::atomic<bool> strict_flag{false};
+
+bool set_strict(bool enabled) { return strict_flag.exchange(enabled); }
+
 }  // namespace
+
+bool strict_checks() { return strict_flag.load(std::memory_order_relaxed); }
 
 Backend backend_for(const char* op, const at::Tensor& like, bool eager_if_empty) {
   if (like.scalar_type() == at::kDouble) return Backend::kEager;
@@ -205,6 +211,8 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // namespace in tests (same schemas).
   m.def("set_cpp_namespace(str ns) -> ()", &set_cpp_namespace);
   m.def("get_cpp_namespace() -> str", &get_cpp_namespace);
+  // ppo_kernels.strict_checks() as the registered ops see it (route.h); returns the old value.
+  m.def("set_strict(bool enabled) -> bool", &set_strict);
 }
 
 }  // namespace ppo_kernels

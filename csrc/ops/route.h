@@ -68,4 +68,8 @@ class OpRef {
 // forward): the op's CPU / CUDA kernel, or its fake kernel while tracing.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 
+// Whether ppo_kernels.strict_checks() is on (mirrored from Python): data-dependent checks that
+// cost a host sync on the GPU (label ranges) run there too.
+bool strict_checks();
+
 }  // namespace ppo_kernels

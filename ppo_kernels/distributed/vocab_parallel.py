@@ -646,23 +646,25 @@ def _(logits, ref_logits, gathered, mask, temperature):
 
 
 def _full_kl_setup(ctx, inputs, output):
-    from ..full_kl import op as fop
-
     logits, ref_logits, _, mask, temperature = inputs
-    fop._setup_context(ctx, (logits, ref_logits, temperature, mask), output)
+    kl, lse_z, lse_w = output
+    ctx.save_for_backward(logits, ref_logits, mask, kl, lse_z, lse_w)
+    ctx.temperature = temperature
+    ctx.mark_non_differentiable(lse_z, lse_w)
 
 
 def _full_kl_backward(ctx, grad, _grad_lse_z, _grad_lse_w):
     """The full_kl backward op on this rank's slice, given the global kl and log-sum-exps."""
-    from ..full_kl import op as fop
-
-    logits, ref_logits = ctx.saved_tensors[:2]
+    logits, ref_logits, mask, kl, lse_z, lse_w = ctx.saved_tensors
+    need_ref = ctx.needs_input_grad[1]
     if logits.shape[-1] == 0:  # an empty slice: nothing to differentiate
         gz = logits.new_zeros(logits.shape)
-        gw = ref_logits.new_zeros(ref_logits.shape) if ctx.needs_input_grad[1] else None
+        gw = ref_logits.new_zeros(ref_logits.shape) if need_ref else None
     else:
-        gz, gw, _, _ = fop._backward(ctx, grad, None, None)
-    return gz, gw, None, None, None
+        gz, gw = _backend.op("full_kl_backward")(
+            grad, logits, ref_logits, mask, kl, lse_z, lse_w, ctx.temperature, need_ref
+        )
+    return gz, (gw if need_ref else None), None, None, None
 
 
 _full_kl_op.register_autograd(_full_kl_backward, setup_context=_full_kl_setup)
@@ -677,7 +679,7 @@ def vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
         lz_r = torch.full(logits.shape[:-1], float("-inf"), dtype=acc, device=logits.device)
         kl_r, lw_r = torch.zeros_like(lz_r), lz_r.clone()
     else:  # the states carry no gradient: the merge op does
-        kl_r, lz_r, lw_r = torch.ops.ppo_kernels.full_kl(
+        kl_r, lz_r, lw_r = _backend.op("full_kl")(
             logits.detach(), ref_logits.detach(), temperature, None
         )
     local = torch.stack([kl_r, lz_r, lw_r]).reshape(3, -1).to(acc)

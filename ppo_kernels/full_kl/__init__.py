@@ -1,2 +1,2 @@
-from . import reference  # noqa: F401
-from .op import full_kl  # noqa: F401
+"""full_kl: reference.py (semantics), triton_kernels.py, op.py (the registered ops' Python side),
+api.py (the public function, exported by ppo_kernels)."""

@@ -1,2 +1,2 @@
-from . import reference  # noqa: F401
-from .op import token_logprobs  # noqa: F401
+"""token_logprobs: reference.py (semantics), triton_kernels.py, op.py (the registered ops' Python
+side and the per-backend kernels), api.py (the public function, exported by ppo_kernels)."""

@@ -1,0 +1,152 @@
+// Registered ops `ppo_kernels::full_kl` (+ `full_kl_backward`): schemas, argument checks, backend
+// routing and autograd. Kernels: csrc/cpu/full_kl.cpp and csrc/cuda/full_kl.cu (cpp),
+// ppo_kernels/full_kl/op.py (triton, eager); semantics: ppo_kernels/full_kl/reference.py.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "common/alloc.h"
+#include "ops/checks.h"
+#include "ops/route.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+
+using FwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double,
+                                                  const OptTensor&);
+using BwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                          const OptTensor&, const Tensor&, const Tensor&,
+                                          const Tensor&, double, bool);
+// the raw kernels (ppo_kernels_C): inv_temperature = 1 / T; the backward writes grad_logits (and
+// grad_ref_logits when given)
+using KernelFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                        const OptTensor&, double);
+using KernelBwdSig = void(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                          const Tensor&, const Tensor&, const Tensor&, double, Tensor, OptTensor);
+
+const OpRef kFwd("full_kl"), kBwd("full_kl_backward"), kFwdKernel("full_kl_fwd"),
+    kBwdKernel("full_kl_bwd");
+
+constexpr const char* kRows = "logits.shape[:-1]";
+
+void check_forward(const Tensor& logits, const Tensor& ref_logits, double temperature,
+                   const OptTensor& mask) {
+  expect_float(logits, "logits");
+  expect_min_dim(logits, "logits", 1);
+  expect_like(ref_logits, "ref_logits", logits, "logits", /*same_dtype=*/true);
+  expect_rows_contiguous(logits, "logits");
+  expect_rows_contiguous(ref_logits, "ref_logits");
+  const auto rows = logits.sizes().slice(0, logits.dim() - 1);
+  TORCH_CHECK_VALUE(logits.size(-1) > 0 || c10::multiply_integers(rows) == 0,
+                    "logits: the vocabulary dimension (last) is empty");
+  expect_temperature(temperature);
+  if (mask && mask->defined()) {
+    expect_mask(*mask, "mask");
+    expect_device(*mask, "mask", logits, "logits");
+    expect_shape(*mask, "mask", rows, kRows);
+  }
+}
+
+// A saved per-row result of the forward: its output dtype, logits' device, logits.shape[:-1].
+void check_saved(const Tensor& t, const char* name, const Tensor& logits) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  expect_dtype(t, name, out_dtype(logits), "the forward's output dtype");
+  expect_device(t, name, logits, "logits");
+  expect_shape(t, name, logits.sizes().slice(0, logits.dim() - 1), kRows);
+}
+
+std::tuple<Tensor, Tensor, Tensor> forward(const Tensor& logits, const Tensor& ref_logits,
+                                           double temperature, const OptTensor& mask) {
+  check_forward(logits, ref_logits, temperature, mask);
+  const Backend b = backend_for("full_kl", logits);
+  if (b == Backend::kCpp)
+    return kFwdKernel.in<KernelFwdSig>(Ns::kCppKernels)
+        .call(logits, ref_logits, mask, 1.0 / temperature);
+  return kFwd.python<FwdSig>(b).call(logits, ref_logits, temperature, mask);
+}
+
+std::tuple<Tensor, Tensor> backward(const Tensor& grad, const Tensor& logits,
+                                    const Tensor& ref_logits, const OptTensor& mask,
+                                    const Tensor& kl, const Tensor& lse_z, const Tensor& lse_w,
+                                    double temperature, bool need_ref) {
+  check_forward(logits, ref_logits, temperature, mask);
+  expect_float(grad, "grad");
+  expect_device(grad, "grad", logits, "logits");
+  expect_shape(grad, "grad", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_saved(kl, "kl", logits);
+  check_saved(lse_z, "lse_z", logits);
+  check_saved(lse_w, "lse_w", logits);
+  const Backend b = backend_for("full_kl", logits);
+  if (b != Backend::kCpp)
+    return kBwd.python<BwdSig>(b).call(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+                                       temperature, need_ref);
+  Tensor gz = new_output(logits.sizes(), logits.options());
+  Tensor gw = need_ref ? new_output(ref_logits.sizes(), ref_logits.options())
+                       : at::empty({0}, ref_logits.options());
+  kBwdKernel.in<KernelBwdSig>(Ns::kCppKernels)
+      .call(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature, gz,
+            need_ref ? OptTensor(gw) : std::nullopt);
+  return {gz, gw};
+}
+
+class FullKLFn : public torch::autograd::Function<FullKLFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& ref_logits,
+                               double temperature, const OptTensor& mask) {
+    Tensor kl, lse_z, lse_w;
+    {
+      BelowAutograd guard;
+      std::tie(kl, lse_z, lse_w) =
+          kFwd.in<FwdSig>(Ns::kOps).call(logits, ref_logits, temperature, mask);
+    }
+    ctx->save_for_backward({logits, ref_logits, mask.value_or(Tensor()), kl, lse_z, lse_w});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->mark_non_differentiable({lse_z, lse_w});
+    return {kl, lse_z, lse_w};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& mask = saved[2];
+    const bool need_ref = ctx->needs_input_grad(1);
+    auto [gz, gw] = kBwd.in<BwdSig>(Ns::kOps).call(
+        grads[0], saved[0], saved[1], mask.defined() ? OptTensor(mask) : std::nullopt, saved[3],
+        saved[4], saved[5], ctx->saved_data["temperature"].toDouble(), need_ref);
+    // logits, ref_logits, temperature, mask
+    return {gz, need_ref ? gw : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> forward_autograd(const Tensor& logits, const Tensor& ref_logits,
+                                                    double temperature, const OptTensor& mask) {
+  auto out = FullKLFn::apply(logits, ref_logits, temperature, mask);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.full_kl.op");  // the fake kernels
+  // (kl, lse_z, lse_w) with logits.shape[:-1]; the log-sum-exps are saved for the backward.
+  m.def(
+      "full_kl(Tensor logits, Tensor ref_logits, float temperature, Tensor? mask) "
+      "-> (Tensor, Tensor, Tensor)");
+  // (grad_logits, grad_ref_logits or an empty tensor when not need_ref)
+  m.def(
+      "full_kl_backward(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, Tensor kl, "
+      "Tensor lse_z, Tensor lse_w, float temperature, bool need_ref) -> (Tensor, Tensor)");
+}
+
+// One router for every device (route.h: cpu and cuda; others are refused, naming the device).
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("full_kl", &forward);
+  m.impl("full_kl_backward", &backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("full_kl", &forward_autograd); }
+
+}  // namespace ppo_kernels
