@@ -21,7 +21,7 @@ from .losses import (  # noqa: F401
     reward_model_loss,
     rollout_correction,
 )
-from .masked_stats import masked_mean, masked_whiten  # noqa: F401
+from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs import token_logprobs  # noqa: F401
 
 __version__ = "0.1.0"
