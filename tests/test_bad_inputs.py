@@ -588,6 +588,20 @@ CASES = [
     ),
     ("gae_public_gamma_str", False, None, "pk.gae(a, b, gamma='0.9')", "gamma"),
     (
+        "gae_op_mask_dtype",
+        False,
+        "each",
+        "ops.gae(a, b, m.to(torch.complex64), None, None, None, 1.0, 1.0, None, None, None)",
+        "mask",
+    ),
+    (
+        "gae_op_cu_seqlens_dtype",
+        False,
+        "each",
+        "ops.gae(a.view(-1), b.view(-1), None, None, None, None, 1.0, 1.0, None, None, torch.tensor([0.0, 8.0]))",
+        "cu_seqlens",
+    ),
+    (
         "C_gae_values_size",
         True,
         None,
