@@ -8,7 +8,7 @@ from ._backend import BACKENDS, HAS_EXTENSION, strict_checks, use_backend  # noq
 from ._backend import resolve as resolve_backend  # noqa: F401
 from .full_kl import full_kl  # noqa: F401
 from .gae.api import gae  # noqa: F401
-from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
+from .group_advantages.api import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
 from .linear_logprobs import causal_lm_logprobs, linear_token_logprobs  # noqa: F401

@@ -550,6 +550,13 @@ CASES = [
         "mask",
     ),
     ("C_grpo_kind", True, None, "C.group_advantages(sc, None, 1, 1e-6, True, 'ppo', None)", "kind"),
+    (
+        "grpo_op_eps",
+        False,
+        "each",
+        "ops.group_advantages(sc, None, 1, -1.0, True, 'grpo', None)",
+        "eps",
+    ),
     # --- gae
     (
         "gae_op_values_shape",
