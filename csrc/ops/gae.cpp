@@ -118,17 +118,14 @@ Outs gae(const Tensor& rewards, const Tensor& values, const OptTensor& mask_in,
   if (b != Backend::kCpp)
     return kGae.python<GaeSig>(b).call(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam,
                                        init_value, init_adv, cu);
-  auto flat = [](const OptTensor& t) -> OptTensor {
-    return given(t) ? OptTensor(t->contiguous().view(-1)) : t;
-  };
-  const auto init = [](const OptTensor& t) -> OptTensor {
+  // The kernel reads any contiguous shape (N elements) and returns outputs shaped like rewards.
+  auto dense = [](const OptTensor& t) -> OptTensor {
     return given(t) ? OptTensor(t->contiguous()) : t;
   };
-  auto [adv, ret, cv, ca] = kGaeKernel.in<KernelSig>(Ns::kCppKernels)
-                                .call(*flat(rewards), *flat(values), flat(mask), flat(dones),
-                                      flat(gamma_t), flat(lam_t), gamma, lam, init(init_value),
-                                      init(init_adv), cu, n_rows, packed ? -1 : rewards.size(-1));
-  return {adv.view(rewards.sizes()), ret.view(rewards.sizes()), cv, ca};
+  return kGaeKernel.in<KernelSig>(Ns::kCppKernels)
+      .call(rewards.contiguous(), values.contiguous(), dense(mask), dense(dones), dense(gamma_t),
+            dense(lam_t), gamma, lam, dense(init_value), dense(init_adv), cu, n_rows,
+            packed ? -1 : rewards.size(-1));
 }
 
 Outs gae_autograd(const Tensor& rewards, const Tensor& values, const OptTensor& mask,

@@ -146,9 +146,9 @@ def gae(
         return sequence_parallel_gae(*args, return_carry=return_carry, process_group=process_group)
     if (
         cu_seqlens is not None
+        and _backend.strict()
         and isinstance(cu_seqlens, Tensor)
         and cu_seqlens.device.type != "cpu"
-        and _backend.strict()
         and not torch.compiler.is_compiling()
     ):
         _check_cu_seqlens(cu_seqlens, rewards.numel())  # a host sync, by request

@@ -74,13 +74,15 @@ def _group_advantages(kind, scores, group_index, group_size, eps, norm_by_std, m
     if gs and scores.dim() == 1 and scores.shape[0] % gs != 0:
         raise ValueError(f"group_size: {gs} does not divide the batch size {scores.shape[0]}")
     if (
-        group_index is not None
+        _backend.strict()
+        and group_index is not None
         and group_index.device.type != "cpu"
-        and _backend.strict()
         and not torch.compiler.is_compiling()
     ):
         _check_ids_on_host(group_index, scores.shape[0])  # a host sync, by request
-    return _op(scores.detach(), group_index, gs, eps, norm_by_std, kind, mask)
+    # no gradient: the op refuses one, so the scores are detached (only when they need one)
+    scores = scores.detach() if scores.requires_grad else scores
+    return _op(scores, group_index, gs, eps, norm_by_std, kind, mask)
 
 
 def grpo_advantages(
