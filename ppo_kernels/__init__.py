@@ -7,8 +7,8 @@ kernels, a fake kernel for torch.compile and registered autograd; this module is
 from ._backend import BACKENDS, HAS_EXTENSION, strict_checks, use_backend  # noqa: F401
 from ._backend import resolve as resolve_backend  # noqa: F401
 from .full_kl.api import full_kl  # noqa: F401
-from .gae import gae  # noqa: F401
-from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
+from .gae.api import gae  # noqa: F401
+from .group_advantages.api import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
 from .linear_logprobs.api import linear_token_logprobs  # noqa: F401
@@ -17,7 +17,7 @@ from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401
 from .losses.rollout import RolloutCorrection, rollout_correction  # noqa: F401
-from .masked_stats import masked_mean, masked_whiten  # noqa: F401
+from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs.api import token_logprobs  # noqa: F401
 
 __version__ = "0.1.0"

@@ -79,7 +79,9 @@ def check_float(
     passes a range check)."""
     if x is None and allow_none:
         return None
-    if isinstance(x, _SYM_FLOAT):
+    if type(x) is float or type(x) is int:  # the common case, without numbers.Real's ABC check
+        v = float(x)
+    elif isinstance(x, _SYM_FLOAT):
         v = x
     elif isinstance(x, numbers.Real) and not isinstance(x, (bool, numpy_bool)):
         v = float(x)
@@ -100,7 +102,9 @@ def check_int(name: str, x, *, min_value: int | None = None, allow_none: bool = 
     """An integer (not bool / float / str), returned as an int."""
     if x is None and allow_none:
         return None
-    if isinstance(x, torch.SymInt):
+    if type(x) is int:  # the common case, without numbers.Integral's ABC check
+        v = x
+    elif isinstance(x, torch.SymInt):
         v = x
     elif isinstance(x, numbers.Integral) and not isinstance(x, (bool, numpy_bool)):
         v = int(x)

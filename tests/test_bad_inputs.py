@@ -550,6 +550,13 @@ CASES = [
         "mask",
     ),
     ("C_grpo_kind", True, None, "C.group_advantages(sc, None, 1, 1e-6, True, 'ppo', None)", "kind"),
+    (
+        "grpo_op_eps",
+        False,
+        "each",
+        "ops.group_advantages(sc, None, 1, -1.0, True, 'grpo', None)",
+        "eps",
+    ),
     # --- gae
     (
         "gae_op_values_shape",
@@ -587,6 +594,20 @@ CASES = [
         "bootstrap_value",
     ),
     ("gae_public_gamma_str", False, None, "pk.gae(a, b, gamma='0.9')", "gamma"),
+    (
+        "gae_op_mask_dtype",
+        False,
+        "each",
+        "ops.gae(a, b, m.to(torch.complex64), None, None, None, 1.0, 1.0, None, None, None)",
+        "mask",
+    ),
+    (
+        "gae_op_cu_seqlens_dtype",
+        False,
+        "each",
+        "ops.gae(a.view(-1), b.view(-1), None, None, None, None, 1.0, 1.0, None, None, torch.tensor([0.0, 8.0]))",
+        "cu_seqlens",
+    ),
     (
         "C_gae_values_size",
         True,
@@ -638,6 +659,48 @@ CASES = [
     ),
     # --- masked statistics
     ("whiten_eps_str", False, None, "pk.masked_whiten(a, m, eps='1e-8')", "eps"),
+    (
+        "whiten_op_mask_shape",
+        False,
+        "each",
+        "ops.masked_whiten(a, m[:, :2], True, True, 1e-8)",
+        "mask",
+    ),
+    ("whiten_op_eps", False, "each", "ops.masked_whiten(a, m, True, True, -1.0)", "eps"),
+    (
+        "whiten_bwd_grad_shape",
+        False,
+        "each",
+        "ops.masked_whiten_backward(a[:1], a, m, True, True, 1e-8)",
+        "grad",
+    ),
+    ("mean_op_empty", False, "each", "ops.masked_mean(a, m, None, 'none')", "empty"),
+    ("mean_op_dim", False, "each", "ops.masked_mean(a, m, [5], 'zero')", "dim"),
+    (
+        "mean_op_mask_dtype",
+        False,
+        "each",
+        "ops.masked_mean(a, m.to(torch.complex64), None, 'zero')",
+        "mask",
+    ),
+    ("C_mean_mask_shape", True, None, "C.masked_mean_fwd(a, m[:, :2], None, 'zero')", "mask"),
+    ("C_mean_dim", True, None, "C.masked_mean_fwd(a, m, [7], 'zero')", "dim"),
+    ("C_mean_x_dtype", True, None, "C.masked_mean_fwd(a.double(), m, None, 'zero')", "x"),
+    (
+        "C_mean_bwd_grad_size",
+        True,
+        None,
+        "C.masked_mean_bwd(torch.ones(3), a, m, [1], 'zero')",
+        "grad",
+    ),
+    ("C_whiten_x_dtype", True, None, "C.masked_whiten_fwd(a.long(), m, True, True, 1e-8)", "x"),
+    (
+        "C_whiten_bwd_grad_size",
+        True,
+        None,
+        "C.masked_whiten_bwd(torch.ones(3), a, m, True, True, 1e-8)",
+        "grad",
+    ),
     # --- linear_token_logprobs
     (
         "lin_bwd_label_1e9",

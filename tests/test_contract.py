@@ -60,10 +60,13 @@ def test_environment_variable_takes_every_public_name():
 
 
 def test_a_global_default_skips_ops_without_that_backend():
-    with ppo_kernels.use_backend("cpp"):
-        assert _backend.resolve("masked_whiten", "cpu") == "eager"
+    assert not _backend.OPS["masked_whiten"].triton  # the example: an op without Triton kernels
+    with ppo_kernels.use_backend("triton"):
+        assert _backend.resolve("masked_whiten", "cpu") == _backend.default_backend(
+            "masked_whiten", "cpu"
+        )
     with pytest.raises(RuntimeError, match="unavailable"):
-        with ppo_kernels.use_backend(masked_whiten="cpp"):
+        with ppo_kernels.use_backend(masked_whiten="triton"):
             _backend.resolve("masked_whiten", "cpu")
 
 

@@ -261,7 +261,7 @@ def test_group_ids_from_labels_and_rloo_singletons():
     import numpy as np
 
     uids = np.array(["b", "a", "b", "c", "a"], dtype=object)
-    ids = pk.group_advantages.group_ids(uids)
+    ids = pk.group_advantages.api.group_ids(uids)
     assert ids.tolist() == [1, 0, 1, 2, 0]
     scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0])
     torch.testing.assert_close(pk.grpo_advantages(scores, uids), pk.grpo_advantages(scores, ids))

@@ -336,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
   }
 
   const auto f32 = rewards.options().dtype(at::kFloat);
-  at::Tensor adv = new_output({N}, f32), ret = new_output({N}, f32);
+  // shaped like rewards: the registered op passes [B, T] tensors as they are (no views)
+  at::Tensor adv = new_output(rewards.sizes(), f32), ret = new_output(rewards.sizes(), f32);
   at::Tensor cv = new_output({n_rows}, f32), ca = new_output({n_rows}, f32);
   std::vector<GaeState> init(n_rows);
   for (int64_t i = 0; i < n_rows; ++i) init[i] = {iv ? iv[i] : 0.f, ia ? ia[i] : 0.f};
@@ -382,7 +383,8 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // [N] or None, gamma_t/lam_t float32 [N] or None (then the scalars), init_value/init_adv
   // float32 [n_rows] or None (0).
   // Rows: cu_seqlens (int32/int64 [n_rows + 1]) or n_rows rows of row_len.
-  // Returns advantages [N], returns [N] (float32) and the left-edge carry (value, adv) [n_rows].
+  // Any shape of N elements (contiguous) for the per-token tensors. Returns advantages and returns
+  // (float32, shaped like rewards) and the left-edge carry (value, adv) [n_rows].
   m.def(
       "gae_fwd(Tensor rewards, Tensor values, Tensor? mask, Tensor? dones, Tensor? gamma_t, "
       "Tensor? lam_t, float gamma, float lam, Tensor? init_value, Tensor? init_adv, "

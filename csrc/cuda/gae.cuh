@@ -242,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
     TORCH_CHECK(n_rows * row_len == N, "gae_fwd: n_rows * row_len != numel");
   }
   const auto f32 = rewards.options().dtype(at::kFloat);
-  at::Tensor adv = new_output({N}, f32), ret = new_output({N}, f32);
+  // shaped like rewards: the registered op passes [B, T] tensors as they are (no views)
+  at::Tensor adv = new_output(rewards.sizes(), f32), ret = new_output(rewards.sizes(), f32);
   at::Tensor cv, ca;
   if (packed || N == 0) {  // empty rows are never visited: they keep the carry they came with
     cv = init_value.has_value() && init_value->defined() ? init_value->clone()

@@ -11,25 +11,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _backend, _math
+from .._checks import FLOAT_DTYPES, check_shape, check_tensor
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
 
+local_moments = _math.local_moments  # (count, mean / s, M2 / s^2, s): ppo_kernels/_math.py
 
-def local_moments(xf: Tensor, m: Tensor, w: Tensor | None = None) -> Tensor:
-    """(count, mean / s, M2 / s^2, s) of xf over m (bool), as one tensor [4] in xf's dtype, with s
-    a power of two near max |x| (masked_stats' `_pow2_scale`: exact, so that finite inputs of any
-    spread give finite moments); with weights w (a float mask's values) the weighted ones."""
-    from ..masked_stats.op import _pow2_scale
 
-    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
-    w = m.to(xf.dtype) if w is None else torch.where(m, w.to(xf.dtype), zero)
-    s = _pow2_scale(xf, m)
-    xs = xf / s
-    n = w.sum()
-    mean = torch.where(m, xs * w, zero).sum() / torch.where(n > 0, n, torch.ones_like(n))
-    dev = torch.where(m, xs - mean, zero)
-    m2 = (dev.square() * w).sum()
-    return torch.stack([n, mean, m2, s])
+def _prep(x: Tensor, mask: Tensor):
+    """The local op's checks and (x in the accumulation dtype, selection, weights)."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    check_tensor("mask", mask)
+    if mask.dtype.is_complex:
+        raise TypeError("mask: complex masks are not supported")
+    check_shape("mask", mask, x.shape, "like x")
+    if mask.device != x.device:
+        raise ValueError(f"mask: expected device {x.device} (like x), got {mask.device}")
+    return _math.masked_weights(x, mask)
 
 
 def combine_moments(moments: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -58,16 +57,19 @@ def global_moments(xf: Tensor, m: Tensor, group, w: Tensor | None = None):
     return combine_moments(_all_gather(local, group).view(-1, 4))
 
 
+def mean_global(x: Tensor, mask: Tensor, empty: str, group) -> Tensor:
+    """masked_mean over the data of every rank (the local op's conventions)."""
+    xf, m, w = _prep(x, mask)
+    n, mean, _, scale = global_moments(xf, m, group, w)
+    mean = mean * scale
+    return mean if empty == "zero" else torch.where(n != 0, mean, float("nan"))
+
+
 def whiten_global(
-    xf: Tensor,
-    m: Tensor,
-    shift_mean: bool,
-    unbiased: bool,
-    eps: float,
-    group,
-    w: Tensor | None = None,
+    x: Tensor, mask: Tensor, shift_mean: bool, unbiased: bool, eps: float, group
 ) -> Tensor:
     """masked_whiten with the statistics of every rank (the local op's conventions and scaling)."""
+    xf, m, w = _prep(x, mask)
     n, mean, m2, S = global_moments(xf, m, group, w)
     if unbiased:
         # NaN for a total weight of 0 or 1, as the local op (the same as n >= 2 for counts)
@@ -78,6 +80,35 @@ def whiten_global(
     y = xf / S - mean
     out = y / torch.hypot(var.sqrt(), (eps**0.5) / S)
     return out + mean * S if not shift_mean else out
+
+
+def group_advantages_global(
+    scores: Tensor,
+    group_index: Tensor | None,
+    group_size: int,
+    eps: float,
+    norm_by_std: bool,
+    kind: str,
+    mask: Tensor | None,
+    group,
+) -> Tensor:
+    """The registered op `ppo_kernels::group_advantages` over the responses of every rank (groups
+    may span ranks): each rank's advantages, `[B]` or `A[:, None] * mask`."""
+    check_tensor("scores", scores, dtypes=FLOAT_DTYPES, dim=1)
+    if mask is not None:
+        check_tensor("mask", mask, dim=2)
+        if mask.dtype.is_complex:
+            raise TypeError("mask: complex masks are not supported")
+        check_shape("mask", mask, (scores.shape[0], mask.shape[1]), "one row per score")
+    all_scores, all_ids, rows = gather_groups(scores, group_index, group)
+    if group_size and all_scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"group_size: {group_size} does not divide the batch size {all_scores.shape[0]} "
+            "(every rank's responses)"
+        )
+    op = _backend.op("group_advantages")
+    adv = op(all_scores, all_ids, group_size, eps, norm_by_std, kind, None)[rows]
+    return adv if mask is None else adv[:, None] * mask.to(adv.dtype)
 
 
 def gather_groups(scores: Tensor, group_index: Tensor | None, group):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _backend
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
 
@@ -61,60 +62,41 @@ def _maps_from_probes(out: Tensor) -> Tensor:
     return torch.stack([m0[:, 0], m1[:, 0], m0[:, 1], m1[:, 1], c[:, 0], c[:, 1]], 1)
 
 
-def _stack3(x, shape):
-    """The slice three times along dim 0 (a per-token gamma / lam broadcast first); floats and
-    None as they are."""
+def _stack3(x):
+    """The slice three times along dim 0; floats and None as they are."""
     if not isinstance(x, Tensor):
         return x
-    x = x.expand(shape)
     return torch.cat([x, x, x], 0)
 
 
-_CARRY = ("carry[0]", "carry[1]")
-
-
-def _edge(bootstrap_value, carry, n, acc, dev):
-    """The right-edge carry (value, advantage) [n] of each row: bootstrap value or carry, else 0."""
-    from .._checks import FLOAT_DTYPES, check_shape, check_tensor
-
-    v = torch.zeros(n, dtype=acc, device=dev)
-    a = torch.zeros(n, dtype=acc, device=dev)
-    if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
-        raise TypeError("carry: expected a pair (next_value, next_advantage)")
-    given = {"bootstrap_value": bootstrap_value} if carry is None else dict(zip(_CARRY, carry))
-    for name, t in given.items():
-        if t is not None:
-            check_tensor(name, t, dtypes=FLOAT_DTYPES)
-            check_shape(name, t, (n,), "one per row")
-    if bootstrap_value is not None:
-        v = bootstrap_value.to(acc)
-    if carry is not None:
-        v, a = carry[0].to(acc), carry[1].to(acc)
+def _edge(init_value, init_adv, n, acc, dev):
+    """The right-edge carry (value, advantage) [n] of each row: the bootstrap value or carry
+    (checked by the public API), else 0."""
+    v = torch.zeros(n, dtype=acc, device=dev) if init_value is None else init_value.to(acc)
+    a = torch.zeros(n, dtype=acc, device=dev) if init_adv is None else init_adv.to(acc)
     return v, a
 
 
 def sequence_parallel_gae(
-    gae_fn,
     rewards,
     values,
     mask,
-    *,
+    dones,
+    gamma_t,
+    lam_t,
     gamma,
     lam,
-    dones,
-    bootstrap_value,
+    init_value,
+    init_adv,
     cu_seqlens,
-    carry,
+    *,
     return_carry,
     process_group,
 ):
-    """The body of gae(..., process_group=...). `gae_fn` is the single-device gae."""
+    """The body of gae(..., process_group=...): the registered op's arguments as the public API
+    normalised them (`ppo_kernels::gae`'s schema; init_value / init_adv the right edge)."""
     require_initialized()
-    if bootstrap_value is not None and carry is not None:
-        raise ValueError(
-            "bootstrap_value and carry: pass one (a bootstrap value is the carry "
-            "(bootstrap_value, 0) of a truncated row)"
-        )
+    gae = _backend.op("gae")
     if cu_seqlens is not None:
         if return_carry:
             raise ValueError(
@@ -122,15 +104,17 @@ def sequence_parallel_gae(
                 "edge is inside one row)"
             )
         return _packed(
-            gae_fn,
+            gae,
             rewards,
             values,
             mask,
+            dones,
+            gamma_t,
+            lam_t,
             gamma,
             lam,
-            dones,
-            bootstrap_value,
-            carry,
+            init_value,
+            init_adv,
             cu_seqlens,
             process_group,
         )
@@ -145,38 +129,34 @@ def sequence_parallel_gae(
     probes = torch.zeros(3 * B, 2, dtype=acc, device=dev)
     probes[B : 2 * B, 0] = 1.0
     probes[2 * B :, 1] = 1.0
-    _, _, (cv, ca) = gae_fn(
-        _stack3(rewards, (B, T)),
-        _stack3(values, (B, T)),
-        _stack3(mask, (B, T)),
-        gamma=_stack3(gamma, (B, T)),
-        lam=_stack3(lam, (B, T)),
-        dones=_stack3(dones, (B, T)),
-        carry=(probes[:, 0], probes[:, 1]),
-        return_carry=True,
-    )
+    per_token = [_stack3(x) for x in (rewards, values, mask, dones, gamma_t, lam_t)]
+    _, _, cv, ca = gae(*per_token, gamma, lam, probes[:, 0], probes[:, 1], None)
     maps = _maps_from_probes(torch.stack([cv, ca], 1).to(acc).view(3, B, 2))
     # the right edge of the whole row, owned by the last rank (the others' is not used)
-    edge = torch.stack(_edge(bootstrap_value, carry, B, acc, dev), 1)
+    edge = torch.stack(_edge(init_value, init_adv, B, acc, dev), 1)
     gathered = _all_gather(torch.cat([maps, edge], 1), process_group).view(world, B, 8)
     incoming = _incoming(gathered[:, :, :6], gathered[world - 1, :, 6:8], rank)
-    return gae_fn(
+    adv, ret, cv, ca = gae(
         rewards,
         values,
         mask,
-        gamma=gamma,
-        lam=lam,
-        dones=dones,
-        carry=(incoming[:, 0].contiguous(), incoming[:, 1].contiguous()),
-        return_carry=return_carry,
+        dones,
+        gamma_t,
+        lam_t,
+        gamma,
+        lam,
+        incoming[:, 0].contiguous(),
+        incoming[:, 1].contiguous(),
+        None,
     )
+    return (adv, ret, (cv, ca)) if return_carry else (adv, ret)
 
 
 def _packed(
-    gae_fn, rewards, values, mask, gamma, lam, dones, bootstrap_value, carry, cu, process_group
+    gae, rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu, group
 ):
-    world = dist.get_world_size(process_group)
-    rank = dist.get_rank(process_group)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     (L,) = rewards.shape
     n = cu.numel() - 1
     dev = rewards.device
@@ -191,35 +171,28 @@ def _packed(
     pc = torch.cat([pc.new_zeros(1), pc[1:-1], pc.new_full((1,), L)]) if n > 0 else pc * 0
     right = (c[:-1] < L) & (c[1:] > L)  # the row continuing on the rank to the right
     left = (c[:-1] < 0) & (c[1:] > 0)  # the row that started on a rank to the left
-    edge_v, edge_a = _edge(bootstrap_value, carry, n, acc, dev)
-
-    def run(r, v, m, g, lm, d, pieces, cv, ca):
-        return gae_fn(
-            r, v, m, gamma=g, lam=lm, dones=d, cu_seqlens=pieces, carry=(cv, ca), return_carry=True
-        )
+    edge_v, edge_a = _edge(init_value, init_adv, n, acc, dev)
 
     # probes (0, 0), (1, 0), (0, 1) into the row crossing the right border, the rows' own edges
     # into the others; the map is what leaves the row crossing the left border
     probe_v = torch.tensor([0.0, 1.0, 0.0], dtype=acc, device=dev).repeat_interleave(n)
     probe_a = torch.tensor([0.0, 0.0, 1.0], dtype=acc, device=dev).repeat_interleave(n)
     right3 = right.repeat(3)
-    _, _, (cv, ca) = run(
-        _stack3(rewards, (L,)),
-        _stack3(values, (L,)),
-        _stack3(mask, (L,)),
-        _stack3(gamma, (L,)),
-        _stack3(lam, (L,)),
-        _stack3(dones, (L,)),
-        torch.cat([pc, pc[1:] + L, pc[1:] + 2 * L]).to(torch.int32),
+    per_token = [_stack3(x) for x in (rewards, values, mask, dones, gamma_t, lam_t)]
+    _, _, cv, ca = gae(
+        *per_token,
+        gamma,
+        lam,
         torch.where(right3, probe_v, edge_v.repeat(3)),
         torch.where(right3, probe_a, edge_a.repeat(3)),
+        torch.cat([pc, pc[1:] + L, pc[1:] + 2 * L]).to(torch.int32),
     )
     out = torch.stack([cv, ca], 1).to(torch.float64).view(3, n, 2)
     out = torch.where(left.view(1, n, 1), out, torch.zeros_like(out)).sum(1, keepdim=True)
     maps = _maps_from_probes(out).view(6)  # zero when no row crosses the left border
     header = torch.stack([c.new_tensor(n), c.new_tensor(L), -c[0], c[-1] - c[0]]).to(torch.float64)
     payload = torch.cat([header, valid.view(1), maps])
-    gathered = _all_gather(payload, process_group).view(world, 11)
+    gathered = _all_gather(payload, group).view(world, 11)
     if cross_checks(rewards):
         _check_packed(gathered[:, :5].cpu())
     # the last rank's right border ends the stream: nothing comes in there
@@ -227,16 +200,18 @@ def _packed(
         gathered[:, None, 5:], torch.zeros(1, 2, dtype=torch.float64, device=dev), rank
     )
     inc = incoming.to(acc)
-    adv, ret, _ = run(
+    adv, ret, _, _ = gae(
         rewards,
         values,
         mask,
+        dones,
+        gamma_t,
+        lam_t,
         gamma,
         lam,
-        dones,
-        pc.to(torch.int32),
         torch.where(right, inc[0, 0], edge_v).contiguous(),
         torch.where(right, inc[0, 1], edge_a).contiguous(),
+        pc.to(torch.int32),
     )
     return adv, ret
 

@@ -1,2 +1,2 @@
-from . import reference  # noqa: F401
-from .op import gae  # noqa: F401
+"""gae: reference.py (semantics), triton_kernels.py, op.py (the registered op's Python side),
+api.py (the public function, exported by ppo_kernels)."""

@@ -1,1 +1,3 @@
-from .op import group_ids, grpo_advantages, rloo_advantages  # noqa: F401
+"""grpo_advantages / rloo_advantages: reference.py (semantics), triton_kernels.py, op.py (the
+registered op's Python side), api.py (the public functions and group_ids, exported by
+ppo_kernels)."""

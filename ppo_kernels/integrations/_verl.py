@@ -14,6 +14,7 @@ import torch
 
 import ppo_kernels as pk
 
+from ..group_advantages.api import group_ids
 from ._args import (
     NO_IGNORE,
     entropy,
@@ -45,7 +46,7 @@ REGISTRIES = ("ADV_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY")
 def _labels(index, device):
     if isinstance(index, torch.Tensor):
         index = index.detach().cpu().numpy()
-    return pk.group_advantages.group_ids(np.asarray(index).reshape(-1), device)
+    return group_ids(np.asarray(index).reshape(-1), device)
 
 
 # ------------------------------------------------------------------ advantage estimators

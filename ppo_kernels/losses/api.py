@@ -297,19 +297,17 @@ def ppo_policy_loss(
         out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
     loss = apply_empty(loss, agg_i, mask, gd, gdv, empty)
     if approx_kl == "raw":
-        from ..masked_stats import masked_mean
-
-        out["approx_kl"] = masked_mean(
-            (old_logprobs.detach().float() - logprobs.detach().float()), mask
+        out["approx_kl"] = _backend.op("masked_mean")(
+            (old_logprobs.detach().float() - logprobs.detach().float()), mask, None, "zero"
         )
     elif approx_kl != "clamped":
         raise ValueError(f"approx_kl: expected 'clamped' or 'raw', got {approx_kl!r}")
     out = apply_empty_stats(out, mask, empty_stats)
     if entropy is not None:
-        from ..masked_stats import masked_mean
-
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
-        out["entropy_mean"] = masked_mean(entropy.detach().float(), mask)
+        out["entropy_mean"] = _backend.op("masked_mean")(
+            entropy.detach().float(), mask, None, "zero"
+        )
     return loss, out
 
 

@@ -1,140 +1,153 @@
-"""Masked statistics for advantage post-processing, with no host synchronisation (verl's versions
-check the mask count on the host twice per call). Plain PyTorch: a handful of reductions, traceable
-by torch.compile and CUDA-graph capturable, so the only backend is `eager` (a kernel would read
-the same bytes); the ops are still registered so use_backend / PPO_KERNELS_BACKEND accept their
-names and a request for a backend they do not have fails clearly."""
+"""The Python side of the registered ops `ppo_kernels::masked_mean` and `ppo_kernels::masked_whiten`
+(+ their backward ops), defined in C++ (csrc/ops/masked_stats.cpp: schemas, checks, routing,
+autograd): their fake kernels and their eager implementations, which are also the float64
+reference (float64 inputs always run them). The cpp backend is csrc/cpu/masked_stats.cpp (CPU,
+double accumulation); on CUDA the eager implementation is the default (a handful of reductions
+with no host sync, CUDA-graph capturable; a kernel would read the same bytes).
+
+Semantics: the mean and variance are over the positions where mask != 0, a float mask weighting
+each position by its value (n = the total weight, den = n, or 1 when n = 0). Masked-out positions
+never contribute, even when NaN. The float32 statistics are computed on x / s with s = the power
+of two near max |x| over the mask (exact), so any finite input gives a finite result."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from .. import _backend
-from .._checks import FLOAT_DTYPES, check_bool, check_float, check_shape, check_tensor
+from .. import _backend, _math
 
 _backend.register_op(
-    "masked_mean", kernel=None, triton=False, cuda_default="eager", folder="masked_stats"
+    "masked_mean",
+    kernel="masked_mean_fwd",
+    triton=False,
+    cuda_default="eager",
+    folder="masked_stats",
 )
 _backend.register_op(
-    "masked_whiten", kernel=None, triton=False, cuda_default="eager", folder="masked_stats"
+    "masked_whiten",
+    kernel="masked_whiten_fwd",
+    triton=False,
+    cuda_default="eager",
+    folder="masked_stats",
 )
+_backend.routes_in_cpp("masked_mean")
+_backend.routes_in_cpp("masked_whiten")
 
 
-def _prep(x, mask):
-    """(x in the accumulation dtype, selection mask, weights): a float mask weights each position
-    by its value (as verl's and OpenRLHF's `x * mask` sums do); bool / integer masks select."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    check_tensor("mask", mask)
-    check_shape("mask", mask, x.shape, "like x")
-    if mask.device != x.device:
-        raise ValueError(f"mask: expected device {x.device} (like x), got {mask.device}")
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    m = mask != 0
-    w = mask.to(acc) if mask.is_floating_point() else m.to(acc)
-    return x.to(acc), m, w
+def _reduced_shape(x, dim):
+    if dim is None or len(dim) == 0:
+        return ()
+    nd = max(x.dim(), 1)
+    red = {d % nd for d in dim}
+    return tuple(s for i, s in enumerate(x.shape) if i not in red)
 
 
-def _pow2_scale(xf, m):
-    """A power of two s with max |x| / s in [1, 2) over the mask (1 when that max is 0 or not
-    finite): dividing by it is exact, and sums of squares of x / s cannot overflow (s = 2^(e - 1)
-    with max |x| = f 2^e, f in [0.5, 1): 2^e itself overflows for max |x| near FLT_MAX)."""
-    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
-    amax = torch.where(m, xf.abs(), zero).amax() if xf.numel() > 0 else zero
-    ok = (amax > 0) & (amax < float("inf"))
-    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    return torch.ldexp(torch.ones_like(amax), e - 1)
+@_backend.fake("masked_mean")
+def _(x, mask, dim, empty):
+    return x.new_empty(_reduced_shape(x, dim), dtype=_backend.out_dtype(x))
 
 
-_EMPTY = ("zero", "nan")
+@_backend.fake("masked_mean_backward")
+def _(grad, x, mask, dim, empty):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _check_empty(empty):
-    if empty not in _EMPTY:
-        raise ValueError(f"empty: expected one of {_EMPTY}, got {empty!r}")
+def _sum_dim(t, dim):
+    return t.sum() if dim is None or len(dim) == 0 else t.sum(dim)
 
 
-def masked_mean(
-    x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero", process_group=None
-) -> Tensor:
-    """Mean of x over the positions where mask != 0 (over `dim`, or everything when None),
-    weighted by the mask's values when it is a float mask: `sum(x * mask) / sum(mask)`.
-    Masked-out entries never contribute, even when NaN. A set with no position (zero total weight)
-    gives 0 with `empty="zero"` (verl divides by count + 1e-8 and gets 0 too) and NaN with
-    `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x).
-    process_group: the mean over the data of every rank of this torch.distributed group (dim must
-    be None), with one all-gather of four numbers per rank and no host sync."""
-    _check_empty(empty)
-    xf, m, w = _prep(x, mask)
-    _backend.backend_for("masked_mean", x)  # eager; raises if another backend was requested
-    if process_group is not None:
-        if dim is not None:
-            raise ValueError(
-                "dim: a data-parallel masked_mean (process_group) reduces everything; pass dim=None"
-            )
-        from ..distributed import global_moments
-
-        n, mean, _, scale = global_moments(xf, m, process_group, w)
-        mean = mean * scale
-        return mean if empty == "zero" else torch.where(n != 0, mean, float("nan"))
-    s = torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device))
-    s, n = (s.sum(), w.sum()) if dim is None else (s.sum(dim), w.sum(dim))
+def _mean_eager(x, mask, dim, empty):
+    xf, m, w = _math.masked_weights(x, mask)
+    s = _sum_dim(torch.where(m, xf * w, torch.zeros((), dtype=xf.dtype, device=xf.device)), dim)
+    n = _sum_dim(w, dim)
     if empty == "nan":
         return s / n
     return torch.where(n != 0, s / torch.where(n != 0, n, 1.0), 0.0)
 
 
-def masked_whiten(
-    x: Tensor,
-    mask: Tensor,
-    *,
-    shift_mean: bool = True,
-    unbiased: bool = True,
-    eps: float = 1e-8,
-    process_group=None,
-) -> Tensor:
-    """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
-    the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
-    `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one. A float mask
-    weights each position by its value, n being the total weight (verl's formulas).
-    verl raises when unbiased and the mask total is 0 or 1; that needs a host sync, so
-    here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
-    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x).
-    Any finite input gives a finite, correct result: the statistics are computed on x / s with s a
-    power of two near max |x| (exact), so a spread beyond ~1e19 (whose float32 variance would
-    overflow) is no problem; `(x - mean) * rsqrt(var + eps)` = `y / sqrt(var_y + eps / s^2)`.
-    process_group: mean and variance over the data of every rank of this torch.distributed group
-    (global whitening), with one all-gather of three numbers per rank and no host sync."""
-    check_bool("shift_mean", shift_mean)
-    check_bool("unbiased", unbiased)
-    eps = check_float("eps", eps, nonneg=True)
-    xf, m, w = _prep(x, mask)
-    _backend.backend_for("masked_whiten", x)  # eager; raises if another backend was requested
-    if process_group is not None:
-        from ..distributed.data_parallel import whiten_global
+@_backend.impl("masked_mean", "eager")
+def _(x, mask, dim, empty):
+    return _mean_eager(x, mask, dim, empty)
 
-        return whiten_global(xf, m, shift_mean, unbiased, eps, process_group, w)
-    n = w.sum()
-    if _backend.strict() and unbiased and float(n) in (0.0, 1.0):  # host sync, by request
-        raise ValueError(
-            f"mask: masked_whiten with unbiased=True needs at least two unmasked "
-            f"positions, got {float(n):g}"
-        )
+
+@_backend.impl("masked_mean_backward", "eager")
+def _(grad, x, mask, dim, empty):
+    """d mean / d x = w / n on the selected positions (0 in an empty set with empty="zero")."""
+    xf, m, w = _math.masked_weights(x, mask)
+    n = _sum_dim(w, dim)
+    coef = grad.to(xf.dtype) / n if empty == "nan" else torch.where(n != 0, grad / n, 0.0)
+    if dim is not None and len(dim) > 0 and x.dim() > 0:
+        for d in sorted(d % x.dim() for d in dim):
+            coef = coef.unsqueeze(d)
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
-    nf = n.to(xf.dtype)
-    s = _pow2_scale(xf, m)
+    return torch.where(m, coef * w, zero).to(x.dtype).contiguous()
+
+
+@_backend.fake("masked_whiten")
+def _(x, mask, shift_mean, unbiased, eps):
+    return x.new_empty(x.shape, dtype=_backend.out_dtype(x))
+
+
+@_backend.fake("masked_whiten_backward")
+def _(grad, x, mask, shift_mean, unbiased, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _whiten_stats(x, mask, unbiased, eps):
+    """(m, w, den, s, ys, mean_s, sigma_s, bessel): the statistics of x / s (s a power of two
+    near max |x| over the mask), ys = (x - mean) / s, mean_s = mean / s, sigma_s = sqrt(var +
+    eps) / s."""
+    xf, m, w = _math.masked_weights(x, mask)
+    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
+    n = torch.where(m, w, zero).sum()
+    s = _math.pow2_scale(xf, m)
     xs = xf / s
-    den = torch.where(nf != 0, nf, 1.0)
+    den = torch.where(n != 0, n, 1.0)
     mean = torch.where(m, xs * w, zero).sum() / den
-    y = xs - mean  # |y| < 4 on the mask
-    var = torch.where(m, y.square() * w, zero).sum() / den
+    ys = xs - mean  # |ys| < 4 on the mask
+    var = torch.where(m, ys.square() * w, zero).sum() / den
+    bessel = torch.ones((), dtype=xf.dtype, device=xf.device)
     if unbiased:
         # n / (n - 1): NaN for a total weight of 0 or 1 (no sync), where verl raises (as
-        # strict_checks() does).
+        # strict_checks() does in the public API).
         nan = torch.full((), float("nan"), dtype=xf.dtype, device=xf.device)
-        bessel = torch.where((n != 0) & (n != 1), nf / (nf - 1), nan)
-        var = var * bessel
+        bessel = torch.where((n != 0) & (n != 1), n / (n - 1), nan)
+    var = var * bessel
     # sqrt(var + eps / s^2) as a hypot: eps / s^2 overflows for tiny s (then the result is 0).
-    out = y / torch.hypot(var.sqrt(), (eps**0.5) / s)
+    sigma = torch.hypot(var.sqrt(), (eps**0.5) / s)
+    return m, w, den, s, ys, mean, sigma, bessel
+
+
+@_backend.impl("masked_whiten", "eager")
+def _(x, mask, shift_mean, unbiased, eps):
+    _, _, _, s, ys, mean, sigma, _ = _whiten_stats(x, mask, unbiased, eps)
+    out = ys / sigma
+    return out if shift_mean else out + mean * s
+
+
+@_backend.impl("masked_whiten_backward", "eager")
+def _(grad, x, mask, shift_mean, unbiased, eps):
+    """out = d / sigma (+ mean), d = x - mean, sigma = sqrt(var + eps); with G = sum g and
+    H = sum g d (every position) and D = sum w d (the selection), in units of s:
+    dx_j = g_j / sigma + w_j / den (-G / sigma + [not shift_mean] G - bessel H / sigma^3 (d_j - D
+    / den))."""
+    m, w, den, s, ys, _, sigma, bessel = _whiten_stats(x, mask, unbiased, eps)
+    g = grad.to(ys.dtype)
+    zero = torch.zeros((), dtype=ys.dtype, device=ys.device)
+    wm = torch.where(m, w, zero)
+    G, H, D = g.sum(), (g * ys).sum(), (wm * ys).sum()
+    # scaled: sigma = s sigma_s, d = s ys, H = s H_s, D = s D_s; every term but the mean's is / s
+    inner = -G / sigma - bessel * (H / sigma) / sigma / sigma * (ys - D / den)
+    out = (g / sigma + wm / den * inner) / s
     if not shift_mean:
-        out = out + mean * s
-    return out
+        out = out + wm / den * G
+    return out.to(x.dtype).contiguous()
+
+
+# Without the compiled extension: the eager forward, differentiable by autograd.
+_backend.fallback("masked_mean")(_mean_eager)
+
+
+@_backend.fallback("masked_whiten")
+def _(x, mask, shift_mean, unbiased, eps):
+    return _backend.python_impl("masked_whiten", "eager")(x, mask, shift_mean, unbiased, eps)
