@@ -675,6 +675,13 @@ CASES = [
         "grad",
     ),
     ("mean_op_empty", False, "each", "ops.masked_mean(a, m, None, 'none')", "empty"),
+    (
+        "mean_bwd_grad_dtype",
+        False,
+        "each",
+        "ops.masked_mean_backward(a.long(), a, m, None, 'zero')",
+        "grad",
+    ),
     ("mean_op_dim", False, "each", "ops.masked_mean(a, m, [5], 'zero')", "dim"),
     (
         "mean_op_mask_dtype",
