@@ -12,6 +12,7 @@ from .group_advantages import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
 from .linear_logprobs import causal_lm_logprobs, linear_token_logprobs  # noqa: F401
+from .linear_policy_loss.api import linear_policy_loss  # noqa: F401
 from .losses import (  # noqa: F401
     RolloutCorrection,
     dpo_loss,

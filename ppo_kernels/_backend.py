@@ -479,9 +479,11 @@ def op(name: str):
 def impl(name: str, backend: str):
     """Register `fn` as the `backend` ("triton" or "eager") implementation of the registered op
     `ppo_kernels::<name>`: a Python op `ppo_kernels_<backend>::<name>` with the same schema, which
-    the op's C++ routing calls. `fn` takes the op's arguments (names and order of its schema)."""
-    if backend not in ("triton", "eager"):
-        raise ValueError(f"backend: expected 'triton' or 'eager', got {backend!r}")
+    the op's C++ routing calls. `fn` takes the op's arguments (names and order of its schema).
+    "cpp" too for an op whose cpp backend is a Python loop around the compiled kernels (the
+    hidden-state ops' chunk loop: `ppo_kernels_cpp::<name>`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
     def register(fn):
         _PY_IMPLS[(name, backend)] = fn
