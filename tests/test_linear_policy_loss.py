@@ -284,6 +284,11 @@ def test_passes():
     assert op.passes(pm.LossConfig("geo_mean"), False, 11, 10) == 2
     assert op.passes(pm.LossConfig("kl_cov"), False, 1, 100) == 2
     assert op.passes(tok, True, 1, 100) == 2
+    # bypass mode: token IS weights without rejection stay in the one pass
+    assert op.token_local_bypass(("token", (2.0, None), []), False)
+    assert not op.token_local_bypass(("token", (2.0, None), [("token_k1", 0.5, 2.0)]), False)
+    assert not op.token_local_bypass(("sequence", (2.0, None), []), False)
+    assert not op.token_local_bypass(("token", (2.0, None), []), True)
     p = op.plan(torch.empty(B * T, H), V, "float32", SMALL)
     assert p.vocab == V and p.rows < T  # SMALL: a sequence is longer than a chunk
     assert op.plan(torch.empty(B * T, H), V, "float32", ROWS).rows >= T
@@ -439,7 +444,9 @@ def test_opcheck(backend):
         ):
             args, call = _op_args(x, **kw)
             torch.library.opcheck(torch.ops.ppo_kernels.linear_policy_loss.default, args)
-            grads_args = args + (True, True, True)
+            # the gradients' op is not differentiable itself (its gradients are outputs)
+            plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args)
+            grads_args = plain + (True, True, True)
             torch.library.opcheck(
                 torch.ops.ppo_kernels.linear_policy_loss_grads.default, grads_args
             )
@@ -642,10 +649,12 @@ def test_rollout_correction_from_given_logprobs(backend, opts, loss_type):
             rollout_rs_threshold=1.3,
         ),
         dict(rollout_rs="seq_max_k2", rollout_rs_threshold=0.05),
+        dict(rollout_is="token", rollout_is_threshold=(0.8, 1.4)),  # IcePop, one pass
     ],
 )
 @pytest.mark.parametrize("loss_type", ["ppo", "gpg"])
-def test_bypass_mode(backend, opts, loss_type):
+@pytest.mark.parametrize("budget", [SMALL, None])
+def test_bypass_mode(backend, opts, loss_type, budget):
     """Bypass mode (old_logprobs are the rollout's): weights and rejection from the current
     log-probs -- a first pass, then the loss; against the float64 reference and ppo_policy_loss."""
     x = _inputs()

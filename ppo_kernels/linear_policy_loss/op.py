@@ -243,10 +243,17 @@ def plan(hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int) -> Pla
     return p if p.vocab == V else dataclasses.replace(p, vocab=V)
 
 
+def token_local_bypass(opts, batch_normalize: bool) -> bool:
+    """Bypass mode whose weights are per token and that rejects nothing: the weights of a token
+    come from its own log-prob, in the one pass (the statistics from all of them at the end)."""
+    level, is_spec, rs = opts
+    return not rs and not batch_normalize and level in (None, "token")
+
+
 def passes(cfg: pm.LossConfig, bypass: bool, T: int, rows: int) -> int:
     """1, or 2 when a statistic of the current log-probs spans more than a chunk: a batch
-    statistic (clip_cov, kl_cov, bypass-mode rollout correction) or a sequence statistic of a
-    sequence longer than the chunk."""
+    statistic (clip_cov, kl_cov, bypass-mode rollout correction with a rejection, sequence
+    weights or batch normalisation) or a sequence statistic of a sequence longer than the chunk."""
     scope = pm.stat_scope(cfg)
     if bypass or scope == "batch" or (scope == "sequence" and T > rows):
         return 2
@@ -314,9 +321,10 @@ class _Loss:
         self.c_tok = self.c.unsqueeze(-1).expand(m.shape).reshape(-1)  # c_b of each token
         self.k = self.c.unsqueeze(-1) * m
 
-    def policy(self, lp, b0, b1, t0=None, t1=None, generator=None):
+    def policy(self, lp, b0, b1, t0=None, t1=None, generator=None, w_is=None):
         """Stage 1 (rows b0:b1 whole, or tokens t0:t1 of the flattened batch at token scope) and
-        stage 2: adds the rows' loss, stores their metric values; returns dL/dlp [rows]."""
+        stage 2: adds the rows' loss, stores their metric values; returns dL/dlp [rows]. w_is:
+        [t1 - t0, 1] weights of these tokens beside the prepared ones (bypass mode, one pass)."""
         p, cfg = self.p, self.cfg
         if t0 is None:  # whole rows: their statistics here
             x = pm.Inputs(lp, p.old[b0:b1], p.adv[b0:b1], self.m[b0:b1])
@@ -332,6 +340,8 @@ class _Loss:
             st = pm.Stats(x.m.squeeze(-1))
             c = self.c_tok[t0:t1]
             w = None if self.w is None else col(self.w)
+            if w_is is not None:
+                w = w_is if w is None else w * w_is
         terms = pm.token_terms(cfg, x, st)
         loss, coef = pm.combine(terms, x, c, pm.token_weights(cfg, x, st, w))
         self.pg = self.pg + loss
@@ -446,7 +456,11 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     fwd, bwd = tl_op.forward.impls[backend], tl_op.backward.impls[backend]
     gh = torch.empty((pl.rows, H) if need_h else (0,), dtype=acc, device=dev)
     lp_flat, ent_flat = L.lp_all.view(-1), L.ent_all.view(-1)
-    n_pass = passes(cfg, bypass is not None, T, pl.rows)
+    local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+    n_pass = passes(cfg, bypass is not None and not local, T, pl.rows)
+    # bypass, one pass: the IS weights of gpg / reinforce per chunk (the clipped types' ratio
+    # already is pi / pi_rollout: their loss does not change)
+    chunk_is = local and bypass[1] is not None and cfg.loss_type not in pm.CLIP_TYPES
     scope = pm.stat_scope(cfg)
 
     if n_pass == 2:
@@ -478,7 +492,12 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
             lp_flat[r0:r1] = lp
             lpm = torch.where(L.m.view(-1)[r0:r1] != 0, lp, torch.zeros_like(lp))
             if scope == "token":
-                glp = L.policy(lpm, 0, 0, r0, r1)
+                w_is = None
+                if chunk_is:
+                    m_c = L.m.view(-1)[r0:r1, None]
+                    lr = lpm[:, None] - L.p.old.view(-1)[r0:r1, None]
+                    w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
+                glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
             else:
                 glp = L.policy(lpm.view(-1, T), r0 // T, r1 // T, generator=a.generator)
         g_kl, gent = L.kl_and_entropy(lp, r0, r1)
@@ -504,13 +523,16 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         tiler.grad_matmuls(g, hc, 0, V, ghc, gW, gb)
         if need_h:
             gh_out[r0:r1] = ghc
+    if local:
+        _bypass(L, bypass, apply=False)
     loss, stats = L.finish(names)
     return loss, stats, token_stats, gh_out, gW, gb
 
 
-def _bypass(L: _Loss, opts):
+def _bypass(L: _Loss, opts, apply=True):
     """Rollout correction in bypass mode (old_logprobs are the rollout log-probs): weights and
-    rejection from the current log-probs (detached), after the first pass."""
+    rejection from the current log-probs (detached), after the first pass; apply=False: only its
+    statistics (the one-pass case applied the weights per chunk)."""
     level, is_spec, rs = opts
     p = L.p
     lp = torch.where(L.m != 0, L.lp_all, torch.zeros_like(L.lp_all))
@@ -528,7 +550,8 @@ def _bypass(L: _Loss, opts):
         if L.cfg.loss_type not in pm.CLIP_TYPES:  # the clipped ratio already is pi / pi_rollout
             pw = w if pw is None else pw * w
     extra.update({f"rollout_corr/{k}": v for k, v in met.items()})
-    L.set_mask(m, pw)
+    if apply:
+        L.set_mask(m, pw)
     L.extra = extra
 
 
