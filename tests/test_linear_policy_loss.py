@@ -310,7 +310,8 @@ def test_three_gemms_for_token_level_types(backend):
     x = _inputs()
     h, W = x["h"].clone().requires_grad_(), x["W"].clone().requires_grad_()
 
-    def fused(loss_type="grpo", w=W):
+    def fused(loss_type="grpo", w=W, **kw):
+        kw = kw or dict(ref_logprobs=x["ref"], kl_coef=0.1)
         with use_backend(linear_policy_loss=backend):
             loss, _ = pk.linear_policy_loss(
                 h,
@@ -320,10 +321,9 @@ def test_three_gemms_for_token_level_types(backend):
                 x["old"],
                 x["mask"],
                 loss_type=loss_type,
-                ref_logprobs=x["ref"],
-                kl_coef=0.1,
                 entropy_coef=0.01,
                 max_chunk_bytes=1 << 24,
+                **kw,
             )
             loss.backward()
 
@@ -342,6 +342,17 @@ def test_three_gemms_for_token_level_types(backend):
     assert _mm_calls(composition) == 4
     assert _mm_calls(lambda: fused(w=x["W"])) == 2  # frozen LM head: no weight-gradient GEMM
     assert _mm_calls(lambda: fused("kl_cov")) == 4  # a batch statistic: a log-prob pass first
+    # bypass mode with token IS weights and no rejection: one pass
+    assert _mm_calls(lambda: fused("gpg", bypass_mode=True, rollout_is="token")) == 3
+    assert (
+        _mm_calls(
+            lambda: fused("gpg", bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold=2.0)
+        )
+        == 4
+    )
+    # the exact KL: the reference logits tile is one more GEMM (no gradient GEMM for it)
+    ref_head = dict(ref_hidden=x["h"] * 0.9, ref_weight=x["W"], kl_coef=0.1)
+    assert _mm_calls(lambda: fused(**ref_head)) == 4
     with torch.no_grad():
         assert (
             _mm_calls(
@@ -387,8 +398,19 @@ def test_matches_the_composition_of_the_public_ops(backend, loss_type):
     torch.testing.assert_close(stats["entropy"], ent.detach(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss_type", ["ppo", "grpo", "gspo", "geo_mean", "sapo", "dro"])
-def test_gradcheck_float64(loss_type):
+# (gspo, cispo, dppo_*: their gradients hold a statistic or a ratio stop-gradient by definition,
+# so they are not the derivative of the loss value: the reference tests cover them)
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [
+        ("ppo", "token"),
+        ("grpo", "sequence"),
+        ("geo_mean", "token"),
+        ("sapo", "token"),
+        ("dro", "token"),
+    ],
+)
+def test_gradcheck_float64(loss_type, level):
     x = _inputs(torch.float64, shape=(2, 3))
     h, W, b = [t.clone().requires_grad_() for t in (x["h"][:, :, :4], x["W"][:9, :4], x["b"][:9])]
     labels = x["labels"] % 9
@@ -411,6 +433,7 @@ def test_gradcheck_float64(loss_type):
             temperature=0.8,
             softcap=3.0,
             max_chunk_bytes=150,
+            importance_sampling_level=level,
             **kw,
         )
         return loss
@@ -435,12 +458,12 @@ def test_opcheck(backend):
             dict(ref_logprobs=x["ref"], kl_coef=0.1, entropy_coef=0.1, max_chunk_bytes=SMALL),
             dict(loss_type="grpo", importance_sampling_level="sequence"),
             dict(
-                loss_type="kl_cov",
-                kl_cov_ratio=0.3,
+                loss_type="gpg",
                 bypass_mode=True,
                 rollout_rs="token_k1",
                 rollout_rs_threshold=3.0,
             ),
+            dict(loss_type="kl_cov", kl_cov_ratio=0.3, ref_hidden=x["h"] * 0.5, ref_weight=x["W"]),
         ):
             args, call = _op_args(x, **kw)
             torch.library.opcheck(torch.ops.ppo_kernels.linear_policy_loss.default, args)

@@ -99,13 +99,36 @@ const Args& args_of() {
       TORCH_CHECK(i.has_value(), "linear_policy_loss: no argument ", name, " in the schema");
       return static_cast<size_t>(*i);
     };
-    return Args{s.arguments().size(), at("hidden"),          at("weight"),       at("labels"),
-                at("advantages"),     at("old_logprobs"),    at("mask"),         at("bias"),
-                at("ref_logprobs"),   at("weights"),         at("global_denom"), at("agg"),
-                at("kl_estimator"),   at("kl_in_lo"),        at("kl_in_hi"),     at("kl_out_lo"),
-                at("kl_out_hi"),      at("kl_coef"),         at("entropy_coef"), at("temperature"),
-                at("softcap"),        at("max_chunk_bytes"), at("logits_dtype"), at("clip_low"),
-                at("clip_high"),      at("log_ratio_clamp"), at("scale")};
+    return Args{.n = s.arguments().size(),
+                .hidden = at("hidden"),
+                .weight = at("weight"),
+                .labels = at("labels"),
+                .advantages = at("advantages"),
+                .old_logprobs = at("old_logprobs"),
+                .mask = at("mask"),
+                .bias = at("bias"),
+                .ref_logprobs = at("ref_logprobs"),
+                .weights = at("weights"),
+                .global_denom = at("global_denom"),
+                .ref_hidden = at("ref_hidden"),
+                .ref_weight = at("ref_weight"),
+                .ref_bias = at("ref_bias"),
+                .agg = at("agg"),
+                .kl_estimator = at("kl_estimator"),
+                .kl_in_lo = at("kl_in_lo"),
+                .kl_in_hi = at("kl_in_hi"),
+                .kl_out_lo = at("kl_out_lo"),
+                .kl_out_hi = at("kl_out_hi"),
+                .kl_coef = at("kl_coef"),
+                .entropy_coef = at("entropy_coef"),
+                .temperature = at("temperature"),
+                .softcap = at("softcap"),
+                .max_chunk_bytes = at("max_chunk_bytes"),
+                .logits_dtype = at("logits_dtype"),
+                .clip_low = at("clip_low"),
+                .clip_high = at("clip_high"),
+                .log_ratio_clamp = at("log_ratio_clamp"),
+                .scale = at("scale")};
   }();
   return a;
 }
