@@ -819,3 +819,20 @@ def test_exact_kl_against_a_reference_head(backend, budget, opts):
         z, zr = (torch.tanh(t / 2.5) * 2.5 for t in (z, zr))
     full = pk.full_kl(z, zr, temperature=opts.get("temperature", 1.0))
     torch.testing.assert_close(stats["kl"], torch.where(x["mask"], full, 0.0), atol=1e-5, rtol=1e-5)
+
+
+def test_backward_scales_the_saved_gradients_once():
+    """The backward scales the forward's gradients in place by the upstream gradient (the weight
+    gradient is not held twice); a second backward through a retained graph is refused."""
+    x = _inputs()
+    h, W = x["h"].clone().requires_grad_(), x["W"].clone().requires_grad_()
+    loss, _ = pk.linear_policy_loss(h, W, x["labels"], x["adv"], x["old"], x["mask"])
+    (3.0 * loss).backward(retain_graph=True)
+    h2, W2 = x["h"].clone().requires_grad_(), x["W"].clone().requires_grad_()
+    loss2, _ = pk.linear_policy_loss(h2, W2, x["labels"], x["adv"], x["old"], x["mask"])
+    g = torch.autograd.grad(loss2, (h2, W2))
+    torch.testing.assert_close(h.grad, 3 * g[0])
+    torch.testing.assert_close(W.grad, 3 * g[1])
+    if pk.HAS_EXTENSION:
+        with pytest.raises(RuntimeError, match="backward runs once"):
+            loss.backward()

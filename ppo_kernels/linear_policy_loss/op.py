@@ -609,6 +609,7 @@ class _Precomputed(torch.autograd.Function):
         return loss, stats, tok
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g, *_):
         gh, gW, gb = ctx.saved_tensors
         h, w, b = ctx.need
