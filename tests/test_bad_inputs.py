@@ -44,6 +44,15 @@ h = torch.randn(3, 4)
 w = torch.randn(5, 4)
 lab3 = torch.randint(0, 5, (3,))
 llp, lent, llse = ops.linear_token_logprobs(h, w, lab3, None, 1.0, -100, True, 0)
+# linear_policy_loss: the op's arguments as the API builds them (hidden [8, 4], [B, T] = [2, 4])
+from ppo_kernels.linear_policy_loss import api as lpl_api, op as lpl_op
+lpl = list(lpl_api.arguments(torch.randn(2, 4, 4), w, torch.randint(0, 5, (2, 4)), a, b, m)[0])
+lpl = lpl[: len(lpl_op.ARG_NAMES)]
+def lpl_with(**kw):
+    out = list(lpl)
+    for k, v in kw.items():
+        out[lpl_op.ARG_NAMES.index(k)] = v
+    return out
 """
 
 # (id, needs the extension, backend or None, code, the argument the message must name)
@@ -657,6 +666,30 @@ CASES = [
         "C.gae_fwd(a.view(-1).long(), b.view(-1).long(), None, None, None, None, 1.0, 1.0, None, None, None, 2, 4)",
         "rewards",
     ),
+    # --- linear_policy_loss (the op and its gradients' op)
+    (
+        "lpl_labels_dtype",
+        False,
+        "each",
+        "ops.linear_policy_loss(*lpl_with(labels=lpl[2].float()))",
+        "labels",
+    ),
+    ("lpl_mask_shape", False, "each", "ops.linear_policy_loss(*lpl_with(mask=m[:, :2]))", "mask"),
+    ("lpl_kl_coef", False, "each", "ops.linear_policy_loss(*lpl_with(kl_coef=inf))", "kl_coef"),
+    (
+        "lpl_grads_weight_dtype",
+        False,
+        "each",
+        "ops.linear_policy_loss_grads(*lpl_with(weight=w.double()), True, True, False)",
+        "weight",
+    ),
+    (
+        "lpl_grads_old_shape",
+        False,
+        "each",
+        "ops.linear_policy_loss_grads(*lpl_with(old_logprobs=b[:1]), True, True, False)",
+        "old_logprobs",
+    ),
     # --- masked statistics
     ("whiten_eps_str", False, None, "pk.masked_whiten(a, m, eps='1e-8')", "eps"),
     (
@@ -849,8 +882,9 @@ print(json.dumps(res), flush=True)
 
 def _run(cases):
     script = PRELUDE + "".join(_case_code(cid, b, code) for cid, b, code, _ in cases)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
+    proc = subprocess.run(  # the script on stdin: argv caps one argument at 128 KiB
+        [sys.executable, "-"],
+        input=script,
         capture_output=True,
         text=True,
         timeout=600,

@@ -240,6 +240,12 @@ def _compile_cases():
             lambda ids, m: pk.causal_lm_logprobs(lm, ids, m, temperature=0.7),
             (labels, mask.long()),
         ),
+        "linear_policy_loss": (
+            lambda a, b, y, c, d, m: pk.linear_policy_loss(
+                a, b, y, c, d, m, loss_type="grpo", ref_logprobs=d, kl_coef=0.1, entropy_coef=0.1
+            )[0],
+            (hid, w, labels, scores, ref, mask),
+        ),
         "full_kl": (lambda x, y: pk.full_kl(x, y), (logits, logits.detach() + 1)),
         "kl_penalty": (lambda a, b: pk.kl_penalty(a, b, "k3", clamp="verl"), (lp, ref)),
         "kl_penalty_openrlhf": (

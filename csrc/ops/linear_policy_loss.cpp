@@ -1,0 +1,351 @@
+// Registered ops `ppo_kernels::linear_policy_loss` and `ppo_kernels::linear_policy_loss_grads`:
+// the policy loss (every loss type, KL to a reference, entropy bonus, rollout correction) from the
+// hidden states and the LM head in one chunked pass, with its gradients formed on the way.
+// Schemas, argument checks naming the argument, backend routing and autograd live here; the chunk
+// loop (logits tile -> row statistics -> per-token dL/dlogprob and dL/dentropy -> gradient tile ->
+// grad_hidden rows and the weight-gradient sum) is ppo_kernels/linear_policy_loss/op.py, which
+// registers it per backend (`ppo_kernels_cpp::` around the compiled token_logprobs kernels,
+// `ppo_kernels_triton::`, `ppo_kernels_eager::`), with the fake kernels.
+//
+// linear_policy_loss_grads computes the loss, the statistics and the gradients of hidden / weight
+// / bias that are asked for (the need_* flags: a frozen LM head costs no weight-gradient GEMM);
+// linear_policy_loss is its value. Autograd: the Autograd-key kernel calls linear_policy_loss_grads
+// below autograd with need_* from requires_grad and saves the gradients; the backward scales them
+// by the upstream gradient (no GEMM). The argument list is long and only forwarded, so the kernels
+// are boxed: they read the arguments they check by name from the schema.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common/modes.h"
+#include "ops/checks.h"
+#include "ops/route.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using torch::jit::Stack;
+
+// Everything linear_policy_loss takes, in order (see ppo_kernels/linear_policy_loss/api.py for
+// the meaning of each; the per-token tensors are [B, T], hidden [B * T, H]).
+#define PPO_LPL_ARGS                                                                             \
+  "Tensor hidden, Tensor weight, Tensor labels, Tensor advantages, Tensor old_logprobs, "        \
+  "Tensor mask, Tensor? bias, Tensor? ref_logprobs, Tensor? weights, Tensor? global_denom, "     \
+  "Tensor? ref_hidden, Tensor? ref_weight, Tensor? ref_bias, "                                   \
+  "str loss_type, float clip_low, float clip_high, float? dual_clip, float? delta, "             \
+  "float log_ratio_clamp, str importance_sampling_level, float tau_pos, float tau_neg, "         \
+  "float? dro_beta, float clip_cov_ratio, float clip_cov_lb, float clip_cov_ub, "                \
+  "float kl_cov_ratio, float kl_cov_coef, str agg, float scale, float? global_denom_value, "     \
+  "float kl_coef, str kl_estimator, bool kl_straight_through, float kl_in_lo, float kl_in_hi, "  \
+  "float kl_out_lo, float kl_out_hi, float entropy_coef, float temperature, float? softcap, "    \
+  "int ignore_index, int max_chunk_bytes, str logits_dtype, bool bypass_mode, str? rollout_is, " \
+  "str? rollout_is_threshold, bool rollout_is_batch_normalize, str? rollout_rs, "                \
+  "str? rollout_rs_threshold, Generator? generator"
+
+constexpr int64_t kOutputs = 3;  // loss [], stats [K], token_stats [3, B, T]
+
+// An op by its full name, looked up once (a clear error when its Python side is not registered).
+c10::OperatorHandle find(const char* name) {
+  auto h = c10::Dispatcher::singleton().findOp({name, ""});
+  TORCH_CHECK(h.has_value(), name,
+              " is not registered (import ppo_kernels first: ppo_kernels/linear_policy_loss/op.py "
+              "registers the implementations)");
+  return *h;
+}
+
+const c10::OperatorHandle& grads_op() {
+  static const c10::OperatorHandle h = find("ppo_kernels::linear_policy_loss_grads");
+  return h;
+}
+
+// The Python implementations of linear_policy_loss_grads per backend (op.py): the chunk loop
+// around the compiled token_logprobs kernels (cpp), the Triton ones, or the eager tile math.
+const c10::OperatorHandle& impl(Backend b) {
+  switch (b) {
+    case Backend::kCpp: {
+      static const c10::OperatorHandle h = find("ppo_kernels_cpp::linear_policy_loss_grads");
+      return h;
+    }
+    case Backend::kTriton: {
+      static const c10::OperatorHandle h = find("ppo_kernels_triton::linear_policy_loss_grads");
+      return h;
+    }
+    default: {
+      static const c10::OperatorHandle h = find("ppo_kernels_eager::linear_policy_loss_grads");
+      return h;
+    }
+  }
+}
+
+struct Args {
+  size_t n, hidden, weight, labels, advantages, old_logprobs, mask, bias, ref_logprobs, weights,
+      global_denom, ref_hidden, ref_weight, ref_bias, agg, kl_estimator, kl_in_lo, kl_in_hi,
+      kl_out_lo, kl_out_hi, kl_coef, entropy_coef, temperature, softcap, max_chunk_bytes,
+      logits_dtype, clip_low, clip_high, log_ratio_clamp, scale;
+};
+
+// Argument positions, read once from linear_policy_loss's schema by name (linear_policy_loss_grads
+// takes the same arguments, then need_hidden, need_weight, need_bias).
+const Args& args_of() {
+  static const Args a = [] {
+    const auto& s = find("ppo_kernels::linear_policy_loss").schema();
+    auto at = [&](const char* name) {
+      const auto i = s.argumentIndexWithName(name);
+      TORCH_CHECK(i.has_value(), "linear_policy_loss: no argument ", name, " in the schema");
+      return static_cast<size_t>(*i);
+    };
+    return Args{.n = s.arguments().size(),
+                .hidden = at("hidden"),
+                .weight = at("weight"),
+                .labels = at("labels"),
+                .advantages = at("advantages"),
+                .old_logprobs = at("old_logprobs"),
+                .mask = at("mask"),
+                .bias = at("bias"),
+                .ref_logprobs = at("ref_logprobs"),
+                .weights = at("weights"),
+                .global_denom = at("global_denom"),
+                .ref_hidden = at("ref_hidden"),
+                .ref_weight = at("ref_weight"),
+                .ref_bias = at("ref_bias"),
+                .agg = at("agg"),
+                .kl_estimator = at("kl_estimator"),
+                .kl_in_lo = at("kl_in_lo"),
+                .kl_in_hi = at("kl_in_hi"),
+                .kl_out_lo = at("kl_out_lo"),
+                .kl_out_hi = at("kl_out_hi"),
+                .kl_coef = at("kl_coef"),
+                .entropy_coef = at("entropy_coef"),
+                .temperature = at("temperature"),
+                .softcap = at("softcap"),
+                .max_chunk_bytes = at("max_chunk_bytes"),
+                .logits_dtype = at("logits_dtype"),
+                .clip_low = at("clip_low"),
+                .clip_high = at("clip_high"),
+                .log_ratio_clamp = at("log_ratio_clamp"),
+                .scale = at("scale")};
+  }();
+  return a;
+}
+
+// The first n_args entries of the top of the stack (the op's arguments).
+torch::jit::Stack arguments(const Stack& stack, size_t n_args) {
+  return Stack(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
+}
+
+std::optional<Tensor> opt_tensor(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toTensor();
+}
+
+// Metadata checks of every argument the kernels index by (never a host sync): hidden [N, H],
+// weight [V, H], bias [V], labels / old_logprobs / mask / ref_logprobs / weights [B, T] with
+// B * T = N, advantages [B, T] or [B].
+void check(const Stack& a, const Args& i) {
+  const Tensor hidden = a[i.hidden].toTensor();
+  expect_float(hidden, "hidden");
+  expect_dim(hidden, "hidden", 2);
+  const Tensor weight = a[i.weight].toTensor();
+  expect_float(weight, "weight");
+  expect_device(weight, "weight", hidden, "hidden");
+  expect_dtype(weight, "weight", hidden.scalar_type(), "like hidden");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    "weight: expected shape (V, ", hidden.size(1), ") (H = hidden.shape[-1]), got ",
+                    weight.sizes());
+  const int64_t V = weight.size(0);
+  if (auto bias = opt_tensor(a[i.bias])) {
+    expect_float(*bias, "bias");
+    expect_device(*bias, "bias", hidden, "hidden");
+    expect_dtype(*bias, "bias", hidden.scalar_type(), "like hidden");
+    expect_shape(*bias, "bias", {V}, "weight.shape[0]");
+  }
+  const Tensor labels = a[i.labels].toTensor();
+  expect_index(labels, "labels");
+  expect_device(labels, "labels", hidden, "hidden");
+  expect_dim(labels, "labels", 2);
+  TORCH_CHECK_VALUE(labels.numel() == hidden.size(0), "labels: expected ", hidden.size(0),
+                    " tokens (hidden.shape[0] = B * T), got shape ", labels.sizes());
+  TORCH_CHECK_VALUE(V > 0 || labels.numel() == 0,
+                    "weight: the vocabulary dimension (first) is empty");
+  const auto bt = labels.sizes();
+  const Tensor old = a[i.old_logprobs].toTensor();
+  expect_float(old, "old_logprobs");
+  expect_device(old, "old_logprobs", hidden, "hidden");
+  expect_shape(old, "old_logprobs", bt, "like labels");
+  const Tensor adv = a[i.advantages].toTensor();
+  expect_float(adv, "advantages");
+  expect_device(adv, "advantages", hidden, "hidden");
+  TORCH_CHECK_VALUE(adv.sizes() == bt || adv.sizes() == bt.slice(0, 1),
+                    "advantages: expected shape ", bt, " (per token) or ", bt.slice(0, 1),
+                    " (per sequence), got ", adv.sizes());
+  const Tensor mask = a[i.mask].toTensor();
+  expect_mask(mask, "mask");
+  expect_device(mask, "mask", hidden, "hidden");
+  expect_shape(mask, "mask", bt, "like labels");
+  for (auto [k, name] : {std::pair{i.ref_logprobs, "ref_logprobs"}, {i.weights, "weights"}}) {
+    if (auto t = opt_tensor(a[k])) {
+      expect_float(*t, name);
+      expect_device(*t, name, hidden, "hidden");
+      expect_shape(*t, name, bt, "like labels");
+    }
+  }
+  // the exact KL against a reference LM head: its hidden states [N, H_ref] and head [V, H_ref]
+  const auto ref_h = opt_tensor(a[i.ref_hidden]), ref_w = opt_tensor(a[i.ref_weight]);
+  TORCH_CHECK_VALUE(ref_h.has_value() == ref_w.has_value(), ref_h ? "ref_weight" : "ref_hidden",
+                    ": ref_hidden and ref_weight go together (the reference LM head)");
+  if (ref_h) {
+    TORCH_CHECK_VALUE(a[i.ref_logprobs].isNone(),
+                      "ref_logprobs: give either ref_logprobs (sampled KL estimators) or "
+                      "ref_hidden / ref_weight (the exact KL), not both");
+    expect_float(*ref_h, "ref_hidden");
+    expect_device(*ref_h, "ref_hidden", hidden, "hidden");
+    expect_dim(*ref_h, "ref_hidden", 2);
+    TORCH_CHECK_VALUE(ref_h->size(0) == hidden.size(0), "ref_hidden: expected ", hidden.size(0),
+                      " rows (like hidden), got shape ", ref_h->sizes());
+    expect_dtype(*ref_w, "ref_weight", ref_h->scalar_type(), "like ref_hidden");
+    expect_device(*ref_w, "ref_weight", hidden, "hidden");
+    TORCH_CHECK_VALUE(ref_w->dim() == 2 && ref_w->size(0) == V && ref_w->size(1) == ref_h->size(1),
+                      "ref_weight: expected shape (", V, ", ", ref_h->size(1),
+                      ") (weight's vocabulary, ref_hidden's width), got ", ref_w->sizes());
+    if (auto rb = opt_tensor(a[i.ref_bias])) {
+      expect_dtype(*rb, "ref_bias", ref_h->scalar_type(), "like ref_hidden");
+      expect_device(*rb, "ref_bias", hidden, "hidden");
+      expect_shape(*rb, "ref_bias", {V}, "weight.shape[0]");
+    }
+  } else {
+    TORCH_CHECK_VALUE(a[i.ref_bias].isNone(), "ref_bias: needs ref_hidden and ref_weight");
+  }
+  if (auto gd = opt_tensor(a[i.global_denom])) {
+    expect_mask(*gd, "global_denom");
+    expect_device(*gd, "global_denom", hidden, "hidden");
+    TORCH_CHECK_VALUE(gd->numel() == 1, "global_denom: expected a single value, got shape ",
+                      gd->sizes());
+  }
+  mode_index("agg", agg_names(), a[i.agg].toStringRef());
+  mode_index("kl_estimator", kl_estimator_names(), a[i.kl_estimator].toStringRef());
+  expect_bounds("kl clamp log_ratio", a[i.kl_in_lo].toDouble(), a[i.kl_in_hi].toDouble());
+  expect_bounds("kl clamp value", a[i.kl_out_lo].toDouble(), a[i.kl_out_hi].toDouble());
+  expect_finite("kl_coef", a[i.kl_coef].toDouble());
+  expect_finite("entropy_coef", a[i.entropy_coef].toDouble());
+  expect_finite("clip_low", a[i.clip_low].toDouble());
+  expect_finite("clip_high", a[i.clip_high].toDouble());
+  expect_finite("scale", a[i.scale].toDouble());
+  const double lrc = a[i.log_ratio_clamp].toDouble();
+  TORCH_CHECK_VALUE(lrc > 0, "log_ratio_clamp: expected a positive number (inf: none), got ", lrc);
+  expect_positive("temperature", a[i.temperature].toDouble());
+  if (!a[i.softcap].isNone()) expect_positive("softcap", a[i.softcap].toDouble());
+  TORCH_CHECK_VALUE(a[i.max_chunk_bytes].toInt() >= 0,
+                    "max_chunk_bytes: expected a non-negative integer (0: the default), got ",
+                    a[i.max_chunk_bytes].toInt());
+  const auto& ld = a[i.logits_dtype].toStringRef();
+  TORCH_CHECK_VALUE(ld == "float32" || ld == "input",
+                    "logits_dtype: expected 'float32' or 'input', got '", ld, "'");
+}
+
+// linear_policy_loss_grads on the CPU / CUDA keys: check, then the backend's implementation.
+void grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  const size_t n = i.n + 3;  // + need_hidden, need_weight, need_bias
+  const Stack args = arguments(*stack, n);
+  check(args, i);
+  impl(backend_for("linear_policy_loss", args[i.hidden].toTensor())).callBoxed(stack);
+}
+
+// linear_policy_loss on the CPU / CUDA keys (no gradient asked for): linear_policy_loss_grads'
+// value.
+void loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  for (int k = 0; k < 3; ++k) stack->emplace_back(false);
+  grads_op().callBoxed(stack);
+  torch::jit::drop(*stack, 3);  // the (empty) gradients
+}
+
+class LossFn : public torch::autograd::Function<LossFn> {
+ public:
+  // args: every argument of linear_policy_loss (hidden, weight and bias are also the autograd
+  // inputs before it); need_*: whether each gradient is asked for
+  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
+                               const std::optional<Tensor>& bias, Stack args, bool need_h,
+                               bool need_w, bool need_b) {
+    {
+      BelowAutograd guard;
+      args.emplace_back(need_h);
+      args.emplace_back(need_w);
+      args.emplace_back(need_b);
+      grads_op().callBoxed(&args);
+    }
+    TORCH_INTERNAL_ASSERT(args.size() == kOutputs + 3);
+    const Tensor loss = args[0].toTensor(), stats = args[1].toTensor(),
+                 token_stats = args[2].toTensor();
+    ctx->save_for_backward({args[3].toTensor(), args[4].toTensor(), args[5].toTensor()});
+    ctx->saved_data["need"] = std::vector<bool>{need_h, need_w, need_b};
+    ctx->saved_data["dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->mark_non_differentiable({stats, token_stats});
+    return {loss, stats, token_stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(ctx->saved_data.count("done") == 0,
+                "linear_policy_loss: its backward runs once (the gradients formed in the forward "
+                "are scaled in place; a second backward through a retained graph is not "
+                "supported: run the forward again)");
+    ctx->saved_data["done"] = true;
+    const auto saved = ctx->get_saved_variables();
+    const auto need = ctx->saved_data["need"].toBoolList();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const Tensor& g = grads[0];
+    variable_list out(7);
+    if (!g.defined()) return out;
+    // The gradients were formed for an upstream gradient of 1: scale them (no GEMM), in place so
+    // that the [V, H] weight gradient is not held twice (float32 weights get the sum itself).
+    // grad_hidden is in hidden's dtype, grad_weight / grad_bias are float32 sums until here.
+    if (need[0]) out[0] = saved[0].mul_(g);
+    if (need[1]) out[1] = saved[1].mul_(g).to(dtype);
+    if (need[2]) out[2] = saved[2].mul_(g).to(dtype);
+    return out;
+  }
+};
+
+// linear_policy_loss on the Autograd key: the gradients of the inputs that require one, formed in
+// the forward.
+void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  Stack args = arguments(*stack, i.n);
+  torch::jit::drop(*stack, i.n);
+  const Tensor hidden = args[i.hidden].toTensor(), weight = args[i.weight].toTensor();
+  const auto bias = opt_tensor(args[i.bias]);
+  const bool grad = at::GradMode::is_enabled();
+  const bool need_h = grad && hidden.requires_grad(), need_w = grad && weight.requires_grad();
+  const bool need_b = grad && bias.has_value() && bias->requires_grad();
+  variable_list out = LossFn::apply(hidden, weight, bias, std::move(args), need_h, need_w, need_b);
+  for (auto& t : out) stack->emplace_back(std::move(t));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.linear_policy_loss.op");  // the fake kernels
+  // -> (loss [], stats [K] (names: op.stat_names), token_stats [3, B, T]: log-probs, entropy,
+  // KL; float32, float64 for float64 hidden)
+  m.def("linear_policy_loss(" PPO_LPL_ARGS ") -> (Tensor loss, Tensor stats, Tensor token_stats)");
+  // + the gradients of hidden (hidden's dtype), weight and bias (float32; float64 for float64),
+  // each an empty tensor when not asked for
+  m.def("linear_policy_loss_grads(" PPO_LPL_ARGS
+        ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+        "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("linear_policy_loss", torch::CppFunction::makeFromBoxedFunction<&loss_kernel>());
+  m.impl("linear_policy_loss_grads", torch::CppFunction::makeFromBoxedFunction<&grads_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("linear_policy_loss", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+}
+
+}  // namespace ppo_kernels

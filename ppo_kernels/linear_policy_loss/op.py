@@ -1,0 +1,632 @@
+"""The Python side of the registered ops `ppo_kernels::linear_policy_loss` and
+`ppo_kernels::linear_policy_loss_grads`, defined in C++ (csrc/ops/linear_policy_loss.cpp: schemas,
+checks, routing, autograd): the chunk loop that computes the loss and its gradients in one pass
+over the hidden-state rows, registered per backend, the fake kernels and the extension-less
+fallback. Semantics: reference.py; public function: api.py.
+
+The chunk loop (one pass, "3 GEMMs"): for each block of rows, the logits tile h W^T (+ b)
+(linear_logprobs' Tiler: float32 tiles, or the input dtype with logits_dtype="input"; soft-capped)
+-> the token_logprobs forward kernel gives log-prob, entropy and log-sum-exp per row -> the
+per-token coefficients dL/dlogprob and dL/dentropy (policy_math's stage 2 with the row
+coefficients of the aggregation, plus the KL and entropy terms) -> the token_logprobs backward
+kernel turns the tile into the logits gradient in place -> grad_hidden rows = G W and
+grad_W += G^T h (float32 sums), grad_b += sum G. The logits are computed once: one GEMM forward,
+two for the gradients, none in autograd's backward (which only scales these by the upstream
+gradient).
+
+What is known before the loop (stage-1 statistics from masks and given tensors): the mask weights,
+the aggregation's row coefficients c_b (token / sequence counts, global normalisers), the caller's
+and the rollout-correction weights (computed from old vs rollout log-probs by the API). What is
+not: statistics of the current log-probs over a whole sequence (sequence-level IS / GSPO, gspo,
+geo_mean) or over the whole batch (clip_cov, kl_cov, and rollout correction in bypass mode, whose
+weights and rejection come from the current log-probs). Per-sequence ones cost nothing when each
+chunk holds whole sequences (its rows are a multiple of T); a sequence longer than a chunk, and
+every batch statistic, takes a first pass over all rows computing log-probs only (one GEMM per
+chunk), then the full pass: 4 GEMMs instead of 3 (`passes` in the plan, measured in
+bench/results/cpu_linear_policy_loss.md).
+
+Tiles always cover the whole vocabulary (the token_logprobs kernels reduce them in one pass): the
+row chunk is the planner's, and at least one row when a row of V logits exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import check_labels_in_range, check_str
+from ..full_kl import op as fk_op
+from ..kl import reference as kl_ref
+from ..linear_logprobs.planner import Plan, _acc, _resolve_budget, plan_chunks
+from ..linear_logprobs.tiler import Tiler
+from ..losses import policy_math as pm
+from ..losses import rollout as rc
+from ..losses.reference import row_coefficients
+from ..token_logprobs import op as tl_op
+
+OP = _backend.register_op(
+    "linear_policy_loss",
+    kernel="token_logprobs_fwd",
+    triton=True,
+    cuda_default="triton",
+    folder="linear_policy_loss",
+    delegates={
+        ("cpp", "cpu"): "BLAS matmuls (torch.mm) + the token_logprobs C++ kernels",
+        ("cpp", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs CUDA kernels",
+        ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs Triton kernels",
+        ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
+        ("eager", "cuda"): "cuBLAS matmuls (torch.mm) + eager tile math",
+    },
+)
+_backend.routes_in_cpp("linear_policy_loss")
+
+# The arguments of both registered ops, in schema order (csrc/ops/linear_policy_loss.cpp;
+# checked against the schema at import). linear_policy_loss_grads adds need_hidden, need_weight,
+# need_bias.
+ARG_NAMES = (
+    "hidden",
+    "weight",
+    "labels",
+    "advantages",
+    "old_logprobs",
+    "mask",
+    "bias",
+    "ref_logprobs",
+    "weights",
+    "global_denom",
+    "ref_hidden",
+    "ref_weight",
+    "ref_bias",
+    "loss_type",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "delta",
+    "log_ratio_clamp",
+    "importance_sampling_level",
+    "tau_pos",
+    "tau_neg",
+    "dro_beta",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "agg",
+    "scale",
+    "global_denom_value",
+    "kl_coef",
+    "kl_estimator",
+    "kl_straight_through",
+    "kl_in_lo",
+    "kl_in_hi",
+    "kl_out_lo",
+    "kl_out_hi",
+    "entropy_coef",
+    "temperature",
+    "softcap",
+    "ignore_index",
+    "max_chunk_bytes",
+    "logits_dtype",
+    "bypass_mode",
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "generator",
+)
+NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
+Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
+
+if _backend.HAS_EXTENSION:
+    _schema = _backend.registered("linear_policy_loss_grads").default._schema
+    assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + NEED_NAMES, (
+        "csrc/ops/linear_policy_loss.cpp and op.ARG_NAMES disagree"
+    )
+
+# the per-token outputs (token_stats rows)
+TOKEN_STATS = ("logprobs", "entropy", "kl")
+
+
+# --------------------------------------------------------------------------- configuration
+def config(a) -> pm.LossConfig:
+    """The LossConfig of a call (the API checked the values; the op checks the type's name)."""
+    check_str("loss_type", a.loss_type, pm.LOSS_TYPES)
+    check_str("importance_sampling_level", a.importance_sampling_level, ("token", "sequence"))
+    return pm.LossConfig(
+        a.loss_type,
+        a.clip_low,
+        a.clip_high,
+        a.dual_clip,
+        a.delta,
+        a.log_ratio_clamp,
+        a.importance_sampling_level,
+        a.tau_pos,
+        a.tau_neg,
+        a.dro_beta,
+        a.clip_cov_ratio,
+        a.clip_cov_lb,
+        a.clip_cov_ub,
+        a.kl_cov_ratio,
+        a.kl_cov_coef,
+    )
+
+
+def bypass_options(a):
+    """(level, is_spec, rs_specs) of rollout correction in bypass mode, or None."""
+    if not a.bypass_mode:
+        return None
+    return rc.check_options(
+        a.rollout_is, a.rollout_is_threshold, a.rollout_rs, a.rollout_rs_threshold
+    )
+
+
+def _dummy_inputs():
+    one = torch.ones(1, 1, dtype=torch.float64)
+    return pm.Inputs(one * -0.5, one * -0.6, one, one)
+
+
+def _token_metric_names(cfg: pm.LossConfig) -> tuple[str, ...]:
+    """The per-token statistics policy_math reports for a type (from a 1-token run: they depend
+    on the configuration only)."""
+    key = (cfg.loss_type, cfg.sequence_level)
+    if key not in _TOKEN_METRICS:
+        x = _dummy_inputs()
+        _TOKEN_METRICS[key] = tuple(pm.token_terms(cfg, x, pm.statistics(cfg, x)).metrics)
+    return _TOKEN_METRICS[key]
+
+
+_TOKEN_METRICS: dict = {}
+_NAMES: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass):
+    """stat_names of a configuration given as plain values (torch.compile evaluates it while
+    tracing: the names are constants of the graph)."""
+    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass)
+    if key in _NAMES:
+        return _NAMES[key]
+    level = "sequence" if sequence_level else "token"
+    cfg = pm.LossConfig(loss_type, importance_sampling_level=level, dro_beta=dro_beta)
+    x = _dummy_inputs()
+    names = ["pg_loss", "entropy_loss", "entropy_mean", "masked_fraction"]
+    if has_ref:
+        names += ["kl_loss", "kl_mean"]
+    values = dict.fromkeys(_token_metric_names(cfg), x.m)
+    names += list(values) + list(pm.row_metrics(values, x.m, sequence_level and per_row_adv))
+    if bypass is not None:
+        level, is_spec, batch_normalize, rs = bypass
+        w, _, met = rc.compute(x.lp, x.old, x.m, level, is_spec, batch_normalize, list(rs))
+        names += ["is_weight_mean"] if w is not None else []
+        names += [f"rollout_corr/{k}" for k in met]
+    _NAMES[key] = tuple(names)
+    return _NAMES[key]
+
+
+def stat_names(a) -> tuple[str, ...]:
+    """The names of the `stats` output, in order (they depend on the configuration only)."""
+    opts = bypass_options(a)
+    bypass = None
+    if opts is not None:
+        level, is_spec, rs = opts
+        bypass = (level, is_spec, bool(a.rollout_is_batch_normalize), tuple(map(tuple, rs)))
+    return _stat_names(
+        a.loss_type,
+        a.importance_sampling_level == "sequence",
+        a.dro_beta if a.loss_type == "dro" else None,
+        a.advantages.dim() == 1,
+        a.ref_logprobs is not None or a.ref_hidden is not None,
+        bypass,
+    )
+
+
+def plan(hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int) -> Plan:
+    """linear_logprobs' row plan with whole-vocabulary tiles (at least one row per chunk)."""
+    N, H = hidden.shape
+    p = plan_chunks(
+        N,
+        V,
+        H,
+        hidden.dtype,
+        hidden.device.type,
+        _resolve_budget(max_chunk_bytes, hidden.device),
+        tiles="rows",
+        logits_dtype=logits_dtype,
+        fused=True,
+    )
+    return p if p.vocab == V else dataclasses.replace(p, vocab=V)
+
+
+def token_local_bypass(opts, batch_normalize: bool) -> bool:
+    """Bypass mode whose weights are per token and that rejects nothing: the weights of a token
+    come from its own log-prob, in the one pass (the statistics from all of them at the end)."""
+    level, is_spec, rs = opts
+    return not rs and not batch_normalize and level in (None, "token")
+
+
+def passes(cfg: pm.LossConfig, bypass: bool, T: int, rows: int) -> int:
+    """1, or 2 when a statistic of the current log-probs spans more than a chunk: a batch
+    statistic (clip_cov, kl_cov, bypass-mode rollout correction with a rejection, sequence
+    weights or batch normalisation) or a sequence statistic of a sequence longer than the chunk."""
+    scope = pm.stat_scope(cfg)
+    if bypass or scope == "batch" or (scope == "sequence" and T > rows):
+        return 2
+    return 1
+
+
+# --------------------------------------------------------------------------- the chunk loop
+class _Prepared(NamedTuple):
+    """Per-token [B, T] inputs in the accumulation dtype, zero off the mask."""
+
+    m: Tensor
+    old: Tensor
+    adv: Tensor
+    ref: Tensor | None
+    w: Tensor | None  # the caller's (and the API's rollout-correction) weights
+
+
+def _prepare(a, acc) -> _Prepared:
+    mask = a.mask
+    B, T = mask.shape
+    m = mask.to(acc)
+    keep = m != 0
+    zero = torch.zeros((), dtype=acc, device=m.device)
+    m = torch.where(keep, m, zero)
+    adv = a.advantages.to(acc)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand(B, T)
+    ref = None if a.ref_logprobs is None else torch.where(keep, a.ref_logprobs.to(acc), zero)
+    w = None if a.weights is None else torch.where(keep, a.weights.to(acc), zero)
+    return _Prepared(
+        m, torch.where(keep, a.old_logprobs.to(acc), zero), torch.where(keep, adv, zero), ref, w
+    )
+
+
+def _global_denominator(a, acc, dev):
+    if a.global_denom is not None:
+        return a.global_denom.reshape(()).to(acc)
+    if a.global_denom_value is not None:
+        return torch.tensor(a.global_denom_value, dtype=acc, device=dev)
+    return None
+
+
+class _Loss:
+    """The loss terms of one call: coefficients per token for the gradient, per-token values for
+    the statistics, and the loss sums."""
+
+    def __init__(self, a, cfg, p: _Prepared, gden, token_stats):
+        self.a, self.cfg, self.p, self.gden = a, cfg, p, gden
+        self.lp_all, self.ent_all, self.kl_all = token_stats.unbind(0)
+        self.per_row_adv = a.advantages.dim() == 1
+        self.kl_est = a.kl_estimator
+        self.kl_bounds = (a.kl_in_lo, a.kl_in_hi, a.kl_out_lo, a.kl_out_hi)
+        self.full_kl = a.ref_hidden is not None  # the exact KL against a reference head
+        self.has_kl = p.ref is not None or self.full_kl
+        self.set_mask(p.m, p.w)
+        self.metrics: dict[str, Tensor] = {}  # per-token values of policy_math's statistics
+        self.extra: dict[str, Tensor] = {}  # statistics computed whole (bypass mode)
+        self.pg = torch.zeros((), dtype=p.m.dtype, device=p.m.device)
+
+    def set_mask(self, m, w):
+        """The mask (after any rejection) and the weights of the policy term: the row
+        coefficients of the aggregation, and per token k = c_b m (KL and entropy terms)."""
+        self.m, self.w = m, w
+        self.c = row_coefficients(m, self.a.agg, self.a.scale, self.gden)
+        self.c_tok = self.c.unsqueeze(-1).expand(m.shape).reshape(-1)  # c_b of each token
+        self.k = self.c.unsqueeze(-1) * m
+
+    def policy(self, lp, b0, b1, t0=None, t1=None, generator=None, w_is=None):
+        """Stage 1 (rows b0:b1 whole, or tokens t0:t1 of the flattened batch at token scope) and
+        stage 2: adds the rows' loss, stores their metric values; returns dL/dlp [rows]. w_is:
+        [t1 - t0, 1] weights of these tokens beside the prepared ones (bypass mode, one pass)."""
+        p, cfg = self.p, self.cfg
+        if t0 is None:  # whole rows: their statistics here
+            x = pm.Inputs(lp, p.old[b0:b1], p.adv[b0:b1], self.m[b0:b1])
+            st = pm.statistics(cfg, x, generator)
+            c = self.c[b0:b1]
+            w = None if self.w is None else self.w[b0:b1]
+        else:  # token scope: each token one row of its own (no statistic crosses tokens)
+
+            def col(t):
+                return t.reshape(-1)[t0:t1].unsqueeze(-1)
+
+            x = pm.Inputs(lp.unsqueeze(-1), col(p.old), col(p.adv), col(self.m))
+            st = pm.Stats(x.m.squeeze(-1))
+            c = self.c_tok[t0:t1]
+            w = None if self.w is None else col(self.w)
+            if w_is is not None:
+                w = w_is if w is None else w * w_is
+        terms = pm.token_terms(cfg, x, st)
+        loss, coef = pm.combine(terms, x, c, pm.token_weights(cfg, x, st, w))
+        self.pg = self.pg + loss
+        self._store(terms.metrics, x, b0, b1, t0, t1)
+        return coef.reshape(-1)
+
+    def _store(self, values, x, b0, b1, t0, t1):
+        B, T = self.p.m.shape
+        for name, v in values.items():
+            if v is None:
+                continue
+            buf = self.metrics.get(name)
+            if buf is None:
+                buf = self.metrics[name] = torch.zeros(B, T, dtype=x.m.dtype, device=x.m.device)
+            if t0 is None:
+                buf[b0:b1] = v
+            else:
+                buf.view(-1)[t0:t1] = v.reshape(-1)
+
+    def kl_and_entropy(self, lp, t0, t1):
+        """(dL/dlp of the KL term or None, dL/dentropy or None) of tokens t0:t1; stores the KL."""
+        a = self.a
+        k = self.k.reshape(-1)[t0:t1]
+        glp = gent = None
+        if self.p.ref is not None:
+            ref = self.p.ref.reshape(-1)[t0:t1]
+            keep = self.m.reshape(-1)[t0:t1] != 0
+            zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+            kl = kl_ref.kl_penalty(lp, ref, self.kl_est, False, self.kl_bounds)
+            self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(lp.dtype), zero)
+            if a.kl_coef != 0:
+                g = kl_ref.kl_penalty_grad(
+                    lp, ref, self.kl_est, a.kl_straight_through, self.kl_bounds
+                )
+                glp = a.kl_coef * torch.where(keep, k * g.to(lp.dtype), zero)
+        if a.entropy_coef != 0:
+            gent = -a.entropy_coef * k
+        return glp, gent
+
+    def full_kl_coef(self, kl, t0, t1):
+        """Stores the exact KL of tokens t0:t1; returns dL/dKL per token (None: no KL term)."""
+        keep = self.m.reshape(-1)[t0:t1] != 0
+        self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(self.m.dtype), 0.0)
+        if self.a.kl_coef == 0:
+            return None
+        return self.a.kl_coef * self.k.reshape(-1)[t0:t1]
+
+    def finish(self, names) -> tuple[Tensor, Tensor]:
+        """(loss, stats in the order of `names`) once every row has its per-token values."""
+        a, m = self.a, self.m
+        ent = torch.where(m != 0, self.ent_all, torch.zeros_like(self.ent_all))
+        ent_agg = (self.k * ent).sum()
+        loss = self.pg - a.entropy_coef * ent_agg
+        # masked_fraction: the share of the mask's tokens rejected (bypass mode sets it)
+        st = {"pg_loss": self.pg, "entropy_loss": ent_agg, "masked_fraction": 0 * ent_agg}
+        means = {"entropy_mean": ent}
+        if self.has_kl:
+            kl_agg = (self.k * self.kl_all).sum()
+            loss = loss + a.kl_coef * kl_agg
+            st["kl_loss"] = kl_agg
+            means["kl_mean"] = self.kl_all
+        st.update(pm.masked_means(means, m))
+        values = {n: self.metrics.get(n) for n in _token_metric_names(self.cfg)}
+        st.update(pm.masked_means(values, m))
+        st.update(pm.row_metrics(values, m, self.cfg.sequence_level and self.per_row_adv))
+        st.update(self.extra)
+        return loss, torch.stack([st[n].to(m.dtype).reshape(()) for n in names])
+
+
+def run(backend: str, a) -> tuple[Tensor, ...]:
+    """linear_policy_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as the
+    schema names them (Call)."""
+    hidden, weight, bias, labels = a.hidden, a.weight, a.bias, a.labels
+    N, H = hidden.shape
+    V = weight.shape[0]
+    B, T = labels.shape
+    dev = hidden.device
+    acc = _acc(hidden.dtype)
+    if dev.type == "cpu" or _backend.strict():
+        check_labels_in_range(labels, V, a.ignore_index)
+    cfg = config(a)
+    names = stat_names(a)
+    bypass = bypass_options(a)
+    need_h, need_w = a.need_hidden, a.need_weight
+    need_b = a.need_bias and bias is not None
+    token_stats = _backend.new_output((3, B, T), acc, dev)
+    token_stats[2].zero_()  # the KL row stays 0 without ref_logprobs
+    gh_out = _backend.new_output((N, H) if need_h else (0,), hidden.dtype, dev)
+    gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
+    p = _prepare(a, acc)
+    L = _Loss(a, cfg, p, _global_denominator(a, acc, dev), token_stats)
+    full = a.ref_hidden is not None
+    budget = _resolve_budget(a.max_chunk_bytes, dev)
+    # the exact KL: the reference tile and its gradient tile beside the policy tile
+    pl = plan(hidden, V, a.logits_dtype, max(1, budget // 3) if full else budget)
+    any_grad = need_h or need_w or need_b
+    tiler = Tiler(hidden, weight, bias, pl, backend, backward=any_grad, softcap=a.softcap)
+    if full:
+        rpl = dataclasses.replace(
+            plan(a.ref_hidden, V, a.logits_dtype, max(1, budget // 3)), rows=pl.rows
+        )
+        rtiler = Tiler(a.ref_hidden, a.ref_weight, a.ref_bias, rpl, backend, softcap=a.softcap)
+        kl_fwd, kl_bwd = fk_op.forward.impls[backend], fk_op.backward.impls[backend]
+        gk_buf = torch.empty(
+            pl.rows * V if any_grad else 0,
+            dtype=tiler.buf_in.dtype if pl.input_tiles else acc,
+            device=dev,
+        )
+    inv_t = 1.0 / a.temperature
+    ii = a.ignore_index
+    fwd, bwd = tl_op.forward.impls[backend], tl_op.backward.impls[backend]
+    gh = torch.empty((pl.rows, H) if need_h else (0,), dtype=acc, device=dev)
+    lp_flat, ent_flat = L.lp_all.view(-1), L.ent_all.view(-1)
+    local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+    n_pass = passes(cfg, bypass is not None and not local, T, pl.rows)
+    # bypass, one pass: the IS weights of gpg / reinforce per chunk (the clipped types' ratio
+    # already is pi / pi_rollout: their loss does not change)
+    chunk_is = local and bypass[1] is not None and cfg.loss_type not in pm.CLIP_TYPES
+    scope = pm.stat_scope(cfg)
+
+    if n_pass == 2:
+        # first pass: the log-probs of every row (one GEMM per chunk), then every statistic
+        for r0 in range(0, N, pl.rows):
+            r1 = min(N, r0 + pl.rows)
+            z = tiler.logits(tiler.rows(r0, r1), 0, V)
+            lp_flat[r0:r1] = fwd(z, labels.view(-1)[r0:r1], inv_t, ii, False)[0]
+        if bypass is not None:
+            _bypass(L, bypass)
+        lpm = torch.where(L.m != 0, L.lp_all, torch.zeros_like(L.lp_all))
+        coef_all = L.policy(lpm, 0, B, generator=a.generator)
+        step = pl.rows
+    else:
+        coef_all = None
+        step = pl.rows if scope == "token" or T == 0 else max(1, pl.rows // T) * T
+
+    lab = labels.reshape(-1)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        hc, lc = tiler.rows(r0, r1), lab[r0:r1]
+        z = tiler.logits(hc, 0, V)
+        lp, ent, lse = fwd(z, lc, inv_t, ii, True)
+        ent_flat[r0:r1] = ent
+        if coef_all is not None:
+            lp = lp_flat[r0:r1]  # the first pass's (the same rows: the same values)
+            glp = coef_all[r0:r1]
+        else:
+            lp_flat[r0:r1] = lp
+            lpm = torch.where(L.m.view(-1)[r0:r1] != 0, lp, torch.zeros_like(lp))
+            if scope == "token":
+                w_is = None
+                if chunk_is:
+                    m_c = L.m.view(-1)[r0:r1, None]
+                    lr = lpm[:, None] - L.p.old.view(-1)[r0:r1, None]
+                    w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
+                glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
+            else:
+                glp = L.policy(lpm.view(-1, T), r0 // T, r1 // T, generator=a.generator)
+        g_kl, gent = L.kl_and_entropy(lp, r0, r1)
+        if g_kl is not None:
+            glp = glp + g_kl
+        gk = None
+        if full:
+            zr = rtiler.logits(rtiler.rows(r0, r1), 0, V)
+            kl, lse_z, lse_w = kl_fwd(z, zr, None, inv_t)
+            g_full = L.full_kl_coef(kl, r0, r1)
+            if g_full is not None and any_grad:
+                gk = gk_buf[: z.numel()].view(z.shape)
+                kl_bwd(z, g_full, zr, None, kl, lse_z, lse_w, inv_t, gk, None)
+        if not any_grad:
+            continue
+        tiler.softcap_grad(z)
+        g = tiler.grad_tile(z, rounds_on_store=backend == "triton" and gk is None)
+        bwd(z, glp, gent, lc, lse, ent if gent is not None else lse, inv_t, ii, g)
+        if gk is not None:
+            g += gk
+        tiler.apply_softcap_grad(g)
+        ghc = gh[: r1 - r0].zero_() if need_h else gh
+        tiler.grad_matmuls(g, hc, 0, V, ghc, gW, gb)
+        if need_h:
+            gh_out[r0:r1] = ghc
+    if local:
+        _bypass(L, bypass, apply=False)
+    loss, stats = L.finish(names)
+    return loss, stats, token_stats, gh_out, gW, gb
+
+
+def _bypass(L: _Loss, opts, apply=True):
+    """Rollout correction in bypass mode (old_logprobs are the rollout log-probs): weights and
+    rejection from the current log-probs (detached), after the first pass; apply=False: only its
+    statistics (the one-pass case applied the weights per chunk)."""
+    level, is_spec, rs = opts
+    p = L.p
+    lp = torch.where(L.m != 0, L.lp_all, torch.zeros_like(L.lp_all))
+    w, keep, met = rc.compute(lp, p.old, L.m, level, is_spec, L.a.rollout_is_batch_normalize, rs)
+    mask0 = L.m
+    m, pw = L.m, L.w
+    if keep is not None:
+        m = m * keep
+    extra = {}
+    a0 = (mask0 != 0).sum().to(m.dtype)
+    a1 = (m != 0).sum().to(m.dtype)
+    extra["masked_fraction"] = torch.where(a0 > 0, (a0 - a1) / a0.clamp(min=1), a0 * 0)
+    if w is not None:
+        extra["is_weight_mean"] = pm.masked_means({"w": w}, m)["w"]
+        if L.cfg.loss_type not in pm.CLIP_TYPES:  # the clipped ratio already is pi / pi_rollout
+            pw = w if pw is None else pw * w
+    extra.update({f"rollout_corr/{k}": v for k, v in met.items()})
+    if apply:
+        L.set_mask(m, pw)
+    L.extra = extra
+
+
+def _impl(backend):
+    def impl(*args):
+        return run(backend, Call(*args))
+
+    impl.__name__ = f"linear_policy_loss_grads_{backend}"
+    return impl
+
+
+for _b in _backend.BACKENDS:
+    _backend.impl("linear_policy_loss_grads", _b)(_impl(_b))
+
+
+def _fake_outputs(a):
+    hidden = a.hidden
+    acc = _acc(hidden.dtype)
+    B, T = a.labels.shape
+    loss = hidden.new_empty((), dtype=acc)
+    stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
+    return loss, stats, hidden.new_empty((3, B, T), dtype=acc)
+
+
+@_backend.fake("linear_policy_loss")
+def _(*args):
+    return _fake_outputs(Call(*args, False, False, False))
+
+
+@_backend.fake("linear_policy_loss_grads")
+def _(*args):
+    a = Call(*args)
+    hidden, weight = a.hidden, a.weight
+    acc = _acc(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    gh = hidden.new_empty((N, H) if a.need_hidden else (0,))
+    gW = hidden.new_empty((V, H) if a.need_weight else (0,), dtype=acc)
+    gb = hidden.new_empty((V,) if (a.need_bias and a.bias is not None) else (0,), dtype=acc)
+    return (*_fake_outputs(a), gh, gW, gb)
+
+
+# --------------------------------------------------------------------------- without the extension
+class _Precomputed(torch.autograd.Function):
+    """The eager chunk loop with its gradients attached, as the C++ autograd kernel does."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, *args):
+        need = ctx.needs_input_grad[:3]
+        call = Call(*args, need[0], need[1], need[2] and bias is not None)
+        loss, stats, tok, gh, gW, gb = run("eager", call)
+        ctx.save_for_backward(gh, gW, gb)
+        ctx.need, ctx.dtype = need, weight.dtype
+        ctx.mark_non_differentiable(stats, tok)
+        return loss, stats, tok
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, *_):
+        gh, gW, gb = ctx.saved_tensors
+        h, w, b = ctx.need
+        return (
+            gh * g if h else None,
+            (gW * g).to(ctx.dtype) if w else None,
+            (gb * g).to(ctx.dtype) if b else None,
+            *(None,) * len(ARG_NAMES),
+        )
+
+
+@_backend.fallback("linear_policy_loss")
+def _(*args):
+    a = Call(*args, False, False, False)
+    if not (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
+    ):
+        return run("eager", a)[:3]
+    return _Precomputed.apply(a.hidden, a.weight, a.bias, *args)
