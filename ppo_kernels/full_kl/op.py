@@ -39,7 +39,9 @@ def _(logits, ref_logits, mask, inv_temperature):
 
 @forward.impl("eager")
 def _(logits, ref_logits, mask, inv_temperature):
-    kl, lz, lw = reference.forward(logits, ref_logits, 1.0 / inv_temperature, mask)
+    kl, lz, lw = _backend.invariant_rows(
+        reference.forward, logits.shape[:-1], logits, ref_logits, 1.0 / inv_temperature, mask
+    )
     o = _backend.out_dtype(logits)
     return kl.to(o), lz.to(o), lw.to(o)
 
@@ -62,7 +64,9 @@ def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_lo
 
 @backward.impl("eager")
 def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
-    gz, gw = reference.backward(
+    gz, gw = _backend.invariant_rows(
+        reference.backward,
+        logits.shape[:-1],
         grad,
         logits,
         ref_logits,
