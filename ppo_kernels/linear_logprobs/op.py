@@ -67,6 +67,7 @@ from .planner import (  # noqa: F401
     _check_logits_dtype,
     _input_tiles,
     _resolve_budget,
+    plan_call,
     plan_chunks,
 )
 from .tiler import Tiler
@@ -139,7 +140,8 @@ def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
 
 @tile_stats_.impl("eager")
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
-    reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
+    with _backend.invariant_threads():
+        reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
 @tile_bwd_.impl("cpp")
@@ -164,9 +166,10 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
 
 @tile_bwd_.impl("eager")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
-    reference.tile_bwd_(
-        tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
-    )
+    with _backend.invariant_threads():
+        reference.tile_bwd_(
+            tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+        )
 
 
 def _fused(hidden) -> str | None:
@@ -348,31 +351,22 @@ def linear_token_logprobs_op(
     if N == 0:
         return lp, ent, lse
     fused = _fused(hidden)
-    plan = plan_chunks(
-        N,
-        V,
-        H,
-        hidden.dtype,
-        dev.type,
-        _resolve_budget(max_chunk_bytes, dev),
-        logits_dtype=logits_dtype,
-        fused=fused,
-    )
+    plan = plan_call(N, V, H, hidden.dtype, dev, max_chunk_bytes, logits_dtype, fused)
     tiler = Tiler(hidden, weight, bias, plan, fused, softcap=softcap)
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
-        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
+        hc, lc = tiler.rows(r0, r1), tiler.pad(labels[r0:r1], ignore_index)
         if plan.vocab == V and fused:
             tile = tiler.logits(hc, 0, V)
             a, e, s = tl_op.forward.impls[fused](tile, lc, inv_t, ignore_index, with_entropy)
         else:
             state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
-        lp[r0:r1] = a
-        lse[r0:r1] = s
+        lp[r0:r1] = a[: r1 - r0]  # (padded rows in batch-invariant mode)
+        lse[r0:r1] = s[: r1 - r0]
         if with_entropy:
-            ent[r0:r1] = e
+            ent[r0:r1] = e[: r1 - r0]
     return lp, ent, lse
 
 
@@ -443,16 +437,7 @@ def linear_token_logprobs_backward_op(
     if N == 0:
         return gh_out.zero_(), gW, gb
     fused = _fused(hidden)
-    plan = plan_chunks(
-        N,
-        V,
-        H,
-        hidden.dtype,
-        dev.type,
-        _resolve_budget(max_chunk_bytes, dev),
-        logits_dtype=logits_dtype,
-        fused=fused,
-    )
+    plan = plan_call(N, V, H, hidden.dtype, dev, max_chunk_bytes, logits_dtype, fused)
     tiler = Tiler(hidden, weight, bias, plan, fused, backward=True, softcap=softcap)
     inv_t = 1.0 / temperature
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
@@ -461,16 +446,16 @@ def linear_token_logprobs_backward_op(
     gh = torch.empty((plan.rows, H) if need_hidden else (0,), dtype=acc, device=dev)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
-        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
-        glp, ls = glp_all[r0:r1], lse[r0:r1]
-        gent = gent_all[r0:r1] if with_ent else None
-        en = entropy[r0:r1] if with_ent else None
-        ghc = gh[: r1 - r0].zero_() if need_hidden else gh
+        hc, lc = tiler.rows(r0, r1), tiler.pad(labels[r0:r1], ignore_index)
+        glp, ls = tiler.pad(glp_all[r0:r1]), tiler.pad(lse[r0:r1])
+        gent = tiler.pad(gent_all[r0:r1]) if with_ent else None
+        en = tiler.pad(entropy[r0:r1]) if with_ent else None
+        ghc = gh[: hc.shape[0]].zero_() if need_hidden else gh
         chunk_backward(
             tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V, ghc, gW, gb
         )
         if need_hidden:
-            gh_out[r0:r1] = ghc
+            gh_out[r0:r1] = ghc[: r1 - r0]
     return gh_out, gW, gb
 
 
