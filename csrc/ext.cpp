@@ -22,6 +22,17 @@ bool set_poison(bool enabled) {
   return old;
 }
 
+bool& batch_invariant_mode() {
+  static bool flag = false;
+  return flag;
+}
+
+bool set_batch_invariant(bool enabled) {
+  const bool old = batch_invariant_mode();
+  batch_invariant_mode() = enabled;
+  return old;
+}
+
 std::vector<std::string> mode_names(const std::string& table) {
   if (table == "agg") return agg_names();
   if (table == "kl_estimator") return kl_estimator_names();
@@ -33,6 +44,9 @@ std::vector<std::string> mode_names(const std::string& table) {
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // Test hook: NaN-fill every output buffer the kernels allocate. Returns the previous setting.
   m.def("set_poison(bool enabled) -> bool", &set_poison);
+  // ppo_kernels.batch_invariant() (Python keeps the stack; this is its top). Returns the previous
+  // setting.
+  m.def("set_batch_invariant(bool enabled) -> bool", &set_batch_invariant);
   // The name tables of csrc/common/modes.h ("agg", "kl_estimator", "group_advantage"), so a test
   // can check the Python tables against them.
   m.def("mode_names(str table) -> str[]", &mode_names);

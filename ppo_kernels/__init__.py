@@ -4,7 +4,13 @@ Every op is a torch op in the `ppo_kernels` namespace (`torch.ops.ppo_kernels.*`
 kernels, a fake kernel for torch.compile and registered autograd; this module is the typed API.
 """
 
-from ._backend import BACKENDS, HAS_EXTENSION, strict_checks, use_backend  # noqa: F401
+from ._backend import (  # noqa: F401
+    BACKENDS,
+    HAS_EXTENSION,
+    batch_invariant,
+    strict_checks,
+    use_backend,
+)
 from ._backend import resolve as resolve_backend  # noqa: F401
 from .full_kl.api import full_kl  # noqa: F401
 from .gae.api import gae  # noqa: F401

@@ -40,6 +40,13 @@ def _info(args):
         print(f"compiled extension: no ({_backend.EXTENSION_ERROR})")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"GPU: {gpu}")
+    env = os.environ.get("PPO_KERNELS_BATCH_INVARIANT")
+    print(
+        f"batch-invariant mode: {'on' if _backend.invariant() else 'off'}"
+        + (f" (PPO_KERNELS_BATCH_INVARIANT={env})" if env is not None else "")
+        + "; strict checks: "
+        + ("on" if _backend.strict() else "off")
+    )
     print()
     devices = ["cpu", "cuda"]
     print(f"{'op (backend key)':24s} {'public names':42s} " + " ".join(f"{d:>8s}" for d in devices))

@@ -7,6 +7,10 @@
 namespace ppo_kernels {
 
 bool& poison_outputs();  // defined in csrc/ext.cpp
+// Batch-invariant mode (ppo_kernels.batch_invariant(), set through
+// ppo_kernels_C::set_batch_invariant): the CUDA launchers pass it to the kernels whose reduction
+// order would otherwise follow a row's memory alignment. Defined in csrc/ext.cpp.
+bool& batch_invariant_mode();
 
 inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);

@@ -28,6 +28,29 @@ __device__ __forceinline__ int64_t head_len(const T* p, int64_t V) {
   return head < V ? head : V;
 }
 
+template <typename T>
+__device__ __forceinline__ bool is_aligned(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Pack i of `row` (elements i * kN ... i * kN + kN - 1) as floats times inv_t: one 16-byte load
+// when `packed` (row 16-byte aligned), else kN scalar loads -- the same values in the same order,
+// so a reduction over them does not depend on the row's alignment (__fmul_rn: never contracted
+// into an FMA with what follows, in either branch).
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* row, int64_t i, bool packed, float inv_t,
+                                          float* out) {
+  constexpr int kN = Pack<T>::kN;
+  if (packed) {
+    const Pack<T> a = reinterpret_cast<const Pack<T>*>(row)[i];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) out[k] = __fmul_rn(static_cast<float>(a.v[k]), inv_t);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) out[k] = __fmul_rn(static_cast<float>(row[i * kN + k]), inv_t);
+  }
+}
+
 // Lane shuffle of a plain struct of floats.
 template <typename S>
 __device__ __forceinline__ S shfl_xor(S st, int offset) {

@@ -53,7 +53,7 @@ template <typename scalar_t>
 __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
                            const bool* __restrict__ mask, float* __restrict__ kl,
                            float* __restrict__ lz, float* __restrict__ lw, int64_t N, int64_t V,
-                           RowIndexer rx, RowIndexer ry, float inv_t) {
+                           RowIndexer rx, RowIndexer ry, float inv_t, bool uniform) {
   using P = Pack<scalar_t>;
   constexpr int kN = P::kN;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
@@ -63,8 +63,13 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __res
     }
     const scalar_t* p = x + rx(r);
     const scalar_t* q = y + ry(r);
-    const int64_t head = head_len(p, V);
-    const bool vec_ok = head == head_len(q, V);  // same alignment: vector-load both in lockstep
+    // The elements a thread adds follow the rows' 16-byte alignment (scalar head, or no packs when
+    // the two rows are aligned differently), which depends on the rows' place in the batch when
+    // V * sizeof(scalar_t) is not a multiple of 16. `uniform` (batch-invariant mode): packs from
+    // the first element for every row, loaded element by element where a row is not aligned.
+    const int64_t head = uniform ? 0 : head_len(p, V);
+    const bool vec_ok = uniform || head == head_len(q, V);  // same alignment: lockstep packs
+    const bool packed = !uniform || (dev::is_aligned(p) && dev::is_aligned(q));
     const int64_t nvec = vec_ok ? (V - head) / kN : 0;
     const int64_t tail = vec_ok ? head + nvec * kN : 0;
     KLStats st = kl_stats_empty();
@@ -72,30 +77,20 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __res
       for (int64_t j = threadIdx.x; j < head; j += blockDim.x) {
         kl_stats_add(st, static_cast<float>(p[j]) * inv_t, static_cast<float>(q[j]) * inv_t);
       }
-      const P* pv = reinterpret_cast<const P*>(p + head);
-      const P* qv = reinterpret_cast<const P*>(q + head);
       int64_t i = threadIdx.x;
       // two packs of each row in flight per thread
       for (; i + blockDim.x < nvec; i += 2 * blockDim.x) {
-        const P a0 = pv[i], b0 = qv[i], a1 = pv[i + blockDim.x], b1 = qv[i + blockDim.x];
         float z[2 * kN], w[2 * kN];
-#pragma unroll
-        for (int k = 0; k < kN; ++k) {
-          z[k] = static_cast<float>(a0.v[k]) * inv_t;
-          w[k] = static_cast<float>(b0.v[k]) * inv_t;
-          z[kN + k] = static_cast<float>(a1.v[k]) * inv_t;
-          w[kN + k] = static_cast<float>(b1.v[k]) * inv_t;
-        }
+        dev::load_pack(p + head, i, packed, inv_t, z);
+        dev::load_pack(q + head, i, packed, inv_t, w);
+        dev::load_pack(p + head, i + blockDim.x, packed, inv_t, z + kN);
+        dev::load_pack(q + head, i + blockDim.x, packed, inv_t, w + kN);
         add_pack<2 * kN>(st, z, w);
       }
       if (i < nvec) {
-        const P a0 = pv[i], b0 = qv[i];
         float z[kN], w[kN];
-#pragma unroll
-        for (int k = 0; k < kN; ++k) {
-          z[k] = static_cast<float>(a0.v[k]) * inv_t;
-          w[k] = static_cast<float>(b0.v[k]) * inv_t;
-        }
+        dev::load_pack(p + head, i, packed, inv_t, z);
+        dev::load_pack(q + head, i, packed, inv_t, w);
         add_pack<kN>(st, z, w);
       }
     }
@@ -203,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                       R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
                       mask.defined() ? mask.const_data_ptr<bool>() : nullptr, kl.data_ptr<float>(),
                       lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
-                      static_cast<float>(inv_temperature));
+                      static_cast<float>(inv_temperature), batch_invariant_mode());
       });
   return {kl, lz, lw};
 }

@@ -87,8 +87,8 @@ __device__ RowStats64 row_stats64(const scalar_t* p, int64_t V, double inv_t) {
 template <typename scalar_t, typename index_t>
 __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __restrict__ labels,
                            float* __restrict__ lp, float* __restrict__ ent, float* __restrict__ lse,
-                           int64_t N, int64_t V, RowIndexer rows, float inv_t,
-                           int64_t ignore_index) {
+                           int64_t N, int64_t V, RowIndexer rows, float inv_t, int64_t ignore_index,
+                           bool uniform) {
   using P = Pack<scalar_t>;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const int64_t label = labels[r];
@@ -101,7 +101,12 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __rest
       continue;
     }
     const scalar_t* p = x + rows(r);
-    const int64_t head = head_len(p, V);
+    // The elements a thread adds, and their order, follow the row's 16-byte alignment (the
+    // scalar head), which depends on the row's place in the batch when V * sizeof(scalar_t) is
+    // not a multiple of 16. `uniform` (batch-invariant mode): packs from the row's first element
+    // for every row, loaded element by element where the row is not aligned.
+    const int64_t head = uniform ? 0 : head_len(p, V);
+    const bool packed = !uniform || dev::is_aligned(p);
     const int64_t nvec = (V - head) / P::kN;
     const int64_t tail = head + nvec * P::kN;
     SoftmaxStats st = stats_empty();
@@ -109,9 +114,15 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const index_t* __rest
       stats_add(st, scale(static_cast<float>(p[j]), inv_t));
     const P* pv = reinterpret_cast<const P*>(p + head);
     for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-      const P pk = pv[i];
+      if (packed) {
+        const P pk = pv[i];
 #pragma unroll
-      for (int k = 0; k < P::kN; ++k) stats_add(st, scale(static_cast<float>(pk.v[k]), inv_t));
+        for (int k = 0; k < P::kN; ++k) stats_add(st, scale(static_cast<float>(pk.v[k]), inv_t));
+      } else {
+#pragma unroll
+        for (int k = 0; k < P::kN; ++k)
+          stats_add(st, scale(static_cast<float>(p[i * P::kN + k]), inv_t));
+      }
     }
     for (int64_t j = tail + threadIdx.x; j < V; j += blockDim.x)
       stats_add(st, scale(static_cast<float>(p[j]), inv_t));
@@ -223,13 +234,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
         AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_fwd_cuda", [&] {
-          device.launch("token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>,
-                        dev::grid_for_rows(N, Dev::max_row_blocks()),
-                        dev::threads_for_row(V, Pack<scalar_t>::kN), 0,
-                        logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<index_t>(),
-                        logprobs.data_ptr<float>(),
-                        with_entropy ? entropy.data_ptr<float>() : nullptr, lse.data_ptr<float>(),
-                        N, V, rows, static_cast<float>(inv_temperature), ignore_index);
+          device.launch(
+              "token_logprobs fwd_kernel", &fwd_kernel<scalar_t, index_t>,
+              dev::grid_for_rows(N, Dev::max_row_blocks()),
+              dev::threads_for_row(V, Pack<scalar_t>::kN), 0, logits.const_data_ptr<scalar_t>(),
+              labels.const_data_ptr<index_t>(), logprobs.data_ptr<float>(),
+              with_entropy ? entropy.data_ptr<float>() : nullptr, lse.data_ptr<float>(), N, V, rows,
+              static_cast<float>(inv_temperature), ignore_index, batch_invariant_mode());
         });
       });
   return {logprobs, entropy, lse};

@@ -211,4 +211,15 @@ bool& poison_outputs() {
   op.call(flag);
   return flag;
 }
+
+// Batch-invariant mode follows ppo_kernels._C's flag the same way.
+bool& batch_invariant_mode() {
+  static thread_local bool flag = false;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ppo_kernels_C::set_batch_invariant", "")
+                             .typed<bool(bool)>();
+  flag = op.call(true);
+  op.call(flag);
+  return flag;
+}
 }  // namespace ppo_kernels

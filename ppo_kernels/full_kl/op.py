@@ -42,7 +42,9 @@ def _(logits, ref_logits, temperature, mask):
 
 @_backend.impl("full_kl", "eager")
 def _(logits, ref_logits, temperature, mask):
-    kl, lz, lw = reference.forward(logits, ref_logits, temperature, mask)
+    kl, lz, lw = _backend.invariant_rows(
+        reference.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
+    )
     o = _backend.out_dtype(logits)
     return kl.to(o), lz.to(o), lw.to(o)
 
@@ -66,8 +68,18 @@ def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
 
 @_backend.impl("full_kl_backward", "eager")
 def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
-    gz, gw = reference.backward(
-        grad, logits, ref_logits, kl, lse_z, lse_w, temperature, mask, need_ref
+    gz, gw = _backend.invariant_rows(
+        reference.backward,
+        logits.shape[:-1],
+        grad,
+        logits,
+        ref_logits,
+        kl,
+        lse_z,
+        lse_w,
+        temperature,
+        mask,
+        need_ref,
     )
     return gz.contiguous(), (gw.contiguous() if need_ref else ref_logits.new_empty(0))
 

@@ -56,7 +56,7 @@ from .._checks import (
     check_tensor,
 )
 from . import reference
-from .planner import Plan, _acc, _check_logits_dtype, _resolve_budget, plan_chunks
+from .planner import Plan, _acc, _check_logits_dtype, plan_call
 from .tiler import Tiler
 
 # Per-tile kernels of vocabulary-chunk tiles (contract: reference.tile_stats_ / tile_bwd_), one
@@ -101,7 +101,8 @@ def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
 
 @tile_stats_.impl("eager")
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
-    reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
+    with _backend.invariant_threads():
+        reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
 @tile_bwd_.impl("cpp")
@@ -126,9 +127,10 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
 
 @tile_bwd_.impl("eager")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
-    reference.tile_bwd_(
-        tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
-    )
+    with _backend.invariant_threads():
+        reference.tile_bwd_(
+            tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
+        )
 
 
 def fused_backend(hidden, backend: str) -> str | None:
@@ -231,19 +233,9 @@ def check_backward_args(
 
 def plan_for(hidden, V, max_chunk_bytes, logits_dtype, fused) -> Plan:
     """The chunks of hidden [N, H] against V vocabulary rows (planner.plan_chunks) within
-    max_chunk_bytes (0: the device's default)."""
+    max_chunk_bytes (0: the device's default); in batch-invariant mode planner.plan_invariant."""
     N, H = hidden.shape
-    dev = hidden.device
-    return plan_chunks(
-        N,
-        V,
-        H,
-        hidden.dtype,
-        dev.type,
-        _resolve_budget(max_chunk_bytes, dev),
-        logits_dtype=logits_dtype,
-        fused=fused,
-    )
+    return plan_call(N, V, H, hidden.dtype, hidden.device, max_chunk_bytes, logits_dtype, fused)
 
 
 def chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0, backend=None):
@@ -340,17 +332,17 @@ def forward(
     inv_t = 1.0 / temperature
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
-        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
+        hc, lc = tiler.rows(r0, r1), tiler.pad(labels[r0:r1], ignore_index)
         if plan.vocab == V and fused:
             tile = tiler.logits(hc, 0, V)
             a, e, s = tl_forward.impls[fused](tile, lc, inv_t, ignore_index, with_entropy)
         else:
             state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, backend=backend)
             a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
-        lp[r0:r1] = a
-        lse[r0:r1] = s
+        lp[r0:r1] = a[: r1 - r0]  # (padded rows in batch-invariant mode)
+        lse[r0:r1] = s[: r1 - r0]
         if with_entropy:
-            ent[r0:r1] = e
+            ent[r0:r1] = e[: r1 - r0]
     return lp, ent, lse
 
 
@@ -397,15 +389,15 @@ def backward(
     gh = torch.empty((plan.rows, H) if need_hidden else (0,), dtype=acc, device=dev)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
-        hc, lc = tiler.rows(r0, r1), labels[r0:r1]
-        glp, ls = glp_all[r0:r1], lse[r0:r1]
-        gent = gent_all[r0:r1] if with_ent else None
-        en = entropy[r0:r1] if with_ent else None
-        ghc = gh[: r1 - r0].zero_() if need_hidden else gh
+        hc, lc = tiler.rows(r0, r1), tiler.pad(labels[r0:r1], ignore_index)
+        glp, ls = tiler.pad(glp_all[r0:r1]), tiler.pad(lse[r0:r1])
+        gent = tiler.pad(gent_all[r0:r1]) if with_ent else None
+        en = tiler.pad(entropy[r0:r1]) if with_ent else None
+        ghc = gh[: hc.shape[0]].zero_() if need_hidden else gh
         chunk_backward(
             tiler, plan, fused, hc, lc, glp, gent, ls, en, inv_t, ignore_index, V, ghc, gW, gb,
             backend=backend, tl_backward=tl_backward,
         )  # fmt: skip
         if need_hidden:
-            gh_out[r0:r1] = ghc
+            gh_out[r0:r1] = ghc[: r1 - r0]
     return gh_out, gW, gb

@@ -49,10 +49,28 @@ class Tiler:
         # soft-capping's derivative 1 - tanh^2 of one tile, kept for the backward (one tile more
         # than the plan's budget, only with softcap)
         self.dcap = torch.empty(n if (backward and softcap) else 0, dtype=self.acc, device=dev)
+        # batch-invariant mode: each row chunk is copied into this [rows, H] buffer, zero-padded,
+        # so that every matmul has the same shape, strides and alignment whatever the call
+        hdt = self.acc if plan.upcast else hidden.dtype
+        self.h_pad = torch.empty((plan.rows, H) if plan.pad else (0,), dtype=hdt, device=dev)
 
     def rows(self, r0, r1):
         hc = self.h[r0:r1]
+        if self.plan.pad:
+            self.h_pad[: r1 - r0].copy_(hc)  # (upcast as it copies)
+            self.h_pad[r1 - r0 :].zero_()
+            return self.h_pad
         return hc.to(self.acc) if self.plan.upcast else hc
+
+    def pad(self, t, value=0):
+        """A per-row tensor of one row chunk (labels: value=ignore_index), padded to the plan's rows
+        in batch-invariant mode (the padding rows are ignored); unchanged otherwise."""
+        n = t.shape[0]
+        if not self.plan.pad or n == self.plan.rows:
+            return t
+        out = t.new_full((self.plan.rows,) + tuple(t.shape[1:]), value)
+        out[:n] = t
+        return out
 
     def _w(self, s0, s1):
         if self.W_acc is not None:

@@ -44,8 +44,14 @@ def _(logits, labels, inv_temperature, ignore_index, with_entropy):
 def _(logits, labels, inv_temperature, ignore_index, with_entropy):
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    lp, ent, lse = reference.forward(
-        logits, labels, 1.0 / inv_temperature, ignore_index, with_entropy
+    lp, ent, lse = _backend.invariant_rows(
+        reference.forward,
+        labels.shape,
+        logits,
+        labels,
+        1.0 / inv_temperature,
+        ignore_index,
+        with_entropy,
     )
     out = _backend.out_dtype(logits)
     return lp.to(out), ent.to(out), lse.to(out)
@@ -120,7 +126,9 @@ def _(
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     grad_logits.copy_(
-        reference.backward(
+        _backend.invariant_rows(
+            reference.backward,
+            labels.shape,
             grad_logprobs,
             grad_entropy,
             logits,

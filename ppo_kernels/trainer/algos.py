@@ -99,6 +99,18 @@ def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk=100,
 # ---------------------------------------------------------------------------------------------
 # PPO / GRPO
 # ---------------------------------------------------------------------------------------------
+def _by_rows(b: SeqBatch, size: int, fn):
+    """fn(rows) of the batch's rows in passes of `size` rows (0: one pass), joined."""
+    if not size or size >= len(b):
+        return fn(b)
+    dev = b.input_ids.device
+    parts = [
+        fn(b.rows(torch.arange(lo, min(len(b), lo + size), device=dev)))
+        for lo in range(0, len(b), size)
+    ]
+    return torch.cat(parts)
+
+
 class AdaptiveKL:
     """Ziegler et al.'s controller: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon."""
 
@@ -205,13 +217,24 @@ class RLTrainer:
 
     @torch.no_grad()
     def score_batch(self, b: SeqBatch, scores: torch.Tensor) -> dict:
-        """Old and Reference log-probs, values, rewards and advantages, in batch."""
+        """Old and Reference log-probs, values, rewards and advantages, in batch (the forward
+        passes in --logprob-micro-batch rows)."""
         cfg, ops = self.cfg, self.ops
-        inputs = b.model_inputs()
         mask = b.action_mask
-        how = dict(temperature=cfg.temperature, only=mask)
-        old_lp = self.policy(*inputs, logprobs=how)
-        ref_lp = self.ref_policy(*inputs, logprobs=how)
+        size = cfg.logprob_micro_batch
+
+        def logprobs(model):
+            return _by_rows(
+                b,
+                size,
+                lambda mb: model(
+                    *mb.model_inputs(),
+                    logprobs=dict(temperature=cfg.temperature, only=mb.action_mask),
+                ),
+            )
+
+        old_lp = logprobs(self.policy)
+        ref_lp = logprobs(self.ref_policy)
         out = {"old_logprobs": old_lp, "ref_logprobs": ref_lp, "scores": scores}
         if cfg.algo == "grpo":
             seq_adv = (
@@ -226,7 +249,7 @@ class RLTrainer:
         # bootstrap value instead (for the verifier its score is 0 anyway)
         scores = scores * ~b.truncated
         out["scores"] = scores
-        v = self.critic(*inputs)
+        v = _by_rows(b, size, lambda mb: self.critic(*mb.model_inputs()))
         values = v[:, :-1] * mask
         # truncated rows: the future after the last token still has value -> bootstrap from V
         bootstrap = v.gather(1, last_index(b.attention_mask)[:, None]).squeeze(1) * b.truncated
@@ -277,46 +300,68 @@ class RLTrainer:
         tokens = torch.stack([b.action_mask[i.to(dev)].sum() for i in mbs]).double()
         scales = tokens * dist.world(self.group) / dist.all_sum(tokens, self.group).to(tokens)
         rows = []
+        first = None  # max |log ratio| over the first minibatch, before any step of this batch
         for idx, n_tok, scale in zip(mbs, tokens, scales.float()):
             at = (idx if len(idx) else torch.zeros(1, dtype=torch.long)).to(dev)
             mb = b.rows(at)
             mask = mb.action_mask
-            lp, ent = self.policy(
-                *mb.model_inputs(),
-                logprobs=dict(temperature=cfg.temperature, return_entropy=True, only=mask),
-            )
-            pg, st = ops.ppo_policy_loss(
-                lp,
-                d["old_logprobs"][at],
-                d["advantages"][at],
-                mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                dual_clip=cfg.dual_clip,
-            )
-            ent_mean = ops.masked_mean(ent, mask)
-            loss = pg - cfg.ent_coef * ent_mean
-            if cfg.algo == "grpo" and cfg.kl_coef > 0:
-                kl = ops.masked_mean(
-                    ops.kl_penalty(lp, d["ref_logprobs"][at], cfg.kl_estimator), mask
+
+            def actor_forward(part):
+                return self.policy(
+                    *part.model_inputs(),
+                    logprobs=dict(
+                        temperature=cfg.temperature, return_entropy=True, only=part.action_mask
+                    ),
                 )
-                loss = loss + cfg.kl_coef * kl
+
+            def actor_loss(outs, at, mask):
+                lp, ent = outs
+                pg, st = ops.ppo_policy_loss(
+                    lp,
+                    d["old_logprobs"][at],
+                    d["advantages"][at],
+                    mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                )
+                ent_mean = ops.masked_mean(ent, mask)
+                loss = pg - cfg.ent_coef * ent_mean
+                if cfg.algo == "grpo" and cfg.kl_coef > 0:
+                    kl = ops.masked_mean(
+                        ops.kl_penalty(lp, d["ref_logprobs"][at], cfg.kl_estimator), mask
+                    )
+                    loss = loss + cfg.kl_coef * kl
+                return loss, {"pg_loss": pg, "entropy": ent_mean, **st}
+
             self.actor_opt.zero_grad(set_to_none=True)
-            (loss * scale).backward()
+            per_token, (lp, _) = self._accumulate(
+                actor_forward, actor_loss, mb, at, mask, n_tok, scale
+            )
+            if first is None:
+                dev_lp = (lp.detach() - d["old_logprobs"][at]).abs() * (mask > 0)
+                first = dev_lp.amax() if len(idx) else dev_lp.new_zeros(())
             gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
             self.actor_opt.step()
-            per_token = {"pg_loss": pg, "entropy": ent_mean, **st}
             per_step = {"actor_grad_norm": dist.local(gn)}
             if self.critic is not None:
-                v = self.critic(*mb.model_inputs())[:, :-1]
-                vl, vst = ops.ppo_value_loss(
-                    v, d["values"][at], d["returns"][at], mask, clip=cfg.value_clip
-                )
+
+                def critic_forward(part):
+                    return (self.critic(*part.model_inputs())[:, :-1],)
+
+                def critic_loss(outs, at, mask):
+                    vl, vst = ops.ppo_value_loss(
+                        outs[0], d["values"][at], d["returns"][at], mask, clip=cfg.value_clip
+                    )
+                    return cfg.vf_coef * vl, {"vf_loss": vl, **vst}
+
                 self.critic_opt.zero_grad(set_to_none=True)
-                (cfg.vf_coef * vl * scale).backward()
+                vstats, _ = self._accumulate(
+                    critic_forward, critic_loss, mb, at, mask, n_tok, scale
+                )
                 cgn = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
                 self.critic_opt.step()
-                per_token.update(vf_loss=vl, **vst)
+                per_token.update(vstats)
                 per_step["critic_grad_norm"] = dist.local(cgn)
             one = torch.ones((), dtype=torch.float64)
             rows.append(
@@ -331,7 +376,43 @@ class RLTrainer:
         sums = torch.stack([torch.stack([r[k][0].cpu() for k in keys]) for r in rows])
         counts = torch.stack([torch.stack([r[k][1].cpu() for k in keys]) for r in rows])
         means = dist.global_ratio(sums, counts, self.group).mean(0)
-        return dict(zip(keys, means.tolist()))
+        out = dict(zip(keys, means.tolist()))
+        # the first minibatch is on-policy: 0 exactly when the update's log-probs equal the
+        # scoring pass's bitwise (--batch-invariant), however the two were batched
+        out["first_logratio_max"] = float(dist.global_max(first, self.group))
+        return out
+
+    def _units(self, n: int) -> list[slice]:
+        """The forward / backward passes of a minibatch of n rows: one per sequence under
+        --batch-invariant (a gradient summed in an order that no micro-batch size changes), else
+        --micro-batch rows each (0: one pass)."""
+        size = 1 if self.cfg.batch_invariant else (self.cfg.micro_batch or n)
+        return [slice(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+    def _accumulate(self, forward, loss_fn, mb: SeqBatch, at, mask, n_tok, scale):
+        """The backward of a minibatch's token-mean loss, in the passes of `_units`: each pass's
+        loss weighted by its share of the minibatch's tokens (the gradients add up in .grad).
+        Returns the minibatch's statistics (of its one pass, or recomputed from the joined
+        per-token outputs: the same whatever the passes) and the per-token outputs."""
+        units = self._units(len(at))
+        if len(units) == 1:
+            outs = forward(mb)
+            loss, stats = loss_fn(outs, at, mask)
+            (loss * scale).backward()
+            return stats, outs
+        pieces = []
+        for u in units:
+            part = mb.rows(torch.arange(u.start, u.stop, device=at.device))
+            outs = forward(part)
+            n = part.action_mask.sum()
+            if n > 0:  # a pass without action tokens adds no gradient
+                loss, _ = loss_fn(outs, at[u], part.action_mask)
+                (loss * (n / n_tok).float() * scale).backward()
+            pieces.append(tuple(o.detach() for o in outs))
+        outs = tuple(torch.cat(p) for p in zip(*pieces))
+        with torch.no_grad():
+            _, stats = loss_fn(outs, at, mask)
+        return stats, outs
 
     def step(self, problems) -> dict:
         b, scores = self.rollout(problems)

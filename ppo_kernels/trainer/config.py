@@ -70,6 +70,23 @@ class TrainConfig:
     # -- PPO ----------------------------------------------------------------------------------
     ppo_epochs: int = _f(2, "passes over each rollout batch")
     minibatch_size: int = _f(32, "sequences per optimiser step")
+    logprob_micro_batch: int = _f(
+        0,
+        "sequences per forward pass when a rollout batch is scored (old and Reference log-probs, "
+        "values); 0: the whole batch in one pass",
+    )
+    micro_batch: int = _f(
+        0,
+        "sequences per forward / backward pass of the update, the gradient accumulated over the "
+        "minibatch; 0: the whole minibatch in one pass",
+    )
+    batch_invariant: bool = _f(
+        False,
+        "RL phase under ppo_kernels.batch_invariant(): a token's log-prob is bitwise the same "
+        "in any batch, so the first update sees a ratio of exactly 1; the update accumulates "
+        "its gradient sequence by sequence, so the run does not depend on the micro-batch "
+        "sizes (with --ops fused; one process)",
+    )
     actor_lr: float = _f(5e-4, "Actor AdamW learning rate")
     critic_lr: float = _f(3e-3, "Critic AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -160,6 +177,9 @@ class TrainConfig:
         ):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("logprob_micro_batch", "micro_batch"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0 (0: one pass), got {getattr(self, name)}")
         for name in ("gamma", "lam", "p_tool", "p_format"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [0, 1], got {getattr(self, name)}")

@@ -223,6 +223,15 @@ def all_sum(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def global_max(t: torch.Tensor, group) -> torch.Tensor:
+    """Max of `t` over the ranks (float64); `t` itself with one process."""
+    if group is None:
+        return t
+    t = t.to(_dev(group), torch.float64, copy=True)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def global_ratio(sums: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
     """sum over ranks of `sums` / sum over ranks of `counts`, elementwise, in one all-reduce:
     a global mean of per-rank sums (counts 0 give 0)."""

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .. import _memory
+from .. import _memory, batch_invariant
 from . import checkpoint, dist
 from .config import ConfigError, TrainConfig
 from .ops import Ops
@@ -82,6 +82,11 @@ def _check_data_parallel(cfg: TrainConfig, w: int):
         raise ConfigError(
             f"--prompts-per-step {cfg.prompts_per_step} must divide by the {w} data-parallel "
             "processes"
+        )
+    if cfg.micro_batch or cfg.batch_invariant:
+        raise ConfigError(
+            "--micro-batch / --batch-invariant: the update's gradient accumulation runs in one "
+            "process only (not yet under torchrun)"
         )
     pairs = cfg.algo in ("dpo", "rm") or (cfg.reward == "rm" and not cfg.rm_path)
     if pairs and cfg.pref_batch % w:
@@ -147,10 +152,15 @@ class _Run:
         )
 
     def record(self, step: int, metrics: dict, phase: str):
+        # 6 digits, or every bit under --batch-invariant (runs meant to be compared bitwise)
+        exact = self.cfg.batch_invariant
         row = {
             "step": step,
             "phase": phase,
-            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
+            **{
+                k: (round(v, 6) if isinstance(v, float) and not exact else v)
+                for k, v in metrics.items()
+            },
         }
         if not self.main:
             return row
@@ -369,7 +379,9 @@ def run(cfg: TrainConfig, log=print, before_sft=None) -> dict:
     )
     r.summary["sft_seconds"] = round(sft_seconds, 2)
     eval_problems = r.task.problems(cfg.eval_prompts, seed=1_000_003 + cfg.seed)
-    _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
+    # the training phase only: the SFT warm-up (and its cache) is the same with or without it
+    with batch_invariant(cfg.batch_invariant):
+        _TRAIN[cfg.algo](r, actor, tok, eval_problems, cfg.seed + 7)
     summary = r.finish()
     group = r.group
     del r, actor, tok  # the models (DDP / FSDP wrappers hold the group) before the group

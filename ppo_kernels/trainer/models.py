@@ -169,7 +169,10 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = hidden_states(self.body, input_ids, attention_mask, position_ids)
-        return self.head(h).squeeze(-1).float()
+        # the head as a per-row dot product, not nn.Linear: a matmul with one output column runs
+        # as a GEMV whose result for a row depends on the number of rows (MKL), so a value would
+        # change with the micro-batch it was computed in (--batch-invariant)
+        return ((h * self.head.weight[0]).sum(-1) + self.head.bias[0]).float()
 
     def score(self, input_ids, attention_mask, position_ids):
         return score(self, input_ids, attention_mask, position_ids)
