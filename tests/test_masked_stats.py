@@ -197,12 +197,16 @@ def test_opcheck():
     x = torch.randn(3, 9, generator=g)
     w = torch.rand(3, 9, generator=g) * (torch.rand(3, 9, generator=g) > 0.3)
     for mask in (w, w != 0):
-        torch.library.opcheck(ops.masked_mean.default, (x, mask, None, "zero"))
-        torch.library.opcheck(ops.masked_mean.default, (x, mask, [1], "nan"))
+        torch.library.opcheck(torch.ops.ppo_kernels.masked_mean.default, (x, mask, None, "zero"))
+        torch.library.opcheck(torch.ops.ppo_kernels.masked_mean.default, (x, mask, [1], "nan"))
         torch.library.opcheck(
-            ops.masked_mean_backward.default, (torch.ones(3), x, mask, [1], "zero")
+            torch.ops.ppo_kernels.masked_mean_backward.default,
+            (torch.ones(3), x, mask, [1], "zero"),
         )
-        torch.library.opcheck(ops.masked_whiten.default, (x, mask, False, True, 1e-8))
         torch.library.opcheck(
-            ops.masked_whiten_backward.default, (torch.randn(3, 9), x, mask, True, False, 1e-8)
+            torch.ops.ppo_kernels.masked_whiten.default, (x, mask, False, True, 1e-8)
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.masked_whiten_backward.default,
+            (torch.randn(3, 9), x, mask, True, False, 1e-8),
         )

@@ -289,23 +289,18 @@ class LossFn : public torch::autograd::Function<LossFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(ctx->saved_data.count("done") == 0,
-                "linear_policy_loss: its backward runs once (the gradients formed in the forward "
-                "are scaled in place; a second backward through a retained graph is not "
-                "supported: run the forward again)");
-    ctx->saved_data["done"] = true;
     const auto saved = ctx->get_saved_variables();
     const auto need = ctx->saved_data["need"].toBoolList();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     const Tensor& g = grads[0];
     variable_list out(7);
     if (!g.defined()) return out;
-    // The gradients were formed for an upstream gradient of 1: scale them (no GEMM), in place so
-    // that the [V, H] weight gradient is not held twice (float32 weights get the sum itself).
+    // The gradients were formed for an upstream gradient of 1: scale them (no GEMM). Not in place:
+    // a retained graph's second backward (gradcheck's, for one) must find them unscaled.
     // grad_hidden is in hidden's dtype, grad_weight / grad_bias are float32 sums until here.
-    if (need[0]) out[0] = saved[0].mul_(g);
-    if (need[1]) out[1] = saved[1].mul_(g).to(dtype);
-    if (need[2]) out[2] = saved[2].mul_(g).to(dtype);
+    if (need[0]) out[0] = saved[0] * g;
+    if (need[1]) out[1] = (saved[1] * g).to(dtype);
+    if (need[2]) out[2] = (saved[2] * g).to(dtype);
     return out;
   }
 };

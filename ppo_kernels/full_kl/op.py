@@ -33,15 +33,26 @@ def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
     )
 
 
-@_backend.impl("full_kl", "triton")
-def _(logits, ref_logits, temperature, mask):
+# The kernels on logits tiles, one implementation per backend with one signature (inv_temperature
+# = 1 / T): the registered ops' triton / eager implementations below, and the fused policy loss on
+# its reference-head tiles (as linear_logprobs runs token_logprobs' kernels).
+forward = _backend.Kernel("full_kl", "forward")
+backward = _backend.Kernel("full_kl", "backward")  # writes grad_logits (and grad_ref_logits)
+
+
+@forward.impl("cpp")
+def _(logits, ref_logits, mask, inv_temperature):
+    return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, inv_temperature)
+
+
+@forward.impl("triton")
+def _(logits, ref_logits, mask, inv_temperature):
     from . import triton_kernels
 
-    return triton_kernels.forward(logits, ref_logits, mask, 1.0 / temperature)
+    return triton_kernels.forward(logits, ref_logits, mask, inv_temperature)
 
 
-@_backend.impl("full_kl", "eager")
-def _(logits, ref_logits, temperature, mask):
+def _eager_forward(logits, ref_logits, temperature, mask):
     kl, lz, lw = _backend.invariant_rows(
         reference.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
     )
@@ -49,25 +60,29 @@ def _(logits, ref_logits, temperature, mask):
     return kl.to(o), lz.to(o), lw.to(o)
 
 
-def _grad_buffers(logits, ref_logits, need_ref):
-    gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
-    if not need_ref:
-        return gz, ref_logits.new_empty(0)
-    return gz, _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device)
+@forward.impl("eager")
+def _(logits, ref_logits, mask, inv_temperature):
+    return _eager_forward(logits, ref_logits, 1.0 / inv_temperature, mask)
 
 
-@_backend.impl("full_kl_backward", "triton")
-def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+@backward.impl("cpp")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+    _backend.cpp_ops().full_kl_bwd(
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
+    )
+
+
+@backward.impl("triton")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
     from . import triton_kernels
 
-    gz, gw = _grad_buffers(logits, ref_logits, need_ref)
-    triton_kernels.backward(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature,
-                            gz, gw if need_ref else None)  # fmt: skip
-    return gz, gw
+    triton_kernels.backward(
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
+    )
 
 
-@_backend.impl("full_kl_backward", "eager")
-def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+@backward.impl("eager")
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
     gz, gw = _backend.invariant_rows(
         reference.backward,
         logits.shape[:-1],
@@ -77,11 +92,42 @@ def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
         kl,
         lse_z,
         lse_w,
-        temperature,
+        1.0 / inv_temperature,
         mask,
-        need_ref,
+        grad_ref is not None,
     )
-    return gz.contiguous(), (gw.contiguous() if need_ref else ref_logits.new_empty(0))
+    grad_logits.copy_(gz)
+    if grad_ref is not None:
+        grad_ref.copy_(gw)
+
+
+@_backend.impl("full_kl", "triton")
+def _(logits, ref_logits, temperature, mask):
+    return forward.impls["triton"](logits, ref_logits, mask, 1.0 / temperature)
+
+
+_backend.impl("full_kl", "eager")(_eager_forward)  # the temperature as given (no 1 / (1 / T))
+
+
+def _grad_buffers(logits, ref_logits, need_ref):
+    gz = _backend.new_output(logits.shape, logits.dtype, logits.device)
+    if not need_ref:
+        return gz, ref_logits.new_empty(0)
+    return gz, _backend.new_output(ref_logits.shape, ref_logits.dtype, ref_logits.device)
+
+
+def _backward_op(backend):
+    def run(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+        gz, gw = _grad_buffers(logits, ref_logits, need_ref)
+        backward.impls[backend](logits, grad, ref_logits, mask, kl, lse_z, lse_w,
+                                1.0 / temperature, gz, gw if need_ref else None)  # fmt: skip
+        return gz, gw
+
+    return run
+
+
+_backend.impl("full_kl_backward", "triton")(_backward_op("triton"))
+_backend.impl("full_kl_backward", "eager")(_backward_op("eager"))
 
 
 # Without the compiled extension: the reference itself (differentiable by autograd), and the

@@ -163,23 +163,24 @@ def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ig
 
 
 def _register(backend: str):
-    fwd, bwd = forward.impls[backend], backward.impls[backend]
+    # the kernels looked up per call: a test may swap one (tests/test_batch_invariance.py)
+    impls_f, impls_b = forward.impls, backward.impls
 
     @_backend.impl("token_logprobs", backend)
     def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
-        return fwd(logits, labels, 1.0 / temperature, ignore_index, with_entropy)
+        return impls_f[backend](logits, labels, 1.0 / temperature, ignore_index, with_entropy)
 
     @_backend.impl("token_logprobs_backward", backend)
     def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
         grad = _backend.new_output(logits.shape, logits.dtype, logits.device)
-        bwd(logits, grad_logprobs, grad_entropy, labels, lse, entropy, 1.0 / temperature,
-            ignore_index, grad)  # fmt: skip
+        impls_b[backend](logits, grad_logprobs, grad_entropy, labels, lse, entropy,
+                         1.0 / temperature, ignore_index, grad)  # fmt: skip
         return grad
 
     @_backend.impl("token_logprobs_backward_", backend)
     def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
-        bwd(logits, grad_logprobs, grad_entropy, labels, lse, entropy, 1.0 / temperature,
-            ignore_index, logits)  # fmt: skip
+        impls_b[backend](logits, grad_logprobs, grad_entropy, labels, lse, entropy,
+                         1.0 / temperature, ignore_index, logits)  # fmt: skip
 
 
 _register("triton")
