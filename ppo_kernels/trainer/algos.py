@@ -309,14 +309,8 @@ class RLTrainer:
             kl_coef = cfg.kl_coef if cfg.algo == "grpo" else 0.0
 
             def actor_forward(part, at):
-                if cfg.batch_invariant:  # the log-probs bitwise those of the scoring pass
-                    return self.policy(
-                        *part.model_inputs(),
-                        logprobs=dict(
-                            temperature=cfg.temperature, return_entropy=True, only=part.action_mask
-                        ),
-                    )
-                # fused ops: the loss from the hidden states in one linear_policy_loss pass
+                # fused ops: the loss from the hidden states in one linear_policy_loss pass (its
+                # log-probs are linear_token_logprobs' bitwise under --batch-invariant too)
                 return self.policy(
                     *part.model_inputs(),
                     actor_loss=dict(
