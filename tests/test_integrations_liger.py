@@ -246,3 +246,22 @@ def test_report_and_revert(liger):
         pki.revert("liger")
     assert grpo.LigerFusedLinearGRPOFunction is original
     assert functional.LigerFusedLinearGRPOFunction is original
+
+
+def test_float64(liger):
+    """float64 input: Liger's log-probs are float32 whatever the input (its loss too); ours
+    float64, returned as float32 (dtype="peer"), gradients in the input's dtype."""
+    grpo, _ = liger
+    h, w, ids, mask, adv, b, old, ref = _inputs(seed=8, bias=True, dtype=torch.float64)
+    compare(
+        "liger",
+        _module(grpo, loss_type="dapo"),
+        h,
+        w,
+        ids,
+        mask,
+        adv,
+        b,
+        ref_per_token_logps=ref,
+        old_per_token_logps=old,
+    )
