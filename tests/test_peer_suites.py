@@ -1,8 +1,9 @@
 """The peers' own test suites with `apply(peer)` active (tests/peer_suites/run_peer_suites.py):
 every test of theirs that passes unpatched passes patched (the documented known differences
-excepted), and our ops ran. verl's from its PyPI sdist (fetched once into .peer_tests/); TRL's and
-OpenRLHF's only where a checkout is given ($PPO_KERNELS_PEER_SRC_TRL / $PPO_KERNELS_PEER_SRC_OPENRLHF,
-a work tree or a bare git mirror): neither ships its tests on PyPI."""
+excepted), and our ops ran. verl's from its PyPI sdist (fetched once into .peer_tests/); TRL's,
+OpenRLHF's and Liger's only where a checkout is given ($PPO_KERNELS_PEER_SRC_TRL /
+$PPO_KERNELS_PEER_SRC_OPENRLHF / $PPO_KERNELS_PEER_SRC_LIGER, a work tree or a bare git mirror):
+none ships its tests on PyPI."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ PROBE = {
     "verl": "verl.trainer.ppo.core_algos",
     "trl": "trl.trainer.utils",
     "openrlhf": "openrlhf.models.loss",
+    "liger": "liger_kernel.chunked_loss.grpo_loss",
 }
 
 

@@ -1,6 +1,7 @@
 """The thin trainer: task and verifier, rollout masks in the tool environment, prefix restriction,
 reward placement, GAE over tool tokens, truncation bootstrap, config errors."""
 
+import copy
 import math
 import random
 
@@ -496,3 +497,66 @@ def test_eager_ops_materialise_the_logits_and_fused_do_not():
     for a, b in zip(outs["eager"], outs["fused"]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert (outs["eager"][0][:7] == 0).all() and (outs["eager"][1][:7] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused actor loss (linear_policy_loss) against today's fused composition
+# ---------------------------------------------------------------------------------------------
+class _DigitCredit(DecimalAdditionTask):
+    """Dense stand-in reward for an untrained model (non-zero advantages)."""
+
+    def verify(self, problem, response):
+        return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+@pytest.mark.parametrize("micro_batch", [0, 3])
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_fused_actor_loss_is_the_composition(monkeypatch, algo, micro_batch):
+    """--ops fused computes the PPO / GRPO actor loss with linear_policy_loss from the last hidden
+    states and the LM head (the logits once); one update gives the gradient, the metrics and the
+    parameters of the composition it replaces (linear_token_logprobs, ppo_policy_loss, the
+    entropy's masked_mean and for GRPO kl_penalty: PPO_TRAINER_EAGER_OPS=linear_policy_loss)
+    within float32 tolerance, in one pass or in micro-batches."""
+    grpo = algo == "grpo"
+    cfg = tiny_cfg(
+        algo=algo,
+        group_size=2 if grpo else 1,
+        prompts_per_step=4,
+        minibatch_size=8 if grpo else 4,
+        ppo_epochs=1,
+        micro_batch=micro_batch,
+        kl_coef=0.1,
+        ent_coef=0.05,
+        dual_clip=3.0,
+        clip_high=0.28,
+    )
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    actor0 = tiny_model(cfg, len(tok))
+    critic0 = None if grpo else ValueModel.from_causal_lm(actor0)
+    problems = [Problem("0.10", "0.20"), Problem("1.25", "2.50"), Problem("3.33", "4.44")]
+    problems.append(Problem("9.99", "0.01"))
+    runs = {}
+    for name, env in (("fused", ""), ("composed", "linear_policy_loss")):
+        monkeypatch.setenv("PPO_TRAINER_EAGER_OPS", env)
+        ops = Ops("fused")
+        actor = copy.deepcopy(actor0)
+        ref = frozen_copy(actor0)
+        with torch.no_grad():  # a Reference that differs: a non-zero KL term
+            for p in ref.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        tr = RLTrainer(cfg, actor, ref, copy.deepcopy(critic0), tok, _DigitCredit(), ops)
+        m = tr.step(problems)
+        grads = [p.grad.clone() for p in actor.parameters()]
+        runs[name] = (m, grads, [p.detach().clone() for p in actor.parameters()], ops)
+    (mf, gf, pf, of), (mc, gc, pc, oc) = runs["fused"], runs["composed"]
+    assert "linear_policy_loss" in of.used and "linear_policy_loss" in oc.fallbacks
+    assert mf.keys() == mc.keys() and mc["pg_loss"] != 0.0
+    for k in mc:
+        torch.testing.assert_close(
+            torch.tensor(mf[k]), torch.tensor(mc[k]), rtol=1e-5, atol=1e-6, msg=k
+        )
+    for a, b in zip(gf, gc):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(pf, pc):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

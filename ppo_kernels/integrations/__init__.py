@@ -1,7 +1,8 @@
-"""Drop-in replacement of verl's, TRL's and OpenRLHF's per-token math by ppo_kernels ops.
+"""Drop-in replacement of verl's, TRL's and OpenRLHF's per-token math, and of Liger's fused linear
+GRPO loss, by ppo_kernels ops.
 
     import ppo_kernels.integrations as pki
-    pki.apply("verl")            # or "trl", "openrlhf"; strict=True, dtype="peer"
+    pki.apply("verl")            # or "trl", "openrlhf", "liger"; strict=True, dtype="peer"
     ...                          # the peer's code now runs our ops, same numbers
     print(pki.report("verl"))    # every replaced function: calls, replaced, fallbacks and why
     pki.revert("verl")           # or: with pki.patched("verl"): ...
@@ -31,7 +32,7 @@ import warnings
 
 from ._patch import Unsupported, UnsupportedVersion  # noqa: F401 (public: pki.Unsupported)
 
-PEERS = ("verl", "trl", "openrlhf")
+PEERS = ("verl", "trl", "openrlhf", "liger")
 _peers: dict = {}
 
 

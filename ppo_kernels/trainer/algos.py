@@ -306,15 +306,34 @@ class RLTrainer:
             mb = b.rows(at)
             mask = mb.action_mask
 
-            def actor_forward(part):
+            kl_coef = cfg.kl_coef if cfg.algo == "grpo" else 0.0
+
+            def actor_forward(part, at):
+                # fused ops: the loss from the hidden states in one linear_policy_loss pass (its
+                # log-probs are linear_token_logprobs' bitwise under --batch-invariant too)
                 return self.policy(
                     *part.model_inputs(),
-                    logprobs=dict(
-                        temperature=cfg.temperature, return_entropy=True, only=part.action_mask
+                    actor_loss=dict(
+                        temperature=cfg.temperature,
+                        only=part.action_mask,
+                        old_logprobs=d["old_logprobs"][at],
+                        advantages=d["advantages"][at],
+                        mask=part.action_mask,
+                        ref_logprobs=d["ref_logprobs"][at] if kl_coef > 0 else None,
+                        clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high,
+                        dual_clip=cfg.dual_clip,
+                        ent_coef=cfg.ent_coef,
+                        kl_coef=kl_coef,
+                        kl_estimator=cfg.kl_estimator,
                     ),
                 )
 
             def actor_loss(outs, at, mask):
+                if len(outs) == 3:  # computed with the forward (linear_policy_loss)
+                    loss, st = outs[2]
+                    stats = {"clipfrac": st["clip_frac"], "approx_kl": st["approx_kl"]}
+                    return loss, {"pg_loss": st["pg_loss"], "entropy": st["entropy_mean"], **stats}
                 lp, ent = outs
                 pg, st = ops.ppo_policy_loss(
                     lp,
@@ -327,15 +346,15 @@ class RLTrainer:
                 )
                 ent_mean = ops.masked_mean(ent, mask)
                 loss = pg - cfg.ent_coef * ent_mean
-                if cfg.algo == "grpo" and cfg.kl_coef > 0:
+                if kl_coef > 0:
                     kl = ops.masked_mean(
                         ops.kl_penalty(lp, d["ref_logprobs"][at], cfg.kl_estimator), mask
                     )
-                    loss = loss + cfg.kl_coef * kl
+                    loss = loss + kl_coef * kl
                 return loss, {"pg_loss": pg, "entropy": ent_mean, **st}
 
             self.actor_opt.zero_grad(set_to_none=True)
-            per_token, (lp, _) = self._accumulate(
+            per_token, (lp, *_) = self._accumulate(
                 actor_forward, actor_loss, mb, at, mask, n_tok, scale
             )
             if first is None:
@@ -346,7 +365,7 @@ class RLTrainer:
             per_step = {"actor_grad_norm": dist.local(gn)}
             if self.critic is not None:
 
-                def critic_forward(part):
+                def critic_forward(part, at):
                     return (self.critic(*part.model_inputs())[:, :-1],)
 
                 def critic_loss(outs, at, mask):
@@ -396,19 +415,20 @@ class RLTrainer:
         per-token outputs: the same whatever the passes) and the per-token outputs."""
         units = self._units(len(at))
         if len(units) == 1:
-            outs = forward(mb)
+            outs = forward(mb, at)
             loss, stats = loss_fn(outs, at, mask)
             (loss * scale).backward()
             return stats, outs
         pieces = []
         for u in units:
             part = mb.rows(torch.arange(u.start, u.stop, device=at.device))
-            outs = forward(part)
+            outs = forward(part, at[u])
             n = part.action_mask.sum()
             if n > 0:  # a pass without action tokens adds no gradient
                 loss, _ = loss_fn(outs, at[u], part.action_mask)
                 (loss * (n / n_tok).float() * scale).backward()
-            pieces.append(tuple(o.detach() for o in outs))
+            # the per-token outputs (a loss computed with the forward is the pass's own)
+            pieces.append(tuple(o.detach() for o in outs[:2]))
         outs = tuple(torch.cat(p) for p in zip(*pieces))
         with torch.no_grad():
             _, stats = loss_fn(outs, at, mask)

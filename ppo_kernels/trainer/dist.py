@@ -93,13 +93,22 @@ def chunks(n: int, size: int, group) -> list[tuple[int, int]]:
 class Policy(nn.Module):
     """The Actor behind one forward. Called like the causal LM (keyword arguments, as generation
     does) it is the causal LM; called with `logprobs={...}` it returns
-    `models.token_logprobs(ops, actor, input_ids, attention_mask, position_ids, **logprobs)`."""
+    `models.token_logprobs(ops, actor, input_ids, attention_mask, position_ids, **logprobs)`,
+    with `actor_loss={...}` `models.actor_loss(...)` (the fused PPO / GRPO actor loss)."""
 
     def __init__(self, actor: nn.Module, ops):
         super().__init__()
         self.actor, self.ops = actor, ops
 
-    def forward(self, input_ids, attention_mask, position_ids, logprobs=None, **kw):
+    def forward(
+        self, input_ids, attention_mask, position_ids, logprobs=None, actor_loss=None, **kw
+    ):
+        if actor_loss is not None:  # inside the wrapper's forward: FSDP2 has the head gathered
+            from .models import actor_loss as loss_fn
+
+            return loss_fn(
+                self.ops, self.actor, input_ids, attention_mask, position_ids, **actor_loss
+            )
         if logprobs is None:
             return self.actor(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw

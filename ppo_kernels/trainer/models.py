@@ -151,6 +151,42 @@ def token_logprobs(
     return tuple(map(unpack, out)) if return_entropy else unpack(out)
 
 
+def actor_loss(ops, actor, input_ids, attention_mask, position_ids, *, temperature, only, **loss):
+    """The PPO / GRPO actor loss from the Actor's last hidden states and LM head in one pass
+    (`Ops.policy_loss_from_hidden`; `loss`: its per-token inputs [B, L-1] and coefficients), only
+    on the tokens where `only` is non-zero (packed): (logprobs, entropy, (loss, stats)), the
+    per-token values [B, L-1] detached (the loss carries the gradient). Where that pass does not
+    run (eager ops, a model whose logits are soft-capped or scaled): `token_logprobs`'
+    (logprobs, entropy), from which the caller composes the loss."""
+    if hf.logit_transform(actor) is None:
+        keep = only > 0
+        labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)[keep]
+        h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+        weight, bias = lm_head(actor)
+        per_token = ("old_logprobs", "advantages", "mask", "ref_logprobs")
+        kw = {k: (v[keep] if k in per_token and v is not None else v) for k, v in loss.items()}
+        out = ops.policy_loss_from_hidden(
+            h[keep], weight, bias, labels, temperature=temperature, **kw
+        )
+        if out is not None:
+            lp, st = out
+
+            def unpack(x):
+                return x.new_zeros(keep.shape).masked_scatter(keep, x)
+
+            return unpack(st["logprobs"]), unpack(st["entropy"]), (lp, st)
+    return token_logprobs(
+        ops,
+        actor,
+        input_ids,
+        attention_mask,
+        position_ids,
+        temperature=temperature,
+        return_entropy=True,
+        only=only,
+    )
+
+
 class ValueModel(nn.Module):
     """A transformers backbone with a scalar head: the Critic (a value per prefix) and the reward
     model (the value at the last token). Causal attention restricts each value to its prefix."""

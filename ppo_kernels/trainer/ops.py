@@ -114,6 +114,53 @@ class Ops:
         out = tl_ref.eager_logprobs(logits, safe, temperature, return_entropy)
         return _zero_ignored(out, valid, return_entropy)
 
+    def policy_loss_from_hidden(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        old_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        temperature: float,
+        clip_low: float,
+        clip_high: float | None,
+        dual_clip: float | None,
+        ent_coef: float,
+        kl_coef: float = 0.0,
+        ref_logprobs: Tensor | None = None,
+        kl_estimator: str = "k3",
+    ):
+        """The actor loss `ppo_policy_loss - ent_coef * mean(entropy) + kl_coef * mean(kl)`
+        (token means over mask; verl's clamps) from the hidden states and the LM head in one
+        `linear_policy_loss` pass, the logits computed once: (loss, stats with per-token
+        `logprobs` / `entropy`). None where it does not run fused (eager mode, or named in
+        PPO_TRAINER_EAGER_OPS): the caller composes the loss from the log-probs, as today."""
+        if not self._fused("linear_policy_loss"):
+            return None
+        return pk.linear_policy_loss(
+            hidden,
+            weight,
+            labels,
+            advantages,
+            old_logprobs,
+            mask,
+            bias=bias,
+            ref_logprobs=ref_logprobs if kl_coef else None,
+            loss_type="ppo",
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            agg="token-mean",
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            kl_clamp="verl",
+            entropy_coef=ent_coef,
+            temperature=temperature,
+        )
+
     # -- advantages ---------------------------------------------------------------------------
     def masked_mean(self, x, mask):
         return self._op("masked_mean", x, mask)

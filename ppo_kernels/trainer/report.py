@@ -131,7 +131,8 @@ def closing_notes(a: dict, b: dict, rows_a: list, rows_b: list) -> str:
         f"What was compared: the same {steps} {cfg['algo'].upper()} steps ({prompts} responses "
         "each) run twice from one SFT model, seed and prompt stream -- once with the ppo_kernels "
         "ops (log-probs and entropy straight from the hidden states and the LM-head weight, the "
-        "[tokens x vocabulary] logits never built; fused KL, GAE, whitening and losses), once "
+        "[tokens x vocabulary] logits never built; the actor loss in the same pass; fused KL, "
+        "GAE, whitening and value loss), once "
         "with the eager PyTorch code trainers run today (logits materialised, then log_softmax "
         "and gather; verl's loops).",
     ]

@@ -10,6 +10,9 @@ Where their tests come from (none of their code is kept in this repository):
             given with --src verl=DIR adds tests/utils/test_torch_functional.py
   trl       a checkout (--src trl=DIR; its sdist ships no tests): tests/test_utils.py
             (selective_log_softmax, entropy_from_logits, the chunked log-prob function)
+  liger     a checkout (--src liger=DIR; its sdist ships no tests): test/chunked_loss/
+            test_grpo_loss.py (the fused linear GRPO loss), a selection of its cases ("select"
+            below: the whole file is hours on two CPU cores)
   openrlhf  a checkout (--src openrlhf=DIR; PyPI has no sdist): tests/test_loss_aggregation.py,
             tests/test_experience.py. They load the checkout's openrlhf/*.py under private module
             names; here the installed package stands in for the checkout's, and the patch is also
@@ -78,6 +81,29 @@ SUITES = {
             ),
         },
     },
+    "liger": {
+        "dist": "liger_kernel",
+        # its tests live in test/ (with LFS data beside them): only what the GRPO tests import
+        "paths": [
+            "test/__init__.py",
+            "test/conftest.py",
+            "test/utils.py",
+            "test/chunked_loss/__init__.py",
+            "test/chunked_loss/test_grpo_loss.py",
+        ],
+        "files": ["test/chunked_loss/test_grpo_loss.py"],
+        # 1590 cases, most at B x T x H x V = 8 x 128 x 1024 x 4096 under torch.compile: hours on
+        # two CPU cores. Selected: every test at its small shapes (not N = 4096 or H = 1024), but
+        # test_correctness only at the small shape in float32 with bias, beta 0.1, no delta,
+        # for every loss type and level, with given ref / old log-probs and with the reference
+        # head (ref_input) and no old log-probs; test_triton_* need a GPU
+        "select": (
+            "not 1024-4096 and not 4096-256-5000 and not large_seq and not test_triton and "
+            "(not test_correctness[ or (None- and 3-47-31-123 and "
+            "(-True-True-True-0.1-0.2-0.2-1.0-True-1.0-dtype1- or "
+            "-True-False-False-0.1-0.2-0.2-1.0-True-1.0-dtype1-)))"
+        ),
+    },
     "openrlhf": {
         "files": ["tests/test_loss_aggregation.py", "tests/test_experience.py"],
         "link_package": True,
@@ -91,7 +117,7 @@ SUITES = {
 
 def _installed(peer):
     try:
-        return importlib.metadata.version(peer)
+        return importlib.metadata.version(SUITES[peer].get("dist", peer))
     except importlib.metadata.PackageNotFoundError:
         return None
 
@@ -122,14 +148,20 @@ def _sdist_tests(peer, version, cache):
     return dest
 
 
-def _tests_from(src, into):
-    """Copy `src`'s tests/ (a checkout, or a bare git repository's HEAD) into `into`."""
+def _tests_from(src, into, paths=("tests",)):
+    """Copy `paths` (default tests/) of `src` (a checkout, or a bare git repository's HEAD) into
+    `into`."""
     src = pathlib.Path(src)
-    if (src / "tests").is_dir():
-        shutil.copytree(src / "tests", into / "tests")
+    if (src / paths[0]).exists():
+        for p in paths:
+            if (src / p).is_dir():
+                shutil.copytree(src / p, into / p)
+            else:
+                (into / p).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / p, into / p)
         return
     archive = subprocess.run(
-        ["git", f"--git-dir={src}", "archive", "--format=tar", "HEAD", "tests"],
+        ["git", f"--git-dir={src}", "archive", "--format=tar", "HEAD", *paths],
         capture_output=True,
         check=True,
         timeout=120,
@@ -176,6 +208,8 @@ def _run_pytest(tree, files, patch, cfg, reports):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p"]
     cmd += ["ppo_kernels_peer_plugin", "--continue-on-collection-errors", f"--junitxml={xml}"]
     cmd += ["-o", "junit_family=xunit1", "--rootdir", str(tree), *files]
+    if cfg.get("select"):
+        cmd += ["-k", cfg["select"]]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     return _outcomes(xml), time.time() - t0, r
@@ -190,8 +224,8 @@ def run_suite(peer, src, cache):
     with tempfile.TemporaryDirectory(prefix=f"peer-suite-{peer}-") as d:
         tree = pathlib.Path(d)
         if src is not None:
-            _tests_from(src, tree)
-            where = f"{src} (tests/ of its HEAD / work tree)"
+            _tests_from(src, tree, cfg.get("paths", ("tests",)))
+            where = f"{src} (tests of its HEAD / work tree)"
         elif cfg.get("sdist"):
             shutil.copytree(_sdist_tests(peer, version, cache) / "tests", tree / "tests")
             where = f"the {peer} {version} sdist from PyPI"
