@@ -10,7 +10,7 @@
 # (or TORCH=2.14.1) takes the CUDA build on a machine without a GPU (CI does, to compile the CUDA
 # kernels). Later calls reuse the venv and rebuild only what changed (ninja), so they take seconds.
 # Environment: VENV (default .venv), TORCH, PYTHON (default python3), MAX_JOBS (default 2),
-# PPO_KERNELS_FORCE_CUDA / PPO_KERNELS_SKIP_CUDA_BUILD.
+# PPO_KERNELS_FORCE_CUDA / PPO_KERNELS_SKIP_CUDA_BUILD, PPO_KERNELS_NO_PEERS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${VENV:-.venv}")
@@ -143,7 +143,10 @@ case "$cmd" in
 esac
 setup
 case "$cmd" in
-  test) peers; "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+  test)
+    # PPO_KERNELS_NO_PEERS=1: no peers (their drop-in tests skip; CI's second stage runs none)
+    [ "${PPO_KERNELS_NO_PEERS:-0}" = 1 ] || peers
+    "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
