@@ -8,7 +8,8 @@ the medians of the rounds), with the load average before and after.
 What the mode changes per op on the CPU: linear_token_logprobs walks fixed [rows, vocab] tiles
 (rows <= 256, every row chunk padded to them, the plan independent of N and the budget);
 token_logprobs / full_kl on the cpp backend: nothing (their kernels are row-local already); the
-eager backend: blocks of 64 rows on one thread. `trainer`: seconds per PPO step of the trainer's
+eager backend: blocks of 64 rows on one thread; linear_policy_loss: the same tiles as
+linear_token_logprobs, and each chunk's per-token math on padded inputs. `trainer`: seconds per PPO step of the trainer's
 default model with and without --batch-invariant (whose update runs one sequence per pass).
 """
 
@@ -40,6 +41,10 @@ CASES = {
         ("linear_token_logprobs", "cpp", torch.bfloat16, (2048, 512, 32000)),
         ("linear_token_logprobs", "cpp", torch.float32, (1024, 256, 152064)),
     ],
+    "policy": [
+        ("linear_policy_loss", "cpp", torch.float32, (257, 512, 32000)),
+        ("linear_policy_loss", "cpp", torch.float32, (2048, 512, 32000)),
+    ],
     "token_logprobs": [("token_logprobs", "cpp", torch.float32, (2048, 32000))],
     "full_kl": [("full_kl", "cpp", torch.float32, (1024, 32000))],
     "eager": [
@@ -60,6 +65,31 @@ def _call(op, dtype, size):
         def fn():
             lp, ent = pk.linear_token_logprobs(h, W, labels, return_entropy=True)
             (lp.sum() + ent.sum()).backward()
+
+        return fn
+    if op == "linear_policy_loss":  # PPO on 16-token sequences, a sampled KL and an entropy term
+        N, H, V = size
+        h = torch.randn(N, H, generator=g).to(dtype).requires_grad_(True)
+        W = (torch.randn(V, H, generator=g) / H**0.5).to(dtype).requires_grad_(True)
+        rows = (-(-N // 16), 16)
+        labels = torch.randint(0, V, (rows[0] * 16,), generator=g)[:N]
+        adv, old = torch.randn(N, generator=g), torch.randn(N, generator=g) - 10
+
+        def fn():
+            # (N tokens as ceil(N / 16) rows: the last one padded with masked tokens)
+            n = rows[0] * 16
+
+            def grid(t, fill=0):
+                return torch.cat([t, t.new_full((n - N,) + t.shape[1:], fill)]).view(
+                    *rows, *t.shape[1:]
+                )
+
+            loss, _ = pk.linear_policy_loss(
+                grid(h), W, grid(labels, -100), grid(adv), grid(old),
+                grid(torch.ones(N, dtype=torch.bool)), ref_logprobs=grid(old + 0.1),
+                kl_coef=0.05, entropy_coef=0.01,
+            )  # fmt: skip
+            loss.backward()
 
         return fn
     N, V = size
@@ -147,7 +177,7 @@ def main(argv=None):
                             times[mode].append(time.perf_counter() - t)
             a, b = statistics.median(times[False]), statistics.median(times[True])
             shape = " x ".join(map(str, size))
-            name = {"linear_token_logprobs": "N x H x V"}.get(op, "N x V")
+            name = "N x H x V" if op.startswith("linear") else "N x V"
             row = (
                 f"| {op} | {backend} | {str(dtype).replace('torch.', '')} | {name} = {shape} "
                 f"| {a * 1e3:.0f} | {b * 1e3:.0f} | {b / a:.2f}x |"

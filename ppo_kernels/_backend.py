@@ -427,8 +427,8 @@ _invariant = [os.environ.get("PPO_KERNELS_BATCH_INVARIANT", "0") == "1"]
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
     """Batch-invariant mode (README "Batch-invariant mode"): every per-token output of
-    token_logprobs, linear_token_logprobs / causal_lm_logprobs and full_kl is bitwise the same
-    whatever else is in the call (other rows, padding, layout, micro-batch split, chunk budget,
+    token_logprobs, linear_token_logprobs / causal_lm_logprobs, full_kl and linear_policy_loss
+    (its per-token stats) is bitwise the same whatever else is in the call (other rows, padding, layout, micro-batch split, chunk budget,
     ignored rows, CPU threads). Also PPO_KERNELS_BATCH_INVARIANT=1. Process-wide, like
     strict_checks (autograd's backward threads see it)."""
     _invariant.append(bool(enabled))

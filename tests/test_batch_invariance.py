@@ -1,8 +1,8 @@
 """Batch-invariant mode (issue 21; README "Batch-invariant mode").
 
 Under `ppo_kernels.batch_invariant()` every per-token output of token_logprobs,
-linear_token_logprobs / causal_lm_logprobs and full_kl is bitwise the same whatever else is in the
-call. Each test computes a few target rows alone (one row per call), then embeds them at random
+linear_token_logprobs / causal_lm_logprobs, full_kl and linear_policy_loss (its per-token stats;
+a row there is one sequence) is bitwise the same whatever else is in the call. Each test computes a few target rows alone (one row per call), then embeds them at random
 positions among random neighbours -- batches of 1, 3, 64 and 257 rows (257 = 4 x 64 + 1: MKL
 computes the last row of such a matmul with other instructions), padded `[B, T]` with ignored
 padding rows, strided (`x[:, :-1]`), packed, split into micro-batches, under several chunk budgets
@@ -13,7 +13,8 @@ gradient of each row's own input (logits, hidden) is batch-invariant too.
 That the checks can fail: `test_default_mode_is_not_batch_invariant` finds configurations whose
 rows differ without the mode (linear_token_logprobs: the budget's fused vs chunked tiles, the
 matmul's row count), and `test_check_catches_a_batch_dependent_kernel` injects a one-ulp,
-batch-size-dependent change into a kernel and sees the check fail.
+batch-size-dependent change into a kernel and sees the check fail;
+`test_linear_policy_loss_checks_can_fail` does both for the fused policy loss.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Spec:
     row: object
     pad: object
     call: object
+    loss: object = None  # linear_policy_loss: the call's loss (for the gradients)
 
 
 def token_logprobs_spec(V, dtype, temperature=0.7):
@@ -111,6 +113,42 @@ def linear_spec(W, b, dtype, budget=None, logits_dtype="float32"):
         return torch.stack([lp, ent], -1)
 
     return Spec(row, pad, call)
+
+
+def policy_loss_spec(W, b, dtype, T=5, full_kl=False, **opts):
+    """linear_policy_loss with a row = one sequence of T tokens (hidden [T, H], labels, advantages,
+    old log-probs, mask, reference log-probs or reference hidden states); the per-row outputs are
+    its per-token stats [T, 3]: logprobs, entropy, kl. A padding row is a sequence off the mask
+    with ignored labels. The aggregation's denominator is fixed (global_num_tokens): then each
+    token's coefficients do not depend on the other rows either."""
+    V, H = W.shape
+    kw = dict(bias=b, kl_coef=0.1, entropy_coef=0.01, global_num_tokens=97, temperature=0.8)
+    kw.update(opts)
+
+    def row(g):
+        h = torch.randn(T, H, generator=g)
+        labels = torch.randint(0, V, (T,), generator=g)
+        labels[int(torch.randint(0, T, (), generator=g))] = IGNORE
+        old = -7 + torch.randn(T, generator=g)
+        ref = (h + 0.3 * torch.randn(T, H, generator=g)) if full_kl else old + 0.1
+        mask = torch.rand(T, generator=g) > 0.2
+        return (h.to(dtype), labels, torch.randn(T, generator=g), old, mask, ref.to(h.dtype))
+
+    def pad(g):
+        h = torch.randn(T, H, generator=g)
+        z = torch.zeros(T)
+        ref = h if full_kl else z
+        return (h.to(dtype), torch.full((T,), IGNORE), z, z, z.bool(), ref.to(h.dtype))
+
+    def loss(h, labels, adv, old, mask, ref, W=W, b=b):
+        refs = dict(ref_hidden=ref.to(dtype), ref_weight=W) if full_kl else dict(ref_logprobs=ref)
+        return pk.linear_policy_loss(h, W, labels, adv, old, mask, **refs, **dict(kw, bias=b))
+
+    def call(*args):
+        st = loss(*args)[1]
+        return torch.stack([st["logprobs"], st["entropy"], st["kl"]], -1)
+
+    return Spec(row, pad, call, loss)
 
 
 # ---- layouts ----------------------------------------------------------------------------------
@@ -372,6 +410,109 @@ def test_check_catches_a_batch_dependent_kernel(monkeypatch):
     with use_backend(token_logprobs="eager"), batch_invariant():
         with pytest.raises(AssertionError, match="n=3"):
             check_invariant(spec, _targets(spec, g), g, sizes=(3,))
+
+
+# ---- the fused policy loss -------------------------------------------------------------------
+
+POLICY_CASES = [
+    # loss_type, options, exact KL (ref_hidden), sequence length
+    ("ppo", {}, False, 5),  # per-token coefficients: one pass, chunks of tokens
+    ("gspo", dict(agg="token-mean"), True, 5),  # a sequence statistic: whole sequences per chunk
+    ("clip_cov", dict(clip_cov_ratio=0.1), False, 5),  # a batch statistic: two passes
+]
+
+
+@pytest.mark.parametrize("backend", cpu_backends("linear_policy_loss"))
+@pytest.mark.parametrize("loss_type,opts,full,T", POLICY_CASES, ids=lambda c: str(c))
+def test_linear_policy_loss(backend, loss_type, opts, full, T):
+    """The per-token outputs (log-prob, entropy, KL) of each sequence, alone and among others."""
+    g = torch.Generator().manual_seed(12)
+    V, sizes = (1001, SIZES) if backend != "triton" else (257, (1, 3, 9))  # (the interpreter)
+    full = full and backend != "triton"  # (the interpreter: minutes; test_full_kl covers it)
+    W, b = _head(V, 48, torch.float32, g)
+    spec = policy_loss_spec(W, b, torch.float32, T, full, loss_type=loss_type, **opts)
+    with use_backend(linear_policy_loss=backend), batch_invariant():
+        check_invariant(spec, _targets(spec, g), g, sizes=sizes)
+
+
+@pytest.mark.parametrize("logits_dtype", ["float32", "input"])
+def test_linear_policy_loss_bf16(logits_dtype):
+    g = torch.Generator().manual_seed(13)
+    W, b = _head(1001, 48, torch.bfloat16, g)
+    spec = policy_loss_spec(W, b, torch.bfloat16, logits_dtype=logits_dtype)
+    with use_backend(linear_policy_loss="cpp"), batch_invariant():
+        check_invariant(spec, _targets(spec, g), g, sizes=(1, 3, 64), thread_counts=(2,))
+
+
+def test_linear_policy_loss_sequences_longer_than_a_tile():
+    """A vocabulary whose invariant tiles hold 32 rows and sequences of 40 tokens: a first pass of
+    log-probs, then the sequence statistics on every row at once."""
+    from ppo_kernels.linear_logprobs import planner
+
+    g = torch.Generator().manual_seed(14)
+    V, H = 300_007, 4
+    assert planner.plan_invariant(V, H, torch.float32, "cpu").rows == 32
+    W, b = _head(V, H, torch.float32, g)
+    spec = policy_loss_spec(W, b, torch.float32, 40, loss_type="gspo", agg="token-mean")
+    with use_backend(linear_policy_loss="cpp"), batch_invariant():
+        check_invariant(spec, _targets(spec, g, 2), g, sizes=(3,), thread_counts=(2,))
+
+
+@pytest.mark.parametrize("backend", cpu_backends("linear_policy_loss"))
+@pytest.mark.parametrize("loss_type,full", [("ppo", False), ("gspo", True)])
+def test_linear_policy_loss_gradients(backend, loss_type, full):
+    """Two runs give bitwise-equal gradients (hidden, weight, bias; default mode and the mode);
+    in the mode each sequence's hidden gradient is the same alone and in the batch (its
+    coefficients are: the aggregation's denominator is fixed)."""
+    g = torch.Generator().manual_seed(15)
+    V, n = (1001, 257) if backend != "triton" else (257, 9)  # (the interpreter)
+    full = full and backend != "triton"  # (as in test_linear_policy_loss)
+    W, b = _head(V, 48, torch.float32, g)
+    spec = policy_loss_spec(W, b, torch.float32, 5, full, loss_type=loss_type, agg="token-mean")
+    rows = [spec.row(g) if i % 5 else spec.pad(g) for i in range(n)]
+
+    def grad_h(idx):
+        h, *rest = _stack([rows[i] for i in idx])
+        h.requires_grad_(True)
+        spec.loss(h, *rest)[0].backward()
+        return h.grad
+
+    h, *rest = _stack(rows)
+    with use_backend(linear_policy_loss=backend):
+        for mode in (False, True):
+            with batch_invariant(mode):
+                _deterministic(lambda h, W, b: spec.loss(h, *rest, W=W, b=b)[0], h, W, b, runs=2)
+        with batch_invariant():
+            whole = grad_h(range(n))
+            for idx in ([n - 1], [0, n - 1, 5], list(range(n - 4, n))):
+                assert torch.equal(grad_h(idx), whole[idx]), (backend, idx)
+
+
+def test_linear_policy_loss_checks_can_fail(monkeypatch):
+    """Without the mode the sequences' outputs depend on the batch (the matmul's row count); and
+    a kernel that moves its rows by one ulp when the call holds more than one sequence's tokens
+    is caught in the mode."""
+    from ppo_kernels.token_logprobs import op as tl_op
+
+    g = torch.Generator().manual_seed(16)
+    W, b = _head(1001, 48, torch.float32, g)
+    spec = policy_loss_spec(W, b, torch.float32)
+    targets = _targets(spec, g, 4)
+    with use_backend(linear_policy_loss="cpp"):
+        with pytest.raises(AssertionError, match="differ"):
+            check_invariant(spec, targets, g, sizes=(257,), thread_counts=(2,))
+    eager = tl_op.forward.impls["eager"]
+
+    def drifting(logits, labels, inv_t, ignore_index, with_entropy):
+        lp, ent, lse = eager(logits, labels, inv_t, ignore_index, with_entropy)
+        if int((labels != ignore_index).sum()) > 5:
+            lp = torch.nextafter(lp, torch.full_like(lp, -float("inf")))
+        return lp, ent, lse
+
+    monkeypatch.setitem(tl_op.forward.impls, "eager", drifting)
+    with use_backend(linear_policy_loss="eager"), batch_invariant():
+        with pytest.raises(AssertionError, match="n=3"):
+            check_invariant(spec, targets, g, sizes=(3,))
 
 
 # ---- gradients -------------------------------------------------------------------------------

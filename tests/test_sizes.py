@@ -6,7 +6,8 @@ storages and runs Python per program, so its large cases run on a GPU: tests/cud
   no memory until touched: only the rows read are written);
 - GAE on one packed stream of 2^24 + 1 tokens (positions past float32's exact integers);
 - linear_token_logprobs at N = 65536, V = 152064 (N x V = 10^10 logits, 40 GB as float32; it must
-  run within a few GB) with gradients, checked on rows at both ends of the stream.
+  run within a few GB) with gradients, checked on rows at both ends of the stream; the fused
+  policy loss linear_policy_loss at the same size.
 """
 
 import pytest
@@ -131,3 +132,68 @@ def test_linear_token_logprobs_at_n_65536_v_152064(backend):
     others[check] = False
     assert hidden.grad[others].abs().max() == 0
     torch.testing.assert_close(weight.grad.double(), w.grad, **tol)
+
+
+# cpp only, as above (the eager backend's tile math through torch ops is far slower here)
+@pytest.mark.parametrize("backend", [b for b in _cpu_large("linear_policy_loss") if b == "cpp"])
+def test_linear_policy_loss_at_n_65536_v_152064(backend):
+    """The fused policy loss (default PPO, a sampled KL and an entropy term) at the same size,
+    forward + backward. Only 7 tokens at both ends of the stream are on the mask: every row still
+    runs through the chunk loop, the others' gradients are exactly zero, and the float64
+    reference on those 7 tokens alone (one sequence: the same token-mean) is the exact check."""
+    from ppo_kernels.linear_policy_loss import api, reference
+
+    torch.manual_seed(0)
+    B, T, V, H = 64, 1024, 152064, 16
+    N = B * T
+    hidden = (torch.randn(B, T, H) * 0.5).requires_grad_(True)
+    weight = (torch.randn(V, H) * 0.5).requires_grad_(True)
+    labels = torch.randint(0, V, (B, T))
+    check = torch.tensor([0, 1, 2, N // 2, N - 3, N - 2, N - 1])
+    mask = torch.zeros(N, dtype=torch.bool)
+    mask[check] = True
+    mask = mask.view(B, T)
+    h = hidden.detach().view(N, H)[check].double()
+    w = weight.detach().double()
+    lab = labels.view(-1)[check]
+    lp_check = torch.log_softmax(h @ w.T, -1).gather(-1, lab[:, None])[:, 0]
+    # old / ref log-probs near the current ones on the checked tokens (some ratios clipped)
+    old = torch.randn(N) - 12
+    old[check] = (lp_check + 0.3 * torch.randn(check.numel())).float()
+    ref = old + 0.2 * torch.randn(N)
+    adv = torch.randn(N)
+    kw = dict(ref_logprobs=ref.view(B, T), kl_coef=0.1, entropy_coef=0.01)
+    out = {}
+
+    def run():
+        loss, st = pk.linear_policy_loss(
+            hidden, weight, labels, adv.view(B, T), old.view(B, T), mask, **kw
+        )
+        loss.backward()
+        out["loss"], out["st"] = loss.detach(), st
+
+    with use_backend(linear_policy_loss=backend):
+        peak = peak_extra_bytes(run)
+    assert peak < 6 * 2**30, f"peak {peak / 2**30:.1f} GiB"
+    hr, wr = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+    def sub(t):
+        return t.reshape(-1)[check][None]
+
+    call, _, _ = api.arguments(
+        hr[None], wr, lab[None], sub(adv), sub(old), sub(mask),
+        **dict(kw, ref_logprobs=sub(ref)),
+    )  # fmt: skip
+    loss, stats = reference.linear_policy_loss(call._replace(hidden=hr), call.generator)
+    torch.testing.assert_close(out["loss"].double(), loss.detach(), **GEMM_TOL)
+    for name in ("logprobs", "entropy", "kl"):
+        got = out["st"][name].reshape(-1)[check].double()
+        torch.testing.assert_close(got, stats[name].reshape(-1).detach(), **GEMM_TOL)
+    loss.backward()
+    tol = GEMM_GRAD_TOL[torch.float32]
+    grad_h = hidden.grad.view(N, H)
+    torch.testing.assert_close(grad_h[check].double(), hr.grad, **tol)
+    others = torch.ones(N, dtype=torch.bool)
+    others[check] = False
+    assert grad_h[others].abs().max() == 0
+    torch.testing.assert_close(weight.grad.double(), wr.grad, **tol)

@@ -162,12 +162,16 @@ def plan_invariant(
     tiles: str | None = None,
     logits_dtype: str = "float32",
     fused: bool = True,
+    budget_share: int = 1,
 ) -> Plan:
     """The plan of batch-invariant mode: a function of (V, H, dtype, device, logits_dtype) only --
     never of the number of rows or of max_chunk_bytes -- so that every call walks the same tiles:
     the default budget's chunking for an unbounded number of rows, at most INVARIANT_MAX_ROWS rows
-    (a multiple of INVARIANT_ROW_MULTIPLE), every row chunk padded to exactly that many rows."""
+    (a multiple of INVARIANT_ROW_MULTIPLE), every row chunk padded to exactly that many rows.
+    budget_share: the plan of 1 / budget_share of the default budget (an op that keeps that many
+    tiles side by side: linear_policy_loss's exact KL), a constant of the op, not of the call."""
     budget = DEFAULT_MAX_CHUNK_BYTES.get(device_type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
+    budget = max(1, budget // budget_share)
     p = plan_chunks(_ANY_N, V, H, dtype, device_type, budget, tiles, logits_dtype, fused)
     cap = INVARIANT_MAX_ROWS.get(device_type, INVARIANT_MAX_ROWS["cuda"])
     k = INVARIANT_ROW_MULTIPLE

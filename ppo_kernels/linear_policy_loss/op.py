@@ -27,6 +27,16 @@ bench/results/cpu_linear_policy_loss.md).
 
 Tiles always cover the whole vocabulary (the token_logprobs kernels reduce them in one pass): the
 row chunk is the planner's, and at least one row when a row of V logits exceeds the budget.
+
+Batch-invariant mode (README "Batch-invariant mode"): the rows come from planner.plan_invariant
+(a function of V, H, dtype, device and logits_dtype only), every tile padded to exactly that many
+rows (the Tiler), and the per-token math of a chunk (policy coefficients, sampled KL, IS weights)
+runs on inputs padded the same way -- the chunk's tokens padded to the tile's rows, whole-row
+(sequence) statistics on a multiple of INVARIANT_ROW_MULTIPLE rows -- on one thread, so that no
+elementwise op ends a token in its scalar remainder or splits at a thread-dependent point. Then a
+token's log-prob, entropy and KL do not depend on the rest of the call, and its hidden gradient
+depends only on its own inputs and its coefficients (which the aggregation may tie to the batch:
+token counts, batch statistics).
 """
 
 from __future__ import annotations
@@ -39,9 +49,16 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_labels_in_range, check_str
-from ..full_kl import op as fk_op
+from ..full_kl import op as _full_kl_op  # noqa: F401 (registers the impls python_impl returns)
 from ..kl import reference as kl_ref
-from ..linear_logprobs.planner import Plan, _acc, _resolve_budget, plan_chunks
+from ..linear_logprobs.planner import (
+    INVARIANT_ROW_MULTIPLE,
+    Plan,
+    _acc,
+    _resolve_budget,
+    plan_chunks,
+    plan_invariant,
+)
 from ..linear_logprobs.tiler import Tiler
 from ..losses import policy_math as pm
 from ..losses import rollout as rc
@@ -226,21 +243,37 @@ def stat_names(a) -> tuple[str, ...]:
     )
 
 
-def plan(hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int) -> Plan:
-    """linear_logprobs' row plan with whole-vocabulary tiles (at least one row per chunk)."""
+def plan(hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int, share: int = 1) -> Plan:
+    """linear_logprobs' row plan with whole-vocabulary tiles (at least one row per chunk) within
+    1 / share of the budget (share tiles side by side); in batch-invariant mode plan_invariant
+    (the call's N and max_chunk_bytes play no part)."""
     N, H = hidden.shape
-    p = plan_chunks(
-        N,
-        V,
-        H,
-        hidden.dtype,
-        hidden.device.type,
-        _resolve_budget(max_chunk_bytes, hidden.device),
-        tiles="rows",
-        logits_dtype=logits_dtype,
-        fused=True,
-    )
+    dt, dev = hidden.dtype, hidden.device
+    if _backend.invariant():
+        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=share)
+    else:
+        budget = max(1, _resolve_budget(max_chunk_bytes, dev) // share)
+        p = plan_chunks(N, V, H, dt, dev.type, budget, "rows", logits_dtype, fused=True)
     return p if p.vocab == V else dataclasses.replace(p, vocab=V)
+
+
+def _pad_to(t: Tensor | None, n: int) -> Tensor | None:
+    """t with its leading dimension zero-padded to n rows (batch-invariant mode)."""
+    if t is None or t.shape[0] == n:
+        return t
+    out = t.new_zeros((n,) + tuple(t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _whole_rows(n: int) -> int:
+    """How many rows whole-row (sequence) statistics run on: n, or in batch-invariant mode n
+    rounded up to a multiple of INVARIANT_ROW_MULTIPLE -- a [rows, T] elementwise op then never
+    ends in a scalar remainder (whose exp / log may differ from the vectorised loop's)."""
+    if not _backend.invariant():
+        return n
+    k = INVARIANT_ROW_MULTIPLE
+    return -(-n // k) * k
 
 
 def token_local_bypass(opts, batch_normalize: bool) -> bool:
@@ -258,6 +291,33 @@ def passes(cfg: pm.LossConfig, bypass: bool, T: int, rows: int) -> int:
     if bypass or scope == "batch" or (scope == "sequence" and T > rows):
         return 2
     return 1
+
+
+def _full_kl_kernels(backend: str, device_type: str, temperature: float):
+    """full_kl's kernels on a pair of logits tiles for `backend`: fwd(z, zr) -> (kl, lse_z, lse_w)
+    and bwd(g, z, zr, kl, lse_z, lse_w, out) -> dKL/dz scaled per row by g (in `out` when the
+    compiled kernel writes it; the Python impls return a new tile)."""
+    if backend == "cpp" and _backend.has_compiled_kernel("full_kl_fwd", device_type):
+        C, inv_t = _backend.cpp_ops(), 1.0 / temperature
+
+        def fwd(z, zr):
+            return C.full_kl_fwd(z, zr, None, inv_t)
+
+        def bwd(g, z, zr, kl, lse_z, lse_w, out):
+            C.full_kl_bwd(g, z, zr, None, kl, lse_z, lse_w, inv_t, out, None)
+            return out
+
+        return fwd, bwd
+    b = "eager" if backend == "cpp" else backend
+    f, fb = _backend.python_impl("full_kl", b), _backend.python_impl("full_kl_backward", b)
+
+    def fwd(z, zr):
+        return f(z, zr, temperature, None)
+
+    def bwd(g, z, zr, kl, lse_z, lse_w, out):
+        return fb(g, z, zr, None, kl, lse_z, lse_w, temperature, False)[0]
+
+    return fwd, bwd
 
 
 # --------------------------------------------------------------------------- the chunk loop
@@ -323,27 +383,36 @@ class _Loss:
 
     def policy(self, lp, b0, b1, t0=None, t1=None, generator=None, w_is=None):
         """Stage 1 (rows b0:b1 whole, or tokens t0:t1 of the flattened batch at token scope) and
-        stage 2: adds the rows' loss, stores their metric values; returns dL/dlp [rows]. w_is:
-        [t1 - t0, 1] weights of these tokens beside the prepared ones (bypass mode, one pass)."""
+        stage 2: adds the rows' loss, stores their metric values; returns dL/dlp, flat. w_is:
+        [len(lp), 1] weights of these tokens beside the prepared ones (bypass mode, one pass).
+        Batch-invariant mode: token scope takes lp padded to the tile's rows (the padding
+        tokens are off the mask) and returns as many coefficients; whole rows are padded with
+        empty rows to _whole_rows(b1 - b0) (batch statistics excepted: their coefficients
+        depend on the batch anyway) and their coefficients returned with the padding."""
         p, cfg = self.p, self.cfg
         if t0 is None:  # whole rows: their statistics here
-            x = pm.Inputs(lp, p.old[b0:b1], p.adv[b0:b1], self.m[b0:b1])
-            st = pm.statistics(cfg, x, generator)
-            c = self.c[b0:b1]
-            w = None if self.w is None else self.w[b0:b1]
+            k = b1 - b0 if pm.stat_scope(cfg) == "batch" else _whole_rows(b1 - b0)
+
+            def rows(t):
+                return None if t is None else _pad_to(t[b0:b1], k)
+
+            x = pm.Inputs(_pad_to(lp, k), rows(p.old), rows(p.adv), rows(self.m))
+            c, w = rows(self.c), rows(self.w)
         else:  # token scope: each token one row of its own (no statistic crosses tokens)
+            k = lp.shape[0]
 
             def col(t):
-                return t.reshape(-1)[t0:t1].unsqueeze(-1)
+                return _pad_to(t.reshape(-1)[t0:t1], k).unsqueeze(-1)
 
             x = pm.Inputs(lp.unsqueeze(-1), col(p.old), col(p.adv), col(self.m))
-            st = pm.Stats(x.m.squeeze(-1))
-            c = self.c_tok[t0:t1]
+            c = _pad_to(self.c_tok[t0:t1], k)
             w = None if self.w is None else col(self.w)
             if w_is is not None:
                 w = w_is if w is None else w * w_is
-        terms = pm.token_terms(cfg, x, st)
-        loss, coef = pm.combine(terms, x, c, pm.token_weights(cfg, x, st, w))
+        with _backend.invariant_threads():
+            st = pm.statistics(cfg, x, generator) if t0 is None else pm.Stats(x.m.squeeze(-1))
+            terms = pm.token_terms(cfg, x, st)
+            loss, coef = pm.combine(terms, x, c, pm.token_weights(cfg, x, st, w))
         self.pg = self.pg + loss
         self._store(terms.metrics, x, b0, b1, t0, t1)
         return coef.reshape(-1)
@@ -357,37 +426,46 @@ class _Loss:
             if buf is None:
                 buf = self.metrics[name] = torch.zeros(B, T, dtype=x.m.dtype, device=x.m.device)
             if t0 is None:
-                buf[b0:b1] = v
+                buf[b0:b1] = v[: b1 - b0]
             else:
-                buf.view(-1)[t0:t1] = v.reshape(-1)
+                buf.view(-1)[t0:t1] = v.reshape(-1)[: t1 - t0]
+
+    def _tok(self, t, t0, t1, n):
+        """Tokens t0:t1 of a [B, T] tensor, zero-padded to n (the tile's rows)."""
+        return _pad_to(t.reshape(-1)[t0:t1], n)
 
     def kl_and_entropy(self, lp, t0, t1):
-        """(dL/dlp of the KL term or None, dL/dentropy or None) of tokens t0:t1; stores the KL."""
-        a = self.a
-        k = self.k.reshape(-1)[t0:t1]
+        """(dL/dlp of the KL term or None, dL/dentropy or None) of tokens t0:t1 (lp: their
+        log-probs, padded to the tile's rows in batch-invariant mode, and so the results); stores
+        the KL."""
+        a, n = self.a, lp.shape[0]
+        k = self._tok(self.k, t0, t1, n)
         glp = gent = None
         if self.p.ref is not None:
-            ref = self.p.ref.reshape(-1)[t0:t1]
-            keep = self.m.reshape(-1)[t0:t1] != 0
+            ref = self._tok(self.p.ref, t0, t1, n)
+            keep = self._tok(self.m, t0, t1, n) != 0
             zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-            kl = kl_ref.kl_penalty(lp, ref, self.kl_est, False, self.kl_bounds)
-            self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(lp.dtype), zero)
-            if a.kl_coef != 0:
-                g = kl_ref.kl_penalty_grad(
-                    lp, ref, self.kl_est, a.kl_straight_through, self.kl_bounds
-                )
-                glp = a.kl_coef * torch.where(keep, k * g.to(lp.dtype), zero)
+            with _backend.invariant_threads():
+                kl = kl_ref.kl_penalty(lp, ref, self.kl_est, False, self.kl_bounds)
+                self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(lp.dtype), zero)[: t1 - t0]
+                if a.kl_coef != 0:
+                    g = kl_ref.kl_penalty_grad(
+                        lp, ref, self.kl_est, a.kl_straight_through, self.kl_bounds
+                    )
+                    glp = a.kl_coef * torch.where(keep, k * g.to(lp.dtype), zero)
         if a.entropy_coef != 0:
             gent = -a.entropy_coef * k
         return glp, gent
 
     def full_kl_coef(self, kl, t0, t1):
-        """Stores the exact KL of tokens t0:t1; returns dL/dKL per token (None: no KL term)."""
-        keep = self.m.reshape(-1)[t0:t1] != 0
-        self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(self.m.dtype), 0.0)
+        """Stores the exact KL of tokens t0:t1 (kl: padded as in kl_and_entropy); returns dL/dKL
+        per token (None: no KL term)."""
+        n = kl.shape[0]
+        keep = self._tok(self.m, t0, t1, n) != 0
+        self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(self.m.dtype), 0.0)[: t1 - t0]
         if self.a.kl_coef == 0:
             return None
-        return self.a.kl_coef * self.k.reshape(-1)[t0:t1]
+        return self.a.kl_coef * self._tok(self.k, t0, t1, n)
 
     def finish(self, names) -> tuple[Tensor, Tensor]:
         """(loss, stats in the order of `names`) once every row has its per-token values."""
@@ -435,17 +513,18 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     p = _prepare(a, acc)
     L = _Loss(a, cfg, p, _global_denominator(a, acc, dev), token_stats)
     full = a.ref_hidden is not None
-    budget = _resolve_budget(a.max_chunk_bytes, dev)
     # the exact KL: the reference tile and its gradient tile beside the policy tile
-    pl = plan(hidden, V, a.logits_dtype, max(1, budget // 3) if full else budget)
+    share = 3 if full else 1
+    pl = plan(hidden, V, a.logits_dtype, a.max_chunk_bytes, share)
     any_grad = need_h or need_w or need_b
     tiler = Tiler(hidden, weight, bias, pl, backend, backward=any_grad, softcap=a.softcap)
+    pad = tiler.pad  # batch-invariant mode: per-token tensors of a chunk to the tile's rows
     if full:
         rpl = dataclasses.replace(
-            plan(a.ref_hidden, V, a.logits_dtype, max(1, budget // 3)), rows=pl.rows
+            plan(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes, share), rows=pl.rows
         )
         rtiler = Tiler(a.ref_hidden, a.ref_weight, a.ref_bias, rpl, backend, softcap=a.softcap)
-        kl_fwd, kl_bwd = fk_op.forward.impls[backend], fk_op.backward.impls[backend]
+        kl_fwd, kl_bwd = _full_kl_kernels(backend, dev.type, a.temperature)
         gk_buf = torch.empty(
             pl.rows * V if any_grad else 0,
             dtype=tiler.buf_in.dtype if pl.input_tiles else acc,
@@ -468,11 +547,12 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         for r0 in range(0, N, pl.rows):
             r1 = min(N, r0 + pl.rows)
             z = tiler.logits(tiler.rows(r0, r1), 0, V)
-            lp_flat[r0:r1] = fwd(z, labels.view(-1)[r0:r1], inv_t, ii, False)[0]
+            lc = pad(labels.view(-1)[r0:r1], ii)
+            lp_flat[r0:r1] = fwd(z, lc, inv_t, ii, False)[0][: r1 - r0]
         if bypass is not None:
             _bypass(L, bypass)
         lpm = torch.where(L.m != 0, L.lp_all, torch.zeros_like(L.lp_all))
-        coef_all = L.policy(lpm, 0, B, generator=a.generator)
+        coef_all = L.policy(lpm, 0, B, generator=a.generator)[:N]
         step = pl.rows
     else:
         coef_all = None
@@ -481,36 +561,38 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     lab = labels.reshape(-1)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        hc, lc = tiler.rows(r0, r1), lab[r0:r1]
+        # (in batch-invariant mode every per-token tensor below has the tile's rows: padded)
+        hc, lc = tiler.rows(r0, r1), pad(lab[r0:r1], ii)
         z = tiler.logits(hc, 0, V)
         lp, ent, lse = fwd(z, lc, inv_t, ii, True)
-        ent_flat[r0:r1] = ent
+        ent_flat[r0:r1] = ent[: r1 - r0]
         if coef_all is not None:
-            lp = lp_flat[r0:r1]  # the first pass's (the same rows: the same values)
-            glp = coef_all[r0:r1]
+            lp = pad(lp_flat[r0:r1])  # the first pass's (the same rows: the same values)
+            glp = pad(coef_all[r0:r1])
         else:
-            lp_flat[r0:r1] = lp
-            lpm = torch.where(L.m.view(-1)[r0:r1] != 0, lp, torch.zeros_like(lp))
+            lp_flat[r0:r1] = lp[: r1 - r0]
+            lpm = torch.where(pad(L.m.view(-1)[r0:r1]) != 0, lp, torch.zeros_like(lp))
             if scope == "token":
                 w_is = None
                 if chunk_is:
-                    m_c = L.m.view(-1)[r0:r1, None]
-                    lr = lpm[:, None] - L.p.old.view(-1)[r0:r1, None]
-                    w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
+                    m_c = pad(L.m.view(-1)[r0:r1])[:, None]
+                    lr = lpm[:, None] - pad(L.p.old.view(-1)[r0:r1])[:, None]
+                    with _backend.invariant_threads():
+                        w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
                 glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
             else:
-                glp = L.policy(lpm.view(-1, T), r0 // T, r1 // T, generator=a.generator)
+                lps = lpm[: r1 - r0].view(-1, T)
+                glp = pad(L.policy(lps, r0 // T, r1 // T, generator=a.generator)[: r1 - r0])
         g_kl, gent = L.kl_and_entropy(lp, r0, r1)
         if g_kl is not None:
             glp = glp + g_kl
         gk = None
         if full:
             zr = rtiler.logits(rtiler.rows(r0, r1), 0, V)
-            kl, lse_z, lse_w = kl_fwd(z, zr, None, inv_t)
+            kl, lse_z, lse_w = kl_fwd(z, zr)
             g_full = L.full_kl_coef(kl, r0, r1)
             if g_full is not None and any_grad:
-                gk = gk_buf[: z.numel()].view(z.shape)
-                kl_bwd(z, g_full, zr, None, kl, lse_z, lse_w, inv_t, gk, None)
+                gk = kl_bwd(g_full, z, zr, kl, lse_z, lse_w, gk_buf[: z.numel()].view(z.shape))
         if not any_grad:
             continue
         tiler.softcap_grad(z)
@@ -519,10 +601,10 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         if gk is not None:
             g += gk
         tiler.apply_softcap_grad(g)
-        ghc = gh[: r1 - r0].zero_() if need_h else gh
+        ghc = gh[: hc.shape[0]].zero_() if need_h else gh
         tiler.grad_matmuls(g, hc, 0, V, ghc, gW, gb)
         if need_h:
-            gh_out[r0:r1] = ghc
+            gh_out[r0:r1] = ghc[: r1 - r0]
     if local:
         _bypass(L, bypass, apply=False)
     loss, stats = L.finish(names)
