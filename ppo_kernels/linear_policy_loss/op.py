@@ -50,6 +50,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_labels_in_range, check_str
 from ..full_kl import op as _full_kl_op  # noqa: F401 (registers the impls python_impl returns)
+from ..full_kl import op as fk_op
 from ..kl import reference as kl_ref
 from ..linear_logprobs.planner import (
     INVARIANT_ROW_MULTIPLE,
@@ -294,28 +295,20 @@ def passes(cfg: pm.LossConfig, bypass: bool, T: int, rows: int) -> int:
 
 
 def _full_kl_kernels(backend: str, device_type: str, temperature: float):
-    """full_kl's kernels on a pair of logits tiles for `backend`: fwd(z, zr) -> (kl, lse_z, lse_w)
-    and bwd(g, z, zr, kl, lse_z, lse_w, out) -> dKL/dz scaled per row by g (in `out` when the
-    compiled kernel writes it; the Python impls return a new tile)."""
-    if backend == "cpp" and _backend.has_compiled_kernel("full_kl_fwd", device_type):
-        C, inv_t = _backend.cpp_ops(), 1.0 / temperature
-
-        def fwd(z, zr):
-            return C.full_kl_fwd(z, zr, None, inv_t)
-
-        def bwd(g, z, zr, kl, lse_z, lse_w, out):
-            C.full_kl_bwd(g, z, zr, None, kl, lse_z, lse_w, inv_t, out, None)
-            return out
-
-        return fwd, bwd
-    b = "eager" if backend == "cpp" else backend
-    f, fb = _backend.python_impl("full_kl", b), _backend.python_impl("full_kl_backward", b)
+    """full_kl's tile kernels (full_kl/op.py) for `backend` on a pair of logits tiles:
+    fwd(z, zr) -> (kl, lse_z, lse_w) and bwd(g, z, zr, kl, lse_z, lse_w, out) -> dKL/dz scaled per
+    row by g, written into `out`."""
+    inv_t = 1.0 / temperature
+    if backend == "cpp" and not _backend.has_compiled_kernel("full_kl_fwd", device_type):
+        backend = "eager"
+    f, b = fk_op.forward.impls[backend], fk_op.backward.impls[backend]
 
     def fwd(z, zr):
-        return f(z, zr, temperature, None)
+        return f(z, zr, None, inv_t)
 
     def bwd(g, z, zr, kl, lse_z, lse_w, out):
-        return fb(g, z, zr, None, kl, lse_z, lse_w, temperature, False)[0]
+        b(z, g, zr, None, kl, lse_z, lse_w, inv_t, out, None)
+        return out
 
     return fwd, bwd
 
