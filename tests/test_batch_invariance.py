@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -498,9 +499,12 @@ def test_linear_policy_loss_checks_can_fail(monkeypatch):
     W, b = _head(1001, 48, torch.float32, g)
     spec = policy_loss_spec(W, b, torch.float32)
     targets = _targets(spec, g, 4)
-    with use_backend(linear_policy_loss="cpp"):
-        with pytest.raises(AssertionError, match="differ"):
-            check_invariant(spec, targets, g, sizes=(257,), thread_counts=(2,))
+    # without the mode, two threads split the 257 sequences' rows differently from the targets'
+    # (measured here); where OpenMP is held to one thread (OMP_NUM_THREADS=1) they do not
+    if os.environ.get("OMP_NUM_THREADS", "") != "1" and (os.cpu_count() or 1) >= 2:
+        with use_backend(linear_policy_loss="cpp"):
+            with pytest.raises(AssertionError, match="differ"):
+                check_invariant(spec, targets, g, sizes=(257,), thread_counts=(2,))
     eager = tl_op.forward.impls["eager"]
 
     def drifting(logits, labels, inv_t, ignore_index, with_entropy):
