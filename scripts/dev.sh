@@ -38,7 +38,8 @@ if [ "$TORCH" = "$TORCH_CPU" ] && "$PY" -c \
   # PyPI's Linux torch is the CUDA build; the CPU-only wheel (+cpu, ~190 MB) is on PyTorch's index
   TORCH_PIP+=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
-DEPS=(ninja numpy pytest pytest-benchmark expecttest hypothesis "transformers>=4.45" tqdm matplotlib)
+DEPS=(ninja numpy pytest pytest-xdist pytest-benchmark expecttest hypothesis "transformers>=4.45" tqdm
+      matplotlib)
 
 # The peers for the drop-in tests, installed by peers() below (names also used by pip_)
 PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
