@@ -69,6 +69,11 @@ KLClampSpec make_spec(double in_lo, double in_hi, double out_lo, double out_hi) 
           static_cast<float>(out_hi)};
 }
 
+bool unclamped(const KLClampSpec& c) {
+  return c.in_lo == -INFINITY && c.in_hi == INFINITY && c.out_lo == -INFINITY &&
+         c.out_hi == INFINITY;
+}
+
 void check_pair(const at::Tensor& lp, const at::Tensor& ref) {
   check_arg(lp, "logprobs", lp.device(), Kind::kFloating);
   check_arg(ref, "ref_logprobs", lp.device());
@@ -94,6 +99,19 @@ at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in,
         float* o = out.data_ptr<float>();
         dispatch_estimator(est, [&](auto E) {
           constexpr int EST = decltype(E)::value;
+          if constexpr (EST == kK1 && std::is_same_v<scalar_t, float>) {
+            // unclamped float32 k1 is the difference itself: one pass, no tile buffer (the same
+            // float subtraction as below; the clamps at +-inf would return it unchanged)
+            if (unclamped(c)) {
+              at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+                int64_t i = i0;
+                for (; i + Vec::size() <= i1; i += Vec::size())
+                  (Vec::loadu(a + i) - Vec::loadu(b + i)).store(o + i);
+                for (; i < i1; ++i) o[i] = a[i] - b[i];
+              });
+              return;
+            }
+          }
           at::parallel_for(0, (n + kTile - 1) / kTile, 16, [&](int64_t t0, int64_t t1) {
             float d[kTile];
             for (int64_t t = t0; t < t1; ++t) {
