@@ -49,7 +49,6 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_labels_in_range, check_str
-from ..full_kl import op as _full_kl_op  # noqa: F401 (registers the impls python_impl returns)
 from ..full_kl import op as fk_op
 from ..kl import reference as kl_ref
 from ..linear_logprobs.planner import (
@@ -65,6 +64,7 @@ from ..losses import policy_math as pm
 from ..losses import rollout as rc
 from ..losses.reference import row_coefficients
 from ..token_logprobs import op as tl_op
+from . import reference
 
 OP = _backend.register_op(
     "linear_policy_loss",
@@ -156,23 +156,7 @@ def config(a) -> pm.LossConfig:
     """The LossConfig of a call (the API checked the values; the op checks the type's name)."""
     check_str("loss_type", a.loss_type, pm.LOSS_TYPES)
     check_str("importance_sampling_level", a.importance_sampling_level, ("token", "sequence"))
-    return pm.LossConfig(
-        a.loss_type,
-        a.clip_low,
-        a.clip_high,
-        a.dual_clip,
-        a.delta,
-        a.log_ratio_clamp,
-        a.importance_sampling_level,
-        a.tau_pos,
-        a.tau_neg,
-        a.dro_beta,
-        a.clip_cov_ratio,
-        a.clip_cov_lb,
-        a.clip_cov_ub,
-        a.kl_cov_ratio,
-        a.kl_cov_coef,
-    )
+    return reference.loss_config(a)
 
 
 def bypass_options(a):

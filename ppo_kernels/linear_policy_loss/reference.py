@@ -75,7 +75,8 @@ def token_values(a) -> tuple[Tensor, Tensor, Tensor | None]:
     return lp.view(a.labels.shape), ent.view(a.labels.shape), kl
 
 
-def _config(a) -> pm.LossConfig:
+def loss_config(a) -> pm.LossConfig:
+    """The LossConfig of a call's arguments (shared with op.config, which checks them first)."""
     return pm.LossConfig(
         a.loss_type,
         a.clip_low,
@@ -99,7 +100,7 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
     """(loss, stats) of the registered op's arguments `a` (op.Call's fields; the need_* flags
     are not used: autograd gives every gradient). stats holds the op's statistics by name and the
     per-token `logprobs`, `entropy`, `kl` (detached)."""
-    cfg = _config(a)
+    cfg = loss_config(a)
     lp, ent, full_kl = token_values(a)
     acc = lp.dtype
     x = pm.prepare(lp, a.old_logprobs, a.advantages, a.mask)
