@@ -119,3 +119,26 @@ def test_no_args_prints_help_and_version():
         timeout=300,
     )
     assert r.returncode == 0 and r.stdout.strip() == f"ppo-kernels {ppo_kernels.__version__}"
+
+
+def test_import_does_not_load_dynamo():
+    # torch._dynamo costs ~1.3 s of import time; nothing at module level may need it
+    r = _run(
+        "import sys, ppo_kernels\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "'torch._dynamo'" not in r.stdout, r.stdout
+
+
+def test_constant_result_marker_is_what_torch_sets():
+    # linear_policy_loss marks its stat-name function as torch.compiler.assume_constant_result does,
+    # without importing dynamo: fail here if torch changes the marker
+    from ppo_kernels.linear_policy_loss import op
+
+    def f():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(f)
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+    assert op._stat_names._dynamo_marked_constant is True

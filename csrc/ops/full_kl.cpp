@@ -123,6 +123,10 @@ class FullKLFn : public torch::autograd::Function<FullKLFn> {
 
 std::tuple<Tensor, Tensor, Tensor> forward_autograd(const Tensor& logits, const Tensor& ref_logits,
                                                     double temperature, const OptTensor& mask) {
+  if (!needs_graph(logits, ref_logits, mask)) {
+    BelowAutograd guard;
+    return kFwd.in<FwdSig>(Ns::kOps).call(logits, ref_logits, temperature, mask);
+  }
   auto out = FullKLFn::apply(logits, ref_logits, temperature, mask);
   return {out[0], out[1], out[2]};
 }

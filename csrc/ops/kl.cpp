@@ -102,6 +102,10 @@ class PenaltyFn : public torch::autograd::Function<PenaltyFn> {
 
 Tensor penalty_autograd(const Tensor& lp, const Tensor& ref, const std::string& est, bool st,
                         double in_lo, double in_hi, double out_lo, double out_hi) {
+  if (!needs_graph(lp, ref)) {
+    BelowAutograd guard;
+    return kPenalty.in<FwdSig>(Ns::kOps).call(lp, ref, est, st, in_lo, in_hi, out_lo, out_hi);
+  }
   return PenaltyFn::apply(lp, ref, est, st, in_lo, in_hi, out_lo, out_hi);
 }
 
@@ -133,6 +137,20 @@ std::tuple<Tensor, Tensor, Tensor> rewards(const Tensor& scores, const Tensor& l
                                              out_lo, out_hi);
 }
 
+// No derivative by design (rewards are targets: the API documents its inputs as detached): the op
+// runs below autograd and its outputs carry no history whatever requires grad, with no detach
+// copies in the API.
+std::tuple<Tensor, Tensor, Tensor> rewards_autograd(const Tensor& scores, const Tensor& lp,
+                                                    const Tensor& ref, const Tensor& mask,
+                                                    const std::optional<Tensor>& beta_t,
+                                                    double beta, const std::string& est,
+                                                    double in_lo, double in_hi, double out_lo,
+                                                    double out_hi) {
+  BelowAutograd guard;
+  return kRewards.in<RewardsSig>(Ns::kOps).call(scores, lp, ref, mask, beta_t, beta, est, in_lo,
+                                                in_hi, out_lo, out_hi);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -159,6 +177,9 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("kl_penalized_rewards", &rewards);
 }
 
-TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("kl_penalty", &penalty_autograd); }
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("kl_penalty", &penalty_autograd);
+  m.impl("kl_penalized_rewards", &rewards_autograd);
+}
 
 }  // namespace ppo_kernels

@@ -191,6 +191,11 @@ Out3 forward_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& 
                       const OptTensor& bias, double temperature, int64_t ignore_index,
                       bool with_entropy, int64_t max_chunk_bytes, const std::string& logits_dtype,
                       std::optional<double> softcap) {
+  if (!needs_graph(hidden, weight, labels, bias)) {
+    BelowAutograd guard;
+    return kFwd.in<FwdSig>(Ns::kOps).call(hidden, weight, labels, bias, temperature, ignore_index,
+                                          with_entropy, max_chunk_bytes, logits_dtype, softcap);
+  }
   auto out = LinearFn::apply(hidden, weight, labels, bias, temperature, ignore_index, with_entropy,
                              max_chunk_bytes, logits_dtype, softcap);
   return {out[0], out[1], out[2]};

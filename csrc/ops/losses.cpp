@@ -206,6 +206,11 @@ Out3 policy_autograd(const Tensor& lp, const Tensor& old, const Tensor& adv, con
                      double clip_low, double clip_high, optional<double> dual_clip, double lr_clamp,
                      const std::string& agg, double scale, const optional<Tensor>& gd,
                      optional<double> gdv) {
+  if (!needs_graph(lp, old, adv, mask, gd)) {
+    BelowAutograd guard;
+    return kPolicy.in<PolicySig>(Ns::kOps).call(lp, old, adv, mask, clip_low, clip_high, dual_clip,
+                                                lr_clamp, agg, scale, gd, gdv);
+  }
   return as_tuple(PolicyFn::apply(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg,
                                   scale, gd, gdv));
 }
@@ -213,6 +218,10 @@ Out3 policy_autograd(const Tensor& lp, const Tensor& old, const Tensor& adv, con
 Out3 value_autograd(const Tensor& v, const Tensor& vo, const Tensor& ret, const Tensor& mask,
                     optional<double> clip, const std::string& agg, double scale,
                     const optional<Tensor>& gd, optional<double> gdv) {
+  if (!needs_graph(v, vo, ret, mask, gd)) {
+    BelowAutograd guard;
+    return kValue.in<ValueSig>(Ns::kOps).call(v, vo, ret, mask, clip, agg, scale, gd, gdv);
+  }
   return as_tuple(ValueFn::apply(v, vo, ret, mask, clip, agg, scale, gd, gdv));
 }
 

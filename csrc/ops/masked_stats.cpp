@@ -97,8 +97,8 @@ Tensor whiten_backward(const Tensor& grad, const Tensor& x, const Tensor& mask, 
   return kWhitenBwd.python<WhitenBwdSig>(b).call(grad, x, mask, shift_mean, unbiased, eps);
 }
 
-// Only x is differentiable (the mask selects and weights; its gradient is not defined here).
-bool needs_graph(const Tensor& x) { return at::GradMode::is_enabled() && x.requires_grad(); }
+// Only x is differentiable (the mask selects and weights; its gradient is not defined here), so
+// only x decides whether the call builds a graph node.
 
 class MeanFn : public torch::autograd::Function<MeanFn> {
  public:

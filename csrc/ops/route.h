@@ -15,6 +15,7 @@
 // environment) and re-resolved through the Python op `ppo_kernels_py::refresh_backends`.
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/types.h>
 
 #include <array>
@@ -67,6 +68,15 @@ class OpRef {
 // Run `call` with the registered op redispatched below autograd (an Autograd-key kernel's
 // forward): the op's CPU / CUDA kernel, or its fake kernel while tracing.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
+// Whether an Autograd-key kernel must build a graph node: grad mode on and a tensor argument
+// requiring grad. When not (rollout scoring, no_grad, plain inputs) the kernel calls the op below
+// autograd directly: Function::apply would still allocate a node and its context and save the
+// inputs (1-2 us of a small call).
+template <typename... Tensors>
+bool needs_graph(const Tensors&... tensors) {
+  return torch::autograd::compute_requires_grad(tensors...);
+}
 
 // Whether ppo_kernels.strict_checks() is on (mirrored from Python): data-dependent checks that
 // cost a host sync on the GPU (label ranges) run there too.

@@ -180,6 +180,11 @@ class TokenLogprobsFn : public torch::autograd::Function<TokenLogprobsFn> {
 std::tuple<Tensor, Tensor, Tensor> forward_autograd(const Tensor& logits, const Tensor& labels,
                                                     double temperature, SymInt ignore_index,
                                                     bool with_entropy, bool inplace_backward) {
+  if (!needs_graph(logits, labels)) {
+    BelowAutograd guard;
+    return kFwd.in<FwdSig>(Ns::kOps).call(logits, labels, temperature, ignore_index, with_entropy,
+                                          inplace_backward);
+  }
   auto out = TokenLogprobsFn::apply(logits, labels, temperature, std::move(ignore_index),
                                     with_entropy, inplace_backward);
   return {out[0], out[1], out[2]};

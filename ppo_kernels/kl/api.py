@@ -144,40 +144,38 @@ def kl_penalized_rewards(
         raise ValueError("logprobs, ref_logprobs: required unless kl is given")
     name, _, bounds = _settings(estimator, clamp)
     logprobs, ref_logprobs = _pair(logprobs, ref_logprobs)
-    check_tensor("logprobs", logprobs, dim=2)
-    B = logprobs.shape[0]
-    check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
-    check_tensor("mask", mask)
+    # dtypes, shapes and devices: the registered op checks them, naming the argument
+    if logprobs.dim() != 2:
+        check_tensor("logprobs", logprobs, dim=2)
+    if not isinstance(scores, Tensor):
+        check_tensor("scores", scores)
+    if not isinstance(mask, Tensor):
+        check_tensor("mask", mask)
     token_scores = None
     if scores.dim() == 2:
         check_shape("scores", scores, logprobs.shape, "[B] or logprobs.shape")
-        token_scores, scores = scores, scores.new_zeros(B)
-    if mask.dtype.is_complex:
-        raise TypeError("mask: complex masks are not supported")
-    if mask.dtype not in (torch.bool, torch.float32) and not (
-        mask.dtype == torch.float64 and logprobs.dtype == torch.float64
-    ):
-        mask = mask.to(torch.float32)
+        token_scores, scores = scores, scores.new_zeros(logprobs.shape[0])
+    mask_dtype = mask.dtype
+    if mask_dtype is not torch.bool and mask_dtype is not torch.float32:
+        if mask_dtype.is_complex:
+            raise TypeError("mask: complex masks are not supported")
+        if not (mask_dtype is torch.float64 and logprobs.dtype is torch.float64):
+            mask = mask.to(torch.float32)
     beta_t = None
-    if isinstance(beta, torch.Tensor):
+    if type(beta) is float:  # the op checks that it is finite
+        beta_f = beta
+    elif isinstance(beta, Tensor):
         check_tensor("beta", beta, dtypes=FLOAT_DTYPES)
+        B = logprobs.shape[0]
         if beta.dim() > 1 or (beta.dim() == 1 and beta.shape[0] != B):
             raise ValueError(
                 f"beta: expected a float, a 0-dim tensor or shape ({B},), got {tuple(beta.shape)}"
             )
-        beta_t, beta_f = beta.detach(), 1.0
+        beta_t, beta_f = beta, 1.0
     else:
         beta_f = check_float("beta", beta)
-    r, k, mean_kl = _kl_rewards(
-        scores.detach(),
-        logprobs.detach(),
-        ref_logprobs.detach(),
-        mask,
-        beta_t,
-        beta_f,
-        name,
-        *bounds,
-    )
+    # no gradient flows: the op's Autograd kernel runs it below autograd (no detach copies here)
+    r, k, mean_kl = _kl_rewards(scores, logprobs, ref_logprobs, mask, beta_t, beta_f, name, *bounds)
     if token_scores is not None:
         r = r + token_scores.detach().to(r.dtype)
     if convention == "openrlhf":
@@ -187,7 +185,7 @@ def kl_penalized_rewards(
             logprobs.detach(),
             ref_logprobs.detach(),
             mask,
-            beta_t,
+            None if beta_t is None else beta_t.detach(),
             beta_f,
             name,
             bounds,

@@ -5,6 +5,8 @@ csrc/cpu/kl.cpp. Semantics and edge cases: ppo_kernels/kl/reference.py."""
 
 from __future__ import annotations
 
+import torch
+
 from .. import _backend, _modes
 from . import reference
 
@@ -113,4 +115,7 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
     return v.to(_backend.out_dtype(logprobs))
 
 
-_backend.fallback("kl_penalized_rewards")(_backend.python_impl("kl_penalized_rewards", "eager"))
+@_backend.fallback("kl_penalized_rewards")
+def _(*args):
+    with torch.no_grad():  # as the registered op's Autograd kernel: the rewards carry no history
+        return _backend.python_impl("kl_penalized_rewards", "eager")(*args)
