@@ -700,36 +700,53 @@ def _agg64(x, m, agg, dp=1, n_tok=None, n_seq=None, lsf=None):
     return out / (m.shape[-1] if lsf is None else lsf) if agg.endswith("norm") else out
 
 
-@pytest.mark.parametrize(
-    "agg",
-    [
-        "token-mean",
-        "token-sum",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-    ],
-)
-def test_masked_aggregate(agg):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 7, generator=g)
-    m = (torch.rand(5, 7, generator=g) > 0.4).float() * torch.rand(5, 7, generator=g)  # weighted
-    m[3] = 0
+ABACKENDS = cpu_backends("masked_aggregate")
+AGG_ALL = ["token-mean", "token-sum"] + AGGS[1:]
+
+
+def _agg_inputs(dtype=torch.float32, weighted=True, B=5, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, generator=g).to(dtype)
+    m = torch.rand(B, T, generator=g) > 0.4
+    m[3] = False
+    if weighted:
+        m = m.float() * torch.rand(B, T, generator=g)
+    return x, m
+
+
+@pytest.mark.parametrize("backend", ABACKENDS)
+@pytest.mark.parametrize("agg", AGG_ALL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_masked_aggregate(backend, agg, dtype, weighted):
+    x, m = _agg_inputs(dtype, weighted)
     x_nan = torch.where(m != 0, x, float("nan"))  # masked-out NaN never reach the result
     kw = dict(
         dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3
     )
-    for k in ({}, kw):
-        got = pk.masked_aggregate(x_nan, m, agg, **k)
+    for k in ({}, kw, dict(kw, global_num_tokens=9, global_batch_size=torch.tensor(6))):
+        xg = x_nan.clone().requires_grad_(True)
+        with use_backend(backend), poisoned():
+            got = pk.masked_aggregate(xg, m, agg, **k)
+            got.backward(torch.tensor(1.5))
+        xr = x.double().requires_grad_(True)
         ref = _agg64(
-            x, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None
+            xr, m, agg, k.get("dp_size", 1), 9.0 if k else None, 6 if k else None, 3 if k else None
         )
-        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-7)
-    xd = x.double().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: pk.masked_aggregate(t, m.double(), agg, **kw), (xd,))
-    assert pk.masked_aggregate(x, torch.zeros_like(m), agg).item() == 0.0
-    nan = pk.masked_aggregate(x, torch.zeros_like(m), agg, empty="nan")
-    assert nan.isnan() if agg != "token-sum" else nan.item() == 0.0
+        (1.5 * ref).backward()
+        assert got.dtype == torch.float32 and got.shape == ()
+        torch.testing.assert_close(got.double(), ref, **LOSS_TOL)
+        assert xg.grad.dtype == dtype
+        torch.testing.assert_close(xg.grad.double(), xr.grad.to(dtype).double(), **GRAD_TOL[dtype])
+    with use_backend(backend):
+        assert pk.masked_aggregate(x, torch.zeros_like(m), agg).item() == 0.0
+        nan = pk.masked_aggregate(x, torch.zeros_like(m), agg, empty="nan")
+        assert nan.isnan() if agg != "token-sum" else nan.item() == 0.0
+        xg = x_nan.clone().requires_grad_(True)
+        with torch.no_grad():  # no graph built: bitwise the value of the call with one
+            plain = pk.masked_aggregate(xg, m, agg)
+        assert not plain.requires_grad
+        assert plain.item() == pk.masked_aggregate(xg, m, agg).item()
     with pytest.raises(ValueError, match="agg"):
         pk.masked_aggregate(x, m, "mean")
     with pytest.raises(ValueError, match="mask"):
@@ -738,11 +755,57 @@ def test_masked_aggregate(agg):
         pk.masked_aggregate(x, m, agg, empty="inf")
 
 
+@pytest.mark.parametrize("agg", AGG_ALL)
+def test_masked_aggregate_gradcheck(agg):
+    x, m = _agg_inputs(torch.float64)
+    kw = dict(
+        dp_size=2, global_num_tokens=torch.tensor(9.0), global_batch_size=6, loss_scale_factor=3
+    )
+    xd = x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: pk.masked_aggregate(t, m.double(), agg, **kw), (xd,))
+
+
+@pytest.mark.parametrize("backend", ABACKENDS)
+def test_masked_aggregate_leading_dims_and_rows_of_many_chunks(backend):
+    """[..., T] inputs flatten to rows; rows longer than one C++ chunk (1024) and their sums."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 2500, generator=g)
+    m = torch.rand(2, 3, 2500, generator=g) > 0.5
+    m[1, 2] = False
+    for agg in AGG_ALL:
+        xg = x.clone().requires_grad_(True)
+        with use_backend(backend):
+            got = pk.masked_aggregate(xg, m, agg)
+            got.backward()
+        xr = x.double().reshape(6, -1).requires_grad_(True)
+        ref = _agg64(xr, m.reshape(6, -1), agg)
+        ref.backward()
+        torch.testing.assert_close(got.double(), ref, **LOSS_TOL)
+        torch.testing.assert_close(xg.grad.double().reshape(6, -1), xr.grad, **GRAD_TOL[x.dtype])
+
+
+@pytest.mark.parametrize("backend", ABACKENDS)
+def test_masked_aggregate_opcheck(backend):
+    x, m = _agg_inputs(weighted=False)
+    x.requires_grad_(True)
+    with use_backend(backend):
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.masked_aggregate.default,
+            (x, m, "seq-mean-token-mean", 1.0, None, None),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.masked_aggregate.default,
+            (x, m.float(), "token-mean", 2.0, torch.tensor(9.0), None),
+        )
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.masked_aggregate_backward.default,
+            (torch.tensor(1.5), m, torch.rand(5), torch.bfloat16),
+        )
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_masked_aggregate_compile(dynamic):
-    """A composition of torch ops (no custom op): traced with its gradient, a device-side global
-    count included."""
-    assert not hasattr(torch.ops.ppo_kernels, "masked_aggregate")
+    """Traced with its gradient, a device-side global count included."""
     torch._dynamo.reset()
 
     def step(a, b, n):

@@ -27,10 +27,24 @@ constexpr int64_t kChunk = 1024;
 
 // n elements of t (contiguous, any real dtype) from flat offset off, as float.
 void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
+  if (t.scalar_type() == at::kBool) {
+    // as bytes: gcc does not vectorise bool -> float, and its scalar int -> float conversions
+    // chain on a false register dependency (~1 ns per element, 5x the whole pass)
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()) + off;
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+    return;
+  }
   AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kBFloat16, at::kHalf, t.scalar_type(), "ppo_load", [&] {
     const scalar_t* p = t.const_data_ptr<scalar_t>() + off;
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
   });
+}
+
+// The same n elements as float: in place for a float32 tensor, else converted into buf.
+const float* as_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
+  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>() + off;
+  load_float(t, off, n, buf);
+  return buf;
 }
 
 void store_float(at::Tensor& t, int64_t off, int64_t n, const float* buf) {
@@ -55,20 +69,24 @@ void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
               ": expected a contiguous tensor of shape ", a.sizes(), ", got ", b.sizes());
 }
 
-// The names of a loss kernel's three [B, T] inputs, for the argument checks.
+// The names of a loss kernel's three [B, T] inputs, for the argument checks; masked_aggregate has
+// one (the per-token values are the loss: no second or third input is read).
 using Names = std::array<const char*, 3>;
 constexpr Names kPolicyNames{"logprobs", "old_logprobs", "advantages"};
 constexpr Names kValueNames{"values", "old_values", "returns"};
+constexpr Names kAggregateNames{"loss_mat", nullptr, nullptr};
 
 void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
                      const at::Tensor& mask) {
   check_arg(x, n[0], x.device(), Kind::kFloating);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0],
               ": expected a contiguous [B, T] tensor, got ", x.sizes());
-  check_arg(y, n[1], x.device(), Kind::kFloating);
-  check_like(x, y, n[1]);
-  check_arg(z, n[2], x.device(), Kind::kFloating);
-  check_like(x, z, n[2]);
+  if (n[1] != nullptr) {
+    check_arg(y, n[1], x.device(), Kind::kFloating);
+    check_like(x, y, n[1]);
+    check_arg(z, n[2], x.device(), Kind::kFloating);
+    check_like(x, z, n[2]);
+  }
   check_arg(mask, "mask", x.device());
   check_like(x, mask, "mask");
   TORCH_CHECK(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
@@ -87,6 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
     check_arg(*global_denom, "global_denom", x.device(), Kind::kAny, 1, "a single value");
   }
   const int64_t items = s.B * s.nch;
+  const bool one_input = names[1] == nullptr;
   std::vector<std::array<double, kNumPartials>> part(items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     float a[kChunk], b[kChunk], c[kChunk], m[kChunk];
@@ -94,9 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
       const int64_t row = it / s.nch, t0 = (it % s.nch) * kChunk;
       const int64_t n = std::min(kChunk, s.T - t0), off = row * s.T + t0;
       load_float(mask, off, n, m);
-      load_float(x, off, n, a);
-      load_float(y, off, n, b);
-      load_float(z, off, n, c);
+      const float* pa = as_float(x, off, n, a);
+      const float* pb = one_input ? pa : as_float(y, off, n, b);
+      const float* pc = one_input ? pa : as_float(z, off, n, c);
       // 8 tokens per step; the tail is a partial load whose missing lanes have mask 0
       const VecF vzero(0.f);
       VecF acc[kNumPartials] = {vzero, vzero, vzero, vzero, vzero, vzero};
@@ -104,8 +123,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
         const int64_t k = std::min<int64_t>(VecF::size(), n - i);
         const VecF vm = VecF::loadu(m + i, k);
         const VecF keep = vm != vzero;  // masked positions never contribute, even if NaN
+        const VecF va = VecF::loadu(pa + i, k);
         const TokenTerms<VecF> o =
-            fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
+            one_input ? fn(va, va, va) : fn(va, VecF::loadu(pb + i, k), VecF::loadu(pc + i, k));
         acc[kSumLoss] = acc[kSumLoss] + VecF::blendv(vzero, vm * o.loss, keep);
         acc[kSumMask] = acc[kSumMask] + vm;
         for (int q = 0; q < 4; ++q)
@@ -177,24 +197,26 @@ at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
   const float* coef = coef_c.const_data_ptr<float>();
+  const bool f32 = grad.scalar_type() == at::kFloat;
   at::parallel_for(0, s.B * s.nch, 1, [&](int64_t begin, int64_t end) {
     float a[kChunk], b[kChunk], c[kChunk], m[kChunk];
     for (int64_t it = begin; it < end; ++it) {
       const int64_t row = it / s.nch, t0 = (it % s.nch) * kChunk;
       const int64_t n = std::min(kChunk, s.T - t0), off = row * s.T + t0;
       load_float(mask, off, n, m);
-      load_float(x, off, n, a);
-      load_float(y, off, n, b);
-      load_float(z, off, n, c);
+      const float* pa = as_float(x, off, n, a);
+      const float* pb = as_float(y, off, n, b);
+      const float* pc = as_float(z, off, n, c);
+      float* out = f32 ? grad.data_ptr<float>() + off : a;  // float32: written in place
       const VecF w(g * coef[row]), vzero(0.f);
       for (int64_t i = 0; i < n; i += VecF::size()) {
         const int64_t k = std::min<int64_t>(VecF::size(), n - i);
         const VecF vm = VecF::loadu(m + i, k);
         const TokenTerms<VecF> o =
-            fn(VecF::loadu(a + i, k), VecF::loadu(b + i, k), VecF::loadu(c + i, k));
-        VecF::blendv(vzero, w * vm * o.grad, vm != vzero).store(a + i, k);
+            fn(VecF::loadu(pa + i, k), VecF::loadu(pb + i, k), VecF::loadu(pc + i, k));
+        VecF::blendv(vzero, w * vm * o.grad, vm != vzero).store(out + i, k);
       }
-      store_float(grad, off, n, a);
+      if (!f32) store_float(grad, off, n, a);
     }
   });
   return grad;
@@ -232,6 +254,52 @@ at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor
                                    std::optional<double> dual_clip, double log_ratio_clamp) {
   return loss_bwd(grad_loss, logprobs, old_logprobs, advantages, mask, row_coef, kPolicyNames,
                   policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+}
+
+// masked_aggregate: the token "loss" is the given value (its statistics unused); one pass computes
+// the rows' masked sums and mask totals in double, the row coefficients and the loss.
+std::tuple<at::Tensor, at::Tensor> masked_aggregate_fwd_cpu(
+    const at::Tensor& loss_mat, const at::Tensor& mask, const std::string& agg, double scale,
+    const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
+  const auto identity = [](const VecF& v, const VecF&, const VecF&) {
+    const VecF zero(0.f);
+    return TokenTerms<VecF>{v, VecF(1.f), {zero, zero, zero, zero}};
+  };
+  auto [loss, stats, coef] = loss_fwd(loss_mat, loss_mat, loss_mat, mask, agg, scale, global_denom,
+                                      global_denom_value, 0, kAggregateNames, identity);
+  return {loss, coef};
+}
+
+// grad = grad_loss * row_coef[b] * mask where mask != 0, else 0, in `dtype` (loss_mat's).
+at::Tensor masked_aggregate_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& mask,
+                                    const at::Tensor& row_coef, at::ScalarType dtype) {
+  check_arg(mask, "mask", mask.device());
+  const Shape2 s = rows_of(mask);
+  check_arg(row_coef, "row_coef", mask.device(), Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", mask.device(), Kind::kFloating, 1, "the 0-dim loss");
+  TORCH_CHECK(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ", dtype);
+  at::Tensor grad = new_output(mask.sizes(), mask.options().dtype(dtype));
+  const float g = grad_loss.to(at::kFloat).item<float>();
+  const at::Tensor coef_c = row_coef.contiguous();
+  const float* coef = coef_c.const_data_ptr<float>();
+  const bool f32 = dtype == at::kFloat;
+  at::parallel_for(0, s.B * s.nch, 1, [&](int64_t begin, int64_t end) {
+    float a[kChunk], m[kChunk];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t row = it / s.nch, t0 = (it % s.nch) * kChunk;
+      const int64_t n = std::min(kChunk, s.T - t0), off = row * s.T + t0;
+      load_float(mask, off, n, m);
+      const VecF w(g * coef[row]), vzero(0.f);
+      float* out = f32 ? grad.data_ptr<float>() + off : a;  // float32: written in place
+      for (int64_t i = 0; i < n; i += VecF::size()) {
+        const int64_t k = std::min<int64_t>(VecF::size(), n - i);
+        const VecF vm = VecF::loadu(m + i, k);
+        VecF::blendv(vzero, w * vm, vm != vzero).store(out + i, k);
+      }
+      if (!f32) store_float(grad, off, n, a);
+    }
+  });
+  return grad;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
@@ -354,6 +422,12 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
       "ppo_value_loss_bwd(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, "
       "Tensor mask, Tensor row_coef, float? clip) -> Tensor");
   m.def(
+      "masked_aggregate_fwd(Tensor loss_mat, Tensor mask, str agg, float scale, "
+      "Tensor? global_denom, float? global_denom_value) -> (Tensor loss, Tensor row_coef)");
+  m.def(
+      "masked_aggregate_bwd(Tensor grad_loss, Tensor mask, Tensor row_coef, ScalarType dtype) "
+      "-> Tensor");
+  m.def(
       "group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool "
       "norm_by_std, "
       "str kind, Tensor? mask) -> Tensor");
@@ -364,6 +438,8 @@ TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
   m.impl("ppo_policy_loss_bwd", &ppo_policy_loss_bwd_cpu);
   m.impl("ppo_value_loss_fwd", &ppo_value_loss_fwd_cpu);
   m.impl("ppo_value_loss_bwd", &ppo_value_loss_bwd_cpu);
+  m.impl("masked_aggregate_fwd", &masked_aggregate_fwd_cpu);
+  m.impl("masked_aggregate_bwd", &masked_aggregate_bwd_cpu);
   m.impl("group_advantages", &group_advantages_cpu);
 }
 

@@ -1,7 +1,8 @@
-// Registered ops `ppo_kernels::ppo_policy_loss` and `ppo_kernels::ppo_value_loss` (+ their
-// backward ops): schemas, argument checks, backend routing and autograd. Each forward returns
-// (loss [], stats [n], row_coef [B]); row_coef (d loss / d (mask * token loss) per row) is saved
-// for the backward op, which recomputes the per-token gradient from the inputs.
+// Registered ops `ppo_kernels::ppo_policy_loss`, `ppo_kernels::ppo_value_loss` and
+// `ppo_kernels::masked_aggregate` (+ their backward ops): schemas, argument checks, backend routing
+// and autograd. Each forward returns (loss [], stats [n], row_coef [B]) (masked_aggregate: no
+// stats); row_coef (d loss / d (mask * token loss) per row) is saved for the backward op, which
+// recomputes the per-token gradient from the inputs (masked_aggregate's from the mask alone).
 // Kernels: csrc/cpu/losses.cpp (cpp), ppo_kernels/losses/op.py (triton, eager); semantics:
 // ppo_kernels/losses/reference.py.
 #include <torch/autograd.h>
@@ -32,6 +33,13 @@ using ValueSig = Out3(const Tensor&, const Tensor&, const Tensor&, const Tensor&
 using ValueBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Tensor&, const Tensor&, optional<double>);
 
+using Out2 = std::tuple<Tensor, Tensor>;
+using AggSig = Out2(const Tensor&, const Tensor&, const std::string&, double,
+                    const optional<Tensor>&, optional<double>);
+using AggBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, at::ScalarType);
+
+const OpRef kAgg("masked_aggregate"), kAggBwd("masked_aggregate_backward"),
+    kAggKernel("masked_aggregate_fwd"), kAggBwdKernel("masked_aggregate_bwd");
 const OpRef kPolicy("ppo_policy_loss"), kPolicyBwd("ppo_policy_loss_backward"),
     kValue("ppo_value_loss"), kValueBwd("ppo_value_loss_backward"),
     kPolicyKernel("ppo_policy_loss_fwd"), kPolicyBwdKernel("ppo_policy_loss_bwd"),
@@ -131,6 +139,40 @@ Tensor value_backward(const Tensor& grad, const Tensor& v, const Tensor& vo, con
                 coef.contiguous(), clip);
 }
 
+// masked_aggregate: loss_mat [B, T] (the API flattens leading dims), mask like it.
+Out2 aggregate(const Tensor& x, const Tensor& mask, const std::string& agg, double scale,
+               const optional<Tensor>& gd, optional<double> gdv) {
+  expect_float(x, "loss_mat");
+  expect_dim(x, "loss_mat", 2);
+  expect_mask(mask, "mask");
+  expect_like(mask, "mask", x, "loss_mat", /*same_dtype=*/false);
+  check_aggregation(Names{"loss_mat", nullptr, nullptr}, x, agg, gd);
+  const Backend b = backend_for("masked_aggregate", x, /*eager_if_empty=*/true);
+  const auto& h =
+      b == Backend::kCpp ? kAggKernel.in<AggSig>(Ns::kCppKernels) : kAgg.python<AggSig>(b);
+  return h.call(x.contiguous(), mask.contiguous(), agg, scale, gd, gdv);
+}
+
+Tensor aggregate_backward(const Tensor& grad, const Tensor& mask, const Tensor& coef,
+                          at::ScalarType dtype) {
+  expect_mask(mask, "mask");
+  expect_dim(mask, "mask", 2);
+  expect_float(grad, "grad_loss");
+  expect_device(grad, "grad_loss", mask, "mask");
+  expect_shape(grad, "grad_loss", {}, "the loss");
+  TORCH_CHECK_VALUE(coef.defined(), "row_coef: expected a tensor");
+  expect_device(coef, "row_coef", mask, "mask");
+  expect_shape(coef, "row_coef", {mask.size(0)}, "one per row");
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ", dtype);
+  // the forward's backend: float64 (and empty) ran eager, so its row_coef is float64
+  const Backend b = coef.scalar_type() == at::kDouble
+                        ? Backend::kEager
+                        : backend_for("masked_aggregate", mask, /*eager_if_empty=*/true);
+  const auto& h = b == Backend::kCpp ? kAggBwdKernel.in<AggBwdSig>(Ns::kCppKernels)
+                                     : kAggBwd.python<AggBwdSig>(b);
+  return h.call(grad, mask.contiguous(), coef.contiguous(), dtype);
+}
+
 // ------------------------------------------------------------------------------ autograd
 // The gradient flows to the first input only (logprobs / values); stats and row_coef are not
 // differentiable. An unused loss (grad undefined) gives no gradient.
@@ -200,6 +242,42 @@ class ValueFn : public torch::autograd::Function<ValueFn> {
   }
 };
 
+// The gradient flows to loss_mat only; the backward needs the mask and row_coef, not loss_mat.
+class AggFn : public torch::autograd::Function<AggFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask,
+                               const std::string& agg, double scale, const optional<Tensor>& gd,
+                               optional<double> gdv) {
+    Out2 out;
+    {
+      BelowAutograd guard;
+      out = kAgg.in<AggSig>(Ns::kOps).call(x, mask, agg, scale, gd, gdv);
+    }
+    const auto& [loss, coef] = out;
+    ctx->save_for_backward({mask, coef});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->mark_non_differentiable({coef});
+    return {loss, coef};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(6);
+    const auto s = ctx->get_saved_variables();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return first_grad<6>(kAggBwd.in<AggBwdSig>(Ns::kOps).call(grads[0], s[0], s[1], dtype));
+  }
+};
+
+Out2 aggregate_autograd(const Tensor& x, const Tensor& mask, const std::string& agg, double scale,
+                        const optional<Tensor>& gd, optional<double> gdv) {
+  if (!needs_graph(x)) {
+    BelowAutograd guard;
+    return kAgg.in<AggSig>(Ns::kOps).call(x, mask, agg, scale, gd, gdv);
+  }
+  const variable_list out = AggFn::apply(x, mask, agg, scale, gd, gdv);
+  return {out[0], out[1]};
+}
+
 Out3 as_tuple(const variable_list& v) { return {v[0], v[1], v[2]}; }
 
 Out3 policy_autograd(const Tensor& lp, const Tensor& old, const Tensor& adv, const Tensor& mask,
@@ -247,6 +325,13 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "ppo_value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
       "str agg, float scale, Tensor? global_denom, float? global_denom_value) "
       "-> (Tensor, Tensor, Tensor)");
+  // (loss [], row_coef [B]); loss_mat [B, T]; the gradient of loss_mat has its dtype
+  m.def(
+      "masked_aggregate(Tensor loss_mat, Tensor mask, str agg, float scale, Tensor? global_denom, "
+      "float? global_denom_value) -> (Tensor, Tensor)");
+  m.def(
+      "masked_aggregate_backward(Tensor grad_loss, Tensor mask, Tensor row_coef, ScalarType dtype) "
+      "-> Tensor");
   m.def(
       "ppo_value_loss_backward(Tensor grad_loss, Tensor values, Tensor old_values, "
       "Tensor returns, Tensor mask, Tensor row_coef, float? clip) -> Tensor");
@@ -258,11 +343,14 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("ppo_policy_loss_backward", &policy_backward);
   m.impl("ppo_value_loss", &value);
   m.impl("ppo_value_loss_backward", &value_backward);
+  m.impl("masked_aggregate", &aggregate);
+  m.impl("masked_aggregate_backward", &aggregate_backward);
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("ppo_policy_loss", &policy_autograd);
   m.impl("ppo_value_loss", &value_autograd);
+  m.impl("masked_aggregate", &aggregate_autograd);
 }
 
 }  // namespace ppo_kernels

@@ -3,10 +3,10 @@
 `apply_empty`, `apply_empty_stats`).
 
 `masked_aggregate` is for every per-token term a trainer aggregates the way the fused losses do
-inside their kernels (entropy bonus, KL loss, a custom policy loss). It is a reduction over memory
-that is already there: a composition of torch ops on every device (as many passes as verl's
-agg_loss for a bool mask), differentiable by autograd (d loss / d loss_mat = row_coef[b] * mask,
-zero where mask == 0), with no custom op around it.
+inside their kernels (entropy bonus, KL loss, a custom policy loss). It runs the registered op
+`ppo_kernels::masked_aggregate` (ppo_kernels/losses/op.py, csrc/ops/losses.cpp): on the CPU one
+C++ pass for the forward and one for the backward (d loss / d loss_mat = row_coef[b] * mask, zero
+where mask == 0); on the GPU a composition of torch ops (a memory-bound reduction).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_float, check_int, check_str, check_tensor
 from .._modes import AGG_MODES
-from . import reference
+from . import op  # noqa: F401  (registers the ops' Python side)
 
-_backend.register_op(
-    "masked_aggregate", kernel=None, triton=False, cuda_default="eager", folder="losses"
-)
+_masked_aggregate = _backend.op("masked_aggregate")
 
 AGG_NAMES = AGG_MODES + ("token-sum",)
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -195,19 +193,5 @@ def masked_aggregate(
         loss_scale_factor,
         loss_mat.device,
     )
-    _backend.check_eager_only("masked_aggregate", loss_mat)
-    acc = reference._acc(loss_mat.dtype)
-    x, mk = rows(loss_mat), rows(mask)
-    # the row sums of mask * loss_mat where mask != 0 (masked NaN never reach them), in acc
-    if mk.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
-        row_sums = torch.where(mk, x, 0.0).sum(-1, dtype=acc)
-        counts = mk.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: ~10x faster on the CPU
-    else:
-        m = mk.to(acc)
-        row_sums = (torch.where(m != 0, x, 0.0) * m).sum(-1)
-        counts = m.sum(-1)
-    den = gd.to(acc) if gd is not None else None
-    if den is None and gdv is not None:
-        den = torch.full((), gdv, dtype=acc, device=x.device)
-    coef = reference.row_coefficients_of_counts(counts, mode, scale, den)  # the mask's alone
-    return apply_empty((coef * row_sums).sum(), mode, mask, den, gdv, empty)
+    loss, _ = _masked_aggregate(rows(loss_mat), rows(mask), mode, scale, gd, gdv)
+    return apply_empty(loss, mode, mask, gd, gdv, empty)
