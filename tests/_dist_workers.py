@@ -447,6 +447,12 @@ def case_vocab_parallel_policy_errors(rank, world):
     with pytest.raises(ValueError, match="ref_weight"):
         bad = dict(opts, ref_head=True, kl_coef=0.1)
         _policy_call(d, bad, w, b, d["ref_weight"][: v1 - v0 + 1], d["hidden"], process_group=grp)
+    with pytest.raises(ValueError, match="ref_logprobs: give either"):
+        bad = dict(opts, ref_head=True, kl_coef=0.1)
+        _policy_call(
+            d, bad, w, b, d["ref_weight"][v0:v1], d["hidden"], process_group=grp,
+            ref_logprobs=d["ref_logprobs"],
+        )  # fmt: skip
     labels = d["labels"].clone()
     labels[1, 1] = V  # out of range of the whole vocabulary
     with pytest.raises(IndexError, match="labels"):

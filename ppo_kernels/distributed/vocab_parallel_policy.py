@@ -106,7 +106,14 @@ def _check(a):
     if (a.ref_hidden is None) != (a.ref_weight is None):
         name = "ref_weight" if a.ref_hidden is None else "ref_hidden"
         raise ValueError(f"{name}: ref_hidden and ref_weight go together (the reference LM head)")
+    if a.ref_hidden is None and a.ref_bias is not None:
+        raise ValueError("ref_bias: needs ref_hidden and ref_weight")
     if a.ref_hidden is not None:
+        if a.ref_logprobs is not None:
+            raise ValueError(
+                "ref_logprobs: give either ref_logprobs (sampled KL estimators) or ref_hidden / "
+                "ref_weight (the exact KL), not both"
+            )
         rh = a.ref_hidden
         check_arg(
             "ref_hidden", rh, dev, dtypes=FLOAT_DTYPES, shape=(a.hidden.shape[0], rh.shape[-1])
