@@ -247,6 +247,225 @@ def case_vocab_parallel_full_kl(rank, world):
         torch.testing.assert_close(ws.grad.float(), wf.grad[:, v0:v1].float(), **GRAD_TOL[dtype])
 
 
+def _policy_inputs(dtype, B=3, T=7, H=8, V=23, seed=31):
+    g = torch.Generator().manual_seed(seed)
+    d = dict(
+        hidden=torch.randn(B, T, H, generator=g).to(dtype),
+        weight=(torch.randn(V, H, generator=g) * 0.7).to(dtype),
+        bias=(torch.randn(V, generator=g) * 0.2).to(dtype),
+        labels=torch.randint(0, V, (B, T), generator=g),
+        advantages=torch.randn(B, T, generator=g).to(dtype),
+        old_logprobs=(-torch.rand(B, T, generator=g) * 4 - 0.5).to(dtype),
+        mask=torch.rand(B, T, generator=g) > 0.2,
+        ref_logprobs=(-torch.rand(B, T, generator=g) * 4 - 0.5).to(dtype),
+        ref_hidden=torch.randn(B, T, H, generator=g).to(dtype),
+        ref_weight=(torch.randn(V, H, generator=g) * 0.7).to(dtype),
+    )
+    d["labels"][0, 2] = d["labels"][2, 5] = -100  # ignore_index rows
+    d["mask"][0, 2] = True  # an ignored token on the mask
+    # old log-probs near the current ones: ratios inside and outside the clip range
+    with torch.no_grad():
+        lp = torch.log_softmax(d["hidden"].double() @ d["weight"].double().T, -1)
+        cur = lp.gather(-1, d["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        d["old_logprobs"] = (cur + torch.randn(B, T, generator=g) * 0.3).to(dtype)
+    return d
+
+
+# (name, options): loss types, KL, entropy, temperature, softcap, the exact KL to a sharded
+# reference head, batch / sequence statistics (a first pass), bypass mode
+POLICY_CASES = [
+    (
+        "ppo",
+        dict(
+            loss_type="ppo",
+            dual_clip=3.0,
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            temperature=0.8,
+            max_chunk_bytes=None,
+        ),
+    ),
+    ("grpo", dict(loss_type="grpo", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.02)),
+    ("dapo", dict(loss_type="dapo", clip_high=0.28, entropy_coef=0.01, temperature=1.3)),
+    ("gspo", dict(loss_type="gspo", kl_coef=0.1, max_chunk_bytes=300)),  # blocks < T: 2 passes
+    ("cispo", dict(loss_type="cispo", entropy_coef=0.01, kl_coef=0.02)),
+    ("softcap_ref_head", dict(loss_type="ppo", softcap=2.0, ref_head=True, kl_coef=0.2)),
+    ("kl_cov", dict(loss_type="kl_cov", kl_cov_ratio=0.2, agg="seq-mean-token-mean")),
+    ("bypass", dict(loss_type="ppo", bypass_mode=True, rollout_is="sequence", entropy_coef=0.01)),
+]
+
+
+def _policy_call(d, opts, weight, bias, ref_weight, hidden, **kw):
+    import ppo_kernels as pk
+
+    opts = dict(opts)
+    kw.setdefault("max_chunk_bytes", opts.pop("max_chunk_bytes", 600))
+    if opts.pop("ref_head", False):
+        kw.update(ref_hidden=d["ref_hidden"], ref_weight=ref_weight)
+    elif opts.get("kl_coef"):
+        kw["ref_logprobs"] = d["ref_logprobs"]
+    adv = d["advantages"]
+    if opts.get("loss_type") == "grpo":
+        adv = adv[:, 0]  # one per sequence
+    return pk.linear_policy_loss(
+        hidden, weight, d["labels"], adv, d["old_logprobs"], d["mask"], bias=bias, **opts, **kw
+    )
+
+
+def case_vocab_parallel_policy(rank, world):
+    """linear_policy_loss(..., process_group=...) against the single-process op on the unsharded
+    head: loss, every statistic, per-token outputs, and the hidden / weight / bias gradients
+    (float32 within 1e-5, float64 1e-10), outputs NaN-poisoned; V = 23 is uneven over 2 and 3
+    ranks, and world 3 has an empty slice in one case. Counts the collectives: one header
+    gather, one gather per row block (per pass), one all-reduce."""
+    from _utils import poisoned
+
+    from ppo_kernels.distributed import _comm
+
+    _fresh_vocab_layouts()
+    for dtype, names in ((torch.float32, None), (torch.float64, ("ppo", "gspo"))):
+        d = _policy_inputs(dtype)
+        V = d["weight"].shape[0]
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+        for i, (name, opts) in enumerate(POLICY_CASES):
+            if names is not None and name not in names:
+                continue
+            v0, v1 = _uneven_split(V, world, seed=5 + i)[rank]
+            if world == 3 and name == "dapo":
+                v0, v1 = ((0, 11), (11, 11), (11, V))[rank]
+            hf, wf, bf = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+            loss_w, st_w = _policy_call(d, opts, wf, bf, d["ref_weight"], hf)
+            loss_w.backward()
+            hs = d["hidden"].clone().requires_grad_()
+            ws = d["weight"][v0:v1].clone().requires_grad_()
+            bs = d["bias"][v0:v1].clone().requires_grad_()
+            before = dict(_comm.CALLS)
+            with poisoned():
+                loss, st = _policy_call(
+                    d, opts, ws, bs, d["ref_weight"][v0:v1], hs,
+                    process_group=dist.group.WORLD, vocab_start=v0 if i % 2 else None,
+                )  # fmt: skip
+                loss.backward()
+            gathers = _comm.CALLS["all_gather"] - before["all_gather"]
+            reduces = _comm.CALLS["all_reduce"] - before["all_reduce"]
+            msg = f"{name} {dtype} rank {rank}"
+            torch.testing.assert_close(loss, loss_w, **tol, msg=msg)
+            assert sorted(st) == sorted(st_w), (msg, sorted(st), sorted(st_w))
+            for k in st_w:
+                torch.testing.assert_close(st[k], st_w[k], **tol, msg=f"{msg}: {k}")
+            torch.testing.assert_close(hs.grad, hf.grad, **tol, msg=msg)
+            torch.testing.assert_close(ws.grad, wf.grad[v0:v1], **tol, msg=msg)
+            torch.testing.assert_close(bs.grad, bf.grad[v0:v1], **tol, msg=msg)
+            # one header gather, one gather per row block and pass, one all-reduce
+            assert reduces == 1, (msg, reduces)
+            if name == "ppo":  # the whole batch in one row block
+                assert gathers == 2, (msg, gathers)
+            elif name == "gspo":  # two passes over the same row blocks
+                assert gathers > 3 and (gathers - 1) % 2 == 0, (msg, gathers)
+        # the loss is identical on every rank
+        got = [torch.zeros((), dtype=dtype) for _ in range(world)]
+        dist.all_gather(got, loss.detach())
+        assert all(bool(x == got[0]) for x in got), got
+
+
+def case_vocab_parallel_policy_partial(rank, world):
+    """reduce_hidden_grad=False leaves each rank's share of the hidden gradient (their sum is the
+    gradient) and runs no all-reduce; a frozen head (no weight grad) and no grad at all."""
+    from ppo_kernels.distributed import _comm
+
+    d = _policy_inputs(torch.float32, seed=5)
+    V = d["weight"].shape[0]
+    opts = dict(loss_type="ppo", entropy_coef=0.01)
+    v0, v1 = _uneven_split(V, world, seed=9)[rank]
+    hf = d["hidden"].clone().requires_grad_()
+    loss_w, _ = _policy_call(d, opts, d["weight"], d["bias"], None, hf)
+    loss_w.backward()
+    hs = d["hidden"].clone().requires_grad_()
+    before = _comm.CALLS["all_reduce"]
+    loss, _ = _policy_call(
+        d, opts, d["weight"][v0:v1], d["bias"][v0:v1], None, hs,
+        process_group=dist.group.WORLD, reduce_hidden_grad=False,
+    )  # fmt: skip
+    loss.backward()
+    assert _comm.CALLS["all_reduce"] == before
+    gh = hs.grad.clone()
+    dist.all_reduce(gh)
+    torch.testing.assert_close(gh, hf.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, loss_w, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        loss, st = _policy_call(
+            d, opts, d["weight"][v0:v1], d["bias"][v0:v1], None, d["hidden"],
+            process_group=dist.group.WORLD,
+        )  # fmt: skip
+    torch.testing.assert_close(loss, loss_w.detach(), atol=1e-5, rtol=1e-5)
+    # bfloat16, float32 tiles and input-dtype tiles (the reference head and softcap too)
+    from _utils import GRAD_TOL
+
+    d = _policy_inputs(torch.bfloat16, seed=8)
+    for ldt in ("float32", "input"):
+        opts = dict(loss_type="ppo", softcap=3.0, ref_head=True, kl_coef=0.1, entropy_coef=0.01)
+        hf, wf, bf = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        loss_w, st_w = _policy_call(d, opts, wf, bf, d["ref_weight"], hf, logits_dtype=ldt)
+        loss_w.backward()
+        hs = d["hidden"].clone().requires_grad_()
+        ws = d["weight"][v0:v1].clone().requires_grad_()
+        bs = d["bias"][v0:v1].clone().requires_grad_()
+        loss, st = _policy_call(
+            d, opts, ws, bs, d["ref_weight"][v0:v1], hs, logits_dtype=ldt,
+            process_group=dist.group.WORLD,
+        )  # fmt: skip
+        loss.backward()
+        torch.testing.assert_close(loss, loss_w, atol=1e-4, rtol=1e-4)
+        for k in ("logprobs", "entropy", "kl"):
+            torch.testing.assert_close(st[k], st_w[k], atol=1e-4, rtol=1e-4)
+        gt = GRAD_TOL[torch.bfloat16]
+        gth = gt
+        if ldt == "input":  # each rank's product g @ W_slice is rounded to bf16 before the sum
+            gth = dict(gt, atol=float(hf.grad.abs().max()) * 2**-8)
+        torch.testing.assert_close(hs.grad.float(), hf.grad.float(), **gth)
+        torch.testing.assert_close(ws.grad.float(), wf.grad[v0:v1].float(), **gt)
+        torch.testing.assert_close(bs.grad.float(), bf.grad[v0:v1].float(), **gt)
+
+
+def case_vocab_parallel_policy_errors(rank, world):
+    """Bad inputs raise a clear error naming the argument on every rank (no hang, no silent
+    answer); the group stays usable."""
+    import pytest
+
+    d = _policy_inputs(torch.float32, seed=6)
+    V = d["weight"].shape[0]
+    grp = dist.group.WORLD
+    opts = dict(loss_type="ppo")
+    v0, v1 = _uneven_split(V, world, seed=3)[rank]
+    w, b = d["weight"][v0:v1], d["bias"][v0:v1]
+    with pytest.raises(ValueError, match="vocab_start: the ranks' vocabulary slices"):
+        _policy_call(d, opts, w, b, None, d["hidden"], process_group=grp, vocab_start=0)
+    with pytest.raises(ValueError, match="bias"):
+        _policy_call(d, opts, w, d["bias"][: v1 - v0 + 1], None, d["hidden"], process_group=grp)
+    with pytest.raises(ValueError, match="weight"):
+        _policy_call(d, opts, w[:, :-1], b, None, d["hidden"], process_group=grp)
+    with pytest.raises(ValueError, match="ref_weight"):
+        bad = dict(opts, ref_head=True, kl_coef=0.1)
+        _policy_call(d, bad, w, b, d["ref_weight"][: v1 - v0 + 1], d["hidden"], process_group=grp)
+    with pytest.raises(ValueError, match="ref_logprobs: give either"):
+        bad = dict(opts, ref_head=True, kl_coef=0.1)
+        _policy_call(
+            d, bad, w, b, d["ref_weight"][v0:v1], d["hidden"], process_group=grp,
+            ref_logprobs=d["ref_logprobs"],
+        )  # fmt: skip
+    labels = d["labels"].clone()
+    labels[1, 1] = V  # out of range of the whole vocabulary
+    with pytest.raises(IndexError, match="labels"):
+        _policy_call(dict(d, labels=labels), opts, w, b, None, d["hidden"], process_group=grp)
+    # shapes that differ across the ranks: the header gather catches them on every rank
+    dd = d if rank else {k: (t[:, :-1] if t.dim() >= 2 and k != "weight" and k != "ref_weight"
+                             else t) for k, t in d.items()}  # fmt: skip
+    with pytest.raises(ValueError, match="rows: the ranks"):
+        _policy_call(dd, opts, w, b, None, dd["hidden"], process_group=grp)
+    loss, _ = _policy_call(d, opts, w, b, None, d["hidden"], process_group=grp)
+    assert torch.isfinite(loss)
+
+
 def case_sequence_parallel_gae(rank, world):
     from _utils import poisoned
 

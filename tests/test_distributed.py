@@ -1,7 +1,9 @@
 """Distributed forms on torch.distributed with gloo on the CPU: each case spawns 2-3 processes
 (tests/_dist_workers.py) that compare against the single-process op on the same data, outputs
 NaN-poisoned: vocab-parallel token_logprobs (uneven and empty slices, ignore_index, temperature,
-fp32 / bf16, both outputs' gradients), sequence-parallel GAE (a slice with no action, dones at a
+fp32 / bf16, both outputs' gradients), vocab-parallel linear_policy_loss (loss types, KL, entropy,
+softcap, a sharded reference head, first passes, bypass mode; loss, stats and every gradient;
+collectives counted; bad inputs), sequence-parallel GAE (a slice with no action, dones at a
 slice border, per-token gamma, bootstrap on the last rank; packed rows spanning ranks, a rank
 inside one row, row boundaries on rank borders), data-parallel masked_whiten / masked_mean (a rank
 with no unmasked position), shapes that differ across ranks (a clear error on every rank), and
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.skipif(
 ALL = (
     "vocab_parallel,vocab_parallel_linear,vocab_parallel_full_kl,sequence_parallel_gae,"
     "data_parallel_whiten,data_parallel_grpo,sequence_parallel_gae_packed,cross_rank_checks,"
-    "vocab_parallel_layouts,vocab_parallel_device_checks"
+    "vocab_parallel_layouts,vocab_parallel_device_checks,vocab_parallel_policy,"
+    "vocab_parallel_policy_partial,vocab_parallel_policy_errors"
 )
 
 
@@ -136,3 +139,27 @@ def test_vocab_parallel_ops_opcheck():
     lp_w, ent_w = pk.token_logprobs(z, y, temperature=0.7, return_entropy=True)
     torch.testing.assert_close((lp, ent), (lp_w, ent_w))
     assert layout.tolist() == [0, V]
+
+
+def test_linear_policy_loss_process_group_arguments():
+    """The vocab-parallel arguments of linear_policy_loss, checked before any collective."""
+    import torch
+
+    import ppo_kernels as pk
+
+    B, T, H, V = 2, 3, 4, 5
+    args = (
+        torch.randn(B, T, H),
+        torch.randn(V, H),
+        torch.zeros(B, T, dtype=torch.long),
+        torch.randn(B, T),
+        torch.randn(B, T),
+        torch.ones(B, T, dtype=torch.bool),
+    )
+    with pytest.raises(ValueError, match="vocab_start: needs process_group"):
+        pk.linear_policy_loss(*args, vocab_start=0)
+    with pytest.raises(TypeError, match="reduce_hidden_grad"):
+        pk.linear_policy_loss(*args, reduce_hidden_grad="yes")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="process_group: torch.distributed is not init"):
+            pk.linear_policy_loss(*args, process_group=object())

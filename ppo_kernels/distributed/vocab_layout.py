@@ -94,11 +94,7 @@ def check_layout(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int,
         )
         return starts, sizes, (gathered[:, :3] == want).all()
     starts, sizes, ns, derived = read_header(gathered)
-    if any(n != N for n in ns):
-        raise ValueError(
-            f"labels: ranks hold different numbers of rows {ns}; every rank of the "
-            "vocab-parallel group needs the same tokens"
-        )
+    _check_rows(ns, N)
     expected = _rank_order(starts, sizes, derived)
     if expected is not None and expected != starts:
         raise ValueError(
@@ -108,6 +104,24 @@ def check_layout(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int,
             "else rank * slice size (even shards), and cannot be settled by a second gather: "
             "give vocab_start, or make one eager call with this layout first"
         )
+    V = _check_tiling(starts, sizes)
+    if labels.device.type == "cpu":
+        check_labels_in_range(labels, V, ignore_index)
+    _layouts[(rank, world, v_rank)] = (starts, sizes)
+    return starts, sizes, None
+
+
+def _check_rows(ns, N):
+    if any(n != N for n in ns):
+        raise ValueError(
+            f"labels: ranks hold different numbers of rows {ns}; every rank of the "
+            "vocab-parallel group needs the same tokens"
+        )
+
+
+def _check_tiling(starts, sizes) -> int:
+    """V, after checking that the slices tile [0, V) contiguously."""
+    world = len(starts)
     order = sorted(range(world), key=lambda r: starts[r])
     pos = 0
     for r in order:
@@ -118,11 +132,7 @@ def check_layout(gathered: Tensor, labels: Tensor, rank: int, ignore_index: int,
                 "[0, V) contiguously"
             )
         pos += sizes[r]
-    V = pos
-    if labels.device.type == "cpu":
-        check_labels_in_range(labels, V, ignore_index)
-    _layouts[(rank, world, v_rank)] = (starts, sizes)
-    return starts, sizes, None
+    return pos
 
 
 def layout_ints(layout: Tensor) -> tuple[int, int]:
@@ -205,3 +215,33 @@ def gather_settled(states, start: int, derived: int, v_rank: int, n: int, group)
             )
         gathered = gather(states(settled), [settled, v_rank, n, derived], group)
     return gathered
+
+
+def negotiate(vocab_start, v_rank: int, group, device, **same: int) -> tuple[list[int], list[int]]:
+    """(starts, sizes) of every rank's slice, in rank order, from ONE all-gather of the headers
+    alone, before any per-row work: for forms that need every slice's size first (the
+    vocab-parallel linear_policy_loss plans row blocks common to every rank from them). The header
+    is [start, size, how it was derived, *same]; `same` are sizes every rank must hold alike (rows,
+    shapes, flags: a ValueError naming the first that differs, on every rank). A derived start is
+    settled from the gathered sizes at no cost (nothing was computed with it) and cached as
+    gather_settled caches it; the slices must tile [0, V). Reads the header on the host: one sync
+    per call on the GPU."""
+    start, derived = resolve_vocab_start(vocab_start, v_rank, group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.tensor([start, v_rank, derived, *same.values()], dtype=torch.int64, device=device)
+    got = _all_gather(mine, group).view(world, -1).cpu()
+    starts, sizes, flags = (got[:, j].tolist() for j in range(3))
+    for j, name in enumerate(same):
+        col = got[:, 3 + j].tolist()
+        if any(c != col[0] for c in col):
+            raise ValueError(
+                f"{name}: the ranks of the process group hold different values {col} (rank "
+                "order); every rank of the vocab-parallel group must pass the same"
+            )
+    expected = _rank_order(starts, sizes, flags)
+    if expected is not None:
+        if derived:
+            _start_cache[(id(group), rank, v_rank)] = expected[rank]
+        starts = expected
+    _check_tiling(starts, sizes)
+    return starts, sizes

@@ -84,12 +84,7 @@ def local_states(
     elsewhere), and 1.0 where it owns it. Ignored rows keep the empty state."""
     N, V = logits.shape
     acc = _acc(logits.dtype)
-    st = torch.empty(_ROWS, N, dtype=acc, device=logits.device)
-    st[0] = float("-inf")
-    st[1:3] = 0.0
-    st[3] = float("nan")
-    k = labels.long() - vocab_start
-    st[4] = ((k >= 0) & (k < V) & (labels != ignore_index)).to(acc)
+    st = empty_states(labels, vocab_start, V, ignore_index, acc)
     if V == 0 or N == 0:
         return st
     starts, rows = _row_blocks(N, V, acc)
@@ -103,6 +98,18 @@ def local_states(
         tile_stats_(tile, labels[r0:r1], vocab_start, inv_t, ignore_index, s_tmp, z_tmp)
         state.copy_(s_tmp)
         zl.copy_(z_tmp)
+    return st
+
+
+def empty_states(labels: Tensor, vocab_start: int, V: int, ignore_index: int, acc) -> Tensor:
+    """[_ROWS, N] states of no logit yet: m = -inf, s = u = 0, zlabel NaN, and owned = 1.0 where
+    the slice [vocab_start, vocab_start + V) holds the row's label."""
+    st = torch.empty(_ROWS, labels.numel(), dtype=acc, device=labels.device)
+    st[0] = float("-inf")
+    st[1:3] = 0.0
+    st[3] = float("nan")
+    k = labels.long() - vocab_start
+    st[4] = ((k >= 0) & (k < V) & (labels != ignore_index)).to(acc)
     return st
 
 
@@ -150,7 +157,13 @@ def _finish(
 
 
 def _merge_finalize(gathered, labels, V, ignore_index, world, N):
-    st = gathered[:, HEADER:].view(world, _ROWS, N)
+    return merge_rows(gathered[:, HEADER:].view(world, _ROWS, N), labels, V, ignore_index)
+
+
+def merge_rows(st: Tensor, labels: Tensor, V: int, ignore_index: int):
+    """(logprobs, entropy, lse) [N] from every rank's states st [world, _ROWS, N] (local_states'
+    rows) of a vocabulary of V: the merged softmax statistics, the label's logit from the rank
+    that owns it (NaN where none does: out of range)."""
     merged = merge_states(st[:, 0:3])
     owned = st[:, 4]
     zl = torch.where(owned > 0, st[:, 3], torch.zeros_like(st[:, 3])).sum(0)
@@ -377,10 +390,7 @@ def _linear_states_op(
     Vr = weight.shape[0]
     acc = _acc(hidden.dtype)
     inv_t = 1.0 / temperature
-    local = torch.empty(_ROWS, N, dtype=acc, device=hidden.device)
-    local[0], local[1:3], local[3] = float("-inf"), 0.0, float("nan")
-    k = labels.long() - vocab_start
-    local[4] = ((k >= 0) & (k < Vr) & (labels != ignore_index)).to(acc)
+    local = empty_states(labels, vocab_start, Vr, ignore_index, acc)
     if N and Vr:
         plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
         tiler = Tiler(hidden, weight, bias, plan, False)
@@ -614,6 +624,15 @@ def _logsumexp_ranks(x):
     return m_safe + (x - m_safe).exp().sum(0).log()
 
 
+def merge_full_kl(st: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(kl, lse_z, lse_w) [N] from every rank's per-slice (kl_r, lse_z_r, lse_w_r), st
+    [world, 3, N] (see above)."""
+    lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
+    a = (st[:, 1] - lse_z).exp()
+    cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))
+    return cross.sum(0) - lse_z + lse_w, lse_z, lse_w
+
+
 @torch.library.custom_op("ppo_kernels::vocab_parallel_full_kl", mutates_args=())
 def _full_kl_op(
     logits: Tensor, ref_logits: Tensor, gathered: Tensor, mask: Tensor | None, temperature: float
@@ -629,11 +648,8 @@ def _full_kl_op(
     if gathered.shape[1] != 3 * rows.numel():
         raise ValueError(f"gathered: expected {3 * rows.numel()} columns per rank")
     check_temperature(temperature)
-    st = gathered.view(gathered.shape[0], 3, -1)
-    lse_z, lse_w = _logsumexp_ranks(st[:, 1]), _logsumexp_ranks(st[:, 2])
-    a = (st[:, 1] - lse_z).exp()
-    cross = torch.where(a > 0, a * (st[:, 0] + st[:, 1] - st[:, 2]), torch.zeros_like(a))
-    kl = (cross.sum(0) - lse_z + lse_w).view(rows)
+    kl, lse_z, lse_w = merge_full_kl(gathered.view(gathered.shape[0], 3, -1))
+    kl = kl.view(rows)
     if mask is not None:
         kl = torch.where(mask, kl, torch.zeros_like(kl))
     return kl, lse_z.view(rows), lse_w.view(rows)

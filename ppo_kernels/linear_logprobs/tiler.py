@@ -133,7 +133,7 @@ class Tiler:
             if self.b is not None:
                 tile += self.b[v0:v1].to(self.acc)
             return tile
-        step = self.plan.sub if self.plan.upcast else v1 - v0
+        step = max(1, self.plan.sub if self.plan.upcast else v1 - v0)  # (an empty slice)
         for s0 in range(v0, v1, step):
             s1 = min(v1, s0 + step)
             out = tile[:, s0 - v0 : s1 - v0]
@@ -182,7 +182,7 @@ class Tiler:
                     s1 = min(v1, s0 + self.plan.sub)
                     gW[s0:s1] += torch.mm(g[:, s0 - v0 : s1 - v0].T, hc, out=self.gw_in[: s1 - s0])
             return
-        step = self.plan.sub if self.plan.upcast else v1 - v0
+        step = max(1, self.plan.sub if self.plan.upcast else v1 - v0)  # (an empty slice)
         for s0 in range(v0, v1, step):
             s1 = min(v1, s0 + step)
             gs = g[:, s0 - v0 : s1 - v0]

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import (
+    check_bool,
     check_float,
     check_int,
     check_same_device,
@@ -108,6 +109,9 @@ def linear_policy_loss(
     rollout_rs: str | None = None,
     rollout_rs_threshold: float | str | None = None,
     bypass_mode: bool = False,
+    process_group=None,
+    vocab_start: int | None = None,
+    reduce_hidden_grad: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The PPO / GRPO policy loss from the hidden states and the LM head in one chunked pass:
     logits, log-probs, entropy, KL, the loss and its gradients, never building the [N, V] logits,
@@ -145,6 +149,15 @@ def linear_policy_loss(
         logits_dtype: for bf16 / fp16 inputs, "float32" (float32 tiles: the inputs upcast chunk
             by chunk, float32 GEMMs) or "input" (GEMMs in the input dtype, float32 reductions:
             the roundings of a materialised bf16 head); None: DEFAULT_LOGITS_DTYPE.
+        process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout, as
+            `linear_token_logprobs`): `weight` / `bias` (and `ref_weight` / `ref_bias`) hold this
+            rank's contiguous slice of the vocabulary, `hidden` and every per-token input are
+            replicated, labels are global ids. One all-gather of a small header per call (the
+            slices' layout), then one all-gather of per-row statistics per row block; loss and
+            stats are the unsharded op's on every rank. Each rank's weight / bias gradient is its
+            slice of the unsharded one; the hidden gradient is all-reduced once at the end unless
+            `reduce_hidden_grad=False`. Eager only (no torch.compile graph).
+        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order).
 
     Passes: per-token types run one pass. Statistics of the current log-probs over a whole
     sequence (importance_sampling_level="sequence", gspo, geo_mean) cost nothing extra when a
@@ -163,7 +176,15 @@ def linear_policy_loss(
         mask, 0 for an empty one.
     """
     call, stats, shape = _resolve(**locals())
-    loss, st, tok = _op(*call[: len(op.ARG_NAMES)])
+    args = call[: len(op.ARG_NAMES)]
+    if process_group is not None:
+        from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
+
+        loss, st, tok = vocab_parallel_linear_policy_loss(
+            args, process_group, vocab_start, reduce_hidden_grad
+        )
+    else:
+        loss, st, tok = _op(*args)
     out = dict(zip(op.stat_names(call), st.unbind(0)))
     out.update(stats)
     out["logprobs"] = tok[0].view(shape)
@@ -237,8 +258,14 @@ def _resolve(
     rollout_rs,
     rollout_rs_threshold,
     bypass_mode,
+    process_group,
+    vocab_start,
+    reduce_hidden_grad,
 ):
     check_tensor("hidden", hidden, min_dim=1)
+    if process_group is None and vocab_start is not None:
+        raise ValueError("vocab_start: needs process_group (the vocab-parallel form)")
+    check_bool("reduce_hidden_grad", reduce_hidden_grad)
     check_tensor("weight", weight)
     check_tensor("labels", labels, min_dim=1)
     shape = tuple(labels.shape)

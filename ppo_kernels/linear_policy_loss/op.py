@@ -235,17 +235,20 @@ def stat_names(a) -> tuple[str, ...]:
     )
 
 
-def plan(hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int, share: int = 1) -> Plan:
+def plan(
+    hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int, share: int = 1, fused=True
+) -> Plan:
     """linear_logprobs' row plan with whole-vocabulary tiles (at least one row per chunk) within
     1 / share of the budget (share tiles side by side); in batch-invariant mode plan_invariant
-    (the call's N and max_chunk_bytes play no part)."""
+    (the call's N and max_chunk_bytes play no part). fused=False: input-dtype tiles get a float32
+    copy (the per-chunk tile kernels of a vocabulary shard)."""
     N, H = hidden.shape
     dt, dev = hidden.dtype, hidden.device
     if _backend.invariant():
-        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=share)
+        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, fused, budget_share=share)
     else:
         budget = max(1, _resolve_budget(max_chunk_bytes, dev) // share)
-        p = plan_chunks(N, V, H, dt, dev.type, budget, "rows", logits_dtype, fused=True)
+        p = plan_chunks(N, V, H, dt, dev.type, budget, "rows", logits_dtype, fused=fused)
     return p if p.vocab == V else dataclasses.replace(p, vocab=V)
 
 
@@ -302,6 +305,36 @@ def _full_kl_kernels(backend: str, device_type: str, temperature: float):
         return out
 
     return fwd, bwd
+
+
+class WholeVocab:
+    """How the chunk loop (run) reduces a row block's logits tile when the tile holds the whole
+    vocabulary: the token_logprobs kernels give the row statistics and turn the tile into its
+    gradient, the full_kl kernels give the exact KL. The vocab-parallel form
+    (ppo_kernels/distributed/vocab_parallel_policy.py) replaces it for a vocabulary shard: the
+    per-chunk tile kernels, the row statistics merged across the ranks."""
+
+    fused = True  # the fused whole-vocabulary kernels reduce the tiles (planned as such)
+    partial = False  # grad_hidden is a partial sum (reduced by the caller, kept in float32)
+    rows = None  # the plan's rows per chunk (a shard: the rows common to every rank)
+
+    def __init__(self, backend: str, device_type: str, temperature: float, ignore_index: int):
+        self.backend, self.inv_t, self.ii = backend, 1.0 / temperature, ignore_index
+        self.fwd, self.bwd = tl_op.forward.impls[backend], tl_op.backward.impls[backend]
+        self.kl_fwd, self.kl_bwd = _full_kl_kernels(backend, device_type, temperature)
+
+    def stats(self, tiler, z, zr, lc, with_entropy):
+        """(logprobs, entropy, lse, (kl, lse_z, lse_w) or None) of a row block from its logits
+        tile z (and the reference head's zr, or None)."""
+        lp, ent, lse = self.fwd(z, lc, self.inv_t, self.ii, with_entropy)
+        return lp, ent, lse, (None if zr is None else self.kl_fwd(z, zr))
+
+    def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
+        """The tile's gradient d(sum(glp * lp + gent * ent)) / dz (z is consumed); alone: no
+        other term is added to it (Triton may then round it to the input dtype as it stores)."""
+        g = tiler.grad_tile(z, rounds_on_store=self.backend == "triton" and alone)
+        self.bwd(z, glp, gent, lc, lse, ent if gent is not None else lse, self.inv_t, self.ii, g)
+        return g
 
 
 # --------------------------------------------------------------------------- the chunk loop
@@ -473,17 +506,21 @@ class _Loss:
         return loss, torch.stack([st[n].to(m.dtype).reshape(()) for n in names])
 
 
-def run(backend: str, a) -> tuple[Tensor, ...]:
+def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
     """linear_policy_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as the
-    schema names them (Call)."""
+    schema names them (Call). vocab: how a tile is reduced (default WholeVocab; the
+    vocab-parallel form passes its shard's, whose labels it has checked against the whole
+    vocabulary)."""
     hidden, weight, bias, labels = a.hidden, a.weight, a.bias, a.labels
     N, H = hidden.shape
     V = weight.shape[0]
     B, T = labels.shape
     dev = hidden.device
     acc = _acc(hidden.dtype)
-    if dev.type == "cpu" or _backend.strict():
-        check_labels_in_range(labels, V, a.ignore_index)
+    if vocab is None:
+        if dev.type == "cpu" or _backend.strict():
+            check_labels_in_range(labels, V, a.ignore_index)
+        vocab = WholeVocab(backend, dev.type, a.temperature, a.ignore_index)
     cfg = config(a)
     names = stat_names(a)
     bypass = bypass_options(a)
@@ -491,7 +528,8 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     need_b = a.need_bias and bias is not None
     token_stats = _backend.new_output((3, B, T), acc, dev)
     token_stats[2].zero_()  # the KL row stays 0 without ref_logprobs
-    gh_out = _backend.new_output((N, H) if need_h else (0,), hidden.dtype, dev)
+    gh_dtype = acc if vocab.partial else hidden.dtype
+    gh_out = _backend.new_output((N, H) if need_h else (0,), gh_dtype, dev)
     gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
     gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
     p = _prepare(a, acc)
@@ -499,24 +537,24 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     full = a.ref_hidden is not None
     # the exact KL: the reference tile and its gradient tile beside the policy tile
     share = 3 if full else 1
-    pl = plan(hidden, V, a.logits_dtype, a.max_chunk_bytes, share)
+    pl = plan(hidden, V, a.logits_dtype, a.max_chunk_bytes, share, vocab.fused)
+    if vocab.rows is not None:
+        pl = dataclasses.replace(pl, rows=vocab.rows)
     any_grad = need_h or need_w or need_b
-    tiler = Tiler(hidden, weight, bias, pl, backend, backward=any_grad, softcap=a.softcap)
+    fused = backend if vocab.fused else False
+    tiler = Tiler(hidden, weight, bias, pl, fused, backward=any_grad, softcap=a.softcap)
     pad = tiler.pad  # batch-invariant mode: per-token tensors of a chunk to the tile's rows
     if full:
         rpl = dataclasses.replace(
             plan(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes, share), rows=pl.rows
         )
         rtiler = Tiler(a.ref_hidden, a.ref_weight, a.ref_bias, rpl, backend, softcap=a.softcap)
-        kl_fwd, kl_bwd = _full_kl_kernels(backend, dev.type, a.temperature)
         gk_buf = torch.empty(
             pl.rows * V if any_grad else 0,
             dtype=tiler.buf_in.dtype if pl.input_tiles else acc,
             device=dev,
         )
-    inv_t = 1.0 / a.temperature
     ii = a.ignore_index
-    fwd, bwd = tl_op.forward.impls[backend], tl_op.backward.impls[backend]
     gh = torch.empty((pl.rows, H) if need_h else (0,), dtype=acc, device=dev)
     lp_flat, ent_flat = L.lp_all.view(-1), L.ent_all.view(-1)
     local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
@@ -532,7 +570,7 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
             r1 = min(N, r0 + pl.rows)
             z = tiler.logits(tiler.rows(r0, r1), 0, V)
             lc = pad(labels.view(-1)[r0:r1], ii)
-            lp_flat[r0:r1] = fwd(z, lc, inv_t, ii, False)[0][: r1 - r0]
+            lp_flat[r0:r1] = vocab.stats(tiler, z, None, lc, False)[0][: r1 - r0]
         if bypass is not None:
             _bypass(L, bypass)
         lpm = torch.where(L.m != 0, L.lp_all, torch.zeros_like(L.lp_all))
@@ -548,7 +586,8 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         # (in batch-invariant mode every per-token tensor below has the tile's rows: padded)
         hc, lc = tiler.rows(r0, r1), pad(lab[r0:r1], ii)
         z = tiler.logits(hc, 0, V)
-        lp, ent, lse = fwd(z, lc, inv_t, ii, True)
+        zr = rtiler.logits(rtiler.rows(r0, r1), 0, V) if full else None
+        lp, ent, lse, klt = vocab.stats(tiler, z, zr, lc, True)
         ent_flat[r0:r1] = ent[: r1 - r0]
         if coef_all is not None:
             lp = pad(lp_flat[r0:r1])  # the first pass's (the same rows: the same values)
@@ -572,16 +611,15 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
             glp = glp + g_kl
         gk = None
         if full:
-            zr = rtiler.logits(rtiler.rows(r0, r1), 0, V)
-            kl, lse_z, lse_w = kl_fwd(z, zr)
+            kl, lse_z, lse_w = klt
             g_full = L.full_kl_coef(kl, r0, r1)
             if g_full is not None and any_grad:
-                gk = kl_bwd(g_full, z, zr, kl, lse_z, lse_w, gk_buf[: z.numel()].view(z.shape))
+                gk = gk_buf[: z.numel()].view(z.shape)
+                gk = vocab.kl_bwd(g_full, z, zr, kl, lse_z, lse_w, gk)
         if not any_grad:
             continue
         tiler.softcap_grad(z)
-        g = tiler.grad_tile(z, rounds_on_store=backend == "triton" and gk is None)
-        bwd(z, glp, gent, lc, lse, ent if gent is not None else lse, inv_t, ii, g)
+        g = vocab.grad(tiler, z, glp, gent, lc, lse, ent, gk is None)
         if gk is not None:
             g += gk
         tiler.apply_softcap_grad(g)
@@ -662,13 +700,14 @@ def _(*args):
 
 # --------------------------------------------------------------------------- without the extension
 class _Precomputed(torch.autograd.Function):
-    """The eager chunk loop with its gradients attached, as the C++ autograd kernel does."""
+    """A chunk loop with its gradients attached, as the C++ autograd kernel does: runner(call)
+    gives run's outputs (the eager loop here; the vocab-parallel form's loop)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, *args):
+    def forward(ctx, hidden, weight, bias, runner, *args):
         need = ctx.needs_input_grad[:3]
         call = Call(*args, need[0], need[1], need[2] and bias is not None)
-        loss, stats, tok, gh, gW, gb = run("eager", call)
+        loss, stats, tok, gh, gW, gb = runner(call)
         ctx.save_for_backward(gh, gW, gb)
         ctx.need, ctx.dtype = need, weight.dtype
         ctx.mark_non_differentiable(stats, tok)
@@ -683,16 +722,22 @@ class _Precomputed(torch.autograd.Function):
             gh * g if h else None,
             (gW * g).to(ctx.dtype) if w else None,
             (gb * g).to(ctx.dtype) if b else None,
-            *(None,) * len(ARG_NAMES),
+            *(None,) * (1 + len(ARG_NAMES)),
         )
 
 
-@_backend.fallback("linear_policy_loss")
-def _(*args):
+def with_grads(runner, args) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, stats, token_stats) of the op's arguments `args` by runner(Call) (run's outputs),
+    the gradients of hidden / weight / bias that require grad attached to the loss."""
     a = Call(*args, False, False, False)
     if not (
         torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
     ):
-        return run("eager", a)[:3]
-    return _Precomputed.apply(a.hidden, a.weight, a.bias, *args)
+        return runner(a)[:3]
+    return _Precomputed.apply(a.hidden, a.weight, a.bias, runner, *args)
+
+
+@_backend.fallback("linear_policy_loss")
+def _(*args):
+    return with_grads(lambda call: run("eager", call), args)
