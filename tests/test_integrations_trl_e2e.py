@@ -172,6 +172,14 @@ MORE_LOSS_CASES = {
         {"is_ratio": "sequence"},
     ),
     "top-entropy-grpo": ({"loss_type": "grpo", "top_entropy_quantile": 0.6}, {}),
+    "grpo-kl-compact": (
+        {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False},
+        {"compact": True},
+    ),
+    "sapo-entropy-on-policy-compact": (
+        {"loss_type": "sapo", "entropy_coef": 0.02},
+        {"compact": True, "on_policy": True},
+    ),
     "adaptive-entropy": (
         {"use_adaptive_entropy": True, "entropy_coef": 0.02, "entropy_target": 10.0},
         {"accum": 2},
@@ -208,7 +216,21 @@ def _loss_trainer(e2e, vocab, config, accum=1, is_ratio=None):
     return tr
 
 
-def _compare_loss(
+def _compare_loss(e2e, config, *, compact=False, **opts):
+    """_compare_loss_once; compact: with TRL's fused head scoring only the completion positions
+    (what it does on Triton devices: `hidden_states[mask]`), the rows our capture maps back."""
+    if not compact:
+        return _compare_loss_once(e2e, config, **opts)
+    utils = importlib.import_module("trl.trainer.utils")
+    use_triton = utils._use_triton
+    utils._use_triton = lambda device: True
+    try:
+        return _compare_loss_once(e2e, config, **opts)
+    finally:
+        utils._use_triton = use_triton
+
+
+def _compare_loss_once(
     e2e, config, *, fallback=None, on_policy=False, equal=False, accum=1, eval=False, is_ratio=None
 ):
     """GRPOTrainer's own loss computation on a prepared batch: the old policy's and the reference
