@@ -144,12 +144,15 @@ def trainer(model_dir, vocab, steps=4, seed=0, seen=None, **overrides):
 
 def run(config="default", steps=4, vocab=512, seed=0, patched=False):
     """One training run: {losses, grad_norms, completions, params, seconds, report}.
-    `completions`: the (prompt, completion ids) the reward function saw, in order."""
+    `config`: a name in CONFIGS or a dict of GRPOConfig overrides. `completions`: the (prompt,
+    completion ids) the reward function saw, in order. Patched with strict=False: a loss
+    configuration linear_policy_loss cannot express runs TRL's loss (counted in the report)."""
     seen = []
+    overrides = CONFIGS[config] if isinstance(config, str) else config
     with tempfile.TemporaryDirectory() as d:
         save_model(d, vocab, seed)
-        with pki.patched("trl") if patched else contextlib.nullcontext():
-            tr = trainer(d, vocab, steps, seed, seen, **CONFIGS[config])
+        with pki.patched("trl", strict=False) if patched else contextlib.nullcontext():
+            tr = trainer(d, vocab, steps, seed, seen, **overrides)
             init = _flat_params(tr.model)
             t0 = time.perf_counter()
             tr.train()

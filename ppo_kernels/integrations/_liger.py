@@ -8,35 +8,16 @@ Liger's `compiled` and `chunk_size` only choose how it computes (ours plans its 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 import ppo_kernels as pk
 
 from ._args import NO_IGNORE, need, tensor
+from ._grpo import AGG, loss_kwargs, real
 from ._patch import Noted, Peer, Target
 
 GRPO = "liger_kernel.chunked_loss.grpo_loss"
 FUNCTIONAL = "liger_kernel.chunked_loss.functional"
-
-# Liger's loss types and the aggregation each takes in ours (agg, every row counts)
-_AGG = {
-    "grpo": ("seq-mean-token-mean", True),
-    "sapo": ("seq-mean-token-mean", True),
-    "bnpo": ("token-mean", False),
-    "dr_grpo": ("seq-mean-token-sum-norm", True),
-    "dapo": ("token-mean", False),
-    "cispo": ("token-mean", False),
-    "luspo": ("seq-mean-token-sum", True),
-}
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-def _real(x, argument, ok=lambda v: True, what="a number"):
-    need(isinstance(x, numbers.Real) and not isinstance(x, bool) and ok(float(x)), argument, what)
-    return float(x)
 
 
 def _per_row_ratio(v, B, T, loss_type, level):
@@ -80,7 +61,7 @@ def _dapo_normalizer(num_items, device):
     if isinstance(num_items, torch.Tensor):
         need(num_items.numel() == 1, "num_items_in_batch", "expected a single value")
         return torch.clamp(num_items.detach().to(device, torch.float32).reshape(()) / world, min=1)
-    return max(_real(num_items, "num_items_in_batch") / world, 1.0)
+    return max(real(num_items, "num_items_in_batch") / world, 1.0)
 
 
 def grpo_apply(a, orig, o):
@@ -94,7 +75,7 @@ def grpo_apply(a, orig, o):
     mask = tensor(a["attention_mask"], "attention_mask")
     adv = tensor(a["advantages"], "advantages")
     t = a["loss_type"]
-    need(isinstance(t, str) and t in _AGG, "loss_type", f"{t!r} is not a loss type of ours")
+    need(isinstance(t, str) and t in AGG, "loss_type", f"{t!r} is not a loss type of ours")
     level = a["importance_sampling_level"]
     need(level in ("token", "sequence"), "importance_sampling_level", f"{level!r}")
     need(
@@ -123,31 +104,24 @@ def grpo_apply(a, orig, o):
     )
     need(_mask_ok(mask), "attention_mask", "a float mask with a row total in (0, 1)")
 
-    beta = _real(a["beta"], "beta")
-    temperature = _real(a["temperature"], "temperature", lambda v: v > 0, "a positive number")
-    eps_low = _real(a["epsilon_low"], "epsilon_low")
-    eps_high = _real(a["epsilon_high"], "epsilon_high")
-    kw: dict = dict(importance_sampling_level=level, log_ratio_clamp=math.inf)
-    if t in _CLIPPED:
-        need(0 <= eps_low < 1, "epsilon_low", "expected a number in [0, 1)")
-        need(eps_high >= 0, "epsilon_high", "expected a non-negative number")
-        kw.update(loss_type=t, clip_low=eps_low, clip_high=eps_high)
-        if a["delta"] is not None:
-            kw["delta"] = _real(a["delta"], "delta", lambda v: v > 0, "a positive number")
-    elif t == "cispo":  # clamp(ratio, max=epsilon_high), no lower bound
-        need(eps_high > 0, "epsilon_high", "expected a positive bound for cispo")
-        kw.update(loss_type="cispo", clip_low=1.0, clip_high=eps_high - 1)
-    else:  # sapo
-        pos = _real(a["sapo_temperature_pos"], "sapo_temperature_pos", lambda v: v > 0)
-        neg = _real(a["sapo_temperature_neg"], "sapo_temperature_neg", lambda v: v > 0)
-        kw.update(loss_type="sapo", tau_pos=pos, tau_neg=neg)
-    agg, all_rows = _AGG[t]
+    beta = real(a["beta"], "beta")
+    temperature = real(a["temperature"], "temperature", lambda v: v > 0, "a positive number")
+    kw = loss_kwargs(
+        t,
+        level,
+        a["epsilon_low"],
+        a["epsilon_high"],
+        a["delta"],
+        a["sapo_temperature_pos"],
+        a["sapo_temperature_neg"],
+    )
+    agg, all_rows = AGG[t]
     kw["agg"] = agg
     if all_rows:
         kw["global_batch_size"] = B
     if t == "dr_grpo":
         mcl = a["max_completion_length"]
-        kw["loss_scale_factor"] = _real(
+        kw["loss_scale_factor"] = real(
             mcl, "max_completion_length", lambda v: v > 0, "a positive number (dr_grpo)"
         )
     if t in ("dapo", "cispo"):

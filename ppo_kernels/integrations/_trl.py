@@ -1,6 +1,7 @@
 """TRL adapter: trl.trainer.utils' per-token log-prob / entropy functions and the fused LM head's
 `ChunkedLogProbFunction` (the path GRPOTrainer / RLOOTrainer take in TRL 1.16 with
-`model(..., fused_lm_head=True)`) on ppo_kernels ops. Semantics read from TRL 1.16.0."""
+`model(..., fused_lm_head=True)`) on ppo_kernels ops, and GRPOTrainer's loss computation on
+linear_policy_loss (_trl_grpo). Semantics read from TRL 1.16.0."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import ppo_kernels as pk
 
 from ._args import NO_IGNORE, entropy, logits_arg, need, tensor
-from ._patch import Peer, Target
+from ._patch import Fallback, Peer, Target
+from ._trl_grpo import CAPTURE, GRPO_TRAINER, compute_loss
 
 UTILS = "trl.trainer.utils"
 CHUNKED = "trl.kernels.chunked_logprob"
@@ -66,10 +68,8 @@ def selective_log_softmax_and_entropy(a, orig, o):
 _PROVIDED = ("log_probs", "entropy")
 
 
-def chunked_logprob_apply(a, orig, o):
-    """ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
-    final_logit_softcapping, logit_scale, outputs) -> (log_probs, entropy, log_sum_sq_probs,
-    mean_logits, is_top1) on linear_token_logprobs (chunk_size: ours plans its own tiles)."""
+def _chunked_args(a) -> dict:
+    """ChunkedLogProbFunction's arguments as linear_token_logprobs takes them (or Fallback)."""
     h, w = tensor(a["hidden"], "hidden"), tensor(a["weight"], "weight")
     y = tensor(a["targets"], "targets")
     cap = a["final_logit_softcapping"]
@@ -95,22 +95,46 @@ def chunked_logprob_apply(a, orig, o):
     )
     need(h.dim() == 2 and w.dim() == 2 and y.dim() == 1, "hidden", "expected [N, H], [V, H], [N]")
     need(w.dtype == h.dtype, "weight", f"dtype {w.dtype} differs from the hidden states' {h.dtype}")
-    t = _temperature(a) / float(scale)  # z = scale * logits / T
-    # bf16 / fp16: TRL rounds each logits tile to the input dtype, as logits_dtype="input" does
-    mode = "input" if h.dtype in (torch.bfloat16, torch.float16) else "float32"
-    want_ent = "entropy" in outputs
-    res = pk.linear_token_logprobs(
-        h,
-        w,
-        y,
+    return dict(
+        hidden=h,
+        weight=w,
         bias=a["bias"],
-        temperature=t,
-        ignore_index=NO_IGNORE,
-        return_entropy=want_ent,
-        logits_dtype=mode,
+        targets=y,
+        temperature=_temperature(a) / float(scale),  # z = scale * logits / T
         softcap=None if cap is None else float(cap),
+        # bf16 / fp16: TRL rounds each logits tile to the input dtype, as logits_dtype="input" does
+        mode="input" if h.dtype in (torch.bfloat16, torch.float16) else "float32",
+        entropy="entropy" in outputs,
     )
-    lp, ent = res if want_ent else (res, None)
+
+
+def chunked_logprob_apply(a, orig, o):
+    """ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
+    final_logit_softcapping, logit_scale, outputs) -> (log_probs, entropy, log_sum_sq_probs,
+    mean_logits, is_top1) on linear_token_logprobs (chunk_size: ours plans its own tiles). Inside
+    GRPOTrainer._compute_loss's forward the call is captured instead (its hidden states go to the
+    fused loss: _trl_grpo.Capture)."""
+    capture = CAPTURE.get()
+    try:
+        c = _chunked_args(a)
+        if capture is not None:
+            return capture.add(c)
+    except Fallback as f:
+        if capture is not None:
+            capture.failed = f"{f.argument}: {f.reason}"
+        raise
+    res = pk.linear_token_logprobs(
+        c["hidden"],
+        c["weight"],
+        c["targets"],
+        bias=c["bias"],
+        temperature=c["temperature"],
+        ignore_index=NO_IGNORE,
+        return_entropy=c["entropy"],
+        logits_dtype=c["mode"],
+        softcap=c["softcap"],
+    )
+    lp, ent = res if c["entropy"] else (res, None)
     return lp.float(), (ent.float() if ent is not None else None), None, None, None
 
 
@@ -123,5 +147,6 @@ PEER = Peer(
         Target(UTILS, "entropy_from_logits", entropy_from_logits),
         Target(UTILS, "selective_log_softmax_and_entropy", selective_log_softmax_and_entropy),
         Target(CHUNKED, "ChunkedLogProbFunction", chunked_logprob_apply),
+        Target(GRPO_TRAINER, "GRPOTrainer._compute_loss", compute_loss, optional=True),
     ],
 )
