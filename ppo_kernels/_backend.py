@@ -72,8 +72,18 @@ HAS_EXTENSION, EXTENSION_ERROR = _load_extension()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def getenv(name: str, default: str = "") -> str:
+    """os.environ.get for the per-call reads: os.environ's Mapping.get raises and catches a
+    KeyError on every miss (1-8 us of a small call); its underlying dict does not."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # not CPython's os._Environ
+        return os.environ.get(name, default)
+    v = data.get(os.environ.encodekey(name))
+    return default if v is None else os.environ.decodevalue(v)
+
+
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return getenv("TRITON_INTERPRET", "0") == "1"
 
 
 def has_compiled_kernel(kernel: str, device_type: str) -> bool:
@@ -84,14 +94,19 @@ def has_compiled_kernel(kernel: str, device_type: str) -> bool:
     key = {"cuda": "CUDA", "cpu": "CPU"}.get(device_type)
     if key is None:
         return False
+    name = f"{_cpp_namespace[-1]}::{kernel}"
+    if (name, key) in _HAS_KERNEL:  # a registration is never taken back: only hits are kept
+        return True
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(
-            f"{_cpp_namespace[-1]}::{kernel}", key
-        )
+        found = torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
     except RuntimeError:  # an extension built before this kernel existed: not registered at all
         return False
+    if found:
+        _HAS_KERNEL.add((name, key))
+    return found
 
 
+_HAS_KERNEL: set = set()
 _cpp_namespace = ["ppo_kernels_C"]
 
 
@@ -269,7 +284,7 @@ _env_cache: tuple[str, dict[str, str]] = ("", {})
 
 def _env_table() -> dict[str, str]:
     global _env_cache
-    spec = os.environ.get("PPO_KERNELS_BACKEND", "")
+    spec = getenv("PPO_KERNELS_BACKEND")
     if spec != _env_cache[0]:
         _env_cache = (spec, _parse_spec(spec, "PPO_KERNELS_BACKEND"))
     return _env_cache[1]
@@ -341,7 +356,7 @@ def backend_for(op: str, t: torch.Tensor) -> str:
 def check_eager_only(op: str, t: torch.Tensor) -> None:
     """For an op that is a composition of torch ops (eager only): raise as `backend_for` does if
     another backend was requested for it by name. Free when nothing was requested at all."""
-    if _stack or os.environ.get("PPO_KERNELS_BACKEND"):
+    if _stack or getenv("PPO_KERNELS_BACKEND"):
         backend_for(op, t)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +83,7 @@ def plan_chunks(
     logits_dtype="input" (bf16/fp16): see _plan_input_tiles. fused: whole-vocabulary tiles are
     reduced by the fused kernels straight from the input dtype (else they need a float32 copy)."""
     if tiles is None:
-        tiles = os.environ.get("PPO_KERNELS_LINEAR_TILES", "rows")
+        tiles = _backend.getenv("PPO_KERNELS_LINEAR_TILES", "rows")
     if tiles not in ("rows", "square"):
         raise ValueError(f"PPO_KERNELS_LINEAR_TILES: expected 'rows' or 'square', got {tiles!r}")
     f32_out = device_type in F32_OUT_MATMUL_DEVICES and dtype in (torch.bfloat16, torch.float16)
