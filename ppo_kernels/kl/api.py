@@ -38,6 +38,9 @@ def _settings(estimator, clamp):
 
 def _pair(logprobs: Tensor, ref_logprobs: Tensor):
     """Both float tensors; mixed dtypes promoted (shapes and devices: the op checks them)."""
+    if type(logprobs) is Tensor and type(ref_logprobs) is Tensor:
+        if logprobs.dtype is ref_logprobs.dtype:  # nothing to promote: the op checks the dtype
+            return logprobs, ref_logprobs
     check_tensor("logprobs", logprobs, dtypes=FLOAT_DTYPES)
     check_tensor("ref_logprobs", ref_logprobs, dtypes=FLOAT_DTYPES)
     if logprobs.dtype != ref_logprobs.dtype:
