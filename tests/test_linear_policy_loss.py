@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _utils import poisoned
+from _utils import peak_extra_bytes, poisoned
 from conftest import cpu_backends
 
 import ppo_kernels as pk
@@ -836,3 +836,58 @@ def test_backward_scales_the_saved_gradients_by_the_upstream_gradient():
     gh, gW = torch.autograd.grad(-2.0 * loss, (h, W))
     torch.testing.assert_close(gh, -2 * g[0])
     torch.testing.assert_close(gW, -2 * g[1])
+
+
+def test_unit_upstream_gradient_hands_over_the_saved_gradients():
+    """loss.backward() (upstream 1) returns the forward's gradients without a scaled copy; a
+    retained graph still gives the same gradients on every backward, and changing .grad in place
+    after one backward does not change the next (AccumulateGrad copies what the graph still
+    holds). A gradient graph (create_graph) still flows through the upstream gradient."""
+    x = _inputs()
+    h, W = x["h"].clone().requires_grad_(), x["W"].clone().requires_grad_()
+    loss, _ = pk.linear_policy_loss(h, W, x["labels"], x["adv"], x["old"], x["mask"])
+    g = [t.clone() for t in torch.autograd.grad(loss, (h, W), retain_graph=True)]
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(h.grad, g[0], rtol=0, atol=0)
+    torch.testing.assert_close(W.grad, g[1], rtol=0, atol=0)
+    h.grad.mul_(7.0)
+    W.grad.zero_()
+    loss.backward()
+    torch.testing.assert_close(h.grad, 8 * g[0])
+    torch.testing.assert_close(W.grad, g[1], rtol=0, atol=0)
+    # upstream 1 that requires grad: d(dL/dW . v)/du through the upstream gradient u
+    u = torch.ones((), requires_grad=True)
+    loss, _ = pk.linear_policy_loss(h, W, x["labels"], x["adv"], x["old"], x["mask"])
+    (gW,) = torch.autograd.grad(loss, (W,), grad_outputs=u, create_graph=True)
+    (du,) = torch.autograd.grad((gW * g[1]).sum(), (u,))
+    torch.testing.assert_close(du, (g[1] * g[1]).sum())
+
+
+def test_peak_memory_holds_one_weight_gradient():
+    """Forward + loss.backward() hold the weight gradient once (the forward's sum is handed over,
+    not scaled into a copy) next to the chunk budget: no more than the composition's peak."""
+    g = torch.Generator().manual_seed(0)
+    N, H_, V_ = 64, 128, 4096
+    h = torch.randn(N, H_, generator=g)
+    W = torch.randn(V_, H_, generator=g) * 0.1
+    labels = torch.randint(0, V_, (N,), generator=g)
+    adv, old = torch.randn(N, generator=g), -torch.rand(N, generator=g) * 5
+    mask = torch.ones(N, dtype=torch.bool)
+    budget = 256 * 1024
+
+    def fused():
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        loss, _ = pk.linear_policy_loss(hh, WW, labels, adv, old, mask, max_chunk_bytes=budget)
+        loss.backward()
+
+    def composition():
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        lp = pk.linear_token_logprobs(hh, WW, labels, max_chunk_bytes=budget)
+        loss, _ = pk.ppo_policy_loss(lp, old, adv, mask)
+        loss.backward()
+
+    grad_w = V_ * H_ * 4
+    peak, peak_comp = peak_extra_bytes(fused), peak_extra_bytes(composition)
+    # the leaves' copies and their gradients (2 x (h + W)) are in both; one more W would show
+    assert peak < 2 * (N * H_ * 4 + grad_w) + budget + grad_w // 2, (peak, grad_w)
+    assert peak <= peak_comp + (64 << 10), (peak, peak_comp)

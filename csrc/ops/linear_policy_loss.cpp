@@ -14,7 +14,9 @@
 // by the upstream gradient (no GEMM). The argument list is long and only forwarded, so the kernels
 // are boxed: they read the arguments they check by name from the schema.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -295,12 +297,20 @@ class LossFn : public torch::autograd::Function<LossFn> {
     const Tensor& g = grads[0];
     variable_list out(7);
     if (!g.defined()) return out;
-    // The gradients were formed for an upstream gradient of 1: scale them (no GEMM). Not in place:
-    // a retained graph's second backward (gradcheck's, for one) must find them unscaled.
-    // grad_hidden is in hidden's dtype, grad_weight / grad_bias are float32 sums until here.
-    if (need[0]) out[0] = saved[0] * g;
-    if (need[1]) out[1] = (saved[1] * g).to(dtype);
-    if (need[2]) out[2] = (saved[2] * g).to(dtype);
+    // The gradients were formed for an upstream gradient of 1. When it is 1 (loss.backward()) and
+    // the graph is not kept, they are handed over as they are: no second [V, H] weight gradient
+    // at the peak (this node releases them before AccumulateGrad takes them over). Read only where
+    // that costs no sync and traces nothing: a plain CPU tensor, no graph of the gradient.
+    // Otherwise scaled out of place: a retained graph's second backward (gradcheck's, for one)
+    // must find them unscaled and unshared. grad_hidden is in hidden's dtype, grad_weight /
+    // grad_bias float32 sums until here.
+    const bool unit = !torch::autograd::get_current_graph_task_keep_graph() &&
+                      g.device().is_cpu() && g.numel() == 1 && !g.requires_grad() &&
+                      !at::isTensorSubclassLike(g) && g.item<double>() == 1.0;
+    const auto scaled = [&](const Tensor& t) { return unit ? t : t * g; };
+    if (need[0]) out[0] = scaled(saved[0]);
+    if (need[1]) out[1] = scaled(saved[1]).to(dtype);
+    if (need[2]) out[2] = scaled(saved[2]).to(dtype);
     return out;
   }
 };
