@@ -16,6 +16,14 @@ from .models import ValueModel, frozen_copy, last_index, score, token_logprobs
 from .ops import Ops
 from .rollout import SeqBatch, assemble, generate, segments_to_tokens
 
+# Sequences per forward / backward pass of the update under --batch-invariant, whatever
+# --micro-batch says: the passes, hence the order in which the gradient is summed, are the mode's.
+# More rows per pass pay the backbone's per-pass overhead less often and fill the LM-head tiles;
+# fewer bound the activations' memory (the default mode's default is one pass per minibatch of
+# 32). A pass's rows are computed as in any other batch (the model is batch-invariant), so the
+# first update's ratio stays exactly 1.
+INVARIANT_PASS_ROWS = 8
+
 
 def prompt_tokens(tok, problems):
     return [tok.encode(p.prompt, add_special_tokens=True) for p in problems]
@@ -402,10 +410,10 @@ class RLTrainer:
         return out
 
     def _units(self, n: int) -> list[slice]:
-        """The forward / backward passes of a minibatch of n rows: one per sequence under
-        --batch-invariant (a gradient summed in an order that no micro-batch size changes), else
-        --micro-batch rows each (0: one pass)."""
-        size = 1 if self.cfg.batch_invariant else (self.cfg.micro_batch or n)
+        """The forward / backward passes of a minibatch of n rows: INVARIANT_PASS_ROWS rows each
+        under --batch-invariant (a gradient summed in an order that no micro-batch size changes),
+        else --micro-batch rows each (0: one pass)."""
+        size = INVARIANT_PASS_ROWS if self.cfg.batch_invariant else (self.cfg.micro_batch or n)
         return [slice(lo, min(n, lo + size)) for lo in range(0, n, size)]
 
     def _accumulate(self, forward, loss_fn, mb: SeqBatch, at, mask, n_tok, scale):
