@@ -84,7 +84,7 @@ class TrainConfig:
         False,
         "RL phase under ppo_kernels.batch_invariant(): a token's log-prob is bitwise the same "
         "in any batch, so the first update sees a ratio of exactly 1; the update accumulates "
-        "its gradient in passes of a fixed 8 sequences (not --micro-batch), so the run does not "
+        "its gradient in passes of a fixed 32 sequences (not --micro-batch), so the run does not "
         "depend on the micro-batch sizes (with --ops fused; one process)",
     )
     actor_lr: float = _f(5e-4, "Actor AdamW learning rate")
