@@ -5,12 +5,14 @@ the medians of the rounds), with the load average before and after.
     python bench/bench_batch_invariant.py [--reps 5] [--cases linear,token_logprobs,...]
         [--out bench/results/cpu_batch_invariant.md]
 
-What the mode changes per op on the CPU: linear_token_logprobs walks fixed [rows, vocab] tiles
-(rows <= 256, every row chunk padded to them, the plan independent of N and the budget);
+What the mode changes per op on the CPU: linear_token_logprobs walks the vocabulary tiles of the
+default budget's plan for unbounded N (independent of N and the budget), each row chunk padded
+to a multiple of 32 rows;
 token_logprobs / full_kl on the cpp backend: nothing (their kernels are row-local already); the
 eager backend: blocks of 64 rows on one thread; linear_policy_loss: the same tiles as
 linear_token_logprobs, and each chunk's per-token math on padded inputs. `trainer`: seconds per PPO step of the trainer's
-default model with and without --batch-invariant (whose update runs one sequence per pass).
+default model with and without --batch-invariant (whose update runs passes of a fixed 32
+sequences: the default's one pass per minibatch of 32).
 """
 
 from __future__ import annotations

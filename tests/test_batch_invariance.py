@@ -324,14 +324,66 @@ def test_plan_invariant_depends_on_neither_rows_nor_budget():
         (1 << 20, 4096, torch.float32, "float32"),
     ]:
         p = planner.plan_invariant(V, H, dtype, "cpu", logits_dtype=ld)
-        assert p.pad and p.rows % planner.INVARIANT_ROW_MULTIPLE == 0
-        assert p.rows <= planner.INVARIANT_MAX_ROWS["cpu"]
+        assert p.rows % planner.INVARIANT_ROW_MULTIPLE == 0
+        assert p.pad == planner.INVARIANT_ROW_MULTIPLE  # MKL: see test_matmul_rows_...
+        q = planner.plan_invariant(V, H, dtype, "cuda", logits_dtype=ld)  # (arithmetic only)
+        assert q.pad == q.rows <= planner.INVARIANT_MAX_ROWS["cuda"]  # one tile shape
         with batch_invariant():
             for N in (1, 5, 100000):
                 for budget in (1, 1 << 20, 1 << 30):
                     q = planner.plan_call(N, V, H, dtype, torch.device("cpu"), budget, ld, True)
                     assert q == p
         assert not planner.plan_call(5, V, H, dtype, torch.device("cpu"), 0, ld, True).pad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_rows_do_not_depend_on_the_row_count(dtype):
+    """What the CPU plan rests on (planner.INVARIANT_PAD_TO_MULTIPLE): the BLAS computes a row of
+    a tile's matmuls bitwise the same for every row count that is a multiple of 32, wherever the
+    row sits and with 1 or 2 threads -- the logits h @ W^T (K = H) and the hidden gradient g @ W
+    (K = V), at the tests' head size and a larger one. And the comparison can fail: MKL computes
+    1-3 rows with other code (on a BLAS without that effect only the first part is asserted)."""
+    from ppo_kernels.linear_logprobs import planner
+
+    g = torch.Generator().manual_seed(17)
+    k = planner.INVARIANT_ROW_MULTIPLE
+    counts = [k, 2 * k, 3 * k, 5 * k, 8 * k, 9 * k]
+    R = max(counts) + k  # the reference call's rows (a multiple of k too)
+    odd = []
+    # (bf16 matmuls are slow here: the tests' head size only)
+    for H, V in [(48, 1001), (512, 4000)][: 2 if dtype == torch.float32 else 1]:
+        h = torch.randn(R, H, generator=g).to(dtype)
+        W = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+        gz = torch.randn(R, V, generator=g).to(dtype)
+        for name, a, b in [("h @ W^T", h, W.T), ("g @ W", gz, W)]:
+            with threads(1):
+                want = torch.mm(a, b)
+            for nt in (1, 2):
+                with threads(nt):
+                    for n in counts:
+                        for off in (0, 7):  # the same rows at other positions of the call
+                            got = torch.mm(a[off : off + n].contiguous(), b)
+                            assert torch.equal(got, want[off : off + n]), (name, H, n, off, nt)
+                    odd += [n for n in (1, 2, 3) if not torch.equal(torch.mm(a[:n], b), want[:n])]
+    if dtype == torch.float32 and torch.backends.mkl.is_available():
+        assert odd, "MKL computed 1-3 rows like the others: the comparison found nothing"
+
+
+def test_fixed_tiles_when_not_padding_to_a_multiple(monkeypatch):
+    """Devices outside INVARIANT_PAD_TO_MULTIPLE (cuBLAS) pad every chunk to the plan's rows: that
+    path, run here with 64-row tiles, is batch-invariant too (several tiles, the last padded)."""
+    from ppo_kernels.linear_logprobs import planner
+
+    monkeypatch.setattr(planner, "INVARIANT_PAD_TO_MULTIPLE", ())
+    monkeypatch.setitem(planner.INVARIANT_MAX_ROWS, "cpu", 64)
+    g = torch.Generator().manual_seed(18)
+    W, b = _head(1001, 48, torch.float32, g)
+    assert planner.plan_invariant(1001, 48, torch.float32, "cpu").pad == 64
+    spec = linear_spec(W, b, torch.float32)
+    policy = policy_loss_spec(W, b, torch.float32, 5, loss_type="gspo", agg="token-mean")
+    with use_backend("cpp"), batch_invariant():
+        check_invariant(spec, _targets(spec, g), g, sizes=(1, 3, 257), thread_counts=(2,))
+        check_invariant(policy, _targets(policy, g), g, sizes=(1, 3, 64), thread_counts=(2,))
 
 
 def test_causal_lm_logprobs():

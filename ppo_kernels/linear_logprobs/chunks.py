@@ -386,7 +386,7 @@ def backward(
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
     glp_all = grad_logprobs.to(acc)
     gent_all = grad_entropy.to(acc) if with_ent else None
-    gh = torch.empty((plan.rows, H) if need_hidden else (0,), dtype=acc, device=dev)
+    gh = torch.empty((tiler.max_rows, H) if need_hidden else (0,), dtype=acc, device=dev)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         hc, lc = tiler.rows(r0, r1), tiler.pad(labels[r0:r1], ignore_index)

@@ -58,7 +58,8 @@ class Plan:
     f32_out: bool = False  # bf16/fp16 matmuls with float32 output (F32_OUT_MATMUL_DEVICES): the
     # float32 tiles come from them (no upcast), and with input tiles the gradient products are
     # accumulated into the float32 sums by them
-    pad: bool = False  # batch-invariant mode: every row chunk is padded to `rows` rows (Tiler)
+    pad: int = 0  # batch-invariant mode: every row chunk is zero-padded to a multiple of `pad` rows
+    # (at most `rows`; the Tiler); 0: not padded
 
 
 def plan_chunks(
@@ -140,13 +141,20 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
     return Plan(rows, vocab, min(sub, vocab), False, False, True, f32_out)
 
 
-# Batch-invariant mode (plan_invariant): the most rows per tile. A matmul's rows are each computed
-# by the same instructions only when every call has the same shape (MKL: a tile of 4k + 1 rows
-# computes its last row differently, 1-3 rows take other kernels; cuBLAS picks its algorithm by
-# shape), so every tile gets this many rows, padded; fewer rows waste less on small calls, more
-# keep the matmul efficient (MKL on this CPU: 0.55x the throughput at 64 rows, 0.9x at 256,
-# against 512). The GPU value is unmeasured.
-INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}
+# Batch-invariant mode (plan_invariant). A matmul computes each row with the same instructions
+# only for some row counts: MKL runs 1-3 rows and the last row of 4k + 1 rows (small k) with other
+# code; cuBLAS picks its algorithm by shape. With MKL on the CPU a row's result is the same for
+# every row count that is a multiple of INVARIANT_ROW_MULTIPLE, at any position in the call and
+# with 1 or 2 threads (probed on this CPU for 32-1024 rows, K and N from 48 to 152064, float32 and
+# bf16, both tile products; tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_
+# the_row_count keeps it checked): there a chunk is padded only to the next multiple, and a small
+# call costs what it costs in the default mode. Elsewhere every chunk is padded to the plan's
+# rows: one matmul shape per (V, H).
+INVARIANT_PAD_TO_MULTIPLE = ("cpu",)
+# The most rows per tile, beside the default budget's (None: the budget's): where every chunk is
+# padded to them fewer waste less on small calls, more keep the matmul efficient. The GPU value is
+# unmeasured.
+INVARIANT_MAX_ROWS = {"cpu": None, "cuda": 2048}
 # rows are a multiple of this: a [rows, vocab] float32 tile never ends in the scalar remainder of
 # a vectorised loop (the eager tile math), whatever the vocabulary size
 INVARIANT_ROW_MULTIPLE = 32
@@ -164,9 +172,11 @@ def plan_invariant(
     budget_share: int = 1,
 ) -> Plan:
     """The plan of batch-invariant mode: a function of (V, H, dtype, device, logits_dtype) only --
-    never of the number of rows or of max_chunk_bytes -- so that every call walks the same tiles:
-    the default budget's chunking for an unbounded number of rows, at most INVARIANT_MAX_ROWS rows
-    (a multiple of INVARIANT_ROW_MULTIPLE), every row chunk padded to exactly that many rows.
+    never of the number of rows or of max_chunk_bytes -- so that every call walks the same
+    vocabulary tiles and its rows through matmuls of the same row counts: the default budget's
+    chunking for an unbounded number of rows, at most INVARIANT_MAX_ROWS rows (a multiple of
+    INVARIANT_ROW_MULTIPLE), each row chunk zero-padded to a multiple of INVARIANT_ROW_MULTIPLE
+    (INVARIANT_PAD_TO_MULTIPLE devices) or to exactly `rows` rows (the others).
     budget_share: the plan of 1 / budget_share of the default budget (an op that keeps that many
     tiles side by side: linear_policy_loss's exact KL), a constant of the op, not of the call."""
     budget = DEFAULT_MAX_CHUNK_BYTES.get(device_type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
@@ -174,8 +184,9 @@ def plan_invariant(
     p = plan_chunks(_ANY_N, V, H, dtype, device_type, budget, tiles, logits_dtype, fused)
     cap = INVARIANT_MAX_ROWS.get(device_type, INVARIANT_MAX_ROWS["cuda"])
     k = INVARIANT_ROW_MULTIPLE
-    rows = max(k, min(p.rows, cap) // k * k)
-    return dataclasses.replace(p, rows=rows, pad=True)
+    rows = max(k, min(p.rows, cap or p.rows) // k * k)
+    pad = k if device_type in INVARIANT_PAD_TO_MULTIPLE else rows
+    return dataclasses.replace(p, rows=rows, pad=pad)
 
 
 def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:

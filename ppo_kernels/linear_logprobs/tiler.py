@@ -28,7 +28,9 @@ class Tiler:
         self.input_tiles = plan.input_tiles
         # bf16/fp16 float32 tiles straight from matmuls with float32 output (cuBLAS)
         self.lowp = plan.f32_out and not plan.input_tiles
-        dev, n = hidden.device, plan.rows * plan.vocab
+        # the most rows a chunk has (batch-invariant mode: the plan's rows may exceed the call's)
+        self.max_rows = min(plan.rows, self.padded(hidden.shape[0]))
+        dev, n = hidden.device, self.max_rows * plan.vocab
         # input tiles: the float32 buffer only holds copies of vocabulary-chunk tiles
         need_acc = not self.input_tiles or not (fused and plan.vocab == weight.shape[0])
         self.buf = torch.empty(n if need_acc else 0, dtype=self.acc, device=dev)
@@ -37,7 +39,7 @@ class Tiler:
         # added into the float32 accumulators (not with plan.f32_out: the matmuls add them)
         bw = backward and self.input_tiles and not plan.f32_out
         H = hidden.shape[1]
-        self.gh_in = torch.empty((plan.rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
+        self.gh_in = torch.empty((self.max_rows, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         self.gw_in = torch.empty((plan.sub, H) if bw else (0,), dtype=hidden.dtype, device=dev)
         # lowp backward: the gradient tile rounded to the input dtype, which the two gradient
         # matmuls read (the planner counts it: 2 bytes per logit beside the float32 tile)
@@ -49,26 +51,35 @@ class Tiler:
         # soft-capping's derivative 1 - tanh^2 of one tile, kept for the backward (one tile more
         # than the plan's budget, only with softcap)
         self.dcap = torch.empty(n if (backward and softcap) else 0, dtype=self.acc, device=dev)
-        # batch-invariant mode: each row chunk is copied into this [rows, H] buffer, zero-padded,
-        # so that every matmul has the same shape, strides and alignment whatever the call
+        # batch-invariant mode: each row chunk is copied into the start of this [rows, H] buffer,
+        # zero-padded (Plan.pad), so that its matmuls have row counts, strides and alignment that
+        # the call's other rows do not change
         hdt = self.acc if plan.upcast else hidden.dtype
-        self.h_pad = torch.empty((plan.rows, H) if plan.pad else (0,), dtype=hdt, device=dev)
+        self.h_pad = torch.empty((self.max_rows, H) if plan.pad else (0,), dtype=hdt, device=dev)
+
+    def padded(self, n: int) -> int:
+        """The rows a chunk of n rows is computed on: n, or in batch-invariant mode n rounded up
+        to a multiple of the plan's `pad` (at most the plan's rows)."""
+        k = self.plan.pad
+        return min(self.plan.rows, -(-n // k) * k) if k else n
 
     def rows(self, r0, r1):
         hc = self.h[r0:r1]
         if self.plan.pad:
-            self.h_pad[: r1 - r0].copy_(hc)  # (upcast as it copies)
-            self.h_pad[r1 - r0 :].zero_()
-            return self.h_pad
+            n = r1 - r0
+            buf = self.h_pad[: self.padded(n)]
+            buf[:n].copy_(hc)  # (upcast as it copies)
+            buf[n:].zero_()
+            return buf
         return hc.to(self.acc) if self.plan.upcast else hc
 
     def pad(self, t, value=0):
-        """A per-row tensor of one row chunk (labels: value=ignore_index), padded to the plan's rows
-        in batch-invariant mode (the padding rows are ignored); unchanged otherwise."""
-        n = t.shape[0]
-        if not self.plan.pad or n == self.plan.rows:
+        """A per-row tensor of one row chunk (labels: value=ignore_index), padded as `rows` pads
+        the chunk in batch-invariant mode (the padding rows are ignored); unchanged otherwise."""
+        n, k = t.shape[0], self.padded(t.shape[0])
+        if n == k:
             return t
-        out = t.new_full((self.plan.rows,) + tuple(t.shape[1:]), value)
+        out = t.new_full((k,) + tuple(t.shape[1:]), value)
         out[:n] = t
         return out
 

@@ -29,8 +29,9 @@ Tiles always cover the whole vocabulary (the token_logprobs kernels reduce them 
 row chunk is the planner's, and at least one row when a row of V logits exceeds the budget.
 
 Batch-invariant mode (README "Batch-invariant mode"): the rows come from planner.plan_invariant
-(a function of V, H, dtype, device and logits_dtype only), every tile padded to exactly that many
-rows (the Tiler), and the per-token math of a chunk (policy coefficients, sampled KL, IS weights)
+(a function of V, H, dtype, device and logits_dtype only), every tile zero-padded as the plan
+says (the Tiler: to a multiple of 32 rows on the CPU, to the plan's rows elsewhere), and the
+per-token math of a chunk (policy coefficients, sampled KL, IS weights)
 runs on inputs padded the same way -- the chunk's tokens padded to the tile's rows, whole-row
 (sequence) statistics on a multiple of INVARIANT_ROW_MULTIPLE rows -- on one thread, so that no
 elementwise op ends a token in its scalar remainder or splits at a thread-dependent point. Then a
@@ -550,12 +551,12 @@ def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
         )
         rtiler = Tiler(a.ref_hidden, a.ref_weight, a.ref_bias, rpl, backend, softcap=a.softcap)
         gk_buf = torch.empty(
-            pl.rows * V if any_grad else 0,
+            tiler.max_rows * V if any_grad else 0,
             dtype=tiler.buf_in.dtype if pl.input_tiles else acc,
             device=dev,
         )
     ii = a.ignore_index
-    gh = torch.empty((pl.rows, H) if need_h else (0,), dtype=acc, device=dev)
+    gh = torch.empty((tiler.max_rows, H) if need_h else (0,), dtype=acc, device=dev)
     lp_flat, ent_flat = L.lp_all.view(-1), L.ent_all.view(-1)
     local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
     n_pass = passes(cfg, bypass is not None and not local, T, pl.rows)

@@ -84,8 +84,8 @@ class TrainConfig:
         False,
         "RL phase under ppo_kernels.batch_invariant(): a token's log-prob is bitwise the same "
         "in any batch, so the first update sees a ratio of exactly 1; the update accumulates "
-        "its gradient sequence by sequence, so the run does not depend on the micro-batch "
-        "sizes (with --ops fused; one process)",
+        "its gradient in passes of a fixed 32 sequences (not --micro-batch), so the run does not "
+        "depend on the micro-batch sizes (with --ops fused; one process)",
     )
     actor_lr: float = _f(5e-4, "Actor AdamW learning rate")
     critic_lr: float = _f(3e-3, "Critic AdamW learning rate")
