@@ -117,6 +117,7 @@ def test_closing_notes_say_what_the_numbers_mean():
     flat = " ".join(text.split())
     assert all(len(line) <= 100 for line in text.splitlines())
     assert "the same 3 PPO steps (64 responses each)" in flat
+    assert "the actor loss (clipped policy term) in the same pass; fused KL-penalised" in flat
     assert "Reward is the verifier's mean score on 200 held-out sums" in flat
     assert (
         "Fused: reward 0.305 -> 0.505, tool use 0.52 -> 0.81; eager: reward 0.305 -> 0.650" in flat
@@ -126,6 +127,11 @@ def test_closing_notes_say_what_the_numbers_mean():
     assert "identical for steps 0-1 and first differed at step 2" in flat
     same = report.closing_notes(fused, eager, _rows([0.1] * 3), _rows([0.1] * 3))
     assert "identical for every one of the 3 steps" in " ".join(same.split())
+    # GRPO: the KL is a loss term (in the fused actor loss), no Critic, group advantages
+    grpo = [{**s, "config": {**s["config"], "algo": "grpo"}} for s in (fused, eager)]
+    g = " ".join(report.closing_notes(*grpo, _rows([0.1]), _rows([0.1])).split())
+    assert "the same 3 GRPO steps" in g and "GAE" not in g
+    assert "(clipped policy term and KL to the Reference) in the same pass" in g
     # DPO / RM runs compare no rollouts: no notes
     dpo = {**fused, "config": {**fused["config"], "algo": "dpo"}}
     assert report.closing_notes(dpo, eager, [], []) == ""
