@@ -30,13 +30,13 @@ def test_estimate_format_gives_ranges_and_a_total():
 
 
 def test_estimate_phases_scale_with_the_probe_and_the_config():
-    cfg = TrainConfig().validate()  # the defaults: 800 SFT steps, 40 steps of 64, 200 eval
+    cfg = TrainConfig().validate()  # the defaults: 800 SFT steps, 60 steps of 64, 200 eval
     ref = estimate.REF
     probe = 2 * ref["sft_step"]["fused"]  # a machine twice as slow as the reference one
     got = dict(estimate.phase_seconds(cfg, probe, ["fused", "eager"], sft_to_run=True))
     assert got["SFT warm-up"] == pytest.approx(probe * 800)
     for ops in ("fused", "eager"):
-        assert got[f"{ops} run"] == pytest.approx(2 * (40 * ref["rl_step"][ops] + 2 * ref["eval"]))
+        assert got[f"{ops} run"] == pytest.approx(2 * (60 * ref["rl_step"][ops] + 2 * ref["eval"]))
     # half the responses per step and eval prompts: half the run; a cached SFT: no SFT phase
     small = TrainConfig(prompts_per_step=32, eval_prompts=100).validate()
     got2 = dict(estimate.phase_seconds(small, probe, ["fused"], sft_to_run=False))
@@ -117,6 +117,7 @@ def test_closing_notes_say_what_the_numbers_mean():
     flat = " ".join(text.split())
     assert all(len(line) <= 100 for line in text.splitlines())
     assert "the same 3 PPO steps (64 responses each)" in flat
+    assert "the actor loss (clipped policy term) in the same pass; fused KL-penalised" in flat
     assert "Reward is the verifier's mean score on 200 held-out sums" in flat
     assert (
         "Fused: reward 0.305 -> 0.505, tool use 0.52 -> 0.81; eager: reward 0.305 -> 0.650" in flat
@@ -126,6 +127,11 @@ def test_closing_notes_say_what_the_numbers_mean():
     assert "identical for steps 0-1 and first differed at step 2" in flat
     same = report.closing_notes(fused, eager, _rows([0.1] * 3), _rows([0.1] * 3))
     assert "identical for every one of the 3 steps" in " ".join(same.split())
+    # GRPO: the KL is a loss term (in the fused actor loss), no Critic, group advantages
+    grpo = [{**s, "config": {**s["config"], "algo": "grpo"}} for s in (fused, eager)]
+    g = " ".join(report.closing_notes(*grpo, _rows([0.1]), _rows([0.1])).split())
+    assert "the same 3 GRPO steps" in g and "GAE" not in g
+    assert "(clipped policy term and KL to the Reference) in the same pass" in g
     # DPO / RM runs compare no rollouts: no notes
     dpo = {**fused, "config": {**fused["config"], "algo": "dpo"}}
     assert report.closing_notes(dpo, eager, [], []) == ""

@@ -21,9 +21,10 @@ from .config import TrainConfig
 # Seconds of the default job's phases on one machine, one torch thread (only their ratios to
 # the SFT step are used): a mean SFT step with either ops, a mean PPO step with either ops (64
 # responses: sampling, scoring, 2 epochs x 2 minibatches) and one held-out evaluation (200
-# prompts). From the `--compare` run of README's table (SFT 2.4 min / 800 steps; PPO steps 1.94 s
-# fused, 4.26 s eager, CPU time); the eager SFT step (1.44x the fused one) and the evaluation
-# (~21 SFT steps, more for the longer responses of a warmed-up model) measured here.
+# prompts). From a `--compare` run of the defaults at load ~3 (README's earlier 40-step table: SFT
+# 2.4 min / 800 steps; PPO steps 1.94 s fused, 4.26 s eager, CPU time); the eager SFT step (1.44x
+# the fused one) and the evaluation (~21 SFT steps, more for the longer responses of a warmed-up
+# model) measured here.
 REF = {
     "sft_step": {"fused": 0.18, "eager": 0.26},
     "rl_step": {"fused": 1.94, "eager": 4.26},

@@ -127,14 +127,20 @@ def closing_notes(a: dict, b: dict, rows_a: list, rows_b: list) -> str:
     if cfg["algo"] not in ("ppo", "grpo"):
         return ""
     steps, prompts = cfg["steps"], cfg["prompts_per_step"] * cfg["group_size"]
+    rest = (
+        "the actor loss (clipped policy term) in the same pass; fused KL-penalised rewards, GAE, "
+        "whitening and value loss"
+        if cfg["algo"] == "ppo"
+        else "the actor loss (clipped policy term and KL to the Reference) in the same pass; "
+        "fused group advantages"
+    )
     paras = [
         f"What was compared: the same {steps} {cfg['algo'].upper()} steps ({prompts} responses "
         "each) run twice from one SFT model, seed and prompt stream -- once with the ppo_kernels "
         "ops (log-probs and entropy straight from the hidden states and the LM-head weight, the "
-        "[tokens x vocabulary] logits never built; the actor loss in the same pass; fused KL, "
-        "GAE, whitening and value loss), once "
-        "with the eager PyTorch code trainers run today (logits materialised, then log_softmax "
-        "and gather; verl's loops).",
+        f"[tokens x vocabulary] logits never built; {rest}), once with the eager PyTorch code "
+        "trainers run today (logits materialised, then log_softmax and gather, the losses "
+        "composed from them; verl's loops).",
     ]
 
     def evals(s):
