@@ -718,3 +718,44 @@ def test_cuda_kernels_row_alignment(op, mode):
         else:
             with pytest.raises(AssertionError, match="differ"):
                 check_invariant(spec, targets, g, sizes=(3, 6), thread_counts=(1,))
+
+
+_VOCAB_PARALLEL_SCRIPT = r"""
+import os, socket, sys, torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+import ppo_kernels as pk
+g = torch.Generator().manual_seed(0)
+h = torch.randn(37, 16, generator=g); W = torch.randn(40, 16, generator=g)
+y = torch.randint(0, 40, (37,), generator=g); y[5] = -100
+def run(n):
+    hh, WW = h[:n].clone().requires_grad_(), W.clone().requires_grad_()
+    with pk.batch_invariant():
+        lp, ent = pk.linear_token_logprobs(
+            hh, WW, y[:n], process_group=dist.group.WORLD, return_entropy=True)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+    return lp.detach(), ent.detach(), hh.grad
+many, few = run(37), run(7)
+for a, b in zip(many, few):
+    assert torch.equal(a[:7], b), (a[:7] - b).abs().max()
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def test_vocab_parallel_linear_token_logprobs_in_the_mode():
+    """The vocab-parallel form under the mode (its chunks are padded like the single-device op's:
+    it failed on the padded tile before): a row's outputs and hidden gradient alone among 7 or
+    37 rows, bitwise (one gloo rank; the sharded result itself: tests/test_distributed.py)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _VOCAB_PARALLEL_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

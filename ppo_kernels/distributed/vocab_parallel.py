@@ -400,14 +400,14 @@ def _linear_states_op(
                 tiler,
                 plan,
                 tiler.rows(r0, r1),
-                labels[r0:r1],
+                tiler.pad(labels[r0:r1], ignore_index),  # (padded rows in batch-invariant mode)
                 Vr,
                 inv_t,
                 ignore_index,
                 v_offset=vocab_start,
             )
-            local[0:3, r0:r1] = st
-            local[3, r0:r1] = zl
+            local[0:3, r0:r1] = st[:, : r1 - r0]
+            local[3, r0:r1] = zl[: r1 - r0]
     return local
 
 
@@ -490,27 +490,32 @@ def _linear_backward_op(
     if N and Vr:
         plan = chunks.plan_for(hidden, Vr, max_chunk_bytes, logits_dtype, fused=False)
         tiler = Tiler(hidden, weight, bias, plan, False, backward=True)
+        pad = tiler.pad  # the padded rows of batch-invariant mode (ignored labels, no gradient)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
+            hc = tiler.rows(r0, r1)
+            ghc = gh.new_zeros((hc.shape[0], H)) if need_hidden else gh
             chunks.chunk_backward(
                 tiler,
                 plan,
                 False,
-                tiler.rows(r0, r1),
-                labels[r0:r1],
-                glp[r0:r1],
-                gent[r0:r1] if with_ent else None,
-                lse[r0:r1],
-                entropy[r0:r1] if with_ent else None,
+                hc,
+                pad(labels[r0:r1], ignore_index),
+                pad(glp[r0:r1]),
+                pad(gent[r0:r1]) if with_ent else None,
+                pad(lse[r0:r1]),
+                pad(entropy[r0:r1]) if with_ent else None,
                 inv_t,
                 ignore_index,
                 Vr,
-                gh[r0:r1] if need_hidden else gh,
+                ghc,
                 gW,
                 gb,
                 v_offset=vocab_start,
                 v_total=V,
             )
+            if need_hidden:
+                gh[r0:r1] = ghc[: r1 - r0]
     return gh, gW, gb
 
 
