@@ -494,7 +494,10 @@ def _linear_backward_op(
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
             hc = tiler.rows(r0, r1)
-            ghc = gh.new_zeros((hc.shape[0], H)) if need_hidden else gh
+            ghc = gh
+            if need_hidden:  # a buffer only for padded rows: else the rows of gh themselves
+                padded = hc.shape[0] != r1 - r0
+                ghc = gh.new_zeros((hc.shape[0], H)) if padded else gh[r0:r1]
             chunks.chunk_backward(
                 tiler,
                 plan,
@@ -514,7 +517,7 @@ def _linear_backward_op(
                 v_offset=vocab_start,
                 v_total=V,
             )
-            if need_hidden:
+            if need_hidden and padded:
                 gh[r0:r1] = ghc[: r1 - r0]
     return gh, gW, gb
 
