@@ -217,7 +217,7 @@ def main():
             dtype = getattr(torch, dt)
             res, (l0, l1) = run_size(N, H, V, dtype, args.reps, args.liger_compiled, args.skip)
             comp = res.get("composition", res.get("composition (float32 tiles)"))[0]
-            lig = res["liger"][0]
+            lig = res["liger"][0] if "liger" in res else None  # --skip liger
             lines += [
                 f"## N={N} H={H} V={V} {dt} (load {l0:.2f} -> {l1:.2f})",
                 "",
@@ -226,7 +226,8 @@ def main():
             ]
             for name, (t, peak, (le, ge)) in res.items():
                 lines.append(
-                    f"| {name} | {t * 1e3:.0f} | {t / comp:.2f}x | {t / lig:.2f}x | "
+                    f"| {name} | {t * 1e3:.0f} | {t / comp:.2f}x | "
+                    f"{f'{t / lig:.2f}x' if lig else '-'} | "
                     f"{peak / 2**20:.0f} | {le:.1e} | {ge:.1e} |"
                 )
             lines.append("")

@@ -596,6 +596,15 @@ def test_reward_model_loss():
         lambda a, b: pk.reward_model_loss(a, b, reduction="sum"),
         (x[:8].detach().requires_grad_(True), y[:8].detach().requires_grad_(True)),
     )
+    # the checks' fast path lets nothing through: each failure names its argument
+    with pytest.raises(TypeError, match="rejected_scores"):
+        pk.reward_model_loss(c, r.long())
+    with pytest.raises(TypeError, match="chosen_scores"):
+        pk.reward_model_loss(c.tolist(), r)
+    with pytest.raises(ValueError, match="rejected_scores"):
+        pk.reward_model_loss(c, r[:3])
+    with pytest.raises(ValueError, match="reduction"):
+        pk.reward_model_loss(c, r, reduction="avg")
 
 
 def test_dpo_loss():

@@ -29,6 +29,11 @@ class TrainConfig:
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     seed: int = _f(0, "random seed (same seed: same run)")
     threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
+    keep_heap: bool = _f(
+        True,
+        "on the CPU (glibc): malloc keeps freed memory for reuse (no mmap per large tensor, no "
+        "trimming) instead of returning it to the OS and faulting it in again every step",
+    )
     # 60: the default PPO demo's fused run gained +0.29 eval reward in 40 steps, short of the
     # +0.3 it is meant to show (README "Measured: ... --compare"); +0.34 in 60
     steps: int = _f(60, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")

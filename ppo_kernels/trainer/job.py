@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -101,6 +103,19 @@ def _check_data_parallel(cfg: TrainConfig, w: int):
             )
 
 
+def keep_heap() -> bool:
+    """glibc malloc: no mmap for large blocks and no trimming, so the tensors freed after a step
+    are reused by the next instead of being unmapped and page-faulted in again (measured on the
+    2-core CPU, 6 eager PPO steps: 20.6 s of 50.5 s were system time, 9.2M minor faults; with
+    this 1.2 s of 29.2 s, 0.4M, at 15% more peak RSS). Both --ops alike. Returns whether it
+    applied (not on other C libraries)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 class _Run:
     """One job's state outside the models: config, ops, task, metrics file, timings, resume."""
 
@@ -115,6 +130,8 @@ class _Run:
         self.t_start = time.perf_counter()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.keep_heap and torch.device(cfg.device).type == "cpu":
+            keep_heap()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         os.makedirs(cfg.out, exist_ok=True)
