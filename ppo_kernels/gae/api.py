@@ -100,6 +100,22 @@ def gae(
     GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/reference.py for the
     documented semantics and edge cases.
     """
+    if (
+        type(gamma) is float
+        and type(lam) is float
+        and return_carry is False
+        and carry is None
+        and bootstrap_value is None
+        and cu_seqlens is None
+        and process_group is None
+        and type(rewards) is Tensor
+        and type(values) is Tensor
+        and rewards.dtype is values.dtype
+    ):
+        # the common call: nothing for this layer to check or convert (the op checks the tensors
+        # and that gamma / lam are finite, naming them); ~2 us of the 2 x 8 call
+        adv, ret, _, _ = _gae(rewards, values, mask, dones, None, None, gamma, lam, None, None, None)
+        return adv, ret
     return_carry = check_bool("return_carry", return_carry)
     if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
         raise TypeError("carry: expected a pair (next_value, next_advantage)")
