@@ -114,7 +114,9 @@ def gae(
     ):
         # the common call: nothing for this layer to check or convert (the op checks the tensors
         # and that gamma / lam are finite, naming them); ~2 us of the 2 x 8 call
-        adv, ret, _, _ = _gae(rewards, values, mask, dones, None, None, gamma, lam, None, None, None)
+        adv, ret, _, _ = _gae(
+            rewards, values, mask, dones, None, None, gamma, lam, None, None, None
+        )
         return adv, ret
     return_carry = check_bool("return_carry", return_carry)
     if carry is not None and not (isinstance(carry, (tuple, list)) and len(carry) == 2):
