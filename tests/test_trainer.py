@@ -569,7 +569,6 @@ def test_keep_heap_flag_and_effect():
     import resource
 
     from ppo_kernels.trainer import job
-    from ppo_kernels.trainer.config import config_from_args
 
     assert config_from_args([])[0].keep_heap is True
     assert config_from_args(["--no-keep-heap"])[0].keep_heap is False
