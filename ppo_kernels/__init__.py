@@ -19,6 +19,7 @@ from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
 from .kl.reference import KLClamp  # noqa: F401
 from .linear_logprobs.api import linear_token_logprobs  # noqa: F401
 from .linear_logprobs.hf import causal_lm_logprobs  # noqa: F401
+from .linear_logprobs.planner import default_logits_dtype  # noqa: F401
 from .linear_policy_loss.api import linear_policy_loss  # noqa: F401
 from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401

@@ -353,6 +353,21 @@ def backend_for(op: str, t: torch.Tensor) -> str:
     return resolve(op, t.device.type)
 
 
+def any_requested() -> bool:
+    """Whether a backend was requested by name for any op (use_backend or PPO_KERNELS_BACKEND):
+    an API's shortcut to a plain torch op (a call the kernels cannot beat) is taken only when
+    not, so that a requested backend always runs."""
+    if _stack:
+        return True
+    if _ENV_DATA is None:
+        return bool(os.environ.get("PPO_KERNELS_BACKEND"))
+    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through (0.1 us)
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)
+_BACKEND_KEY = os.environ.encodekey("PPO_KERNELS_BACKEND") if _ENV_DATA is not None else None
+
+
 def check_eager_only(op: str, t: torch.Tensor) -> None:
     """For an op that is a composition of torch ops (eager only): raise as `backend_for` does if
     another backend was requested for it by name. Free when nothing was requested at all."""

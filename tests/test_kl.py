@@ -11,6 +11,7 @@ from _peers import load_functions
 from _utils import poisoned
 from conftest import cpu_backends
 
+import ppo_kernels as pk
 from ppo_kernels import KLClamp, kl_penalized_rewards, kl_penalty, use_backend
 from ppo_kernels.kl import reference as R
 
@@ -532,3 +533,33 @@ def test_penalized_rewards_precomputed_kl_token_scores_and_openrlhf_placement():
         kl_penalized_rewards(scores, kl, kl, mask, beta=beta, kl=kl)
     with pytest.raises(ValueError, match="logprobs"):
         kl_penalized_rewards(scores, None, None, mask, beta=beta)
+
+
+def test_unclamped_k1_of_float32_is_torchs_subtraction_bit_for_bit():
+    """The API's shortcut (one torch subtraction, no custom op) for unclamped float32 k1 gives
+    the kernels' values and gradients bit for bit; it is not taken when a backend is requested
+    (the kernel runs: poisoned outputs would show), for other dtypes, clamps or shapes."""
+    g = torch.Generator().manual_seed(5)
+    lp = (-torch.rand(3, 37, generator=g) * 5).requires_grad_(True)
+    ref = (lp.detach() + torch.randn(3, 37, generator=g)).requires_grad_(True)
+    gout = torch.randn(3, 37, generator=g)
+    fast = pk.kl_penalty(lp, ref, "k1")
+    assert fast.grad_fn is not None and "Sub" in type(fast.grad_fn).__name__
+    fast_g = torch.autograd.grad(fast, (lp, ref), gout)
+    for backend in cpu_backends("kl_penalty"):
+        with use_backend(kl_penalty=backend), poisoned():
+            got = pk.kl_penalty(lp, ref, "kl")
+            assert "Sub" not in type(got.grad_fn).__name__
+            got_g = torch.autograd.grad(got, (lp, ref), gout)
+        assert torch.equal(got, fast)
+        for a, b in zip(got_g, fast_g):
+            assert torch.equal(a, b)
+    # not taken: a clamp, another dtype, a straight-through estimator, mismatched shapes
+    for out in (
+        pk.kl_penalty(lp, ref, "k1", clamp="openrlhf"),
+        pk.kl_penalty(lp.double(), ref.double(), "k1"),
+        pk.kl_penalty(lp, ref, "k1+"),
+    ):
+        assert "Sub" not in type(out.grad_fn).__name__
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        pk.kl_penalty(lp, ref[:, :5], "k1")

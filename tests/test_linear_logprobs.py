@@ -1,6 +1,7 @@
 """linear_token_logprobs against token_logprobs' float64 reference on materialised logits."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -352,8 +353,8 @@ def test_square_tiles_plan(monkeypatch):
     sum(_ref(hd, W, b, labels, 1.0, -100)).sum().backward()
     torch.testing.assert_close(hh.grad.double(), hd.grad, atol=2e-5, rtol=1e-4)
     monkeypatch.setenv("PPO_KERNELS_LINEAR_TILES", "bogus")
-    with pytest.raises(ValueError, match="PPO_KERNELS_LINEAR_TILES"):
-        ppo_kernels.linear_token_logprobs(h, W, labels)
+    with pytest.raises(ValueError, match="PPO_KERNELS_LINEAR_TILES"):  # (a budget: not one tile)
+        ppo_kernels.linear_token_logprobs(h, W, labels, max_chunk_bytes=4000)
 
 
 @pytest.mark.parametrize("kernels", ["eager", "triton"])
@@ -802,3 +803,174 @@ print("OK")
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------- logits_dtype="auto"
+@pytest.fixture
+def auto_logits_dtype(monkeypatch):
+    """logits_dtype="auto" unpinned (conftest pins it to float32 for the suite), with the CPU's
+    bf16 / fp16 support set by the test: set(bf16=..., fp16=...)."""
+    from ppo_kernels.linear_logprobs import planner
+
+    monkeypatch.setattr(planner, "_ENV_DEFAULT", "auto")
+
+    def set_support(bf16, fp16=False):
+        monkeypatch.setattr(planner, "_CPU_NATIVE", {torch.bfloat16: bf16, torch.float16: fp16})
+
+    return set_support
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_logits_dtype_follows_the_cpus_bf16_support(auto_logits_dtype, native):
+    auto_logits_dtype(bf16=native, fp16=False)
+    want = "input" if native else "float32"
+    assert pk.default_logits_dtype(torch.bfloat16, torch.device("cpu")) == want
+    assert pk.default_logits_dtype(torch.bfloat16, "cpu") == want
+    # fp16 follows its own support; CUDA is float32 tiles (measured faster on the H200); float32
+    # inputs have float32 tiles whatever the mode
+    assert pk.default_logits_dtype(torch.float16, "cpu") == "float32"
+    assert pk.default_logits_dtype(torch.bfloat16, torch.device("cuda", 0)) == "float32"
+    assert pk.default_logits_dtype(torch.float32, "cpu") == "float32"
+    # the default call is the call with the resolved mode, bit for bit, and differs from the
+    # other mode (the test can fail)
+    h, W, b, labels = _inputs(torch.bfloat16)
+    other = "float32" if native else "input"
+    outs = {}
+    for mode in ("auto", want, other):
+        leaves = [t.clone().requires_grad_() for t in (h, W, b)]
+        lp, ent = _ours(
+            leaves, labels, 0.7, None, **({} if mode == "auto" else {"logits_dtype": mode})
+        )
+        (lp.sum() + ent.sum()).backward()
+        outs[mode] = [lp, ent] + [t.grad for t in leaves]
+    for a, r in zip(outs["auto"], outs[want]):
+        assert torch.equal(a, r)
+    assert not torch.equal(outs["auto"][0], outs[other][0])
+
+
+def test_auto_logits_dtype_fp16_and_policy_loss(auto_logits_dtype):
+    auto_logits_dtype(bf16=False, fp16=True)
+    assert pk.default_logits_dtype(torch.float16, "cpu") == "input"
+    assert pk.default_logits_dtype(torch.bfloat16, "cpu") == "float32"
+    h, W, b, labels = _inputs(torch.float16)
+    adv, old = torch.randn(B, T), torch.randn(B, T) - 4
+    mask = torch.ones(B, T, dtype=torch.bool)
+    runs = {
+        mode: pk.linear_policy_loss(
+            h, W, labels, adv, old, mask, bias=b, **({} if mode is None else {"logits_dtype": mode})
+        )
+        for mode in (None, "auto", "input", "float32")
+    }
+    for mode in (None, "auto"):
+        assert torch.equal(runs[mode][0], runs["input"][0])
+        assert torch.equal(runs[mode][1]["logprobs"], runs["input"][1]["logprobs"])
+    assert not torch.equal(runs["auto"][1]["logprobs"], runs["float32"][1]["logprobs"])
+
+
+def test_logits_dtype_environment_variable(tmp_path):
+    """PPO_KERNELS_LOGITS_DTYPE fixes the default on every machine; a bad value is an error
+    naming it, at import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ppo_kernels as pk;"
+        "print(pk.default_logits_dtype(torch.bfloat16, 'cpu'),"
+        " pk.default_logits_dtype(torch.bfloat16, 'cuda'))"
+    )
+    for value, want in (("input", "input input"), ("float32", "float32 float32")):
+        env = dict(os.environ, PPO_KERNELS_LOGITS_DTYPE=value)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.split() == want.split()
+    env = dict(os.environ, PPO_KERNELS_LOGITS_DTYPE="bf16")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "PPO_KERNELS_LOGITS_DTYPE" in out.stderr, out.stderr
+
+
+def test_bad_logits_dtype_names_the_argument():
+    h, W, b, labels = _inputs(torch.bfloat16)
+    with pytest.raises(ValueError, match="logits_dtype.*'auto'.*got 'bf16'"):
+        pk.linear_token_logprobs(h, W, labels, logits_dtype="bf16")
+    with pytest.raises(TypeError, match="logits_dtype"):
+        pk.linear_token_logprobs(h, W, labels, logits_dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------- one tile (small calls)
+def _took_one_tile(lp):
+    """Whether the result came from the one-tile path (autograd through F.linear's matmul and
+    the token_logprobs op) rather than the registered linear_token_logprobs op (one node)."""
+    seen, todo = set(), [lp.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "mm" in type(fn).__name__.lower():
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mode", ["float32", "input"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_calls_run_as_one_tile(dtype, mode, bias):
+    """A call whose logits fit 64k elements runs as one tile (no chunk loop): same values and
+    gradients as the chunk loop (cpp backend) within the forward tolerance, against float64."""
+    h, W, b, labels = _inputs(dtype, bias)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in (h, W, b)]
+    with poisoned():
+        lp, ent = _ours(leaves, labels, 0.7, None, logits_dtype=mode)
+    assert _took_one_tile(lp) and lp.dtype == ent.dtype == (
+        torch.float64 if dtype == torch.float64 else torch.float32
+    )
+    g = torch.Generator().manual_seed(4)
+    gl, ge = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    ((lp * gl).sum() + (ent * ge).sum()).backward()
+    loop = [None if t is None else t.clone().requires_grad_() for t in (h, W, b)]
+    with use_backend(linear_token_logprobs="cpp"):
+        lp2, ent2 = _ours(loop, labels, 0.7, None, logits_dtype=mode)
+    assert not _took_one_tile(lp2)
+    ((lp2 * gl).sum() + (ent2 * ge).sum()).backward()
+    torch.testing.assert_close(lp, lp2, **FWD_TOL)
+    torch.testing.assert_close(ent, ent2, **FWD_TOL)
+    assert lp[0, 2] == 0 and ent[1, 5] == 0  # ignored labels
+    for t, r in zip(leaves, loop):
+        if t is None:
+            continue
+        assert t.grad.dtype == t.dtype
+        scale = r.grad.float().abs().max().item()
+        eps = 2e-5 if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).eps
+        torch.testing.assert_close(t.grad.float(), r.grad.float(), atol=2 * eps * scale, rtol=0)
+    if mode == "float32":  # float32 tiles: the float64 reference within float32 rounding
+        ref_lp, ref_ent = _ref(h, W, b, labels, 0.7, -100)
+        torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
+        torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
+
+
+def test_one_tile_only_for_small_default_calls(monkeypatch):
+    h, W, b, labels = _inputs(torch.float32)
+    assert _took_one_tile(pk.linear_token_logprobs(h, W.requires_grad_(), labels))
+    not_one = [
+        pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=1 << 20),  # a budget
+        pk.linear_token_logprobs(h, W, labels, softcap=5.0),
+    ]
+    with use_backend(linear_token_logprobs="eager"):
+        not_one.append(pk.linear_token_logprobs(h, W, labels))
+    with pk.batch_invariant():
+        not_one.append(pk.linear_token_logprobs(h, W, labels))
+    from ppo_kernels.linear_logprobs import api
+
+    monkeypatch.setattr(api, "_ONE_TILE_LOGITS", B * T * V - 1)  # one element too many
+    not_one.append(pk.linear_token_logprobs(h, W, labels))
+    for lp in not_one:
+        assert not _took_one_tile(lp)
+    # what the op would refuse still reaches it, and its named errors
+    with pytest.raises((ValueError, TypeError), match="weight"):
+        pk.linear_token_logprobs(h, W[:, :5], labels)
+    with pytest.raises((ValueError, TypeError), match="bias"):
+        pk.linear_token_logprobs(h, W, labels, bias=b[:7])
+    with pytest.raises((ValueError, IndexError), match="labels"):
+        pk.linear_token_logprobs(h, W, labels.clamp(min=0) + V)

@@ -3,6 +3,8 @@ tensors here (cpp, Triton through the interpreter, eager), against float64 compo
 from verl's / TRL's documented semantics, against verl's real functions where its source is
 available (tests/_peers.py), and through opcheck, gradcheck and torch.compile."""
 
+import math
+
 import pytest
 import torch
 from _peers import Config, load_verl
@@ -570,7 +572,11 @@ def test_trl_grpo_loss_types(loss_type):
 
 
 # ----------------------------------------------------------------------------- reward model and DPO
-def test_reward_model_loss():
+PBACKENDS = cpu_backends("pairwise_logsigmoid_loss")
+
+
+@pytest.mark.parametrize("backend", PBACKENDS)
+def test_reward_model_loss(backend):
     c = torch.randn(64) * 3
     r = torch.randn(64) * 3
     c[:4] = torch.tensor([1000.0, -1000.0, 80.0, -80.0])
@@ -581,17 +587,19 @@ def test_reward_model_loss():
         -d, min=0
     )  # softplus(-d), stable, float64
     xc, yc = c.clone().requires_grad_(True), r.clone().requires_grad_(True)
-    with poisoned():
+    with use_backend(reward_model_loss=backend), poisoned():
         got = pk.reward_model_loss(xc, yc)
-    want.mean().backward()
-    got.backward()
+        want.mean().backward()
+        got.backward()
+        per = pk.reward_model_loss(c, r, reduction="none")
+        empty = pk.reward_model_loss(c[:0], r[:0])
     torch.testing.assert_close(got.double(), want.mean().detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(xc.grad.double(), x.grad, atol=1e-8, rtol=1e-5)
     torch.testing.assert_close(yc.grad.double(), y.grad, atol=1e-8, rtol=1e-5)
-    per = pk.reward_model_loss(c, r, reduction="none")
     assert per.shape == (64,) and torch.isfinite(per).all()
     assert float(per[0]) == 0.0 and float(per[1]) == 1000.0
-    assert float(pk.reward_model_loss(c[:0], r[:0])) == 0.0
+    torch.testing.assert_close(per.double(), want.detach(), atol=1e-6, rtol=1e-6)
+    assert float(empty) == 0.0 and empty.shape == ()
     assert torch.autograd.gradcheck(
         lambda a, b: pk.reward_model_loss(a, b, reduction="sum"),
         (x[:8].detach().requires_grad_(True), y[:8].detach().requires_grad_(True)),
@@ -607,34 +615,107 @@ def test_reward_model_loss():
         pk.reward_model_loss(c, r, reduction="avg")
 
 
-def test_dpo_loss():
+@pytest.mark.parametrize("backend", PBACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_dpo_loss(backend, reduction):
     n, beta = 32, 0.1
     pw, pl_, rw, rl = (torch.randn(n) * 50 - 200 for _ in range(4))
     pw[0], pl_[0] = 1e4, -1e4  # margin 2e4 * beta: saturated, still finite
+    pw[1], pl_[1] = -1e4, 1e4  # the other side: loss 2e3, gradient beta
     ins = [t.double().requires_grad_(True) for t in (pw, pl_, rw, rl)]
     z = beta * ((ins[0] - ins[2]) - (ins[1] - ins[3]))
     want = torch.nn.functional.softplus(-z)
-    want.sum().backward()
+    want = {"mean": want.mean(), "sum": want.sum(), "none": want}[reduction]
+    up = torch.randn(n, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7).double()
+    (want * up).sum().backward()
     got_ins = [t.clone().requires_grad_(True) for t in (pw, pl_, rw, rl)]
-    got = pk.dpo_loss(*got_ins, beta=beta, reduction="sum")
-    got.backward()
-    torch.testing.assert_close(got.double(), want.sum().detach(), atol=1e-4, rtol=1e-6)
+    with use_backend(dpo_loss=backend), poisoned():
+        got = pk.dpo_loss(*got_ins, beta=beta, reduction=reduction)
+        (got * up.float()).sum().backward()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-4, rtol=1e-6)
     for g, w in zip(got_ins, ins):
         torch.testing.assert_close(g.grad.double(), w.grad, atol=1e-7, rtol=1e-5)
-    per = pk.dpo_loss(pw, pl_, rw, rl, beta=beta, reduction="none")
-    assert torch.isfinite(per).all() and float(per[0]) == 0.0
-    d64 = [t.double()[:6].detach().requires_grad_(True) for t in (pw, pl_, rw, rl)]
-    assert torch.autograd.gradcheck(lambda *a: pk.dpo_loss(*a, beta=0.5), d64)
+    with use_backend(dpo_loss=backend):
+        per = pk.dpo_loss(pw, pl_, rw, rl, beta=beta, reduction="none")
+        assert torch.isfinite(per).all() and float(per[0]) == 0.0
+        d64 = [t.double()[:6].detach().requires_grad_(True) for t in (pw, pl_, rw, rl)]
+        assert torch.autograd.gradcheck(lambda *a: pk.dpo_loss(*a, beta=0.5), d64)
     with pytest.raises(ValueError, match="beta"):
         pk.dpo_loss(pw, pl_, rw, rl, beta=0.0)
     with pytest.raises(ValueError, match="ref_rejected_lp"):
         pk.dpo_loss(pw, pl_, rw, rl[:3], beta=0.1)
 
 
+@pytest.mark.parametrize("backend", PBACKENDS)
+def test_pairwise_mixed_dtypes_and_frozen_references(backend):
+    """bf16 policy log-probs with float32 references: each gradient in its input's dtype, none
+    for what does not require grad (the usual frozen reference), the values float32's."""
+    g = torch.Generator().manual_seed(3)
+    pw, pl_ = (torch.randn(3, 5, generator=g) * 4).bfloat16(), (torch.randn(3, 5, generator=g) * 4)
+    rw, rl = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g).half()
+    for req in ((True, True, False, False), (False, True, True, True)):
+        a = [t.clone().requires_grad_(q) for t, q in zip((pw, pl_, rw, rl), req)]
+        w = [t.double().requires_grad_(q) for t, q in zip((pw, pl_, rw, rl), req)]
+        with use_backend(dpo_loss=backend), poisoned():
+            got = pk.dpo_loss(*a, beta=0.3)
+            got.backward()
+        want = torch.nn.functional.softplus(-0.3 * ((w[0] - w[2]) - (w[1] - w[3]))).mean()
+        want.backward()
+        torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=1e-6)
+        for t, r, q in zip(a, w, req):
+            if not q:
+                assert t.grad is None
+                continue
+            assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+            tol = 1e-2 if t.dtype in (torch.bfloat16, torch.float16) else 1e-6
+            torch.testing.assert_close(t.grad.double(), r.grad, atol=tol * 1e-2, rtol=tol)
+
+
+def test_pairwise_op_checks_and_opcheck():
+    """The registered op checks its own arguments (named as its schema names them) and passes
+    torch.library.opcheck on each backend; NaN margins give NaN, infinite ones the limits."""
+    op = torch.ops.ppo_kernels.pairwise_logsigmoid_loss
+    a, b = torch.randn(6, requires_grad=True), torch.randn(6)
+    with pytest.raises(ValueError, match="rejected"):
+        op(a, b[:3], None, None, 1.0, "mean")
+    with pytest.raises(ValueError, match="ref_chosen, ref_rejected"):
+        op(a, b, b, None, 1.0, "mean")
+    with pytest.raises(ValueError, match="beta"):
+        op(a, b, None, None, float("nan"), "mean")
+    with pytest.raises(ValueError, match="reduction"):
+        op(a, b, None, None, 1.0, "avg")
+    with pytest.raises(TypeError, match="ref_rejected"):
+        op(a, b, b, b.long(), 1.0, "mean")
+    bwd = torch.ops.ppo_kernels.pairwise_logsigmoid_loss_backward
+    with pytest.raises(ValueError, match="grad_loss"):
+        bwd(torch.ones(5), torch.ones(6), 1.0, torch.float32, torch.float32)
+    for backend in PBACKENDS:
+        with use_backend(reward_model_loss=backend):
+            for red in ("mean", "sum", "none"):
+                torch.library.opcheck(
+                    torch.ops.ppo_kernels.pairwise_logsigmoid_loss, (a, b, None, None, 1.0, red)
+                )
+                torch.library.opcheck(
+                    torch.ops.ppo_kernels.pairwise_logsigmoid_loss,
+                    (a, b, b * 0.5, b * 2, 0.3, red),
+                )
+                coef = op(a, b, None, None, 1.0, red)[1]
+                g = torch.ones(6) if red == "none" else torch.tensor(2.0)
+                torch.library.opcheck(
+                    torch.ops.ppo_kernels.pairwise_logsigmoid_loss_backward,
+                    (g, coef, 0.5, torch.bfloat16, torch.float32),
+                )
+            z = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+            loss = op(z, torch.zeros(4), None, None, 1.0, "none")[0]
+            assert torch.isnan(loss[0]) and loss[1] == 0 and loss[2] == float("inf")
+            assert loss[3].item() == pytest.approx(math.log(2))
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_pairwise_compile(dynamic):
-    """Compositions of torch ops (no custom op): they trace into the graph, gradients included."""
-    assert not hasattr(torch.ops.ppo_kernels, "pairwise_logsigmoid_loss")
+    """The registered op under torch.compile: its fake kernels trace, gradients included."""
+    assert hasattr(torch.ops.ppo_kernels, "pairwise_logsigmoid_loss")
     torch._dynamo.reset()
 
     def step(a, b, c, d):

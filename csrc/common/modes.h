@@ -33,6 +33,13 @@ inline const std::vector<std::string>& group_advantage_names() {
   return names;
 }
 
+// Reductions of the pairwise (reward-model / DPO) loss.
+enum Reduction : int64_t { kReduceMean = 0, kReduceSum, kReduceNone };
+inline const std::vector<std::string>& reduction_names() {
+  static const std::vector<std::string> names = {"mean", "sum", "none"};
+  return names;
+}
+
 // The index of `name` in `names`, or a clear error naming the argument and the choices.
 inline int64_t mode_index(const char* arg, const std::vector<std::string>& names,
                           const std::string& name) {

@@ -1,4 +1,5 @@
-// PPO policy / value losses and GRPO / RLOO group advantages: CPU kernels and the schemas of the
+// PPO policy / value losses, the pairwise (reward-model / DPO) loss and GRPO / RLOO group
+// advantages: CPU kernels and the schemas of the
 // raw kernels. Semantics: ppo_kernels/losses/reference.py,
 // ppo_kernels/group_advantages/reference.py.
 //
@@ -399,6 +400,92 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in,
   return out;
 }
 
+// reward_model_loss / dpo_loss: z = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+// per pair (no references: beta * (chosen - rejected)), loss = -log sigmoid(z) = softplus(-z),
+// stable for any z (log1p of exp(-|z|) in (0, 1]), and coef = d loss / d z = -sigmoid(-z), / n for
+// the mean: all the backward reads. Pairs are few (one per sequence): one serial pass, the sum in
+// double (deterministic).
+std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_fwd_cpu(
+    const at::Tensor& chosen, const at::Tensor& rejected,
+    const std::optional<at::Tensor>& ref_chosen, const std::optional<at::Tensor>& ref_rejected,
+    double beta, const std::string& reduction_name) {
+  const at::Device dev = chosen.device();
+  check_arg(chosen, "chosen", dev, Kind::kFloating);
+  check_arg(rejected, "rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
+  TORCH_CHECK(ref_chosen.has_value() == ref_rejected.has_value(),
+              "ref_chosen, ref_rejected: expected both or neither");
+  if (ref_chosen) {
+    check_arg(*ref_chosen, "ref_chosen", dev, Kind::kFloating, chosen.numel(), "like chosen");
+    check_arg(*ref_rejected, "ref_rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
+  }
+  const int64_t reduction = mode_index("reduction", reduction_names(), reduction_name);
+  const int64_t n = chosen.numel();
+  const auto opts = chosen.options().dtype(at::kFloat);
+  at::Tensor coef = new_output(chosen.sizes(), opts);
+  at::Tensor loss = new_output(reduction == kReduceNone ? chosen.sizes() : at::IntArrayRef{}, opts);
+  // float32 views (a no-op for float32 inputs; bf16 / fp16 pairs are few)
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const at::Tensor c = f32(chosen), r = f32(rejected);
+  const at::Tensor rc = ref_chosen ? f32(*ref_chosen) : at::Tensor();
+  const at::Tensor rr = ref_rejected ? f32(*ref_rejected) : at::Tensor();
+  const float* pc = c.const_data_ptr<float>();
+  const float* pr = r.const_data_ptr<float>();
+  const float* prc = rc.defined() ? rc.const_data_ptr<float>() : nullptr;
+  const float* prr = rr.defined() ? rr.const_data_ptr<float>() : nullptr;
+  float* out = loss.data_ptr<float>();
+  float* g = coef.data_ptr<float>();
+  const float b = static_cast<float>(beta);
+  const float w = reduction == kReduceMean && n > 0 ? 1.f / static_cast<float>(n) : 1.f;
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float margin = prc ? (pc[i] - prc[i]) - (pr[i] - prr[i]) : pc[i] - pr[i];
+    const float z = b * margin;
+    const float e = std::exp(-std::abs(z));
+    const float l = std::max(-z, 0.f) + std::log1p(e);  // NaN z: NaN (std::max keeps its first)
+    const float sig_neg = (z >= 0.f ? e : 1.f) / (1.f + e);  // sigmoid(-z)
+    g[i] = -sig_neg * w;
+    if (reduction == kReduceNone) {
+      out[i] = l;
+    } else {
+      total += l;
+    }
+  }
+  if (reduction != kReduceNone)
+    *out = static_cast<float>(reduction == kReduceMean && n > 0 ? total / n : total);
+  return {loss, coef};
+}
+
+// (d loss / d chosen, d loss / d rejected) = (g * coef * beta, -g * coef * beta) in the given
+// dtypes (d / d ref_rejected and d / d ref_chosen are the same); grad_loss is 0-dim (mean, sum)
+// or shaped like coef (none).
+std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_bwd_cpu(const at::Tensor& grad_loss,
+                                                                    const at::Tensor& coef,
+                                                                    double beta,
+                                                                    at::ScalarType chosen_dtype,
+                                                                    at::ScalarType rejected_dtype) {
+  check_arg(coef, "coef", coef.device(), Kind::kFloat32);
+  const bool per_pair = grad_loss.dim() > 0;
+  check_arg(grad_loss, "grad_loss", coef.device(), Kind::kFloating, per_pair ? coef.numel() : 1,
+            per_pair ? "one per pair" : "the 0-dim loss");
+  TORCH_CHECK(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
+              "chosen_dtype, rejected_dtype: expected floating dtypes, got ", chosen_dtype, ", ",
+              rejected_dtype);
+  const int64_t n = coef.numel();
+  const at::Tensor cf = coef.contiguous();
+  const at::Tensor gl = grad_loss.to(at::kFloat).contiguous();
+  const float* pc = cf.const_data_ptr<float>();
+  const float* pg = gl.const_data_ptr<float>();
+  std::vector<float> buf(static_cast<size_t>(n));
+  const float b = static_cast<float>(beta);
+  for (int64_t i = 0; i < n; ++i) buf[i] = pg[per_pair ? i : 0] * pc[i] * b;
+  at::Tensor gc = new_output(coef.sizes(), coef.options().dtype(chosen_dtype));
+  at::Tensor gr = new_output(coef.sizes(), coef.options().dtype(rejected_dtype));
+  store_float(gc, 0, n, buf.data());
+  for (int64_t i = 0; i < n; ++i) buf[i] = -buf[i];
+  store_float(gr, 0, n, buf.data());
+  return {gc, gr};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
@@ -427,6 +514,13 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   m.def(
       "masked_aggregate_bwd(Tensor grad_loss, Tensor mask, Tensor row_coef, ScalarType dtype) "
       "-> Tensor");
+  // reduction: mean, sum or none; returns (loss, coef = d loss / d z per pair)
+  m.def(
+      "pairwise_logsigmoid_loss_fwd(Tensor chosen, Tensor rejected, Tensor? ref_chosen, "
+      "Tensor? ref_rejected, float beta, str reduction) -> (Tensor loss, Tensor coef)");
+  m.def(
+      "pairwise_logsigmoid_loss_bwd(Tensor grad_loss, Tensor coef, float beta, "
+      "ScalarType chosen_dtype, ScalarType rejected_dtype) -> (Tensor, Tensor)");
   m.def(
       "group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool "
       "norm_by_std, "
@@ -440,6 +534,8 @@ TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
   m.impl("ppo_value_loss_bwd", &ppo_value_loss_bwd_cpu);
   m.impl("masked_aggregate_fwd", &masked_aggregate_fwd_cpu);
   m.impl("masked_aggregate_bwd", &masked_aggregate_bwd_cpu);
+  m.impl("pairwise_logsigmoid_loss_fwd", &pairwise_logsigmoid_loss_fwd_cpu);
+  m.impl("pairwise_logsigmoid_loss_bwd", &pairwise_logsigmoid_loss_bwd_cpu);
   m.impl("group_advantages", &group_advantages_cpu);
 }
 

@@ -1,10 +1,10 @@
 // Registered ops `ppo_kernels::ppo_policy_loss`, `ppo_kernels::ppo_value_loss` and
-// `ppo_kernels::masked_aggregate` (+ their backward ops): schemas, argument checks, backend routing
-// and autograd. Each forward returns (loss [], stats [n], row_coef [B]) (masked_aggregate: no
-// stats); row_coef (d loss / d (mask * token loss) per row) is saved for the backward op, which
-// recomputes the per-token gradient from the inputs (masked_aggregate's from the mask alone).
-// Kernels: csrc/cpu/losses.cpp (cpp), ppo_kernels/losses/op.py (triton, eager); semantics:
-// ppo_kernels/losses/reference.py.
+// `ppo_kernels::masked_aggregate`, `ppo_kernels::pairwise_logsigmoid_loss` (+ their backward ops):
+// schemas, argument checks, backend routing and autograd. Each forward returns (loss [], stats [n],
+// row_coef [B]) (masked_aggregate: no stats); row_coef (d loss / d (mask * token loss) per row) is
+// saved for the backward op, which recomputes the per-token gradient from the inputs
+// (masked_aggregate's from the mask alone). Kernels: csrc/cpu/losses.cpp (cpp),
+// ppo_kernels/losses/op.py (triton, eager); semantics: ppo_kernels/losses/reference.py.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -38,6 +38,12 @@ using AggSig = Out2(const Tensor&, const Tensor&, const std::string&, double,
                     const optional<Tensor>&, optional<double>);
 using AggBwdSig = Tensor(const Tensor&, const Tensor&, const Tensor&, at::ScalarType);
 
+using PairSig = Out2(const Tensor&, const Tensor&, const optional<Tensor>&, const optional<Tensor>&,
+                     double, const std::string&);
+using PairBwdSig = Out2(const Tensor&, const Tensor&, double, at::ScalarType, at::ScalarType);
+
+const OpRef kPair("pairwise_logsigmoid_loss"), kPairBwd("pairwise_logsigmoid_loss_backward"),
+    kPairKernel("pairwise_logsigmoid_loss_fwd"), kPairBwdKernel("pairwise_logsigmoid_loss_bwd");
 const OpRef kAgg("masked_aggregate"), kAggBwd("masked_aggregate_backward"),
     kAggKernel("masked_aggregate_fwd"), kAggBwdKernel("masked_aggregate_bwd");
 const OpRef kPolicy("ppo_policy_loss"), kPolicyBwd("ppo_policy_loss_backward"),
@@ -173,6 +179,46 @@ Tensor aggregate_backward(const Tensor& grad, const Tensor& mask, const Tensor& 
   return h.call(grad, mask.contiguous(), coef.contiguous(), dtype);
 }
 
+// pairwise_logsigmoid_loss: the pairs of reward_model_loss / dpo_loss, any shape (one per pair).
+Out2 pairwise(const Tensor& chosen, const Tensor& rejected, const optional<Tensor>& ref_chosen,
+              const optional<Tensor>& ref_rejected, double beta, const std::string& reduction) {
+  expect_float(chosen, "chosen");
+  expect_float(rejected, "rejected");
+  expect_like(rejected, "rejected", chosen, "chosen", /*same_dtype=*/false);
+  TORCH_CHECK_VALUE(ref_chosen.has_value() == ref_rejected.has_value(),
+                    "ref_chosen, ref_rejected: expected both or neither");
+  if (ref_chosen) {
+    expect_float(*ref_chosen, "ref_chosen");
+    expect_like(*ref_chosen, "ref_chosen", chosen, "chosen", /*same_dtype=*/false);
+    expect_float(*ref_rejected, "ref_rejected");
+    expect_like(*ref_rejected, "ref_rejected", chosen, "chosen", /*same_dtype=*/false);
+  }
+  expect_positive("beta", beta);
+  mode_index("reduction", reduction_names(), reduction);
+  const Backend b = backend_for("pairwise_logsigmoid_loss", chosen);
+  const auto& h =
+      b == Backend::kCpp ? kPairKernel.in<PairSig>(Ns::kCppKernels) : kPair.python<PairSig>(b);
+  return h.call(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
+}
+
+Out2 pairwise_backward(const Tensor& grad, const Tensor& coef, double beta,
+                       at::ScalarType chosen_dtype, at::ScalarType rejected_dtype) {
+  expect_float(grad, "grad_loss");
+  TORCH_CHECK_VALUE(coef.defined(), "coef: expected a tensor");
+  expect_device(grad, "grad_loss", coef, "coef");
+  if (grad.dim() > 0) expect_shape(grad, "grad_loss", coef.sizes(), "one per pair");
+  TORCH_CHECK_TYPE(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
+                   "chosen_dtype, rejected_dtype: expected floating dtypes, got ", chosen_dtype,
+                   ", ", rejected_dtype);
+  // the forward's backend: float64 ran eager, so its coef is float64
+  const Backend b = coef.scalar_type() == at::kDouble
+                        ? Backend::kEager
+                        : backend_for("pairwise_logsigmoid_loss", coef);
+  const auto& h = b == Backend::kCpp ? kPairBwdKernel.in<PairBwdSig>(Ns::kCppKernels)
+                                     : kPairBwd.python<PairBwdSig>(b);
+  return h.call(grad, coef, beta, chosen_dtype, rejected_dtype);
+}
+
 // ------------------------------------------------------------------------------ autograd
 // The gradient flows to the first input only (logprobs / values); stats and row_coef are not
 // differentiable. An unused loss (grad undefined) gives no gradient.
@@ -278,6 +324,64 @@ Out2 aggregate_autograd(const Tensor& x, const Tensor& mask, const std::string& 
   return {out[0], out[1]};
 }
 
+// One node for the whole loss (the composition has four): the backward reads coef only.
+class PairFn : public torch::autograd::Function<PairFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& chosen, const Tensor& rejected,
+                               const optional<Tensor>& ref_chosen,
+                               const optional<Tensor>& ref_rejected, double beta,
+                               const std::string& reduction) {
+    Out2 out;
+    {
+      BelowAutograd guard;
+      out = kPair.in<PairSig>(Ns::kOps).call(chosen, rejected, ref_chosen, ref_rejected, beta,
+                                             reduction);
+    }
+    const auto& [loss, coef] = out;
+    ctx->save_for_backward({coef});
+    ctx->saved_data["beta"] = beta;
+    ctx->saved_data["refs"] = ref_chosen.has_value();
+    const auto dt = [](const optional<Tensor>& t) {
+      return static_cast<int64_t>(t ? t->scalar_type() : at::kFloat);
+    };
+    ctx->saved_data["dtypes"] =
+        std::vector<int64_t>{dt(chosen), dt(rejected), dt(ref_chosen), dt(ref_rejected)};
+    ctx->mark_non_differentiable({coef});
+    return {loss, coef};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(6);
+    if (!grads[0].defined()) return out;
+    const auto coef = ctx->get_saved_variables()[0];
+    const auto dts = ctx->saved_data["dtypes"].toIntVector();
+    const auto st = [&](int i) { return static_cast<at::ScalarType>(dts[i]); };
+    // d / d ref_rejected = d / d chosen; d / d ref_chosen = d / d rejected
+    const auto [gc, gr] = kPairBwd.in<PairBwdSig>(Ns::kOps).call(
+        grads[0], coef, ctx->saved_data["beta"].toDouble(), st(0), st(1));
+    // needs_input_grad counts the tensor inputs given: the references are edges 2, 3 if given
+    const bool refs = ctx->saved_data["refs"].toBool();
+    if (ctx->needs_input_grad(0)) out[0] = gc;
+    if (ctx->needs_input_grad(1)) out[1] = gr;
+    if (refs && ctx->needs_input_grad(2)) out[2] = gr.to(st(2));
+    if (refs && ctx->needs_input_grad(3)) out[3] = gc.to(st(3));
+    return out;
+  }
+};
+
+Out2 pairwise_autograd(const Tensor& chosen, const Tensor& rejected,
+                       const optional<Tensor>& ref_chosen, const optional<Tensor>& ref_rejected,
+                       double beta, const std::string& reduction) {
+  if (!needs_graph(chosen, rejected, ref_chosen, ref_rejected)) {
+    BelowAutograd guard;
+    return kPair.in<PairSig>(Ns::kOps).call(chosen, rejected, ref_chosen, ref_rejected, beta,
+                                            reduction);
+  }
+  const variable_list out =
+      PairFn::apply(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
+  return {out[0], out[1]};
+}
+
 Out3 as_tuple(const variable_list& v) { return {v[0], v[1], v[2]}; }
 
 Out3 policy_autograd(const Tensor& lp, const Tensor& old, const Tensor& adv, const Tensor& mask,
@@ -337,6 +441,20 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "Tensor returns, Tensor mask, Tensor row_coef, float? clip) -> Tensor");
 }
 
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.losses.pairwise");  // the fake kernels
+  // reward_model_loss / dpo_loss: (loss, coef = d loss / d z per pair), z = beta * ((chosen -
+  // ref_chosen) - (rejected - ref_rejected)), the references both or neither; reduction: mean,
+  // sum or none. The backward returns the gradients of chosen and rejected (their negations are
+  // those of ref_rejected and ref_chosen).
+  m.def(
+      "pairwise_logsigmoid_loss(Tensor chosen, Tensor rejected, Tensor? ref_chosen, "
+      "Tensor? ref_rejected, float beta, str reduction) -> (Tensor, Tensor)");
+  m.def(
+      "pairwise_logsigmoid_loss_backward(Tensor grad_loss, Tensor coef, float beta, "
+      "ScalarType chosen_dtype, ScalarType rejected_dtype) -> (Tensor, Tensor)");
+}
+
 // One router for every device (route.h: cpu and cuda; others are refused, naming the device).
 TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("ppo_policy_loss", &policy);
@@ -345,12 +463,15 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("ppo_value_loss_backward", &value_backward);
   m.impl("masked_aggregate", &aggregate);
   m.impl("masked_aggregate_backward", &aggregate_backward);
+  m.impl("pairwise_logsigmoid_loss", &pairwise);
+  m.impl("pairwise_logsigmoid_loss_backward", &pairwise_backward);
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("ppo_policy_loss", &policy_autograd);
   m.impl("ppo_value_loss", &value_autograd);
   m.impl("masked_aggregate", &aggregate_autograd);
+  m.impl("pairwise_logsigmoid_loss", &pairwise_autograd);
 }
 
 }  // namespace ppo_kernels

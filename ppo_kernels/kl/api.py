@@ -36,6 +36,22 @@ def _settings(estimator, clamp):
     return out
 
 
+_F32 = torch.float32
+_INF = float("inf")
+_UNBOUNDED = (-_INF, _INF, -_INF, _INF)
+
+
+def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
+    """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit:
+    torch's own subtraction runs it without the custom op's call (~5 us: 1.1-1.2x eager's time
+    at 64 x 4096 on the CPU; on the H200 the op was slower than eager at 4M tokens). Only for
+    same-shape float32 tensors (anything else reaches the op and its named errors) and when no
+    backend was requested by name."""
+    return (
+        a.dtype is _F32 and b.dtype is _F32 and a.shape == b.shape and not _backend.any_requested()
+    )
+
+
 def _pair(logprobs: Tensor, ref_logprobs: Tensor):
     """Both float tensors; mixed dtypes promoted (shapes and devices: the op checks them)."""
     if type(logprobs) is Tensor and type(ref_logprobs) is Tensor:
@@ -78,7 +94,14 @@ def kl_penalty(
     """
     name, st, bounds = _settings(estimator, clamp)
     logprobs, ref_logprobs = _pair(logprobs, ref_logprobs)
-    kl = _kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
+    kl = None
+    if name == "k1" and bounds == _UNBOUNDED and not st and _plain_f32_pair(logprobs, ref_logprobs):
+        try:
+            kl = logprobs - ref_logprobs
+        except RuntimeError:  # e.g. two devices: the op's checks name the argument
+            pass
+    if kl is None:
+        kl = _kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
     if is_logprobs is None:
         return kl
     if not st:

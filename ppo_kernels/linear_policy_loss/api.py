@@ -17,12 +17,11 @@ from .._checks import (
     check_float,
     check_int,
     check_same_device,
-    check_str,
     check_temperature,
     check_tensor,
 )
 from ..kl.reference import parse_estimator, resolve_clamp
-from ..linear_logprobs.planner import LOGITS_DTYPES
+from ..linear_logprobs.planner import resolve_logits_dtype
 from ..losses import policy_loss as ext
 from ..losses import policy_math as pm
 from ..losses import rollout as rc
@@ -30,9 +29,6 @@ from ..losses.aggregate import aggregation
 from . import op
 
 _op = _backend.op("linear_policy_loss")
-
-# The tiles' dtype for bf16 / fp16 inputs when logits_dtype=None (see linear_policy_loss).
-DEFAULT_LOGITS_DTYPE = "float32"
 
 
 def _per_token(name, t, shape, rows):
@@ -93,7 +89,7 @@ def linear_policy_loss(
     softcap: float | None = None,
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
-    logits_dtype: str | None = None,
+    logits_dtype: str | None = "auto",
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     dro_beta: float | None = None,
@@ -148,7 +144,10 @@ def linear_policy_loss(
         temperature, softcap, ignore_index, max_chunk_bytes: as `linear_token_logprobs`.
         logits_dtype: for bf16 / fp16 inputs, "float32" (float32 tiles: the inputs upcast chunk
             by chunk, float32 GEMMs) or "input" (GEMMs in the input dtype, float32 reductions:
-            the roundings of a materialised bf16 head); None: DEFAULT_LOGITS_DTYPE.
+            the roundings of a materialised bf16 head, and of Liger's / TRL's); "auto" (default;
+            None means the same): `ppo_kernels.default_logits_dtype(hidden.dtype,
+            hidden.device)`, "input" on CPUs with native bf16 / fp16 matmuls, "float32"
+            elsewhere (see `linear_token_logprobs`).
         process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout, as
             `linear_token_logprobs`): `weight` / `bias` (and `ref_weight` / `ref_bias`) hold this
             rank's contiguous slice of the vocabulary, `hidden` and every per-token input are
@@ -348,9 +347,7 @@ def _resolve(
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)
     max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
-    if logits_dtype is None:
-        logits_dtype = DEFAULT_LOGITS_DTYPE
-    check_str("logits_dtype", logits_dtype, LOGITS_DTYPES)
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     stats: dict[str, Tensor] = {}
     bypass = rollout is not None and rollout.bypass
     if rollout is not None and not bypass:

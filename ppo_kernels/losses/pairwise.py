@@ -1,7 +1,11 @@
-"""The pairwise `-log sigmoid` losses: `reward_model_loss` (Bradley-Terry) and `dpo_loss`.
+"""The pairwise `-log sigmoid` losses: `reward_model_loss` (Bradley-Terry) and `dpo_loss`, on the
+registered op `ppo_kernels::pairwise_logsigmoid_loss` (csrc/ops/losses.cpp: checks, routing and
+one autograd node; the CPU kernel in csrc/cpu/losses.cpp).
 
-B values, not B x T: a composition of torch ops is all they need (no kernel, no custom op);
-torch's logsigmoid and its gradient are finite for any margin. Semantics: reference.py.
+B values, not B x T: the cost of a call is its overhead. The composition of torch ops (sub, mul,
+logsigmoid, mean: four autograd nodes) costs more per call than one C++ op whose forward also
+forms d loss / d z per pair, so that the backward is one multiply. On the GPU (and for float64)
+the op runs that composition (eager). Semantics: reference.py.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from .aggregate import VALUE_DTYPES
 
 _backend.register_op(
     "pairwise_logsigmoid_loss",
-    kernel=None,
+    kernel="pairwise_logsigmoid_loss_fwd",
     triton=False,
     cuda_default="eager",
     public=("reward_model_loss", "dpo_loss"),
     folder="losses",
 )
+_backend.routes_in_cpp("pairwise_logsigmoid_loss")
 
 _REDUCTIONS = ("mean", "sum", "none")
 _RM_NAMES = ("chosen_scores", "rejected_scores")
@@ -29,9 +34,9 @@ _DPO_NAMES = ("policy_chosen_lp", "policy_rejected_lp", "ref_chosen_lp", "ref_re
 
 
 def _check_pairs(reduction, names, tensors):
-    """Float tensors of one shape on one device and the reduction; returns the result's dtype.
-    One cheap comparison per tensor on the happy path (these losses cost a few torch ops: the
-    checks must not cost as much); the first failure is named by the full checks."""
+    """Float tensors of one shape on one device and the reduction, named as the API names them
+    (the registered op checks them again under its own names, for direct calls). One cheap
+    comparison per tensor on the happy path; the first failure is named by the full checks."""
     x = tensors[0]
     if isinstance(x, Tensor):
         shape, dev = x.shape, x.device
@@ -50,25 +55,60 @@ def _check_pairs(reduction, names, tensors):
             check_arg(n, t, x.device, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {names[0]}")
     if reduction not in _REDUCTIONS:
         check_str("reduction", reduction, _REDUCTIONS)
-    _backend.check_eager_only("pairwise_logsigmoid_loss", x)
-    return _backend.out_dtype(x)
 
 
-def _acc(t: Tensor, acc: torch.dtype) -> Tensor:
-    return t if t.dtype == acc else t.to(acc)
+def _z(chosen, rejected, ref_chosen, ref_rejected, beta):
+    acc = _backend.out_dtype(chosen)
+    c, r = chosen.to(acc), rejected.to(acc)
+    if ref_chosen is not None:
+        c, r = c - ref_chosen.to(acc), r - ref_rejected.to(acc)
+    return beta * (c - r)
 
 
-def _neg_logsigmoid(z: Tensor, reduction: str) -> Tensor:
-    """-log sigmoid(z), reduced before the negation (one pass fewer than reference._reduce's; the
-    mean of no pairs is 0). Measured against softplus(-z) and the binary cross-entropy with
-    logits (one op each): both slower per call, fwd+bwd, than logsigmoid (its forward saves the
-    buffer its backward reads)."""
+def _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    """(loss, coef): -log sigmoid(z) reduced (the mean of no pairs is 0) and d loss / d z."""
+    z = _z(chosen, rejected, ref_chosen, ref_rejected, beta)
     ls = F.logsigmoid(z)
+    coef = -torch.sigmoid(-z.detach())
     if reduction == "none":
-        return -ls
+        return -ls, coef
     if reduction == "sum" or ls.numel() == 0:
-        return -ls.sum()
-    return -ls.mean()
+        return -ls.sum(), coef
+    return -ls.mean(), coef / ls.numel()
+
+
+@_backend.fake("pairwise_logsigmoid_loss")
+def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    out = _backend.out_dtype(chosen)
+    shape = chosen.shape if reduction == "none" else ()
+    return chosen.new_empty(shape, dtype=out), chosen.new_empty(chosen.shape, dtype=out)
+
+
+@_backend.impl("pairwise_logsigmoid_loss", "eager")
+def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    d = (None if t is None else t.detach() for t in (chosen, rejected, ref_chosen, ref_rejected))
+    return _composition(*d, beta, reduction)
+
+
+@_backend.fake("pairwise_logsigmoid_loss_backward")
+def _(grad, coef, beta, chosen_dtype, rejected_dtype):
+    return coef.new_empty(coef.shape, dtype=chosen_dtype), coef.new_empty(
+        coef.shape, dtype=rejected_dtype
+    )
+
+
+@_backend.impl("pairwise_logsigmoid_loss_backward", "eager")
+def _(grad, coef, beta, chosen_dtype, rejected_dtype):
+    g = grad.to(coef.dtype) * coef * beta
+    return g.to(chosen_dtype), (-g).to(rejected_dtype)
+
+
+@_backend.fallback("pairwise_logsigmoid_loss")  # no extension: autograd through the composition
+def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    return _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction)
+
+
+_op = _backend.op("pairwise_logsigmoid_loss")
 
 
 def reward_model_loss(
@@ -78,8 +118,8 @@ def reward_model_loss(
 
     reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
     float64 inputs); gradients to both scores."""
-    acc = _check_pairs(reduction, _RM_NAMES, (chosen_scores, rejected_scores))
-    return _neg_logsigmoid(_acc(chosen_scores, acc) - _acc(rejected_scores, acc), reduction)
+    _check_pairs(reduction, _RM_NAMES, (chosen_scores, rejected_scores))
+    return _op(chosen_scores, rejected_scores, None, None, 1.0, reduction)[0]
 
 
 def dpo_loss(
@@ -95,12 +135,7 @@ def dpo_loss(
 
     The inputs are the summed log-probs of each response's action tokens (e.g. a masked sum of
     `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
-    acc = _check_pairs(
-        reduction,
-        _DPO_NAMES,
-        (policy_chosen_lp, policy_rejected_lp, ref_chosen_lp, ref_rejected_lp),
-    )
+    ref = (ref_chosen_lp, ref_rejected_lp)
+    _check_pairs(reduction, _DPO_NAMES, (policy_chosen_lp, policy_rejected_lp) + ref)
     beta = check_float("beta", beta, positive=True)
-    chosen = _acc(policy_chosen_lp, acc) - _acc(ref_chosen_lp, acc)
-    rejected = _acc(policy_rejected_lp, acc) - _acc(ref_rejected_lp, acc)
-    return _neg_logsigmoid(beta * (chosen - rejected), reduction)
+    return _op(policy_chosen_lp, policy_rejected_lp, *ref, beta, reduction)[0]
