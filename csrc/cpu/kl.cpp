@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/sub.h>
 #include <torch/library.h>
 
 #include "common/alloc.h"
@@ -70,8 +69,6 @@ KLClampSpec make_spec(double in_lo, double in_hi, double out_lo, double out_hi) 
           static_cast<float>(out_hi)};
 }
 
-constexpr int64_t kTorchSubMin = 1 << 14;
-
 bool unclamped(const KLClampSpec& c) {
   return c.in_lo == -INFINITY && c.in_hi == INFINITY && c.out_lo == -INFINITY &&
          c.out_hi == INFINITY;
@@ -106,13 +103,6 @@ at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in,
             // unclamped float32 k1 is the difference itself: one pass, no tile buffer (the same
             // float subtraction as below; the clamps at +-inf would return it unchanged)
             if (unclamped(c)) {
-              // large: torch's own subtraction, which runs the widest vectors the CPU has
-              // (AVX-512 where this file is built for AVX2; 42 -> ~37 us at 64 x 4096); small:
-              // the loop below, without TensorIterator's setup (a few us of a 2 x 8 call)
-              if (n >= kTorchSubMin) {
-                at::sub_out(out, lp, ref);
-                return;
-              }
               at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
                 int64_t i = i0;
                 for (; i + Vec::size() <= i1; i += Vec::size())
