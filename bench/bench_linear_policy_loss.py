@@ -210,6 +210,10 @@ def main():
         "loss / grad err = absolute loss difference / max relative gradient difference against "
         "the composition (float32 tiles).",
         "",
+        'The default (`logits_dtype="auto"`) for bfloat16 on this machine: '
+        f"`{pk.default_logits_dtype(torch.bfloat16, 'cpu')}` tiles "
+        "(`ppo_kernels.default_logits_dtype`: input tiles where the CPU multiplies bf16 natively).",
+        "",
     ]
     for size in args.sizes:
         N, H, V = (int(v) for v in size.split(","))

@@ -17,7 +17,9 @@ The backward recomputes each tile, turns it into d(out)/d(logits) in place (the 
 elementwise once lse and entropy are known), and accumulates grad_hidden += g @ W_chunk,
 grad_weight[chunk] += g^T @ h_chunk (float32), grad_bias[chunk] += sum(g).
 
-Precision (logits_dtype="float32", the default): float32 accumulation everywhere. On the CPU (and
+Precision (logits_dtype="auto", the default, is one of the two: "input" on a CPU with native
+bf16 / fp16 matmuls, "float32" elsewhere; planner.default_logits_dtype).
+logits_dtype="float32": float32 accumulation everywhere. On the CPU (and
 for float32 inputs) bf16/fp16 inputs are upcast chunk by chunk and all matmuls run in float32. On
 CUDA bf16/fp16 matmuls use cuBLAS with float32 output (torch.mm(..., out_dtype=float32)); the
 logits-gradient tile is rounded to the input dtype for the two backward matmuls, as the
