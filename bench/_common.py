@@ -47,3 +47,13 @@ def machine():
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def write_report(lines, out=None):
+    """The report's lines to `out` (a path), or to stdout without one."""
+    text = "\n".join(lines)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)

@@ -23,7 +23,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from _common import machine  # noqa: E402
+from _common import machine, write_report  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 
@@ -119,12 +119,7 @@ def main():
                 lines.append(f"| {name} | {t * 1e3:.0f} | {t / peer:.2f}x | {e:.1e} |")
             lines.append("")
             print("\n".join(lines[-len(res) - 4 :]), flush=True)
-    text = "\n".join(lines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from _common import machine, peak_extra_bytes  # noqa: E402
+from _common import machine, peak_extra_bytes, write_report  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 
@@ -236,12 +236,7 @@ def main():
                 )
             lines.append("")
             print("\n".join(lines[-len(res) - 4 :]), flush=True)
-    text = "\n".join(lines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
