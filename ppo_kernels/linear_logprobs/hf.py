@@ -107,8 +107,9 @@ def causal_lm_logprobs(
     else `input_ids[:, 1:]`; targets whose attention_mask is 0 are ignored (0, no gradient).
     Gradients flow to every parameter of the model.
 
-    max_chunk_bytes and logits_dtype ("float32", or "input": the LM-head matmuls in the model's
-    bf16/fp16 dtype, as the model's own logits; "auto", the default, picks by machine) are those of linear_token_logprobs.
+    max_chunk_bytes and logits_dtype ("float32"; "input": the LM-head matmuls in the model's
+    bf16/fp16 dtype, as the model's own logits; "auto", the default, picks by machine) are those
+    of linear_token_logprobs.
     Extra keyword arguments go to the backbone (e.g. position_ids). Gemma-2 style
     `config.final_logit_softcapping` is applied (linear_token_logprobs' softcap); raises
     NotImplementedError for models that rescale their final logits otherwise (Granite's
