@@ -57,3 +57,16 @@ def write_report(lines, out=None):
             f.write(text + "\n")
     else:
         print(text)
+
+
+def interleaved_medians(modes, reps):
+    """({name: median seconds}, (load before, load after)) of the callables in `modes`, run
+    interleaved (each mode once per repetition, in order): a busy machine slows all alike."""
+    times = {n: [] for n in modes}
+    load0 = os.getloadavg()[0]
+    for _ in range(reps):
+        for name, fn in modes.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {n: statistics.median(v) for n, v in times.items()}, (load0, os.getloadavg()[0])

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from _common import machine, write_report  # noqa: E402
+from _common import interleaved_medians, machine, write_report  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 
@@ -71,17 +69,8 @@ def run(N, H, V, dtype, reps):
             (lp - base[0]).abs().max().item(),
             (gw.float() - base[2].float()).abs().max().item() / base[2].float().abs().max().item(),
         )
-    times = {n: [] for n in modes}
-    load0 = os.getloadavg()[0]
-    for _ in range(reps):
-        for name, fn in modes.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {n: (statistics.median(v), errs[n]) for n, v in times.items()}, (
-        load0,
-        os.getloadavg()[0],
-    )
+    med, loads = interleaved_medians(modes, reps)
+    return {n: (t, errs[n]) for n, t in med.items()}, loads
 
 
 def main():

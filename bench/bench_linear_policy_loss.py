@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from _common import machine, peak_extra_bytes, write_report  # noqa: E402
+from _common import interleaved_medians, machine, peak_extra_bytes, write_report  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 
@@ -145,10 +143,6 @@ def trl(x):
     return loss.detach(), h.grad, W.grad
 
 
-def _load():
-    return os.getloadavg()[0]
-
-
 def run_size(N, H, V, dtype, reps, liger_compiled, skip=()):
     x = _inputs(N, H, V, dtype)
     modes = {}
@@ -178,15 +172,8 @@ def run_size(N, H, V, dtype, reps, liger_compiled, skip=()):
             (gW.float() - base[2].float()).abs().max().item() / base[2].float().abs().max().item(),
         )
         check[name] = (abs(loss.item() - base[0].item()), err)
-    times = {n: [] for n in modes}
-    load0 = _load()
-    for _ in range(reps):
-        for name, fn in modes.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    load1 = _load()
-    return {n: (statistics.median(times[n]), peaks[n], check[n]) for n in modes}, (load0, load1)
+    med, loads = interleaved_medians(modes, reps)
+    return {n: (med[n], peaks[n], check[n]) for n in modes}, loads
 
 
 def main():

@@ -52,6 +52,16 @@ def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
     )
 
 
+def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
+    """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs)."""
+    if not _plain_f32_pair(a, b):
+        return None
+    try:
+        return a - b
+    except RuntimeError:  # e.g. two devices: the op's checks name the argument
+        return None
+
+
 def _pair(logprobs: Tensor, ref_logprobs: Tensor):
     """Both float tensors; mixed dtypes promoted (shapes and devices: the op checks them)."""
     if type(logprobs) is Tensor and type(ref_logprobs) is Tensor:
@@ -98,20 +108,15 @@ def kl_penalty(
         and is_logprobs is None
         and type(logprobs) is Tensor
         and type(ref_logprobs) is Tensor
-        and _plain_f32_pair(logprobs, ref_logprobs)
     ):
-        try:
-            return logprobs - ref_logprobs
-        except RuntimeError:  # e.g. two devices: the op's checks name the argument
-            pass
+        kl = _k1_by_torch(logprobs, ref_logprobs)
+        if kl is not None:
+            return kl
     name, st, bounds = _settings(estimator, clamp)
     logprobs, ref_logprobs = _pair(logprobs, ref_logprobs)
     kl = None
-    if name == "k1" and bounds == _UNBOUNDED and not st and _plain_f32_pair(logprobs, ref_logprobs):
-        try:
-            kl = logprobs - ref_logprobs
-        except RuntimeError:
-            pass
+    if name == "k1" and bounds == _UNBOUNDED and not st:  # other spellings of unclamped k1
+        kl = _k1_by_torch(logprobs, ref_logprobs)
     if kl is None:
         kl = _kl_penalty(logprobs, ref_logprobs, name, st, *bounds)
     if is_logprobs is None:

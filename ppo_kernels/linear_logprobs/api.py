@@ -51,8 +51,12 @@ def _one_tile(hidden, weight, labels, bias, temperature, ignore_index, entropy, 
         or weight.dtype is not hidden.dtype
         or weight.device != hidden.device
         or labels.dtype not in (torch.int64, torch.int32)
-        or (bias is not None and (bias.shape != (V,) or bias.dtype is not hidden.dtype))
-        or (bias is not None and bias.device != hidden.device)
+        or (
+            bias is not None
+            and (
+                bias.shape != (V,) or bias.dtype is not hidden.dtype or bias.device != hidden.device
+            )
+        )
         or _backend.any_requested()
         or _backend.invariant()
     ):

@@ -36,6 +36,7 @@ def _acc(dtype):
 
 
 LOGITS_DTYPES = ("float32", "input")
+_LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" resolves per machine
 
 
 def _cpu_native(dtype: torch.dtype) -> bool:
@@ -78,7 +79,7 @@ def resolve_logits_dtype(logits_dtype, dtype: torch.dtype, device) -> str:
     """logits_dtype as given ("float32" / "input"), or "auto" / None resolved for (dtype, device)."""
     if logits_dtype is None or logits_dtype == "auto":
         return default_logits_dtype(dtype, device)
-    check_str("logits_dtype", logits_dtype, LOGITS_DTYPES + ("auto",))
+    check_str("logits_dtype", logits_dtype, _LOGITS_DTYPE_ARGS)
     return logits_dtype
 
 
@@ -87,7 +88,7 @@ def _check_logits_dtype(logits_dtype: str):
 
 
 if _ENV_DEFAULT != "auto":
-    check_str("PPO_KERNELS_LOGITS_DTYPE", _ENV_DEFAULT, LOGITS_DTYPES + ("auto",))
+    check_str("PPO_KERNELS_LOGITS_DTYPE", _ENV_DEFAULT, _LOGITS_DTYPE_ARGS)
 
 
 def _input_tiles(dtype: torch.dtype, logits_dtype: str) -> bool:
