@@ -274,6 +274,21 @@ def test_empty_batch(backend):
     assert loss.item() == 0 and grads[0].shape == (0, T, H) and (grads[1] == 0).all()
 
 
+@pytest.mark.parametrize("case", TYPES, ids=_ids)
+@pytest.mark.parametrize("per_row_adv", [False, True])
+def test_empty_batch_every_loss_type(case, per_row_adv):
+    """No rows: no chunk runs, so no per-token metric is ever stored (the TRL types' clip
+    summaries read them): loss 0, the statistics 0, the min / max over no rows NaN."""
+    loss_type, kw = case
+    x = _inputs(shape=(0, T), per_row_adv=per_row_adv)
+    with poisoned():
+        loss, stats, grads = _run(x, loss_type=loss_type, entropy_coef=0.1, **kw)
+    assert loss.item() == 0 and grads[0].shape == (0, T, H) and (grads[1] == 0).all()
+    for k, v in stats.items():
+        if v.dim() == 0 and k in ("clip_low_frac_min", "clip_high_frac_max"):
+            assert torch.isnan(v), k
+
+
 def test_passes():
     """Per-token types: one pass; sequence statistics: one pass while a chunk holds whole
     sequences, two otherwise; batch statistics and bypass mode: two."""

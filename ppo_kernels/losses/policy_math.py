@@ -453,7 +453,8 @@ def row_metrics(values: dict[str, Tensor], m: Tensor, per_row: bool) -> dict[str
     """TRL's per-sequence clip summaries: the mean over rows of the row's value (`seq_*`; per_row:
     the value is one per row, every row counts, as TRL's sequence level) and the min / max over
     rows of the row's masked fraction (`clip_low_frac_min`, `clip_high_frac_max`; rows with no
-    token are skipped at token level, NaN when none is left)."""
+    token are skipped at token level, NaN when none is left). A None value is 0, as in
+    masked_means (a batch with no rows computes none)."""
     out = {}
     n = m.sum(-1)
     has = torch.ones_like(n, dtype=torch.bool) if per_row else n > 0
@@ -463,6 +464,8 @@ def row_metrics(values: dict[str, Tensor], m: Tensor, per_row: bool) -> dict[str
     for k in ("clip_low_frac", "clip_high_frac", "clip_region_frac"):
         if k in values:
             v = values[k]
+            if v is None:
+                v = torch.zeros_like(m)
             if per_row:  # one value per row (0 off the mask: the row's max is its value)
                 rows[k] = v.amax(-1) if v.shape[-1] else torch.zeros_like(n)
             else:
