@@ -458,6 +458,9 @@ def test_input_logits_dtype_matches_materialised_logits(
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
 
     ours = [t.clone().requires_grad_() if t is not None else None for t in (h, W, b)]
+    # (a whole-vocabulary budget keeps an f32_out call off the one-tile path, whose C++ matmuls
+    # the emulation does not see)
+    loop_budget = 1 << 30 if f32_out and budget is None else budget
     with use_backend(linear_token_logprobs=backend), poisoned():
         lp, ent = ppo_kernels.linear_token_logprobs(
             ours[0],
@@ -466,7 +469,7 @@ def test_input_logits_dtype_matches_materialised_logits(
             bias=ours[2],
             temperature=0.7,
             return_entropy=True,
-            max_chunk_bytes=budget,
+            max_chunk_bytes=loop_budget,
             logits_dtype="input",
         )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
@@ -724,7 +727,9 @@ def test_lowp_path_emulated_on_cpu(lowp_on_cpu, backend, dtype, budget, softcap)
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     ours = [t.detach().clone().requires_grad_() for t in (h, W, b)]
     with use_backend(linear_token_logprobs=backend), poisoned():
-        lp, ent = _ours(ours, labels, 0.7, budget, softcap=softcap)
+        # (None: a whole-vocabulary budget, which keeps the call off the one-tile path: its C++
+        # matmuls are not the emulated ones)
+        lp, ent = _ours(ours, labels, 0.7, budget or (1 << 30), softcap=softcap)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     # softcap's tanh is computed on the float32 tile: float32 rounding only
     torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
@@ -898,42 +903,33 @@ def test_bad_logits_dtype_names_the_argument():
 
 
 # ------------------------------------------------------------------------- one tile (small calls)
-def _took_one_tile(lp):
-    """Whether the result came from the one-tile path (autograd through F.linear's matmul and
-    the token_logprobs op) rather than the registered linear_token_logprobs op (one node)."""
-    seen, todo = set(), [lp.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if "mm" in type(fn).__name__.lower():
-            return True
-        todo.extend(f for f, _ in fn.next_functions)
-    return False
+def _one_tile_calls():
+    """Forward + backward calls the registered op ran as one tile in C++ (no chunk loop)."""
+    return torch.ops.ppo_kernels_C.linear_token_logprobs_one_tile_calls()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["float32", "input"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_small_calls_run_as_one_tile(dtype, mode, bias):
-    """A call whose logits fit 64k elements runs as one tile (no chunk loop): same values and
-    gradients as the chunk loop (cpp backend) within the forward tolerance, against float64."""
+    """A call whose logits fit 64k elements runs as one tile (no chunk loop), forward and
+    backward: same values and gradients as the chunk loop within the forward tolerance, and the
+    float64 reference for float32 tiles."""
     h, W, b, labels = _inputs(dtype, bias)
     leaves = [None if t is None else t.clone().requires_grad_() for t in (h, W, b)]
+    n0 = _one_tile_calls()
     with poisoned():
         lp, ent = _ours(leaves, labels, 0.7, None, logits_dtype=mode)
-    assert _took_one_tile(lp) and lp.dtype == ent.dtype == (
-        torch.float64 if dtype == torch.float64 else torch.float32
-    )
+    assert lp.dtype == ent.dtype == torch.float32
     g = torch.Generator().manual_seed(4)
     gl, ge = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
-    ((lp * gl).sum() + (ent * ge).sum()).backward()
+    with poisoned():
+        ((lp * gl).sum() + (ent * ge).sum()).backward()
+    assert _one_tile_calls() == n0 + 2
     loop = [None if t is None else t.clone().requires_grad_() for t in (h, W, b)]
-    with use_backend(linear_token_logprobs="cpp"):
-        lp2, ent2 = _ours(loop, labels, 0.7, None, logits_dtype=mode)
-    assert not _took_one_tile(lp2)
+    lp2, ent2 = _ours(loop, labels, 0.7, 1 << 30, logits_dtype=mode)  # a budget: the chunk loop
     ((lp2 * gl).sum() + (ent2 * ge).sum()).backward()
+    assert _one_tile_calls() == n0 + 2
     torch.testing.assert_close(lp, lp2, **FWD_TOL)
     torch.testing.assert_close(ent, ent2, **FWD_TOL)
     assert lp[0, 2] == 0 and ent[1, 5] == 0  # ignored labels
@@ -942,7 +938,7 @@ def test_small_calls_run_as_one_tile(dtype, mode, bias):
             continue
         assert t.grad.dtype == t.dtype
         scale = r.grad.float().abs().max().item()
-        eps = 2e-5 if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).eps
+        eps = 2e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
         torch.testing.assert_close(t.grad.float(), r.grad.float(), atol=2 * eps * scale, rtol=0)
     if mode == "float32":  # float32 tiles: the float64 reference within float32 rounding
         ref_lp, ref_ent = _ref(h, W, b, labels, 0.7, -100)
@@ -950,23 +946,79 @@ def test_small_calls_run_as_one_tile(dtype, mode, bias):
         torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
 
 
-def test_one_tile_only_for_small_default_calls(monkeypatch):
-    h, W, b, labels = _inputs(torch.float32)
-    assert _took_one_tile(pk.linear_token_logprobs(h, W.requires_grad_(), labels))
-    not_one = [
-        pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=1 << 20),  # a budget
-        pk.linear_token_logprobs(h, W, labels, softcap=5.0),
-    ]
-    with use_backend(linear_token_logprobs="eager"):
-        not_one.append(pk.linear_token_logprobs(h, W, labels))
-    with pk.batch_invariant():
-        not_one.append(pk.linear_token_logprobs(h, W, labels))
-    from ppo_kernels.linear_logprobs import api
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that changes nothing: calls under it take the traceable path (the
+    registered forward and backward ops) instead of the one-tile graph node."""
 
-    monkeypatch.setattr(api, "_ONE_TILE_LOGITS", B * T * V - 1)  # one element too many
-    not_one.append(pk.linear_token_logprobs(h, W, labels))
-    for lp in not_one:
-        assert not _took_one_tile(lp)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+def test_one_tile_node_equals_the_registered_ops(entropy):
+    """The one-tile graph node (plain tensors) and the registered ops' autograd (taken under a
+    dispatch mode, as while tracing) give the same values and gradients bit for bit; a retained
+    graph differentiates twice alike (the kept tile is not overwritten); an input modified in
+    place after the forward is refused; asking for one gradient computes only that one."""
+    h, W, b, labels = _inputs(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    gl, ge = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+    def run(mode):
+        leaves = [t.clone().requires_grad_() for t in (h, W, b)]
+        with mode:
+            out = pk.linear_token_logprobs(
+                leaves[0], leaves[1], labels, bias=leaves[2], return_entropy=entropy
+            )
+            lp, ent = out if entropy else (out, None)
+            loss = (lp * gl).sum() + ((ent * ge).sum() if entropy else 0)
+            grads = torch.autograd.grad(loss, leaves, retain_graph=True)
+            again = torch.autograd.grad(loss, leaves)
+        return lp, ent, grads, again, lp.grad_fn.next_functions[0][0].name()  # (under a view)
+
+    import contextlib
+
+    plain, traced = run(contextlib.nullcontext()), run(_PassThrough())
+    assert plain[4] == "LinearTokenLogprobsBackward" and plain[4] != traced[4]
+    for x, y in zip(plain[:2], traced[:2]):
+        if x is not None:
+            assert torch.equal(x, y)
+    for gx, gy, gz in zip(plain[2], traced[2], plain[3]):
+        assert torch.equal(gx, gy) and torch.equal(gx, gz)
+    hh = h.clone().requires_grad_()
+    x = hh * 1.0
+    lp = pk.linear_token_logprobs(x, W, labels)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+    Wg = W.clone().requires_grad_()
+    hg = h.clone().requires_grad_()
+    (gh,) = torch.autograd.grad(pk.linear_token_logprobs(hg, Wg, labels).sum(), [hg])
+    assert Wg.grad is None and gh.shape == h.shape
+
+
+def test_one_tile_only_for_small_default_calls():
+    """One tile when N * V <= 65536 (and V * H <= 2**20), and not with a budget, a softcap, the
+    eager backend, batch-invariant mode or float64; what the op refuses still names the
+    argument."""
+    h, W, b, labels = _inputs(torch.float32)
+    n0 = _one_tile_calls()
+    pk.linear_token_logprobs(h, W.requires_grad_(), labels)
+    assert _one_tile_calls() == n0 + 1
+    pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=1 << 20)  # a budget
+    pk.linear_token_logprobs(h, W, labels, softcap=5.0)
+    pk.linear_token_logprobs(h.double(), W.double(), labels)
+    with use_backend(linear_token_logprobs="eager"):
+        pk.linear_token_logprobs(h, W, labels)
+    with pk.batch_invariant():
+        pk.linear_token_logprobs(h, W, labels)
+    assert _one_tile_calls() == n0 + 1
+    g = torch.Generator().manual_seed(1)
+    for n, one in ((65536 // V, 1), (65536 // V + 1, 0)):  # N * V at and over the limit
+        before = _one_tile_calls()
+        hn = torch.randn(n, H, generator=g)
+        pk.linear_token_logprobs(hn, W, torch.randint(0, V, (n,), generator=g))
+        assert _one_tile_calls() == before + one
     # what the op would refuse still reaches it, and its named errors
     with pytest.raises((ValueError, TypeError), match="weight"):
         pk.linear_token_logprobs(h, W[:, :5], labels)

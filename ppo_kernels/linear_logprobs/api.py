@@ -8,7 +8,6 @@ built on it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
@@ -20,56 +19,15 @@ from .._checks import (
     check_tensor,
 )
 from . import op  # noqa: F401  (registers the ops' Python side)
-from .planner import _input_tiles, resolve_logits_dtype
+from .planner import _input_tiles, default_logits_dtype, resolve_logits_dtype
 
 _linear_token_logprobs = _backend.op("linear_token_logprobs")
-_token_logprobs = _backend.op("token_logprobs")
-
-# A problem this small is all overhead for the chunk loop (a Python loop: 3.5x the eager
-# composition's time fwd+bwd at N=16 H=16 V=64): it runs as one tile, the logits materialised
-# (at most 256 KiB) and differentiated by autograd through the token_logprobs op.
-_ONE_TILE_LOGITS = 1 << 16  # N * V
-_ONE_TILE_WEIGHT = 1 << 20  # V * H (the float32 copy of a bf16 / fp16 head)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_F32, _F32_DTYPE = "float32", torch.float32
 
 
-def _one_tile(hidden, weight, labels, bias, temperature, ignore_index, entropy, tiles):
-    """(log-probs, entropy) of a small call as one tile, or None when the call is not one: only
-    for default settings (no budget, softcap, process group, batch-invariant mode or requested
-    backend) and arguments the op would accept (anything else reaches it, and its named errors).
-    The tile is the chunk loop's: float32 (inputs upcast) or the input dtype ("input" tiles)."""
-    N, H = labels.numel(), hidden.shape[-1]  # [..., H] and labels [...]: no flattening (views
-    if weight.dim() != 2:  # are autograd nodes too)
-        return None
-    V = weight.shape[0]
-    if (
-        N == 0
-        or N * V > _ONE_TILE_LOGITS
-        or V * H > _ONE_TILE_WEIGHT
-        or weight.shape[1] != H
-        or hidden.dtype not in _FLOATS
-        or weight.dtype is not hidden.dtype
-        or weight.device != hidden.device
-        or labels.dtype not in (torch.int64, torch.int32)
-        or (
-            bias is not None
-            and (
-                bias.shape != (V,) or bias.dtype is not hidden.dtype or bias.device != hidden.device
-            )
-        )
-        or _backend.any_requested()
-        or _backend.invariant()
-    ):
-        return None
-    if tiles == "input" and bias is not None:  # rounded twice, as `h @ W.T + b` materialised
-        logits = F.linear(hidden, weight) + bias
-    else:
-        if tiles == "float32" and hidden.dtype in (torch.bfloat16, torch.float16):
-            hidden, weight = hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
-        logits = F.linear(hidden, weight, bias)
-    lp, ent, _ = _token_logprobs(logits, labels, temperature, ignore_index, entropy, False)
-    return lp, ent
+def _tiles(dtype: torch.dtype, logits_dtype: str) -> str:
+    """The tiles the registered op computes: "input" or "float32"."""
+    return "input" if _input_tiles(dtype, logits_dtype) else _F32
 
 
 def linear_token_logprobs(
@@ -136,6 +94,29 @@ def linear_token_logprobs(
         autograd in the weight's dtype; `torch.ops.ppo_kernels.linear_token_logprobs_backward`
         returns it in float32).
     """
+    if (  # the default call on [N, H] hidden: the registered op checks the tensors (named)
+        bias is None
+        and type(temperature) is float
+        and temperature == 1.0
+        and type(ignore_index) is int
+        and ignore_index == -100
+        and (return_entropy is False or return_entropy is True)
+        and max_chunk_bytes is None
+        and logits_dtype == "auto"
+        and softcap is None
+        and process_group is None
+        and type(hidden) is Tensor
+        and type(weight) is Tensor
+        and type(labels) is Tensor
+        and hidden.dim() == 2
+        and labels.dim() == 1
+    ):
+        dt = hidden.dtype
+        tiles = _F32 if dt is _F32_DTYPE else _tiles(dt, default_logits_dtype(dt, hidden.device))
+        lp, ent, _ = _linear_token_logprobs(
+            hidden, weight, labels, None, 1.0, -100, return_entropy, 0, tiles, None
+        )
+        return (lp, ent) if return_entropy else lp
     check_tensor("hidden", hidden, min_dim=1)
     check_tensor("weight", weight)
     check_tensor("labels", labels)
@@ -155,13 +136,7 @@ def linear_token_logprobs(
             raise ValueError("softcap: not supported with process_group (vocab-parallel) yet")
     logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
-    tiles = "input" if _input_tiles(hidden.dtype, logits_dtype) else "float32"
-    if max_chunk_bytes is None and softcap is None and process_group is None:
-        one = _one_tile(
-            hidden, weight, labels, bias, temperature, ignore_index, return_entropy, tiles
-        )
-        if one is not None:
-            return one if return_entropy else one[0]
+    tiles = _tiles(hidden.dtype, logits_dtype)
     h2 = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     if process_group is not None:
         from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
