@@ -11,6 +11,8 @@
 // The per-token math (csrc/common/loss_math.h) runs on at::vec lanes, 8 tokens at a time.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <array>
@@ -436,19 +438,42 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_fwd_cpu(
   float* g = coef.data_ptr<float>();
   const float b = static_cast<float>(beta);
   const float w = reduction == kReduceMean && n > 0 ? 1.f / static_cast<float>(n) : 1.f;
-  double total = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float margin = prc ? (pc[i] - prc[i]) - (pr[i] - prr[i]) : pc[i] - pr[i];
-    const float z = b * margin;
-    const float e = std::exp(-std::abs(z));
-    const float l = std::max(-z, 0.f) + std::log1p(e);  // NaN z: NaN (std::max keeps its first)
-    const float sig_neg = (z >= 0.f ? e : 1.f) / (1.f + e);  // sigmoid(-z)
-    g[i] = -sig_neg * w;
-    if (reduction == kReduceNone) {
-      out[i] = l;
-    } else {
-      total += l;
+  // loss = max(-z, 0) + log1p(e), d loss / dz = -sigmoid(-z) = -(z >= 0 ? e : 1) / (1 + e), with
+  // e = exp(-|z|): finite for any finite z; NaN z gives NaN (the maximum keeps a NaN).
+  using Vec = at::vec::Vectorized<float>;
+  const auto margin = [&](int64_t i) {
+    return prc ? (pc[i] - prc[i]) - (pr[i] - prr[i]) : pc[i] - pr[i];
+  };
+  double total = 0.0;  // the sum, from float partial sums of kChunk pairs
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t c1 = std::min(n, c0 + kChunk);
+    Vec vsum(0.f);
+    int64_t i = c0;
+    for (; i + Vec::size() <= c1; i += Vec::size()) {
+      Vec m = Vec::loadu(pc + i) - Vec::loadu(pr + i);
+      if (prc) m = m - (Vec::loadu(prc + i) - Vec::loadu(prr + i));
+      const Vec z = Vec(b) * m, one(1.f);
+      const Vec e = (Vec(0.f) - z.abs()).exp();
+      const Vec l = at::vec::maximum(Vec(0.f) - z, Vec(0.f)) + e.log1p();
+      const Vec sig_neg = Vec::blendv(one, e, z >= Vec(0.f)) / (one + e);
+      (Vec(-w) * sig_neg).store(g + i);
+      if (reduction == kReduceNone)
+        l.store(out + i);
+      else
+        vsum = vsum + l;
     }
+    float part = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, vsum);
+    for (; i < c1; ++i) {
+      const float z = b * margin(i);
+      const float e = std::exp(-std::abs(z));
+      const float l = std::max(-z, 0.f) + std::log1p(e);  // NaN z: NaN (std::max keeps its first)
+      g[i] = -((z >= 0.f ? e : 1.f) / (1.f + e)) * w;
+      if (reduction == kReduceNone)
+        out[i] = l;
+      else
+        part += l;
+    }
+    total += part;
   }
   if (reduction != kReduceNone)
     *out = static_cast<float>(reduction == kReduceMean && n > 0 ? total / n : total);
@@ -475,14 +500,23 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_bwd_cpu(const at::Te
   const at::Tensor gl = grad_loss.to(at::kFloat).contiguous();
   const float* pc = cf.const_data_ptr<float>();
   const float* pg = gl.const_data_ptr<float>();
-  std::vector<float> buf(static_cast<size_t>(n));
   const float b = static_cast<float>(beta);
-  for (int64_t i = 0; i < n; ++i) buf[i] = pg[per_pair ? i : 0] * pc[i] * b;
   at::Tensor gc = new_output(coef.sizes(), coef.options().dtype(chosen_dtype));
   at::Tensor gr = new_output(coef.sizes(), coef.options().dtype(rejected_dtype));
-  store_float(gc, 0, n, buf.data());
-  for (int64_t i = 0; i < n; ++i) buf[i] = -buf[i];
-  store_float(gr, 0, n, buf.data());
+  std::array<float, kChunk> buf;
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {  // float32 straight out, else through buf
+    const int64_t len = std::min(kChunk, n - c0);
+    float* a = chosen_dtype == at::kFloat ? gc.data_ptr<float>() + c0 : buf.data();
+    for (int64_t i = 0; i < len; ++i) a[i] = pg[per_pair ? c0 + i : 0] * pc[c0 + i] * b;
+    if (a == buf.data()) store_float(gc, c0, len, a);
+    if (rejected_dtype == at::kFloat) {
+      float* r = gr.data_ptr<float>() + c0;
+      for (int64_t i = 0; i < len; ++i) r[i] = -a[i];
+    } else {
+      for (int64_t i = 0; i < len; ++i) buf[i] = -a[i];
+      store_float(gr, c0, len, buf.data());
+    }
+  }
   return {gc, gr};
 }
 
