@@ -68,11 +68,12 @@ def full_kl(
     """
     if type(temperature) is not float:  # the op checks its value; a float passes for free
         temperature = check_temperature(temperature)
-    for name, t in (("logits", logits), ("ref_logits", ref_logits)):
-        if not isinstance(t, Tensor):
-            check_tensor(name, t)
-    # devices before dispatch: a meta tensor would pick the fake kernel
-    if ref_logits.device != logits.device:
+    if not (isinstance(logits, Tensor) and isinstance(ref_logits, Tensor)):
+        check_tensor("logits", logits)
+        check_tensor("ref_logits", ref_logits)
+    # devices before dispatch: a meta tensor would pick the fake kernel (two CPU tensors: no
+    # device objects to build)
+    if not (logits.is_cpu and ref_logits.is_cpu) and ref_logits.device != logits.device:
         raise ValueError(
             f"ref_logits: expected device {logits.device} (like logits), got {ref_logits.device}"
         )
