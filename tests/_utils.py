@@ -53,3 +53,12 @@ GEMM_GRAD_TOL = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
     torch.float16: dict(atol=2e-2, rtol=2e-2),
 }
+
+
+class PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that changes nothing: calls under it take an op's traceable autograd path
+    (its torch::autograd::Function and registered backward op) instead of a hand-built graph
+    node (csrc/ops/plain_node.h)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from _utils import peak_extra_bytes, poisoned
+from _utils import PassThroughMode, peak_extra_bytes, poisoned
 from conftest import cpu_backends
 
 import ppo_kernels
@@ -946,14 +946,6 @@ def test_small_calls_run_as_one_tile(dtype, mode, bias):
         torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
 
 
-class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
-    """A dispatch mode that changes nothing: calls under it take the traceable path (the
-    registered forward and backward ops) instead of the one-tile graph node."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("entropy", [True, False])
 def test_one_tile_node_equals_the_registered_ops(entropy):
     """The one-tile graph node (plain tensors) and the registered ops' autograd (taken under a
@@ -978,7 +970,7 @@ def test_one_tile_node_equals_the_registered_ops(entropy):
 
     import contextlib
 
-    plain, traced = run(contextlib.nullcontext()), run(_PassThrough())
+    plain, traced = run(contextlib.nullcontext()), run(PassThroughMode())
     assert plain[4] == "LinearTokenLogprobsBackward" and plain[4] != traced[4]
     for x, y in zip(plain[:2], traced[:2]):
         if x is not None:

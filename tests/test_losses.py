@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from _peers import Config, load_verl
-from _utils import poisoned
+from _utils import PassThroughMode, poisoned
 from conftest import cpu_backends
 
 import ppo_kernels as pk
@@ -731,6 +731,38 @@ def test_pairwise_compile(dynamic):
         want.backward()
         for x, y in zip(a, b):
             torch.testing.assert_close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("refs", [False, True])
+def test_pairwise_graph_node_equals_the_function(refs):
+    """Plain tensors get the hand-built node (PairwiseLogsigmoidLossBackward), traced ones the
+    torch::autograd::Function: the same loss and gradients bit for bit, a retained graph
+    differentiated twice alike, only the gradients asked for."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(6)
+    base = [torch.randn(7, generator=g) * 3 for _ in range(4 if refs else 2)]
+
+    def run(mode):
+        leaves = [t.clone().requires_grad_() for t in base]
+        with mode:
+            loss = (
+                pk.dpo_loss(*leaves, beta=0.4)
+                if refs
+                else pk.reward_model_loss(*leaves, reduction="sum")
+            )
+            first = torch.autograd.grad(loss, leaves, retain_graph=True)
+            second = torch.autograd.grad(loss, leaves)
+        return loss, first, second, loss.grad_fn.name()
+
+    plain, traced = run(contextlib.nullcontext()), run(PassThroughMode())
+    assert plain[3] == "PairwiseLogsigmoidLossBackward" and traced[3] != plain[3]
+    assert torch.equal(plain[0], traced[0])
+    for x, y, z in zip(plain[1], traced[1], plain[2]):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    a, b = [t.clone().requires_grad_() for t in base[:2]]
+    (ga,) = torch.autograd.grad(pk.reward_model_loss(a, b), [a])
+    assert b.grad is None and ga.shape == a.shape
 
 
 def test_module_exports():

@@ -6,17 +6,14 @@
 // csrc/cpu/token_logprobs.cpp, csrc/cuda/token_logprobs.cu), `ppo_kernels_triton::` and
 // `ppo_kernels_eager::`. Semantics: ppo_kernels/linear_logprobs/reference.py.
 #include <ATen/Dispatch.h>
-#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/version.h>
 #include <torch/library.h>
 
 #include <atomic>
 
 #include "common/alloc.h"
 #include "ops/checks.h"
+#include "ops/plain_node.h"
 #include "ops/route.h"
 
 namespace ppo_kernels {
@@ -290,11 +287,9 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
   }
 };
 
-// ---- The one-tile call's graph node, for plain tensors (see one_tile_plain): a Node of its own,
-// written the way PyTorch's generated autograd nodes are, rather than LinearFn: the generic
-// torch::autograd::Function bookkeeping (context map, input and output records) and the backward
-// op's second round of checks cost a small call more than its arithmetic, and the logits tile is
-// kept (at most 256 KiB) instead of recomputed. Gradient edges: hidden, weight (, bias).
+// ---- The one-tile call's graph node, for plain tensors (ops/plain_node.h): the logits tile is
+// kept (at most 256 KiB) instead of recomputed, and the backward op's second round of checks is
+// skipped. Gradient edges: hidden, weight (, bias).
 struct OneTileBackward final : torch::autograd::Node {
   using SavedVariable = torch::autograd::SavedVariable;
   SavedVariable hidden, weight, labels, bias, lse, entropy, logits;
@@ -332,17 +327,11 @@ struct OneTileBackward final : torch::autograd::Node {
   }
 };
 
-// Whether a call takes OneTileBackward: one tile (see one_tile) of plain tensors -- not fake,
-// functional, batched (functorch), meta or a subclass, no dispatch mode, no forward-mode AD: those
-// go through LinearFn and the registered ops, which they trace or wrap.
+// Whether a call takes OneTileBackward: one tile (see one_tile) of plain tensors.
 bool one_tile_plain(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
                     const OptTensor& bias, int64_t max_chunk_bytes,
                     const std::optional<double>& softcap) {
-  const auto plain = [](const Tensor& t) {
-    return !at::isTensorSubclassLike(t) && !t._fw_grad(/*level=*/0).defined();
-  };
-  return hidden.dim() == 2 && weight.dim() == 2 && plain(hidden) && plain(weight) &&
-         plain(labels) && (!bias || !bias->defined() || plain(*bias)) &&
+  return hidden.dim() == 2 && weight.dim() == 2 && all_plain(hidden, weight, labels, bias) &&
          one_tile(hidden, weight, max_chunk_bytes, softcap, backend_for(kKey, hidden));
 }
 
@@ -352,8 +341,7 @@ Out3 one_tile_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
                        std::optional<double> softcap) {
   check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
                 logits_dtype, softcap);
-  if (const auto& functorch_tls = at::functorch::functorchTLSAccessor())
-    functorch_tls->checkSupportsCppAutogradFunction();  // raises as Function::apply does
+  check_functorch();
   const bool has_bias = bias && bias->defined();
   auto node = c10::make_intrusive<OneTileBackward>();
   node->set_next_edges(has_bias ? torch::autograd::collect_next_edges(hidden, weight, *bias)
@@ -379,12 +367,7 @@ Out3 one_tile_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
   node->with_entropy = with_entropy;
   node->has_bias = has_bias;
   node->logits_dtype = logits_dtype;
-#ifndef TORCH_VERSION_MINOR
-#error "torch/version.h: TORCH_VERSION_MINOR is not defined"
-#endif
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
-  torch::autograd::fire_node_creation_hooks(node);  // as Function::apply does since 2.14
-#endif
+  node_created(node);
   return {lp, ent, lse};
 }
 

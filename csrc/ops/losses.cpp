@@ -12,6 +12,7 @@
 
 #include "common/modes.h"
 #include "ops/checks.h"
+#include "ops/plain_node.h"
 #include "ops/route.h"
 
 namespace ppo_kernels {
@@ -369,6 +370,58 @@ class PairFn : public torch::autograd::Function<PairFn> {
   }
 };
 
+// The same node built by hand for plain tensors (ops/plain_node.h: PairFn's bookkeeping is most of
+// a reward-model batch's per-call cost). Gradient edges: chosen, rejected (, ref_chosen,
+// ref_rejected).
+struct PairBackward final : torch::autograd::Node {
+  torch::autograd::SavedVariable coef;
+  double beta = 1.0;
+  std::array<at::ScalarType, 4> dtypes{};
+  bool refs = false;
+
+  std::string name() const override { return "PairwiseLogsigmoidLossBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    coef.reset_data();
+  }
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list out(refs ? 4 : 2);
+    if (!grads[0].defined()) return out;
+    const auto [gc, gr] = pairwise_backward(grads[0], coef.unpack(), beta, dtypes[0], dtypes[1]);
+    if (task_should_compute_output(0)) out[0] = gc;
+    if (task_should_compute_output(1)) out[1] = gr;
+    if (refs && task_should_compute_output(2)) out[2] = gr.to(dtypes[2]);
+    if (refs && task_should_compute_output(3)) out[3] = gc.to(dtypes[3]);
+    return out;
+  }
+};
+
+Out2 pairwise_plain(const Tensor& chosen, const Tensor& rejected,
+                    const optional<Tensor>& ref_chosen, const optional<Tensor>& ref_rejected,
+                    double beta, const std::string& reduction) {
+  check_functorch();
+  const bool refs = ref_chosen.has_value() && ref_rejected.has_value();
+  Tensor loss, coef;
+  {
+    BelowAutograd guard;
+    std::tie(loss, coef) = pairwise(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
+  }
+  auto node = c10::make_intrusive<PairBackward>();
+  node->set_next_edges(
+      refs ? torch::autograd::collect_next_edges(chosen, rejected, *ref_chosen, *ref_rejected)
+           : torch::autograd::collect_next_edges(chosen, rejected));
+  torch::autograd::set_history(loss, node);  // coef is not differentiable
+  node->coef = torch::autograd::SavedVariable(coef, false);
+  node->beta = beta;
+  node->refs = refs;
+  node->dtypes = {chosen.scalar_type(), rejected.scalar_type(),
+                  refs ? ref_chosen->scalar_type() : at::kFloat,
+                  refs ? ref_rejected->scalar_type() : at::kFloat};
+  node_created(node);
+  return {loss, coef};
+}
+
 Out2 pairwise_autograd(const Tensor& chosen, const Tensor& rejected,
                        const optional<Tensor>& ref_chosen, const optional<Tensor>& ref_rejected,
                        double beta, const std::string& reduction) {
@@ -377,6 +430,8 @@ Out2 pairwise_autograd(const Tensor& chosen, const Tensor& rejected,
     return kPair.in<PairSig>(Ns::kOps).call(chosen, rejected, ref_chosen, ref_rejected, beta,
                                             reduction);
   }
+  if (all_plain(chosen, rejected, ref_chosen, ref_rejected))
+    return pairwise_plain(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
   const variable_list out =
       PairFn::apply(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
   return {out[0], out[1]};
