@@ -948,6 +948,35 @@ def test_masked_aggregate_compile(dynamic):
 
 
 @pytest.mark.parametrize("agg", AGGS)
+def test_masked_aggregate_graph_node_equals_the_function(agg):
+    """Plain tensors get the hand-built node (MaskedAggregateBackward), traced ones the
+    torch::autograd::Function: the same loss and gradient bit for bit, twice from a retained
+    graph; a mask modified in place after the forward is refused."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(7)
+    x0, m = torch.randn(3, 8, generator=g), torch.rand(3, 8, generator=g) > 0.3
+
+    def run(mode):
+        x = x0.clone().requires_grad_()
+        with mode:
+            loss = pk.masked_aggregate(x, m, agg)
+            first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+            second = torch.autograd.grad(loss, x)[0]
+        return loss, first, second, loss.grad_fn.name()
+
+    plain, traced = run(contextlib.nullcontext()), run(PassThroughMode())
+    assert plain[3] == "MaskedAggregateBackward" and traced[3] != plain[3]
+    assert torch.equal(plain[0], traced[0])
+    assert torch.equal(plain[1], traced[1]) and torch.equal(plain[1], plain[2])
+    x, mm = x0.clone().requires_grad_(), m.clone()
+    loss = pk.masked_aggregate(x, mm, agg)
+    mm.logical_not_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("agg", AGGS)
 def test_per_token_weights(agg):
     """weights (verl's rollout IS weights) multiply each token's loss; denominators and stats
     stay the mask's."""

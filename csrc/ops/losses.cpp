@@ -315,12 +315,49 @@ class AggFn : public torch::autograd::Function<AggFn> {
   }
 };
 
+// The same node built by hand for plain tensors (ops/plain_node.h). Gradient edge: loss_mat.
+struct AggBackward final : torch::autograd::Node {
+  torch::autograd::SavedVariable mask, coef;
+  at::ScalarType dtype = at::kFloat;
+
+  std::string name() const override { return "MaskedAggregateBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    mask.reset_data();
+    coef.reset_data();
+  }
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!grads[0].defined() || !task_should_compute_output(0)) return variable_list(1);
+    return {aggregate_backward(grads[0], mask.unpack(), coef.unpack(), dtype)};
+  }
+};
+
+Out2 aggregate_plain(const Tensor& x, const Tensor& mask, const std::string& agg, double scale,
+                     const optional<Tensor>& gd, optional<double> gdv) {
+  check_functorch();
+  Tensor loss, coef;
+  {
+    BelowAutograd guard;
+    std::tie(loss, coef) = aggregate(x, mask, agg, scale, gd, gdv);
+  }
+  auto node = c10::make_intrusive<AggBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::set_history(loss, node);  // row_coef is not differentiable
+  node->mask = torch::autograd::SavedVariable(mask, false);
+  node->coef = torch::autograd::SavedVariable(coef, false);
+  node->dtype = x.scalar_type();
+  node_created(node);
+  return {loss, coef};
+}
+
 Out2 aggregate_autograd(const Tensor& x, const Tensor& mask, const std::string& agg, double scale,
                         const optional<Tensor>& gd, optional<double> gdv) {
   if (!needs_graph(x)) {
     BelowAutograd guard;
     return kAgg.in<AggSig>(Ns::kOps).call(x, mask, agg, scale, gd, gdv);
   }
+  if (all_plain(x, mask, gd)) return aggregate_plain(x, mask, agg, scale, gd, gdv);
   const variable_list out = AggFn::apply(x, mask, agg, scale, gd, gdv);
   return {out[0], out[1]};
 }
