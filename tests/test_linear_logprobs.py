@@ -1018,3 +1018,25 @@ def test_one_tile_only_for_small_default_calls():
         pk.linear_token_logprobs(h, W, labels, bias=b[:7])
     with pytest.raises((ValueError, IndexError), match="labels"):
         pk.linear_token_logprobs(h, W, labels.clamp(min=0) + V)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_accumulate_kernel_is_torch_add_bit_for_bit(dtype):
+    """The CPU kernel that adds input-dtype gradient products into the float32 sums gives
+    torch's `acc += x` bits (float32(x) is exact; one rounding per addition), at sizes with and
+    without a vector tail and across its parallel blocks; bad arguments are named."""
+    g = torch.Generator().manual_seed(8)
+    for n in (1, 7, 2048 * 16 + 5, 3 * 2048 * 16):
+        acc = torch.randn(n, generator=g) * 100
+        x = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+        want = acc.clone()
+        want += x
+        torch.ops.ppo_kernels_C.accumulate_(acc, x)
+        assert torch.equal(acc, want)
+    acc = torch.zeros(4, 5)
+    with pytest.raises(RuntimeError, match="acc"):
+        torch.ops.ppo_kernels_C.accumulate_(acc.double(), torch.ones(4, 5))
+    with pytest.raises(RuntimeError, match="x"):
+        torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(4, 6))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(5, 4).T)

@@ -144,9 +144,39 @@ void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
   });
 }
 
+// acc += x, acc float32, x bf16 / fp16 / float32 of the same shape (both contiguous): the input
+// tiles' per-chunk gradient products added into the float32 sums. torch's `acc += x` converts x
+// to a float32 temporary first (a pass more over both); here each block is converted as it is
+// added. The same bits: float32(x) is exact, one rounding per addition.
+void add_into_cpu(at::Tensor acc, const at::Tensor& x) {
+  check_arg(acc, "acc", acc.device(), Kind::kFloat32);
+  check_arg(x, "x", acc.device(), Kind::kFloating, acc.numel(), "like acc");
+  TORCH_CHECK(acc.is_contiguous() && x.is_contiguous() && acc.sizes() == x.sizes(),
+              "acc, x: expected contiguous tensors of one shape, got ", acc.sizes(), " and ",
+              x.sizes());
+  const int64_t n = acc.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_into_", [&] {
+    float* a = acc.data_ptr<float>();
+    const scalar_t* b = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, n, kBlock * 16, [&](int64_t begin, int64_t end) {
+      float buf[kBlock];
+      for (int64_t i = begin; i < end; i += kBlock) {
+        const int64_t len = std::min(kBlock, end - i);
+        cpu::to_float(b + i, buf, len);
+        int64_t j = 0;
+        for (; j + Vec::size() <= len; j += Vec::size())
+          (Vec::loadu(a + i + j) + Vec::loadu(buf + j)).store(a + i + j);
+        for (; j < len; ++j) a[i + j] += buf[j];
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  // acc += x into a float32 accumulator (x: bf16 / fp16 / float32, converted as it is added)
+  m.def("accumulate_(Tensor(a!) acc, Tensor x) -> ()");
   m.def(
       "linear_logprobs_tile_stats_(Tensor tile, Tensor labels, int v_start, float inv_temperature, "
       "int ignore_index, Tensor(a!) state, Tensor(b!) zlabel) -> ()");
@@ -159,6 +189,7 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
   m.impl("linear_logprobs_tile_stats_", &tile_stats_cpu);
   m.impl("linear_logprobs_tile_bwd_", &tile_bwd_cpu);
+  m.impl("accumulate_", &add_into_cpu);
 }
 
 }  // namespace ppo_kernels
