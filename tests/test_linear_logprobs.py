@@ -1040,3 +1040,46 @@ def test_accumulate_kernel_is_torch_add_bit_for_bit(dtype):
         torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(4, 6))
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(5, 4).T)
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+def test_hand_built_nodes_honour_saved_tensor_hooks_and_checkpoint():
+    """The hand-built graph nodes (csrc/ops/plain_node.h) save through SavedVariable, so
+    saved_tensors_hooks see what they save, save_on_cpu / checkpoint / anomaly mode work, and the
+    gradients equal those without them."""
+    g = torch.Generator().manual_seed(9)
+    h0, W = torch.randn(4, 8, generator=g), torch.randn(16, 8, generator=g)
+    labels = torch.randint(0, 16, (4,), generator=g)
+
+    def grad_of(ctx):
+        h = h0.clone().requires_grad_()
+        with ctx:
+            lp = pk.linear_token_logprobs(h, W, labels)
+            s = pk.reward_model_loss(lp, lp.detach().flip(0))
+            loss = s + pk.masked_aggregate(lp[None], torch.ones(1, 4, dtype=torch.bool))
+        loss.backward()
+        return h.grad, [lp.grad_fn.name(), s.grad_fn.name()]
+
+    import contextlib
+
+    want, names = grad_of(contextlib.nullcontext())
+    assert names == ["LinearTokenLogprobsBackward", "PairwiseLogsigmoidLossBackward"]
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    for ctx in (hooks, torch.autograd.graph.save_on_cpu(), torch.autograd.detect_anomaly()):
+        got, _ = grad_of(ctx)
+        assert torch.equal(got, want)
+    assert (4, 16) in packed and (4, 8) in packed  # the kept logits tile, hidden
+    h = h0.clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(
+        lambda x: pk.linear_token_logprobs(x, W, labels).sum(), h, use_reentrant=False
+    )
+    out.backward()
+    ref = h0.clone().requires_grad_()
+    pk.linear_token_logprobs(ref, W, labels).sum().backward()
+    assert torch.equal(h.grad, ref.grad)
