@@ -2,7 +2,8 @@
 `linear_token_logprobs_backward`), defined in C++ (csrc/ops/linear_logprobs.cpp: schemas, checks,
 routing, autograd): their fake kernels, their implementation on each backend -- all three are the
 chunk loop of chunks.py, which plans the chunks, runs the BLAS / cuBLAS matmuls and hands each
-tile to that backend's kernels -- and the fallback without the compiled extension."""
+tile to that backend's kernels (a call whose logits fit one tile runs in C++ on the cpp backend,
+without the loop) -- and the fallback without the compiled extension."""
 
 from __future__ import annotations
 
