@@ -362,6 +362,19 @@ Out2 aggregate_autograd(const Tensor& x, const Tensor& mask, const std::string& 
   return {out[0], out[1]};
 }
 
+// The pair loss's input gradients from (d / d chosen, d / d rejected): d / d ref_rejected =
+// d / d chosen and d / d ref_chosen = d / d rejected, each in its input's dtype (dtypes: chosen,
+// rejected, ref_chosen, ref_rejected); need(i): whether input i (an edge: the references are
+// inputs 2 and 3 when given) wants its gradient.
+template <class Need>
+void pair_input_grads(variable_list& out, const Tensor& gc, const Tensor& gr, bool refs,
+                      const std::array<at::ScalarType, 4>& dtypes, Need need) {
+  if (need(0)) out[0] = gc;
+  if (need(1)) out[1] = gr;
+  if (refs && need(2)) out[2] = gr.to(dtypes[2]);
+  if (refs && need(3)) out[3] = gc.to(dtypes[3]);
+}
+
 // One node for the whole loss (the composition has four): the backward reads coef only.
 class PairFn : public torch::autograd::Function<PairFn> {
  public:
@@ -393,16 +406,13 @@ class PairFn : public torch::autograd::Function<PairFn> {
     if (!grads[0].defined()) return out;
     const auto coef = ctx->get_saved_variables()[0];
     const auto dts = ctx->saved_data["dtypes"].toIntVector();
-    const auto st = [&](int i) { return static_cast<at::ScalarType>(dts[i]); };
-    // d / d ref_rejected = d / d chosen; d / d ref_chosen = d / d rejected
+    std::array<at::ScalarType, 4> dtypes;
+    for (size_t i = 0; i < dtypes.size(); ++i) dtypes[i] = static_cast<at::ScalarType>(dts[i]);
     const auto [gc, gr] = kPairBwd.in<PairBwdSig>(Ns::kOps).call(
-        grads[0], coef, ctx->saved_data["beta"].toDouble(), st(0), st(1));
+        grads[0], coef, ctx->saved_data["beta"].toDouble(), dtypes[0], dtypes[1]);
     // needs_input_grad counts the tensor inputs given: the references are edges 2, 3 if given
-    const bool refs = ctx->saved_data["refs"].toBool();
-    if (ctx->needs_input_grad(0)) out[0] = gc;
-    if (ctx->needs_input_grad(1)) out[1] = gr;
-    if (refs && ctx->needs_input_grad(2)) out[2] = gr.to(st(2));
-    if (refs && ctx->needs_input_grad(3)) out[3] = gc.to(st(3));
+    pair_input_grads(out, gc, gr, ctx->saved_data["refs"].toBool(), dtypes,
+                     [&](int i) { return ctx->needs_input_grad(i); });
     return out;
   }
 };
@@ -426,10 +436,8 @@ struct PairBackward final : torch::autograd::Node {
     variable_list out(refs ? 4 : 2);
     if (!grads[0].defined()) return out;
     const auto [gc, gr] = pairwise_backward(grads[0], coef.unpack(), beta, dtypes[0], dtypes[1]);
-    if (task_should_compute_output(0)) out[0] = gc;
-    if (task_should_compute_output(1)) out[1] = gr;
-    if (refs && task_should_compute_output(2)) out[2] = gr.to(dtypes[2]);
-    if (refs && task_should_compute_output(3)) out[3] = gc.to(dtypes[3]);
+    pair_input_grads(out, gc, gr, refs, dtypes,
+                     [&](int i) { return task_should_compute_output(i); });
     return out;
   }
 };

@@ -4,18 +4,31 @@ computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient ma
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _backend
 from .planner import Plan, _acc
 
 
+@functools.cache
+def _cpu_accumulate():
+    """The compiled `ppo_kernels_C::accumulate_` (a CPU utility, not a routed kernel), or None
+    without the extension (or one built before it existed); looked up once."""
+    if not _backend.HAS_EXTENSION:
+        return None
+    op = getattr(torch.ops.ppo_kernels_C, "accumulate_", None)
+    return None if op is None else op.default
+
+
 def _accumulate(acc, x):
     """acc += x: an input-dtype product added into a float32 sum. On the CPU the compiled kernel
     converts x block by block as it adds (torch's `+=` writes a float32 copy of x first: 5% of a
     bf16 policy-loss step at V=152064); the same bits either way."""
-    if acc.device.type == "cpu" and _backend.has_compiled_kernel("accumulate_", "cpu"):
-        torch.ops.ppo_kernels_C.accumulate_(acc, x)
+    kernel = _cpu_accumulate() if acc.device.type == "cpu" else None
+    if kernel is not None:
+        kernel(acc, x)
     else:
         acc += x
 
