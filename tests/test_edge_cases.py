@@ -71,6 +71,38 @@ def test_token_logprobs_scaled_logit_overflow_is_finite(backend, with_entropy):
     torch.testing.assert_close(xb.grad.double(), ref.grad, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", cpu_backends("token_logprobs"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_huge_scaled_logits_round_the_product(backend, dtype):
+    """Logits near 1e38 at temperature 0.7 (no overflow): the scaled logit is the float32 product
+    x * (1 / T), rounded, before the row's max is subtracted. Fused into an FMA the product would
+    keep its rounding error (~1e31 here): log-probs off by that much, exp(z - lse) inf. Three tied
+    maxima per row: log-prob -log 3 at each. The gradient is only checked to be finite: at this
+    magnitude the saved float32 lse cannot hold the log 3 (its ULP is ~1e31), so p at the tied
+    maxima comes out 1 in every backend -- a limit of a float32 lse that real logits (|z| << 1e6)
+    are far from. The rows are wide enough for the vector loops and their tails."""
+    g = torch.Generator().manual_seed(0)
+    x = (0.8e38 + 0.1e38 * torch.rand(3, 67, generator=g)).to(dtype)
+    inv_t = torch.tensor(1 / 0.7, dtype=torch.float32)
+    # the tied maximum: a value whose float32 product rounds down (an unrounded product exceeds the
+    # lse built from rounded ones: exp overflows); float64 holds both products exactly
+    cands = torch.linspace(0.94e38, 0.96e38, 64).to(dtype).unique()
+    c = cands[cands.double() * inv_t.double() > (cands.float() * inv_t).double()][0]
+    x[:, [3, 40, 66]] = c  # above every other logit
+    labels = torch.tensor([3, 40, 5])
+    z = (x.float() * inv_t).double()  # the float32 product, then float64 math
+    lp_r, ent_r = tlp_ref.forward(z, labels, 1.0, -100, True)[:2]
+    xb = x.clone().requires_grad_()
+    with _backend.use_backend(token_logprobs=backend), poisoned():
+        lp, ent = pk.token_logprobs(xb, labels, temperature=0.7, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    torch.testing.assert_close(lp.double(), lp_r, atol=1e-6, rtol=1e-6)
+    third = torch.full((2,), 1 / 3, dtype=torch.float64)
+    torch.testing.assert_close(lp[:2].double().exp(), third, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent.double(), ent_r, atol=1e-6, rtol=1e-6)
+    assert torch.isfinite(xb.grad).all()
+
+
 def test_token_logprobs_temperature_whose_inverse_overflows_is_refused():
     x = torch.randn(2, 5)
     for t in (1e-40, 2e-39):

@@ -53,23 +53,51 @@ inline void from_float(const float* buf, scalar_t* y, int64_t n) {
   }
 }
 
-// Load n values as float32 scaled by inv_t into buf; returns their (NaN-propagating) max.
+// v as computed, rounded: GCC contracts a product and a following subtraction into one FMA even
+// across statements (-ffp-contract=fast), which keeps the product's rounding error (~1e31 for
+// scaled logits near 1e38). An empty asm makes the value opaque to that.
+inline Vec rounded(Vec v) {
+#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
+  __m256 r = v;
+  asm("" : "+x"(r));
+  return Vec(r);
+#else
+  float t[Vec::size()];
+  v.store(t);
+  asm volatile("" : : "r"(t) : "memory");
+  return Vec::loadu(t);
+#endif
+}
+
+// Load n values as float32 scaled by inv_t into buf; returns their (NaN-propagating) max. One
+// pass: each vector is converted, scaled and stored as it is read. The product is rounded when it
+// is stored (the kernels read it back: no later subtraction can fuse with it into an FMA).
 template <typename scalar_t>
 inline float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) {
-  to_float(x, buf, n);
   const Vec vt(inv_t);
   Vec vmax(-INFINITY);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec z = Vec::loadu(buf + i) * vt;
-    z.store(buf + i);
-    vmax = at::vec::maximum(vmax, z);  // propagates NaN
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i));
+      a = a * vt;
+      b = b * vt;
+      a.store(buf + i);
+      b.store(buf + i + Vec::size());
+      vmax = at::vec::maximum(vmax, at::vec::maximum(a, b));  // propagates NaN
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      const Vec z = Vec::loadu(x + i) * vt;
+      z.store(buf + i);
+      vmax = at::vec::maximum(vmax, z);
+    }
   }
   float m = -INFINITY;
-  if (i < n) {
-    Vec z = Vec::loadu(buf + i, n - i) * vt;
-    z.store(buf + i, n - i);
-    for (int64_t j = i; j < n; ++j) m = nan_max(m, buf[j]);
+  for (; i < n; ++i) {
+    buf[i] = static_cast<float>(x[i]) * inv_t;
+    m = nan_max(m, buf[i]);
   }
   float lanes[Vec::size()];
   vmax.store(lanes);
@@ -88,7 +116,7 @@ inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
     const Vec d = Vec::loadu(z + i) - vm;
     const Vec e = d.exp_u20();
     vs = vs + e;
-    vu = at::vec::fmadd(e, at::vec::maximum(d, floor_), vu);
+    vu = at::vec::fmadd(e, at::vec::clamp_min(d, floor_), vu);  // (no NaN here: one max op)
   }
   float s = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vs);
   float u = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, vu);

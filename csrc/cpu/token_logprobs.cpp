@@ -16,7 +16,6 @@ namespace ppo_kernels {
 namespace {
 
 using cpu::block_stats;
-using cpu::from_float;
 using cpu::kBlock;
 using cpu::load_scaled;
 using cpu::Vec;
@@ -131,6 +130,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(const at::
   return {logprobs, entropy, lse};
 }
 
+// One row of the gradient, in one pass from the logits (read, convert, write; no buffer):
+// grad_j = -a p_j - b p_j (z_j + c) + a onehot_j, p_j (z_j + c) taken as 0 where p_j = 0 (z_j =
+// -inf), as in the reference. grow may be row itself: each element is read before it is written
+// (the label's logit first). At temperature 1 the scaling is skipped (x * 1 is x). The row's lse
+// is finite, so it holds no NaN or +inf: clamp_min (one max op) needs no NaN handling.
+template <bool kScale, typename scalar_t>
+void grad_row_impl(const scalar_t* row, scalar_t* grow, int64_t V, float inv_t, float l, float a,
+                   float b, float c) {
+  const Vec vt(inv_t), vl(l), va(a), vb(b), vc(c), floor_(-FLT_MAX);
+  const auto grad = [=](Vec z) {
+    if constexpr (kScale) z = cpu::rounded(z * vt);
+    const Vec p = (z - vl).exp_u20();
+    return Vec(0.f) - va * p - vb * (p * at::vec::clamp_min(z + vc, floor_));
+  };
+  int64_t j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [z0, z1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      at::vec::convert_from_float<scalar_t>(grad(z0), grad(z1)).store(grow + j);
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) grad(Vec::loadu(row + j)).store(grow + j);
+  }
+  for (; j < V; ++j) {
+    const float z = scaled(static_cast<float>(row[j]), inv_t);
+    const float p = std::exp(z - l);
+    grow[j] = static_cast<scalar_t>(-a * p - b * weighted_offset(p, z + c));
+  }
+}
+
+template <typename scalar_t>
+void grad_row(const scalar_t* row, scalar_t* grow, int64_t V, int64_t label, float inv_t, float l,
+              float a, float b, float c) {
+  const float xl = scaled(static_cast<float>(row[label]), inv_t);
+  if (inv_t == 1.f) {
+    grad_row_impl<false>(row, grow, V, inv_t, l, a, b, c);
+  } else {
+    grad_row_impl<true>(row, grow, V, inv_t, l, a, b, c);
+  }
+  const float p = std::exp(xl - l);
+  grow[label] = static_cast<scalar_t>(-a * p - b * weighted_offset(p, xl + c) + a);
+}
+
 // grad_logits[r, j] = inv_t * (glp * (onehot_j - p_j) - gent * p_j * (z_j - lse + H)),
 // written into grad_logits (which may be the logits buffer itself: each element is read before
 // it is overwritten, by the same thread).
@@ -160,7 +203,6 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs,
           const float* ent = c.ent_ptr();
           const int64_t grain = std::max<int64_t>(1, 16384 / V);
           at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-            float buf[kBlock];
             for (int64_t r = begin; r < end; ++r) {
               const int64_t label = lab[r];
               const scalar_t* row = x + rin(r);
@@ -186,29 +228,7 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs,
               const float a = glp[r] * inv_t;                // weight of onehot - p
               const float b = gent ? gent[r] * inv_t : 0.f;  // weight of -p * (log p + H)
               const float c = gent ? ent[r] - l : -l;        // log p + H = z - lse + H
-              // grad_j = -a p_j - b p_j (z_j + c) + a onehot_j; p_j (z_j + c) is taken as 0 where
-              // p_j = 0 (z_j = -inf), as in the reference.
-              const float xl = static_cast<float>(row[label]) * inv_t;
-              const Vec vl(l), va(a), vb(b), vc(c), floor_(-FLT_MAX);
-              for (int64_t j = 0; j < V; j += kBlock) {
-                const int64_t n = std::min(kBlock, V - j);
-                load_scaled(row + j, n, inv_t, buf);
-                int64_t i = 0;
-                for (; i + Vec::size() <= n; i += Vec::size()) {
-                  const Vec z = Vec::loadu(buf + i);
-                  const Vec p = (z - vl).exp_u20();
-                  (Vec(0.f) - va * p - vb * (p * at::vec::maximum(z + vc, floor_))).store(buf + i);
-                }
-                for (; i < n; ++i) {
-                  const float p = std::exp(buf[i] - l);
-                  buf[i] = -a * p - b * weighted_offset(p, buf[i] + c);
-                }
-                if (label >= j && label < j + n) {
-                  const float p = std::exp(xl - l);
-                  buf[label - j] = -a * p - b * weighted_offset(p, xl + c) + a;
-                }
-                from_float(buf, grow + j, n);
-              }
+              grad_row(row, grow, V, label, inv_t, l, a, b, c);
             }
           });
         });
