@@ -61,11 +61,13 @@ inline Vec rounded(Vec v) {
   __m256 r = v;
   asm("" : "+x"(r));
   return Vec(r);
-#else
+#elif defined(__GNUC__)
   float t[Vec::size()];
   v.store(t);
   asm volatile("" : : "r"(t) : "memory");
   return Vec::loadu(t);
+#else
+  return v;  // (MSVC contracts only under /fp:contract)
 #endif
 }
 
