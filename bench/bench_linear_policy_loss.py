@@ -53,8 +53,8 @@ def _leaves(x):
     return x["h"].clone().requires_grad_(), x["W"].clone().requires_grad_()
 
 
-def fused(x, logits_dtype=None):
-    h, W = _leaves(x)
+def fused_loss(x, h, W, **kw):
+    """The fused op's loss on the leaves h, W (kw: logits_dtype, ...)."""
     loss, _ = pk.linear_policy_loss(
         h,
         W,
@@ -67,41 +67,36 @@ def fused(x, logits_dtype=None):
         ref_logprobs=x["ref"],
         kl_coef=BETA,
         kl_estimator="k3",
-        logits_dtype=logits_dtype,
+        **kw,
     )
-    loss.backward()
-    return loss.detach(), h.grad, W.grad
+    return loss
 
 
-def composition(x, logits_dtype="float32"):
-    h, W = _leaves(x)
-    lp = pk.linear_token_logprobs(h, W, x["labels"], logits_dtype=logits_dtype)
+def composition_loss(x, h, W, **kw):
+    """The same loss from our public ops (kw: linear_token_logprobs' logits_dtype, ...)."""
+    lp = pk.linear_token_logprobs(h, W, x["labels"], **kw)
     loss, _ = pk.ppo_policy_loss(lp, x["old"], x["adv"], x["mask"], loss_type="bnpo", clip_low=CLIP)
     kl = pk.kl_penalty(lp, x["ref"], "k3")
-    loss = loss + BETA * pk.masked_aggregate(kl, x["mask"], "token-mean")
-    loss.backward()
-    return loss.detach(), h.grad, W.grad
+    return loss + BETA * pk.masked_aggregate(kl, x["mask"], "token-mean")
 
 
-_LIGER = {}
-
-
-def liger(x, compiled=False):
+def liger_module(compiled, **kw):
+    """Liger's LigerFusedLinearGRPOLoss configured for the same loss."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    key = compiled
-    if key not in _LIGER:
-        _LIGER[key] = LigerFusedLinearGRPOLoss(
-            beta=BETA,
-            compiled=compiled,
-            use_ref_model=True,
-            epsilon_low=CLIP,
-            epsilon_high=CLIP,
-            loss_type="bnpo",
-            chunk_size=1,
-        )
-    h, W = _leaves(x)
-    loss, _ = _LIGER[key](
+    return LigerFusedLinearGRPOLoss(
+        beta=BETA,
+        compiled=compiled,
+        use_ref_model=True,
+        epsilon_low=CLIP,
+        epsilon_high=CLIP,
+        loss_type="bnpo",
+        **kw,
+    )
+
+
+def liger_loss(module, x, h, W):
+    loss, _ = module(
         h,
         W,
         x["labels"],
@@ -110,15 +105,52 @@ def liger(x, compiled=False):
         ref_per_token_logps=x["ref"],
         old_per_token_logps=x["old"],
     )
+    return loss
+
+
+def trl_bnpo_loss(x, lp):
+    """TRL's GRPOTrainer._compute_loss for "bnpo" with beta > 0 (k3 KL added per token) on the
+    per-token log-probs of its fused head."""
+    lp = lp.view(x["labels"].shape).float()
+    ratio = torch.exp(lp - x["old"])
+    a = x["adv"].unsqueeze(1)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * a)
+    d = x["ref"] - lp
+    per_token = per_token + BETA * (torch.exp(d) - d - 1)
+    m = x["mask"].float()
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _backward(loss, h, W):
     loss.backward()
     return loss.detach(), h.grad, W.grad
+
+
+def fused(x, logits_dtype=None):
+    h, W = _leaves(x)
+    return _backward(fused_loss(x, h, W, logits_dtype=logits_dtype), h, W)
+
+
+def composition(x, logits_dtype="float32"):
+    h, W = _leaves(x)
+    return _backward(composition_loss(x, h, W, logits_dtype=logits_dtype), h, W)
+
+
+_LIGER = {}
+
+
+def liger(x, compiled=False):
+    if compiled not in _LIGER:
+        _LIGER[compiled] = liger_module(compiled, chunk_size=1)
+    h, W = _leaves(x)
+    return _backward(liger_loss(_LIGER[compiled], x, h, W), h, W)
 
 
 def trl(x):
     from trl.trainer import utils as tu
 
     h, W = _leaves(x)
-    B, T_, H = h.shape
+    H = h.shape[-1]
     lp, *_ = tu._ChunkedLogProbFunction.apply(
         h.reshape(-1, H),
         W,
@@ -130,17 +162,7 @@ def trl(x):
         1.0,
         ("log_probs",),
     )
-    lp = lp.view(B, T_).float()
-    # TRL's GRPOTrainer._compute_loss for "bnpo" with beta > 0 (k3 KL added per token)
-    ratio = torch.exp(lp - x["old"])
-    a = x["adv"].unsqueeze(1)
-    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * a)
-    d = x["ref"] - lp
-    per_token = per_token + BETA * (torch.exp(d) - d - 1)
-    m = x["mask"].float()
-    loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    loss.backward()
-    return loss.detach(), h.grad, W.grad
+    return _backward(trl_bnpo_loss(x, lp), h, W)
 
 
 def run_size(N, H, V, dtype, reps, liger_compiled, skip=()):

@@ -48,9 +48,10 @@ def _with_backend(backend, f):
         return f()
 
 
-def _trl_chunked_logprob():
+def _trl_chunked_logprob(outputs=("log_probs", "entropy")):
     """TRL 1.16's fused LM head (what GRPOTrainer runs with fused_lm_head=True) as add_fused_lm_head
-    calls it, or None without TRL. Its file, trl/kernels/chunked_logprob.py, needs only torch and
+    calls it, asked for `outputs` (its names; run() returns them in that order), or None without
+    TRL. Its file, trl/kernels/chunked_logprob.py, needs only torch and
     transformers, but `import trl.kernels` pulls in datasets (not on the device image): the file is
     loaded under a stand-in package whose trainer.utils.maybe_gather_lm_head_ctx (the ZeRO-3 gather
     its backward enters) is the null context it is outside DeepSpeed."""
@@ -75,11 +76,13 @@ def _trl_chunked_logprob():
     mod_spec.loader.exec_module(mod)
     chunk = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in 1.16
 
+    # its forward returns (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1), None for
+    # each optional output not asked for
+    order = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
     def run(h, W, y):
-        lp, ent, *_ = mod.ChunkedLogProbFunction.apply(
-            h, W, None, y, 1.0, chunk, None, 1.0, ("log_probs", "entropy")
-        )
-        return lp, ent
+        out = mod.ChunkedLogProbFunction.apply(h, W, None, y, 1.0, chunk, None, 1.0, outputs)
+        return tuple(out[order.index(name)] for name in outputs)
 
     return run
 
