@@ -139,6 +139,19 @@ def cases(B, T):
             ),
         ),
         (
+            "ppo_policy_loss grpo fwd+bwd",
+            _backward(
+                lambda: pk.ppo_policy_loss(
+                    xg["lp"], x["old"], x["adv"], x["mask"], loss_type="grpo"
+                )[0]
+            ),
+            _backward(
+                lambda: lref.eager_policy_loss_trl_style(
+                    xg["lp"], x["old"], x["adv"], x["mask"], "grpo"
+                )[0]
+            ),
+        ),
+        (
             "ppo_value_loss fwd+bwd",
             _backward(
                 lambda: pk.ppo_value_loss(

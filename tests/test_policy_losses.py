@@ -234,6 +234,64 @@ def test_ppo_default_path_unchanged_and_per_row_advantages():
     torch.testing.assert_close(c, d)
 
 
+TOKEN_CLIP_TYPES = [t for t in pm.CLIP_TYPES if t != "ppo"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [{}, dict(clip_high=0.28), dict(per_row_adv=True), dict(log_ratio_clamp=3.0)]
+    + [dict(float_mask=True), dict(garbage=True), dict(dtype=torch.float64)],
+    ids=lambda c: "-".join(c) or "default",
+)
+@pytest.mark.parametrize("t", TOKEN_CLIP_TYPES)
+def test_token_level_clipped_types_run_the_fused_kernels(t, case, monkeypatch):
+    """TRL's token-level clipped types are ppo's per-token loss with their own aggregation and
+    log-ratio clamp: they run the fused "ppo" kernels (the shared math is not called), with TRL's
+    clip statistics beside -- the shared math's numbers (weights of 1 take that route), its
+    statistics in its order. Ratios on the clip bounds (ties), extreme log-ratios, rows with no
+    token, and NaN / inf under the mask."""
+    case = dict(case)
+    dtype = case.pop("dtype", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    B, T = 5, 33
+    lp = (-torch.rand(B, T, generator=g) * 3).to(dtype)
+    old = lp + 0.3 * torch.randn(B, T, generator=g, dtype=dtype)
+    old[:, ::7] = lp[:, ::7] - 30.0
+    old[:, 3] = lp[:, 3] - math.log(0.8)  # on the lower clip bound
+    adv = torch.randn(B, T, generator=g, dtype=dtype)
+    adv[:, 5] = 0.0
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[2] = False
+    if case.pop("per_row_adv", False):
+        adv = adv[:, 0].clone()
+    if case.pop("float_mask", False):
+        mask = mask * torch.rand(B, T, generator=g)
+    if case.pop("garbage", False):  # what the mask hides reaches no sum and no gradient
+        lp = torch.where(mask, lp, torch.full_like(lp, math.nan))
+        adv = torch.where(mask, adv, torch.full_like(adv, math.inf))
+
+    def run(**kw):
+        x = lp.clone().requires_grad_()
+        loss, stats = pk.ppo_policy_loss(x, old, adv, mask, loss_type=t, **case, **kw)
+        (gx,) = torch.autograd.grad(loss, x)
+        return loss, stats, gx
+
+    shared = run(weights=torch.ones_like(lp))
+    with monkeypatch.context() as mp:
+        mp.setattr(pl, "shared_loss", lambda *a, **k: pytest.fail("the shared math ran"))
+        fused = run()
+    assert list(fused[1]) == list(shared[1])
+    assert torch.isfinite(fused[2]).all() and (fused[2][mask == 0] == 0).all()
+    # float32: the kernel's sums run in another order (ratios up to e^30 here)
+    tol = dict(rtol=1e-6, atol=0) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(fused[0], shared[0], **tol)
+    torch.testing.assert_close(fused[2], shared[2], **tol, msg=lambda m: f"gradient: {m}")
+    for k, v in fused[1].items():
+        torch.testing.assert_close(
+            v, shared[1][k], **tol, equal_nan=True, msg=lambda m: f"{k}: {m}"
+        )
+
+
 def test_clip_cov_draws_exactly_clip_num_candidates():
     lp, old, adv, mask = _data(B=8, T=40, seed=4, spread=0.2)
     adv = adv * 3

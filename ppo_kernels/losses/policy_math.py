@@ -301,7 +301,7 @@ def clip_surrogate(r, adv, lo, hi, dual_clip=None, delta=None):
     return loss, g, clipped, lower
 
 
-def _ratio(d, L):
+def ratio(d, L):
     """(exp(clamp(d, -L, L)), d ratio / d d)."""
     if L == math.inf:
         r = torch.exp(d)
@@ -317,6 +317,33 @@ def _trl_clip_metrics(out, r, adv, lo, hi):
     out["clip_low_frac"] = low
     out["clip_high_frac"] = high
     out["clip_region_frac"] = torch.maximum(low, high)
+
+
+def trl_clip_statistics(r, adv, m, lo, hi) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """_trl_clip_metrics' indicators summarised in one stacked pass: (their masked means, as
+    masked_means gives them; the per-row min / max of the row fractions, as row_metrics gives
+    them at token level). r, adv, m: [R, T] (adv may be [R, 1]); off the mask an indicator is
+    0 or 1 whatever r and adv hold there (a comparison with NaN is false), which m's zeros cancel.
+    The means sum the row sums: for a 0 / 1 mask bit for bit masked_means' result."""
+    low = (r < lo) & (adv < 0)
+    high = (r > hi) & (adv > 0)
+    rows = (torch.stack((low, high, low | high)).to(m.dtype) * m).sum(-1)  # [3, R]
+    n = m.sum(-1)
+    has = n > 0
+    # _safe_div's zeros in fewer ops (no gradient flows here): an empty row's sums are 0
+    total = n.sum()
+    means = rows.sum(-1) / torch.where(total > 0, total, 1.0)
+    frac = rows / torch.where(has, n, 1.0)
+    if n.numel():
+        lo_min = torch.where(has, frac[0], math.inf).amin()
+        hi_max = torch.where(has, frac[1], -math.inf).amax()
+    else:
+        lo_min = hi_max = torch.full((), math.inf, dtype=m.dtype, device=m.device)
+    names = ("clip_low_frac", "clip_high_frac", "clip_region_frac")
+    return dict(zip(names, means.unbind(0))), {
+        "clip_low_frac_min": torch.where(torch.isinf(lo_min), math.nan, lo_min),
+        "clip_high_frac_max": torch.where(torch.isinf(hi_max), math.nan, hi_max),
+    }
 
 
 def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
@@ -336,7 +363,7 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
         drdmu = r * ((mu > -L) & (mu < L)).to(lp.dtype)
         seq_dstat = m / st.n.clamp(min=1.0).unsqueeze(-1)
     else:
-        r, drdlp = _ratio(d, L)
+        r, drdlp = ratio(d, L)
 
     if t in CLIP_TYPES:
         loss, dl_dr, clipped, lower = clip_surrogate(r, adv, lo, hi, cfg.dual_clip, cfg.delta)

@@ -24,6 +24,8 @@ Documented edge cases (every backend matches them):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -272,6 +274,36 @@ def eager_policy_loss_verl_style(
         stats = {"clip_frac": cf.item(), "approx_kl": kl.item(), "clip_frac_lower": cfl.item()}
     else:
         stats = {"clip_frac": cf, "approx_kl": kl, "clip_frac_lower": cfl}
+    return loss, stats
+
+
+def eager_policy_loss_trl_style(
+    logprobs, old_logprobs, advantages, mask, loss_type="grpo", eps_low=0.2, eps_high=0.2
+):
+    """TRL GRPOTrainer's token-level clipped loss ("grpo" / "bnpo") with the clip statistics it
+    logs (low / high / region masked means, the per-sequence min / max), without its host syncs
+    and collectives: the eager code ppo_policy_loss(loss_type=...) replaces."""
+    coef_1 = torch.exp(logprobs - old_logprobs)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    m = mask.float()
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    else:
+        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
+    low = (coef_1 < 1 - eps_low) & (advantages < 0)
+    high = (coef_1 > 1 + eps_high) & (advantages > 0)
+    n = m.sum().clamp(min=1.0)
+    stats = {
+        "clip_low_frac": (low.float() * m).sum() / n,
+        "clip_high_frac": (high.float() * m).sum() / n,
+        "clip_region_frac": ((low | high).float() * m).sum() / n,
+    }
+    low_rows = (low.float() * m).sum(-1) / m.sum(-1)
+    high_rows = (high.float() * m).sum(-1) / m.sum(-1)
+    inf = torch.full_like(low_rows, math.inf)
+    stats["clip_low_frac_min"] = torch.where(low_rows.isnan(), inf, low_rows).min()
+    stats["clip_high_frac_max"] = torch.where(high_rows.isnan(), -inf, high_rows).max()
     return loss, stats
 
 
