@@ -69,9 +69,10 @@ def sanitize_workload():
                     loss.backward()
 
 
-def _liger(compiled):
+def _liger():
+    """Liger's loss as it runs by default (compiled chunks of its default size), or None."""
     try:
-        return liger_module(compiled)  # its default chunk size
+        return liger_module(True)
     except ImportError:
         return None
 
@@ -98,7 +99,7 @@ def timing(ctx, N=32768, H=4096, V=152064):
         ),
         "composition (4 GEMMs)": fwd_bwd(lambda: composition_loss(x, h, W)),
     }
-    liger = _liger(True)  # its default (the eager chunks are the same math, slower)
+    liger = _liger()  # (its eager chunks are the same math, slower)
     if liger is not None:
         fns["liger FusedLinearGRPOLoss (compiled)"] = fwd_bwd(lambda: liger_loss(liger, x, h, W))
     try:

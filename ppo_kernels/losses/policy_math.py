@@ -325,9 +325,9 @@ def trl_clip_statistics(r, adv, m, lo, hi) -> tuple[dict[str, Tensor], dict[str,
     them at token level). r, adv, m: [R, T] (adv may be [R, 1]); off the mask an indicator is
     0 or 1 whatever r and adv hold there (a comparison with NaN is false), which m's zeros cancel.
     The means sum the row sums: for a 0 / 1 mask bit for bit masked_means' result."""
-    low = (r < lo) & (adv < 0)
-    high = (r > hi) & (adv > 0)
-    rows = (torch.stack((low, high, low | high)).to(m.dtype) * m).sum(-1)  # [3, R]
+    met: dict[str, Tensor] = {}
+    _trl_clip_metrics(met, r, adv, lo, hi)
+    rows = (torch.stack(tuple(met.values())).to(m.dtype) * m).sum(-1)  # [3, R]
     n = m.sum(-1)
     has = n > 0
     # _safe_div's zeros in fewer ops (no gradient flows here): an empty row's sums are 0
@@ -339,8 +339,7 @@ def trl_clip_statistics(r, adv, m, lo, hi) -> tuple[dict[str, Tensor], dict[str,
         hi_max = torch.where(has, frac[1], -math.inf).amax()
     else:
         lo_min = hi_max = torch.full((), math.inf, dtype=m.dtype, device=m.device)
-    names = ("clip_low_frac", "clip_high_frac", "clip_region_frac")
-    return dict(zip(names, means.unbind(0))), {
+    return dict(zip(met, means.unbind(0))), {
         "clip_low_frac_min": torch.where(torch.isinf(lo_min), math.nan, lo_min),
         "clip_high_frac_max": torch.where(torch.isinf(hi_max), math.nan, hi_max),
     }

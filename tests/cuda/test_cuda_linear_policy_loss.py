@@ -11,10 +11,10 @@ import pytest
 import torch
 from _gpu import DEVICE, MARKS, big, close, graph_replay, require
 from _utils import GEMM_TOL, poisoned
+from test_linear_policy_loss import _reference  # autograd of the float64 reference, any device
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_policy_loss import api, reference
 
 pytestmark = MARKS
 OP = "linear_policy_loss"
@@ -69,11 +69,8 @@ def _inputs(N=B * T, H=H, V=V, dtype=torch.float32, bias=True, seed=0, T=T):
     )
 
 
-def _leaves(x, dtype=None):
-    return [
-        None if t is None else t.detach().to(dtype or t.dtype).requires_grad_()
-        for t in (x["h"], x["W"], x["b"])
-    ]
+def _leaves(x):
+    return [None if t is None else t.detach().requires_grad_() for t in (x["h"], x["W"], x["b"])]
 
 
 def _ours(x, backend, **kw):
@@ -83,17 +80,6 @@ def _ours(x, backend, **kw):
             h, W, x["labels"], x["adv"], x["old"], x["mask"], bias=b, **kw
         )
         grads = torch.autograd.grad(loss, [t for t in (h, W, b) if t is not None])
-    return loss, stats, grads
-
-
-def _reference(x, **kw):
-    """(loss, stats, grads) of autograd through the float64 reference, on the same device."""
-    h, W, b = _leaves(x, torch.float64)
-    call, pre, _ = api.arguments(h, W, x["labels"], x["adv"], x["old"], x["mask"], bias=b, **kw)
-    call = call._replace(hidden=h.reshape(-1, h.shape[-1]))
-    loss, stats = reference.linear_policy_loss(call, call.generator)
-    stats.update(pre)
-    grads = torch.autograd.grad(loss, [t for t in (h, W, b) if t is not None])
     return loss, stats, grads
 
 
