@@ -414,6 +414,66 @@ def test_gradcheck_float64(agg):
     )
 
 
+def lit_trl_clip_stats(lp, old, adv, mask, clip_low, clip_high, lr_clamp):
+    """TRL's / Liger's clip statistics of the registered op, written from their semantics in
+    float64: the token fractions below 1 - eps with A < 0 (low), above 1 + eps with A > 0
+    (high), either (region) over the mask, and the min / max over the rows with a token of the
+    row's low / high fraction (NaN when no row has a token)."""
+    m = mask.double()
+    keep = m != 0
+    r = torch.exp(torch.clamp(lp.double() - old.double(), -lr_clamp, lr_clamp))
+    a = adv.double()
+    low = ((r < 1 - clip_low) & (a < 0) & keep).double()
+    high = ((r > 1 + clip_high) & (a > 0) & keep).double()
+    region = ((low + high) > 0).double()
+    n = m.sum()
+
+    def mean(x):
+        return (x * m).sum() / n if n != 0 else torch.zeros((), dtype=torch.float64)
+
+    rn = m.sum(-1)
+    has = rn > 0
+    lo_rows, hi_rows = (low * m).sum(-1)[has] / rn[has], (high * m).sum(-1)[has] / rn[has]
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    return torch.stack(
+        [
+            mean(low),
+            mean(high),
+            mean(region),
+            lo_rows.min() if has.any() else nan,
+            hi_rows.max() if has.any() else nan,
+        ]
+    )
+
+
+@pytest.mark.parametrize("case", ["random", "long_rows", "float_mask", "nan_masked", "all_empty"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_op_statistics_include_trl_clip_statistics(backend, case):
+    """The registered op's statistics: verl's four (checked through the public API above), then
+    TRL's five from the same pass, on every backend: rows that cross the kernels' chunks, a float
+    mask, NaN / inf under the mask, an all-empty mask (means 0, min / max NaN)."""
+    torch.manual_seed(3)
+    B, T = (3, 1500) if case == "long_rows" else (6, 37)
+    lp, old, adv, mask = _inputs(B, T, spread=0.5)
+    if case == "float_mask":
+        mask = mask.float() * torch.rand(B, T) * 2
+    if case == "nan_masked":
+        lp[~mask] = math.nan
+        old[0, ~mask[0]] = math.inf
+    if case == "all_empty":
+        mask = torch.zeros_like(mask)
+    adv[0, :5] = 0.0  # A = 0 is in neither fraction
+    args = (0.2, 0.28, 3.0, 10.0, "seq-mean-token-mean", 1.0, None, None)
+    with use_backend(ppo_policy_loss=backend), poisoned():
+        _, stats, _ = torch.ops.ppo_kernels.ppo_policy_loss(lp, old, adv, mask, *args)
+    assert stats.shape == (9,)
+    want = lit_trl_clip_stats(lp, old, adv, mask, 0.2, 0.28, 10.0)
+    assert (want[:2] > 0).all() or case == "all_empty"  # both fractions occur
+    torch.testing.assert_close(stats[4:].double(), want, atol=1e-6, rtol=1e-6, equal_nan=True)
+    if case == "all_empty":
+        assert stats[4:7].eq(0).all() and stats[7:].isnan().all()
+
+
 def _opcheck_args(backend_dtype=torch.float32):
     lp, old, adv, mask = _inputs(B=3, T=13, dtype=backend_dtype)
     return lp.requires_grad_(True), old, adv, mask

@@ -18,16 +18,9 @@
 
 namespace ppo_kernels {
 
-// Slots of the per-row partial sums both loss kernels produce.
-enum LossPartial {
-  kSumLoss = 0,
-  kSumMask,
-  kSumClip,
-  kSumClipLower,
-  kSumNegLogRatio,
-  kSumRatio,
-  kNumPartials
-};
+// Slots of the per-row partial sums the loss kernels produce: the masked loss, the mask, and the
+// masked sums of the per-token statistics (TokenTerms::stat, in its order).
+enum LossPartial { kSumLoss = 0, kSumMask, kSumStat, kNumPartials = kSumStat + 6 };
 
 // ---- lane primitives: a condition is `bool` for float and a bit mask for Vectorized<float> ----
 PPO_HD float lane_select(bool c, float a, float b) { return c ? a : b; }  // a where c
@@ -70,10 +63,16 @@ PPO_HD V min_nan(V a, V b) {
 
 template <typename V>
 struct TokenTerms {
-  V loss;     // per-token loss
-  V grad;     // d loss / d (logprob or value)
-  V stat[4];  // policy: clipped, clipped_lo, -log-ratio, ratio; value: clipped, 0, 0, 0
+  V loss;  // per-token loss
+  V grad;  // d loss / d (logprob or value)
+  // policy: clipped, clipped_lo, -log-ratio, ratio, TRL's clip_low, clip_high indicators;
+  // value: clipped (the rest unused)
+  V stat[6];
 };
+
+// Per-token statistics each loss kernel sums (the leading entries of TokenTerms::stat).
+constexpr int kPolicyTokenStats = 6;
+constexpr int kValueTokenStats = 1;
 
 // Policy loss. lo = 1 - clip_low, hi = 1 + clip_high; dual_c <= 0 disables dual clip; lr_clamp
 // bounds the log-ratio (verl: 20) before exp. Statistics: clipped (verl's pg_clipfrac: the clipped
@@ -107,6 +106,10 @@ PPO_HD TokenTerms<V> policy_token(V lp, V old_lp, V adv, float lo, float hi, flo
   o.grad = g * r * (lane_ind(d > vnlr) * lane_ind(d < vlr));  // the clamp's pass-through
   o.stat[2] = zero - dc;
   o.stat[3] = r;
+  // TRL's / Liger's clip indicators (their ratio is this one): below 1 - eps with A < 0, above
+  // 1 + eps with A > 0 -- exclusive by A's sign, so their region is their sum. NaN: 0.
+  o.stat[4] = lane_ind(r < vlo) * lane_ind(adv < zero);
+  o.stat[5] = lane_ind(r > vhi) * lane_ind(adv > zero);
   return o;
 }
 
@@ -119,9 +122,7 @@ PPO_HD TokenTerms<V> value_token(V v, V v_old, V ret, float clip) {
   const V zero(0.f), one(1.f), half(0.5f);
   const V e1 = v - ret;
   const V l1 = e1 * e1;
-  o.stat[1] = zero;
-  o.stat[2] = zero;
-  o.stat[3] = zero;
+  for (int q = 1; q < 6; ++q) o.stat[q] = zero;
   if (!(clip > 0.f)) {
     o.loss = half * l1;
     o.grad = e1;

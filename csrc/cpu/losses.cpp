@@ -15,7 +15,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <vector>
 
 #include "common/alloc.h"
@@ -95,12 +97,17 @@ void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, c
   TORCH_CHECK(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
 }
 
-// One pass: per-chunk partial sums of (loss, mask, 4 statistics), then the serial combine.
-template <typename Fn>
+// One pass: per-chunk partial sums of (loss, mask, the NS per-token statistics), then the serial
+// combine. The statistics out: each per-token one's masked mean; the policy loss (NS = 6) adds
+// TRL's clip_region_frac (low + high: exclusive) and the min / max over the rows with a token of
+// the row's clip_low / clip_high fraction (NaN when no row has one).
+template <int NS, typename Fn>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
     const at::Tensor& x, const at::Tensor& y, const at::Tensor& z, const at::Tensor& mask,
     const std::string& agg_name, double scale, const std::optional<at::Tensor>& global_denom,
-    std::optional<double> global_denom_value, int64_t n_stats, const Names& names, Fn fn) {
+    std::optional<double> global_denom_value, const Names& names, Fn fn) {
+  constexpr bool kTrl = NS == kPolicyTokenStats;
+  constexpr int64_t n_stats = kTrl ? NS + 3 : NS;
   check_loss_args(names, x, y, z, mask);
   const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
@@ -121,7 +128,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
       const float* pc = one_input ? pa : as_float(z, off, n, c);
       // 8 tokens per step; the tail is a partial load whose missing lanes have mask 0
       const VecF vzero(0.f);
-      VecF acc[kNumPartials] = {vzero, vzero, vzero, vzero, vzero, vzero};
+      VecF acc[2 + NS];
+      for (auto& v : acc) v = vzero;
       for (int64_t i = 0; i < n; i += VecF::size()) {
         const int64_t k = std::min<int64_t>(VecF::size(), n - i);
         const VecF vm = VecF::loadu(m + i, k);
@@ -131,11 +139,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
             one_input ? fn(va, va, va) : fn(va, VecF::loadu(pb + i, k), VecF::loadu(pc + i, k));
         acc[kSumLoss] = acc[kSumLoss] + VecF::blendv(vzero, vm * o.loss, keep);
         acc[kSumMask] = acc[kSumMask] + vm;
-        for (int q = 0; q < 4; ++q)
-          acc[kSumClip + q] = acc[kSumClip + q] + VecF::blendv(vzero, vm * o.stat[q], keep);
+        for (int q = 0; q < NS; ++q)
+          acc[kSumStat + q] = acc[kSumStat + q] + VecF::blendv(vzero, vm * o.stat[q], keep);
       }
       std::array<double, kNumPartials> sums{};
-      for (int q = 0; q < kNumPartials; ++q) {
+      for (int q = 0; q < 2 + NS; ++q) {
         float lanes[VecF::size()];
         acc[q].store(lanes);
         for (float v : lanes) sums[q] += v;
@@ -145,14 +153,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
   });
   // Serial combine over rows (cheap: B * nch items).
   std::vector<double> row_loss(s.B, 0.0), row_n(s.B, 0.0);
-  std::array<double, 4> stat{};
+  std::array<double, NS + 1> stat{};  // (+ 1: a zero-length array is not portable)
   double n_total = 0.0, n_seqs = 0.0;
+  double low_min = INFINITY, high_max = -INFINITY;  // over the rows with a token
   for (int64_t r = 0; r < s.B; ++r) {
+    double low = 0.0, high = 0.0;
     for (int64_t c = 0; c < s.nch; ++c) {
       const auto& p = part[r * s.nch + c];
       row_loss[r] += p[kSumLoss];
       row_n[r] += p[kSumMask];
-      for (int k = 0; k < 4; ++k) stat[k] += p[kSumClip + k];
+      for (int k = 0; k < NS; ++k) stat[k] += p[kSumStat + k];
+      if (kTrl) {
+        low += p[kSumStat + 4];
+        high += p[kSumStat + 5];
+      }
+    }
+    if (kTrl && row_n[r] > 0.0) {
+      low_min = std::min(low_min, low / row_n[r]);
+      high_max = std::max(high_max, high / row_n[r]);
     }
     n_total += row_n[r];
     n_seqs += row_n[r] > 0.0 ? 1.0 : 0.0;
@@ -183,8 +201,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
   }
   loss.fill_(total);
   float* sp = stats.data_ptr<float>();
-  for (int64_t k = 0; k < n_stats; ++k)
+  for (int64_t k = 0; k < NS; ++k)
     sp[k] = n_total != 0.0 ? static_cast<float>(stat[k] / n_total) : 0.f;
+  if (kTrl) {
+    sp[NS] = n_total != 0.0 ? static_cast<float>((stat[4] + stat[5]) / n_total) : 0.f;
+    sp[NS + 1] = std::isinf(low_min) ? NAN : static_cast<float>(low_min);
+    sp[NS + 2] = std::isinf(high_max) ? NAN : static_cast<float>(high_max);
+  }
   return {loss, stats, coef};
 }
 
@@ -245,9 +268,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_policy_loss_fwd_cpu(
     const at::Tensor& mask, double clip_low, double clip_high, std::optional<double> dual_clip,
     double log_ratio_clamp, const std::string& agg, double scale,
     const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
-  return loss_fwd(logprobs, old_logprobs, advantages, mask, agg, scale, global_denom,
-                  global_denom_value, 4, kPolicyNames,
-                  policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
+  return loss_fwd<kPolicyTokenStats>(logprobs, old_logprobs, advantages, mask, agg, scale,
+                                     global_denom, global_denom_value, kPolicyNames,
+                                     policy_fn(clip_low, clip_high, dual_clip, log_ratio_clamp));
 }
 
 at::Tensor ppo_policy_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
@@ -266,10 +289,11 @@ std::tuple<at::Tensor, at::Tensor> masked_aggregate_fwd_cpu(
     const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
   const auto identity = [](const VecF& v, const VecF&, const VecF&) {
     const VecF zero(0.f);
-    return TokenTerms<VecF>{v, VecF(1.f), {zero, zero, zero, zero}};
+    return TokenTerms<VecF>{v, VecF(1.f), {zero, zero, zero, zero, zero, zero}};
   };
-  auto [loss, stats, coef] = loss_fwd(loss_mat, loss_mat, loss_mat, mask, agg, scale, global_denom,
-                                      global_denom_value, 0, kAggregateNames, identity);
+  auto [loss, stats, coef] =
+      loss_fwd<0>(loss_mat, loss_mat, loss_mat, mask, agg, scale, global_denom, global_denom_value,
+                  kAggregateNames, identity);
   return {loss, coef};
 }
 
@@ -309,8 +333,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ppo_value_loss_fwd_cpu(
     const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
     const at::Tensor& mask, std::optional<double> clip, const std::string& agg, double scale,
     const std::optional<at::Tensor>& global_denom, std::optional<double> global_denom_value) {
-  return loss_fwd(values, old_values, returns, mask, agg, scale, global_denom, global_denom_value,
-                  1, kValueNames, value_fn(clip));
+  return loss_fwd<kValueTokenStats>(values, old_values, returns, mask, agg, scale, global_denom,
+                                    global_denom_value, kValueNames, value_fn(clip));
 }
 
 at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& values,

@@ -63,9 +63,15 @@ from ..linear_logprobs.planner import (
 from ..linear_logprobs.tiler import Tiler
 from ..losses import policy_math as pm
 from ..losses import rollout as rc
-from ..losses.reference import row_coefficients
+from ..losses.reference import OP_STAT_NAMES_POLICY, row_coefficients
 from ..token_logprobs import op as tl_op
 from . import reference
+
+_policy_op = _backend.op("ppo_policy_loss")
+# the backward ops exist with the extension only (so does the route below that calls them)
+_policy_bwd = _backend.op("ppo_policy_loss_backward") if _backend.HAS_EXTENSION else None
+_kl_op = _backend.op("kl_penalty")
+_kl_bwd = _backend.op("kl_penalty_backward") if _backend.HAS_EXTENSION else None
 
 OP = _backend.register_op(
     "linear_policy_loss",
@@ -378,8 +384,21 @@ class _Loss:
     """The loss terms of one call: coefficients per token for the gradient, per-token values for
     the statistics, and the loss sums."""
 
-    def __init__(self, a, cfg, p: _Prepared, gden, token_stats):
+    def __init__(self, a, cfg, p: _Prepared, gden, token_stats, one_pass: bool):
         self.a, self.cfg, self.p, self.gden = a, cfg, p, gden
+        # float32 on the CPU: the per-token terms by the registered ops' kernels where they have
+        # them (the sampled KL; ppo's surrogate -- every clipped type at token level -- without
+        # weights: each chunk's coefficients, then the loss and every statistic, two calls
+        # instead of policy_math's ~100 small ops). float64 keeps the float64 composition,
+        # batch-invariant mode its padded one; CUDA the torch ops until a GPU run shows the loss
+        # kernels under graph capture (the 2026-11-30 H200 run left ppo_policy_loss's open).
+        self.kernels = (
+            _backend.HAS_EXTENSION
+            and p.m.dtype == torch.float32
+            and p.m.device.type == "cpu"
+            and not _backend.invariant()
+        )
+        self.ppo = self.kernels and one_pass and pm.is_ppo_surrogate(cfg) and p.w is None
         self.lp_all, self.ent_all, self.kl_all = token_stats.unbind(0)
         self.per_row_adv = a.advantages.dim() == 1
         self.kl_est = a.kl_estimator
@@ -435,6 +454,54 @@ class _Loss:
         self._store(terms.metrics, x, b0, b1, t0, t1)
         return coef.reshape(-1)
 
+    def ppo_policy(self, lp, t0, t1):
+        """dL/dlp of tokens t0:t1 (lp: their masked log-probs) by the "ppo" kernels' backward:
+        [rows, T] when the chunk holds whole rows, else one row per token with its c_b."""
+        cfg, p, T = self.cfg, self.p, self.p.m.shape[1]
+
+        def tok(t):
+            return t.reshape(-1)[t0:t1]
+
+        if t0 % T == 0 and (t1 - t0) % T == 0:
+            shape, coef = (-1, T), self.c[t0 // T : t1 // T]
+        else:
+            shape, coef = (-1, 1), self.c_tok[t0:t1]
+        g = _policy_bwd(
+            torch.ones((), dtype=lp.dtype, device=lp.device),
+            lp.reshape(shape),
+            tok(p.old).reshape(shape),
+            tok(p.adv).reshape(shape),
+            tok(self.m).reshape(shape),
+            coef.contiguous(),
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.dual_clip,
+            cfg.log_ratio_clamp,
+        )
+        return g.reshape(-1)
+
+    def _ppo_loss(self) -> dict[str, Tensor]:
+        """The policy term and its statistics (verl's and TRL's) by the "ppo" kernels' forward
+        on every token's log-prob."""
+        cfg, p, m = self.cfg, self.p, self.m
+        lpm = torch.where(m != 0, self.lp_all, torch.zeros_like(self.lp_all))
+        a = self.a
+        self.pg, st, _ = _policy_op(
+            lpm,
+            p.old,
+            p.adv,
+            m,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.dual_clip,
+            cfg.log_ratio_clamp,
+            a.agg,
+            a.scale,
+            self.gden,
+            None,
+        )
+        return dict(zip(OP_STAT_NAMES_POLICY, st.unbind(0), strict=True))
+
     def _store(self, values, x, b0, b1, t0, t1):
         B, T = self.p.m.shape
         for name, v in values.items():
@@ -458,11 +525,19 @@ class _Loss:
         the KL."""
         a, n = self.a, lp.shape[0]
         k = self._tok(self.k, t0, t1, n)
-        glp = gent = None
+        glp = None
         if self.p.ref is not None:
             ref = self._tok(self.p.ref, t0, t1, n)
             keep = self._tok(self.m, t0, t1, n) != 0
             zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+            if self.kernels:
+                kl = _kl_op(lp, ref, self.kl_est, False, *self.kl_bounds)
+                self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl, zero)[: t1 - t0]
+                if a.kl_coef != 0:
+                    g = _kl_bwd(k, lp, ref, self.kl_est, a.kl_straight_through,
+                                *self.kl_bounds, True, False)[0]  # fmt: skip
+                    glp = a.kl_coef * torch.where(keep, g, zero)
+                return glp, self._entropy_coef(k)
             with _backend.invariant_threads():
                 kl = kl_ref.kl_penalty(lp, ref, self.kl_est, False, self.kl_bounds)
                 self.kl_all.view(-1)[t0:t1] = torch.where(keep, kl.to(lp.dtype), zero)[: t1 - t0]
@@ -471,9 +546,10 @@ class _Loss:
                         lp, ref, self.kl_est, a.kl_straight_through, self.kl_bounds
                     )
                     glp = a.kl_coef * torch.where(keep, k * g.to(lp.dtype), zero)
-        if a.entropy_coef != 0:
-            gent = -a.entropy_coef * k
-        return glp, gent
+        return glp, self._entropy_coef(k)
+
+    def _entropy_coef(self, k):
+        return None if self.a.entropy_coef == 0 else -self.a.entropy_coef * k
 
     def full_kl_coef(self, kl, t0, t1):
         """Stores the exact KL of tokens t0:t1 (kl: padded as in kl_and_entropy); returns dL/dKL
@@ -488,6 +564,7 @@ class _Loss:
     def finish(self, names) -> tuple[Tensor, Tensor]:
         """(loss, stats in the order of `names`) once every row has its per-token values."""
         a, m = self.a, self.m
+        kernel_stats = self._ppo_loss() if self.ppo else None
         ent = torch.where(m != 0, self.ent_all, torch.zeros_like(self.ent_all))
         ent_agg = (self.k * ent).sum()
         loss = self.pg - a.entropy_coef * ent_agg
@@ -500,9 +577,12 @@ class _Loss:
             st["kl_loss"] = kl_agg
             means["kl_mean"] = self.kl_all
         st.update(pm.masked_means(means, m))
-        values = {n: self.metrics.get(n) for n in _token_metric_names(self.cfg)}
-        st.update(pm.masked_means(values, m))
-        st.update(pm.row_metrics(values, m, self.cfg.sequence_level and self.per_row_adv))
+        if kernel_stats is not None:
+            st.update(kernel_stats)
+        else:
+            values = {n: self.metrics.get(n) for n in _token_metric_names(self.cfg)}
+            st.update(pm.masked_means(values, m))
+            st.update(pm.row_metrics(values, m, self.cfg.sequence_level and self.per_row_adv))
         st.update(self.extra)
         return loss, torch.stack([st[n].to(m.dtype).reshape(()) for n in names])
 
@@ -534,7 +614,7 @@ def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
     gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
     gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
     p = _prepare(a, acc)
-    L = _Loss(a, cfg, p, _global_denominator(a, acc, dev), token_stats)
+    L = _Loss(a, cfg, p, _global_denominator(a, acc, dev), token_stats, bypass is None)
     full = a.ref_hidden is not None
     # the exact KL: the reference tile and its gradient tile beside the policy tile
     share = 3 if full else 1
@@ -603,7 +683,10 @@ def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
                     lr = lpm[:, None] - pad(L.p.old.view(-1)[r0:r1])[:, None]
                     with _backend.invariant_threads():
                         w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
-                glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
+                if L.ppo:
+                    glp = L.ppo_policy(lpm, r0, r1)
+                else:
+                    glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
             else:
                 lps = lpm[: r1 - r0].view(-1, T)
                 glp = pad(L.policy(lps, r0 // T, r1 // T, generator=a.generator)[: r1 - r0])

@@ -278,7 +278,7 @@ def ppo_policy_loss(
             cfg.log_ratio_clamp,
         )
         loss, stats = _weighted(terms, weights, logprobs, mask, agg_i, scale, gd, gdv)
-        out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+        out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0), strict=True))
     else:
         loss, stats, _ = _policy_op(
             rows(logprobs),
@@ -294,7 +294,7 @@ def ppo_policy_loss(
             gd,
             gdv,
         )
-        out = dict(zip(STAT_NAMES_POLICY, stats.unbind(0)))
+        out = dict(zip(STAT_NAMES_POLICY, stats[: len(STAT_NAMES_POLICY)].unbind(0), strict=True))
     loss = apply_empty(loss, agg_i, mask, gd, gdv, empty)
     if approx_kl == "raw":
         out["approx_kl"] = _backend.op("masked_mean")(

@@ -46,7 +46,7 @@ _backend.routes_in_cpp("ppo_policy_loss")
 _backend.routes_in_cpp("ppo_value_loss")
 _backend.routes_in_cpp("masked_aggregate")
 
-N_STATS_POLICY = len(reference.STAT_NAMES_POLICY)
+N_STATS_POLICY = len(reference.OP_STAT_NAMES_POLICY)  # verl's and TRL's statistics
 N_STATS_VALUE = len(reference.STAT_NAMES_VALUE)
 
 # The Triton kernels take both losses' parameters as one 4-tuple and the "off" values of the

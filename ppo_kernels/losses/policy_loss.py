@@ -16,7 +16,12 @@ from .._checks import check_bool, check_float, check_str, check_tensor
 from . import op  # noqa: F401  (registers the fused op's Python side)
 from . import policy_math as pm
 from . import rollout as rc
-from .reference import STAT_NAMES_POLICY, row_coefficients
+from .reference import (
+    OP_STAT_NAMES_POLICY,
+    STAT_NAMES_POLICY,
+    STAT_NAMES_TRL_CLIP,
+    row_coefficients,
+)
 
 _policy_op = _backend.op("ppo_policy_loss")
 
@@ -220,7 +225,7 @@ def extended_policy_loss(
     per_row_adv = advantages.dim() == logprobs.dim() - 1
     adv_rows = advantages.reshape(-1, 1) if per_row_adv else _rows(advantages)
     lp_rows = _rows(logprobs)
-    if rollout is None and weights is None and _fused_ppo(cfg):  # no prepare pass needed
+    if rollout is None and weights is None and pm.is_ppo_surrogate(cfg):  # no prepare pass needed
         stats = {"masked_fraction": _masked_fraction(mask, mask, pm.acc_dtype(logprobs.dtype))}
         old_rows, mask_rows = _rows(old_logprobs), _rows(mask)
         loss = _fused_policy_loss(
@@ -269,7 +274,7 @@ def extended_policy_loss(
                 w = rw if w is None else w * rw
     stats["masked_fraction"] = _masked_fraction(mask, eff_mask, x.m.dtype)
     gden = _global(gd, gdv, x.m)
-    if w is None and _fused_ppo(cfg):  # on the corrected mask
+    if w is None and pm.is_ppo_surrogate(cfg):  # on the corrected mask
         old_rows = _rows(old_logprobs)
         loss = _fused_policy_loss(cfg, stats, lp_rows, old_rows, adv_rows, x.m, agg, scale, gd, gdv)
         return loss, stats, eff_mask
@@ -280,19 +285,10 @@ def extended_policy_loss(
     return loss, stats, eff_mask
 
 
-def _fused_ppo(cfg: pm.LossConfig) -> bool:
-    """Whether the fused "ppo" kernels compute this loss: every token-level clipped type's
-    per-token loss is ppo's (TRL's types differ only in the aggregation and the log-ratio clamp,
-    which the caller resolved)."""
-    return cfg.loss_type in pm.CLIP_TYPES and not cfg.sequence_level and cfg.delta is None
-
-
 def _fused_policy_loss(cfg, stats, lp, old, adv, m, agg, scale, gd, gdv) -> Tensor:
     """The loss by the fused "ppo" kernels on [rows, T] inputs (adv [rows, T] or [rows, 1]);
-    their statistics, and TRL's clip statistics for TRL's types, go into `stats` in
-    shared_loss's order (the masked means, ppo's, the per-row summaries)."""
-    trl = _trl_clip_statistics(cfg, lp, old, adv, m) if cfg.loss_type != "ppo" else ({}, {})
-    stats.update(trl[0])
+    their statistics go into `stats` in shared_loss's order: for TRL's types TRL's clip means
+    (the same pass computes them), verl's four, then TRL's per-row summaries."""
     loss, st, _ = _policy_op(
         lp,
         old,
@@ -307,20 +303,14 @@ def _fused_policy_loss(cfg, stats, lp, old, adv, m, agg, scale, gd, gdv) -> Tens
         gd,
         gdv,
     )
-    stats.update(zip(STAT_NAMES_POLICY, st.unbind(0)))
-    stats.update(trl[1])
+    named = dict(zip(OP_STAT_NAMES_POLICY, st.unbind(0), strict=True))
+    trl = cfg.loss_type != "ppo"
+    if trl:
+        stats.update((k, named[k]) for k in STAT_NAMES_TRL_CLIP[:3])
+    stats.update((k, named[k]) for k in STAT_NAMES_POLICY)
+    if trl:
+        stats.update((k, named[k]) for k in STAT_NAMES_TRL_CLIP[3:])
     return loss
-
-
-def _trl_clip_statistics(cfg: pm.LossConfig, lp, old, adv, mask):
-    """TRL's / Liger's clip statistics (policy_math.trl_clip_statistics) on the raw rows: no
-    prepare pass (what the mask hides cannot reach the sums)."""
-    with torch.no_grad():
-        acc = pm.acc_dtype(lp.dtype)
-        m = mask.to(acc)
-        r, _ = pm.ratio(lp.detach().to(acc) - old.detach().to(acc), cfg.log_ratio_clamp)
-        a = adv.detach().to(acc)
-        return pm.trl_clip_statistics(r, a, m, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
 
 
 def _masked_fraction(mask, eff_mask, dtype):

@@ -112,6 +112,14 @@ _DEFAULT_LOG_RATIO_CLAMP = {
 }
 
 
+def is_ppo_surrogate(cfg: LossConfig) -> bool:
+    """Whether a type's per-token loss is ppo's clipped surrogate, which the fused "ppo" kernels
+    compute with their statistics (verl's and TRL's): every token-level clipped type without
+    `delta` (TRL's types differ only in the aggregation and the log-ratio clamp, resolved
+    before the loss)."""
+    return cfg.loss_type in CLIP_TYPES and not cfg.sequence_level and cfg.delta is None
+
+
 def stat_scope(cfg: "LossConfig") -> str:
     """What a token's gradient coefficient needs beyond the token: "token" (nothing: one pass),
     "sequence" (every token of its row: a second pass for a row longer than a chunk) or "batch"

@@ -30,9 +30,19 @@ import torch
 import torch.nn.functional as F
 
 from .._modes import AGG_MODES
-from .policy_math import _max_w, clip_surrogate
+from .policy_math import _max_w, clip_surrogate, trl_clip_statistics
 
 STAT_NAMES_POLICY = ("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean")
+# TRL's / Liger's clip statistics on the same ratio (policy_math.trl_clip_statistics)
+STAT_NAMES_TRL_CLIP = (
+    "clip_low_frac",
+    "clip_high_frac",
+    "clip_region_frac",
+    "clip_low_frac_min",
+    "clip_high_frac_max",
+)
+# the registered op's statistics vector: verl's, then TRL's (one pass computes both)
+OP_STAT_NAMES_POLICY = STAT_NAMES_POLICY + STAT_NAMES_TRL_CLIP
 STAT_NAMES_VALUE = ("clip_frac",)
 
 
@@ -176,12 +186,17 @@ def policy_loss(
     scale=1.0,
     global_denominator=None,
 ):
-    """(loss, stats [clip_frac, clip_frac_lower, approx_kl, ratio_mean], row coefficients)."""
+    """(loss, stats [OP_STAT_NAMES_POLICY: verl's four, then TRL's five], row coefficients)."""
     clip_high = clip_low if clip_high is None else clip_high
     loss, *stats = policy_token_terms(
         logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip, log_ratio_clamp
     )
-    return aggregate(loss, stats, mask, agg, scale, global_denominator)
+    loss, st, coef = aggregate(loss, stats, mask, agg, scale, global_denominator)
+    ratio, m = _rows(stats[-1]), _rows(mask).to(loss.dtype)
+    adv = _rows(advantages.to(loss.dtype).detach())
+    means, rows = trl_clip_statistics(ratio.detach(), adv, m, 1.0 - clip_low, 1.0 + clip_high)
+    trl = [*means.values(), *rows.values()]
+    return loss, torch.cat([st, torch.stack(trl).to(st.dtype)]), coef
 
 
 def value_loss(

@@ -1,9 +1,10 @@
 """Triton kernels for the PPO policy / value losses (the GPU backend).
 
 Forward: one program per (row, chunk of BLOCK tokens) computes the per-token loss and writes the
-chunk's partial sums (masked loss, mask, 4 statistics); one single-program combine kernel turns
-them into the per-row aggregation weights, the loss and the statistics (in float64, deterministic,
-no atomics, no host sync). Backward: one program per (row, chunk) recomputes the per-token
+chunk's partial sums (masked loss, mask, 6 per-token statistics); one single-program combine
+kernel turns them into the per-row aggregation weights, the loss and the statistics (in float64,
+deterministic, no atomics, no host sync; the policy loss adds TRL's clip region and the per-row
+min / max of its clip fractions). Backward: one program per (row, chunk) recomputes the per-token
 gradient and scales it by grad_loss * row_coef[row] * mask. The per-token math mirrors
 csrc/common/loss_math.h (torch's tie rules included).
 """
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .._backend import new_output
 
-N_PARTIALS = 6
+N_PARTIALS = 8
 
 
 @triton.jit
@@ -47,7 +48,10 @@ def _policy_tok(lp, old, adv, lo, hi, dual_c, lrc, DUAL: tl.constexpr):
         loss = tl.where(neg, tl.where((clip1 != clip1) | (clip1 < pg3), clip1, pg3), clip1)
         g = tl.where(neg, g * _max_w(pg3, clip1), g)
     g = tl.where((d > -lrc) & (d < lrc), g * r, 0.0)
-    return loss, g, clipped, clipped_lo, -dc, r
+    # TRL's clip indicators (exclusive by the sign of A)
+    low = tl.where((r < lo) & (adv < 0), 1.0, 0.0)
+    high = tl.where((r > hi) & (adv > 0), 1.0, 0.0)
+    return loss, g, clipped, clipped_lo, -dc, r, low, high
 
 
 @triton.jit
@@ -76,13 +80,15 @@ def _value_tok(v, vo, ret, clip, CLIP: tl.constexpr):
 @triton.jit
 def _token(a, b, c, p0, p1, p2, p3, KIND: tl.constexpr, FLAG: tl.constexpr):
     if KIND == 0:
-        loss, g, s0, s1, s2, s3 = _policy_tok(a, b, c, p0, p1, p2, p3, FLAG)
+        loss, g, s0, s1, s2, s3, s4, s5 = _policy_tok(a, b, c, p0, p1, p2, p3, FLAG)
     else:
         loss, g, s0 = _value_tok(a, b, c, p0, FLAG)
         s1 = tl.zeros_like(s0)
         s2 = tl.zeros_like(s0)
         s3 = tl.zeros_like(s0)
-    return loss, g, s0, s1, s2, s3
+        s4 = tl.zeros_like(s0)
+        s5 = tl.zeros_like(s0)
+    return loss, g, s0, s1, s2, s3, s4, s5
 
 
 @triton.jit
@@ -112,14 +118,16 @@ def _fwd_partials_kernel(
     a = tl.load(X + idx, mask=inb, other=0.0).to(tl.float32)
     b = tl.load(Y + idx, mask=inb, other=0.0).to(tl.float32)
     c = tl.load(Z + idx, mask=inb, other=0.0).to(tl.float32)
-    loss, g, s0, s1, s2, s3 = _token(a, b, c, p0, p1, p2, p3, KIND, FLAG)
-    out = P + (row * nch + ch) * 6
+    loss, g, s0, s1, s2, s3, s4, s5 = _token(a, b, c, p0, p1, p2, p3, KIND, FLAG)
+    out = P + (row * nch + ch) * 8
     tl.store(out + 0, tl.sum(tl.where(keep, m * loss, 0.0), 0))
     tl.store(out + 1, tl.sum(m, 0))
     tl.store(out + 2, tl.sum(tl.where(keep, m * s0, 0.0), 0))
     tl.store(out + 3, tl.sum(tl.where(keep, m * s1, 0.0), 0))
     tl.store(out + 4, tl.sum(tl.where(keep, m * s2, 0.0), 0))
     tl.store(out + 5, tl.sum(tl.where(keep, m * s3, 0.0), 0))
+    tl.store(out + 6, tl.sum(tl.where(keep, m * s4, 0.0), 0))
+    tl.store(out + 7, tl.sum(tl.where(keep, m * s5, 0.0), 0))
 
 
 @triton.jit
@@ -145,17 +153,31 @@ def _combine_kernel(
     s1 = tl.zeros([RB], dtype=tl.float64)
     s2 = tl.zeros([RB], dtype=tl.float64)
     s3 = tl.zeros([RB], dtype=tl.float64)
+    s4 = tl.zeros([RB], dtype=tl.float64)
+    s5 = tl.zeros([RB], dtype=tl.float64)
+    low_min = tl.full([RB], float("inf"), dtype=tl.float64)  # over the rows with a token
+    high_max = tl.full([RB], float("-inf"), dtype=tl.float64)
     for r0 in range(0, B, RB):
         rows = (r0 + lanes).to(tl.int64)
         rin = rows < B
         rn = tl.zeros([RB], dtype=tl.float64)
+        rlow = tl.zeros([RB], dtype=tl.float64)
+        rhigh = tl.zeros([RB], dtype=tl.float64)
         for c in range(0, nch):
-            base = P + (rows * nch + c) * 6
+            base = P + (rows * nch + c) * 8
             rn += tl.load(base + 1, mask=rin, other=0.0).to(tl.float64)
             s0 += tl.load(base + 2, mask=rin, other=0.0).to(tl.float64)
             s1 += tl.load(base + 3, mask=rin, other=0.0).to(tl.float64)
             s2 += tl.load(base + 4, mask=rin, other=0.0).to(tl.float64)
             s3 += tl.load(base + 5, mask=rin, other=0.0).to(tl.float64)
+            rlow += tl.load(base + 6, mask=rin, other=0.0).to(tl.float64)
+            rhigh += tl.load(base + 7, mask=rin, other=0.0).to(tl.float64)
+        s4 += rlow
+        s5 += rhigh
+        has = rn > 0
+        safe = tl.where(has, rn, 1.0)
+        low_min = tl.minimum(low_min, tl.where(has, rlow / safe, float("inf")))
+        high_max = tl.maximum(high_max, tl.where(has, rhigh / safe, float("-inf")))
         n_tot += rn
         n_seq += tl.where(rn > 0, 1.0, 0.0).to(tl.float64)
     n_total = tl.sum(n_tot, 0)
@@ -175,7 +197,7 @@ def _combine_kernel(
         rn = tl.zeros([RB], dtype=tl.float64)
         rl = tl.zeros([RB], dtype=tl.float64)
         for c in range(0, nch):
-            base = P + (rows * nch + c) * 6
+            base = P + (rows * nch + c) * 8
             rl += tl.load(base + 0, mask=rin, other=0.0).to(tl.float64)
             rn += tl.load(base + 1, mask=rin, other=0.0).to(tl.float64)
         if AGG == 0:
@@ -193,6 +215,14 @@ def _combine_kernel(
         tl.store(STATS + 1, (tl.sum(s1, 0) * inv).to(tl.float32))
         tl.store(STATS + 2, (tl.sum(s2, 0) * inv).to(tl.float32))
         tl.store(STATS + 3, (tl.sum(s3, 0) * inv).to(tl.float32))
+    if N_STATS > 4:  # TRL's: low, high, region means; min / max row fractions (NaN: no row)
+        tl.store(STATS + 4, (tl.sum(s4, 0) * inv).to(tl.float32))
+        tl.store(STATS + 5, (tl.sum(s5, 0) * inv).to(tl.float32))
+        tl.store(STATS + 6, ((tl.sum(s4, 0) + tl.sum(s5, 0)) * inv).to(tl.float32))
+        lo_min = tl.min(low_min, 0)
+        hi_max = tl.max(high_max, 0)
+        tl.store(STATS + 7, tl.where(lo_min == float("inf"), float("nan"), lo_min).to(tl.float32))
+        tl.store(STATS + 8, tl.where(hi_max == float("-inf"), float("nan"), hi_max).to(tl.float32))
 
 
 @triton.jit
@@ -223,7 +253,7 @@ def _bwd_kernel(
     b = tl.load(Y + idx, mask=inb, other=0.0).to(tl.float32)
     c = tl.load(Z + idx, mask=inb, other=0.0).to(tl.float32)
     w = tl.load(G).to(tl.float32) * tl.load(COEF + row)
-    loss, g, s0, s1, s2, s3 = _token(a, b, c, p0, p1, p2, p3, KIND, FLAG)
+    loss, g, s0, s1, s2, s3, s4, s5 = _token(a, b, c, p0, p1, p2, p3, KIND, FLAG)
     grad = tl.where(m != 0, w * m * g, 0.0)
     tl.store(GX + idx, grad.to(GX.dtype.element_ty), mask=inb)
 

@@ -50,7 +50,7 @@ def test_policy_loss(backend, dtype, agg, dual):
         )
         (g,) = torch.autograd.grad(loss, x)
     close(loss, want.detach(), **TOL[dtype])
-    close(torch.stack(list(stats.values())), want_stats, **TOL[dtype])
+    close(torch.stack(list(stats.values())), want_stats[:4], **TOL[dtype])  # verl's four
     assert g.dtype == dtype
     close_scaled(g, want_g, **GRAD_TOL[dtype])
 
