@@ -71,6 +71,7 @@ _policy_op = _backend.op("ppo_policy_loss")
 # the backward ops exist with the extension only (so does the route below that calls them)
 _policy_bwd = _backend.op("ppo_policy_loss_backward") if _backend.HAS_EXTENSION else None
 _kl_op = _backend.op("kl_penalty")
+_aggregate_op = _backend.op("masked_aggregate")
 _kl_bwd = _backend.op("kl_penalty_backward") if _backend.HAS_EXTENSION else None
 
 OP = _backend.register_op(
@@ -399,7 +400,8 @@ class _Loss:
             and not _backend.invariant()
         )
         self.ppo = self.kernels and one_pass and pm.is_ppo_surrogate(cfg) and p.w is None
-        self.lp_all, self.ent_all, self.kl_all = token_stats.unbind(0)
+        self.one = torch.ones((), dtype=p.m.dtype, device=p.m.device)
+        self.lp_all, self.ent_all, self.kl_all = token_stats[0], token_stats[1], token_stats[2]
         self.per_row_adv = a.advantages.dim() == 1
         self.kl_est = a.kl_estimator
         self.kl_bounds = (a.kl_in_lo, a.kl_in_hi, a.kl_out_lo, a.kl_out_hi)
@@ -414,9 +416,19 @@ class _Loss:
         """The mask (after any rejection) and the weights of the policy term: the row
         coefficients of the aggregation, and per token k = c_b m (KL and entropy terms)."""
         self.m, self.w = m, w
-        self.c = row_coefficients(m, self.a.agg, self.a.scale, self.gden)
-        self.c_tok = self.c.unsqueeze(-1).expand(m.shape).reshape(-1)  # c_b of each token
+        if self.kernels:  # masked_aggregate's kernel: the row coefficients of the mask, one call
+            self.c = _aggregate_op(m, m, self.a.agg, self.a.scale, self.gden, None)[1]
+        else:
+            self.c = row_coefficients(m, self.a.agg, self.a.scale, self.gden)
+        self._c_tok = None
         self.k = self.c.unsqueeze(-1) * m
+
+    @property
+    def c_tok(self) -> Tensor:
+        """c_b of each token, flat (token scope; made on first use)."""
+        if self._c_tok is None:
+            self._c_tok = self.c.unsqueeze(-1).expand(self.m.shape).reshape(-1)
+        return self._c_tok
 
     def policy(self, lp, b0, b1, t0=None, t1=None, generator=None, w_is=None):
         """Stage 1 (rows b0:b1 whole, or tokens t0:t1 of the flattened batch at token scope) and
@@ -455,7 +467,7 @@ class _Loss:
         return coef.reshape(-1)
 
     def ppo_policy(self, lp, t0, t1):
-        """dL/dlp of tokens t0:t1 (lp: their masked log-probs) by the "ppo" kernels' backward:
+        """dL/dlp of tokens t0:t1 (lp: their log-probs) by the "ppo" kernels' backward:
         [rows, T] when the chunk holds whole rows, else one row per token with its c_b."""
         cfg, p, T = self.cfg, self.p, self.p.m.shape[1]
 
@@ -467,7 +479,7 @@ class _Loss:
         else:
             shape, coef = (-1, 1), self.c_tok[t0:t1]
         g = _policy_bwd(
-            torch.ones((), dtype=lp.dtype, device=lp.device),
+            self.one,
             lp.reshape(shape),
             tok(p.old).reshape(shape),
             tok(p.adv).reshape(shape),
@@ -484,10 +496,9 @@ class _Loss:
         """The policy term and its statistics (verl's and TRL's) by the "ppo" kernels' forward
         on every token's log-prob."""
         cfg, p, m = self.cfg, self.p, self.m
-        lpm = torch.where(m != 0, self.lp_all, torch.zeros_like(self.lp_all))
         a = self.a
         self.pg, st, _ = _policy_op(
-            lpm,
+            self.lp_all,  # (the kernels skip the tokens off the mask)
             p.old,
             p.adv,
             m,
@@ -566,17 +577,19 @@ class _Loss:
         a, m = self.a, self.m
         kernel_stats = self._ppo_loss() if self.ppo else None
         ent = torch.where(m != 0, self.ent_all, torch.zeros_like(self.ent_all))
-        ent_agg = (self.k * ent).sum()
+        # [entropy (, KL)] x [k, m]: their aggregations (k = c_b m) and their masked sums
+        vals = torch.stack((ent, self.kl_all)) if self.has_kl else ent[None]
+        sums = (vals[:, None] * torch.stack((self.k, m))).sum((-2, -1))
+        total = m.sum()
+        means = torch.where(total != 0, sums[:, 1] / total, 0.0)  # (no gradient: 0 / 0 is dropped)
+        ent_agg = sums[0, 0]
         loss = self.pg - a.entropy_coef * ent_agg
         # masked_fraction: the share of the mask's tokens rejected (bypass mode sets it)
         st = {"pg_loss": self.pg, "entropy_loss": ent_agg, "masked_fraction": 0 * ent_agg}
-        means = {"entropy_mean": ent}
+        st["entropy_mean"] = means[0]
         if self.has_kl:
-            kl_agg = (self.k * self.kl_all).sum()
-            loss = loss + a.kl_coef * kl_agg
-            st["kl_loss"] = kl_agg
-            means["kl_mean"] = self.kl_all
-        st.update(pm.masked_means(means, m))
+            loss = loss + a.kl_coef * sums[1, 0]
+            st["kl_loss"], st["kl_mean"] = sums[1, 0], means[1]
         if kernel_stats is not None:
             st.update(kernel_stats)
         else:
@@ -584,7 +597,10 @@ class _Loss:
             st.update(pm.masked_means(values, m))
             st.update(pm.row_metrics(values, m, self.cfg.sequence_level and self.per_row_adv))
         st.update(self.extra)
-        return loss, torch.stack([st[n].to(m.dtype).reshape(()) for n in names])
+        out = [st[n] for n in names]
+        if not all(v.dim() == 0 and v.dtype == m.dtype for v in out):
+            out = [v.to(m.dtype).reshape(()) for v in out]
+        return loss, torch.stack(out)
 
 
 def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
@@ -675,19 +691,19 @@ def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
             glp = pad(coef_all[r0:r1])
         else:
             lp_flat[r0:r1] = lp[: r1 - r0]
-            lpm = torch.where(pad(L.m.view(-1)[r0:r1]) != 0, lp, torch.zeros_like(lp))
-            if scope == "token":
+            if L.ppo:  # (the kernels skip the tokens off the mask)
+                glp = L.ppo_policy(lp, r0, r1)
+            elif scope == "token":
+                lpm = torch.where(pad(L.m.view(-1)[r0:r1]) != 0, lp, torch.zeros_like(lp))
                 w_is = None
                 if chunk_is:
                     m_c = pad(L.m.view(-1)[r0:r1])[:, None]
                     lr = lpm[:, None] - pad(L.p.old.view(-1)[r0:r1])[:, None]
                     with _backend.invariant_threads():
                         w_is = rc.importance_weights(lr, m_c, "token", *bypass[1], False)[0]
-                if L.ppo:
-                    glp = L.ppo_policy(lpm, r0, r1)
-                else:
-                    glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
+                glp = L.policy(lpm, 0, 0, r0, r1, w_is=w_is)
             else:
+                lpm = torch.where(pad(L.m.view(-1)[r0:r1]) != 0, lp, torch.zeros_like(lp))
                 lps = lpm[: r1 - r0].view(-1, T)
                 glp = pad(L.policy(lps, r0 // T, r1 // T, generator=a.generator)[: r1 - r0])
         g_kl, gent = L.kl_and_entropy(lp, r0, r1)
