@@ -53,11 +53,12 @@ def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
 
 
 def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
-    """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs)."""
+    """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs). (torch.sub:
+    the binding itself, ~0.2-0.4 us less than the operator's Python protocol.)"""
     if not _plain_f32_pair(a, b):
         return None
     try:
-        return a - b
+        return torch.sub(a, b)
     except RuntimeError:  # e.g. two devices: the op's checks name the argument
         return None
 
