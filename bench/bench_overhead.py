@@ -233,8 +233,38 @@ def cases(B, T):
                     )
                 ),
             ),
+            (
+                f"linear_policy_loss H={H} V={V} bnpo+k3 fwd+bwd",
+                _backward(
+                    lambda: pk.linear_policy_loss(
+                        hidden.view(B, T, H),
+                        weight,
+                        labels,
+                        x["adv"],
+                        x["old"],
+                        x["mask"],
+                        loss_type="bnpo",
+                        ref_logprobs=x["ref"],
+                        kl_coef=0.04,
+                        kl_estimator="k3",
+                    )[0]
+                ),
+                _backward(lambda: _eager_linear_bnpo(hidden, weight, labels, x)),
+            ),
         ]
     return out
+
+
+def _eager_linear_bnpo(hidden, weight, labels, x):
+    """TRL's GRPOTrainer bnpo loss (+ its clip statistics) with beta's k3 term, on materialised
+    logits: what linear_policy_loss replaces at a size where the logits are no burden."""
+    B, T = labels.shape
+    logits = (hidden @ weight.T).float()
+    lp = torch.log_softmax(logits, -1).gather(-1, labels.reshape(-1, 1)).view(B, T)
+    loss, _ = lref.eager_policy_loss_trl_style(lp, x["old"], x["adv"], x["mask"], "bnpo")
+    d = x["ref"] - lp
+    m = x["mask"].float()
+    return loss + 0.04 * ((torch.exp(d) - d - 1) * m).sum() / m.sum().clamp(min=1.0)
 
 
 def time_pair(a, b, reps, rounds=15):
