@@ -446,15 +446,20 @@ def lit_trl_clip_stats(lp, old, adv, mask, clip_low, clip_high, lr_clamp):
     )
 
 
-@pytest.mark.parametrize("case", ["random", "long_rows", "float_mask", "nan_masked", "all_empty"])
+@pytest.mark.parametrize(
+    "case", ["random", "long_rows", "many_rows", "float_mask", "nan_masked", "all_empty"]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_op_statistics_include_trl_clip_statistics(backend, case):
     """The registered op's statistics: verl's four (checked through the public API above), then
-    TRL's five from the same pass, on every backend: rows that cross the kernels' chunks, a float
-    mask, NaN / inf under the mask, an all-empty mask (means 0, min / max NaN)."""
+    TRL's five from the same pass, on every backend: rows that cross the kernels' chunks, more
+    rows than the Triton combine's block with the tokens in its last rows, a float mask, NaN /
+    inf under the mask, an all-empty mask (means 0, min / max NaN)."""
     torch.manual_seed(3)
-    B, T = (3, 1500) if case == "long_rows" else (6, 37)
+    B, T = {"long_rows": (3, 1500), "many_rows": (300, 7)}.get(case, (6, 37))
     lp, old, adv, mask = _inputs(B, T, spread=0.5)
+    if case == "many_rows":
+        mask[:250] = False
     if case == "float_mask":
         mask = mask.float() * torch.rand(B, T) * 2
     if case == "nan_masked":
