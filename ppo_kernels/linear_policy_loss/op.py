@@ -385,16 +385,18 @@ class _Loss:
     """The loss terms of one call: coefficients per token for the gradient, per-token values for
     the statistics, and the loss sums."""
 
-    def __init__(self, a, cfg, p: _Prepared, gden, token_stats, one_pass: bool):
+    def __init__(self, a, cfg, p: _Prepared, gden, token_stats, one_pass: bool, cpp: bool):
         self.a, self.cfg, self.p, self.gden = a, cfg, p, gden
-        # float32 on the CPU: the per-token terms by the registered ops' kernels where they have
-        # them (the sampled KL; ppo's surrogate -- every clipped type at token level -- without
-        # weights: each chunk's coefficients, then the loss and every statistic, two calls
-        # instead of policy_math's ~100 small ops). float64 keeps the float64 composition,
-        # batch-invariant mode its padded one; CUDA the torch ops until a GPU run shows the loss
-        # kernels under graph capture (the 2026-11-30 H200 run left ppo_policy_loss's open).
+        # The cpp backend, float32 on the CPU: the per-token terms by the registered ops' kernels
+        # where they have them (the sampled KL; ppo's surrogate -- every clipped type at token
+        # level -- without weights: each chunk's coefficients, then the loss and every
+        # statistic, two calls instead of policy_math's ~100 small ops). The eager and triton
+        # backends keep policy_math's torch ops, float64 the float64 composition, batch-invariant
+        # mode its padded one, CUDA the torch ops until a GPU run shows the loss kernels under
+        # graph capture (the 2026-11-30 H200 run left ppo_policy_loss's open).
         self.kernels = (
-            _backend.HAS_EXTENSION
+            cpp
+            and _backend.HAS_EXTENSION
             and p.m.dtype == torch.float32
             and p.m.device.type == "cpu"
             and not _backend.invariant()
@@ -630,7 +632,9 @@ def run(backend: str, a, vocab: WholeVocab | None = None) -> tuple[Tensor, ...]:
     gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
     gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
     p = _prepare(a, acc)
-    L = _Loss(a, cfg, p, _global_denominator(a, acc, dev), token_stats, bypass is None)
+    L = _Loss(
+        a, cfg, p, _global_denominator(a, acc, dev), token_stats, bypass is None, backend == "cpp"
+    )
     full = a.ref_hidden is not None
     # the exact KL: the reference tile and its gradient tile beside the policy tile
     share = 3 if full else 1
