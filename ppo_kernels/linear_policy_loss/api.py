@@ -25,7 +25,7 @@ from ..linear_logprobs.planner import resolve_logits_dtype
 from ..losses import policy_loss as ext
 from ..losses import policy_math as pm
 from ..losses import rollout as rc
-from ..losses.aggregate import aggregation
+from ..losses.aggregate import aggregation, checked_config
 from . import op
 
 _op = _backend.op("linear_policy_loss")
@@ -288,7 +288,7 @@ def _resolve(
         adv = _per_token("advantages", advantages, shape, rows)
     ref = None if ref_logprobs is None else _per_token("ref_logprobs", ref_logprobs, shape, rows)
     wts = None if weights is None else _per_token("weights", weights, shape, rows)
-    cfg = ext.make_config(
+    cfg = checked_config(
         loss_type,
         clip_low,
         clip_high,
@@ -296,14 +296,14 @@ def _resolve(
         delta,
         log_ratio_clamp,
         importance_sampling_level,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        dro_beta=dro_beta,
-        clip_cov_ratio=clip_cov_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio,
-        kl_cov_coef=kl_cov_coef,
+        tau_pos,
+        tau_neg,
+        dro_beta,
+        clip_cov_ratio,
+        clip_cov_lb,
+        clip_cov_ub,
+        kl_cov_ratio,
+        kl_cov_coef,
     )
     rollout = ext.rollout_options(
         cfg,

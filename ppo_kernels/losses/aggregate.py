@@ -18,6 +18,7 @@ from .. import _backend
 from .._checks import check_float, check_int, check_str, check_tensor
 from .._modes import AGG_MODES
 from . import op  # noqa: F401  (registers the ops' Python side)
+from . import policy_loss as ext
 
 _masked_aggregate = _backend.op("masked_aggregate")
 
@@ -56,6 +57,23 @@ def memo(cache: dict, fn, *args):
     if len(cache) < 256:
         cache[args] = (types, out)
     return out
+
+
+_CONFIGS: dict = {}  # the checked configurations seen so far
+
+
+def checked_config(
+    loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, *options
+) -> ext.pm.LossConfig:
+    """make_config with the type-specific options positional (OPTION_CHECKS' order), remembered
+    per argument values (a repeated call skips the checks): ppo_policy_loss and
+    linear_policy_loss build their LossConfig here."""
+    args = (loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, *options)
+    return memo(_CONFIGS, _make_config, *args)
+
+
+def _make_config(*args):
+    return ext.make_config(*args[:7], **dict(zip(ext.OPTION_CHECKS, args[7:])))
 
 
 _AGGREGATIONS: dict = {}

@@ -22,7 +22,7 @@ from .aggregate import (
     aggregation,
     apply_empty,
     apply_empty_stats,
-    memo,
+    checked_config,
     rows,
 )
 from .policy_math import default_aggregation
@@ -31,7 +31,6 @@ from .reference import STAT_NAMES_POLICY, STAT_NAMES_VALUE
 _policy_op = _backend.op("ppo_policy_loss")
 _value_op = _backend.op("ppo_value_loss")
 
-_CONFIGS: dict = {}  # the checked loss configurations (ext.make_config) seen so far
 
 _POLICY = ("logprobs", "old_logprobs", "advantages")
 _VALUE = ("values", "old_values", "returns")
@@ -56,11 +55,6 @@ def _check_tensors(names, tensors, mask):
         check_tensor(n, t, dtypes=VALUE_DTYPES)
     check_tensor("mask", mask, dtypes=MASK_DTYPES)
     check_same_device(**dict(zip(names, tensors)), mask=mask)
-
-
-def _make_config(*args):
-    """ext.make_config with the type-specific options positional, in OPTION_CHECKS' order."""
-    return ext.make_config(*args[:7], **dict(zip(ext.OPTION_CHECKS, args[7:])))
 
 
 def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
@@ -198,9 +192,7 @@ def ppo_policy_loss(
         full_adv = advantages
     inputs = (logprobs, old_logprobs, full_adv)
     _check_shapes(_POLICY, inputs, mask)
-    cfg = memo(
-        _CONFIGS,
-        _make_config,
+    cfg = checked_config(
         loss_type,
         clip_low,
         clip_high,
