@@ -288,23 +288,7 @@ def _resolve(
         adv = _per_token("advantages", advantages, shape, rows)
     ref = None if ref_logprobs is None else _per_token("ref_logprobs", ref_logprobs, shape, rows)
     wts = None if weights is None else _per_token("weights", weights, shape, rows)
-    cfg = checked_config(
-        loss_type,
-        clip_low,
-        clip_high,
-        dual_clip,
-        delta,
-        log_ratio_clamp,
-        importance_sampling_level,
-        tau_pos,
-        tau_neg,
-        dro_beta,
-        clip_cov_ratio,
-        clip_cov_lb,
-        clip_cov_ub,
-        kl_cov_ratio,
-        kl_cov_coef,
-    )
+    cfg = checked_config(locals())
     rollout = ext.rollout_options(
         cfg,
         rollout_logprobs,

@@ -63,6 +63,7 @@ from ..linear_logprobs.planner import (
 from ..linear_logprobs.tiler import Tiler
 from ..losses import policy_math as pm
 from ..losses import rollout as rc
+from ..losses.policy_loss import CONFIG_ARGS
 from ..losses.reference import OP_STAT_NAMES_POLICY, row_coefficients
 from ..token_logprobs import op as tl_op
 from . import reference
@@ -107,21 +108,7 @@ ARG_NAMES = (
     "ref_hidden",
     "ref_weight",
     "ref_bias",
-    "loss_type",
-    "clip_low",
-    "clip_high",
-    "dual_clip",
-    "delta",
-    "log_ratio_clamp",
-    "importance_sampling_level",
-    "tau_pos",
-    "tau_neg",
-    "dro_beta",
-    "clip_cov_ratio",
-    "clip_cov_lb",
-    "clip_cov_ub",
-    "kl_cov_ratio",
-    "kl_cov_coef",
+    *CONFIG_ARGS,  # loss_type ... kl_cov_coef
     "agg",
     "scale",
     "global_denom_value",

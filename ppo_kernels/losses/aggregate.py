@@ -62,14 +62,11 @@ def memo(cache: dict, fn, *args):
 _CONFIGS: dict = {}  # the checked configurations seen so far
 
 
-def checked_config(
-    loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, *options
-) -> ext.pm.LossConfig:
-    """make_config with the type-specific options positional (OPTION_CHECKS' order), remembered
-    per argument values (a repeated call skips the checks): ppo_policy_loss and
-    linear_policy_loss build their LossConfig here."""
-    args = (loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, *options)
-    return memo(_CONFIGS, _make_config, *args)
+def checked_config(arguments: dict) -> ext.pm.LossConfig:
+    """The checked LossConfig of a policy-loss call from its arguments (the caller's `locals()`),
+    remembered per argument values (a repeated call skips the checks): ppo_policy_loss and
+    linear_policy_loss build theirs here."""
+    return memo(_CONFIGS, _make_config, *(arguments[k] for k in ext.CONFIG_ARGS))
 
 
 def _make_config(*args):

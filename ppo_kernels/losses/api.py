@@ -192,23 +192,7 @@ def ppo_policy_loss(
         full_adv = advantages
     inputs = (logprobs, old_logprobs, full_adv)
     _check_shapes(_POLICY, inputs, mask)
-    cfg = checked_config(
-        loss_type,
-        clip_low,
-        clip_high,
-        dual_clip,
-        delta,
-        log_ratio_clamp,
-        importance_sampling_level,
-        tau_pos,
-        tau_neg,
-        dro_beta,
-        clip_cov_ratio,
-        clip_cov_lb,
-        clip_cov_ub,
-        kl_cov_ratio,
-        kl_cov_coef,
-    )
+    cfg = checked_config(locals())
     rollout = ext.rollout_options(
         cfg,
         rollout_logprobs,

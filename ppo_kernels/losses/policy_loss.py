@@ -41,6 +41,17 @@ OPTION_CHECKS = {
     "kl_cov_ratio": dict(positive=True),
     "kl_cov_coef": {},
 }
+# the arguments (public names, in the registered ops' order) a LossConfig is made of
+CONFIG_ARGS = (
+    "loss_type",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "delta",
+    "log_ratio_clamp",
+    "importance_sampling_level",
+    *OPTION_CHECKS,
+)
 
 
 def make_config(
