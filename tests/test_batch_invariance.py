@@ -739,8 +739,11 @@ def run(n):
 many, few = run(37), run(7)
 for a, b in zip(many, few):
     assert torch.equal(a[:7], b), (a[:7] - b).abs().max()
-dist.destroy_process_group()
 print("OK")
+# os._exit, not a teardown: gloo's threads can abort a finished process at exit ("terminate
+# called without an active exception"; tests/_dist_workers.py), failing a run whose checks passed
+sys.stdout.flush()
+os._exit(0)
 """
 
 
