@@ -6,14 +6,16 @@
                with --liger-compiled)
   trl          TRL 1.16's fused LM head (_ChunkedLogProbFunction, as GRPOTrainer's fused_lm_head
                calls it) + TRL's loss on its log-probs
+  --eager        TRL's loss on materialised logits (small sizes: where the logits are no burden)
 
 The same loss for all: "bnpo" (TRL / Liger), clip 0.2, k3 KL to ref_logprobs with beta 0.04, no
 entropy term (Liger has none; ours and TRL's compute the entropy anyway). Modes interleaved per
 repetition; median time and peak extra tensor memory (the gradients included); the load average
 before and after. Gradients checked against the composition before timing.
 
-    python bench/bench_linear_policy_loss.py [--reps 3] [--threads 2] [--sizes 4096,1024,32000 ...]
-        [--dtypes float32 bfloat16] [--liger-compiled] [--out bench/results/cpu_linear_policy_loss.md]
+    python bench/bench_linear_policy_loss.py [--reps 3] [--threads 2] [--sizes N,H,V[,T] ...]
+        [--dtypes float32 bfloat16] [--liger-compiled] [--eager]
+        [--out bench/results/cpu_linear_policy_loss.md]   (T: tokens per row, default min(256, N))
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import ppo_kernels as pk  # noqa: E402
 BETA, CLIP, T = 0.04, 0.2, 256
 
 
-def _inputs(N, H, V, dtype, seed=0):
+def _inputs(N, H, V, dtype, seed=0, T=T):
     g = torch.Generator().manual_seed(seed)
     B = N // T
     h = (torch.randn(B, T, H, generator=g) * 0.5).to(dtype)
@@ -136,6 +138,15 @@ def composition(x, logits_dtype="float32"):
     return _backward(composition_loss(x, h, W, logits_dtype=logits_dtype), h, W)
 
 
+def eager(x):
+    """TRL's bnpo loss with the k3 term on materialised float32 logits (--eager: what the fused op
+    replaces where the logits are no burden)."""
+    h, W = _leaves(x)
+    logits = (h.reshape(-1, h.shape[-1]) @ W.T).float()
+    lp = torch.log_softmax(logits, -1).gather(-1, x["labels"].reshape(-1, 1))
+    return _backward(trl_bnpo_loss(x, lp), h, W)
+
+
 _LIGER = {}
 
 
@@ -165,8 +176,8 @@ def trl(x):
     return _backward(trl_bnpo_loss(x, lp), h, W)
 
 
-def run_size(N, H, V, dtype, reps, liger_compiled, skip=()):
-    x = _inputs(N, H, V, dtype)
+def run_size(N, H, V, dtype, reps, liger_compiled, skip=(), T=T, with_eager=False):
+    x = _inputs(N, H, V, dtype, T=T)
     modes = {}
     if dtype == torch.float32:
         modes["fused"] = lambda: fused(x)
@@ -180,6 +191,8 @@ def run_size(N, H, V, dtype, reps, liger_compiled, skip=()):
     if liger_compiled:
         modes["liger (compiled)"] = lambda: liger(x, True)
     modes["trl fused head + loss"] = lambda: trl(x)
+    if with_eager:
+        modes["eager (logits)"] = lambda: eager(x)
     modes = {n: f for n, f in modes.items() if not any(s in n for s in skip)}
     # the same numbers first (the composition at float32 tiles is the yardstick); that call is
     # also the warm-up (compilation) and the peak-memory measurement
@@ -207,6 +220,7 @@ def main():
     ap.add_argument("--liger-compiled", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", nargs="*", default=[], help="leave out modes whose name has this")
+    ap.add_argument("--eager", action="store_true", help="also the loss on materialised logits")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lines = [
@@ -214,7 +228,7 @@ def main():
         "",
         f"{machine()}. `python bench/bench_linear_policy_loss.py {' '.join(sys.argv[1:])}`",
         "",
-        f"bnpo, clip {CLIP}, k3 KL (beta {BETA}), T = {T}, forward + backward, median of "
+        f"bnpo, clip {CLIP}, k3 KL (beta {BETA}), forward + backward, median of "
         f"{args.reps} interleaved repetitions; peak = extra tensor memory (gradients included); "
         "loss / grad err = absolute loss difference / max relative gradient difference against "
         "the composition (float32 tiles).",
@@ -225,21 +239,25 @@ def main():
         "",
     ]
     for size in args.sizes:
-        N, H, V = (int(v) for v in size.split(","))
+        N, H, V, *t = (int(v) for v in size.split(","))  # N,H,V[,T]
+        seq = t[0] if t else min(T, N)
         for dt in args.dtypes:
             dtype = getattr(torch, dt)
-            res, (l0, l1) = run_size(N, H, V, dtype, args.reps, args.liger_compiled, args.skip)
+            res, (l0, l1) = run_size(
+                N, H, V, dtype, args.reps, args.liger_compiled, args.skip, seq, args.eager
+            )
             comp = res.get("composition", res.get("composition (float32 tiles)"))[0]
             lig = res["liger"][0] if "liger" in res else None  # --skip liger
             lines += [
-                f"## N={N} H={H} V={V} {dt} (load {l0:.2f} -> {l1:.2f})",
+                f"## N={N} (T={seq}) H={H} V={V} {dt} (load {l0:.2f} -> {l1:.2f})",
                 "",
                 "| mode | time (ms) | vs composition | vs liger | peak (MiB) | loss err | grad err |",
                 "|---|---|---|---|---|---|---|",
             ]
             for name, (t, peak, (le, ge)) in res.items():
+                ms = f"{t * 1e3:.0f}" if t >= 0.1 else f"{t * 1e3:.3g}"
                 lines.append(
-                    f"| {name} | {t * 1e3:.0f} | {t / comp:.2f}x | "
+                    f"| {name} | {ms} | {t / comp:.2f}x | "
                     f"{f'{t / lig:.2f}x' if lig else '-'} | "
                     f"{peak / 2**20:.0f} | {le:.1e} | {ge:.1e} |"
                 )

@@ -37,6 +37,7 @@ std::vector<std::string> mode_names(const std::string& table) {
   if (table == "agg") return agg_names();
   if (table == "kl_estimator") return kl_estimator_names();
   if (table == "group_advantage") return group_advantage_names();
+  if (table == "clip_loss_type") return clip_loss_type_names();
   TORCH_CHECK_VALUE(false, "table: unknown mode table '", table, "'");
   return {};
 }
@@ -47,7 +48,8 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   // ppo_kernels.batch_invariant() (Python keeps the stack; this is its top). Returns the previous
   // setting.
   m.def("set_batch_invariant(bool enabled) -> bool", &set_batch_invariant);
-  // The name tables of csrc/common/modes.h ("agg", "kl_estimator", "group_advantage"), so a test
+  // The name tables of csrc/common/modes.h ("agg", "kl_estimator", "group_advantage",
+  // "clip_loss_type"), so a test
   // can check the Python tables against them.
   m.def("mode_names(str table) -> str[]", &mode_names);
 }

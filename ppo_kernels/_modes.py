@@ -9,9 +9,16 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's names
 GROUP_ADVANTAGES = ("grpo", "rloo")
+# policy-loss types whose per-token loss is ppo's clipped surrogate (policy_math.CLIP_TYPES)
+CLIP_LOSS_TYPES = ("ppo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 # table name in csrc/common/modes.h -> the Python table
-TABLES = {"agg": AGG_MODES, "kl_estimator": KL_ESTIMATORS, "group_advantage": GROUP_ADVANTAGES}
+TABLES = {
+    "agg": AGG_MODES,
+    "kl_estimator": KL_ESTIMATORS,
+    "group_advantage": GROUP_ADVANTAGES,
+    "clip_loss_type": CLIP_LOSS_TYPES,
+}
 
 
 def index(arg: str, table: tuple[str, ...], name: str) -> int:

@@ -906,3 +906,121 @@ def test_peak_memory_holds_one_weight_gradient():
     # the leaves' copies and their gradients (2 x (h + W)) are in both; one more W would show
     assert peak < 2 * (N * H_ * 4 + grad_w) + budget + grad_w // 2, (peak, grad_w)
     assert peak <= peak_comp + (64 << 10), (peak, peak_comp)
+
+
+# The C++ loop (csrc/cpu/linear_policy_loss.cpp): the registered op runs the cpp backend's
+# float32 CPU calls of the clipped types there (csrc/ops/linear_policy_loss.cpp). Each case against
+# the Python loop (`ppo_kernels_cpp::linear_policy_loss_grads`, op.run) on the same arguments: the
+# same kernels, so the same numbers up to the order of float sums.
+CPP_LOOP_CASES = [
+    dict(loss_type="ppo", dual_clip=3.0, entropy_coef=0.01, temperature=0.8),
+    dict(loss_type="ppo", agg="seq-mean-token-sum", kl_coef=0.3, kl_estimator="k2"),
+    dict(loss_type="grpo", kl_coef=0.04, kl_estimator="k3", per_row_adv=True),
+    dict(loss_type="bnpo", kl_coef=0.1, kl_estimator="k3+", kl_clamp="verl"),
+    dict(loss_type="dr_grpo", kl_coef=0.1, kl_estimator="abs", entropy_coef=-0.02),
+    dict(loss_type="dapo", global_num_tokens=11, kl_coef=0.2, kl_estimator="k1"),
+    dict(loss_type="luspo", clip_high=0.28, kl_coef=0.1, kl_estimator="low_var_kl"),
+    dict(loss_type="ppo", agg="seq-mean-token-mean", bias=False, need=(True, False, False)),
+    dict(loss_type="ppo", agg="seq-mean-token-sum-norm", float_mask=True, kl_coef=0.1),
+    dict(loss_type="grpo", need=(False, True, True), entropy_coef=0.05, kl_coef=0.1),
+    dict(loss_type="ppo", global_num_tokens=torch.tensor(13.0), need=(False, False, False)),
+]
+
+
+@pytest.mark.parametrize("budget", [SMALL, ROWS])
+@pytest.mark.parametrize("case", CPP_LOOP_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_cpp_loop_matches_the_python_loop(monkeypatch, case, budget):
+    kw = dict(case)
+    x = _inputs(per_row_adv=kw.pop("per_row_adv", False), bias=kw.pop("bias", True))
+    need = kw.pop("need", (True, True, True))
+    if kw.pop("float_mask", False):
+        x["mask"] = x["mask"] * torch.rand(B, T, generator=torch.Generator().manual_seed(3))
+    if "kl_coef" in kw:
+        kw["ref_logprobs"] = x["ref"] - 2 * (torch.arange(B * T).view(B, T) % 4 == 0)
+    call, _, _ = api.arguments(
+        x["h"], x["W"], x["labels"], x["adv"], x["old"], x["mask"], bias=x["b"],
+        max_chunk_bytes=budget, **kw,
+    )  # fmt: skip
+    args = tuple(call._replace(need_hidden=need[0], need_weight=need[1], need_bias=need[2]))
+    python_runs = []
+    run = op.run
+    monkeypatch.setattr(op, "run", lambda *a, **k: python_runs.append(1) or run(*a, **k))
+    with use_backend(linear_policy_loss="cpp"), poisoned():
+        got = torch.ops.ppo_kernels.linear_policy_loss_grads(*args)
+        assert not python_runs, "the registered op did not take the C++ loop"
+        want = torch.ops.ppo_kernels_cpp.linear_policy_loss_grads(*args)
+        assert python_runs
+    names = op.stat_names(call)
+    assert got[1].shape == want[1].shape == (len(names),)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for k, g, w in zip(names, got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, msg=f"{k}")
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(("hidden", "weight", "bias"), got[3:], want[3:]):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        _close_scaled(g, w, 1e-5, name)
+
+
+@pytest.mark.parametrize("width,vocab", [(H, V), (8, 200)])
+def test_cpp_loop_chunks_like_the_planner(width, vocab):
+    """The C++ loop's row chunks are linear_logprobs' planner's (plan_chunks, float32 CPU): the
+    forward's logits GEMMs counted for budgets from under one row to the whole batch (V > 64:
+    the planner's under-16-rows rule differs from the plain fit)."""
+    g = torch.Generator().manual_seed(0)
+    N = B * T
+    h, W = torch.randn(B, T, width, generator=g), torch.randn(vocab, width, generator=g)
+    labels = torch.randint(0, vocab, (B, T), generator=g)
+    adv, old = torch.randn(B, T, generator=g), -torch.rand(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    row = 4 * (vocab + width)
+    for budget in (1, 100, row * 2, row * 5 + 3, row * 12, row * 17, SMALL, ROWS, 0):
+        rows = op.plan(h.reshape(N, width), vocab, "float32", budget).rows
+
+        def forward(budget=budget):
+            with use_backend(linear_policy_loss="cpp"), torch.no_grad():
+                pk.linear_policy_loss(h, W, labels, adv, old, mask, max_chunk_bytes=budget or None)
+
+        assert _mm_calls(forward) == -(-N // rows), (budget, rows)
+
+
+def test_cpp_loop_names_a_bad_label_by_its_position_in_the_batch():
+    """Every label is checked before any work: the position is the batch's, not a chunk's."""
+    x = _inputs()
+    labels = x["labels"].clone()
+    labels[2, 5] = V
+    with (
+        use_backend(linear_policy_loss="cpp"),
+        pytest.raises(
+            IndexError, match=rf"labels: value {V} at flat position {2 * T + 5} is outside"
+        ),
+    ):
+        pk.linear_policy_loss(
+            x["h"], x["W"], labels, x["adv"], x["old"], x["mask"], max_chunk_bytes=SMALL
+        )
+
+
+def test_cpp_loop_kernel_checks_its_arguments():
+    """The raw kernel names a bad argument (it is callable on its own)."""
+    x = _inputs()
+    h = x["h"].reshape(B * T, H)
+    args = [h, x["W"], None, x["labels"], x["adv"], x["old"], x["mask"], None, None, None, 0.2,
+            0.2, None, 20.0, "token-mean", 1.0, 0.0, "k3", False, -math.inf, math.inf, -math.inf,
+            math.inf, 0.0, 1.0, -100, 0, [0, 6], True, True, False]  # fmt: skip
+    kernel = torch.ops.ppo_kernels_C.linear_policy_loss_ppo
+    assert kernel(*args)[1].shape == (2,)
+    for i, bad, match in [
+        (0, h.double(), "hidden: expected dtype float32"),
+        (1, x["W"][:, :-1], "weight: expected shape"),
+        (4, x["adv"][:, :-1], "advantages: expected shape"),
+        (5, x["old"].T, "old_logprobs: expected shape"),
+        (3, x["labels"].float(), "labels: expected dtype int64 or int32"),
+        (17, "k9", "kl_estimator: unknown mode 'k9'"),
+        (26, -1, "max_chunk_bytes: expected a non-negative integer"),
+        (27, [0, 15], r"stat_order: expected entries in \[0, 15\)"),
+    ]:
+        a = list(args)
+        a[i] = bad
+        if i == 17:
+            a[7] = x["ref"]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            kernel(*a)

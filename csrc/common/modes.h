@@ -26,6 +26,14 @@ inline const std::vector<std::string>& kl_estimator_names() {
   return names;
 }
 
+// Policy-loss types whose per-token loss is ppo's clipped surrogate (policy_math.CLIP_TYPES): at
+// token level and without delta, the fused loss kernels compute them (loss_math.h policy_token;
+// the types differ in the aggregation and the log-ratio clamp, resolved before the kernels).
+inline const std::vector<std::string>& clip_loss_type_names() {
+  static const std::vector<std::string> names = {"ppo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo"};
+  return names;
+}
+
 // Group-relative advantage estimators.
 enum GroupAdvantage : int64_t { kGRPO = 0, kRLOO };
 inline const std::vector<std::string>& group_advantage_names() {

@@ -1,9 +1,25 @@
 // token_logprobs: the host-side argument handling shared by the CPU and CUDA forward kernels.
 #pragma once
+#include <ATen/Dispatch.h>
+
 #include "common/alloc.h"
 #include "common/tensor_checks.h"
 
 namespace ppo_kernels {
+
+// Every label of a CPU tensor read on the host: an IndexError naming the first one outside
+// [0, V) that is not ignore_index, by its flat position (the CPU kernels run it before any work).
+inline void check_labels_on_host(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
+  AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "check_labels", [&] {
+    const index_t* lab = labels.const_data_ptr<index_t>();
+    for (int64_t i = 0; i < labels.numel(); ++i) {
+      const int64_t l = lab[i];
+      TORCH_CHECK_INDEX(l == ignore_index || (l >= 0 && l < V), "labels: value ", l,
+                        " at flat position ", i, " is outside the vocabulary [0, ", V,
+                        ") and is not ignore_index (", ignore_index, ")");
+    }
+  });
+}
 
 struct LogprobsCall {
   at::Tensor logits, labels;  // logits as read (strided rows), labels contiguous

@@ -20,18 +20,6 @@ using cpu::kBlock;
 using cpu::load_scaled;
 using cpu::Vec;
 
-void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
-  AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "token_logprobs_labels", [&] {
-    const index_t* lab = labels.data_ptr<index_t>();
-    for (int64_t i = 0; i < labels.numel(); ++i) {
-      const int64_t l = lab[i];
-      TORCH_CHECK_INDEX(l == ignore_index || (l >= 0 && l < V), "labels: value ", l,
-                        " at flat position ", i, " is outside the vocabulary [0, ", V,
-                        ") and is not ignore_index (", ignore_index, ")");
-    }
-  });
-}
-
 // A row whose scaled logits overflow float32 (|x| * inv_t > FLT_MAX, e.g. x = 3e38 at temperature
 // 0.5) still has a finite answer: the fast path's lse comes out non-finite there, and the row is
 // recomputed in float64 relative to its unscaled max. Rows with NaN / +inf logits, or all -inf,
@@ -81,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cpu(const at::
   const int64_t N = c.N, V = c.V;
   check_inv_temperature(inv_temperature);
   if (N == 0) return {logprobs, entropy, lse};
-  check_labels(labels, V, ignore_index);
+  check_labels_on_host(labels, V, ignore_index);
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd", [&] {
@@ -188,7 +176,7 @@ void token_logprobs_bwd_cpu(const at::Tensor& grad_logprobs,
   const int64_t N = c.N, V = c.V;
   check_inv_temperature(inv_temperature);
   if (N == 0) return;
-  check_labels(labels, V, ignore_index);
+  check_labels_on_host(labels, V, ignore_index);
   const RowIndexer rin = c.rows, rout = c.grad_rows;
   const float inv_t = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(

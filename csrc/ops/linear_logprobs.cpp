@@ -13,6 +13,7 @@
 #include <atomic>
 
 #include "common/alloc.h"
+#include "common/token_logprobs_host.h"
 #include "ops/checks.h"
 #include "ops/plain_node.h"
 #include "ops/route.h"
@@ -48,16 +49,7 @@ void check_temperature(double t) {
 // labels only (reading GPU labels is a host sync: op.py checks them under strict_checks()).
 void check_labels_in_range(const Tensor& labels, int64_t V, int64_t ignore_index) {
   if (!labels.is_cpu() || labels.numel() == 0) return;
-  const Tensor l = labels.contiguous();
-  AT_DISPATCH_INDEX_TYPES(l.scalar_type(), "linear_token_logprobs labels", [&] {
-    const index_t* p = l.const_data_ptr<index_t>();
-    for (int64_t i = 0; i < l.numel(); ++i) {
-      const int64_t v = p[i];
-      TORCH_CHECK_INDEX(v == ignore_index || (v >= 0 && v < V), "labels: value ", v,
-                        " at flat position ", i, " is outside the vocabulary [0, ", V,
-                        ") and is not ignore_index (", ignore_index, ")");
-    }
-  });
+  check_labels_on_host(labels.contiguous(), V, ignore_index);
 }
 
 // hidden [N, H], weight [V, H], labels [N], bias [V] or none; the scalars (metadata, and the

@@ -5,7 +5,8 @@
 // loop (logits tile -> row statistics -> per-token dL/dlogprob and dL/dentropy -> gradient tile ->
 // grad_hidden rows and the weight-gradient sum) is ppo_kernels/linear_policy_loss/op.py, which
 // registers it per backend (`ppo_kernels_cpp::` around the compiled token_logprobs kernels,
-// `ppo_kernels_triton::`, `ppo_kernels_eager::`), with the fake kernels.
+// `ppo_kernels_triton::`, `ppo_kernels_eager::`), with the fake kernels; its cpp route hands the
+// float32 CPU calls of the ppo-surrogate types to one C++ loop (csrc/cpu/linear_policy_loss.cpp).
 //
 // linear_policy_loss_grads computes the loss, the statistics and the gradients of hidden / weight
 // / bias that are asked for (the need_* flags: a frozen LM head costs no weight-gradient GEMM);
@@ -19,8 +20,13 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
+#include "common/alloc.h"
 #include "common/modes.h"
 #include "ops/checks.h"
 #include "ops/route.h"
@@ -88,7 +94,8 @@ struct Args {
   size_t n, hidden, weight, labels, advantages, old_logprobs, mask, bias, ref_logprobs, weights,
       global_denom, ref_hidden, ref_weight, ref_bias, agg, kl_estimator, kl_in_lo, kl_in_hi,
       kl_out_lo, kl_out_hi, kl_coef, entropy_coef, temperature, softcap, max_chunk_bytes,
-      logits_dtype, clip_low, clip_high, log_ratio_clamp, scale;
+      logits_dtype, clip_low, clip_high, log_ratio_clamp, scale, loss_type, dual_clip, delta,
+      importance_sampling_level, global_denom_value, kl_straight_through, ignore_index, bypass_mode;
 };
 
 // Argument positions, read once from linear_policy_loss's schema by name (linear_policy_loss_grads
@@ -130,7 +137,15 @@ const Args& args_of() {
                 .clip_low = at("clip_low"),
                 .clip_high = at("clip_high"),
                 .log_ratio_clamp = at("log_ratio_clamp"),
-                .scale = at("scale")};
+                .scale = at("scale"),
+                .loss_type = at("loss_type"),
+                .dual_clip = at("dual_clip"),
+                .delta = at("delta"),
+                .importance_sampling_level = at("importance_sampling_level"),
+                .global_denom_value = at("global_denom_value"),
+                .kl_straight_through = at("kl_straight_through"),
+                .ignore_index = at("ignore_index"),
+                .bypass_mode = at("bypass_mode")};
   }();
   return a;
 }
@@ -249,13 +264,101 @@ void check(const Stack& a, const Args& i) {
                     "logits_dtype: expected 'float32' or 'input', got '", ld, "'");
 }
 
+// ---- the C++ loop (csrc/cpu/linear_policy_loss.cpp) ----
+// The cpp backend's calls it runs: float32 on the CPU, at least one token, a clipped type at token
+// level without delta (policy_math.is_ppo_surrogate), no caller weights, bypass-mode rollout
+// correction, soft-cap or reference head, not batch-invariant, the compiled kernels (not a test's
+// emulated ones). The rest takes the Python chunk loop (op.py run, `ppo_kernels_cpp::`), which
+// is the same computation around the same kernels at ~0.2 ms more per call.
+bool cpp_loop(const Stack& a, const Args& i) {
+  const Tensor hidden = a[i.hidden].toTensor();
+  if (!hidden.device().is_cpu() || hidden.scalar_type() != at::kFloat || hidden.size(0) == 0 ||
+      a[i.weight].toTensor().size(0) == 0)
+    return false;
+  if (!a[i.weights].isNone() || !a[i.ref_hidden].isNone() || !a[i.softcap].isNone() ||
+      !a[i.delta].isNone() || a[i.bypass_mode].toBool() ||
+      a[i.importance_sampling_level].toStringRef() != "token")
+    return false;
+  const auto& types = clip_loss_type_names();
+  if (std::find(types.begin(), types.end(), a[i.loss_type].toStringRef()) == types.end())
+    return false;
+  return !batch_invariant_mode() && cpp_kernels_compiled();
+}
+
+// The loop's statistics (csrc/cpu/linear_policy_loss.cpp: its own six, then ppo_policy_loss_fwd's
+// verl four and TRL five), and the order of the op's `stats` (op.stat_names: "ppo" reports verl's,
+// TRL's types both, in policy_math's order; kl_* with a reference).
+constexpr std::array<const char*, 15> kLoopStats = {
+    "pg_loss",          "entropy_loss",      "entropy_mean",      "masked_fraction",
+    "kl_loss",          "kl_mean",           "clip_frac",         "clip_frac_lower",
+    "approx_kl",        "ratio_mean",        "clip_low_frac",     "clip_high_frac",
+    "clip_region_frac", "clip_low_frac_min", "clip_high_frac_max"};
+
+std::vector<int64_t> order_of(std::initializer_list<const char*> names) {
+  std::vector<int64_t> out;
+  for (const char* n : names) {
+    const auto it = std::find_if(kLoopStats.begin(), kLoopStats.end(),
+                                 [&](const char* s) { return std::strcmp(s, n) == 0; });
+    TORCH_INTERNAL_ASSERT(it != kLoopStats.end(), n);
+    out.push_back(it - kLoopStats.begin());
+  }
+  return out;
+}
+
+const std::vector<int64_t>& stat_order(bool trl, bool has_ref) {
+  static const std::vector<int64_t> orders[4] = {
+      order_of({"pg_loss", "entropy_loss", "entropy_mean", "masked_fraction", "clip_frac",
+                "clip_frac_lower", "approx_kl", "ratio_mean"}),
+      order_of({"pg_loss", "entropy_loss", "entropy_mean", "masked_fraction", "kl_loss", "kl_mean",
+                "clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean"}),
+      order_of({"pg_loss", "entropy_loss", "entropy_mean", "masked_fraction", "clip_low_frac",
+                "clip_high_frac", "clip_region_frac", "clip_frac", "clip_frac_lower", "approx_kl",
+                "ratio_mean", "clip_low_frac_min", "clip_high_frac_max"}),
+      order_of({"pg_loss", "entropy_loss", "entropy_mean", "masked_fraction", "kl_loss", "kl_mean",
+                "clip_low_frac", "clip_high_frac", "clip_region_frac", "clip_frac",
+                "clip_frac_lower", "approx_kl", "ratio_mean", "clip_low_frac_min",
+                "clip_high_frac_max"})};
+  return orders[2 * trl + has_ref];
+}
+
+using LoopSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+    std::optional<double>, double, double, std::optional<double>, double, const std::string&,
+    double, double, const std::string&, bool, double, double, double, double, double, double,
+    int64_t, int64_t, at::IntArrayRef, bool, bool, bool);
+
+// The stack's n arguments replaced by linear_policy_loss_grads' outputs, from the C++ loop.
+void run_cpp_loop(Stack* stack, const Stack& a, const Args& i, size_t n) {
+  static const auto loop = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("ppo_kernels_C::linear_policy_loss_ppo", "")
+                               .typed<LoopSig>();
+  const auto ref = opt_tensor(a[i.ref_logprobs]);
+  const auto& order = stat_order(a[i.loss_type].toStringRef() != "ppo", ref.has_value());
+  auto out = loop.call(
+      a[i.hidden].toTensor(), a[i.weight].toTensor(), opt_tensor(a[i.bias]), a[i.labels].toTensor(),
+      a[i.advantages].toTensor(), a[i.old_logprobs].toTensor(), a[i.mask].toTensor(), ref,
+      opt_tensor(a[i.global_denom]), a[i.global_denom_value].toOptional<double>(),
+      a[i.clip_low].toDouble(), a[i.clip_high].toDouble(), a[i.dual_clip].toOptional<double>(),
+      a[i.log_ratio_clamp].toDouble(), a[i.agg].toStringRef(), a[i.scale].toDouble(),
+      a[i.kl_coef].toDouble(), a[i.kl_estimator].toStringRef(), a[i.kl_straight_through].toBool(),
+      a[i.kl_in_lo].toDouble(), a[i.kl_in_hi].toDouble(), a[i.kl_out_lo].toDouble(),
+      a[i.kl_out_hi].toDouble(), a[i.entropy_coef].toDouble(), 1.0 / a[i.temperature].toDouble(),
+      a[i.ignore_index].toInt(), a[i.max_chunk_bytes].toInt(), order, a[i.n].toBool(),
+      a[i.n + 1].toBool(), a[i.n + 2].toBool());
+  torch::jit::drop(*stack, n);
+  std::apply([&](auto&... t) { (stack->emplace_back(std::move(t)), ...); }, out);
+}
+
 // linear_policy_loss_grads on the CPU / CUDA keys: check, then the backend's implementation.
 void grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
   const Args& i = args_of();
   const size_t n = i.n + 3;  // + need_hidden, need_weight, need_bias
   const Stack args = arguments(*stack, n);
   check(args, i);
-  impl(backend_for("linear_policy_loss", args[i.hidden].toTensor())).callBoxed(stack);
+  const Backend b = backend_for("linear_policy_loss", args[i.hidden].toTensor());
+  if (b == Backend::kCpp && cpp_loop(args, i)) return run_cpp_loop(stack, args, i, n);
+  impl(b).callBoxed(stack);
 }
 
 // linear_policy_loss on the CPU / CUDA keys (no gradient asked for): linear_policy_loss_grads'

@@ -153,6 +153,8 @@ bool set_strict(bool enabled) { return strict_flag.exchange(enabled); }
 
 bool strict_checks() { return strict_flag.load(std::memory_order_relaxed); }
 
+bool cpp_kernels_compiled() { return cpp_slot.load() == static_cast<int>(Ns::kCppKernels); }
+
 Backend backend_for(const char* op, const at::Tensor& like, bool eager_if_empty) {
   if (like.scalar_type() == at::kDouble) return Backend::kEager;
   if (eager_if_empty && like.numel() == 0) return Backend::kEager;

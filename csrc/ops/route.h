@@ -82,4 +82,8 @@ bool needs_graph(const Tensors&... tensors) {
 // cost a host sync on the GPU (label ranges) run there too.
 bool strict_checks();
 
+// Whether the cpp backend calls the compiled kernels (ppo_kernels_C), not a test's namespace
+// (set_cpp_namespace: the SIMT emulator's CUDA kernels).
+bool cpp_kernels_compiled();
+
 }  // namespace ppo_kernels

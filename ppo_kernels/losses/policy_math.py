@@ -70,7 +70,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-CLIP_TYPES = ("ppo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+from .._modes import CLIP_LOSS_TYPES
+
+CLIP_TYPES = CLIP_LOSS_TYPES  # the clipped surrogate's types (a table the C++ routing shares)
 LOSS_TYPES = CLIP_TYPES + (
     "gspo",
     "sapo",

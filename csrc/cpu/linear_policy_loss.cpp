@@ -1,0 +1,293 @@
+// linear_policy_loss's chunk loop on the CPU in one C++ call, for the calls the Python loop
+// (ppo_kernels/linear_policy_loss/op.py, run) spends most of its time around rather than in: the
+// types whose per-token loss is ppo's clipped surrogate at token level (ppo, grpo, bnpo, dr_grpo,
+// dapo, luspo: policy_math.is_ppo_surrogate), float32, whole-vocabulary tiles, not batch-invariant,
+// without caller weights, rollout correction, soft-capping or a reference LM head. There the Python
+// loop runs ~150 small torch ops per call (0.4 ms at 2 x 8 tokens: twice an eager loss on
+// materialised logits); here each row chunk is a BLAS matmul for the logits tile, the
+// token_logprobs kernels (row statistics, then the tile turned into its gradient in place), one
+// scalar pass over the chunk's tokens with the math the loss and KL kernels run (loss_math.h's
+// policy_token, kl_stats.h's estimators), and the two gradient matmuls. The same three GEMMs, the
+// same kernels, the same statistics as the Python loop's kernel route (op.py _Loss with `ppo`),
+// which the tests compare it with.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/alloc.h"
+#include "common/kl_stats.h"
+#include "common/loss_math.h"
+#include "common/modes.h"
+#include "common/tensor_checks.h"
+#include "common/token_logprobs_host.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+// The other raw kernels this loop calls (csrc/cpu/token_logprobs.cpp, csrc/cpu/losses.cpp).
+using TlFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, int64_t,
+                                                    bool);
+using TlBwdSig = void(const Tensor&, const optional<Tensor>&, const Tensor&, const Tensor&,
+                      const Tensor&, const Tensor&, double, int64_t, Tensor);
+using AggSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const std::string&, double,
+                                          const optional<Tensor>&, optional<double>);
+using PolicySig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                     const Tensor&, double, double,
+                                                     optional<double>, double, const std::string&,
+                                                     double, const optional<Tensor>&,
+                                                     optional<double>);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> kernel(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// The statistics the loop computes: its own six (pg_loss, entropy_loss, entropy_mean,
+// masked_fraction, kl_loss, kl_mean), then ppo_policy_loss_fwd's (verl's four, TRL's five);
+// `stat_order` picks the call's from them (csrc/ops/linear_policy_loss.cpp names them).
+constexpr int64_t kOwnStats = 6;
+constexpr int64_t kPolicyStats = kPolicyTokenStats + 3;
+constexpr int64_t kLoopStats = kOwnStats + kPolicyStats;
+
+// Rows per chunk: linear_logprobs' planner (ppo_kernels/linear_logprobs/planner.py, plan_chunks
+// with "rows" tiles) for float32 on the CPU -- as many rows of whole-vocabulary float32 tiles plus
+// their grad_hidden rows as fit in the budget (default 64 MiB); below 16 rows (or N), up to 16 rows
+// that would fit with 64-entry tiles (linear_policy_loss keeps whole-vocabulary tiles). Checked
+// against the planner by tests/test_linear_policy_loss.py (the GEMMs per call).
+constexpr int64_t kDefaultCpuChunkBytes = int64_t{64} << 20;
+constexpr int64_t kMinRows = 16;
+
+int64_t plan_rows(int64_t N, int64_t V, int64_t H, int64_t max_chunk_bytes) {
+  const int64_t budget = max_chunk_bytes > 0 ? max_chunk_bytes : kDefaultCpuChunkBytes;
+  const int64_t row_fixed = 4 * H;
+  const int64_t rows = budget / (4 * V + row_fixed);
+  if (rows >= std::min(N, kMinRows)) return std::max<int64_t>(1, std::min(N, rows));
+  const int64_t fit = budget / (row_fixed + 4 * std::min<int64_t>(V, 64));
+  return std::max<int64_t>(1, std::min({N, kMinRows, fit}));
+}
+
+// Value and d(value)/d(lp - ref) of the sampled KL estimator `est` (kl_stats.h, as kl_penalty).
+KLValueGrad<float> kl_token(int64_t est, float d, const KLClampSpec& c, bool straight_through) {
+  switch (est) {
+    case kK1:
+      return kl_estimate<kK1>(d, 1.f, c, straight_through);
+    case kAbs:
+      return kl_estimate<kAbs>(d, 1.f, c, straight_through);
+    case kK2:
+      return kl_estimate<kK2>(d, 1.f, c, straight_through);
+    default:
+      return kl_estimate<kK3>(d, std::exp(k3_exp_arg(d, c)), c, straight_through);
+  }
+}
+
+void check_per_token(const Tensor& t, const char* name, const Tensor& labels, Kind kind) {
+  check_arg(t, name, labels.device(), kind);
+  TORCH_CHECK(t.sizes() == labels.sizes(), name, ": expected shape ", labels.sizes(),
+              " (like labels), got ", t.sizes());
+}
+
+// -> (loss [], stats [len(stat_order)], token_stats [3, B, T] (log-probs, entropy, KL),
+// grad_hidden [N, H], grad_weight [V, H], grad_bias [V]; each gradient empty when not asked for).
+// hidden [N, H] and weight [V, H] (and bias [V]) float32; the per-token tensors [B, T] with
+// B * T = N, advantages [B, T] or [B]; max_chunk_bytes: the chunk budget (0: the default);
+// stats[j] is the loop's statistic stat_order[j] (see kLoopStats).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_ppo_cpu(
+    const Tensor& hidden, const Tensor& weight, const optional<Tensor>& bias,
+    const Tensor& labels_in, const Tensor& advantages, const Tensor& old_logprobs,
+    const Tensor& mask, const optional<Tensor>& ref_logprobs, const optional<Tensor>& global_denom,
+    optional<double> global_denom_value, double clip_low, double clip_high,
+    optional<double> dual_clip, double log_ratio_clamp, const std::string& agg, double scale,
+    double kl_coef, const std::string& kl_estimator, bool kl_straight_through, double kl_in_lo,
+    double kl_in_hi, double kl_out_lo, double kl_out_hi, double entropy_coef,
+    double inv_temperature, int64_t ignore_index, int64_t max_chunk_bytes,
+    at::IntArrayRef stat_order, bool need_hidden, bool need_weight, bool need_bias) {
+  const at::Device dev = hidden.device();
+  check_arg(hidden, "hidden", dev, Kind::kFloat32);
+  TORCH_CHECK(dev.is_cpu(), "hidden: expected a CPU tensor, got device ", dev);
+  TORCH_CHECK(hidden.dim() == 2, "hidden: expected shape (N, H), got ", hidden.sizes());
+  const int64_t N = hidden.size(0), H = hidden.size(1);
+  check_arg(weight, "weight", dev, Kind::kFloat32);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H, "), got ",
+              weight.sizes());
+  const int64_t V = weight.size(0);
+  if (bias) check_arg(*bias, "bias", dev, Kind::kFloat32, V, "weight.shape[0]");
+  check_arg(labels_in, "labels", dev, Kind::kIndex);
+  TORCH_CHECK(labels_in.dim() == 2 && labels_in.numel() == N, "labels: expected shape (B, T) with ",
+              "B * T = ", N, " (hidden.shape[0]), got ", labels_in.sizes());
+  TORCH_CHECK(N > 0 && V > 0, "hidden / weight: expected at least one token and one vocabulary ",
+              "entry (the Python loop takes empty calls)");
+  const int64_t B = labels_in.size(0), T = labels_in.size(1);
+  check_per_token(old_logprobs, "old_logprobs", labels_in, Kind::kFloating);
+  check_per_token(mask, "mask", labels_in, Kind::kAny);
+  if (ref_logprobs) check_per_token(*ref_logprobs, "ref_logprobs", labels_in, Kind::kFloating);
+  check_arg(advantages, "advantages", dev, Kind::kFloating);
+  TORCH_CHECK(
+      advantages.sizes() == labels_in.sizes() || (advantages.dim() == 1 && advantages.size(0) == B),
+      "advantages: expected shape ", labels_in.sizes(), " or (", B, "), got ", advantages.sizes());
+  TORCH_CHECK(max_chunk_bytes >= 0, "max_chunk_bytes: expected a non-negative integer, got ",
+              max_chunk_bytes);
+  for (const int64_t j : stat_order) {
+    TORCH_CHECK(j >= 0 && j < kLoopStats, "stat_order: expected entries in [0, ", kLoopStats,
+                "), got ", j);
+  }
+  const bool has_ref = ref_logprobs.has_value();
+  const int64_t est =
+      has_ref ? mode_index("kl_estimator", kl_estimator_names(), kl_estimator) : int64_t{kK1};
+  const Tensor labels = labels_in.contiguous().view({N});
+  check_labels_on_host(labels, V, ignore_index);  // all of them first: positions in the batch
+
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  const Tensor m = mask.to(at::kFloat).contiguous();
+  const Tensor old = old_logprobs.to(at::kFloat).contiguous();
+  const Tensor adv = (advantages.dim() == 1 ? advantages.unsqueeze(-1).expand({B, T}) : advantages)
+                         .to(at::kFloat)
+                         .contiguous();
+  const Tensor ref = has_ref ? ref_logprobs->to(at::kFloat).contiguous() : Tensor();
+
+  // the aggregation's row coefficients c_b (they depend on the mask only)
+  static const auto aggregate = kernel<AggSig>("ppo_kernels_C::masked_aggregate_fwd");
+  const Tensor coef =
+      std::get<1>(aggregate.call(m, m, agg, scale, global_denom, global_denom_value));
+
+  Tensor token_stats = new_output({3, B, T}, f32);
+  Tensor grad_h = need_hidden ? new_output({N, H}, f32) : at::empty({0}, f32);
+  Tensor grad_w = need_weight ? at::zeros({V, H}, f32) : at::empty({0}, f32);
+  const bool with_b = need_bias && bias.has_value();
+  Tensor grad_b = with_b ? at::zeros({V}, f32) : at::empty({0}, f32);
+  const bool any_grad = need_hidden || need_weight || with_b;
+
+  const int64_t R = plan_rows(N, V, H, max_chunk_bytes);
+  Tensor tile = at::empty({R, V}, f32);
+  Tensor glp = at::empty({R}, f32), gent = at::empty({R}, f32);
+  const optional<Tensor> gent_arg = entropy_coef != 0 ? optional<Tensor>(gent) : std::nullopt;
+  const Tensor wt = weight.t();
+
+  const float* pm = m.const_data_ptr<float>();
+  const float* po = old.const_data_ptr<float>();
+  const float* pa = adv.const_data_ptr<float>();
+  const float* pr = has_ref ? ref.const_data_ptr<float>() : nullptr;
+  const float* pc = coef.const_data_ptr<float>();
+  float* out_lp = token_stats.data_ptr<float>();
+  float* out_ent = out_lp + N;
+  float* out_kl = out_lp + 2 * N;
+  float* pg_lp = glp.data_ptr<float>();
+  float* pg_ent = gent.data_ptr<float>();
+  const float lo = static_cast<float>(1.0 - clip_low), hi = static_cast<float>(1.0 + clip_high);
+  const float dc = static_cast<float>(dual_clip.value_or(0.0));
+  const float lrc = static_cast<float>(log_ratio_clamp);
+  const float klc = static_cast<float>(kl_coef), nec = static_cast<float>(-entropy_coef);
+  const KLClampSpec spec{static_cast<float>(kl_in_lo), static_cast<float>(kl_in_hi),
+                         static_cast<float>(kl_out_lo), static_cast<float>(kl_out_hi)};
+
+  static const auto tl_fwd = kernel<TlFwdSig>("ppo_kernels_C::token_logprobs_fwd");
+  static const auto tl_bwd = kernel<TlBwdSig>("ppo_kernels_C::token_logprobs_bwd");
+  for (int64_t r0 = 0; r0 < N; r0 += R) {
+    const int64_t n = std::min(R, N - r0);
+    const Tensor hc = hidden.narrow(0, r0, n), lc = labels.narrow(0, r0, n);
+    Tensor z = tile.narrow(0, 0, n);
+    if (bias) {
+      at::addmm_out(z, *bias, hc, wt);
+    } else {
+      at::mm_out(z, hc, wt);
+    }
+    const auto [lp, ent, lse] = tl_fwd.call(z, lc, inv_temperature, ignore_index, true);
+    const float* plp = lp.const_data_ptr<float>();
+    const float* pent = ent.const_data_ptr<float>();
+    // per token: dL/dlogprob = c_b m (policy + kl_coef KL'), dL/dentropy = -entropy_coef c_b m
+    // (op.py _Loss.ppo_policy and kl_and_entropy); tokens off the mask contribute nothing
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = r0 + i;
+      const float x = plp[i], mi = pm[t];
+      out_lp[t] = x;
+      out_ent[t] = pent[i];
+      out_kl[t] = 0.f;
+      pg_lp[i] = 0.f;
+      pg_ent[i] = 0.f;
+      if (mi == 0.f) continue;
+      const float k = pc[t / T] * mi;
+      float g = k * policy_token(x, po[t], pa[t], lo, hi, dc, lrc).grad;
+      if (has_ref) {
+        const KLValueGrad<float> kl = kl_token(est, x - pr[t], spec, kl_straight_through);
+        out_kl[t] = kl.value;
+        if (klc != 0.f) g += klc * (k * kl.grad);
+      }
+      pg_lp[i] = g;
+      pg_ent[i] = nec * k;
+    }
+    if (!any_grad) continue;
+    const optional<Tensor> ge =
+        gent_arg ? optional<Tensor>(gent.narrow(0, 0, n)) : optional<Tensor>();
+    tl_bwd.call(glp.narrow(0, 0, n), ge, z, lc, lse, ent, inv_temperature, ignore_index, z);
+    if (need_hidden) {
+      Tensor gh = grad_h.narrow(0, r0, n);
+      at::mm_out(gh, z, weight);
+    }
+    if (need_weight) grad_w.addmm_(z.t(), hc);
+    if (with_b) grad_b.add_(z.sum(0));
+  }
+
+  // the policy term and its statistics (verl's, TRL's) by the loss kernel on every log-prob
+  static const auto policy = kernel<PolicySig>("ppo_kernels_C::ppo_policy_loss_fwd");
+  const Tensor lp_all = token_stats.select(0, 0);
+  const auto [pg, pstats, pcoef] =
+      policy.call(lp_all, old, adv, m, clip_low, clip_high, dual_clip, log_ratio_clamp, agg, scale,
+                  global_denom, global_denom_value);
+  TORCH_CHECK(pstats.numel() == kPolicyStats, "ppo_policy_loss_fwd: expected ", kPolicyStats,
+              " statistics, got ", pstats.numel());
+  // entropy and KL: aggregated like the policy term (k = c_b m), and their masked means
+  double ent_k = 0, ent_m = 0, kl_k = 0, kl_m = 0, total = 0;
+  for (int64_t t = 0; t < N; ++t) {
+    const double mi = pm[t];
+    total += mi;
+    if (pm[t] == 0.f) continue;
+    const double k = static_cast<double>(pc[t / T] * pm[t]);
+    ent_k += k * out_ent[t];
+    ent_m += mi * out_ent[t];
+    kl_k += k * out_kl[t];
+    kl_m += mi * out_kl[t];
+  }
+  const double pgv = pg.item<double>();
+  double loss = pgv - entropy_coef * ent_k;
+  if (has_ref) loss += kl_coef * kl_k;
+  float all[kLoopStats];
+  all[0] = static_cast<float>(pgv);
+  all[1] = static_cast<float>(ent_k);
+  all[2] = total != 0 ? static_cast<float>(ent_m / total) : 0.f;
+  all[3] = 0.f * all[1];  // masked_fraction: nothing is rejected here (NaN like the entropy's sum)
+  all[4] = static_cast<float>(kl_k);
+  all[5] = total != 0 ? static_cast<float>(kl_m / total) : 0.f;
+  std::copy_n(pstats.const_data_ptr<float>(), kPolicyStats, all + kOwnStats);
+  Tensor stats = new_output({static_cast<int64_t>(stat_order.size())}, f32);
+  float* st = stats.data_ptr<float>();
+  for (size_t j = 0; j < stat_order.size(); ++j) st[j] = all[stat_order[j]];
+  return {at::scalar_tensor(loss, f32), stats, token_stats, grad_h, grad_w, grad_b};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
+  m.def(
+      "linear_policy_loss_ppo(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+      "Tensor advantages, Tensor old_logprobs, Tensor mask, Tensor? ref_logprobs, "
+      "Tensor? global_denom, float? global_denom_value, float clip_low, float clip_high, float? "
+      "dual_clip, "
+      "float log_ratio_clamp, str agg, float scale, float kl_coef, str kl_estimator, "
+      "bool kl_straight_through, float kl_in_lo, float kl_in_hi, float kl_out_lo, "
+      "float kl_out_hi, float entropy_coef, float inv_temperature, int ignore_index, int "
+      "max_chunk_bytes, int[] stat_order, "
+      "bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+      "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
+  m.impl("linear_policy_loss_ppo", &linear_policy_loss_ppo_cpu);
+}
+
+}  // namespace ppo_kernels
