@@ -186,6 +186,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
   const KLClampSpec spec{static_cast<float>(kl_in_lo), static_cast<float>(kl_in_hi),
                          static_cast<float>(kl_out_lo), static_cast<float>(kl_out_hi)};
 
+  double ent_k = 0, ent_m = 0, kl_k = 0, kl_m = 0, total = 0;  // (in token order)
   static const auto tl_fwd = kernel<TlFwdSig>("ppo_kernels_C::token_logprobs_fwd");
   static const auto tl_bwd = kernel<TlBwdSig>("ppo_kernels_C::token_logprobs_bwd");
   for (int64_t r0 = 0; r0 < N; r0 += R) {
@@ -201,7 +202,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
     const float* plp = lp.const_data_ptr<float>();
     const float* pent = ent.const_data_ptr<float>();
     // per token: dL/dlogprob = c_b m (policy + kl_coef KL'), dL/dentropy = -entropy_coef c_b m
-    // (op.py _Loss.ppo_policy and kl_and_entropy); tokens off the mask contribute nothing
+    // (op.py _Loss.ppo_policy and kl_and_entropy), and the entropy / KL sums (aggregated like the
+    // policy term, k = c_b m, and masked); tokens off the mask contribute nothing
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = r0 + i;
       const float x = plp[i], mi = pm[t];
@@ -210,6 +212,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
       out_kl[t] = 0.f;
       pg_lp[i] = 0.f;
       pg_ent[i] = 0.f;
+      total += mi;
       if (mi == 0.f) continue;
       const float k = pc[t / T] * mi;
       float g = k * policy_token(x, po[t], pa[t], lo, hi, dc, lrc).grad;
@@ -220,6 +223,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
       }
       pg_lp[i] = g;
       pg_ent[i] = nec * k;
+      ent_k += static_cast<double>(k) * out_ent[t];
+      ent_m += static_cast<double>(mi) * out_ent[t];
+      kl_k += static_cast<double>(k) * out_kl[t];
+      kl_m += static_cast<double>(mi) * out_kl[t];
     }
     if (!any_grad) continue;
     const optional<Tensor> ge =
@@ -241,18 +248,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
                   global_denom, global_denom_value);
   TORCH_CHECK(pstats.numel() == kPolicyStats, "ppo_policy_loss_fwd: expected ", kPolicyStats,
               " statistics, got ", pstats.numel());
-  // entropy and KL: aggregated like the policy term (k = c_b m), and their masked means
-  double ent_k = 0, ent_m = 0, kl_k = 0, kl_m = 0, total = 0;
-  for (int64_t t = 0; t < N; ++t) {
-    const double mi = pm[t];
-    total += mi;
-    if (pm[t] == 0.f) continue;
-    const double k = static_cast<double>(pc[t / T] * pm[t]);
-    ent_k += k * out_ent[t];
-    ent_m += mi * out_ent[t];
-    kl_k += k * out_kl[t];
-    kl_m += mi * out_kl[t];
-  }
   const double pgv = pg.item<double>();
   double loss = pgv - entropy_coef * ent_k;
   if (has_ref) loss += kl_coef * kl_k;
@@ -276,12 +271,11 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   m.def(
       "linear_policy_loss_ppo(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
       "Tensor advantages, Tensor old_logprobs, Tensor mask, Tensor? ref_logprobs, "
-      "Tensor? global_denom, float? global_denom_value, float clip_low, float clip_high, float? "
-      "dual_clip, "
-      "float log_ratio_clamp, str agg, float scale, float kl_coef, str kl_estimator, "
-      "bool kl_straight_through, float kl_in_lo, float kl_in_hi, float kl_out_lo, "
-      "float kl_out_hi, float entropy_coef, float inv_temperature, int ignore_index, int "
-      "max_chunk_bytes, int[] stat_order, "
+      "Tensor? global_denom, float? global_denom_value, float clip_low, float clip_high, "
+      "float? dual_clip, float log_ratio_clamp, str agg, float scale, float kl_coef, "
+      "str kl_estimator, bool kl_straight_through, float kl_in_lo, float kl_in_hi, "
+      "float kl_out_lo, float kl_out_hi, float entropy_coef, float inv_temperature, "
+      "int ignore_index, int max_chunk_bytes, int[] stat_order, "
       "bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
       "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }

@@ -330,9 +330,8 @@ using LoopSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
 
 // The stack's n arguments replaced by linear_policy_loss_grads' outputs, from the C++ loop.
 void run_cpp_loop(Stack* stack, const Stack& a, const Args& i, size_t n) {
-  static const auto loop = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("ppo_kernels_C::linear_policy_loss_ppo", "")
-                               .typed<LoopSig>();
+  static const OpRef kLoop("linear_policy_loss_ppo");
+  const auto loop = kLoop.in<LoopSig>(Ns::kCppKernels);  // (cpp_loop: the compiled kernels)
   const auto ref = opt_tensor(a[i.ref_logprobs]);
   const auto& order = stat_order(a[i.loss_type].toStringRef() != "ppo", ref.has_value());
   auto out = loop.call(
