@@ -260,6 +260,17 @@ def _sanitize(only, tools):
     return out
 
 
+def _timing_rows(ctx):
+    rows = []
+    for r in ctx.timings:
+        pct = "" if r.get("pct_bw") is None else f"{r['pct_bw']:.0f}%"
+        err = f" ({r['error']})" if r.get("error") else ""
+        rows.append(
+            f"| {r['op']} | {r['case']} | {r['impl']}{err} | {r['ms']:.4f} | {r['peak_mb']:.1f} | {pct} |"
+        )
+    return rows + [""]
+
+
 def _write_report(out_dir, lines, ctx, gpu):
     """The markdown report and the timing CSV (rewritten after each phase)."""
     import csv
@@ -352,7 +363,7 @@ def main():
 
     if not args.skip_timing:
         bw = ctx.measure_bandwidth()
-        lines += [
+        head = [
             "## Timing (triton.testing.do_bench median, CUDA events)",
             "",
             f"measured copy bandwidth (read+write): {bw / 1e9:.0f} GB/s",
@@ -378,13 +389,9 @@ def main():
                         )
                     )
                 print(f"timing {name}: {time.time() - t:.1f}s", flush=True)
-        for r in ctx.timings:
-            pct = "" if r.get("pct_bw") is None else f"{r['pct_bw']:.0f}%"
-            err = f" ({r['error']})" if r.get("error") else ""
-            lines.append(
-                f"| {r['op']} | {r['case']} | {r['impl']}{err} | {r['ms']:.4f} | {r['peak_mb']:.1f} | {pct} |"
-            )
-        lines.append("")
+                # the rows so far after each op: a run cut short keeps what it timed
+                _write_report(args.out, lines + head + _timing_rows(ctx), ctx, gpu)
+        lines += head + _timing_rows(ctx)
 
     _write_report(args.out, lines, ctx, gpu)
 
