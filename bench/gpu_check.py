@@ -219,7 +219,10 @@ def _build():
         capture_output=True,
         text=True,
     )
-    return r.returncode, time.time() - t, (r.stdout + r.stderr)[-3000:]
+    log = r.stdout + r.stderr
+    # a compile error is far above the traceback that ends the log: its lines first
+    errors = [ln for ln in log.splitlines() if "error" in ln.lower() and "Traceback" not in ln]
+    return r.returncode, time.time() - t, "\n".join(errors[:30])[-4000:] + "\n...\n" + log[-1500:]
 
 
 def _sanitize(only, tools):
@@ -320,6 +323,15 @@ def main():
     if not args.skip_build:
         build = _build()
         print(f"build: rc={build[0]} in {build[1]:.0f}s", flush=True)
+        if build[0] != 0:  # nothing after it means anything: stop before spending device time
+            print(build[2], flush=True)
+            out = pathlib.Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"gpu_check_{datetime.date.today()}_build_failed.md").write_text(
+                f"# GPU check {datetime.date.today()}: the build failed (rc={build[0]}, "
+                f"{build[1]:.0f} s)\n\n```\n{build[2]}\n```\n"
+            )
+            return 1
     import torch
 
     from ppo_kernels import _backend

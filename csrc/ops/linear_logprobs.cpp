@@ -336,7 +336,7 @@ Out3 one_tile_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
                 logits_dtype, softcap);
   check_functorch();
   const bool has_bias = bias && bias->defined();
-  auto node = c10::make_intrusive<OneTileBackward>();
+  auto node = make_node<OneTileBackward>();
   node->set_next_edges(has_bias ? torch::autograd::collect_next_edges(hidden, weight, *bias)
                                 : torch::autograd::collect_next_edges(hidden, weight));
   Tensor lp, ent, lse, logits;

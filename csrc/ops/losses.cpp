@@ -341,7 +341,7 @@ Out2 aggregate_plain(const Tensor& x, const Tensor& mask, const std::string& agg
     BelowAutograd guard;
     std::tie(loss, coef) = aggregate(x, mask, agg, scale, gd, gdv);
   }
-  auto node = c10::make_intrusive<AggBackward>();
+  auto node = make_node<AggBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::set_history(loss, node);  // row_coef is not differentiable
   node->mask = torch::autograd::SavedVariable(mask, false);
@@ -452,7 +452,7 @@ Out2 pairwise_plain(const Tensor& chosen, const Tensor& rejected,
     BelowAutograd guard;
     std::tie(loss, coef) = pairwise(chosen, rejected, ref_chosen, ref_rejected, beta, reduction);
   }
-  auto node = c10::make_intrusive<PairBackward>();
+  auto node = make_node<PairBackward>();
   node->set_next_edges(
       refs ? torch::autograd::collect_next_edges(chosen, rejected, *ref_chosen, *ref_rejected)
            : torch::autograd::collect_next_edges(chosen, rejected));

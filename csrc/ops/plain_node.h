@@ -13,7 +13,10 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/version.h>
 
+#include <memory>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #ifndef TORCH_VERSION_MINOR
 #error "torch/version.h: TORCH_VERSION_MINOR is not defined"
@@ -39,9 +42,20 @@ inline void check_functorch() {
     tls->checkSupportsCppAutogradFunction();
 }
 
+// A new graph node in the pointer type set_history takes: intrusive_ptr in recent torch,
+// shared_ptr in older releases (2.11, the first GPU image's torch).
+template <typename T, typename... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>)
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  else
+    return std::make_shared<T>(std::forward<Args>(args)...);
+}
+
 // After the node's outputs have their history (torch::autograd::set_history, in output order)
 // and its saved variables are stored: the node-creation hooks Function::apply fires since 2.14.
-inline void node_created(const c10::intrusive_ptr<torch::autograd::Node>& node) {
+template <typename NodePtr>
+void node_created(const NodePtr& node) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
   torch::autograd::fire_node_creation_hooks(node);
 #else

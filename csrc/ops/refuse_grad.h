@@ -8,14 +8,16 @@
 
 #include <initializer_list>
 
+#include "ops/plain_node.h"
+
 namespace ppo_kernels {
 
 template <typename... Inputs>
 void refuse_grad(const char* msg, std::initializer_list<at::Tensor> outputs,
                  const Inputs&... inputs) {
   if (!torch::autograd::compute_requires_grad(inputs...)) return;
-  auto node = c10::make_intrusive<torch::autograd::Error>(
-      msg, torch::autograd::collect_next_edges(inputs...));
+  auto node =
+      make_node<torch::autograd::Error>(msg, torch::autograd::collect_next_edges(inputs...));
   for (const at::Tensor& t : outputs)
     if (t.defined() && t.is_floating_point()) torch::autograd::set_history(t, node);
 }
