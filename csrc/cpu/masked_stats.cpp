@@ -10,10 +10,10 @@
 // into fixed chunks summed in chunk order: the same result for any thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <array>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -45,7 +45,7 @@ inline float weight(mask_t v) {
 // v where keep is all ones, +0 where it is 0: a select without a branch or a masked load (both
 // operands are always read), which the compiler vectorises.
 inline float keep_if(float v, uint32_t keep) {
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(v) & keep);
+  return c10::bit_cast<float>(c10::bit_cast<uint32_t>(v) & keep);
 }
 template <typename mask_t>
 inline uint32_t keep_bits(mask_t v) {
