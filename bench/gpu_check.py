@@ -355,9 +355,7 @@ def main():
         "",
     ]
     if build:
-        lines += [f"build: rc={build[0]} in {build[1]:.0f}s", ""]
-        if build[0] != 0:
-            lines += ["```", build[2], "```", ""]
+        lines += [f"build: rc={build[0]} in {build[1]:.0f}s", ""]  # a failed build stopped above
 
     failed = 0
     if args.skip_correctness:

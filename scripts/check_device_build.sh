@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile every C++ / CUDA source against the torch of the lent GPU's image (torch 2.11.0+cu130,
 # whose extensions build as C++17), here, before a device call: on 2026-12-04 two device calls
-# (about 8 of the session's 15 minutes) ended in compile errors this finds in ~3 minutes
+# (about 8.5 of the session's 15 minutes) ended in compile errors this finds in ~5 minutes
 # (autograd nodes held by shared_ptr before torch 2.13; std::bit_cast outside C++20). Paths
 # with spaces are not supported.
 # Syntax only for the .cpp files (both C++17 and C++20), sm_90 objects for the .cu files; nothing
