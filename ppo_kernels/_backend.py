@@ -476,6 +476,14 @@ def _sync_invariant():
         torch.ops.ppo_kernels_C.set_batch_invariant(_invariant[-1])
 
 
+def constant_result(fn):
+    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (1.3 s of
+    `import ppo_kernels`): the marker that decorator sets (test_package checks it still is).
+    torch.compile calls fn while tracing and keeps its result as a constant of the graph."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def invariant() -> bool:
     """Whether batch-invariant mode is on."""
     return _invariant[-1]

@@ -132,13 +132,21 @@ def test_import_does_not_load_dynamo():
 
 
 def test_constant_result_marker_is_what_torch_sets():
-    # linear_policy_loss marks its stat-name function as torch.compiler.assume_constant_result does,
-    # without importing dynamo: fail here if torch changes the marker
+    # _backend.constant_result marks functions (linear_policy_loss's stat names, the cached
+    # vocab-parallel start) as torch.compiler.assume_constant_result does, without importing
+    # dynamo: fail here if torch changes the marker
+    from ppo_kernels import _backend
+    from ppo_kernels.distributed import vocab_layout
     from ppo_kernels.linear_policy_loss import op
 
     def f():
         return 0
 
+    def g():
+        return 0
+
     marked = torch.compiler.assume_constant_result(f)
     assert vars(marked) == {"_dynamo_marked_constant": True}
+    assert vars(_backend.constant_result(g)) == vars(marked)
     assert op._stat_names._dynamo_marked_constant is True
+    assert vocab_layout._cached_start._dynamo_marked_constant is True

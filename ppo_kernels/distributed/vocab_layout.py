@@ -164,12 +164,21 @@ def resolve_vocab_start(vocab_start, v_rank: int, group) -> tuple[int, int]:
     start is settled from the forward's own gather (_settle_start)."""
     require_initialized()
     if vocab_start is None:
-        rank = dist.get_rank(group)
-        cached = _start_cache.get((id(group), rank, v_rank))
+        rank, cached = _cached_start(group, v_rank)
         return (rank * v_rank, GUESSED) if cached is None else (cached, CACHED)
     if not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start: expected a non-negative int, got {vocab_start!r}")
     return vocab_start, GIVEN
+
+
+@_backend.constant_result
+def _cached_start(group, v_rank: int) -> tuple[int, int | None]:
+    """(this rank, the start learned for this (group, slice size) or None). A constant of a
+    torch.compile graph, evaluated while tracing (torch 2.11's Dynamo cannot trace id() of a
+    process group); a start learned later by an eager call does not reach that graph, whose
+    finish op checks the start it used (check_layout)."""
+    rank = dist.get_rank(group)
+    return rank, _start_cache.get((id(group), rank, v_rank))
 
 
 def _settle_start(gathered: Tensor, group) -> tuple[int, bool]:

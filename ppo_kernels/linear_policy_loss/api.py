@@ -174,7 +174,61 @@ def linear_policy_loss(
         `is_weight_mean` and verl's `rollout_corr/*` metrics. Means are over the (corrected)
         mask, 0 for an empty one.
     """
-    call, stats, shape = _resolve(**locals())
+    # every argument by name (not **locals(): torch 2.11's Dynamo cannot trace that)
+    call, stats, shape = _resolve(
+        hidden,
+        weight,
+        labels,
+        advantages,
+        old_logprobs,
+        mask,
+        bias=bias,
+        ref_logprobs=ref_logprobs,
+        ref_hidden=ref_hidden,
+        ref_weight=ref_weight,
+        ref_bias=ref_bias,
+        rollout_logprobs=rollout_logprobs,
+        weights=weights,
+        loss_type=loss_type,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        delta=delta,
+        log_ratio_clamp=log_ratio_clamp,
+        importance_sampling_level=importance_sampling_level,
+        agg=agg,
+        dp_size=dp_size,
+        global_num_tokens=global_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp,
+        entropy_coef=entropy_coef,
+        temperature=temperature,
+        softcap=softcap,
+        ignore_index=ignore_index,
+        max_chunk_bytes=max_chunk_bytes,
+        logits_dtype=logits_dtype,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        dro_beta=dro_beta,
+        clip_cov_ratio=clip_cov_ratio,
+        clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub,
+        kl_cov_ratio=kl_cov_ratio,
+        kl_cov_coef=kl_cov_coef,
+        generator=generator,
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_is_batch_normalize=rollout_is_batch_normalize,
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        bypass_mode=bypass_mode,
+        process_group=process_group,
+        vocab_start=vocab_start,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )
     args = call[: len(op.ARG_NAMES)]
     if process_group is not None:
         from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
@@ -288,7 +342,23 @@ def _resolve(
         adv = _per_token("advantages", advantages, shape, rows)
     ref = None if ref_logprobs is None else _per_token("ref_logprobs", ref_logprobs, shape, rows)
     wts = None if weights is None else _per_token("weights", weights, shape, rows)
-    cfg = checked_config(locals())
+    cfg = checked_config(
+        loss_type=loss_type,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        delta=delta,
+        log_ratio_clamp=log_ratio_clamp,
+        importance_sampling_level=importance_sampling_level,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        dro_beta=dro_beta,
+        clip_cov_ratio=clip_cov_ratio,
+        clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub,
+        kl_cov_ratio=kl_cov_ratio,
+        kl_cov_coef=kl_cov_coef,
+    )
     rollout = ext.rollout_options(
         cfg,
         rollout_logprobs,

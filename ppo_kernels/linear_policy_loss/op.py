@@ -186,14 +186,7 @@ _TOKEN_METRICS: dict = {}
 _NAMES: dict = {}
 
 
-def _constant_result(fn):
-    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (1.3 s of
-    `import ppo_kernels`): the marker that decorator sets (test_package checks it still is)."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_constant_result
+@_backend.constant_result
 def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass):
     """stat_names of a configuration given as plain values (torch.compile evaluates it while
     tracing: the names are constants of the graph)."""

@@ -192,7 +192,23 @@ def ppo_policy_loss(
         full_adv = advantages
     inputs = (logprobs, old_logprobs, full_adv)
     _check_shapes(_POLICY, inputs, mask)
-    cfg = checked_config(locals())
+    cfg = checked_config(
+        loss_type=loss_type,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        delta=delta,
+        log_ratio_clamp=log_ratio_clamp,
+        importance_sampling_level=importance_sampling_level,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        dro_beta=dro_beta,
+        clip_cov_ratio=clip_cov_ratio,
+        clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub,
+        kl_cov_ratio=kl_cov_ratio,
+        kl_cov_coef=kl_cov_coef,
+    )
     rollout = ext.rollout_options(
         cfg,
         rollout_logprobs,
