@@ -11,8 +11,6 @@ where mask == 0); on the GPU a composition of torch ops (a memory-bound reductio
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor
 
@@ -64,51 +62,14 @@ def memo(cache: dict, fn, *args):
 _CONFIGS: dict = {}  # the checked configurations seen so far
 
 
-def checked_config(
-    loss_type,
-    clip_low,
-    clip_high,
-    dual_clip,
-    delta,
-    log_ratio_clamp,
-    importance_sampling_level,
-    tau_pos,
-    tau_neg,
-    dro_beta,
-    clip_cov_ratio,
-    clip_cov_lb,
-    clip_cov_ub,
-    kl_cov_ratio,
-    kl_cov_coef,
-) -> ext.pm.LossConfig:
-    """The checked LossConfig of a policy-loss call from its arguments (ext.CONFIG_ARGS, checked
-    at import), remembered per argument values (a repeated call skips the checks):
-    ppo_policy_loss and linear_policy_loss build theirs here. The callers name each argument
-    (not `locals()`: torch 2.11's Dynamo cannot trace that, and fullgraph compiles would break)."""
-    return memo(
-        _CONFIGS,
-        _make_config,
-        loss_type,
-        clip_low,
-        clip_high,
-        dual_clip,
-        delta,
-        log_ratio_clamp,
-        importance_sampling_level,
-        tau_pos,
-        tau_neg,
-        dro_beta,
-        clip_cov_ratio,
-        clip_cov_lb,
-        clip_cov_ub,
-        kl_cov_ratio,
-        kl_cov_coef,
-    )
-
-
-assert tuple(inspect.signature(checked_config).parameters) == ext.CONFIG_ARGS, (
-    "checked_config's parameters and policy_loss.CONFIG_ARGS disagree"
-)
+def checked_config(**arguments) -> ext.pm.LossConfig:
+    """The checked LossConfig of a policy-loss call from its arguments (exactly ext.CONFIG_ARGS,
+    by name), remembered per argument values (a repeated call skips the checks): ppo_policy_loss
+    and linear_policy_loss build theirs here. The callers name each argument (not `locals()`:
+    torch 2.11's Dynamo cannot trace that, and fullgraph compiles would break)."""
+    if len(arguments) != len(ext.CONFIG_ARGS):
+        raise TypeError(f"checked_config: expected the arguments {ext.CONFIG_ARGS}")
+    return memo(_CONFIGS, _make_config, *[arguments[k] for k in ext.CONFIG_ARGS])
 
 
 def _make_config(*args):
