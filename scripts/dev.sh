@@ -38,8 +38,12 @@ if [ "$TORCH" = "$TORCH_CPU" ] && "$PY" -c \
   # PyPI's Linux torch is the CUDA build; the CPU-only wheel (+cpu, ~190 MB) is on PyTorch's index
   TORCH_PIP+=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
-DEPS=(ninja numpy pytest pytest-xdist pytest-benchmark expecttest hypothesis "transformers>=4.45" tqdm
-      matplotlib)
+NUMPY=numpy
+# torch 2.11 brings triton 3.6, whose interpreter (TRITON_INTERPRET=1: the Triton tests on the CPU)
+# turns one-element arrays into Python scalars, which numpy 2.4 refuses (every Triton test fails)
+case "$TORCH" in 2.11.*) NUMPY="numpy<2.4" ;; esac
+DEPS=(ninja "$NUMPY" pytest pytest-xdist pytest-benchmark expecttest hypothesis "transformers>=4.45"
+      tqdm matplotlib)
 
 # The peers for the drop-in tests, installed by peers() below (names also used by pip_)
 PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
