@@ -1,9 +1,13 @@
-"""bench/gpu_check.py's correctness phase: it runs the `cuda` tests in pytest subprocesses and
-reads every result back into its report (the GPU run itself cannot happen here)."""
+"""bench/gpu_check.py: its correctness phase runs the `cuda` tests in pytest subprocesses and reads
+every result back into its report; the timing and sanitizer workloads of the ops never timed on the
+device yet are rehearsed on the CPU (the GPU run itself cannot happen here)."""
 
+import importlib
 import importlib.util
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import gpu_check  # noqa: E402
@@ -55,3 +59,44 @@ def test_correctness_phase_without_pytest(monkeypatch):
     ((rows, problems),) = list(gpu_check._correctness([]))
     assert rows == [] and "pytest is not installed" in problems[0]
     assert gpu_check._correctness_section(rows, problems)[1] == 1
+
+
+class _RunOnce:
+    """A Ctx stand-in: each timed callable runs once; what raised is kept."""
+
+    def __init__(self):
+        self.ran, self.errors = [], []
+
+    def bench(self, op, case, fns, bytes_moved=None, warmup=25, rep=100):
+        for name, fn in fns.items():
+            try:
+                fn()
+                self.ran.append(name)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"{case} / {name}: {type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("op", ["linear_logprobs", "linear_policy_loss"])
+def test_timing_and_sanitizer_workloads_rehearsed_on_the_cpu(op, monkeypatch):
+    """The device runs these only when a GPU is lent (15 minutes a session, rarely): their Python
+    -- argument names, the peers' calls -- is rehearsed here at small sizes on the CPU, so a
+    mistake in it does not cost device time."""
+    mod = importlib.import_module(f"gpu_checks.{op}")
+    monkeypatch.setattr(mod, "DEVICE", "cpu")
+    if op == "linear_policy_loss":
+        monkeypatch.setattr(mod, "T", 64)  # tokens per sequence: N=256 is 4 sequences
+        # Liger's default is compiled chunks; eager ones run the same calls without a compile
+        blp = importlib.import_module("bench_linear_policy_loss")
+        monkeypatch.setattr(mod, "_liger", lambda: _peer(lambda: blp.liger_module(False)))
+    ctx = _RunOnce()
+    mod.timing(ctx, N=256, H=64, V=1000)
+    assert ctx.errors == []
+    assert len(ctx.ran) >= 4, ctx.ran
+    mod.sanitize_workload()
+
+
+def _peer(make):
+    try:
+        return make()
+    except ImportError:
+        return None

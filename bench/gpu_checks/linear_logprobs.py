@@ -87,8 +87,7 @@ def _trl_chunked_logprob(outputs=("log_probs", "entropy")):
     return run
 
 
-def timing(ctx):
-    N, H, V = 32768, 4096, 152064
+def timing(ctx, N=32768, H=4096, V=152064):
     dtype = torch.bfloat16
     h, W, _, y = _inputs(N, H, V, dtype, False)
     h.requires_grad_(), W.requires_grad_()
