@@ -5,7 +5,7 @@
 # this finds (autograd nodes held by shared_ptr before torch 2.13; std::bit_cast outside C++20).
 # It is setup.py's own build (its flags, torch's nvcc flags, the link), in a scratch copy of the
 # working tree (uncommitted changes included), so it cannot drift from what gpu_check.py builds.
-# Nothing is run. ~8 minutes on 2 cores; the first call installs torch 2.11 with its CUDA
+# Nothing is run. ~6 minutes on 2 cores; the first call installs torch 2.11 with its CUDA
 # libraries and headers (~3 GB) into $VENV. CI's stage 4 builds the .cpp files against 2.11 on
 # every push; the .cu files are compiled against it only here.
 #   bash scripts/check_device_build.sh   # VENV (default /tmp/torch211), TORCH (2.11.0), JOBS
