@@ -909,9 +909,12 @@ def test_peak_memory_holds_one_weight_gradient():
 
 
 # The C++ loop (csrc/cpu/linear_policy_loss.cpp): the registered op runs the cpp backend's
-# float32 CPU calls of the clipped types there (csrc/ops/linear_policy_loss.cpp). Each case against
-# the Python loop (`ppo_kernels_cpp::linear_policy_loss_grads`, op.run) on the same arguments: the
-# same kernels, so the same numbers up to the order of float sums.
+# float32 (and bf16 / fp16 input-tile) CPU calls of the clipped types there
+# (csrc/ops/linear_policy_loss.cpp). Each case against the Python loop
+# (`ppo_kernels_cpp::linear_policy_loss_grads`, op.run) on the same arguments: the same
+# statistics, so the same numbers up to the order of float sums; the gradient tiles' softmax
+# comes from kept exps there (cpu_rows.h), from a second exp here: float32 rounding, which a bf16
+# / fp16 tile element can round across (one unit in its last place).
 CPP_LOOP_CASES = [
     dict(loss_type="ppo", dual_clip=3.0, entropy_coef=0.01, temperature=0.8),
     dict(loss_type="ppo", agg="seq-mean-token-sum", kl_coef=0.3, kl_estimator="k2"),
@@ -927,11 +930,42 @@ CPP_LOOP_CASES = [
 ]
 
 
+CPP_LOOP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CPP_LOOP_GRAD_REL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _python_and_cpp_loops(monkeypatch, args):
+    """(C++ loop's outputs, Python loop's outputs) of linear_policy_loss_grads' arguments."""
+    python_runs = []
+    run = op.run
+    monkeypatch.setattr(op, "run", lambda *a, **k: python_runs.append(1) or run(*a, **k))
+    with use_backend(linear_policy_loss="cpp"), poisoned():
+        got = torch.ops.ppo_kernels.linear_policy_loss_grads(*args)
+        assert not python_runs, "the registered op did not take the C++ loop"
+        want = torch.ops.ppo_kernels_cpp.linear_policy_loss_grads(*args)
+        assert python_runs
+    return got, want
+
+
+def _compare_loops(got, want, names, grad_rel):
+    assert got[1].shape == want[1].shape == (len(names),)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for k, g, w in zip(names, got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, msg=f"{k}")
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(("hidden", "weight", "bias"), got[3:], want[3:]):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        _close_scaled(g, w, grad_rel, name)
+
+
+@pytest.mark.parametrize("dtype", CPP_LOOP_DTYPES, ids=str)
 @pytest.mark.parametrize("budget", [SMALL, ROWS])
 @pytest.mark.parametrize("case", CPP_LOOP_CASES, ids=lambda c: "-".join(map(str, c.values())))
-def test_cpp_loop_matches_the_python_loop(monkeypatch, case, budget):
+def test_cpp_loop_matches_the_python_loop(monkeypatch, case, budget, dtype):
     kw = dict(case)
-    x = _inputs(per_row_adv=kw.pop("per_row_adv", False), bias=kw.pop("bias", True))
+    if dtype != torch.float32:
+        kw["logits_dtype"] = "input"  # (float32 tiles of bf16 / fp16 take the Python loop)
+    x = _inputs(dtype, per_row_adv=kw.pop("per_row_adv", False), bias=kw.pop("bias", True))
     need = kw.pop("need", (True, True, True))
     if kw.pop("float_mask", False):
         x["mask"] = x["mask"] * torch.rand(B, T, generator=torch.Generator().manual_seed(3))
@@ -942,43 +976,84 @@ def test_cpp_loop_matches_the_python_loop(monkeypatch, case, budget):
         max_chunk_bytes=budget, **kw,
     )  # fmt: skip
     args = tuple(call._replace(need_hidden=need[0], need_weight=need[1], need_bias=need[2]))
+    got, want = _python_and_cpp_loops(monkeypatch, args)
+    _compare_loops(got, want, op.stat_names(call), CPP_LOOP_GRAD_REL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # (fp16: max 65504)
+def test_cpp_loop_edge_rows_match_the_python_loop(monkeypatch, dtype):
+    """Rows whose scaled logits overflow float32 (logits near 3e38 at temperature 0.5: the
+    float64 recomputation of their statistics and gradient, cpu_rows.h RowStats64), rows with
+    huge but finite scaled logits (the fast path), an ignored label inside the mask, tokens off
+    the mask: the same numbers as the Python loop, all finite."""
+    x = _inputs(dtype if dtype == torch.float32 else torch.float32)
+    h, W = x["h"].clone(), x["W"].clone()
+    W[0] = 0.0
+    W[0, 0] = 1e38  # logit 0 of token n: h[n, 0] * 1e38, the label's in these rows
+    h[..., 0] = 0.0
+    h[0, :3, 0] = 3.0  # 3e38: scaled by 2 it overflows float32
+    h[1, 1, 0] = 1.5  # 1.5e38: 3e38 scaled, finite
+    lab = x["labels"].clone()
+    lab[0, :3] = lab[1, 1] = 0
+    mask = x["mask"].clone()
+    mask[0, 3] = True  # (labels.view(-1)[3] is ignore_index)
+    kw = dict(ref_logprobs=x["ref"], kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    if dtype != torch.float32:
+        kw["logits_dtype"] = "input"
+    call, _, _ = api.arguments(
+        h.to(dtype), W.to(dtype), lab, x["adv"], x["old"], mask, bias=None, temperature=0.5,
+        max_chunk_bytes=SMALL, **kw,
+    )  # fmt: skip
+    args = tuple(call._replace(need_hidden=True, need_weight=True, need_bias=False))
+    got, want = _python_and_cpp_loops(monkeypatch, args)
+    lp = got[2][0]
+    assert torch.isfinite(lp).all() and torch.isfinite(got[2][1]).all()
+    assert lp[0, 3] == 0  # ignored
+    assert (lp[0, :3] == 0).all() and lp[1, 1] == 0  # the huge label logit takes all
+    for t in (got[0], got[1], *got[3:5]):
+        assert torch.isfinite(t).all()
+    _compare_loops(got, want, op.stat_names(call), CPP_LOOP_GRAD_REL[dtype])
+
+
+def test_cpp_loop_takes_bf16_input_tiles_only(monkeypatch):
+    """bf16 with float32 tiles (logits_dtype="float32") stays on the Python loop: its tiles are
+    float32 copies of upcast blocks, which the C++ loop does not make."""
+    x = _inputs(torch.bfloat16)
+    call, _, _ = api.arguments(
+        x["h"], x["W"], x["labels"], x["adv"], x["old"], x["mask"], logits_dtype="float32"
+    )
     python_runs = []
     run = op.run
     monkeypatch.setattr(op, "run", lambda *a, **k: python_runs.append(1) or run(*a, **k))
-    with use_backend(linear_policy_loss="cpp"), poisoned():
-        got = torch.ops.ppo_kernels.linear_policy_loss_grads(*args)
-        assert not python_runs, "the registered op did not take the C++ loop"
-        want = torch.ops.ppo_kernels_cpp.linear_policy_loss_grads(*args)
-        assert python_runs
-    names = op.stat_names(call)
-    assert got[1].shape == want[1].shape == (len(names),)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    for k, g, w in zip(names, got[1], want[1]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, msg=f"{k}")
-    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
-    for name, g, w in zip(("hidden", "weight", "bias"), got[3:], want[3:]):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        _close_scaled(g, w, 1e-5, name)
+    with use_backend(linear_policy_loss="cpp"):
+        torch.ops.ppo_kernels.linear_policy_loss_grads(*call._replace(need_hidden=True))
+    assert python_runs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("width,vocab", [(H, V), (8, 200)])
-def test_cpp_loop_chunks_like_the_planner(width, vocab):
-    """The C++ loop's row chunks are linear_logprobs' planner's (plan_chunks, float32 CPU): the
-    forward's logits GEMMs counted for budgets from under one row to the whole batch (V > 64:
-    the planner's under-16-rows rule differs from the plain fit)."""
+def test_cpp_loop_chunks_like_the_planner(width, vocab, dtype):
+    """The C++ loop's row chunks are linear_logprobs' planner's (plan_chunks on the CPU, float32
+    tiles, or bf16 input tiles with their [sub, H] product blocks in the budget): the forward's
+    logits GEMMs counted for budgets from under one row to the whole batch (V > 64: the
+    planner's under-16-rows rule differs from the plain fit)."""
     g = torch.Generator().manual_seed(0)
     N = B * T
-    h, W = torch.randn(B, T, width, generator=g), torch.randn(vocab, width, generator=g)
+    h = torch.randn(B, T, width, generator=g).to(dtype)
+    W = torch.randn(vocab, width, generator=g).to(dtype)
     labels = torch.randint(0, vocab, (B, T), generator=g)
     adv, old = torch.randn(B, T, generator=g), -torch.rand(B, T, generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
+    ld = "float32" if dtype == torch.float32 else "input"
     row = 4 * (vocab + width)
     for budget in (1, 100, row * 2, row * 5 + 3, row * 12, row * 17, SMALL, ROWS, 0):
-        rows = op.plan(h.reshape(N, width), vocab, "float32", budget).rows
+        rows = op.plan(h.reshape(N, width), vocab, ld, budget).rows
 
         def forward(budget=budget):
             with use_backend(linear_policy_loss="cpp"), torch.no_grad():
-                pk.linear_policy_loss(h, W, labels, adv, old, mask, max_chunk_bytes=budget or None)
+                pk.linear_policy_loss(
+                    h, W, labels, adv, old, mask, max_chunk_bytes=budget or None, logits_dtype=ld
+                )
 
         assert _mm_calls(forward) == -(-N // rows), (budget, rows)
 
@@ -1009,8 +1084,9 @@ def test_cpp_loop_kernel_checks_its_arguments():
     kernel = torch.ops.ppo_kernels_C.linear_policy_loss_ppo
     assert kernel(*args)[1].shape == (2,)
     for i, bad, match in [
-        (0, h.double(), "hidden: expected dtype float32"),
+        (0, h.double(), "hidden: expected dtype float32, bfloat16 or float16"),
         (1, x["W"][:, :-1], "weight: expected shape"),
+        (1, x["W"].bfloat16(), "weight: expected dtype Float"),
         (4, x["adv"][:, :-1], "advantages: expected shape"),
         (5, x["old"].T, "old_logprobs: expected shape"),
         (3, x["labels"].float(), "labels: expected dtype int64 or int32"),

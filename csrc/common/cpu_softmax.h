@@ -107,9 +107,15 @@ inline float load_scaled(const scalar_t* x, int64_t n, float inv_t, float* buf) 
   return m;
 }
 
-// Softmax stats of one L1-resident block (values already scaled), relative to its max m.
-inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
-  if (m == -INFINITY) return stats_empty();           // all -inf: contributes nothing
+// Softmax stats of one block (values already scaled), relative to its max m. kKeep: each value
+// z_j is overwritten by exp(z_j - m) as it is summed (0 in an all -inf block), for a gradient
+// pass that follows while the row is in cache (cpu_rows.h).
+template <bool kKeep>
+inline SoftmaxStats block_stats_impl(float* z, int64_t n, float m) {
+  if (m == -INFINITY) {  // all -inf: contributes nothing
+    if constexpr (kKeep) std::fill(z, z + n, 0.f);
+    return stats_empty();
+  }
   if (m == INFINITY || m != m) return {m, NAN, NAN};  // +inf / NaN poison the row
   const Vec vm(m), floor_(-FLT_MAX);
   Vec vs(0.f), vu(0.f);
@@ -117,6 +123,7 @@ inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
   for (; i + Vec::size() <= n; i += Vec::size()) {
     const Vec d = Vec::loadu(z + i) - vm;
     const Vec e = d.exp_u20();
+    if constexpr (kKeep) e.store(z + i);
     vs = vs + e;
     vu = at::vec::fmadd(e, at::vec::clamp_min(d, floor_), vu);  // (no NaN here: one max op)
   }
@@ -125,10 +132,16 @@ inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
   for (; i < n; ++i) {
     const float d = z[i] - m;
     const float e = std::exp(d);
+    if constexpr (kKeep) z[i] = e;
     s += e;
     u += weighted_offset(e, d);
   }
   return {m, s, u};
+}
+
+// Softmax stats of one L1-resident block (values already scaled), relative to its max m.
+inline SoftmaxStats block_stats(const float* z, int64_t n, float m) {
+  return block_stats_impl<false>(const_cast<float*>(z), n, m);  // (read only)
 }
 
 }  // namespace cpu

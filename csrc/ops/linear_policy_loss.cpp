@@ -265,14 +265,18 @@ void check(const Stack& a, const Args& i) {
 }
 
 // ---- the C++ loop (csrc/cpu/linear_policy_loss.cpp) ----
-// The cpp backend's calls it runs: float32 on the CPU, at least one token, a clipped type at token
-// level without delta (policy_math.is_ppo_surrogate), no caller weights, bypass-mode rollout
-// correction, soft-cap or reference head, not batch-invariant, the compiled kernels (not a test's
-// emulated ones). The rest takes the Python chunk loop (op.py run, `ppo_kernels_cpp::`), which
-// is the same computation around the same kernels at ~0.2 ms more per call.
+// The cpp backend's calls it runs: on the CPU, float32 or bf16 / fp16 with logits_dtype="input",
+// at least one token, a clipped type at token level without delta (policy_math.is_ppo_surrogate),
+// no caller weights, bypass-mode rollout correction, soft-cap or reference head, not
+// batch-invariant, the compiled kernels (not a test's emulated ones). The rest takes the Python
+// chunk loop (op.py run, `ppo_kernels_cpp::`): the same computation around the token_logprobs
+// kernels (two passes over each tile) at ~0.2 ms more per call.
 bool cpp_loop(const Stack& a, const Args& i) {
   const Tensor hidden = a[i.hidden].toTensor();
-  if (!hidden.device().is_cpu() || hidden.scalar_type() != at::kFloat || hidden.size(0) == 0 ||
+  const at::ScalarType dt = hidden.scalar_type();
+  const bool input_tiles =
+      (dt == at::kBFloat16 || dt == at::kHalf) && a[i.logits_dtype].toStringRef() == "input";
+  if (!hidden.device().is_cpu() || (dt != at::kFloat && !input_tiles) || hidden.size(0) == 0 ||
       a[i.weight].toTensor().size(0) == 0)
     return false;
   if (!a[i.weights].isNone() || !a[i.ref_hidden].isNone() || !a[i.softcap].isNone() ||

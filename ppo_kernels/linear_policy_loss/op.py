@@ -12,10 +12,12 @@ coefficients of the aggregation, plus the KL and entropy terms) -> the token_log
 kernel turns the tile into the logits gradient in place -> grad_hidden rows = G W and
 grad_W += G^T h (float32 sums), grad_b += sum G. The logits are computed once: one GEMM forward,
 two for the gradients, none in autograd's backward (which only scales these by the upstream
-gradient). The registered op hands the cpp backend's float32 CPU calls of the clipped types
-(policy_math.is_ppo_surrogate; no weights, bypass mode, soft-cap or reference head) to the same
-loop written in C++ (csrc/cpu/linear_policy_loss.cpp, routed in csrc/ops/linear_policy_loss.cpp):
-the same kernels without the ~150 small torch ops per call that this loop spends around them.
+gradient). The registered op hands the cpp backend's CPU calls of the clipped types in float32
+or with bf16 / fp16 input tiles (policy_math.is_ppo_surrogate; no weights, bypass mode, soft-cap or
+reference head) to the same loop written in C++ (csrc/cpu/linear_policy_loss.cpp, routed in
+csrc/ops/linear_policy_loss.cpp): without the ~150 small torch ops per call that this loop spends
+around the kernels, and with each row reduced in cache, statistics to gradient (one exp per logit
+where the two token_logprobs kernels take two).
 
 What is known before the loop (stage-1 statistics from masks and given tensors): the mask weights,
 the aggregation's row coefficients c_b (token / sequence counts, global normalisers), the caller's
@@ -85,8 +87,9 @@ OP = _backend.register_op(
     cuda_default="triton",
     folder="linear_policy_loss",
     delegates={
-        ("cpp", "cpu"): "BLAS matmuls + the token_logprobs and loss C++ kernels (float32 "
-        "ppo-surrogate types: one C++ loop, csrc/cpu/linear_policy_loss.cpp)",
+        ("cpp", "cpu"): "BLAS matmuls + the token_logprobs and loss C++ kernels (ppo-surrogate "
+        "types in float32 or with bf16 / fp16 input tiles: one C++ loop, each row reduced in "
+        "cache, csrc/cpu/linear_policy_loss.cpp)",
         ("cpp", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs CUDA kernels",
         ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs Triton kernels",
         ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
