@@ -30,13 +30,13 @@ def test_estimate_format_gives_ranges_and_a_total():
 
 
 def test_estimate_phases_scale_with_the_probe_and_the_config():
-    cfg = TrainConfig().validate()  # the defaults: 800 SFT steps, 80 steps of 64, 200 eval
+    cfg = TrainConfig().validate()  # the defaults: 800 SFT steps, 100 steps of 64, 200 eval
     ref = estimate.REF
     probe = 2 * ref["sft_step"]["fused"]  # a machine twice as slow as the reference one
     got = dict(estimate.phase_seconds(cfg, probe, ["fused", "eager"], sft_to_run=True))
     assert got["SFT warm-up"] == pytest.approx(probe * 800)
     for ops in ("fused", "eager"):
-        assert got[f"{ops} run"] == pytest.approx(2 * (80 * ref["rl_step"][ops] + 2 * ref["eval"]))
+        assert got[f"{ops} run"] == pytest.approx(2 * (100 * ref["rl_step"][ops] + 2 * ref["eval"]))
     # half the responses per step and eval prompts: half the run; a cached SFT: no SFT phase
     small = TrainConfig(prompts_per_step=32, eval_prompts=100).validate()
     got2 = dict(estimate.phase_seconds(small, probe, ["fused"], sft_to_run=False))

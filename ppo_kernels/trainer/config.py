@@ -37,7 +37,7 @@ class TrainConfig:
     # 80: the default PPO demo's fused run is meant to gain at least +0.3 eval reward (README
     # "Measured: ... --compare"); it gained +0.29 in 40 steps, +0.34 / +0.305 / +0.29 in 60 (the
     # runs differ like seeds once their last bits part), +0.35 in 80, +0.335 in 100
-    steps: int = _f(80, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
+    steps: int = _f(100, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
     dist: str = _f(
         "ddp",
         "data parallelism under torchrun: ddp (whole models, DistributedDataParallel) or fsdp2 "
@@ -235,7 +235,7 @@ class TrainConfig:
 EXAMPLES = """examples:
   python -m ppo_kernels train --out runs/ppo --compare     # PPO, then eager ops, side by side
   python -m ppo_kernels train --algo grpo --group-size 8 --prompts-per-step 8 --out runs/grpo
-  python -m ppo_kernels train --resume runs/ppo --steps 80 --out runs/ppo   # continue a run"""
+  python -m ppo_kernels train --resume runs/ppo --steps 150 --out runs/ppo   # continue a run"""
 
 
 def build_parser() -> argparse.ArgumentParser:
