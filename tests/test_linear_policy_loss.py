@@ -934,11 +934,17 @@ CPP_LOOP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CPP_LOOP_GRAD_REL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
+def _python_runs(monkeypatch) -> list:
+    """A list that gets an entry each time the Python loop (op.run) runs."""
+    runs = []
+    run = op.run
+    monkeypatch.setattr(op, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    return runs
+
+
 def _python_and_cpp_loops(monkeypatch, args):
     """(C++ loop's outputs, Python loop's outputs) of linear_policy_loss_grads' arguments."""
-    python_runs = []
-    run = op.run
-    monkeypatch.setattr(op, "run", lambda *a, **k: python_runs.append(1) or run(*a, **k))
+    python_runs = _python_runs(monkeypatch)
     with use_backend(linear_policy_loss="cpp"), poisoned():
         got = torch.ops.ppo_kernels.linear_policy_loss_grads(*args)
         assert not python_runs, "the registered op did not take the C++ loop"
@@ -986,7 +992,7 @@ def test_cpp_loop_edge_rows_match_the_python_loop(monkeypatch, dtype):
     float64 recomputation of their statistics and gradient, cpu_rows.h RowStats64), rows with
     huge but finite scaled logits (the fast path), an ignored label inside the mask, tokens off
     the mask: the same numbers as the Python loop, all finite."""
-    x = _inputs(dtype if dtype == torch.float32 else torch.float32)
+    x = _inputs()  # (float32: the huge logits are set, then rounded to dtype)
     h, W = x["h"].clone(), x["W"].clone()
     W[0] = 0.0
     W[0, 0] = 1e38  # logit 0 of token n: h[n, 0] * 1e38, the label's in these rows
@@ -1022,9 +1028,7 @@ def test_cpp_loop_takes_bf16_input_tiles_only(monkeypatch):
     call, _, _ = api.arguments(
         x["h"], x["W"], x["labels"], x["adv"], x["old"], x["mask"], logits_dtype="float32"
     )
-    python_runs = []
-    run = op.run
-    monkeypatch.setattr(op, "run", lambda *a, **k: python_runs.append(1) or run(*a, **k))
+    python_runs = _python_runs(monkeypatch)
     with use_backend(linear_policy_loss="cpp"):
         torch.ops.ppo_kernels.linear_policy_loss_grads(*call._replace(need_hidden=True))
     assert python_runs

@@ -225,9 +225,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
     using scalar_t = std::remove_pointer_t<decltype(row)>;
     const int64_t label = plab[t];
     const bool ignored = label == ignore_index;  // log-prob and entropy 0, no gradient
+    // (the exps are kept only for a gradient; without one keep is a block buffer)
     const cpu::RowResult rr =
-        ignored ? cpu::RowResult{0.f, 0.f, 0.f, false, {}}
-                : cpu::row_logprob<true>(row, V, label, inv_temperature, keep, mb);
+        ignored    ? cpu::RowResult{0.f, 0.f, 0.f, false, {}}
+        : any_grad ? cpu::row_logprob<true>(row, V, label, inv_temperature, keep, mb)
+                   : cpu::row_logprob<false>(row, V, label, inv_temperature, keep, nullptr);
     const float x = rr.lp, mi = pm[t];
     out_lp[t] = x;
     out_ent[t] = rr.ent;
