@@ -96,7 +96,8 @@ def calls():
             if kw.get("logits_dtype") == "input" and dt != torch.bfloat16:
                 continue
 
-            def f(dt=dt, kw=dict(kw)):
+            def f(dt=dt, items=tuple(kw.items())):
+                kw = dict(items)
                 h = torch.randn(2, 19, 24, generator=g(2)).to(dt).requires_grad_()
                 w = (torch.randn(97, 24, generator=g(3)) * 0.3).to(dt).requires_grad_()
                 lab = torch.randint(0, 97, (2, 19), generator=g(4))
@@ -157,7 +158,8 @@ def calls():
         {"nomask": True, "gamma": 0.97},
     ):
 
-        def f(kw=dict(kw)):
+        def f(items=tuple(kw.items())):
+            kw = dict(items)
             B, T = 3, 17
             r = torch.randn(B, T, generator=g(30)) * 0.1
             v = torch.randn(B, T, generator=g(31))
