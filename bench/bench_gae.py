@@ -18,8 +18,8 @@ from _common import median_seconds, peak_extra_bytes  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
-from ppo_kernels.gae import reference as R  # noqa: E402
-from ppo_kernels.masked_stats import reference as MS  # noqa: E402
+from ppo_kernels.gae import naive as R  # noqa: E402
+from ppo_kernels.masked_stats import naive as MS  # noqa: E402
 
 B, T = 256, 4096
 LONG = 1_000_000  # one long row: the chunked path across threads

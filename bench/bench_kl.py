@@ -19,8 +19,8 @@ from _common import median_seconds, peak_extra_bytes  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
-from ppo_kernels.full_kl import reference as fref  # noqa: E402
-from ppo_kernels.kl import reference as kref  # noqa: E402
+from ppo_kernels.full_kl import naive as fref  # noqa: E402
+from ppo_kernels.kl import naive as kref  # noqa: E402
 
 B, T = 64, 4096  # sampled-token ops: 256k tokens
 N, V = 256, 32000  # full_kl on the CPU (the H200 target N=8192, V=152064 is in gpu_checks)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import peak_extra_bytes  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
-from ppo_kernels.linear_logprobs import reference as ll_ref  # noqa: E402
+from ppo_kernels.linear_logprobs import naive as ll_ref  # noqa: E402
 
 N, H, V = 1024, 256, 32000  # CPU size: the fp32 logits are 125 MiB
 

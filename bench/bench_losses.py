@@ -21,8 +21,8 @@ from _common import peak_extra_bytes  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import use_backend  # noqa: E402
-from ppo_kernels.group_advantages import reference as gref  # noqa: E402
-from ppo_kernels.losses import reference as ref  # noqa: E402
+from ppo_kernels.group_advantages import naive as gref  # noqa: E402
+from ppo_kernels.losses import naive as ref  # noqa: E402
 
 B, T = 64, 4096  # 262k tokens: one micro-batch of long responses
 GB, GSIZE = 1024, 8  # GRPO: 128 prompts x 8 responses

@@ -1,7 +1,7 @@
 """Per-call cost of every public op against the eager code it replaces, one CPU thread: at a tiny
 size (B x T = 2 x 8: what the call itself costs: argument checks, dispatch, autograd glue) and at
 64 x 4096 (where the kernel's own speed shows). The eager side is the peers' composition each op
-replaces (`eager_*` / `verl_*` in the ops' reference.py, or the one-liner named in the table).
+replaces (`eager_*` / `verl_*` in the ops' naive.py, or the one-liner named in the table).
 
     python bench/bench_overhead.py [--reps 2000] [--sizes small,large] [--ops kl_penalty,...]
         [--out bench/results/cpu_overhead.md]
@@ -29,12 +29,12 @@ sys.path.insert(1, str(HERE.parent))
 from _common import machine  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
-from ppo_kernels.gae import reference as gref  # noqa: E402
-from ppo_kernels.group_advantages import reference as garef  # noqa: E402
-from ppo_kernels.kl import reference as kref  # noqa: E402
-from ppo_kernels.losses import reference as lref  # noqa: E402
-from ppo_kernels.masked_stats import reference as mref  # noqa: E402
-from ppo_kernels.token_logprobs import reference as tref  # noqa: E402
+from ppo_kernels.gae import naive as gref  # noqa: E402
+from ppo_kernels.group_advantages import naive as garef  # noqa: E402
+from ppo_kernels.kl import naive as kref  # noqa: E402
+from ppo_kernels.losses import naive as lref  # noqa: E402
+from ppo_kernels.masked_stats import naive as mref  # noqa: E402
+from ppo_kernels.token_logprobs import naive as tref  # noqa: E402
 
 SIZES = {"small": (2, 8), "large": (64, 4096)}
 

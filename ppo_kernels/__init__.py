@@ -13,18 +13,18 @@ from ._backend import (  # noqa: F401
 )
 from ._backend import resolve as resolve_backend  # noqa: F401
 from .full_kl.api import full_kl  # noqa: F401
+from .fused_linear.planner import default_logits_dtype  # noqa: F401
 from .gae.api import gae  # noqa: F401
 from .group_advantages.api import grpo_advantages, rloo_advantages  # noqa: F401
 from .kl.api import kl_penalized_rewards, kl_penalty  # noqa: F401
-from .kl.reference import KLClamp  # noqa: F401
+from .kl.naive import KLClamp  # noqa: F401
 from .linear_logprobs.api import linear_token_logprobs  # noqa: F401
 from .linear_logprobs.hf import causal_lm_logprobs  # noqa: F401
-from .linear_logprobs.planner import default_logits_dtype  # noqa: F401
 from .linear_policy_loss.api import linear_policy_loss  # noqa: F401
 from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401
-from .losses.rollout import RolloutCorrection, rollout_correction  # noqa: F401
+from .losses.rollout_correction import RolloutCorrection, rollout_correction  # noqa: F401
 from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs.api import token_logprobs  # noqa: F401
 

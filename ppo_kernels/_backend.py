@@ -138,7 +138,7 @@ class OpInfo:
     triton: bool  # has Triton kernels
     cuda_default: str  # the measured-fastest backend on CUDA (see bench/results)
     public: tuple[str, ...]  # public API functions (ppo_kernels.<name>) that run on this key
-    folder: str  # ppo_kernels/<folder>/: reference.py, op.py, triton_kernels.py
+    folder: str  # ppo_kernels/<folder>/: naive.py, op.py, triton_kernels.py
     # what else runs under a backend on a device, e.g. {("cpp", "cuda"): "cuBLAS matmuls + ..."}
     delegates: tuple[tuple[str, str, str], ...] = ()
 
@@ -604,7 +604,7 @@ _PY_IMPLS: dict[tuple[str, str], object] = {}
 
 def fallback(name: str):
     """Register `fn` as what the public API calls for the registered op `<name>` when the
-    compiled extension is not loaded: the op's eager reference with the op's signature,
+    compiled extension is not loaded: the op's eager implementation with the op's signature,
     differentiable by autograd (there is no registered op, hence no registered autograd)."""
 
     def register(fn):

@@ -302,7 +302,7 @@ def test_linear_token_logprobs(backend, dtype, logits_dtype, budgets):
 def test_linear_vocab_chunks_in_the_mode():
     """A vocabulary too large for whole-vocabulary tiles of 16 rows in the default budget: the
     mode's plan walks vocabulary chunks (the same ones for every call) and rows stay invariant."""
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     g = torch.Generator().manual_seed(4)
     V, H = 1_100_003, 4
@@ -315,7 +315,7 @@ def test_linear_vocab_chunks_in_the_mode():
 
 
 def test_plan_invariant_depends_on_neither_rows_nor_budget():
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     for V, H, dtype, ld in [
         (32000, 64, torch.float32, "float32"),
@@ -343,7 +343,7 @@ def test_matmul_rows_do_not_depend_on_the_row_count(dtype):
     row sits and with 1 or 2 threads -- the logits h @ W^T (K = H) and the hidden gradient g @ W
     (K = V), at the tests' head size and a larger one. And the comparison can fail: MKL computes
     1-3 rows with other code (on a BLAS without that effect only the first part is asserted)."""
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     g = torch.Generator().manual_seed(17)
     k = planner.INVARIANT_ROW_MULTIPLE
@@ -372,7 +372,7 @@ def test_matmul_rows_do_not_depend_on_the_row_count(dtype):
 def test_fixed_tiles_when_not_padding_to_a_multiple(monkeypatch):
     """Devices outside INVARIANT_PAD_TO_MULTIPLE (cuBLAS) pad every chunk to the plan's rows: that
     path, run here with 64-row tiles, is batch-invariant too (several tiles, the last padded)."""
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     monkeypatch.setattr(planner, "INVARIANT_PAD_TO_MULTIPLE", ())
     monkeypatch.setitem(planner.INVARIANT_MAX_ROWS, "cpu", 64)
@@ -500,7 +500,7 @@ def test_linear_policy_loss_bf16(logits_dtype):
 def test_linear_policy_loss_sequences_longer_than_a_tile():
     """A vocabulary whose invariant tiles hold 32 rows and sequences of 40 tokens: a first pass of
     log-probs, then the sequence statistics on every row at once."""
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     g = torch.Generator().manual_seed(14)
     V, H = 300_007, 4

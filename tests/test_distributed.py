@@ -58,7 +58,7 @@ def test_merge_states_matches_one_pass():
     import torch
 
     from ppo_kernels.distributed import merge_states
-    from ppo_kernels.linear_logprobs import reference as R
+    from ppo_kernels.linear_logprobs import naive as R
 
     z = torch.randn(6, 40, dtype=torch.float64) * 5
     z[0, :13] = float("-inf")  # a slice of only -inf: the empty state

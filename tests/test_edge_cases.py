@@ -10,7 +10,7 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import _backend
-from ppo_kernels.token_logprobs import reference as tlp_ref
+from ppo_kernels.token_logprobs import naive as tlp_ref
 
 
 # --------------------------------------------------------------------------- token_logprobs

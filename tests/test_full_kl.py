@@ -8,7 +8,7 @@ from _utils import poisoned
 from conftest import cpu_backends
 
 from ppo_kernels import full_kl, use_backend
-from ppo_kernels.full_kl import reference as R
+from ppo_kernels.full_kl import naive as R
 
 BACKENDS = cpu_backends("full_kl")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

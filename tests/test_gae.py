@@ -6,7 +6,7 @@ import torch
 
 import ppo_kernels
 from ppo_kernels import use_backend
-from ppo_kernels.gae import reference as R
+from ppo_kernels.gae import naive as R
 
 try:
     from ppo_kernels.gae import triton_kernels as TK

@@ -1,5 +1,5 @@
 """kl_penalty and kl_penalized_rewards against float64 references written from the formulas
-(ppo_kernels/kl/reference.py), the peers' literal semantics, and the peers' own functions when
+(ppo_kernels/kl/naive.py), the peers' literal semantics, and the peers' own functions when
 their source is available."""
 
 import math
@@ -13,7 +13,7 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import KLClamp, kl_penalized_rewards, kl_penalty, use_backend
-from ppo_kernels.kl import reference as R
+from ppo_kernels.kl import naive as R
 
 BACKENDS = cpu_backends("kl_penalty")
 ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "k3+", "low_var_kl", "mse+"]

@@ -21,13 +21,13 @@ PKG = os.path.join(ROOT, "ppo_kernels")
 
 BASE = {"_backend", "_checks", "_modes", "_memory", "_triton_utils"}
 MATH = {"_math", "_triton_math"}
-KERNELS = {"reference", "triton_kernels", "planner", "tiler", "chunks"}
+KERNELS = {"naive", "triton_kernels", "planner", "tiler", "chunks"}
 # losses/: the shared two-stage math of every policy-loss type, its autograd reference and the
 # rollout-correction math are kernel-level; policy_loss holds the registered op's Python side
 LEAVES = {
     ("losses", "policy_math"): 3,
-    ("losses", "policy_reference"): 3,
-    ("losses", "rollout"): 3,
+    ("losses", "policy_naive"): 3,
+    ("losses", "rollout_correction"): 3,
     ("losses", "policy_loss"): 4,
     ("losses", "aggregate"): 5,
     ("losses", "pairwise"): 5,
@@ -147,7 +147,7 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == 0))
 def test_op_folder_inits_import_nothing(mod, request):
-    """`import ppo_kernels.kl.reference` runs ppo_kernels/kl/__init__.py first: an import there
+    """`import ppo_kernels.kl.naive` runs ppo_kernels/kl/__init__.py first: an import there
     would pull the API (or anything) into every kernel module's import."""
     _expect_pending(request, mod)
     assert not GRAPH[mod], f"{mod} imports {sorted(GRAPH[mod])}"

@@ -11,8 +11,8 @@ from conftest import cpu_backends
 import ppo_kernels
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_logprobs import reference
-from ppo_kernels.linear_logprobs.planner import plan_chunks
+from ppo_kernels.fused_linear.planner import plan_chunks
+from ppo_kernels.linear_logprobs import naive
 
 BACKENDS = cpu_backends("linear_token_logprobs")
 B, T, H, V = 2, 9, 19, 103  # odd H and V: no divisibility anywhere
@@ -34,9 +34,9 @@ def _inputs(dtype, bias=True, ignore_index=-100, seed=0):
 
 def _ref(h, W, b, labels, temperature, ignore_index):
     """float64 token_logprobs on the materialised float64 logits, differentiable."""
-    from ppo_kernels.token_logprobs import reference as tl_ref
+    from ppo_kernels.token_logprobs import naive as tl_ref
 
-    z = reference.logits(h, W, b)
+    z = naive.logits(h, W, b)
     lp, ent, _ = tl_ref.forward(z, labels, temperature, ignore_index, True)
     return lp, ent
 
@@ -364,7 +364,7 @@ def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
     if kernels == "triton" and "triton" not in BACKENDS:
         pytest.skip("no Triton")
     if kernels == "eager":
-        mod = reference
+        mod = naive
     else:
         from ppo_kernels.linear_logprobs import triton_kernels as mod
     V_ = 10
@@ -377,7 +377,7 @@ def test_tile_kernels_give_nan_for_out_of_range_labels(kernels):
         mod.tile_stats_(
             tile[:, v0 : min(V_, v0 + 6)].contiguous(), labels, v0, 1.0, -100, state, zl
         )
-    lp, ent, lse = reference.finalize(state, zl, labels, V_, -100)
+    lp, ent, lse = naive.finalize(state, zl, labels, V_, -100)
     ref = torch.log_softmax(tile.double(), -1)
     torch.testing.assert_close(lp[0].double(), ref[0, 3], atol=1e-6, rtol=1e-6)
     assert lp[1].isnan() and ent[1].isnan() and lp[3].isnan() and ent[3].isnan()
@@ -675,7 +675,7 @@ def lowp_on_cpu(monkeypatch):
     tile rounded to the input dtype for the backward matmuls) on the CPU. The planner treats the
     CPU as a device with such matmuls and they are emulated by float32 matmuls of the upcast
     inputs, whose products are exact in float32 -- what cuBLAS computes up to summation order."""
-    from ppo_kernels.linear_logprobs import planner, tiler
+    from ppo_kernels.fused_linear import planner, tiler
 
     monkeypatch.setattr(planner, "F32_OUT_MATMUL_DEVICES", ("cuda", "cpu"))
 
@@ -718,10 +718,10 @@ def test_lowp_path_emulated_on_cpu(lowp_on_cpu, backend, dtype, budget, softcap)
     g = torch.Generator().manual_seed(2)
     g_lp, g_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
     leaves = [t.detach().double().requires_grad_() for t in (h, W, b)]
-    z = reference.logits(*leaves)
+    z = naive.logits(*leaves)
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    from ppo_kernels.token_logprobs import reference as tl_ref
+    from ppo_kernels.token_logprobs import naive as tl_ref
 
     ref_lp, ref_ent, _ = tl_ref.forward(z, labels, 0.7, -100, True)
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
@@ -770,7 +770,7 @@ def test_fallback_without_the_extension():
     code = """
 import torch, ppo_kernels as pk
 from ppo_kernels import _backend
-from ppo_kernels.linear_logprobs import reference as R
+from ppo_kernels.linear_logprobs import naive as R
 assert not _backend.HAS_EXTENSION
 g = torch.Generator().manual_seed(0)
 h = torch.randn(6, 5, dtype=torch.float64, generator=g).requires_grad_()
@@ -815,7 +815,7 @@ print("OK")
 def auto_logits_dtype(monkeypatch):
     """logits_dtype="auto" unpinned (conftest pins it to float32 for the suite), with the CPU's
     bf16 / fp16 support set by the test: set(bf16=..., fp16=...)."""
-    from ppo_kernels.linear_logprobs import planner
+    from ppo_kernels.fused_linear import planner
 
     monkeypatch.setattr(planner, "_ENV_DEFAULT", "auto")
 

@@ -1,5 +1,5 @@
 """linear_policy_loss (the fused hidden-states policy loss) against autograd of its float64
-reference (ppo_kernels/linear_policy_loss/reference.py) on every CPU backend, against the
+reference (ppo_kernels/linear_policy_loss/naive.py) on every CPU backend, against the
 composition of the public ops, gradcheck, opcheck, torch.compile, bad inputs, the GEMM count."""
 
 import math
@@ -11,7 +11,7 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_policy_loss import api, op, reference
+from ppo_kernels.linear_policy_loss import api, naive, op
 from ppo_kernels.losses import policy_math as pm
 
 BACKENDS = cpu_backends("linear_policy_loss")
@@ -100,7 +100,7 @@ def _reference(x, **kw):
         kw["generator"] = torch.Generator().manual_seed(gen.initial_seed())
     call, pre, shape = api.arguments(h, W, x["labels"], x["adv"], x["old"], x["mask"], bias=b, **kw)
     call = call._replace(hidden=h.reshape(-1, h.shape[-1]))
-    loss, stats = reference.linear_policy_loss(call, call.generator)
+    loss, stats = naive.linear_policy_loss(call, call.generator)
     stats.update(pre)
     grads = torch.autograd.grad(loss, [t for t in (h, W, b) if t is not None])
     return loss, stats, grads

@@ -14,7 +14,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels.losses import policy_loss as pl
 from ppo_kernels.losses import policy_math as pm
-from ppo_kernels.losses import policy_reference as pr
+from ppo_kernels.losses import policy_naive as pr
 
 RTOL, ATOL = 1e-5, 1e-6
 

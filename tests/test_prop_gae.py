@@ -1,5 +1,5 @@
 """Property-based: gae on every CPU backend against the float64 step-by-step oracle
-(reference.gae_sequential) on random shapes (empty ones included), dtypes, masks, dones, float or
+(naive.gae_sequential) on random shapes (empty ones included), dtypes, masks, dones, float or
 per-token gamma / lam, bootstrap values, carries and packed rows (budget: tests/_prop.py)."""
 
 import pytest
@@ -10,7 +10,7 @@ from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from ppo_kernels.gae import reference
+from ppo_kernels.gae import naive
 
 
 @st.composite
@@ -70,7 +70,7 @@ def test_gae_matches_float64_oracle(backend):
                 cu_seqlens=cu,
                 return_carry=True,
             )
-        wa, wr, (wcv, wca) = reference.gae_sequential(
+        wa, wr, (wcv, wca) = naive.gae_sequential(
             rr.double(),
             vv.double(),
             mask,

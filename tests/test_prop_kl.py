@@ -10,8 +10,8 @@ from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from ppo_kernels.kl import reference
-from ppo_kernels.kl.reference import parse_estimator, resolve_clamp
+from ppo_kernels.kl import naive
+from ppo_kernels.kl.naive import parse_estimator, resolve_clamp
 
 ESTIMATORS = ["k1", "abs", "k2", "k3", "k1+", "k3+", "low_var_kl", "mse"]
 
@@ -28,7 +28,7 @@ def pairs(draw, backend, dim=None):
 
 def _ref64(lp, ref, est, clamp):
     name, st_ = parse_estimator(est)
-    return reference.kl_penalty(lp, ref, name, st_, resolve_clamp(clamp, name))
+    return naive.kl_penalty(lp, ref, name, st_, resolve_clamp(clamp, name))
 
 
 @pytest.mark.parametrize("backend", cpu_backends("kl_penalty"))
@@ -105,7 +105,7 @@ def test_kl_penalized_rewards_matches_float64(backend):
             )
         name, _ = parse_estimator(est)
         b64 = beta if isinstance(beta, float) else beta.double()
-        wr, wk, wm = reference.kl_penalized_rewards(
+        wr, wk, wm = naive.kl_penalized_rewards(
             scores.double(), a.double(), b.double(), mask, b64, name, resolve_clamp(clamp, name)
         )
         fin = wk.abs() < 3e38

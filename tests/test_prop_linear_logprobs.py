@@ -11,7 +11,7 @@ from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from ppo_kernels.token_logprobs import reference as tlp_reference
+from ppo_kernels.token_logprobs import naive as tlp_reference
 
 
 @st.composite

@@ -10,8 +10,8 @@ from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from ppo_kernels.losses import reference
-from ppo_kernels.losses.reference import AGG_MODES
+from ppo_kernels.losses import naive
+from ppo_kernels.losses.naive import AGG_MODES
 
 
 @st.composite
@@ -62,7 +62,7 @@ def test_ppo_policy_loss_matches_float64(backend):
         scale = 2.0 if kw else 1.0
         if agg == "seq-mean-token-sum-norm":
             scale /= max(T, 1)
-        want, wstats, _ = reference.policy_loss(
+        want, wstats, _ = naive.policy_loss(
             x64,
             old.to(dtype).double(),
             adv.to(dtype).double(),
@@ -103,7 +103,7 @@ def test_ppo_value_loss_matches_float64(backend):
         scale = 2.0 if kw else 1.0
         if agg == "seq-mean-token-sum-norm":
             scale /= max(shape[-1], 1)
-        want, wstats, _ = reference.value_loss(
+        want, wstats, _ = naive.value_loss(
             x64,
             old.to(dtype).double(),
             ret.to(dtype).double(),
@@ -148,10 +148,10 @@ def test_pairwise_losses_match_float64():
         ts = [x.to(dtype).requires_grad_() for x in xs]
         t64 = [t.detach().double().requires_grad_() for t in ts]
         got = pk.reward_model_loss(ts[0], ts[1], reduction=red)
-        want = reference.reward_model_loss(t64[0], t64[1], red)
+        want = naive.reward_model_loss(t64[0], t64[1], red)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         got = pk.dpo_loss(*ts, beta=0.1, reduction=red)
-        want = reference.dpo_loss(*t64, 0.1, red)
+        want = naive.dpo_loss(*t64, 0.1, red)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         got.sum().backward()
         want.sum().backward()

@@ -10,7 +10,7 @@ from conftest import cpu_backends
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from ppo_kernels.token_logprobs import reference
+from ppo_kernels.token_logprobs import naive
 
 
 @st.composite
@@ -44,7 +44,7 @@ def test_token_logprobs_matches_float64(backend):
         with poisoned(), backend_ctx("token_logprobs", backend):
             lp, ent = pk.token_logprobs(view, labels, temperature=temperature, return_entropy=True)
         ref = xr.clone().requires_grad_()
-        lp_r, ent_r, _ = reference.forward(ref, labels, temperature, -100, True)
+        lp_r, ent_r, _ = naive.forward(ref, labels, temperature, -100, True)
         torch.testing.assert_close(lp.double(), lp_r.detach(), atol=atol, rtol=TOL[dtype]["rtol"])
         torch.testing.assert_close(ent.double(), ent_r.detach(), atol=atol, rtol=TOL[dtype]["rtol"])
         g = torch.Generator().manual_seed(seed + 1)
@@ -84,7 +84,7 @@ def test_token_logprobs_overflowing_scaled_logits(backend):
             lp, ent = pk.token_logprobs(
                 logits, labels, temperature=temperature, return_entropy=True
             )
-        lp_r, ent_r, _ = reference.forward(logits.double(), labels, temperature, -100, True)
+        lp_r, ent_r, _ = naive.forward(logits.double(), labels, temperature, -100, True)
         torch.testing.assert_close(lp.double(), lp_r.float().double(), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(ent.double(), ent_r, rtol=1e-5, atol=1e-4)
 

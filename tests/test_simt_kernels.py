@@ -30,7 +30,7 @@ gae (csrc/cuda/gae.cuh): sm_count chooses the plan (4 * sm_count target chunks)
       chunks), carries
 tests/test_simt_cpu_suite.py reruns the CPU suite's edge cases (inf / NaN rows, masks, carries,
 ...) on the emulated kernels.
-linear_token_logprobs (ppo_kernels/linear_logprobs/chunks.py): on CUDA its whole-vocabulary tiles go
+linear_token_logprobs (ppo_kernels/fused_linear/chunks.py): on CUDA its whole-vocabulary tiles go
   through the token_logprobs kernels (forward, then the in-place backward over the tile)
   test_linear_token_logprobs     float32 tiles and input-dtype (bf16 / fp16) tiles, fwd + bwd
 """
@@ -41,9 +41,9 @@ from _simt import MARKS, SEEDS, emulated, launches
 from _utils import GRAD_TOL, TOL
 
 import ppo_kernels as pk
-from ppo_kernels.gae import reference as GR
-from ppo_kernels.linear_logprobs import reference as LR
-from ppo_kernels.token_logprobs import reference as TR
+from ppo_kernels.gae import naive as GR
+from ppo_kernels.linear_logprobs import naive as LR
+from ppo_kernels.token_logprobs import naive as TR
 
 pytestmark = MARKS
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

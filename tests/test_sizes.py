@@ -17,8 +17,8 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.gae import reference as GR
-from ppo_kernels.token_logprobs import reference as TR
+from ppo_kernels.gae import naive as GR
+from ppo_kernels.token_logprobs import naive as TR
 
 BIG = 2**31 + 4096  # elements past int32's range
 
@@ -76,7 +76,7 @@ def test_gae_packed_stream_of_2_24_tokens(backend):
     kw = dict(gamma=0.99, lam=0.95, cu_seqlens=cu)
     with use_backend(gae=backend), poisoned():
         adv, ret = pk.gae(rewards, values, mask, **kw)
-    # the float64 eager reference, on the first and the last rows of the stream
+    # the float64 eager implementation, on the first and the last rows of the stream
     for r in (0, 1, cu.numel() - 3, cu.numel() - 2):
         a, b = int(cu[r]), int(cu[r + 1])
         wa, wr, _ = GR.gae_sequential(
@@ -141,7 +141,7 @@ def test_linear_policy_loss_at_n_65536_v_152064(backend):
     forward + backward. Only 7 tokens at both ends of the stream are on the mask: every row still
     runs through the chunk loop, the others' gradients are exactly zero, and the float64
     reference on those 7 tokens alone (one sequence: the same token-mean) is the exact check."""
-    from ppo_kernels.linear_policy_loss import api, reference
+    from ppo_kernels.linear_policy_loss import api, naive
 
     torch.manual_seed(0)
     B, T, V, H = 64, 1024, 152064, 16
@@ -184,7 +184,7 @@ def test_linear_policy_loss_at_n_65536_v_152064(backend):
         hr[None], wr, lab[None], sub(adv), sub(old), sub(mask),
         **dict(kw, ref_logprobs=sub(ref)),
     )  # fmt: skip
-    loss, stats = reference.linear_policy_loss(call._replace(hidden=hr), call.generator)
+    loss, stats = naive.linear_policy_loss(call._replace(hidden=hr), call.generator)
     torch.testing.assert_close(out["loss"].double(), loss.detach(), **GEMM_TOL)
     for name in ("logprobs", "entropy", "kl"):
         got = out["st"][name].reshape(-1)[check].double()

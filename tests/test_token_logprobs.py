@@ -8,7 +8,7 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.token_logprobs import reference as ref
+from ppo_kernels.token_logprobs import naive as ref
 
 BACKENDS = cpu_backends("token_logprobs")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ppo_kernels.gae import reference as gae_ref
+from ppo_kernels.gae import naive as gae_ref
 from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
 from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
 from ppo_kernels.trainer.config import config_from_args
@@ -347,7 +347,7 @@ def test_truncation_bootstraps_from_the_critic(mode):
 
 
 # ---------------------------------------------------------------------------------------------
-# eager references agree with the ops on the trainer's other per-token pieces
+# eager implementations agree with the ops on the trainer's other per-token pieces
 # ---------------------------------------------------------------------------------------------
 def test_ops_modes_agree_on_losses():
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.gae import reference as R
+from ppo_kernels.gae import naive as R
 
 OP = "gae"
 KERNELS = ("cpp", "triton")

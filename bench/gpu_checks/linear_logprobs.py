@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels.token_logprobs import reference as tl_ref
+from ppo_kernels.token_logprobs import naive as tl_ref
 
 OP = "linear_token_logprobs"
 DEVICE = "cuda"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels.group_advantages import reference as GR
-from ppo_kernels.losses import reference as R
+from ppo_kernels.group_advantages import naive as GR
+from ppo_kernels.losses import naive as R
 
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

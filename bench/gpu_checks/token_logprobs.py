@@ -6,7 +6,7 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.token_logprobs import reference as ref
+from ppo_kernels.token_logprobs import naive as ref
 
 OP = "token_logprobs"
 

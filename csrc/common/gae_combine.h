@@ -1,5 +1,5 @@
 // GAE as an affine scan, shared by the CPU (csrc/cpu/gae.cpp) and CUDA (csrc/cuda/gae.cu) kernels.
-// Semantics: ppo_kernels/gae/reference.py and the GAE section of ppo-math.md.
+// Semantics: ppo_kernels/gae/naive.py and the GAE section of ppo-math.md.
 //
 // A row is processed right to left carrying the state s = (nv, adv): nv is the value of the next
 // action position (or the bootstrap value / 0 past the last action), adv that action's advantage.

@@ -3,7 +3,7 @@
 //    (kl_penalty, kl_penalized_rewards), and
 //  * the online statistics of the full-vocabulary KL(softmax(z) || softmax(w)) (full_kl), a
 //    two-distribution sibling of softmax_stats.h.
-// Semantics: ppo_kernels/kl/reference.py and ppo_kernels/full_kl/reference.py.
+// Semantics: ppo_kernels/kl/naive.py and ppo_kernels/full_kl/naive.py.
 #pragma once
 #include <cfloat>
 #include <cmath>

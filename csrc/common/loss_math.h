@@ -1,6 +1,6 @@
 // Per-token math of the PPO losses, written once, generic over the lane type V: `float` (a CUDA
 // thread, or a scalar loop) and `at::vec::Vectorized<float>` (the CPU kernels in
-// csrc/cpu/losses.cpp, 8 tokens per AVX2 instruction). Semantics: ppo_kernels/losses/reference.py.
+// csrc/cpu/losses.cpp, 8 tokens per AVX2 instruction). Semantics: ppo_kernels/losses/naive.py.
 // The gradients are what torch (>= 2.14) autograd gives for the reference composition, including
 // its rules at measure-zero points:
 //  * at a tie, torch.maximum / torch.minimum send half of the gradient to each side;

@@ -1,5 +1,5 @@
 // full_kl: CPU kernels and the schemas of the raw kernels (CUDA impls in csrc/cuda/full_kl.cu).
-// Semantics: ppo_kernels/full_kl/reference.py; the online math: csrc/common/kl_stats.h.
+// Semantics: ppo_kernels/full_kl/naive.py; the online math: csrc/common/kl_stats.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

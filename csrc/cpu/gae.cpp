@@ -1,5 +1,5 @@
 // gae: CPU kernel and the schema of the raw kernel (CUDA impl in csrc/cuda/gae.cu).
-// Semantics: ppo_kernels/gae/reference.py; the scan algebra: csrc/common/gae_combine.h.
+// Semantics: ppo_kernels/gae/naive.py; the scan algebra: csrc/common/gae_combine.h.
 //
 // Work is split into tasks = (row, chunk of that row). Short rows are one task each and run the
 // sequential recursion directly. Long rows (few rows, e.g. B=1, T=10^6) are cut into chunks:

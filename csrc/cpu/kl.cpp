@@ -1,5 +1,5 @@
 // kl_penalty and kl_penalized_rewards: CPU kernels and the schemas of the raw kernels.
-// Semantics: ppo_kernels/kl/reference.py; the estimator math is csrc/common/kl_stats.h.
+// Semantics: ppo_kernels/kl/naive.py; the estimator math is csrc/common/kl_stats.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -1,6 +1,6 @@
 // linear_token_logprobs: CPU kernels for one vocabulary chunk of a float32 logits tile
 // (tile = hidden_chunk @ weight_chunk^T [+ bias], computed by the caller with a BLAS matmul).
-// The chunk loop (ppo_kernels/linear_logprobs/chunks.py) walks the tiles; these kernels only
+// The chunk loop (ppo_kernels/fused_linear/chunks.py) walks the tiles; these kernels only
 // reduce them:
 //   * linear_logprobs_tile_stats_: merge the tile's softmax stats (m, s, u) into a running per-row
 //     state (csrc/common/softmax_stats.h) and pick out the label's logit when it lies in the tile;

@@ -59,7 +59,7 @@ constexpr int64_t kOwnStats = 6;
 constexpr int64_t kPolicyStats = kPolicyTokenStats + 3;
 constexpr int64_t kLoopStats = kOwnStats + kPolicyStats;
 
-// Rows per chunk: linear_logprobs' planner (ppo_kernels/linear_logprobs/planner.py, plan_chunks
+// Rows per chunk: linear_logprobs' planner (ppo_kernels/fused_linear/planner.py, plan_chunks
 // with "rows" tiles, fused whole-vocabulary tiles) on the CPU -- as many rows of whole-vocabulary
 // tiles plus their per-row buffers as fit in the budget (default 64 MiB); below 16 rows (or N),
 // up to 16 rows that would fit with 64-entry tiles (linear_policy_loss keeps whole-vocabulary

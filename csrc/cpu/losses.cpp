@@ -1,7 +1,7 @@
 // PPO policy / value losses, the pairwise (reward-model / DPO) loss and GRPO / RLOO group
 // advantages: CPU kernels and the schemas of the
-// raw kernels. Semantics: ppo_kernels/losses/reference.py,
-// ppo_kernels/group_advantages/reference.py.
+// raw kernels. Semantics: ppo_kernels/losses/naive.py,
+// ppo_kernels/group_advantages/naive.py.
 //
 // The losses take one pass over the tokens: rows are cut into chunks of kChunk tokens, each chunk
 // (a parallel work item) produces the partial sums of LossPartial (masked loss, mask, statistics)

@@ -212,7 +212,7 @@ void dispatch_x(const at::Tensor& x, const char* name, F&& f) {
     default:
       TORCH_CHECK_TYPE(false, name, ": dtype ", x.scalar_type(),
                        " is not supported by the cpp kernel (float32, bfloat16, float16; float64 "
-                       "runs the eager reference)");
+                       "runs the eager implementation)");
   }
 }
 

@@ -1,5 +1,5 @@
 // token_logprobs: CPU kernels and the schemas of the raw kernels (CUDA impls in
-// csrc/cuda/token_logprobs.cu). Semantics: ppo_kernels/token_logprobs/reference.py.
+// csrc/cuda/token_logprobs.cu). Semantics: ppo_kernels/token_logprobs/naive.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -1,5 +1,5 @@
 // gae: the CUDA kernels and their host launcher (schema in csrc/cpu/gae.cpp; semantics in
-// ppo_kernels/gae/reference.py), compiled by nvcc for the GPU (gae.cu) and by g++ for the SIMT
+// ppo_kernels/gae/naive.py), compiled by nvcc for the GPU (gae.cu) and by g++ for the SIMT
 // emulator (csrc/testing/).
 //
 // The flat token sequence is cut into chunks, one block per chunk. A block walks its chunk right

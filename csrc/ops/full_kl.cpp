@@ -1,6 +1,6 @@
 // Registered ops `ppo_kernels::full_kl` (+ `full_kl_backward`): schemas, argument checks, backend
 // routing and autograd. Kernels: csrc/cpu/full_kl.cpp and csrc/cuda/full_kl.cu (cpp),
-// ppo_kernels/full_kl/op.py (triton, eager); semantics: ppo_kernels/full_kl/reference.py.
+// ppo_kernels/full_kl/op.py (triton, eager); semantics: ppo_kernels/full_kl/naive.py.
 #include <torch/autograd.h>
 #include <torch/library.h>
 

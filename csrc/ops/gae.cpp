@@ -1,6 +1,6 @@
 // Registered op `ppo_kernels::gae`: schema, argument checks, backend routing and autograd (it has
 // no derivative: backward raises). Kernels: csrc/cpu/gae.cpp, csrc/cuda/gae.cu (cpp),
-// ppo_kernels/gae/op.py (triton, eager); semantics: ppo_kernels/gae/reference.py.
+// ppo_kernels/gae/op.py (triton, eager); semantics: ppo_kernels/gae/naive.py.
 #include <torch/library.h>
 
 #include <string>
@@ -98,7 +98,7 @@ Outs gae(const Tensor& rewards, const Tensor& values, const OptTensor& mask_in,
   if (packed && rewards.is_cpu()) check_offsets(*cu_seqlens_in, rewards.numel());
   // What every backend is given: bool masks (the cpp kernel also reads a float32 CPU mask as it
   // is: no conversion pass), float32 per-token gamma / lam and per-row carries (float64 with
-  // float64 rewards, which run the eager reference), int32 offsets.
+  // float64 rewards, which run the eager implementation), int32 offsets.
   const bool f64 = rewards.scalar_type() == at::kDouble;
   const auto acc = f64 ? at::kDouble : at::kFloat;
   auto as_bool = [](const OptTensor& t, bool keep_float32) -> OptTensor {

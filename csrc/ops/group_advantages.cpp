@@ -1,7 +1,7 @@
 // Registered op `ppo_kernels::group_advantages` (GRPO / RLOO): schema, argument checks, backend
 // routing and autograd (none: the advantages are targets, backward raises). Kernels:
 // csrc/cpu/losses.cpp (cpp), ppo_kernels/group_advantages/op.py (triton, eager); semantics:
-// ppo_kernels/group_advantages/reference.py.
+// ppo_kernels/group_advantages/naive.py.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 // Registered ops `ppo_kernels::kl_penalty` (+ its backward) and
 // `ppo_kernels::kl_penalized_rewards`: schemas, argument checks, backend routing and autograd.
 // Kernels: csrc/cpu/kl.cpp (cpp), ppo_kernels/kl/op.py (triton, eager); semantics:
-// ppo_kernels/kl/reference.py.
+// ppo_kernels/kl/naive.py.
 #include <torch/autograd.h>
 #include <torch/library.h>
 

@@ -1,11 +1,11 @@
 // Registered ops `ppo_kernels::linear_token_logprobs` (+ its backward): schemas, argument checks,
 // backend routing and autograd. Every backend runs the same Python chunk loop
-// (ppo_kernels/linear_logprobs/chunks.py: plan the chunks, BLAS / cuBLAS matmuls into a reused
+// (ppo_kernels/fused_linear/chunks.py: plan the chunks, BLAS / cuBLAS matmuls into a reused
 // tile, then that backend's tile kernels), registered by ppo_kernels/linear_logprobs/op.py as
 // `ppo_kernels_cpp::` (the compiled token_logprobs and tile kernels: csrc/cpu/linear_logprobs.cpp,
 // csrc/cpu/token_logprobs.cpp, csrc/cuda/token_logprobs.cu), `ppo_kernels_triton::` and
 // `ppo_kernels_eager::` -- except a small call on the cpp backend, whose logits fit one tile: it
-// runs here, in C++ (see "One tile" below). Semantics: ppo_kernels/linear_logprobs/reference.py.
+// runs here, in C++ (see "One tile" below). Semantics: ppo_kernels/linear_logprobs/naive.py.
 #include <ATen/Dispatch.h>
 #include <torch/autograd.h>
 #include <torch/library.h>

@@ -4,7 +4,7 @@
 // row_coef [B]) (masked_aggregate: no stats); row_coef (d loss / d (mask * token loss) per row) is
 // saved for the backward op, which recomputes the per-token gradient from the inputs
 // (masked_aggregate's from the mask alone). Kernels: csrc/cpu/losses.cpp (cpp),
-// ppo_kernels/losses/op.py (triton, eager); semantics: ppo_kernels/losses/reference.py.
+// ppo_kernels/losses/op.py (triton, eager); semantics: ppo_kernels/losses/naive.py.
 #include <torch/autograd.h>
 #include <torch/library.h>
 

@@ -2,7 +2,7 @@
 // `token_logprobs_backward_`, which writes the gradient into the logits buffer): schemas, argument
 // checks, backend routing and autograd. Kernels: csrc/cpu/token_logprobs.cpp and
 // csrc/cuda/token_logprobs.cu (cpp), ppo_kernels/token_logprobs/op.py (triton, eager); semantics:
-// ppo_kernels/token_logprobs/reference.py. Label ranges: the CPU kernels check them (IndexError);
+// ppo_kernels/token_logprobs/naive.py. Label ranges: the CPU kernels check them (IndexError);
 // on the GPU they are checked here only under strict_checks() (else NaN rows, no host sync).
 #include <torch/autograd.h>
 #include <torch/library.h>

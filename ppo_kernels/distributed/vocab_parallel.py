@@ -49,10 +49,10 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from ..linear_logprobs import chunks
-from ..linear_logprobs import reference as lin_ref
-from ..linear_logprobs.chunks import tile_bwd_, tile_stats_
-from ..linear_logprobs.tiler import Tiler
+from ..fused_linear import chunks
+from ..fused_linear.chunks import tile_bwd_, tile_stats_
+from ..fused_linear.tiler import Tiler
+from ..linear_logprobs import naive as lin_ref
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import (

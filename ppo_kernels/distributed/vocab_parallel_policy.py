@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_arg, check_labels_in_range
-from ..linear_logprobs import chunks
-from ..linear_logprobs.chunks import tile_bwd_, tile_stats_
+from ..fused_linear import chunks
+from ..fused_linear.chunks import tile_bwd_, tile_stats_
 from ..linear_policy_loss import op as lpl_op
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized

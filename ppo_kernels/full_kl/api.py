@@ -64,7 +64,7 @@ def full_kl(
 
     Returns:
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
-    See ppo_kernels/full_kl/reference.py for the documented edge cases.
+    See ppo_kernels/full_kl/naive.py for the documented edge cases.
     """
     if type(temperature) is not float:  # the op checks its value; a float passes for free
         temperature = check_temperature(temperature)

@@ -1,14 +1,14 @@
 """The Python side of the registered ops `ppo_kernels::full_kl` and `ppo_kernels::full_kl_backward`,
 defined in C++ (csrc/ops/full_kl.cpp: schemas, checks, routing, autograd): their fake kernels and
 their triton / eager implementations. The cpp backend is csrc/cpu/full_kl.cpp and
-csrc/cuda/full_kl.cu. Semantics and edge cases: reference.py."""
+csrc/cuda/full_kl.cu. Semantics and edge cases: naive.py."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _backend
-from . import reference
+from . import naive
 
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="triton")
 _backend.routes_in_cpp("full_kl")
@@ -54,7 +54,7 @@ def _(logits, ref_logits, mask, inv_temperature):
 
 def _eager_forward(logits, ref_logits, temperature, mask):
     kl, lz, lw = _backend.invariant_rows(
-        reference.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
+        naive.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
     )
     o = _backend.out_dtype(logits)
     return kl.to(o), lz.to(o), lw.to(o)
@@ -84,7 +84,7 @@ def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_lo
 @backward.impl("eager")
 def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
     gz, gw = _backend.invariant_rows(
-        reference.backward,
+        naive.backward,
         logits.shape[:-1],
         grad,
         logits,

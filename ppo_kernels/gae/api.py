@@ -97,7 +97,7 @@ def gae(
 
     Returns:
         `(advantages, returns)` float32 like rewards, or `(advantages, returns, carry)`.
-    GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/reference.py for the
+    GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/naive.py for the
     documented semantics and edge cases.
     """
     if (

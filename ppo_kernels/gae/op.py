@@ -1,7 +1,7 @@
 """The Python side of the registered op `ppo_kernels::gae`, defined in C++ (csrc/ops/gae.cpp:
 schema, checks, routing, and a backward that refuses): its fake kernel and its triton / eager
 implementations. The cpp backend is csrc/cpu/gae.cpp and csrc/cuda/gae.cu. Semantics and edge
-cases: ppo_kernels/gae/reference.py.
+cases: ppo_kernels/gae/naive.py.
 
 The implementations get what the C++ op passes on: rewards / values [B, T] of one dtype, or flat
 [N] with int32 cu_seqlens; mask / dones bool or None; gamma_t / lam_t per-token tensors (both or
@@ -11,7 +11,7 @@ None. They return (advantages, returns, carry_value, carry_adv)."""
 from __future__ import annotations
 
 from .. import _backend
-from . import reference
+from . import naive
 
 # CUDA: the cpp kernel (a chunked scan with a carry pass) measured fastest (bench/results).
 _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp", folder="gae")
@@ -66,7 +66,7 @@ def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init
 
 @_backend.impl("gae", "eager")
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
-    adv, ret, cv, ca = reference.gae_eager(
+    adv, ret, cv, ca = naive.gae_eager(
         rewards,
         values,
         mask,
@@ -80,7 +80,7 @@ def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init
     return adv.contiguous(), ret.contiguous(), cv.clone(), ca.clone()
 
 
-# Without the compiled extension: the eager reference on detached inputs (GAE has no gradient).
+# Without the compiled extension: the eager implementation on detached inputs (GAE has no gradient).
 @_backend.fallback("gae")
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
     def d(t):

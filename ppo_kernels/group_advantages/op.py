@@ -1,12 +1,12 @@
 """The Python side of the registered op `ppo_kernels::group_advantages` (GRPO / RLOO), defined in
 C++ (csrc/ops/group_advantages.cpp: schema, checks, routing, a backward that refuses): its fake
 kernel and its triton / eager implementations. The cpp backend is csrc/cpu/losses.cpp's
-group_advantages (CPU); Triton is the GPU default. Semantics: reference.py."""
+group_advantages (CPU); Triton is the GPU default. Semantics: naive.py."""
 
 from __future__ import annotations
 
 from .. import _backend, _modes
-from . import reference
+from . import naive
 
 _backend.register_op(
     "group_advantages",
@@ -43,11 +43,11 @@ def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
 @_backend.impl("group_advantages", "eager")
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     size = group_size if group_index is None else None
-    adv = reference.group_advantages(scores, group_index, size, eps, norm_by_std, mask, kind)
+    adv = naive.group_advantages(scores, group_index, size, eps, norm_by_std, mask, kind)
     return adv.to(_backend.out_dtype(scores))
 
 
-# Without the compiled extension: the eager reference on detached scores (no gradient).
+# Without the compiled extension: the eager implementation on detached scores (no gradient).
 @_backend.fallback("group_advantages")
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     eager = _backend.python_impl("group_advantages", "eager")

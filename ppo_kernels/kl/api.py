@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_float, check_same_device, check_shape, check_tensor
 from . import op  # noqa: F401  (registers the ops' Python side)
-from .reference import KLClamp, parse_estimator, resolve_clamp
+from .naive import KLClamp, parse_estimator, resolve_clamp
 
 _kl_penalty = _backend.op("kl_penalty")
 _kl_rewards = _backend.op("kl_penalized_rewards")
@@ -101,7 +101,7 @@ def kl_penalty(
     Returns:
         float32 tensor of logprobs' shape (float64 for float64 input). Gradients are exact,
         including through clamps (zero where a clamp is active, as torch.clamp).
-    See ppo_kernels/kl/reference.py for the formulas, presets and edge cases.
+    See ppo_kernels/kl/naive.py for the formulas, presets and edge cases.
     """
     if (
         estimator == "k1"  # the defaults, spelled out: the common call in the fewest steps

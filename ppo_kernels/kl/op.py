@@ -1,14 +1,14 @@
 """The Python side of the registered ops `ppo_kernels::kl_penalty` (+ `kl_penalty_backward`) and
 `ppo_kernels::kl_penalized_rewards`, defined in C++ (csrc/ops/kl.cpp: schemas, checks, routing,
 autograd): their fake kernels and their triton / eager implementations. The cpp backend is
-csrc/cpu/kl.cpp. Semantics and edge cases: ppo_kernels/kl/reference.py."""
+csrc/cpu/kl.cpp. Semantics and edge cases: ppo_kernels/kl/naive.py."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _backend, _modes
-from . import reference
+from . import naive
 
 # Elementwise / one-row ops: Triton is the GPU kernel (a CUDA C++ kernel would not read less).
 _backend.register_op(
@@ -41,9 +41,7 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 
 @_backend.impl("kl_penalty", "eager")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
-    v = reference.kl_penalty(
-        logprobs, ref_logprobs, estimator, False, (in_lo, in_hi, out_lo, out_hi)
-    )
+    v = naive.kl_penalty(logprobs, ref_logprobs, estimator, False, (in_lo, in_hi, out_lo, out_hi))
     return v.to(_backend.out_dtype(logprobs)).contiguous()
 
 
@@ -68,7 +66,7 @@ def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi,
 @_backend.impl("kl_penalty_backward", "eager")
 def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi, need_lp, need_ref):
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    g = grad * reference.kl_penalty_grad(logprobs, ref_logprobs, estimator, st, bounds)
+    g = grad * naive.kl_penalty_grad(logprobs, ref_logprobs, estimator, st, bounds)
     empty = logprobs.new_empty(0)
     return (g.to(logprobs.dtype) if need_lp else empty), (
         (-g).to(logprobs.dtype) if need_ref else logprobs.new_empty(0)
@@ -100,9 +98,7 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
 def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
     b = beta if beta_t is None else beta_t * beta
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    r, k, m = reference.kl_penalized_rewards(
-        scores, logprobs, ref_logprobs, mask, b, estimator, bounds
-    )
+    r, k, m = naive.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
     out = _backend.out_dtype(logprobs)
     return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
 
@@ -111,7 +107,7 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
 @_backend.fallback("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
     bounds = (in_lo, in_hi, out_lo, out_hi)
-    v = reference.kl_penalty(logprobs, ref_logprobs, estimator, straight_through, bounds)
+    v = naive.kl_penalty(logprobs, ref_logprobs, estimator, straight_through, bounds)
     return v.to(_backend.out_dtype(logprobs))
 
 

@@ -18,8 +18,8 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
+from ..fused_linear.planner import _input_tiles, default_logits_dtype, resolve_logits_dtype
 from . import op  # noqa: F401  (registers the ops' Python side)
-from .planner import _input_tiles, default_logits_dtype, resolve_logits_dtype
 
 _linear_token_logprobs = _backend.op("linear_token_logprobs")
 _F32, _F32_DTYPE = "float32", torch.float32

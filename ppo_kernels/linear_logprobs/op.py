@@ -11,9 +11,9 @@ import torch
 
 from .. import _backend
 from .._checks import check_labels_in_range
+from ..fused_linear import chunks
+from ..fused_linear.planner import _acc
 from ..token_logprobs import op as tl_op
-from . import chunks
-from .planner import _acc
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
 # vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA

@@ -20,11 +20,11 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from ..kl.reference import parse_estimator, resolve_clamp
-from ..linear_logprobs.planner import resolve_logits_dtype
+from ..fused_linear.planner import resolve_logits_dtype
+from ..kl.naive import parse_estimator, resolve_clamp
 from ..losses import policy_loss as ext
 from ..losses import policy_math as pm
-from ..losses import rollout as rc
+from ..losses import rollout_correction as rc
 from ..losses.aggregate import aggregation, checked_config
 from . import op
 

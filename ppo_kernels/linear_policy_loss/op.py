@@ -2,7 +2,7 @@
 `ppo_kernels::linear_policy_loss_grads`, defined in C++ (csrc/ops/linear_policy_loss.cpp: schemas,
 checks, routing, autograd): the chunk loop that computes the loss and its gradients in one pass
 over the hidden-state rows, registered per backend, the fake kernels and the extension-less
-fallback. Semantics: reference.py; public function: api.py.
+fallback. Semantics: naive.py; public function: api.py.
 
 The chunk loop (one pass, "3 GEMMs"): for each block of rows, the logits tile h W^T (+ b)
 (linear_logprobs' Tiler: float32 tiles, or the input dtype with logits_dtype="input"; soft-capped)
@@ -56,8 +56,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_labels_in_range, check_str
 from ..full_kl import op as fk_op
-from ..kl import reference as kl_ref
-from ..linear_logprobs.planner import (
+from ..fused_linear.planner import (
     INVARIANT_ROW_MULTIPLE,
     Plan,
     _acc,
@@ -65,13 +64,14 @@ from ..linear_logprobs.planner import (
     plan_chunks,
     plan_invariant,
 )
-from ..linear_logprobs.tiler import Tiler
+from ..fused_linear.tiler import Tiler
+from ..kl import naive as kl_ref
 from ..losses import policy_math as pm
-from ..losses import rollout as rc
+from ..losses import rollout_correction as rc
+from ..losses.naive import OP_STAT_NAMES_POLICY, row_coefficients
 from ..losses.policy_loss import CONFIG_ARGS
-from ..losses.reference import OP_STAT_NAMES_POLICY, row_coefficients
 from ..token_logprobs import op as tl_op
-from . import reference
+from . import naive
 
 _policy_op = _backend.op("ppo_policy_loss")
 # the backward ops exist with the extension only (so does the route below that calls them)
@@ -158,7 +158,7 @@ def config(a) -> pm.LossConfig:
     """The LossConfig of a call (the API checked the values; the op checks the type's name)."""
     check_str("loss_type", a.loss_type, pm.LOSS_TYPES)
     check_str("importance_sampling_level", a.importance_sampling_level, ("token", "sequence"))
-    return reference.loss_config(a)
+    return naive.loss_config(a)
 
 
 def bypass_options(a):

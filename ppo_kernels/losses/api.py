@@ -12,8 +12,8 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_float, check_same_device, check_shape, check_tensor
 from . import (
+    naive,
     op,  # noqa: F401  (registers the ops' Python side)
-    reference,
 )
 from . import policy_loss as ext
 from .aggregate import (
@@ -25,8 +25,8 @@ from .aggregate import (
     checked_config,
     rows,
 )
+from .naive import STAT_NAMES_POLICY, STAT_NAMES_VALUE
 from .policy_math import default_aggregation
-from .reference import STAT_NAMES_POLICY, STAT_NAMES_VALUE
 
 _policy_op = _backend.op("ppo_policy_loss")
 _value_op = _backend.op("ppo_value_loss")
@@ -67,7 +67,7 @@ def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
     acc = token_loss.dtype
     if gd is None and gdv is not None:
         gd = torch.full((), gdv, dtype=acc, device=like.device)
-    loss, st, _ = reference.aggregate(
+    loss, st, _ = naive.aggregate(
         token_loss * weights.detach().to(acc), [t.detach() for t in stats], mask, agg, scale, gd
     )
     return loss, st
@@ -177,7 +177,7 @@ def ppo_policy_loss(
         `clip_low_frac_min`, `clip_high_frac_max` (and, at sequence level with per-sequence
         advantages, TRL's per-row `seq_clip_*_frac`); rollout correction adds `masked_fraction`,
         `is_weight_mean` and verl's metrics as `rollout_corr/<name>`.
-    See ppo_kernels/losses/reference.py for the documented edge cases (all-zero mask: loss 0).
+    See ppo_kernels/losses/naive.py for the documented edge cases (all-zero mask: loss 0).
     """
     per_row_adv = (
         isinstance(advantages, Tensor)
@@ -260,7 +260,7 @@ def ppo_policy_loss(
             rollout_logprobs,
         )
     elif weights is not None:
-        terms = reference.policy_token_terms(
+        terms = naive.policy_token_terms(
             logprobs,
             old_logprobs.detach(),
             full_adv.detach(),
@@ -339,7 +339,7 @@ def ppo_value_loss(
     )
     if weights is not None:
         _check_tensors(_VALUE, inputs, mask)
-        terms = reference.value_token_terms(values, old_values.detach(), returns.detach(), clip)
+        terms = naive.value_token_terms(values, old_values.detach(), returns.detach(), clip)
         loss, stats = _weighted(terms, weights, values, mask, agg_i, scale, gd, gdv)
     else:
         loss, stats, _ = _value_op(

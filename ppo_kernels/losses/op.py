@@ -2,7 +2,7 @@
 `ppo_kernels::ppo_value_loss` and `ppo_kernels::masked_aggregate` (+ their backward ops), defined in C++ (csrc/ops/losses.cpp:
 schemas, checks, routing, autograd): their fake kernels and their triton / eager
 implementations. The cpp backend is csrc/cpu/losses.cpp. Semantics and edge cases:
-ppo_kernels/losses/reference.py.
+ppo_kernels/losses/naive.py.
 
 Each forward returns (loss [], stats [n], row_coef [B]): one pass over the tokens computes the
 per-token loss, the per-row partial sums and the aggregation (verl's four `agg_loss` modes) with
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
-from . import reference
+from . import naive
 
 # Elementwise passes plus one combine: Triton is the GPU kernel.
 _backend.register_op(
@@ -46,8 +46,8 @@ _backend.routes_in_cpp("ppo_policy_loss")
 _backend.routes_in_cpp("ppo_value_loss")
 _backend.routes_in_cpp("masked_aggregate")
 
-N_STATS_POLICY = len(reference.OP_STAT_NAMES_POLICY)  # verl's and TRL's statistics
-N_STATS_VALUE = len(reference.STAT_NAMES_VALUE)
+N_STATS_POLICY = len(naive.OP_STAT_NAMES_POLICY)  # verl's and TRL's statistics
+N_STATS_VALUE = len(naive.STAT_NAMES_VALUE)
 
 # The Triton kernels take both losses' parameters as one 4-tuple and the "off" values of the
 # shared loss math (csrc/common/loss_math.h): dual clip / value clip <= 0 is off, a negative
@@ -121,7 +121,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
 
 @_backend.impl("ppo_policy_loss", "eager")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
-    loss, stats, coef = reference.policy_loss(
+    loss, stats, coef = naive.policy_loss(
         lp, old, adv, mask, clip_low, clip_high, dual_clip, agg, lr_clamp, scale,
         _gden(gd, gdv, lp),
     )  # fmt: skip
@@ -144,7 +144,7 @@ def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
 
 @_backend.impl("ppo_policy_loss_backward", "eager")
 def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
-    g = reference.policy_token_grad(lp, old, adv, clip_low, clip_high, dual_clip, lr_clamp)
+    g = naive.policy_token_grad(lp, old, adv, clip_low, clip_high, dual_clip, lr_clamp)
     return _eager_grad(g, lp, mask, coef, grad)
 
 
@@ -162,7 +162,7 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
 
 @_backend.impl("ppo_value_loss", "eager")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
-    loss, stats, coef = reference.value_loss(v, vo, ret, mask, clip, agg, scale, _gden(gd, gdv, v))
+    loss, stats, coef = naive.value_loss(v, vo, ret, mask, clip, agg, scale, _gden(gd, gdv, v))
     out = _backend.out_dtype(v)
     return loss.to(out), stats.to(out), coef.to(out)
 
@@ -182,14 +182,14 @@ def _(grad, v, vo, ret, mask, coef, clip):
 
 @_backend.impl("ppo_value_loss_backward", "eager")
 def _(grad, v, vo, ret, mask, coef, clip):
-    return _eager_grad(reference.value_token_grad(v, vo, ret, clip), v, mask, coef, grad)
+    return _eager_grad(naive.value_token_grad(v, vo, ret, clip), v, mask, coef, grad)
 
 
 # --------------------------------------------------------------------------- masked_aggregate
 def _aggregate(x, mask, agg, scale, gd, gdv):
     """The composition: rows' masked sums and mask totals in the accumulation dtype (masked NaN
     never reach them), the row coefficients of the totals, the loss."""
-    acc = reference._acc(x.dtype)
+    acc = naive._acc(x.dtype)
     if mask.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
         row_sums = torch.where(mask, x, 0.0).sum(-1, dtype=acc)
         counts = mask.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: ~10x faster on the CPU
@@ -198,7 +198,7 @@ def _aggregate(x, mask, agg, scale, gd, gdv):
         row_sums = (torch.where(m != 0, x, 0.0) * m).sum(-1)
         counts = m.sum(-1)
     den = _gden(gd, gdv, x)
-    coef = reference.row_coefficients_of_counts(counts, agg, scale, den)  # the mask's alone
+    coef = naive.row_coefficients_of_counts(counts, agg, scale, den)  # the mask's alone
     return (coef * row_sums).sum(), coef
 
 
@@ -231,7 +231,7 @@ def _(grad, mask, coef, dtype):
 # The references themselves, differentiable by autograd (the gradient flows to the first input).
 @_backend.fallback("ppo_policy_loss")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
-    loss, stats, coef = reference.policy_loss(
+    loss, stats, coef = naive.policy_loss(
         lp, old.detach(), adv.detach(), mask, clip_low, clip_high, dual_clip, agg, lr_clamp,
         scale, _gden(gd, gdv, lp),
     )  # fmt: skip
@@ -241,7 +241,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
 
 @_backend.fallback("ppo_value_loss")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
-    loss, stats, coef = reference.value_loss(
+    loss, stats, coef = naive.value_loss(
         v, vo.detach(), ret.detach(), mask, clip, agg, scale, _gden(gd, gdv, v)
     )
     out = _backend.out_dtype(v)

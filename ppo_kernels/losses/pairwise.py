@@ -5,7 +5,7 @@ one autograd node; the CPU kernel in csrc/cpu/losses.cpp).
 B values, not B x T: the cost of a call is its overhead. The composition of torch ops (sub, mul,
 logsigmoid, mean: four autograd nodes) costs more per call than one C++ op whose forward also
 forms d loss / d z per pair, so that the backward is one multiply. On the GPU (and for float64)
-the op runs that composition (eager). Semantics: reference.py.
+the op runs that composition (eager). Semantics: naive.py.
 """
 
 from __future__ import annotations

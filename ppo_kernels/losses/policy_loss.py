@@ -15,8 +15,8 @@ from .. import _backend
 from .._checks import check_bool, check_float, check_str, check_tensor
 from . import op  # noqa: F401  (registers the fused op's Python side)
 from . import policy_math as pm
-from . import rollout as rc
-from .reference import (
+from . import rollout_correction as rc
+from .naive import (
     OP_STAT_NAMES_POLICY,
     STAT_NAMES_POLICY,
     STAT_NAMES_TRL_CLIP,

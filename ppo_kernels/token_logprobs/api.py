@@ -78,7 +78,7 @@ def token_logprobs(
     Returns:
         float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
         `(logprobs, entropy)` when `return_entropy=True`.
-    See ppo_kernels/token_logprobs/reference.py for the documented edge cases.
+    See ppo_kernels/token_logprobs/naive.py for the documented edge cases.
     """
     # the scalars' types (the op checks the temperature's value; exact types pass for free)
     if type(temperature) is not float:

@@ -3,7 +3,7 @@
 (csrc/ops/token_logprobs.cpp: schemas, checks, routing, autograd): their fake kernels, their
 triton / eager implementations, and the per-backend kernels `forward` / `backward` that
 linear_logprobs also runs on its vocabulary tiles. The cpp backend is csrc/cpu/token_logprobs.cpp
-and csrc/cuda/token_logprobs.cu. Semantics and edge cases: reference.py."""
+and csrc/cuda/token_logprobs.cu. Semantics and edge cases: naive.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from .. import _backend
 from .._checks import check_labels_in_range
-from . import reference
+from . import naive
 
 OP = _backend.register_op(
     "token_logprobs", kernel="token_logprobs_fwd", triton=True, cuda_default="triton"
@@ -45,7 +45,7 @@ def _(logits, labels, inv_temperature, ignore_index, with_entropy):
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     lp, ent, lse = _backend.invariant_rows(
-        reference.forward,
+        naive.forward,
         labels.shape,
         logits,
         labels,
@@ -127,7 +127,7 @@ def _(
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     grad_logits.copy_(
         _backend.invariant_rows(
-            reference.backward,
+            naive.backward,
             labels.shape,
             grad_logprobs,
             grad_entropy,
@@ -193,6 +193,6 @@ _register("eager")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
     if logits.device.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    lp, ent, lse = reference.forward(logits, labels, temperature, ignore_index, with_entropy)
+    lp, ent, lse = naive.forward(logits, labels, temperature, ignore_index, with_entropy)
     out = _backend.out_dtype(logits)
     return lp.to(out), ent.to(out), lse.to(out)

@@ -1,5 +1,5 @@
 """SFT warm-up, evaluation, and the PPO / GRPO / DPO / reward-model updates. Every per-token
-computation goes through `Ops` (fused ppo_kernels ops or the eager references)."""
+computation goes through `Ops` (fused ppo_kernels ops or the eager implementations)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 
 - `fused`: the public ppo_kernels ops on their default backends (the C++ / CUDA kernels).
 - `eager`: what trainers run today, which is also what the benchmarks in bench/ compare against.
-  There is one copy of that code, in the ops' reference.py files: the LM head materialises the
+  There is one copy of that code, in the ops' naive.py files: the LM head materialises the
   logits, then upcast, log_softmax, gather, and the entropy of the full distribution
-  (`linear_logprobs/reference.eager_logprobs`); verl's GAE loop (`gae/reference.py`) and
-  whitening (`masked_stats/reference.py`), its KL estimators and reward placement
-  (`kl/reference.py`), its policy and value losses (`losses/reference.py`) and its per-group
-  GRPO loop (`group_advantages/reference.py`). For an op whose baseline has no peer formula
-  (masked_mean, RLOO, the pairwise losses) the op's own eager reference runs, through
+  (`linear_logprobs/naive.eager_logprobs`); verl's GAE loop (`gae/naive.py`) and
+  whitening (`masked_stats/naive.py`), its KL estimators and reward placement
+  (`kl/naive.py`), its policy and value losses (`losses/naive.py`) and its per-group
+  GRPO loop (`group_advantages/naive.py`). For an op whose baseline has no peer formula
+  (masked_mean, RLOO, the pairwise losses) the op's own eager implementation runs, through
   `use_backend("eager")`.
   This file holds no math of its own.
 
@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 
 import ppo_kernels as pk
-from ppo_kernels.gae import reference as gae_ref
-from ppo_kernels.group_advantages import reference as group_ref
-from ppo_kernels.kl import reference as kl_ref
-from ppo_kernels.linear_logprobs import reference as linear_ref
-from ppo_kernels.losses import reference as loss_ref
-from ppo_kernels.masked_stats import reference as stats_ref
-from ppo_kernels.token_logprobs import reference as tl_ref
+from ppo_kernels.gae import naive as gae_ref
+from ppo_kernels.group_advantages import naive as group_ref
+from ppo_kernels.kl import naive as kl_ref
+from ppo_kernels.linear_logprobs import naive as linear_ref
+from ppo_kernels.losses import naive as loss_ref
+from ppo_kernels.masked_stats import naive as stats_ref
+from ppo_kernels.token_logprobs import naive as tl_ref
 
 
 def _masked_labels(labels, ignore_index=-100):
@@ -70,7 +70,7 @@ class Ops:
         return True
 
     def _op(self, name: str, *args, **kwargs):
-        """The public op `name`: default backends when fused, its eager reference otherwise."""
+        """The public op `name`: default backends when fused, its eager implementation otherwise."""
         fn = getattr(pk, name)
         if self._fused(name):
             return fn(*args, **kwargs)
@@ -166,7 +166,7 @@ class Ops:
         return self._op("masked_mean", x, mask)
 
     def masked_whiten(self, x, mask, process_group=None):
-        # data-parallel statistics exist only in the op (the eager reference is one-process)
+        # data-parallel statistics exist only in the op (the eager implementation is one-process)
         if process_group is not None or self._fused("masked_whiten"):
             return pk.masked_whiten(x, mask, process_group=process_group)
         return stats_ref.verl_masked_whiten(x, mask.float())

@@ -9,7 +9,7 @@ from _utils import SCAN_TOL, SUM_SCAN_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.gae import reference as R
+from ppo_kernels.gae import naive as R
 
 pytestmark = MARKS
 OP = "gae"

@@ -9,7 +9,7 @@ from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.kl import reference as R
+from ppo_kernels.kl import naive as R
 
 pytestmark = MARKS
 BACKENDS = ["triton", "eager"]

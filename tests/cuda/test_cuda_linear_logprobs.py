@@ -10,8 +10,8 @@ from _utils import GEMM_GRAD_TOL, GEMM_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_logprobs import reference as ref
-from ppo_kernels.token_logprobs import reference as tl_ref
+from ppo_kernels.linear_logprobs import naive as ref
+from ppo_kernels.token_logprobs import naive as tl_ref
 
 pytestmark = MARKS
 OP = "linear_token_logprobs"

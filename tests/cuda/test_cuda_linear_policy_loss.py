@@ -1,7 +1,7 @@
 """linear_policy_loss (the policy loss from hidden states, gradients formed in the forward) on the
 GPU: every backend that runs there (cpp: cuBLAS + the CUDA token_logprobs kernels; triton: cuBLAS +
 the Triton kernels; eager: cuBLAS + eager tile math) against autograd of the float64 reference
-(ppo_kernels/linear_policy_loss/reference.py) computed on the GPU: loss, statistics and the
+(ppo_kernels/linear_policy_loss/naive.py) computed on the GPU: loss, statistics and the
 gradients of hidden, weight and bias. Loss types with a token-level and a sequence-level
 (two-pass) configuration, whole-vocabulary tiles and vocabulary chunks, float32 and bf16 / fp16
 with both logits dtypes, the exact KL to a reference head, the production width H=4096,

@@ -11,8 +11,8 @@ from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.group_advantages import reference as GR
-from ppo_kernels.losses import reference as R
+from ppo_kernels.group_advantages import naive as GR
+from ppo_kernels.losses import naive as R
 
 pytestmark = MARKS
 BACKENDS = ["triton", "eager"]
@@ -230,7 +230,7 @@ def test_policy_loss_types(t, level, dtype):
     rejection)."""
     from ppo_kernels.losses import policy_loss as PL
     from ppo_kernels.losses import policy_math as PM
-    from ppo_kernels.losses import policy_reference as PR
+    from ppo_kernels.losses import policy_naive as PR
 
     lp, old, adv, mask = _inputs(8, 257, dtype, spread=0.4)
     old = old.clamp(min=-30.0, max=-0.01)

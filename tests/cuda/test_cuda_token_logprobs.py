@@ -9,7 +9,7 @@ from _utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.token_logprobs import reference as ref
+from ppo_kernels.token_logprobs import naive as ref
 
 pytestmark = MARKS
 OP = "token_logprobs"

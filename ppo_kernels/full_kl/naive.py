@@ -1,4 +1,4 @@
-"""Eager PyTorch reference for full_kl: the semantics, the `eager` backend and the benchmark
+"""Eager PyTorch implementation for full_kl: the semantics, the `eager` backend and the benchmark
 baseline. Float64 inputs are computed in float64, everything else in float32.
 
     KL(pi || pi_ref)[t] = sum_j p_j (log p_j - log q_j),  p = softmax(z), q = softmax(w),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import policy_math as pm
-from .reference import row_coefficients
+from .naive import row_coefficients
 
 
 def token_losses(cfg: pm.LossConfig, x: pm.Inputs, lp: torch.Tensor, select=None):

@@ -9,7 +9,7 @@ With z = softcap(hidden @ weight.T + bias) / temperature (softcap: cap * tanh(lo
   m = the mask weights; in bypass mode times verl's rejection (rollout.compute on the detached
     current log-probs vs old_logprobs, the rollout log-probs there), whose IS weights multiply the
     per-token policy loss of the non-clipped types;
-  pg = the policy loss of `loss_type` on those log-probs (policy_reference.policy_loss: every type
+  pg = the policy loss of `loss_type` on those log-probs (policy_naive.policy_loss: every type
     of policy_math, aggregated by `agg` with row coefficients c_b), weighted by `weights`;
   k = c_b * m (the same aggregation, unweighted), kl[t] = kl_penalty(logprobs, ref_logprobs)[t]
     where m != 0, else 0;
@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kl import reference as kl_ref
+from ..kl import naive as kl_ref
 from ..losses import policy_math as pm
-from ..losses import policy_reference
-from ..losses import rollout as rc
-from ..losses.reference import row_coefficients
+from ..losses import policy_naive
+from ..losses import rollout_correction as rc
+from ..losses.naive import row_coefficients
 
 
 def _logits(a, h, W, b, acc):
@@ -130,7 +130,7 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
         stats.update({f"rollout_corr/{k}": v for k, v in met.items()})
     m = x.m
     state = _rng_state(generator)
-    pg = policy_reference.policy_loss(cfg, x, x.lp, a.agg, a.scale, gd, w, generator)
+    pg = policy_naive.policy_loss(cfg, x, x.lp, a.agg, a.scale, gd, w, generator)
     k = row_coefficients(m, a.agg, a.scale, gd).unsqueeze(-1) * m
     zero = torch.zeros((), dtype=acc, device=lp.device)
     ent_m = torch.where(m != 0, ent, zero)

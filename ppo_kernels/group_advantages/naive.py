@@ -1,4 +1,4 @@
-"""Eager PyTorch reference for GRPO / RLOO group advantages: the semantics, the `eager` backend and
+"""Eager PyTorch implementation for GRPO / RLOO group advantages: the semantics, the `eager` backend and
 the benchmark baseline. Group statistics are scatter reductions (index_add_), no Python loop over
 groups; they are accumulated in float64 whatever the input dtype, so a group of equal scores has an
 exact mean and gets an advantage of exactly 0.

@@ -12,7 +12,7 @@ right away:
     token_logprobs kernels (ppo_kernels/token_logprobs) reduce the tile;
   * vocabulary chunks (or the eager backend): per-chunk kernels merge the softmax stats
     (m, s, u) of csrc/common/softmax_stats.h across chunks (C++: csrc/cpu/linear_logprobs.cpp,
-    Triton: triton_kernels.py, eager: reference.py), then one elementwise finish.
+    Triton: triton_kernels.py, eager: naive.py), then one elementwise finish.
 The backward recomputes each tile, turns it into d(out)/d(logits) in place (the gradient is
 elementwise once lse and entropy are known), and accumulates grad_hidden += g @ W_chunk,
 grad_weight[chunk] += g^T @ h_chunk (float32), grad_bias[chunk] += sum(g).
@@ -57,11 +57,11 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from . import reference
+from ..linear_logprobs import naive
 from .planner import Plan, _acc, _check_logits_dtype, plan_call
 from .tiler import Tiler
 
-# Per-tile kernels of vocabulary-chunk tiles (contract: reference.tile_stats_ / tile_bwd_), one
+# Per-tile kernels of vocabulary-chunk tiles (contract: naive.tile_stats_ / tile_bwd_), one
 # implementation per backend with one signature. There is no CUDA C++ tile kernel: on CUDA the
 # cpp backend hands these tiles to Triton (or, without triton, to the eager tile math) and says so
 # in the op's `delegates` (python -m ppo_kernels info) and once per process as a warning.
@@ -96,7 +96,7 @@ def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
 
 @tile_stats_.impl("triton")
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
-    from . import triton_kernels
+    from ..linear_logprobs import triton_kernels
 
     triton_kernels.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
@@ -104,7 +104,7 @@ def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
 @tile_stats_.impl("eager")
 def _(tile, labels, v_start, inv_t, ignore_index, state, zlabel):
     with _backend.invariant_threads():
-        reference.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
+        naive.tile_stats_(tile, labels, v_start, inv_t, ignore_index, state, zlabel)
 
 
 @tile_bwd_.impl("cpp")
@@ -120,7 +120,7 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
 
 @tile_bwd_.impl("triton")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
-    from . import triton_kernels
+    from ..linear_logprobs import triton_kernels
 
     triton_kernels.tile_bwd_(
         tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
@@ -130,7 +130,7 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
 @tile_bwd_.impl("eager")
 def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V):
     with _backend.invariant_threads():
-        reference.tile_bwd_(
+        naive.tile_bwd_(
             tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, ignore_index, V
         )
 
@@ -340,7 +340,7 @@ def forward(
             a, e, s = tl_forward.impls[fused](tile, lc, inv_t, ignore_index, with_entropy)
         else:
             state, zl = chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, backend=backend)
-            a, e, s = reference.finalize(state, zl, lc, V, ignore_index)
+            a, e, s = naive.finalize(state, zl, lc, V, ignore_index)
         lp[r0:r1] = a[: r1 - r0]  # (padded rows in batch-invariant mode)
         lse[r0:r1] = s[: r1 - r0]
         if with_entropy:

@@ -1,4 +1,4 @@
-"""Eager PyTorch reference for token_logprobs: the semantics, the `eager` backend and the
+"""Eager PyTorch implementation for token_logprobs: the semantics, the `eager` backend and the
 benchmark baseline. Float64 inputs are computed in float64, everything else in float32.
 
 Documented edge cases (every backend matches them):

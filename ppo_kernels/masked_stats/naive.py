@@ -1,6 +1,6 @@
 """The benchmark baseline of masked_whiten (bench/bench_gae.py) and the trainer's `--ops eager`:
 verl's masked_whiten, written from its documented semantics. The op itself (op.py) is composed
-of torch calls and is its own eager reference."""
+of torch calls and is its own eager implementation."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Semantics: `linear_token_logprobs(hidden, weight, labels, bias=b, ...)` equals
 `token_logprobs(hidden @ weight.T + b, labels, ...)` with the logits computed in float32 (float64
-for float64 inputs) -- every edge case of ppo_kernels/token_logprobs/reference.py carries over
+for float64 inputs) -- every edge case of ppo_kernels/token_logprobs/naive.py carries over
 (ignore_index rows give 0 and no gradient; labels outside [0, V): IndexError on the CPU, NaN on
 the GPU; NaN / inf logits give NaN). Gradients flow to hidden, weight and bias.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..token_logprobs import reference as tl_ref
+from ..token_logprobs import naive as tl_ref
 
 
 def logits(hidden, weight, bias=None, dtype=None):
@@ -38,7 +38,7 @@ def forward(
 def eager_logprobs(hidden, weight, labels, bias=None, temperature=1.0, return_entropy=False):
     """What trainers do today (the benchmark baseline and the trainer's `--ops eager`): the LM
     head materialises the logits in the input dtype, then upcast, log_softmax, gather (and the
-    entropy of the full distribution); see token_logprobs/reference.eager_logprobs."""
+    entropy of the full distribution); see token_logprobs/naive.eager_logprobs."""
     z = torch.nn.functional.linear(hidden, weight, bias)
     return tl_ref.eager_logprobs(z, labels, temperature, return_entropy)
 

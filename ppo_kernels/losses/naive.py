@@ -1,4 +1,4 @@
-"""Eager PyTorch reference for the PPO / reward-model / DPO losses: the semantics, the `eager`
+"""Eager PyTorch implementation for the PPO / reward-model / DPO losses: the semantics, the `eager`
 backend and the benchmark baseline. Float64 inputs are computed in float64, everything else in
 float32. Everything is differentiable by torch autograd; the fused kernels reproduce exactly the
 gradient autograd gives for these compositions (including torch's half-and-half rule at ties of

@@ -1,4 +1,4 @@
-"""Eager PyTorch reference for kl_penalty and kl_penalized_rewards: the semantics, the `eager`
+"""Eager PyTorch implementation for kl_penalty and kl_penalized_rewards: the semantics, the `eager`
 backend and the benchmark baseline. Float64 inputs are computed in float64, everything else in
 float32 (as OpenRLHF does; verl computes in the input dtype).
 
