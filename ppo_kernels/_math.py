@@ -10,6 +10,12 @@ from torch import Tensor
 from ._backend import out_dtype
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of every kernel and per-token output: float64 for float64 inputs,
+    float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def masked_weights(x: Tensor, mask: Tensor):
     """(x in the accumulation dtype, selection m = mask != 0, weights w): a float mask weights
     each position by its value (as verl's and OpenRLHF's `x * mask` sums do); bool / integer masks

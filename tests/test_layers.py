@@ -2,8 +2,10 @@
 
   1 base          _backend, _checks, _modes, _memory, _triton_utils, distributed/_comm
   2 shared math   _math, _triton_math
-  3 kernels       <op>/reference, <op>/triton_kernels, linear_logprobs' planner / tiler / chunks
-  4 registered    <op>/op (the registered ops' Python side), distributed/* (the distributed forms)
+  3 kernels       <op>/naive, <op>/triton_kernels, the fused-linear engine (fused_linear/*), the
+                  losses' configurations and two-stage math
+  4 registered    <op>/op (the registered ops' Python side) and a fused loss's head term
+                  (<op>/head), distributed/* (the distributed forms)
   5 public API    <op>/api, linear_logprobs/hf, the package itself (ppo_kernels/__init__)
   6 users         integrations/*, trainer/*, __main__
 
@@ -21,10 +23,11 @@ PKG = os.path.join(ROOT, "ppo_kernels")
 
 BASE = {"_backend", "_checks", "_modes", "_memory", "_triton_utils"}
 MATH = {"_math", "_triton_math"}
-KERNELS = {"naive", "triton_kernels", "planner", "tiler", "chunks"}
+KERNELS = {"naive", "triton_kernels"}
 # losses/: the shared two-stage math of every policy-loss type, its autograd reference and the
 # rollout-correction math are kernel-level; policy_loss holds the registered op's Python side
 LEAVES = {
+    ("losses", "config"): 3,
     ("losses", "policy_math"): 3,
     ("losses", "policy_naive"): 3,
     ("losses", "rollout_correction"): 3,
@@ -62,7 +65,9 @@ def layer(mod: str) -> int | None:
         return LEAVES[head, leaf]
     if leaf == "api" or (head == "linear_logprobs" and leaf == "hf"):
         return 5
-    if leaf == "op":
+    if head == "fused_linear":
+        return 3  # the engine every loss from hidden states runs on
+    if leaf in ("op", "head"):
         return 4
     if leaf in KERNELS:
         return 3

@@ -11,7 +11,8 @@ from conftest import cpu_backends
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_policy_loss import api, naive, op
+from ppo_kernels.fused_linear import engine
+from ppo_kernels.linear_policy_loss import api, head, naive, op
 from ppo_kernels.losses import policy_math as pm
 
 BACKENDS = cpu_backends("linear_policy_loss")
@@ -292,21 +293,21 @@ def test_empty_batch_every_loss_type(case, per_row_adv):
 def test_passes():
     """Per-token types: one pass; sequence statistics: one pass while a chunk holds whole
     sequences, two otherwise; batch statistics and bypass mode: two."""
-    tok = pm.LossConfig("grpo")
-    seq = pm.LossConfig("grpo", importance_sampling_level="sequence")
-    assert op.passes(tok, False, 1000, 10) == 1
-    assert op.passes(seq, False, 10, 10) == 1 and op.passes(seq, False, 11, 10) == 2
-    assert op.passes(pm.LossConfig("geo_mean"), False, 11, 10) == 2
-    assert op.passes(pm.LossConfig("kl_cov"), False, 1, 100) == 2
-    assert op.passes(tok, True, 1, 100) == 2
+    tok = pm.PolicyLossConfig("grpo")
+    seq = pm.PolicyLossConfig("grpo", importance_sampling_level="sequence")
+    assert head.passes(tok, False, 1000, 10) == 1
+    assert head.passes(seq, False, 10, 10) == 1 and head.passes(seq, False, 11, 10) == 2
+    assert head.passes(pm.PolicyLossConfig("geo_mean"), False, 11, 10) == 2
+    assert head.passes(pm.PolicyLossConfig("kl_cov"), False, 1, 100) == 2
+    assert head.passes(tok, True, 1, 100) == 2
     # bypass mode: token IS weights without rejection stay in the one pass
-    assert op.token_local_bypass(("token", (2.0, None), []), False)
-    assert not op.token_local_bypass(("token", (2.0, None), [("token_k1", 0.5, 2.0)]), False)
-    assert not op.token_local_bypass(("sequence", (2.0, None), []), False)
-    assert not op.token_local_bypass(("token", (2.0, None), []), True)
-    p = op.plan(torch.empty(B * T, H), V, "float32", SMALL)
+    assert head.token_local_bypass(("token", (2.0, None), []), False)
+    assert not head.token_local_bypass(("token", (2.0, None), [("token_k1", 0.5, 2.0)]), False)
+    assert not head.token_local_bypass(("sequence", (2.0, None), []), False)
+    assert not head.token_local_bypass(("token", (2.0, None), []), True)
+    p = engine.plan_rows(torch.empty(B * T, H), V, "float32", SMALL)
     assert p.vocab == V and p.rows < T  # SMALL: a sequence is longer than a chunk
-    assert op.plan(torch.empty(B * T, H), V, "float32", ROWS).rows >= T
+    assert engine.plan_rows(torch.empty(B * T, H), V, "float32", ROWS).rows >= T
 
 
 def _mm_calls(fn):
@@ -494,8 +495,8 @@ def test_names_of_the_statistics_follow_the_configuration():
     x = _inputs()
     for loss_type, kw in TYPES:
         _, call = _op_args(x, loss_type=loss_type, **kw)
-        cfg = op.config(call)
-        xi = op._dummy_inputs()
+        cfg = head.config(call)
+        xi = head._dummy_inputs()
         terms = pm.token_terms(cfg, xi, pm.statistics(cfg, xi))
         names = op.stat_names(call)
         assert set(terms.metrics) <= set(names) and len(set(names)) == len(names)
@@ -1051,7 +1052,7 @@ def test_cpp_loop_chunks_like_the_planner(width, vocab, dtype):
     ld = "float32" if dtype == torch.float32 else "input"
     row = 4 * (vocab + width)
     for budget in (1, 100, row * 2, row * 5 + 3, row * 12, row * 17, SMALL, ROWS, 0):
-        rows = op.plan(h.reshape(N, width), vocab, ld, budget).rows
+        rows = engine.plan_rows(h.reshape(N, width), vocab, ld, budget).rows
 
         def forward(budget=budget):
             with use_backend(linear_policy_loss="cpp"), torch.no_grad():

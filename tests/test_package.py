@@ -137,7 +137,7 @@ def test_constant_result_marker_is_what_torch_sets():
     # dynamo: fail here if torch changes the marker
     from ppo_kernels import _backend
     from ppo_kernels.distributed import vocab_layout
-    from ppo_kernels.linear_policy_loss import op
+    from ppo_kernels.linear_policy_loss import head
 
     def f():
         return 0
@@ -148,5 +148,5 @@ def test_constant_result_marker_is_what_torch_sets():
     marked = torch.compiler.assume_constant_result(f)
     assert vars(marked) == {"_dynamo_marked_constant": True}
     assert vars(_backend.constant_result(g)) == vars(marked)
-    assert op._stat_names._dynamo_marked_constant is True
+    assert head._stat_names._dynamo_marked_constant is True
     assert vocab_layout._cached_start._dynamo_marked_constant is True

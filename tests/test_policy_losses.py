@@ -15,6 +15,7 @@ import ppo_kernels as pk
 from ppo_kernels.losses import policy_loss as pl
 from ppo_kernels.losses import policy_math as pm
 from ppo_kernels.losses import policy_naive as pr
+from ppo_kernels.losses.config import PolicyLossConfig
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -67,12 +68,10 @@ def _ours(t, lp, old, adv, mask, level="token", seed=1, **kw):
 
 
 def _cfg(t, level, **kw):
-    """The LossConfig ppo_policy_loss builds for these options (through its own checks)."""
+    """The PolicyLossConfig ppo_policy_loss builds for these options (through its own checks)."""
     o = dict(OPTS[t])
     o.update(kw)
-    base = [o.pop(k, d) for k, d in (("clip_low", 0.2), ("clip_high", None))]
-    base += [o.pop(k, None) for k in ("dual_clip", "delta", "log_ratio_clamp")]
-    return pl.make_config(t, *base, level, **o)
+    return PolicyLossConfig(loss_type=t, importance_sampling_level=level, **o)
 
 
 def _reference_grad(t, level, lp, old, adv, mask, agg=None, weights=None, seed=1, **kw):

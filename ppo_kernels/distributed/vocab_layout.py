@@ -1,4 +1,4 @@
-"""The vocabulary layout of the vocab-parallel forms (vocab_parallel.py): which contiguous slice
+"""The vocabulary layout of the vocab-parallel forms (vocab_parallel_*.py): which contiguous slice
 [start, start + size) of the vocabulary each rank of the group holds, negotiated through the
 forms' one all-gather.
 

@@ -1,7 +1,7 @@
 """The public API of full_kl (typed arguments, defaults, the vocab-parallel form). Tensor checks
 (dtype, shape, device, strides) run once, in the registered op (csrc/ops/full_kl.cpp); this layer
 checks the Python scalars, normalises the mask and routes `process_group=` to
-ppo_kernels/distributed/vocab_parallel.py."""
+ppo_kernels/distributed/vocab_parallel_full_kl.py."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def full_kl(
         mask = mask.contiguous()
     if process_group is not None:
         _check_args(logits, ref_logits, temperature, vocab_parallel=True)
-        from ..distributed.vocab_parallel import vocab_parallel_full_kl
+        from ..distributed.vocab_parallel_full_kl import vocab_parallel_full_kl
 
         return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     if not _backend.HAS_EXTENSION:

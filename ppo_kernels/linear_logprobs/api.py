@@ -2,7 +2,7 @@
 checks (dtype, shape, device, label range on the CPU) run once, in the registered op
 (csrc/ops/linear_logprobs.cpp); this layer checks what only it sees (the Python scalars, the
 leading dimensions it flattens) and is the one place that routes `process_group=` to the
-vocab-parallel form (ppo_kernels/distributed/vocab_parallel.py). causal_lm_logprobs (hf.py) is
+vocab-parallel form (ppo_kernels/distributed/vocab_parallel_linear.py). causal_lm_logprobs (hf.py) is
 built on it."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def linear_token_logprobs(
     tiles = _tiles(hidden.dtype, logits_dtype)
     h2 = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     if process_group is not None:
-        from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
+        from ..distributed.vocab_parallel_linear import vocab_parallel_linear_token_logprobs
 
         lp, ent = vocab_parallel_linear_token_logprobs(
             h2,

@@ -16,13 +16,11 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_float, check_int, check_str, check_tensor
-from .._modes import AGG_MODES
 from . import op  # noqa: F401  (registers the ops' Python side)
-from . import policy_loss as ext
+from .config import AGG_NAMES, AggregationConfig
+from .policy_math import default_aggregation
 
 _masked_aggregate = _backend.op("masked_aggregate")
-
-AGG_NAMES = AGG_MODES + ("token-sum",)
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (
     torch.bool,
@@ -59,21 +57,21 @@ def memo(cache: dict, fn, *args):
     return out
 
 
-_CONFIGS: dict = {}  # the checked configurations seen so far
-
-
-def checked_config(**arguments) -> ext.pm.LossConfig:
-    """The checked LossConfig of a policy-loss call from its arguments (exactly ext.CONFIG_ARGS,
-    by name), remembered per argument values (a repeated call skips the checks): ppo_policy_loss
-    and linear_policy_loss build theirs here. The callers name each argument (not `locals()`:
-    torch 2.11's Dynamo cannot trace that, and fullgraph compiles would break)."""
-    if len(arguments) != len(ext.CONFIG_ARGS):
-        raise TypeError(f"checked_config: expected the arguments {ext.CONFIG_ARGS}")
-    return memo(_CONFIGS, _make_config, *[arguments[k] for k in ext.CONFIG_ARGS])
-
-
-def _make_config(*args):
-    return ext.make_config(*args[:7], **dict(zip(ext.OPTION_CHECKS, args[7:])))
+def policy_aggregation(cfg: AggregationConfig, loss_type: str, B: int, T: int, device):
+    """`aggregation` of a policy loss over B rows of T tokens: agg=None takes the loss type's
+    default (and TRL's types count every row); geo_mean takes no other."""
+    agg, gbs = cfg.agg, cfg.global_batch_size
+    if agg is None:
+        agg, all_rows = default_aggregation(loss_type)
+        if all_rows and gbs is None:
+            gbs = B  # TRL: every row counts
+    elif loss_type == "geo_mean":
+        raise ValueError(
+            "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
+        )
+    return aggregation(
+        agg, T, cfg.dp_size, cfg.global_num_tokens, gbs, cfg.loss_scale_factor, device
+    )
 
 
 _AGGREGATIONS: dict = {}

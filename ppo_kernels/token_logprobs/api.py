@@ -1,7 +1,7 @@
 """The public API of token_logprobs (typed arguments, defaults, the vocab-parallel form). Tensor
 checks (dtype, shape, device, strides) and the label range run once, in the registered op
 (csrc/ops/token_logprobs.cpp); this layer checks the Python scalars and routes `process_group=`
-to ppo_kernels/distributed/vocab_parallel.py."""
+to ppo_kernels/distributed/vocab_parallel_token_logprobs.py."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def token_logprobs(
         process_group: vocab-parallel (tensor-parallel) form: `logits` is this rank's contiguous
             slice `[..., V_rank]` of the vocabulary (slices may be uneven), `labels` are global
             ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
-            statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
+            statistics; see ppo_kernels/distributed/vocab_parallel_token_logprobs.py). The gradient of each
             rank's slice is its slice of the unsharded gradient.
         vocab_start: this rank's first vocabulary id; default: slices contiguous in rank order,
             settled from the forward's own gather (a new uneven layout costs one more gather,
@@ -101,7 +101,7 @@ def token_logprobs(
         if inplace_backward:
             raise ValueError("inplace_backward: not supported with process_group")
         _check_args(logits, labels, temperature, vocab_parallel=True)
-        from ..distributed.vocab_parallel import vocab_parallel_token_logprobs
+        from ..distributed.vocab_parallel_token_logprobs import vocab_parallel_token_logprobs
 
         return vocab_parallel_token_logprobs(
             logits, labels, temperature, ignore_index, return_entropy, process_group, vocab_start
