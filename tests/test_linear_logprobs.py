@@ -607,6 +607,17 @@ def test_peak_memory_bounded_with_input_logits_dtype():
 
     # grad_hidden (bf16), the float32 grad_weight accumulator and its bf16 copy, O(N) vectors
     unavoidable = N * H_ * 2 + V_ * H_ * (4 + 2) + 16 * N * 4
+    # and the BLAS's own scratch for one chunk's products (a CPU without native bf16 GEMMs
+    # converts the operands: measured, not assumed)
+    plan = plan_chunks(N, V_, H_, torch.bfloat16, "cpu", budget, "rows", "input", True)
+    hc, Wd = h.detach()[: plan.rows], W.detach()
+    gz = torch.zeros(plan.rows, V_, dtype=torch.bfloat16)
+    out = [torch.empty(s, dtype=torch.bfloat16) for s in (gz.shape, hc.shape, (plan.sub, H_))]
+    unavoidable += max(
+        peak_extra_bytes(lambda: torch.mm(hc, Wd.T, out=out[0])),
+        peak_extra_bytes(lambda: torch.mm(gz, Wd, out=out[1])),
+        peak_extra_bytes(lambda: torch.mm(gz[:, : plan.sub].T, hc, out=out[2])),
+    )
     h.grad = W.grad = None
     peak = peak_extra_bytes(ours)
     h.grad = W.grad = None

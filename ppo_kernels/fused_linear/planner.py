@@ -191,20 +191,16 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
     return Plan(rows, vocab, min(sub, vocab), False, False, True, f32_out)
 
 
-# Batch-invariant mode (plan_invariant). A matmul computes each row with the same instructions
-# only for some row counts: MKL runs 1-3 rows and the last row of 4k + 1 rows (small k) with other
-# code; cuBLAS picks its algorithm by shape. With MKL on the CPU a row's result is the same for
-# every row count that is a multiple of INVARIANT_ROW_MULTIPLE, at any position in the call and
-# with 1 or 2 threads (probed on this CPU for 32-1024 rows, K and N from 48 to 152064, float32 and
-# bf16, both tile products; tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_
-# the_row_count keeps it checked): there a chunk is padded only to the next multiple, and a small
-# call costs what it costs in the default mode. Elsewhere every chunk is padded to the plan's
-# rows: one matmul shape per (V, H).
-INVARIANT_PAD_TO_MULTIPLE = ("cpu",)
-# The most rows per tile, beside the default budget's (None: the budget's): where every chunk is
-# padded to them fewer waste less on small calls, more keep the matmul efficient. The GPU value is
-# unmeasured.
-INVARIANT_MAX_ROWS = {"cpu": None, "cuda": 2048}
+# Batch-invariant mode (plan_invariant). A BLAS computes a row of a matmul with instructions that
+# depend on the matmul's shape: MKL runs 1-3 rows with other code, and on some CPUs it changes its
+# kernels with the row count even between multiples of 32 (a short hidden gradient g @ W), as
+# cuBLAS picks its algorithm by shape. So every row chunk is zero-padded to exactly the plan's
+# rows (one matmul shape per (V, H)) and, on the CPU, its GEMMs run on one thread (tiler.py). A
+# row's result then does not depend on its position in the tile
+# (tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
+# The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
+# them), more keep the matmul efficient. The GPU value is unmeasured.
+INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}
 # rows are a multiple of this: a [rows, vocab] float32 tile never ends in the scalar remainder of
 # a vectorised loop (the eager tile math), whatever the vocabulary size
 INVARIANT_ROW_MULTIPLE = 32
@@ -223,10 +219,9 @@ def plan_invariant(
 ) -> Plan:
     """The plan of batch-invariant mode: a function of (V, H, dtype, device, logits_dtype) only --
     never of the number of rows or of max_chunk_bytes -- so that every call walks the same
-    vocabulary tiles and its rows through matmuls of the same row counts: the default budget's
+    vocabulary tiles and its rows through matmuls of the same shapes: the default budget's
     chunking for an unbounded number of rows, at most INVARIANT_MAX_ROWS rows (a multiple of
-    INVARIANT_ROW_MULTIPLE), each row chunk zero-padded to a multiple of INVARIANT_ROW_MULTIPLE
-    (INVARIANT_PAD_TO_MULTIPLE devices) or to exactly `rows` rows (the others).
+    INVARIANT_ROW_MULTIPLE), each row chunk zero-padded to exactly `rows` rows.
     budget_share: the plan of 1 / budget_share of the default budget (an op that keeps that many
     tiles side by side: linear_policy_loss's exact KL), a constant of the op, not of the call."""
     budget = DEFAULT_MAX_CHUNK_BYTES.get(device_type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
@@ -234,9 +229,8 @@ def plan_invariant(
     p = plan_chunks(_ANY_N, V, H, dtype, device_type, budget, tiles, logits_dtype, fused)
     cap = INVARIANT_MAX_ROWS.get(device_type, INVARIANT_MAX_ROWS["cuda"])
     k = INVARIANT_ROW_MULTIPLE
-    rows = max(k, min(p.rows, cap or p.rows) // k * k)
-    pad = k if device_type in INVARIANT_PAD_TO_MULTIPLE else rows
-    return dataclasses.replace(p, rows=rows, pad=pad)
+    rows = max(k, min(p.rows, cap) // k * k)
+    return dataclasses.replace(p, rows=rows, pad=rows)
 
 
 def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
