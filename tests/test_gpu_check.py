@@ -65,7 +65,10 @@ class _RunOnce:
     """A Ctx stand-in: each timed callable runs once; what raised is kept."""
 
     def __init__(self):
-        self.ran, self.errors = [], []
+        self.ran, self.errors, self.profiles = [], [], []
+
+    def profile(self, op, case, rows):
+        self.profiles.append((op, case, rows))
 
     def bench(self, op, case, fns, bytes_moved=None, warmup=25, rep=100):
         for name, fn in fns.items():
@@ -94,3 +97,8 @@ def test_timing_and_sanitizer_workloads_rehearsed_on_the_cpu(op, monkeypatch):
     assert ctx.errors == []
     assert len(ctx.ran) >= 4, ctx.ran
     mod.sanitize_workload()
+    mod.profile(ctx, N=256, H=64, V=1000)  # (CPU ops here, CUDA kernels on the device)
+    (got,) = ctx.profiles
+    assert got[0] == mod.OP and got[2] and all(r["ms"] > 0 for r in got[2])
+    table = gpu_check.profile_section(ctx.profiles)
+    assert any("aten::mm" in line or "aten::addmm" in line for line in table), table
