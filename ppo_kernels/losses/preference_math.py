@@ -440,11 +440,8 @@ def paired_loss(
         total = total + lam * term.sum() / Bg
         d_c = d_c + gc * (lam / Bg)
         d_r = d_r + gr * (lam / Bg)
-    free = all(t in REFERENCE_FREE_TYPES + ("sft",) for t in cfg.loss_types)
-    beta = cfg.beta
-    # the rewards peers report: beta times the log-ratio (the log-prob for the reference-free)
-    cr = beta * (c if free else x_c)
-    rr = beta * (r if free else x_r)
+    # the rewards peers report: beta times the log-ratio (the log-prob without a reference)
+    cr, rr = cfg.beta * x_c, cfg.beta * x_r
     metrics.update(
         {
             "chosen_rewards": cr,

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .preference_math import REFERENCE_FREE_TYPES, PreferenceConfig, UnpairedConfig
+from .preference_math import PreferenceConfig, UnpairedConfig
 
 
 def token_logprobs(logits, labels, mask=None, temperature=1.0, ignore_index=-100):
@@ -170,10 +170,8 @@ def paired_loss(
             pw = w[:B] * w[B:]
         terms = [v * pw for v in terms]
     loss = sum(lam * (v.sum() / max(B, 1)) for lam, v in zip(cfg.weights, terms))
-    free = all(t in REFERENCE_FREE_TYPES + ("sft",) for t in cfg.loss_types)
     with torch.no_grad():
-        cr = cfg.beta * (c if free else c - rc)
-        rr_ = cfg.beta * (r if free else r - rr)
+        cr, rr_ = cfg.beta * (c - rc), cfg.beta * (r - rr)
         metrics = {
             "rewards/chosen": cr.mean(),
             "rewards/rejected": rr_.mean(),
@@ -214,7 +212,9 @@ def unpaired_loss(
         x = seq
     y = desirable.bool()
     beta = cfg.beta
-    k = torch.zeros((), dtype=torch.float64) if kl is None else torch.as_tensor(kl).double()
+    # TRL computes no reference point for apo_zero_unpaired
+    no_kl = kl is None or cfg.loss_type == "apo_zero_unpaired"
+    k = torch.zeros((), dtype=torch.float64) if no_kl else torch.as_tensor(kl).double()
     if cfg.loss_type == "kto":
         ch = 1 - torch.sigmoid(beta * (x - k))
         rj = 1 - torch.sigmoid(beta * (k - x))
