@@ -51,6 +51,9 @@ def test_info_lists_every_op_and_backend():
 
 def test_every_op_with_kernels_is_a_torch_op():
     for op, info in _backend.OPS.items():
+        if not info.public:  # a key of tile kernels whose op is still to come (distill)
+            assert any(k.op == op for k in _backend.KERNELS), op
+            continue
         if info.kernel is not None or info.triton:
             assert hasattr(torch.ops.ppo_kernels, op), op
 

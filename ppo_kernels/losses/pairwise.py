@@ -139,3 +139,70 @@ def dpo_loss(
     _check_pairs(reduction, _DPO_NAMES, (policy_chosen_lp, policy_rejected_lp) + ref)
     beta = check_float("beta", beta, positive=True)
     return _op(policy_chosen_lp, policy_rejected_lp, *ref, beta, reduction)[0]
+
+
+def reward_model_head_loss(
+    chosen_hidden: Tensor,
+    rejected_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    margin: Tensor | float | None = None,
+    center_rewards_coefficient: float | None = None,
+    reduction: str = "mean",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The reward model's pairwise loss straight from a scalar head: r = hidden @ weight.T (+ bias)
+    for the chosen and rejected completions' last hidden states, then
+    `-log sigmoid(r_chosen - r_rejected - margin)` (TRL's RewardTrainer) plus, with
+    `center_rewards_coefficient`, `coef * (r_chosen + r_rejected)^2` (its reward centring).
+
+    Args:
+        chosen_hidden, rejected_hidden: `[B, H]` float hidden states (gradient flows to both).
+        weight: the head, `[1, H]` or `[H]`; bias: `[1]` or None.
+        margin: per-pair `[B]` margins or one number (None: 0).
+        reduction: "mean" (0 for no pairs), "sum" or "none" (per pair).
+
+    Returns:
+        (loss, chosen rewards [B], rejected rewards [B]); the rewards detached, for metrics.
+
+    A composition (two GEMVs and the pairwise op, whose forward forms its own gradient), not an
+    op of its own: the call is two GEMVs plus overhead, and a one-node autograd function over the
+    whole head measured within the noise of it and of the eager composition (0.8-1.1x, fwd+bwd,
+    B=8 H=1024 and B=64 H=4096, one thread: bench/bench_reward_head.py)."""
+    check_tensor("chosen_hidden", chosen_hidden, dtypes=VALUE_DTYPES, dim=2)
+    dev = chosen_hidden.device
+    B, H = chosen_hidden.shape
+    check_arg("rejected_hidden", rejected_hidden, dev, dtypes=VALUE_DTYPES, shape=(B, H),
+              what="like chosen_hidden")  # fmt: skip
+    check_tensor("weight", weight, dtypes=VALUE_DTYPES)
+    if weight.numel() != H or weight.dim() not in (1, 2) or weight.shape[-1] != H:
+        raise ValueError(f"weight: expected shape (1, {H}) or ({H},), got {tuple(weight.shape)}")
+    check_arg("weight", weight, dev, dtypes=VALUE_DTYPES)
+    if bias is not None:
+        check_arg("bias", bias, dev, dtypes=VALUE_DTYPES)
+        if bias.numel() != 1:
+            raise ValueError(f"bias: expected one value, got shape {tuple(bias.shape)}")
+    if reduction not in _REDUCTIONS:
+        check_str("reduction", reduction, _REDUCTIONS)
+    coef = check_float("center_rewards_coefficient", center_rewards_coefficient, allow_none=True)
+    w = weight.reshape(1, H)
+    b = None if bias is None else bias.reshape(1)
+    rc = F.linear(chosen_hidden, w, b).squeeze(-1)
+    rr = F.linear(rejected_hidden, w, b).squeeze(-1)
+    shifted = rc
+    if margin is not None:
+        if isinstance(margin, Tensor):
+            check_arg("margin", margin, dev, dtypes=VALUE_DTYPES, shape=(B,), what="one per pair")
+            shifted = rc - margin.to(rc.dtype)
+        else:
+            shifted = rc - check_float("margin", margin)
+    loss = reward_model_loss(shifted, rr, reduction=reduction)
+    if coef:
+        sq = (rc + rr) ** 2
+        if reduction == "none":
+            loss = loss + coef * sq
+        elif reduction == "sum" or B == 0:
+            loss = loss + coef * sq.sum()
+        else:
+            loss = loss + coef * sq.mean()
+    return loss, rc.detach(), rr.detach()
