@@ -59,12 +59,12 @@ class VocabShard(engine.WholeVocab):
         super().__init__(backend, temperature, ignore_index, tl, kl)
         self.start, self.V, self.rows, self.group = start, V, rows, group
         self.world = dist.get_world_size(group)
-        kl_bwd = self.kl_bwd
+        ref_bwd = self.ref_bwd
 
-        def slice_kl_bwd(g, z, zr, kl, lse_z, lse_w, out):
-            return out.zero_() if z.shape[1] == 0 else kl_bwd(g, z, zr, kl, lse_z, lse_w, out)
+        def slice_kl_bwd(g, z, zr, stats, out):
+            return out.zero_() if z.shape[1] == 0 else ref_bwd(g, z, zr, stats, out)
 
-        self.kl_bwd = slice_kl_bwd
+        self.ref_bwd = slice_kl_bwd
 
     def _acc_tile(self, tiler, z):
         """z in the accumulation dtype (a float32 copy of an input-dtype tile)."""
@@ -78,7 +78,7 @@ class VocabShard(engine.WholeVocab):
             tile_stats_(tile, lc, self.start, self.inv_t, self.ii, st[0:3], st[3])
         if zr is not None:  # full_kl's per-slice (kl_r, lse_z_r, lse_w_r)
             if Vr:
-                kl3 = torch.stack(self.kl_fwd(z, zr)).to(tiler.acc)
+                kl3 = torch.stack(self.ref_fwd(z, zr, lc)).to(tiler.acc)
             else:  # an empty slice: no mass, no cross term
                 kl3 = torch.full((3, n), float("-inf"), dtype=tiler.acc, device=z.device)
                 kl3[0] = 0.0

@@ -82,17 +82,20 @@ class WholeVocab:
     """The reduction of a tile that holds the whole vocabulary: the token_logprobs kernels give
     the row statistics and turn the tile into its gradient; the full_kl kernels give the exact KL
     against a reference tile and its gradient. The kernels are handed in by the registered op
-    (`tl`: token_logprobs' forward / backward, `kl`: full_kl's, as tile functions). A
-    vocabulary shard's reduction (the vocab-parallel form) overrides `stats` and `grad`."""
+    (`tl`: token_logprobs' forward / backward; `ref`: what a reference (or teacher) tile beside
+    the policy tile gives -- `fwd(z, zr, labels) -> tuple of per-row tensors` and
+    `bwd(g, z, zr, stats, out) -> out`, the policy tile's gradient of `g * stats[0]` per row,
+    or None when the reference tile adds no gradient). A vocabulary shard's reduction (the
+    vocab-parallel form) overrides `stats` and `grad`."""
 
     fused = True  # the fused whole-vocabulary kernels reduce the tiles (planned as such)
     partial = False  # grad_hidden is a partial sum (reduced by the caller, kept in float32)
     rows = None  # the plan's rows per block (a shard: the rows common to every rank)
 
-    def __init__(self, backend: str, temperature: float, ignore_index: int, tl, kl=None):
+    def __init__(self, backend: str, temperature: float, ignore_index: int, tl, ref=None):
         self.backend, self.inv_t, self.ii = backend, 1.0 / temperature, ignore_index
         self.fwd, self.bwd = tl
-        self.kl_fwd, self.kl_bwd = kl if kl is not None else (None, None)
+        self.ref_fwd, self.ref_bwd = ref if ref is not None else (None, None)
         self.z = self.zr = None
 
     @property
@@ -108,10 +111,10 @@ class WholeVocab:
         return self.stats(tiler, self.z, self.zr, lc, with_entropy)
 
     def stats(self, tiler, z, zr, lc, with_entropy):
-        """(logprobs, entropy, lse, (kl, lse_z, lse_w) or None) of a row block from its logits
-        tile z (and the reference head's zr, or None)."""
+        """(logprobs, entropy, lse, the reference tile's statistics or None) of a row block from
+        its logits tile z (and the reference head's zr, or None)."""
         lp, ent, lse = self.fwd(z, lc, self.inv_t, self.ii, with_entropy)
-        return lp, ent, lse, (None if zr is None else self.kl_fwd(z, zr))
+        return lp, ent, lse, (None if zr is None else self.ref_fwd(z, zr, lc))
 
     def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
         """The block's gradient tile from the coefficients (glp, gent, g_full) and the
@@ -125,8 +128,7 @@ class WholeVocab:
             z = tiler.logits(hc, 0, tiler.W.shape[0])
         gk = None
         if g_full is not None:
-            kl, lse_z, lse_w = klt
-            gk = self.kl_bwd(g_full, z, zr, kl, lse_z, lse_w, gk_buf[: z.numel()].view(z.shape))
+            gk = self.ref_bwd(g_full, z, zr, klt, gk_buf[: z.numel()].view(z.shape))
         tiler.softcap_grad(z)
         g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None)
         if gk is not None:
@@ -221,6 +223,11 @@ class Head:
     bias: Tensor | None
     labels: Tensor
     T: int = 1
+    # the order the loop walks the rows in (int64 [N], a permutation), or None: 0..N-1. A loss
+    # whose coefficient ties rows that are far apart (a preference pair: chosen row i, rejected
+    # row i + P) walks them side by side; the block positions r0:r1 the head term sees are
+    # positions in this order, the hidden gradient rows are put back in place.
+    order: Tensor | None = None
 
 
 def run(
@@ -257,11 +264,17 @@ def run(
     gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
     gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
     any_grad = need_h or need_w or need_b
-    tiler = Tiler(hidden, weight, bias, plan, vocab.tiler_fused, backward=any_grad, softcap=softcap)
+    order = lm.order
+    if order is not None:
+        labels = labels[order]
+    tiler = Tiler(
+        hidden, weight, bias, plan, vocab.tiler_fused, backward=any_grad, softcap=softcap,
+        order=order,
+    )  # fmt: skip
     pad = tiler.pad  # batch-invariant mode: per-token tensors of a block to the tile's rows
     rtiler = gk_buf = None
     if ref is not None:
-        rtiler = Tiler(*ref, ref_plan, vocab.backend, softcap=softcap)
+        rtiler = Tiler(*ref, ref_plan, vocab.backend, softcap=softcap, order=order)
         gk_buf = torch.empty(
             tiler.max_rows * V if any_grad else 0,
             dtype=tiler.buf_in.dtype if plan.input_tiles else acc,
@@ -308,5 +321,8 @@ def run(
         ghc = gh[: hc.shape[0]].zero_() if need_h else gh
         vocab.block_grad(tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb)
         if need_h:
-            gh_out[r0:r1] = ghc[:n]
+            if order is None:
+                gh_out[r0:r1] = ghc[:n]
+            else:
+                gh_out.index_copy_(0, order[r0:r1], ghc[:n].to(gh_out.dtype))
     return gh_out, gW, gb

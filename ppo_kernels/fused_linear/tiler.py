@@ -71,8 +71,10 @@ class Tiler:
         fused: bool,
         backward: bool = False,
         softcap: float | None = None,
+        order=None,
     ):
         self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
+        self.order = order  # rows r0:r1 are hidden[order[r0:r1]] (None: hidden[r0:r1])
         self.cap = softcap
         self.acc = _acc(hidden.dtype)
         self.input_tiles = plan.input_tiles
@@ -119,7 +121,7 @@ class Tiler:
         return min(self.plan.rows, -(-n // k) * k) if k else n
 
     def rows(self, r0, r1):
-        hc = self.h[r0:r1]
+        hc = self.h[r0:r1] if self.order is None else self.h.index_select(0, self.order[r0:r1])
         if self.plan.pad:
             n = r1 - r0
             buf = self.h_pad[: self.padded(n)]

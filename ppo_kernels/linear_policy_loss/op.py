@@ -106,18 +106,19 @@ stat_names = policy_head.stat_names
 
 
 def _full_kl_kernels(backend: str, device_type: str, temperature: float):
-    """full_kl's tile kernels (full_kl/op.py) for `backend` on a pair of logits tiles:
-    fwd(z, zr) -> (kl, lse_z, lse_w) and bwd(g, z, zr, kl, lse_z, lse_w, out) -> dKL/dz scaled per
-    row by g, written into `out`."""
+    """full_kl's tile kernels (full_kl/op.py) for `backend` on a pair of logits tiles, as
+    engine.WholeVocab's `ref`: fwd(z, zr, labels) -> (kl, lse_z, lse_w) and
+    bwd(g, z, zr, (kl, lse_z, lse_w), out) -> dKL/dz scaled per row by g, written into `out`."""
     inv_t = 1.0 / temperature
     if backend == "cpp" and not _backend.has_compiled_kernel("full_kl_fwd", device_type):
         backend = "eager"
     f, b = fk_op.forward.impls[backend], fk_op.backward.impls[backend]
 
-    def fwd(z, zr):
+    def fwd(z, zr, labels):
         return f(z, zr, None, inv_t)
 
-    def bwd(g, z, zr, kl, lse_z, lse_w, out):
+    def bwd(g, z, zr, stats, out):
+        kl, lse_z, lse_w = stats
         b(z, g, zr, None, kl, lse_z, lse_w, inv_t, out, None)
         return out
 
