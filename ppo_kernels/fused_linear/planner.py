@@ -59,14 +59,26 @@ _ENV_DEFAULT = os.environ.get("PPO_KERNELS_LOGITS_DTYPE") or "auto"
 
 
 def default_logits_dtype(dtype: torch.dtype, device) -> str:
-    """What logits_dtype="auto" (the default) means for bf16 / fp16 inputs on `device`:
-    "input" (GEMMs in the input dtype) on a CPU that multiplies that dtype natively (bf16:
-    AVX-512 BF16 or AMX; fp16: AMX-FP16), where it is 2-2.5x faster than float32 tiles and is
-    the precision of the peers (TRL's and Liger's fused heads); "float32" elsewhere: CPUs that
-    emulate bf16 GEMMs, and CUDA, where bf16 GEMMs with float32 output beat input-dtype tiles
-    (H200, N=32768 H=4096 V=152064: 288 vs 418 ms). The environment variable
-    PPO_KERNELS_LOGITS_DTYPE ("float32" / "input", read at import) fixes it on every machine.
-    float32 / float64 inputs: "float32" (the tiles are the input's dtype either way)."""
+    """What `logits_dtype="auto"` means for a fused LM head's inputs of this dtype on this device.
+
+    "input" (GEMMs in the input dtype, float32 reductions) on a CPU that multiplies bf16 / fp16
+    natively: bf16 with AVX-512 BF16 or AMX, fp16 with AMX-FP16. "float32" elsewhere: on CPUs that
+    emulate those GEMMs, on CUDA (bf16 GEMMs with a float32 output beat input-dtype tiles there),
+    and for float32 / float64 inputs. The environment variable PPO_KERNELS_LOGITS_DTYPE
+    ("float32" / "input", read at import) fixes the answer on every machine.
+
+    Args:
+        dtype (torch.dtype): the dtype of the hidden states and the LM head.
+        device (torch.device | str): where they live ("cpu", "cuda", ...).
+
+    Returns:
+        str: "float32" or "input".
+
+    Why: on a CPU with native bf16 GEMMs "input" tiles are the fastest and give the peers'
+    precision (TRL's and Liger's fused heads); where the GEMMs are emulated they are much slower
+    than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
+    bench/results/gpu_2026-11-30_H200.md (CUDA).
+    """
     if _ENV_DEFAULT != "auto":
         return _ENV_DEFAULT
     dev = device.type if isinstance(device, torch.device) else str(device)
