@@ -74,7 +74,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def getenv(name: str, default: str = "") -> str:
     """os.environ.get for the per-call reads: os.environ's Mapping.get raises and catches a
-    KeyError on every miss (1-8 us of a small call); its underlying dict does not."""
+    KeyError on every miss, a visible share of a small call's cost; its underlying dict does
+    not (bench/bench_overhead.py measures the per-call cost)."""
     data = getattr(os.environ, "_data", None)
     if data is None:  # not CPython's os._Environ
         return os.environ.get(name, default)
@@ -136,7 +137,7 @@ class OpInfo:
     name: str  # the backend key: what use_backend / PPO_KERNELS_BACKEND take
     kernel: str | None  # the ppo_kernels_C kernel whose presence means "cpp" is available
     triton: bool  # has Triton kernels
-    cuda_default: str  # the measured-fastest backend on CUDA (see bench/results)
+    cuda_default: str  # the fastest backend on CUDA in the latest GPU report under bench/results
     public: tuple[str, ...]  # public API functions (ppo_kernels.<name>) that run on this key
     folder: str  # ppo_kernels/<folder>/: naive.py, op.py, triton_kernels.py
     # what else runs under a backend on a device, e.g. {("cpp", "cuda"): "cuBLAS matmuls + ..."}
@@ -379,7 +380,7 @@ def any_requested() -> bool:
         return True
     if _ENV_DATA is None:
         return bool(os.environ.get("PPO_KERNELS_BACKEND"))
-    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through (0.1 us)
+    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through: no KeyError
 
 
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -535,8 +536,9 @@ def _sync_invariant():
 
 
 def constant_result(fn):
-    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (1.3 s of
-    `import ppo_kernels`): the marker that decorator sets (test_package checks it still is).
+    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (a slow
+    import `import ppo_kernels` avoids): the marker that decorator sets (test_package checks it
+    still is).
     torch.compile calls fn while tracing and keeps its result as a constant of the graph."""
     fn._dynamo_marked_constant = True
     return fn

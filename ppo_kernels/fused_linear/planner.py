@@ -18,9 +18,8 @@ from .._checks import check_str
 # Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
 # CPU: a few hundred rows of a 32k-152k vocabulary. GPU: ~2300 rows at V = 152k; each row chunk
 # adds its product into the float32 [V, H] weight gradient (5 GB of traffic at H = 4096), so fewer,
-# larger chunks pay. Measured on the H200 (bench/results/gpu_2026-11-30_H200.md, N=32768 H=4096
-# V=152064 bf16 fwd+bwd): 512 MiB 336 ms, 1 GiB 298, 2 GiB 282-288 (3.2-3.5 GB peak), 4 GiB 280
-# (5.5 GB peak).
+# larger chunks pay. 2 GiB was faster than 512 MiB at a lower peak, and a larger budget gained
+# little more for a larger peak (bench/results/gpu_2026-11-30_H200.md).
 DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
@@ -41,8 +40,8 @@ _LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" res
 
 def _cpu_native(dtype: torch.dtype) -> bool:
     """Does this CPU multiply `dtype` natively (oneDNN's bf16 / fp16 GEMMs)? Where it does not,
-    the GEMMs are emulated and ~4-45x slower than float32 ones (measured: 2-core EPYC with AVX-512
-    but no BF16, bf16 ~45x; fp16 without AMX-FP16 4x)."""
+    the GEMMs are emulated and several times slower than float32 ones
+    (bench/results/cpu_linear_policy_loss_issue_sizes.md)."""
     cpu = torch.cpu
     if dtype == torch.bfloat16:
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -211,7 +210,7 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
 # row's result then does not depend on its position in the tile
 # (tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
 # The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
-# them), more keep the matmul efficient. The GPU value is unmeasured.
+# them), more keep the matmul efficient. The GPU value has no benchmark yet.
 INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}
 # rows are a multiple of this: a [rows, vocab] float32 tile never ends in the scalar remainder of
 # a vectorised loop (the eager tile math), whatever the vocabulary size

@@ -43,10 +43,10 @@ _UNBOUNDED = (-_INF, _INF, -_INF, _INF)
 
 def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
     """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit:
-    torch's own subtraction runs it without the custom op's call (~5 us: 1.1-1.2x eager's time
-    at 64 x 4096 on the CPU; on the H200 the op was slower than eager at 4M tokens). Only for
-    same-shape float32 tensors (anything else reaches the op and its named errors) and when no
-    backend was requested by name."""
+    torch's own subtraction runs it without the custom op's call, whose overhead made the op
+    slower than eager on the CPU and on a GPU (bench/results/cpu_overhead.md,
+    bench/results/gpu_2026-11-30_H200.md). Only for same-shape float32 tensors (anything else
+    reaches the op and its named errors) and when no backend was requested by name."""
     return (
         a.dtype is _F32 and b.dtype is _F32 and a.shape == b.shape and not _backend.any_requested()
     )
@@ -54,7 +54,7 @@ def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
 
 def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
     """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs). (torch.sub:
-    the binding itself, ~0.2-0.4 us less than the operator's Python protocol.)"""
+    the binding itself, cheaper than the operator's Python protocol.)"""
     if not _plain_f32_pair(a, b):
         return None
     try:
