@@ -460,8 +460,8 @@ def strict_checks(enabled: bool = True):
     """Context manager: check data-dependent inputs on the GPU too, at the cost of a host sync.
 
     Label ranges, group ids and packed offsets are checked on the CPU always. On the GPU such a
-    check needs a host sync, so by default the kernels never read out of bounds and give the
-    documented NaN instead; under `strict_checks()` they raise, naming the argument. It also makes
+    check needs a host sync. So by default the GPU kernels give the documented NaN instead, never
+    reading out of bounds; under `strict_checks()` they raise, naming the argument. It also makes
     `masked_whiten(unbiased=True)` raise on fewer than two unmasked positions, as verl does.
     Process-wide; blocks nest. Also PPO_KERNELS_STRICT=1.
 
@@ -503,11 +503,11 @@ _invariant = [os.environ.get("PPO_KERNELS_BATCH_INVARIANT", "0") == "1"]
 def batch_invariant(enabled: bool = True):
     """Context manager: batch-invariant mode, per-token outputs independent of the rest of the call.
 
-    Every per-token output of `token_logprobs`, `linear_token_logprobs` / `causal_lm_logprobs`,
-    `full_kl` and `linear_policy_loss` (its per-token statistics) is bitwise the same whatever
-    else is in the call: other rows, padding, layout, micro-batch split, chunk budget, ignored
-    rows, CPU threads. Process-wide, like `strict_checks` (autograd's backward threads see it).
-    Also PPO_KERNELS_BATCH_INVARIANT=1.
+    It covers every per-token output of `token_logprobs`, `linear_token_logprobs` /
+    `causal_lm_logprobs`, `full_kl` and `linear_policy_loss` (its per-token statistics). Each is
+    bitwise the same whatever else is in the call: other rows, padding, layout, micro-batch
+    split, chunk budget, ignored rows, CPU threads. Process-wide, like `strict_checks`
+    (autograd's backward threads see it). Also PPO_KERNELS_BATCH_INVARIANT=1.
 
     Args:
         enabled (bool): turn the mode on (True) or off (False) inside the block. Default True.

@@ -73,9 +73,9 @@ def default_logits_dtype(dtype: torch.dtype, device) -> str:
     Returns:
         str: "float32" or "input".
 
-    Why: on a CPU with native bf16 GEMMs "input" tiles are the fastest and give the peers'
-    precision (TRL's and Liger's fused heads); where the GEMMs are emulated they are much slower
-    than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
+    Why: on a CPU with native bf16 GEMMs, "input" tiles are the fastest. They also give the
+    peers' precision (TRL's and Liger's fused heads). Where the GEMMs are emulated, they are much
+    slower than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
     bench/results/gpu_2026-11-30_H200.md (CUDA).
     """
     if _ENV_DEFAULT != "auto":
