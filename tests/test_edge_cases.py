@@ -1,8 +1,7 @@
 """Regression tests for the inputs an adversarial pass over the public API found to break it
-(DEVELOPING.md, "No input that breaks it"): each documented edge case on every backend that runs
-here, against float64, plus every public op under torch.compile(fullgraph=True, dynamic=True)
-and the type checks of every scalar argument. Crash-prone calls live in tests/test_bad_inputs.py.
-"""
+("No input that breaks it", DEVELOPING.md): each documented edge case on every backend here,
+against float64, plus every public op under torch.compile(fullgraph=True, dynamic=True) and the
+type checks of every scalar argument. Crash-prone calls live in tests/test_bad_inputs.py."""
 
 import pytest
 import torch
