@@ -34,7 +34,16 @@ import ppo_kernels
 import ppo_kernels.integrations as integrations
 from ppo_kernels.losses import config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _repo_root():
+    """The checkout's root (the folder with setup.py), wherever under tests/ this file sits."""
+    d = os.path.dirname(os.path.abspath(__file__))
+    while not os.path.exists(os.path.join(d, "setup.py")) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    return d
+
+
+ROOT = _repo_root()
 
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Attributes):\s*$")
 _ENTRY = re.compile(r"^(\*{0,2}\w+(?:\s*,\s*\*{0,2}\w+)*)\s*(?:\([^)]*\))?\s*:(?:\s|$)")
