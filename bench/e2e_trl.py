@@ -190,8 +190,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
-    # one thread: on this shared 2-core machine a second OpenMP thread made the tiny model's steps
-    # 2-20x slower at random (the load of other jobs), in both runs alike
+    # one thread: on a small shared machine a second OpenMP thread made the tiny model's steps
+    # several times slower at random (the load of other jobs), in both runs alike
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_e2e_trl.md"))
     a = ap.parse_args()

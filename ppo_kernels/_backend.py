@@ -74,7 +74,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def getenv(name: str, default: str = "") -> str:
     """os.environ.get for the per-call reads: os.environ's Mapping.get raises and catches a
-    KeyError on every miss (1-8 us of a small call); its underlying dict does not."""
+    KeyError on every miss, a visible share of a small call's cost; its underlying dict does
+    not (bench/bench_overhead.py measures the per-call cost)."""
     data = getattr(os.environ, "_data", None)
     if data is None:  # not CPython's os._Environ
         return os.environ.get(name, default)
@@ -136,7 +137,7 @@ class OpInfo:
     name: str  # the backend key: what use_backend / PPO_KERNELS_BACKEND take
     kernel: str | None  # the ppo_kernels_C kernel whose presence means "cpp" is available
     triton: bool  # has Triton kernels
-    cuda_default: str  # the measured-fastest backend on CUDA (see bench/results)
+    cuda_default: str  # the fastest backend on CUDA in the latest GPU report under bench/results
     public: tuple[str, ...]  # public API functions (ppo_kernels.<name>) that run on this key
     folder: str  # ppo_kernels/<folder>/: naive.py, op.py, triton_kernels.py
     # what else runs under a backend on a device, e.g. {("cpp", "cuda"): "cuBLAS matmuls + ..."}
@@ -292,9 +293,27 @@ def _env_table() -> dict[str, str]:
 
 @contextlib.contextmanager
 def use_backend(default: str | None = None, **per_op: str):
-    """Run ops on a backend: `use_backend("triton")`, `use_backend(gae="eager")`, or both.
+    """Context manager: run ops on a chosen backend inside the `with` block.
 
-    Process-wide (not thread-local) so that autograd's backward threads see it too."""
+    `use_backend("triton")` sets the default of every op that has a Triton kernel;
+    `use_backend(gae="eager")` sets one op's. Both may be given. Blocks nest; the innermost wins.
+    The setting is process-wide, not thread-local, so autograd's backward threads see it too.
+
+    Args:
+        default (str, optional): the backend of every op that has it: "cpp" (alias "cuda"),
+            "triton", "eager" or "auto" (each op's own default). An op without that backend keeps
+            its default. Default None: no global choice.
+        **per_op (str): op name -> backend, for single ops. A name is an op's backend key or any
+            public function running on it (`grpo_advantages` for `group_advantages`). An op asked
+            by name for a backend it cannot run raises when it runs.
+
+    Returns:
+        ContextManager[None]: the block's scope.
+
+    Why: tests and benchmarks run the same public op on every backend; a user pins one where the
+    defaults do not suit. The environment variable PPO_KERNELS_BACKEND ("triton,gae=eager") sets
+    the same at import. `python -m ppo_kernels info` shows each op's choice.
+    """
     layer = {
         op_key(op, "use_backend"): _normalise(b, f"use_backend({op}=...)")
         for op, b in per_op.items()
@@ -361,7 +380,7 @@ def any_requested() -> bool:
         return True
     if _ENV_DATA is None:
         return bool(os.environ.get("PPO_KERNELS_BACKEND"))
-    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through (0.1 us)
+    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through: no KeyError
 
 
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -404,11 +423,23 @@ def _choice(op: str) -> tuple[str | None, bool]:
 
 
 def resolve(op: str, device_type: str) -> str:
-    """The backend `op` runs on for a tensor on `device_type` right now.
+    """The backend an op runs on, right now, for a tensor on the given device type.
 
-    A backend requested for the op by name must be available (else RuntimeError). A global
-    default (`use_backend("triton")`, PPO_KERNELS_BACKEND="triton") applies to the ops that have
-    that backend; an op without it (e.g. masked_whiten, eager only) keeps its default."""
+    A global default (`use_backend("triton")`, PPO_KERNELS_BACKEND="triton") applies to the ops
+    that have that backend; an op without it keeps its default. A backend requested for the op by
+    name must be available, else RuntimeError.
+
+    Args:
+        op (str): the op's backend key, e.g. "token_logprobs" or "group_advantages"
+            (`python -m ppo_kernels info` lists them).
+        device_type (str): "cpu" or "cuda".
+
+    Returns:
+        str: "cpp", "triton" or "eager".
+
+    Why: to see what a call will run without running it. The kernels read the same choice from a
+    cache keyed by op and device type.
+    """
     choice, named = _choice(op)
     if choice is None or choice == "auto" or (not named and not has_backend(op, choice)):
         return default_backend(op, device_type)
@@ -426,9 +457,23 @@ _strict = [os.environ.get("PPO_KERNELS_STRICT", "0") == "1"]
 
 @contextlib.contextmanager
 def strict_checks(enabled: bool = True):
-    """Validate data-dependent input (label ranges, ...) on the GPU too, at the cost of a host sync.
+    """Context manager: check data-dependent inputs on the GPU too, at the cost of a host sync.
 
-    Without it GPU kernels never read out of bounds and give the documented NaN instead."""
+    Label ranges, group ids and packed offsets are checked on the CPU always. On the GPU such a
+    check needs a host sync. So by default the GPU kernels give the documented NaN instead, never
+    reading out of bounds; under `strict_checks()` they raise, naming the argument. It also makes
+    `masked_whiten(unbiased=True)` raise on fewer than two unmasked positions, as verl does.
+    Process-wide; blocks nest. Also PPO_KERNELS_STRICT=1.
+
+    Args:
+        enabled (bool): turn the checks on (True) or off (False) inside the block. Default True.
+
+    Returns:
+        ContextManager[None]: the block's scope.
+
+    Why: a training step without host syncs stays fast and capturable; strict checks are for
+    debugging a bad batch.
+    """
     _strict.append(enabled)
     _mirror_strict()
     try:
@@ -456,11 +501,25 @@ _invariant = [os.environ.get("PPO_KERNELS_BATCH_INVARIANT", "0") == "1"]
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
-    """Batch-invariant mode (README "Batch-invariant mode"): every per-token output of
-    token_logprobs, linear_token_logprobs / causal_lm_logprobs, full_kl and linear_policy_loss
-    (its per-token stats) is bitwise the same whatever else is in the call (other rows, padding, layout, micro-batch split, chunk budget,
-    ignored rows, CPU threads). Also PPO_KERNELS_BATCH_INVARIANT=1. Process-wide, like
-    strict_checks (autograd's backward threads see it)."""
+    """Context manager: batch-invariant mode, per-token outputs independent of the rest of the call.
+
+    It covers every per-token output of `token_logprobs`, `linear_token_logprobs` /
+    `causal_lm_logprobs`, `full_kl` and `linear_policy_loss` (its per-token statistics). Each is
+    bitwise the same whatever else is in the call: other rows, padding, layout, micro-batch
+    split, chunk budget, ignored rows, CPU threads. Process-wide, like `strict_checks`
+    (autograd's backward threads see it). Also PPO_KERNELS_BATCH_INVARIANT=1.
+
+    Args:
+        enabled (bool): turn the mode on (True) or off (False) inside the block. Default True.
+
+    Returns:
+        ContextManager[None]: the block's scope.
+
+    Why: on-policy PPO / GRPO assume a token's log-prob at rollout scoring equals its log-prob in
+    the first update. Kernels whose tiling follows the batch differ in the last bits, so the first
+    ratio is not 1 and clipping fires on noise. Fixed tile shapes remove that. Its cost:
+    bench/results/cpu_batch_invariant.md; the README's "Batch-invariant mode".
+    """
     _invariant.append(bool(enabled))
     _sync_invariant()
     try:
@@ -477,8 +536,9 @@ def _sync_invariant():
 
 
 def constant_result(fn):
-    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (1.3 s of
-    `import ppo_kernels`): the marker that decorator sets (test_package checks it still is).
+    """`torch.compiler.assume_constant_result` without its import of torch._dynamo (a slow
+    import `import ppo_kernels` avoids): the marker that decorator sets (test_package checks it
+    still is).
     torch.compile calls fn while tracing and keeps its result as a constant of the graph."""
     fn._dynamo_marked_constant = True
     return fn

@@ -155,8 +155,8 @@ case "$cmd" in
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
-    # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
-    # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
+    # one torch thread: on a small machine shared with anything else, a second OpenMP thread
+    # made the tiny model's steps several times slower
     # no checkpoint (92 MB; README "What is kept on disk"): `demo --checkpoint` keeps one
     "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
       --no-checkpoint "${@:2}" ;;

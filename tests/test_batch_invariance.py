@@ -1,4 +1,4 @@
-"""Batch-invariant mode (issue 21; README "Batch-invariant mode").
+"""Batch-invariant mode (README "Batch-invariant mode").
 
 Under `ppo_kernels.batch_invariant()` every per-token output of token_logprobs,
 linear_token_logprobs / causal_lm_logprobs, full_kl and linear_policy_loss (its per-token stats;

@@ -32,7 +32,7 @@ ALL = (
 )
 
 
-# one set of processes per world size (process start-up dominates on 2 cores)
+# one set of processes per world size (process start-up dominates on a small CPU)
 @pytest.mark.parametrize(
     "cases,world",
     [

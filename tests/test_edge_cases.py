@@ -1,5 +1,5 @@
 """Regression tests for the inputs an adversarial pass over the public API found to break it
-(issue 9, "No input that breaks it"): each documented edge case on every backend that runs here,
+("No input that breaks it", DEVELOPING.md): each documented edge case on every backend here,
 against float64, plus every public op under torch.compile(fullgraph=True, dynamic=True) and the
 type checks of every scalar argument. Crash-prone calls live in tests/test_bad_inputs.py."""
 

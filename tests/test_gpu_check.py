@@ -81,7 +81,7 @@ class _RunOnce:
 
 @pytest.mark.parametrize("op", ["linear_logprobs", "linear_policy_loss"])
 def test_timing_and_sanitizer_workloads_rehearsed_on_the_cpu(op, monkeypatch):
-    """The device runs these only when a GPU is lent (15 minutes a session, rarely): their Python
+    """The device runs these only when a GPU is lent (seldom, and briefly): their Python
     -- argument names, the peers' calls -- is rehearsed here at small sizes on the CPU, so a
     mistake in it does not cost device time."""
     mod = importlib.import_module(f"gpu_checks.{op}")

@@ -135,10 +135,10 @@ ALLOWED_UP = {("ppo_kernels", "ppo_kernels.integrations")}
 
 GRAPH = {m: {n for n in _imports(m) if (m, n) not in ALLOWED_UP} for m in MODULES}
 
-# Issue 18 in progress: the modules of the op folders whose registration has not moved to C++ yet
-# still break the rules (their op.py routes process_group=, their __init__ exports the API). Their
-# tests are strict expected failures: once a folder has moved its tests pass, which fails them
-# until the module leaves this set. Empty when issue 18 is done.
+# While op registrations move to C++: the modules of the op folders whose registration has not
+# moved yet still break the rules (their op.py routes process_group=, their __init__ exports the
+# API). Their tests are strict expected failures: once a folder has moved its tests pass, which
+# fails them until the module leaves this set. Empty when every folder has moved.
 PENDING: set[str] = set()
 
 

@@ -125,7 +125,7 @@ def test_no_args_prints_help_and_version():
 
 
 def test_import_does_not_load_dynamo():
-    # torch._dynamo costs ~1.3 s of import time; nothing at module level may need it
+    # torch._dynamo is a slow import; nothing at module level may need it
     r = _run(
         "import sys, ppo_kernels\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"

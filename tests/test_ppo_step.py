@@ -1,5 +1,5 @@
 """The whole per-token step of a PPO update -- rewards with the KL penalty, GAE, whitening, the
-policy and value losses and their backward -- as one traceable, capturable unit (issue 18):
+policy and value losses and their backward -- as one traceable, capturable unit:
 
   * under `torch.compile(fullgraph=True)` (aot_eager, static and dynamic shapes): no graph break,
     the same loss, statistics and gradients as eager;

@@ -1,5 +1,5 @@
-"""The hand-kept tables of the test suite checked against what is registered (issue 18): adding an
-op without its compile case, its bad-input cases or (for a CUDA kernel) its SIMT registration and
+"""The hand-kept tables of the test suite checked against what is registered: adding an op
+without its compile case, its bad-input cases or (for a CUDA kernel) its SIMT registration and
 test fails here, naming what is missing. The DEVELOPING.md op table is checked by
 tests/test_contract.py (test_developing_md_lists_every_op)."""
 

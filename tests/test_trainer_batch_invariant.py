@@ -1,4 +1,4 @@
-"""The trainer's --batch-invariant (issue 21): the rollout is scored in --logprob-micro-batch
+"""The trainer's --batch-invariant: the rollout is scored in --logprob-micro-batch
 passes and updated in other passes, yet the first update's ratio is exactly 1 on every token
 (first_logratio_max == 0; with one on-policy update per step, clip fraction and approx KL exactly
 0), and runs with different micro-batch sizes give bitwise-equal metrics (written with every bit)

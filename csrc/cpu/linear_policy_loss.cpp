@@ -3,15 +3,15 @@
 // types whose per-token loss is ppo's clipped surrogate at token level (ppo, grpo, bnpo, dr_grpo,
 // dapo, luspo: policy_math.is_ppo_surrogate), float32 (or bf16 / fp16 with logits_dtype="input":
 // input-dtype tiles and GEMMs), whole-vocabulary tiles, not batch-invariant, without caller
-// weights, rollout correction, soft-capping or a reference LM head. There the Python loop runs
-// ~150 small torch ops per call (0.4 ms at 2 x 8 tokens: twice an eager loss on materialised
-// logits). Here each row chunk is a BLAS matmul for the logits tile, then each row reduced while
-// it is in cache (cpu_rows.h): its statistics with every exp(z - m_block) kept, its token's loss
-// and KL terms (loss_math.h's policy_token, kl_stats.h's estimators: the loss and KL kernels'
-// math), and its gradient from the kept exps -- one exp per logit, where the token_logprobs
-// kernels' two passes take two -- then the two gradient matmuls. The same three GEMMs, the same
-// statistics as the Python loop's kernel route (op.py _Loss with `ppo`), which the tests compare
-// it with (the gradient tiles agree to float32 rounding).
+// weights, rollout correction, soft-capping or a reference LM head. There the Python loop runs many
+// small torch ops per call, slower on small calls than an eager loss on materialised logits
+// (bench/results/cpu_linear_policy_loss_small.md). Here each row chunk is a BLAS matmul for the
+// logits tile, then each row reduced while it is in cache (cpu_rows.h): its statistics with every
+// exp(z - m_block) kept, its token's loss and KL terms (loss_math.h's policy_token, kl_stats.h's
+// estimators: the loss and KL kernels' math), and its gradient from the kept exps -- one exp per
+// logit, where the token_logprobs kernels' two passes take two -- then the two gradient matmuls.
+// The same three GEMMs, the same statistics as the Python loop's kernel route (op.py _Loss with
+// `ppo`), which the tests compare it with (the gradient tiles agree to float32 rounding).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -34,7 +34,7 @@ constexpr int64_t kChunk = 1024;
 void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
   if (t.scalar_type() == at::kBool) {
     // as bytes: gcc does not vectorise bool -> float, and its scalar int -> float conversions
-    // chain on a false register dependency (~1 ns per element, 5x the whole pass)
+    // chain on a false register dependency (several times the cost of the whole pass)
     const uint8_t* p = reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()) + off;
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
     return;

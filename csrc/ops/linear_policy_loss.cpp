@@ -270,7 +270,8 @@ void check(const Stack& a, const Args& i) {
 // no caller weights, bypass-mode rollout correction, soft-cap or reference head, not
 // batch-invariant, the compiled kernels (not a test's emulated ones). The rest takes the Python
 // chunk loop (op.py run, `ppo_kernels_cpp::`): the same computation around the token_logprobs
-// kernels (two passes over each tile) at ~0.2 ms more per call.
+// kernels (two passes over each tile) at a higher cost per call
+// (bench/results/cpu_linear_policy_loss_cpp_loop.md).
 bool cpp_loop(const Stack& a, const Args& i) {
   const Tensor hidden = a[i.hidden].toTensor();
   const at::ScalarType dt = hidden.scalar_type();

@@ -18,9 +18,8 @@ from .._checks import check_str
 # Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
 # CPU: a few hundred rows of a 32k-152k vocabulary. GPU: ~2300 rows at V = 152k; each row chunk
 # adds its product into the float32 [V, H] weight gradient (5 GB of traffic at H = 4096), so fewer,
-# larger chunks pay. Measured on the H200 (bench/results/gpu_2026-11-30_H200.md, N=32768 H=4096
-# V=152064 bf16 fwd+bwd): 512 MiB 336 ms, 1 GiB 298, 2 GiB 282-288 (3.2-3.5 GB peak), 4 GiB 280
-# (5.5 GB peak).
+# larger chunks pay. 2 GiB was faster than 512 MiB at a lower peak, and a larger budget gained
+# little more for a larger peak (bench/results/gpu_2026-11-30_H200.md).
 DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
@@ -41,8 +40,8 @@ _LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" res
 
 def _cpu_native(dtype: torch.dtype) -> bool:
     """Does this CPU multiply `dtype` natively (oneDNN's bf16 / fp16 GEMMs)? Where it does not,
-    the GEMMs are emulated and ~4-45x slower than float32 ones (measured: 2-core EPYC with AVX-512
-    but no BF16, bf16 ~45x; fp16 without AMX-FP16 4x)."""
+    the GEMMs are emulated and several times slower than float32 ones
+    (bench/results/cpu_linear_policy_loss_issue_sizes.md)."""
     cpu = torch.cpu
     if dtype == torch.bfloat16:
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -59,14 +58,26 @@ _ENV_DEFAULT = os.environ.get("PPO_KERNELS_LOGITS_DTYPE") or "auto"
 
 
 def default_logits_dtype(dtype: torch.dtype, device) -> str:
-    """What logits_dtype="auto" (the default) means for bf16 / fp16 inputs on `device`:
-    "input" (GEMMs in the input dtype) on a CPU that multiplies that dtype natively (bf16:
-    AVX-512 BF16 or AMX; fp16: AMX-FP16), where it is 2-2.5x faster than float32 tiles and is
-    the precision of the peers (TRL's and Liger's fused heads); "float32" elsewhere: CPUs that
-    emulate bf16 GEMMs, and CUDA, where bf16 GEMMs with float32 output beat input-dtype tiles
-    (H200, N=32768 H=4096 V=152064: 288 vs 418 ms). The environment variable
-    PPO_KERNELS_LOGITS_DTYPE ("float32" / "input", read at import) fixes it on every machine.
-    float32 / float64 inputs: "float32" (the tiles are the input's dtype either way)."""
+    """What `logits_dtype="auto"` means for a fused LM head's inputs of this dtype on this device.
+
+    "input" (GEMMs in the input dtype, float32 reductions) on a CPU that multiplies bf16 / fp16
+    natively: bf16 with AVX-512 BF16 or AMX, fp16 with AMX-FP16. "float32" elsewhere: on CPUs that
+    emulate those GEMMs, on CUDA (bf16 GEMMs with a float32 output beat input-dtype tiles there),
+    and for float32 / float64 inputs. The environment variable PPO_KERNELS_LOGITS_DTYPE
+    ("float32" / "input", read at import) fixes the answer on every machine.
+
+    Args:
+        dtype (torch.dtype): the dtype of the hidden states and the LM head.
+        device (torch.device | str): where they live ("cpu", "cuda", ...).
+
+    Returns:
+        str: "float32" or "input".
+
+    Why: on a CPU with native bf16 GEMMs, "input" tiles are the fastest. They also give the
+    peers' precision (TRL's and Liger's fused heads). Where the GEMMs are emulated, they are much
+    slower than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
+    bench/results/gpu_2026-11-30_H200.md (CUDA).
+    """
     if _ENV_DEFAULT != "auto":
         return _ENV_DEFAULT
     dev = device.type if isinstance(device, torch.device) else str(device)
@@ -199,7 +210,7 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
 # row's result then does not depend on its position in the tile
 # (tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
 # The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
-# them), more keep the matmul efficient. The GPU value is unmeasured.
+# them), more keep the matmul efficient. The GPU value has no benchmark yet.
 INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}
 # rows are a multiple of this: a [rows, vocab] float32 tile never ends in the scalar remainder of
 # a vectorised loop (the eager tile math), whatever the vocabulary size

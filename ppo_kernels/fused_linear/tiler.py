@@ -14,13 +14,14 @@ the gradient tile and the per-chunk products are rounded to it, exactly the roun
 materialised path `token_logprobs(hidden @ weight.T + bias, ...)` in bf16 -- and the reductions
 still run in float32 (the fused kernels upcast as they load). Why: the CPU has no bf16 x bf16 ->
 float32 matmul (torch.mm(..., out_dtype=float32) is CUDA-only), and its bf16 matmul (AVX-512 BF16 /
-AMX) is ~2x faster than the float32 one on the upcast chunks. Sums across chunks stay float32
-(grad_hidden across vocabulary chunks, grad_weight across row chunks, grad_bias). On CUDA the two
+AMX) beats the float32 one on the upcast chunks (bench/results/cpu_head_defaults.md). Sums across
+chunks stay float32 (grad_hidden across vocabulary chunks, grad_weight across row chunks,
+grad_bias). On CUDA the two
 gradient products are not rounded per chunk: the bf16 x bf16 -> float32 matmul adds them into the
 float32 sums itself (as TRL's fused head does): the whole sum is rounded once, as the materialised
 path rounds its one product, and no separate addition pass is needed.
 GPU choice: chunked cuBLAS + reduction kernels, not a fused tl.dot kernel -- see the docstring of
-triton_kernels.py; bench/gpu_checks/linear_logprobs.py measures it. Unmeasured cost to watch: the
+triton_kernels.py; bench/gpu_checks/linear_logprobs.py times it. A cost to watch, not timed yet: the
 backward walks rows outermost, so each row chunk reads and writes the whole float32 weight-gradient
 accumulator once (beta = 1 GEMM): (N / rows) x V x H x 8 bytes. If the GPU check shows it, use
 squarer tiles (rows ~ vocab chunk ~ sqrt(budget / 6)) or walk the vocabulary outermost (then the
@@ -50,8 +51,9 @@ def _cpu_accumulate():
 
 def _accumulate(acc, x):
     """acc += x: an input-dtype product added into a float32 sum. On the CPU the compiled kernel
-    converts x block by block as it adds (torch's `+=` writes a float32 copy of x first: 5% of a
-    bf16 policy-loss step at V=152064); the same bits either way."""
+    converts x block by block as it adds (torch's `+=` writes a float32 copy of x first, a
+    visible share of a bf16 policy-loss step: bench/results/cpu_linear_policy_loss_thp.md); the
+    same bits either way."""
     kernel = _cpu_accumulate() if acc.device.type == "cpu" else None
     if kernel is not None:
         kernel(acc, x)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from .. import _backend
 from . import naive
 
-# CUDA: the cpp kernel (a chunked scan with a carry pass) measured fastest (bench/results).
+# CUDA: the cpp kernel (a chunked scan with a carry pass), the fastest in
+# bench/results/gpu_2026-11-30_H200.md.
 _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp", folder="gae")
 _backend.routes_in_cpp("gae")
 

@@ -48,8 +48,17 @@ ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accept
 
 @dataclass(frozen=True)
 class KLClamp:
-    """Clamps of a KL estimator: `log_ratio` bounds d = logprob - ref_logprob before the estimator,
-    `value` bounds its output; each a (lo, hi) pair whose sides may be None (unbounded)."""
+    """Explicit clamps of a KL estimator, for `kl_penalty(..., clamp=KLClamp(...))`.
+
+    Args:
+        log_ratio (tuple, optional): `(lo, hi)` bounds of d = logprob - ref_logprob before the
+            estimator. Either side may be None (unbounded). Default None: no clamp.
+        value (tuple, optional): `(lo, hi)` bounds of the estimator's value, sides as above.
+            Default None: no clamp.
+
+    The gradient is 0 wherever a finite bound is active, as torch.clamp's. The named presets
+    ("verl", "openrlhf") are tables of these: ppo_kernels/kl/naive.py.
+    """
 
     log_ratio: tuple[float | None, float | None] | None = None
     value: tuple[float | None, float | None] | None = None

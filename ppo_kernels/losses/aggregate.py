@@ -175,20 +175,42 @@ def masked_aggregate(
     loss_scale_factor: float | None = None,
     empty: str = "zero",
 ) -> Tensor:
-    """Aggregate a per-token loss `[..., T]` over `mask` into a scalar, as verl's `agg_loss`:
+    """Aggregate a per-token loss over the mask into one number, as verl's `agg_loss`.
 
-      token-mean               sum(mask * l) / N * dp_size   (N = global_num_tokens or sum(mask))
+    With l the per-token loss and S the number of rows with a non-empty mask (or
+    `global_batch_size`):
+
+      token-mean               sum(mask * l) / N * dp_size     (N = global_num_tokens or sum(mask))
       token-sum                sum(mask * l) * dp_size
       seq-mean-token-sum       sum_b sum_t(mask * l) / S * dp_size
       seq-mean-token-mean      sum_b [sum_t(mask * l) / sum_t mask] / S * dp_size
       seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor   (default: T)
 
-    S = global_batch_size or the number of rows with a non-empty mask. Normalisers a mode does not
-    use are ignored (verl passes them all); with dp_size > 1 the mode's one is required.
-    A float mask weights tokens; positions with mask == 0 never contribute, even when NaN (verl's
-    seq-mean modes would propagate such a NaN). `empty="zero"` gives 0 over a zero denominator,
-    `"nan"` NaN (verl's 0 / 0 without global normalisers; the gradient stays 0).
-    Returns a 0-dim float32 tensor (float64 for float64 input); the gradient flows to loss_mat.
+    A position with mask 0 never contributes, even when l is NaN there.
+
+    Args:
+        loss_mat (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The per-token
+            loss; the leading dimensions are the sequences. The gradient flows to it.
+        mask (Tensor): loss_mat's shape, bool / integer / float. A float mask weights tokens.
+        agg (str): one of the modes above. Default "token-mean".
+        dp_size (int): the data-parallel world size the loss is scaled by, as verl. Default 1.
+        global_num_tokens (float | Tensor, optional): the data-parallel total of mask tokens
+            (token modes), a number or a one-element tensor (no host sync). Required when
+            dp_size > 1 for a token mode. Default None: sum(mask).
+        global_batch_size (float | Tensor, optional): the data-parallel total of non-empty
+            sequences (sequence modes), as global_num_tokens. Default None: S of this batch.
+        loss_scale_factor (float, optional): seq-mean-token-sum-norm's divisor; positive.
+            Default None: T.
+        empty (str): the result over a zero denominator: "zero" gives 0; "nan" gives NaN, as
+            verl's 0 / 0 without global normalisers (the gradient stays 0). Default "zero".
+
+    Returns:
+        Tensor: 0-dim, float32 (float64 for float64 loss_mat).
+
+    Why: torch's NaN-safe masked select costs several passes on the CPU; the C++ kernel is one
+    (bench/bench_overhead.py, results in bench/results/cpu_overhead*.md). On CUDA it runs that
+    composition. A normaliser the mode does not use is ignored, since verl passes them all.
+    Formulas: docs/ppo-math.md ("PPO losses").
     """
     check_tensor("loss_mat", loss_mat, dtypes=VALUE_DTYPES, min_dim=1)
     check_tensor("mask", mask, dtypes=MASK_DTYPES)

@@ -262,12 +262,45 @@ def ppo_value_loss(
     empty_stats: str = "zero",
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss (verl's `compute_value_loss`), fused: per token
-    `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
-    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats`, `weights` as
-    there). The gradient flows to `values`.
+    """Clipped value loss (verl's `compute_value_loss`), fused, with its aggregation and statistics.
 
-    Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
+    Per token, with v the values, v_old the old values and G the returns:
+    `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)`, or `0.5 * (v - G)^2`
+    when clip is None. The per-token loss is aggregated over the mask as in `masked_aggregate`.
+
+    Args:
+        values (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The critic's current
+            values. The gradient flows to it.
+        old_values (Tensor): values' shape, a float dtype. The values at rollout time (no
+            gradient).
+        returns (Tensor): values' shape, a float dtype. The targets, e.g. GAE's returns (no
+            gradient).
+        mask (Tensor): values' shape, bool / integer / float. 0 marks a token without loss; a
+            float mask weights tokens.
+        clip (float, optional): the clip range of the values around old_values; positive.
+            Default None: no clipping.
+        agg (str): "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean" or
+            "seq-mean-token-sum-norm" (see `masked_aggregate`). Default "token-mean".
+        dp_size (int): the data-parallel world size the loss is scaled by, as verl. Default 1.
+        global_num_tokens (int | float | Tensor, optional): the data-parallel total of mask tokens
+            (token modes), a number or a one-element tensor. Default None: sum(mask).
+        global_batch_size (int | float | Tensor, optional): the data-parallel total of non-empty
+            sequences (sequence modes), as global_num_tokens. Default None.
+        loss_scale_factor (float, optional): seq-mean-token-sum-norm's divisor. Default None: T.
+        empty (str): "zero" (0 over a zero denominator) or "nan" (verl's and OpenRLHF's 0 / 0).
+            Default "zero".
+        empty_stats (str): the same for the statistics. Default "zero".
+        weights (Tensor, optional): values' shape. Per-token weights multiplying the per-token
+            loss (detached). Default None.
+
+    Returns:
+        tuple[Tensor, dict[str, Tensor]]: `(loss, stats)`. A 0-dim float32 loss (float64 for
+        float64 values) and `{"clip_frac": ...}`, the masked mean of [clipped error > plain
+        error], 0-dim, with no host sync.
+
+    Why: one op with an analytic gradient instead of the composition's chain of small ops, with
+    verl's aggregation modes exactly. Formulas: docs/ppo-math.md ("PPO losses").
+    """
     inputs = (values, old_values, returns)
     _check_shapes(_VALUE, inputs, mask)
     clip = check_float("clip", clip, positive=True, allow_none=True)

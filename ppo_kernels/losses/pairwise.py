@@ -114,10 +114,25 @@ _op = _backend.op("pairwise_logsigmoid_loss")
 def reward_model_loss(
     chosen_scores: Tensor, rejected_scores: Tensor, *, reduction: str = "mean"
 ) -> Tensor:
-    """Bradley-Terry reward-model loss `-log sigmoid(r_chosen - r_rejected)`, stable for any margin.
+    """Bradley-Terry reward-model loss on preference pairs, stable for any margin.
 
-    reduction: "mean" (0 for no pairs), "sum" or "none" (per pair). float32 result (float64 for
-    float64 inputs); gradients to both scores."""
+    `loss = -log sigmoid(r_chosen - r_rejected)` per pair, then reduced.
+
+    Args:
+        chosen_scores (Tensor): `[B]` (any shape), float32 / bfloat16 / float16 / float64. The
+            reward model's score of each preferred response. The gradient flows to it.
+        rejected_scores (Tensor): chosen_scores' shape, a float dtype. The score of each other
+            response. The gradient flows to it.
+        reduction (str): "mean" (0 for no pairs), "sum" or "none" (one loss per pair).
+            Default "mean".
+
+    Returns:
+        Tensor: 0-dim, or the inputs' shape for "none"; float32 (float64 for float64 inputs).
+
+    Why: a call holds B values, so its cost is its overhead. One op whose forward also forms
+    d loss / d margin replaces the composition's chain of small autograd nodes. Formulas:
+    docs/ppo-math.md ("Reward model and DPO").
+    """
     _check_pairs(reduction, _RM_NAMES, (chosen_scores, rejected_scores))
     return _op(chosen_scores, rejected_scores, None, None, 1.0, reduction)[0]
 
@@ -131,10 +146,32 @@ def dpo_loss(
     beta: float,
     reduction: str = "mean",
 ) -> Tensor:
-    """DPO loss `-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))`, stable for any margin.
+    """DPO loss on preference pairs, stable for any margin.
 
-    The inputs are the summed log-probs of each response's action tokens (e.g. a masked sum of
-    `token_logprobs`). Gradients flow to all four (detach the reference ones as usual)."""
+    `loss = -log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))` per pair, then reduced. Each
+    input is a response's summed log-probs over its action tokens (e.g. a masked sum of
+    `token_logprobs`); w is the chosen response, l the rejected one.
+
+    Args:
+        policy_chosen_lp (Tensor): `[B]` (any shape), float32 / bfloat16 / float16 / float64. The
+            policy's log-prob of each chosen response. The gradient flows to it.
+        policy_rejected_lp (Tensor): that shape, a float dtype. The policy's log-prob of each
+            rejected response. The gradient flows to it.
+        ref_chosen_lp (Tensor): that shape, a float dtype. The reference model's log-prob of each
+            chosen response. Detach it: a gradient would flow to it too.
+        ref_rejected_lp (Tensor): that shape, a float dtype. The reference model's log-prob of
+            each rejected response, as ref_chosen_lp.
+        beta (float): the inverse temperature of the implicit reward; positive. Keyword-only and
+            required.
+        reduction (str): "mean" (0 for no pairs), "sum" or "none" (one loss per pair).
+            Default "mean".
+
+    Returns:
+        Tensor: 0-dim, or the inputs' shape for "none"; float32 (float64 for float64 inputs).
+
+    Why: as `reward_model_loss`, one op and one autograd node for a call that is all overhead.
+    It matches TRL's `sigmoid` DPO loss. Formulas: docs/ppo-math.md ("Reward model and DPO").
+    """
     ref = (ref_chosen_lp, ref_rejected_lp)
     _check_pairs(reduction, _DPO_NAMES, (policy_chosen_lp, policy_rejected_lp) + ref)
     beta = check_float("beta", beta, positive=True)

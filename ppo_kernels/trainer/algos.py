@@ -18,10 +18,10 @@ from .rollout import SeqBatch, assemble, generate, segments_to_tokens
 
 # Sequences per forward / backward pass of the update under --batch-invariant, whatever
 # --micro-batch says: the passes, hence the order in which the gradient is summed, are the mode's.
-# The default mode's default pass (a minibatch of 32): the same passes at the same cost (one
-# sequence per pass cost 4.3x per step, 8 per pass ~1.1-1.4x in the update, noisy); --micro-batch
-# does not bound the update's activations in the mode. A pass's rows are computed as in any other
-# batch (the model is batch-invariant), so the first update's ratio stays exactly 1.
+# The default mode's default pass (a minibatch of 32): the same passes at the same cost (fewer
+# sequences per pass cost several times more per step: bench/results/cpu_batch_invariant.md);
+# --micro-batch does not bound the update's activations in the mode. A pass's rows are computed
+# as in any other batch (the model is batch-invariant), so the first update's ratio stays 1.
 INVARIANT_PASS_ROWS = 32
 
 

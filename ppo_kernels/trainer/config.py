@@ -35,9 +35,8 @@ class TrainConfig:
         "trimming) instead of returning it to the OS and faulting it in again every step",
     )
     # 100: the default PPO demo's fused run is meant to gain at least +0.3 eval reward (README
-    # "Measured: ... --compare"); it gained +0.29 in 40 steps, +0.34 / +0.305 / +0.29 in 60 (the
-    # runs differ like seeds once their last bits part), +0.35 in 80, +0.335 in 100; after the
-    # linear_policy_loss row loop (other float32 roundings) +0.265 in 80, +0.37 in 100
+    # "Measured: ... --compare"); fewer steps fell short of it on some runs (the runs differ like
+    # seeds once their last bits part): bench/results/demo_2026-12-04b.md
     steps: int = _f(100, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
     dist: str = _f(
         "ddp",

@@ -18,22 +18,21 @@ import torch
 
 from .config import TrainConfig
 
-# Seconds of the default job's phases on one machine, one torch thread (only their ratios to
-# the SFT step are used): a mean SFT step with either ops, a mean PPO step with either ops (64
-# responses: sampling, scoring, 2 epochs x 2 minibatches) and one held-out evaluation (200
-# prompts). From a `--compare` run of the defaults at load ~3 (README's earlier 40-step table: SFT
-# 2.4 min / 800 steps; PPO steps 1.94 s fused, 4.26 s eager, CPU time); the eager SFT step (1.44x
-# the fused one) and the evaluation (~21 SFT steps, more for the longer responses of a warmed-up
-# model) measured here.
+# Seconds of the default job's phases on one reference machine, one torch thread (only their
+# ratios to the SFT step are used): a mean SFT step with either ops, a mean PPO step with either
+# ops (64 responses: sampling, scoring, 2 epochs x 2 minibatches) and one held-out evaluation
+# (200 prompts). From a `--compare` run of the defaults (the README's "--compare" table); the
+# eager SFT step and the evaluation (more for the longer responses of a warmed-up model) timed
+# on the same machine.
 REF = {
     "sft_step": {"fused": 0.18, "eager": 0.26},
     "rl_step": {"fused": 1.94, "eager": 4.26},
     "eval": 8.0,
 }
 REF_RESPONSES, REF_EVAL_PROMPTS = 64, 200
-# the range around probe x ratio: the probe's median step was within ~10% of the mean of 150 SFT
-# steps here, the ratios carry the spread of runs of other days and loads; the upper end leaves
-# room for the load to rise during a run of several minutes
+# the range around probe x ratio: the probe's median step lands near the mean of a long SFT run,
+# the ratios carry the spread of runs at other loads; the upper end leaves room for the load to
+# rise during a run of several minutes
 SPREAD = (0.8, 1.5)
 PROBE_STEPS = 3
 

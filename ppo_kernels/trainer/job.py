@@ -105,10 +105,10 @@ def _check_data_parallel(cfg: TrainConfig, w: int):
 
 def keep_heap() -> bool:
     """glibc malloc: no mmap for large blocks and no trimming, so the tensors freed after a step
-    are reused by the next instead of being unmapped and page-faulted in again (measured on the
-    2-core CPU, 6 eager PPO steps: 20.6 s of 50.5 s were system time, 9.2M minor faults; with
-    this 1.2 s of 29.2 s, 0.4M, at 15% more peak RSS). Both --ops alike. Returns whether it
-    applied (not on other C libraries)."""
+    are reused by the next instead of being unmapped and page-faulted in again: without it,
+    system time (minor faults) was a large share of an eager PPO step, for a modest rise of the
+    peak RSS (README, the trainer's timings). Both --ops alike. Returns whether it applied (not
+    on other C libraries)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)

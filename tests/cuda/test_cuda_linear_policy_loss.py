@@ -150,7 +150,7 @@ def test_exact_kl_against_a_reference_head(backend, budget, opts):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("N", [big(2048)])
 def test_production_width(backend, N, logits_dtype):
-    """H=4096, V=152064 in bf16 (the issue's width and vocabulary; 2048 tokens), the default
+    """H=4096, V=152064 in bf16 (a large model's width and vocabulary; 2048 tokens), the default
     chunk budget, against the float64 reference on the GPU."""
     require(OP, backend)
     x = _inputs(N=N, H=4096, V=152064, dtype=torch.bfloat16, bias=False, T=256)

@@ -94,19 +94,19 @@ def test_group_advantages(backend, Bg):
         close(pk.rloo_advantages(s, idx), GR.group_advantages(s, idx, kind="rloo"), **tol)
 
 
-# The H200 run of 2026-11-30 saw the forward + backward capture fail ("operation failed due to a
-# previous error during capture") with no sync found: the parts are captured separately too, so
-# the next GPU run says which part breaks it (the forward alone, autograd.grad through the
-# registered backward, or one of the two aggregations). Since then the op is defined in C++ (no
-# Python custom op, and the backward is a C++ autograd node calling the backward op); not yet
-# rerun on a GPU.
+# The first GPU run (bench/results/gpu_2026-11-30_H200.md) saw the forward + backward capture fail
+# ("operation failed due to a previous error during capture") with no sync found: the parts are
+# captured separately too, so the next GPU run says which part breaks it (the forward alone,
+# autograd.grad through the registered backward, or one of the two aggregations). Since then the op
+# is defined in C++ (no Python custom op, and the backward is a C++ autograd node calling the
+# backward op); not yet rerun on a GPU.
 @pytest.mark.parametrize("mode", ["global", "thread_local"])
 @pytest.mark.parametrize(
     "part", ["forward+backward", "forward", "backward-token-mean", "backward-seq-mean"]
 )
 def test_policy_loss_cuda_graph(part, mode):
     """The policy loss, with device-side global denominators, captured in a CUDA graph: its
-    replay gives exactly the eager run's numbers. (The H200 run of 2026-11-30 saw the capture of
+    replay gives exactly the eager run's numbers. (The first GPU run saw the capture of
     forward+backward invalidated; the parts and the capture modes say where: the forward alone,
     the backward of one aggregation, or only calls from another thread than the capturing one.)"""
     require("ppo_policy_loss", "triton")

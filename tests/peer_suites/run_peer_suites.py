@@ -12,7 +12,7 @@ Where their tests come from (none of their code is kept in this repository):
             (selective_log_softmax, entropy_from_logits, the chunked log-prob function)
   liger     a checkout (--src liger=DIR; its sdist ships no tests): test/chunked_loss/
             test_grpo_loss.py (the fused linear GRPO loss), a selection of its cases ("select"
-            below: the whole file is hours on two CPU cores)
+            below: the whole file is far too slow for a CPU run)
   openrlhf  a checkout (--src openrlhf=DIR; PyPI has no sdist): tests/test_loss_aggregation.py,
             tests/test_experience.py. They load the checkout's openrlhf/*.py under private module
             names; here the installed package stands in for the checkout's, and the patch is also
@@ -92,8 +92,8 @@ SUITES = {
             "test/chunked_loss/test_grpo_loss.py",
         ],
         "files": ["test/chunked_loss/test_grpo_loss.py"],
-        # 1590 cases, most at B x T x H x V = 8 x 128 x 1024 x 4096 under torch.compile: hours on
-        # two CPU cores. Selected: every test at its small shapes (not N = 4096 or H = 1024), but
+        # 1590 cases, most at B x T x H x V = 8 x 128 x 1024 x 4096 under torch.compile: far too
+        # slow on a CPU. Selected: every test at its small shapes (not N = 4096 or H = 1024), but
         # test_correctness only at the small shape in float32 with bias, beta 0.1, no delta,
         # for every loss type and level, with given ref / old log-probs and with the reference
         # head (ref_input) and no old log-probs; test_triton_* need a GPU
