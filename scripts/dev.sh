@@ -33,8 +33,10 @@ if [ -z "${TORCH:-}" ]; then
     TORCH=$TORCH_CUDA
   else
     TORCH=$TORCH_CPU
-    say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
-        "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)"
+    case "${1:-test}" in docs|lint) ;; *)  # the two that need no torch
+      say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
+          "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)" ;;
+    esac
   fi
 fi
 TORCH_PIP=("torch==$TORCH")
@@ -155,7 +157,8 @@ DOCS_PKGS=(mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings
            babel==2.19.0 backrefs==8.3.1 click==8.5.1 colorama==0.4.6 ghp-import==2.1.0
            mergedeep==1.3.4 packaging==26.4 paginate==0.5.7 pathspec==1.1.1 platformdirs==4.14.9
            python-dateutil==4.0.0 requests==2.34.2 certifi==2026.10.19.post1
-           charset-normalizer==3.5.3 idna==3.21 urllib3==2.8.0 watchdog==7.1.1 tzdata==2026.6)
+           charset-normalizer==3.5.3 idna==3.21 urllib3==2.8.0 watchdog==7.1.1 tzdata==2026.6
+           ruff==0.17.6)  # ruff: mkdocstrings formats the signatures with it
 docs() {
   local venv
   venv=$(realpath -m "${DOCS_VENV:-.venv-docs}")
@@ -208,7 +211,7 @@ case "$cmd" in
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
     # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
     # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
-    # no checkpoint (92 MB; README "What is kept on disk"): `demo --checkpoint` keeps one
+    # no checkpoint (92 MB; docs/trainer.md "What is kept on disk"): `demo --checkpoint` keeps one
     "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
       --no-checkpoint "${@:2}" ;;
 esac
