@@ -78,6 +78,11 @@ def _ms(row):
     return math.nan
 
 
+def _fmt(ms):
+    """A time in ms with 3 significant digits, never in e-notation."""
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def _md_table(header, rows):
     esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
     return "\n".join(
@@ -107,7 +112,7 @@ def bench_table(stem, only=None):
         for r in rows:
             t, b = _ms(r), base.get((r.get("op"), r["case"]))
             speed = f"{b / t:.2f}x" if b and t > 0 else ""
-            cells = ([r["op"]] if "op" in cols else []) + [r["case"], r["impl"], f"{t:.3g}", speed]
+            cells = ([r["op"]] if "op" in cols else []) + [r["case"], r["impl"], _fmt(t), speed]
             cells.append(f"{float(r[peak]):.1f}" if r.get(peak) else "")
             if "pct_bw" in cols:
                 cells.append(f"{float(r['pct_bw']):.0f}" if r.get("pct_bw") else "")
@@ -127,58 +132,49 @@ def bench_table(stem, only=None):
     return "\n\n".join(parts)
 
 
+BASELINES = ("eager", "torch.compile", "trl", "liger", "copy", "verl", "openrlhf", "logits")
+
+
 def bench_plot_svg(stem):
-    """Horizontal bars of each case's median times (log scale), one colour per implementation."""
+    """Horizontal bars of each case's median times (log scale), each bar labelled with its time
+    and implementation; ours in blue, the baselines (eager code, peers, a copy) in orange."""
     rows = [r for r in _read(stem) if _ms(r) == _ms(r) and _ms(r) > 0]
-    cases = []
-    for r in rows:
-        key = (r.get("op") or "") + (" " if r.get("op") else "") + r["case"]
-        if key not in cases:
-            cases.append(key)
-    palette = ["#3f51b5", "#e65100", "#2e7d32", "#8e24aa", "#c62828", "#00838f", "#6d4c41"]
-    impls = []
-    for r in rows:
-        if r["impl"] not in impls:
-            impls.append(r["impl"])
-    color = {m: palette[i % len(palette)] for i, m in enumerate(impls)}
+    key = lambda r: (r.get("op") or "") + (" " if r.get("op") else "") + r["case"]
+    cases = list(dict.fromkeys(key(r) for r in rows))
     lo = math.floor(math.log10(min(_ms(r) for r in rows)))
-    hi = math.ceil(math.log10(max(_ms(r) for r in rows)))
-    hi = max(hi, lo + 1)
-    left, width, bar, gap = 300, 420, 11, 10
+    hi = max(math.ceil(math.log10(max(_ms(r) for r in rows))), lo + 1)
+    left, width, bar, gap = 8, 360, 12, 8
     x = lambda ms: left + width * (math.log10(ms) - lo) / (hi - lo)
-    out, y = [], 20
+    out, y = [], 8
     for case in cases:
-        out.append(f'<text x="4" y="{y + 9}" font-size="11">{html.escape(case[:48])}</text>')
-        for r in rows:
-            key = (r.get("op") or "") + (" " if r.get("op") else "") + r["case"]
-            if key != case:
-                continue
+        out.append(f'<text x="{left}" y="{y + 10}" font-size="11" font-weight="bold">'
+                   f"{html.escape(case)}</text>")  # fmt: skip
+        y += 14
+        for r in (r for r in rows if key(r) == case):
             w = max(x(_ms(r)) - left, 1)
+            ours = not r["impl"].lower().startswith(BASELINES)
             out.append(
-                f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar - 1}" '
-                f'fill="{color[r["impl"]]}"><title>{html.escape(r["impl"])}: '
-                f"{_ms(r):.3g} ms</title></rect>"
-                f'<text x="{left + w + 3:.1f}" y="{y + 9}" font-size="9">{_ms(r):.3g}</text>'
+                f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar - 2}" '
+                f'fill="{"#3f51b5" if ours else "#ef8a17"}"/>'
+                f'<text x="{left + w + 4:.1f}" y="{y + 9}" font-size="10">'
+                f"{_fmt(_ms(r))} ms  {html.escape(r['impl'])}</text>"
             )
             y += bar
         y += gap
     for p in range(lo, hi + 1):
-        out.append(
-            f'<line x1="{x(10**p):.1f}" y1="12" x2="{x(10**p):.1f}" y2="{y}" stroke="#ccc"/>'
+        out.insert(
+            0,
+            f'<line x1="{x(10**p):.1f}" y1="4" x2="{x(10**p):.1f}" y2="{y}" stroke="#ddd"/>'
             f'<text x="{x(10**p):.1f}" y="{y + 12}" font-size="9" text-anchor="middle">'
-            f"{10**p:g} ms</text>"
+            f"{10**p:g}</text>",
         )
-    y += 24
-    for i, m in enumerate(impls):
-        out.append(
-            f'<rect x="{4 + 180 * (i % 4)}" y="{y + 16 * (i // 4)}" width="10" height="10" '
-            f'fill="{color[m]}"/><text x="{18 + 180 * (i % 4)}" y="{y + 9 + 16 * (i // 4)}" '
-            f'font-size="10">{html.escape(m[:30])}</text>'
-        )
-    height = y + 16 * ((len(impls) + 3) // 4) + 8
+    out.append(
+        f'<text x="{left + width / 2}" y="{y + 26}" font-size="10" text-anchor="middle">'
+        "median ms (log scale); blue: ppo_kernels, orange: baselines</text>"
+    )
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" '
-        f'font-family="sans-serif">{"".join(out)}</svg>\n'
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 330}" '
+        f'height="{y + 34}" font-family="sans-serif">{"".join(out)}</svg>\n'
     )
 
 
