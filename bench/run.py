@@ -168,7 +168,7 @@ BENCHMARKS = {
 }
 DEMO = [
     "-m", "ppo_kernels", "train", "--algo", "ppo", "--compare", "--threads", "1",
-    "--no-checkpoint", "--no-progress",
+    "--no-checkpoint",
 ]  # fmt: skip
 GPU_NOTE = (
     "GPU reports: `gpu_<kind>.md` and `.csv`, one per device kind, written by "

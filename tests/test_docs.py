@@ -114,3 +114,8 @@ def test_bench_results_one_indexed_result_per_claim():
             assert re.search(r"commits? [0-9a-f]{7}|in [0-9a-f]{7}", text), (
                 f"bench/results/{f} names no commit"
             )
+
+
+def test_readme_links_resolve():
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", _read("README.md")):
+        assert os.path.exists(os.path.join(ROOT, target)), f"README.md links to missing {target}"
