@@ -186,11 +186,14 @@ def commit():
         return ""
 
 
-def stamp(command):
+def stamp(command, threads=True):
+    """The line naming a result's date, commit, machine, load and command. A benchmark run as a
+    subprocess sets its own thread count (its text says it): `threads=False` leaves ours out."""
     from _common import machine
 
+    where = machine() if threads else machine().rsplit(", ", 1)[0]
     return (
-        f"Measured {datetime.date.today()} at commit {commit() or '?'} on {machine()}, "
+        f"Measured {datetime.date.today()} at commit {commit() or '?'} on {where}, "
         f"load average {os.getloadavg()[0]:.2f}. Command: `{command}`."
     )
 
@@ -232,7 +235,7 @@ def run_script(argv, out):
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True)
     shown = " ".join(repr(a) if " " in a else a for a in argv)
     with open(out, "a") as f:
-        f.write(f"\n{stamp('python ' + shown)}\n")
+        f.write(f"\n{stamp('python ' + shown, threads=False)}\n")
 
 
 def run_demo(out):
@@ -246,7 +249,7 @@ def run_demo(out):
         text = (pathlib.Path(tmp) / "compare.txt").read_text()
     out.write_text(
         "# The demo: PPO with fused ops vs eager ops (`bash scripts/dev.sh demo`)\n\n"
-        + stamp("python " + " ".join(DEMO) + " --out DIR")
+        + stamp("python " + " ".join(DEMO) + " --out DIR", threads=False)
         + f" The whole command took {minutes:.1f} min (SFT warm-up included, venv and build in"
         " place).\n\n```\n" + text.rstrip() + "\n```\n"
     )
