@@ -70,6 +70,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._math import acc_dtype  # noqa: F401  (also policy_loss's pm.acc_dtype)
 from .._modes import CLIP_LOSS_TYPES
 
 CLIP_TYPES = CLIP_LOSS_TYPES  # the clipped surrogate's types (a table the C++ routing shares)
@@ -203,10 +204,6 @@ class Terms(NamedTuple):
 def _max_w(a, b):
     """d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie."""
     return torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).to(a.dtype)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def prepare(logprobs, old_logprobs, advantages, mask) -> Inputs:

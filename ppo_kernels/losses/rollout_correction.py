@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_bool, check_same_device, check_tensor
-from .policy_math import acc_dtype
+from .._math import acc_dtype
 
 _backend.register_op(
     "rollout_correction", kernel=None, triton=False, cuda_default="eager", folder="losses"
