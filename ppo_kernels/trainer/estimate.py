@@ -41,13 +41,13 @@ PROBE_STEPS = 3
 def probe_sft_step(cfg: TrainConfig, actor, tok, task, ops_mode: str) -> float:
     """Median wall seconds of one SFT step of `cfg` here and now: PROBE_STEPS steps after an
     untimed first one, on a copy of `actor`."""
-    from . import algos
+    from .algos.sft import sft
     from .ops import Ops
 
     stamps = []
     probe_cfg = dataclasses.replace(cfg, sft_steps=PROBE_STEPS + 1)
     with torch.random.fork_rng(devices=[]):
-        algos.sft(
+        sft(
             probe_cfg,
             copy.deepcopy(actor),
             tok,

@@ -43,7 +43,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=N
     """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one).
     `before_sft(actor, tok, task, sft_to_run)`: called once the Actor is built (the CLI's
     estimate)."""
-    from . import algos
+    from .algos.sft import sft
     from .models import load_actor
 
     actor, tok = load_actor(cfg)
@@ -59,7 +59,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=N
         return actor, tok, 0.0
     t0 = time.perf_counter()
     bar = _progress(cfg, cfg.sft_steps, "SFT warm-up")
-    algos.sft(
+    sft(
         cfg,
         actor,
         tok,
@@ -202,9 +202,9 @@ class _Run:
             self.cpu_times.append(time.process_time() - c0)
 
     def evaluate(self, actor, tok, problems, seed, when):
-        from . import algos
+        from .algos.evaluate import evaluate
 
-        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
+        r, tu = evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
         self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
         self.log(
             f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} held-out prompts"
@@ -263,7 +263,7 @@ def _train_problems(cfg, task, held_out):
 def _rl_models(r: _Run, actor, tok):
     """(critic, reward_model) for PPO / GRPO: a Critic from the Actor's backbone, or from the
     reward model (InstructGPT) when the reward is a trained RM."""
-    from . import algos
+    from .algos.rm import train_reward_model
     from .models import ValueModel, frozen_copy
 
     cfg = r.cfg
@@ -274,7 +274,7 @@ def _rl_models(r: _Run, actor, tok):
     if cfg.rm_path:
         rm = checkpoint.load_value_model(cfg.rm_path, cfg.device)
     else:
-        rm, a0, a1 = algos.train_reward_model(
+        rm, a0, a1 = train_reward_model(
             cfg,
             actor,
             tok,
@@ -292,12 +292,12 @@ def _rl_models(r: _Run, actor, tok):
 
 
 def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.ppo import RLTrainer
     from .models import frozen_copy
 
     cfg = r.cfg
     critic, reward_model = _rl_models(r, actor, tok)
-    trainer = algos.RLTrainer(
+    trainer = RLTrainer(
         cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model, r.group
     )
     start = 0
@@ -340,10 +340,10 @@ def _on_step(r: _Run, phase: str):
 
 
 def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.dpo import train_dpo
 
     r.evaluate(actor, tok, eval_problems, eval_seed, "before")
-    policy = algos.train_dpo(
+    policy = train_dpo(
         r.cfg,
         actor,
         tok,
@@ -357,9 +357,9 @@ def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
 
 
 def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.rm import train_reward_model
 
-    rm, a0, a1 = algos.train_reward_model(
+    rm, a0, a1 = train_reward_model(
         r.cfg,
         actor,
         tok,
