@@ -70,6 +70,8 @@ build_filter() {  # ninja's [n/m] lines shortened to the source file; other outp
   done
 }
 
+deps_want() { echo "${TORCH_PIP[*]} ${DEPS[*]}"; }  # what the venv's .ppo_deps records
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
@@ -77,7 +79,8 @@ setup() {
     pip_ install -q --upgrade pip setuptools wheel
   fi
   # dependencies: only when the wanted set changed since the last call
-  local want="${TORCH_PIP[*]} ${DEPS[*]}"
+  local want
+  want=$(deps_want)
   if [ "$(cat "$VENV/.ppo_deps" 2>/dev/null)" != "$want" ]; then
     say "installing torch $TORCH and the test / trainer dependencies (first time: 1-3 min on a" \
         "CPU machine, more for the 2.5 GB CUDA build)"
@@ -146,6 +149,11 @@ case "$cmd" in
   lint) lint; exit 0 ;;
   *) echo "usage: $0 {setup|test|bench|demo|lint}" >&2; exit 2 ;;
 esac
+if [ "$cmd" = demo ]; then  # the first run's installs and compiling, before they start
+  "$PY" ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \
+    $([ "$TORCH" = "$TORCH_CUDA" ] && [ "${PPO_KERNELS_SKIP_CUDA_BUILD:-0}" != 1 ] && echo --cuda) \
+    || true
+fi
 setup
 case "$cmd" in
   test)
@@ -155,9 +163,7 @@ case "$cmd" in
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
-    # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
-    # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
     # no checkpoint (92 MB; README "What is kept on disk"): `demo --checkpoint` keeps one
-    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
-      --no-checkpoint "${@:2}" ;;
+    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --no-checkpoint \
+      "${@:2}" ;;
 esac

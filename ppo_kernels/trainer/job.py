@@ -30,7 +30,9 @@ from .task import DecimalAdditionTask
 
 
 def _progress(cfg, total, desc):
-    if not cfg.progress:
+    """A progress bar on a terminal; None otherwise (a log file gets the phases' lines instead of
+    a carriage-return update per step)."""
+    if not cfg.progress or not sys.stdout.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -103,6 +105,27 @@ def _check_data_parallel(cfg: TrainConfig, w: int):
             )
 
 
+def auto_threads() -> tuple[int, str]:
+    """(torch threads, why) for --threads 0: torch's default (its physical cores, or
+    OMP_NUM_THREADS / torchrun's choice when set) less the cores other processes keep busy (the
+    1-minute load average, rounded), at least 1. An OpenMP region waits for its slowest thread:
+    with more threads than idle cores every step waits on threads the OS has descheduled, and a
+    busy 2-core machine ran the tiny model's steps many times slower with 2 threads than with 1."""
+    default = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return default, "OMP_NUM_THREADS"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return default, "torch's default"
+    n = max(1, min(default, round(cores - load)))
+    return n, f"{cores} cores, load average {load:.1f}"
+
+
 def keep_heap() -> bool:
     """glibc malloc: no mmap for large blocks and no trimming, so the tensors freed after a step
     are reused by the next instead of being unmapped and page-faulted in again (measured on the
@@ -130,6 +153,10 @@ class _Run:
         self.t_start = time.perf_counter()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        else:
+            n, why = auto_threads()
+            torch.set_num_threads(n)
+            self.log(f"torch threads: {n} ({why}; --threads N to choose)")
         if cfg.keep_heap and torch.device(cfg.device).type == "cpu":
             keep_heap()
         torch.manual_seed(cfg.seed)
