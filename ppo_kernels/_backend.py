@@ -23,7 +23,6 @@ from ._dispatch import (  # noqa: F401
     any_requested,
     available,
     backend_for,
-    check_eager_only,
     default_backend,
     getenv,
     refresh_backends,

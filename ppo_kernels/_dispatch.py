@@ -32,13 +32,8 @@ _ALIASES = {"cuda": "cpp", "native": "cpp", "c++": "cpp", "auto": "auto"}
 
 
 def getenv(name: str, default: str = "") -> str:
-    """os.environ.get for the per-call reads: os.environ's Mapping.get raises and catches a
-    KeyError on every miss (1-8 us of a small call); its underlying dict does not."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:  # not CPython's os._Environ
-        return os.environ.get(name, default)
-    v = data.get(os.environ.encodekey(name))
-    return default if v is None else os.environ.decodevalue(v)
+    """os.environ.get (the name the planner reads PPO_KERNELS_LINEAR_TILES through)."""
+    return os.environ.get(name, default)
 
 
 def triton_interpreting() -> bool:
@@ -151,18 +146,13 @@ def any_requested() -> bool:
         return True
     if _ENV_DATA is None:
         return bool(os.environ.get("PPO_KERNELS_BACKEND"))
-    return bool(_ENV_DATA.get(_BACKEND_KEY))  # the dict os.environ writes through (0.1 us)
+    # os.environ's own dict, not its get (a KeyError raised and caught per miss): the shortcut's
+    # call is all overhead (bench/bench_overhead.py, kl_penalty k1; cpu_overhead_tricks.md)
+    return bool(_ENV_DATA.get(_BACKEND_KEY))
 
 
 _ENV_DATA = getattr(os.environ, "_data", None)
 _BACKEND_KEY = os.environ.encodekey("PPO_KERNELS_BACKEND") if _ENV_DATA is not None else None
-
-
-def check_eager_only(op: str, t: torch.Tensor) -> None:
-    """For an op that is a composition of torch ops (eager only): raise as `backend_for` does if
-    another backend was requested for it by name. Free when nothing was requested at all."""
-    if _stack or getenv("PPO_KERNELS_BACKEND"):
-        backend_for(op, t)
 
 
 def _choice(op: str) -> tuple[str | None, bool]:
