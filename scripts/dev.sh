@@ -150,7 +150,7 @@ case "$cmd" in
   *) echo "usage: $0 {setup|test|bench|demo|lint}" >&2; exit 2 ;;
 esac
 if [ "$cmd" = demo ]; then  # the first run's installs and compiling, before they start
-  "$PY" ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \
+  "$PY" -I ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \
     $([ "$TORCH" = "$TORCH_CUDA" ] && [ "${PPO_KERNELS_SKIP_CUDA_BUILD:-0}" != 1 ] && echo --cuda) \
     || true
 fi

@@ -5,7 +5,7 @@ installing torch and the dependencies (when the venv lacks them) and compiling t
 
 Standard library only: dev.sh runs it with the system Python before anything is installed,
 
-    python3 ppo_kernels/trainer/first_run.py --venv .venv --want "<dev.sh's dependency list>"
+    python3 -I ppo_kernels/trainer/first_run.py --venv .venv --want "<dev.sh's dependency list>"
 """
 
 from __future__ import annotations
