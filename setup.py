@@ -14,7 +14,7 @@ found -- also on a machine without a GPU. Switches (environment variables):
 The extension must be compiled against the torch it will run with, so build with
 `pip install --no-build-isolation .` (pip's default build isolation would hide that torch; the
 build stops at once saying so). Next to the extension, `_C.torch_version` records the torch it was
-built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_backend.py).
+built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_extension.py).
 """
 
 import glob

@@ -77,6 +77,8 @@ build_filter() {  # ninja's [n/m] lines shortened to the source file; other outp
   done
 }
 
+deps_want() { echo "${TORCH_PIP[*]} ${DEPS[*]}"; }  # what the venv's .ppo_deps records
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
@@ -84,7 +86,8 @@ setup() {
     pip_ install -q --upgrade pip setuptools wheel
   fi
   # dependencies: only when the wanted set changed since the last call
-  local want="${TORCH_PIP[*]} ${DEPS[*]}"
+  local want
+  want=$(deps_want)
   if [ "$(cat "$VENV/.ppo_deps" 2>/dev/null)" != "$want" ]; then
     say "installing torch $TORCH and the test / trainer dependencies (first time: 1-3 min on a" \
         "CPU machine, more for the 2.5 GB CUDA build)"
@@ -199,6 +202,11 @@ case "$cmd" in
   docs) docs "${@:2}"; exit 0 ;;
   *) echo "usage: $0 {setup|test|bench|demo|lint|docs|wheel}" >&2; exit 2 ;;
 esac
+if [ "$cmd" = demo ]; then  # the first run's installs and compiling, before they start
+  "$PY" -I ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \
+    $([ "$TORCH" = "$TORCH_CUDA" ] && [ "${PPO_KERNELS_SKIP_CUDA_BUILD:-0}" != 1 ] && echo --cuda) \
+    || true
+fi
 setup
 case "$cmd" in
   test)
@@ -209,9 +217,7 @@ case "$cmd" in
   wheel) wheel ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
-    # one torch thread: on a small machine shared with anything else, a second OpenMP thread
-    # made the tiny model's steps several times slower
     # no checkpoint (92 MB; docs/trainer.md "What is kept on disk"): `demo --checkpoint` keeps one
-    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
-      --no-checkpoint "${@:2}" ;;
+    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --no-checkpoint \
+      "${@:2}" ;;
 esac

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ppo_kernels
-from ppo_kernels import _backend, _modes
+from ppo_kernels import _backend, _dispatch, _modes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "ppo_kernels")
@@ -37,7 +37,7 @@ def test_unknown_op_names_are_refused():
         with ppo_kernels.use_backend(token_logprob="eager"):
             pass
     with pytest.raises(ValueError, match="PPO_KERNELS_BACKEND: unknown op"):
-        _backend._parse_spec("nope=eager", "PPO_KERNELS_BACKEND")
+        _dispatch._parse_spec("nope=eager", "PPO_KERNELS_BACKEND")
 
 
 def test_environment_variable_takes_every_public_name():

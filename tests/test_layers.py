@@ -1,6 +1,7 @@
 """The package's layers (DEVELOPING.md "Layers"): dependencies point down only.
 
-  1 base          _backend, _checks, _modes, _memory, _triton_utils, distributed/_comm
+  1 base          _backend (the facade of _extension, _registry, _dispatch, _settings, _outputs,
+                  _library), _checks, _modes, _memory, _triton_utils, distributed/_comm
   2 shared math   _math, _triton_math
   3 kernels       <op>/naive, <op>/triton_kernels, the fused-linear engine (fused_linear/*), the
                   losses' configurations and two-stage math
@@ -21,7 +22,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "ppo_kernels")
 
-BASE = {"_backend", "_checks", "_modes", "_memory", "_triton_utils"}
+BASE = {
+    "_backend",
+    "_checks",
+    "_dispatch",
+    "_extension",
+    "_library",
+    "_memory",
+    "_modes",
+    "_outputs",
+    "_registry",
+    "_settings",
+    "_triton_utils",
+}
 MATH = {"_math", "_triton_math"}
 KERNELS = {"naive", "triton_kernels"}
 # losses/: the shared two-stage math of every policy-loss type, its autograd reference and the

@@ -10,7 +10,8 @@ import torch
 
 from ppo_kernels.gae import naive as gae_ref
 from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
-from ppo_kernels.trainer.algos import RLTrainer, prompt_tokens
+from ppo_kernels.trainer.algos.common import prompt_tokens
+from ppo_kernels.trainer.algos.ppo import RLTrainer
 from ppo_kernels.trainer.config import config_from_args
 from ppo_kernels.trainer.models import (
     ValueModel,
@@ -95,13 +96,14 @@ def test_preference_pairs_prefer_the_right_answer():
 def test_dpo_loss_adds_the_chosen_nll(coef):
     """Step 0 (policy = Reference, DPO term log 2): the logged loss is log 2 + coef x the chosen
     responses' per-token NLL, which is checked against the log-probs computed here."""
-    from ppo_kernels.trainer.algos import _pair_batch, preference_data, train_dpo
+    from ppo_kernels.trainer.algos.common import pair_batch, preference_data
+    from ppo_kernels.trainer.algos.dpo import train_dpo
 
     cfg = tiny_cfg(algo="dpo", steps=1, pairs=8, pref_batch=8, dpo_nll_coef=coef)
     tok, task = CharTokenizer(cfg.vocab), DecimalAdditionTask()
     torch.manual_seed(0)
     actor = tiny_model(cfg, len(tok))
-    b = _pair_batch(cfg, tok, *preference_data(cfg, tok, task, 8, cfg.seed + 10), 0, 8)
+    b = pair_batch(cfg, tok, *preference_data(cfg, tok, task, 8, cfg.seed + 10), 0, 8)
     with torch.no_grad():
         lp = model_logprobs(Ops("eager"), actor, *b.model_inputs())[:8]
     m = b.action_mask[:8]
@@ -115,7 +117,8 @@ def test_dpo_loss_adds_the_chosen_nll(coef):
 def test_reward_model_scores_are_standardised():
     """After training, the RM's head is rescaled: mean 0 and std 1 over the scored responses,
     the same preferences (an increasing affine map)."""
-    from ppo_kernels.trainer.algos import _pair_batch, preference_data, standardize_scores
+    from ppo_kernels.trainer.algos.common import pair_batch, preference_data
+    from ppo_kernels.trainer.algos.rm import standardize_scores
     from ppo_kernels.trainer.models import score
 
     cfg = tiny_cfg(algo="rm")
@@ -125,7 +128,7 @@ def test_reward_model_scores_are_standardised():
     torch.nn.init.normal_(rm.head.weight, std=3.0)
     rm.head.bias.data.fill_(2.0)
     problems, pairs = preference_data(cfg, tok, task, 70, 1)
-    b = _pair_batch(cfg, tok, problems, pairs, 0, 70)
+    b = pair_batch(cfg, tok, problems, pairs, 0, 70)
     with torch.no_grad():
         before = score(rm, *b.model_inputs())
         standardize_scores(cfg, rm, tok, problems, pairs)
@@ -418,7 +421,7 @@ def test_eager_gae_matches_literal_loop_batched():
 
 
 def test_adaptive_kl_controller():
-    from ppo_kernels.trainer.algos import AdaptiveKL
+    from ppo_kernels.trainer.algos.ppo import AdaptiveKL
 
     c = AdaptiveKL(0.1, target=0.5, horizon=100, adaptive=True)
     c.update(1.0, 10)  # KL above target: beta grows, error clipped at +0.2

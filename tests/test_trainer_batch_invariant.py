@@ -4,14 +4,15 @@ passes and updated in other passes, yet the first update's ratio is exactly 1 on
 0), and runs with different micro-batch sizes give bitwise-equal metrics (written with every bit)
 and bitwise-equal final weights. Without the mode the micro-batch sizes change the weights
 (gradient accumulation in another order): the comparison can fail. Under the mode the update
-runs passes of algos.INVARIANT_PASS_ROWS sequences whatever --micro-batch is."""
+runs passes of algos.ppo.INVARIANT_PASS_ROWS sequences whatever --micro-batch is."""
 
 import json
 
 import pytest
 import torch
 
-from ppo_kernels.trainer import ConfigError, TrainConfig, algos
+from ppo_kernels.trainer import ConfigError, TrainConfig
+from ppo_kernels.trainer.algos import ppo
 from ppo_kernels.trainer.config import config_from_args
 from ppo_kernels.trainer.job import _check_data_parallel, run
 
@@ -65,7 +66,7 @@ def _same_weights(a, b):
 def test_micro_batch_sizes_do_not_change_the_run(tmp_path, monkeypatch, algo, pass_rows):
     """pass_rows: the mode's sequences per update pass (the minibatch of 8 in passes of 3, 3 and
     2, or in one pass: the default), neither a micro-batch size of the runs compared."""
-    monkeypatch.setattr(algos, "INVARIANT_PASS_ROWS", pass_rows)
+    monkeypatch.setattr(ppo, "INVARIANT_PASS_ROWS", pass_rows)
     a, wa = _run(tmp_path, "a", algo, batch_invariant=True, logprob_micro_batch=3, micro_batch=2)
     b, wb = _run(tmp_path, "b", algo, batch_invariant=True)  # no micro-batches
     c, wc = _run(tmp_path, "c", algo, batch_invariant=True, logprob_micro_batch=1, micro_batch=5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ppo_kernels.trainer import Ops, TrainConfig
-from ppo_kernels.trainer.algos import RLTrainer
+from ppo_kernels.trainer.algos.ppo import RLTrainer
 from ppo_kernels.trainer.cli import main
 from ppo_kernels.trainer.job import run
 from ppo_kernels.trainer.models import ValueModel, frozen_copy, tiny_model

@@ -1,14 +1,25 @@
 """What the trainer's command line says and keeps, without training: the phase-time estimate
-(trainer/estimate.py), the --compare closing notes (trainer/report.py) and when a checkpoint is
-written (trainer/checkpoint.py)."""
+(trainer/estimate.py) and the first run's phases before it (trainer/first_run.py), the thread
+default and the progress output (trainer/job.py), the --compare closing notes (trainer/report.py)
+and when a checkpoint is written (trainer/checkpoint.py)."""
 
 import copy
+import io
+import os
 import random
 
 import pytest
 import torch
 
-from ppo_kernels.trainer import TrainConfig, checkpoint, estimate, report
+from ppo_kernels.trainer import (
+    ConfigError,
+    TrainConfig,
+    checkpoint,
+    estimate,
+    first_run,
+    job,
+    report,
+)
 from ppo_kernels.trainer.models import tiny_model
 from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask
 
@@ -27,6 +38,98 @@ def test_estimate_format_gives_ranges_and_a_total():
     assert (lo, hi) == (0.8, 1.5)  # the line above spells out these numbers
     line = estimate.format_estimate([("eager run", 3000.0)], probe=1.0, sft_cached=True)
     assert line.endswith(": SFT warm-up: cached, eager run 40-75 min; in all 40-75 min")
+
+
+def test_estimate_notes_a_busy_machine(monkeypatch):
+    line = estimate.format_estimate([("fused run", 50.0)], probe=0.2, sft_cached=True, note="busy")
+    assert line.endswith("; in all 40-75 s\nbusy")
+    monkeypatch.setattr(first_run, "cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.44, 2.0, 1.0))
+    assert first_run.load_note() == (
+        "note: this machine is busy (load average 3.4 on 2 cores): the times move with the load"
+    )
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.4, 2.0, 1.0))
+    assert first_run.load_note() == ""
+
+
+def _tree(tmp_path, built: bool):
+    for d in ("csrc", "csrc/cpu", "csrc/ops", "csrc/common", "csrc/cuda", "ppo_kernels"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+    for f in (
+        "csrc/a.cpp",
+        "csrc/cpu/b.cpp",
+        "csrc/ops/c.cpp",
+        "csrc/common/h.h",
+        "csrc/cuda/k.cu",
+    ):
+        (tmp_path / f).write_text("")
+        os.utime(tmp_path / f, (1000, 1000))
+    if built:
+        (tmp_path / "ppo_kernels" / "_C.cpython-311-x86_64-linux-gnu.so").write_text("")
+        os.utime(tmp_path / "ppo_kernels" / "_C.cpython-311-x86_64-linux-gnu.so", (2000, 2000))
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    return str(tmp_path), str(venv)
+
+
+def test_first_run_phases_are_the_installs_and_the_compiling_that_apply(tmp_path, monkeypatch):
+    monkeypatch.setattr(first_run, "cores", lambda: 2)
+    root, venv = _tree(tmp_path, built=False)
+    ph = first_run.phases(root, venv, "torch==2.13.0 ninja", jobs=2, cuda=False)
+    c_lo, c_hi = first_run.CPP_FILE
+    assert ph == [
+        ("installing torch and the dependencies", first_run.INSTALL_CPU),
+        ("compiling the extension (3 C++ files, 2 at a time)", (3 * c_lo / 2, 3 * c_hi / 2)),
+    ]
+    line = first_run.describe(ph)
+    assert line.startswith("before training (first run): installing torch and the dependencies")
+    assert line.endswith("; in all 2-4 min")
+    # installed and built: nothing runs first
+    with open(os.path.join(venv, ".ppo_deps"), "w") as f:
+        f.write("torch==2.13.0 ninja\n")
+    root, _ = _tree(tmp_path / "b", built=True)
+    assert first_run.phases(root, venv, "torch==2.13.0 ninja", jobs=2, cuda=False) == []
+    assert first_run.describe([]) == ""
+    # one source changed since the build: that one; a header: every source (and the CUDA ones)
+    os.utime(os.path.join(root, "csrc/cpu/b.cpp"), (3000, 3000))
+    ((name, _),) = first_run.phases(root, venv, "torch==2.13.0 ninja", jobs=1, cuda=False)
+    assert name == "compiling the extension (1 C++ files, 1 at a time)"
+    os.utime(os.path.join(root, "csrc/common/h.h"), (3000, 3000))
+    ((name, _),) = first_run.phases(root, venv, "torch==2.13.0 ninja", jobs=4, cuda=True)
+    assert name == "compiling the extension (3 C++ + 1 CUDA files, 2 at a time)"
+
+
+def test_thread_default_leaves_the_busy_cores_alone(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.4, 3.0, 3.0))
+    assert job.auto_threads() == (1, "2 cores, load average 3.4")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.3, 0.3))
+    assert job.auto_threads()[0] == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.7, 0.3, 0.3))
+    assert job.auto_threads()[0] == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # torchrun's or the user's choice stands
+    assert job.auto_threads() == (2, "OMP_NUM_THREADS")
+    with pytest.raises(ConfigError, match="--threads"):
+        TrainConfig(threads=-1).validate()
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    cfg = TrainConfig().validate()
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert job._progress(cfg, 10, "sft") is None  # a log file: lines, no carriage returns
+    monkeypatch.setattr("sys.stdout", Tty())
+    bar = job._progress(cfg, 10, "sft")
+    assert bar is not None
+    bar.close()
+    assert job._progress(TrainConfig(progress=False).validate(), 10, "sft") is None
 
 
 def test_estimate_phases_scale_with_the_probe_and_the_config():

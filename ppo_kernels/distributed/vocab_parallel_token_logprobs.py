@@ -49,7 +49,7 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from ..fused_linear.planner import _acc
+from .._math import acc_dtype
 from ..fused_linear.vocab_chunks import tile_bwd_
 from .vocab_layout import (
     gather_settled,
@@ -87,7 +87,7 @@ def _states_op(
 
 @_states_op.register_fake
 def _(logits, labels, vocab_start, temperature, ignore_index):
-    return logits.new_empty((ROWS, labels.numel()), dtype=_acc(logits.dtype))
+    return logits.new_empty((ROWS, labels.numel()), dtype=acc_dtype(logits.dtype))
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_token_logprobs", mutates_args=())
@@ -103,7 +103,7 @@ def _token_logprobs_op(
     """(logprobs, entropy or an empty tensor, lse, layout) of labels [...] from the states of
     every rank, gathered [world, HEADER + ROWS * N]; logits [..., V_rank] (this rank's slice)
     is read only by the backward."""
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
     check_temperature(temperature)
     lp, ent, lse, layout = finish(
@@ -115,7 +115,7 @@ def _token_logprobs_op(
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
-    acc, shape = _acc(logits.dtype), labels.shape
+    acc, shape = acc_dtype(logits.dtype), labels.shape
     ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
     out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
     return out[0], ent, out[1], torch.empty(2, dtype=torch.int64)
@@ -135,7 +135,7 @@ def _token_logprobs_backward_op(
 ) -> Tensor:
     """This rank's slice of the unsharded gradient: d(sum(g_lp * lp + g_ent * ent)) / d logits,
     elementwise given the merged lse and entropy (no collective)."""
-    acc, dev, rows = _acc(logits.dtype), logits.device, logits.shape[:-1]
+    acc, dev, rows = acc_dtype(logits.dtype), logits.device, logits.shape[:-1]
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
     check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)

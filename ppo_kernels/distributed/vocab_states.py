@@ -19,7 +19,7 @@ from .._checks import (
     check_int,
     check_tensor,
 )
-from ..fused_linear.planner import _acc
+from .._math import acc_dtype
 from ..fused_linear.vocab_chunks import tile_stats_
 from ..linear_logprobs import naive as lin_ref
 from .vocab_layout import (
@@ -43,7 +43,7 @@ def local_states(
     of z = logits * inv_t over the slice, the label's z where this slice owns the label (NaN
     elsewhere), and 1.0 where it owns it. Ignored rows keep the empty state."""
     N, V = logits.shape
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     st = empty_states(labels, vocab_start, V, ignore_index, acc)
     if V == 0 or N == 0:
         return st

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
+from .._math import acc_dtype
 from . import naive
 
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="triton")
@@ -19,7 +20,7 @@ _backend.routes_in_cpp("full_kl")
 
 @_backend.fake("full_kl")
 def _(logits, ref_logits, temperature, mask):
-    shape, o = logits.shape[:-1], _backend.out_dtype(logits)
+    shape, o = logits.shape[:-1], acc_dtype(logits.dtype)
     return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
 
 
@@ -56,7 +57,7 @@ def _eager_forward(logits, ref_logits, temperature, mask):
     kl, lz, lw = _backend.invariant_rows(
         naive.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
     )
-    o = _backend.out_dtype(logits)
+    o = acc_dtype(logits.dtype)
     return kl.to(o), lz.to(o), lw.to(o)
 
 

@@ -14,7 +14,8 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from .planner import _acc, _check_logits_dtype
+from .._math import acc_dtype
+from .planner import _check_logits_dtype
 
 
 def check_args(
@@ -80,7 +81,7 @@ def check_backward_args(
     check_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    rows, dev, acc = labels.shape, hidden.device, (_acc(hidden.dtype),)
+    rows, dev, acc = labels.shape, hidden.device, (acc_dtype(hidden.dtype),)
     check_arg(
         "grad_logprobs",
         grad_logprobs,

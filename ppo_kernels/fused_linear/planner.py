@@ -30,10 +30,6 @@ _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 F32_OUT_MATMUL_DEVICES = ("cuda",)
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 LOGITS_DTYPES = ("float32", "input")
 _LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" resolves per machine
 

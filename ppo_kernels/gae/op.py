@@ -11,6 +11,7 @@ None. They return (advantages, returns, carry_value, carry_adv)."""
 from __future__ import annotations
 
 from .. import _backend
+from .._math import acc_dtype
 from . import naive
 
 # CUDA: the cpp kernel (a chunked scan with a carry pass), the fastest in
@@ -28,7 +29,7 @@ def _rows(rewards, cu_seqlens):
 
 @_backend.fake("gae")
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
-    out = _backend.out_dtype(rewards)
+    out = acc_dtype(rewards.dtype)
     n_rows, _ = _rows(rewards, cu_seqlens)
     return (
         rewards.new_empty(rewards.shape, dtype=out),

@@ -6,6 +6,7 @@ group_advantages (CPU); Triton is the GPU default. Semantics: naive.py."""
 from __future__ import annotations
 
 from .. import _backend, _modes
+from .._math import acc_dtype
 from . import naive
 
 _backend.register_op(
@@ -21,7 +22,7 @@ _backend.routes_in_cpp("group_advantages")
 @_backend.fake("group_advantages")
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     shape = (scores.shape[0],) if mask is None else tuple(mask.shape)
-    return scores.new_empty(shape, dtype=_backend.out_dtype(scores))
+    return scores.new_empty(shape, dtype=acc_dtype(scores.dtype))
 
 
 @_backend.impl("group_advantages", "triton")
@@ -44,7 +45,7 @@ def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     size = group_size if group_index is None else None
     adv = naive.group_advantages(scores, group_index, size, eps, norm_by_std, mask, kind)
-    return adv.to(_backend.out_dtype(scores))
+    return adv.to(acc_dtype(scores.dtype))
 
 
 # Without the compiled extension: the eager implementation on detached scores (no gradient).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._math import acc_dtype
 from . import naive
 
 # Elementwise / one-row ops: Triton is the GPU kernel (a CUDA C++ kernel would not read less).
@@ -27,7 +28,7 @@ def _est(estimator):  # the Triton kernels specialise on the estimator's index
 
 @_backend.fake("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
-    return logprobs.new_empty(logprobs.shape, dtype=_backend.out_dtype(logprobs))
+    return logprobs.new_empty(logprobs.shape, dtype=acc_dtype(logprobs.dtype))
 
 
 @_backend.impl("kl_penalty", "triton")
@@ -42,7 +43,7 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 @_backend.impl("kl_penalty", "eager")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
     v = naive.kl_penalty(logprobs, ref_logprobs, estimator, False, (in_lo, in_hi, out_lo, out_hi))
-    return v.to(_backend.out_dtype(logprobs)).contiguous()
+    return v.to(acc_dtype(logprobs.dtype)).contiguous()
 
 
 @_backend.fake("kl_penalty_backward")
@@ -75,7 +76,7 @@ def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi,
 
 @_backend.fake("kl_penalized_rewards")
 def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
-    out = _backend.out_dtype(logprobs)
+    out = acc_dtype(logprobs.dtype)
     B, T = logprobs.shape
     return (
         logprobs.new_empty((B, T), dtype=out),
@@ -99,7 +100,7 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
     b = beta if beta_t is None else beta_t * beta
     bounds = (in_lo, in_hi, out_lo, out_hi)
     r, k, m = naive.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
-    out = _backend.out_dtype(logprobs)
+    out = acc_dtype(logprobs.dtype)
     return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
 
 
@@ -108,7 +109,7 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
     bounds = (in_lo, in_hi, out_lo, out_hi)
     v = naive.kl_penalty(logprobs, ref_logprobs, estimator, straight_through, bounds)
-    return v.to(_backend.out_dtype(logprobs))
+    return v.to(acc_dtype(logprobs.dtype))
 
 
 @_backend.fallback("kl_penalized_rewards")

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_labels_in_range
+from .._math import acc_dtype
 from ..full_kl import op as fk_op
 from ..fused_linear import engine
-from ..fused_linear.planner import _acc
 from ..token_logprobs import op as tl_op
 from . import head as policy_head
 
@@ -150,7 +150,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         if dev.type == "cpu" or _backend.strict():
             check_labels_in_range(labels, a.weight.shape[0], a.ignore_index)
         vocab = whole_vocab(backend, dev.type, a.temperature, a.ignore_index)
-    token_stats = _backend.new_output((3, B, T), _acc(hidden.dtype), dev)
+    token_stats = _backend.new_output((3, B, T), acc_dtype(hidden.dtype), dev)
     token_stats[2].zero_()  # the KL row stays 0 without ref_logprobs
     head = policy_head.PolicyHead(a, backend, token_stats)
     hidden, V = a.hidden, a.weight.shape[0]
@@ -195,7 +195,7 @@ for _b in _backend.BACKENDS:
 
 def _fake_outputs(a):
     hidden = a.hidden
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     B, T = a.labels.shape
     loss = hidden.new_empty((), dtype=acc)
     stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
@@ -211,7 +211,7 @@ def _(*args):
 def _(*args):
     a = Call(*args)
     hidden, weight = a.hidden, a.weight
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if a.need_hidden else (0,))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_float, check_int, check_str, check_tensor
+from .._math import acc_dtype
 from . import op  # noqa: F401  (registers the ops' Python side)
 from .config import AGG_NAMES, AggregationConfig
 from .policy_math import default_aggregation
@@ -134,7 +135,7 @@ def _denominator(agg, mask, gd, gdv):
         return torch.full((), gdv, device=mask.device)
     m = rows(mask)
     if agg == "token-mean":
-        return m.sum(dtype=torch.float64 if m.dtype == torch.float64 else torch.float32)
+        return m.sum(dtype=acc_dtype(m.dtype))
     return (m != 0).any(-1).sum()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._math import acc_dtype
 from . import naive
 
 # Elementwise passes plus one combine: Triton is the GPU kernel.
@@ -57,7 +58,7 @@ _NO_DENOM = -1.0
 
 
 def _outputs(x, n_stats):
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return (
         x.new_empty((), dtype=out),
         x.new_empty((n_stats,), dtype=out),
@@ -71,9 +72,7 @@ def _gden(global_denom, global_denom_value, like):
     if global_denom is not None:
         return global_denom.reshape(()).to(like.device)
     if global_denom_value is not None:
-        return torch.full(
-            (), global_denom_value, dtype=_backend.out_dtype(like), device=like.device
-        )
+        return torch.full((), global_denom_value, dtype=acc_dtype(like.dtype), device=like.device)
     return None
 
 
@@ -125,7 +124,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
         lp, old, adv, mask, clip_low, clip_high, dual_clip, agg, lr_clamp, scale,
         _gden(gd, gdv, lp),
     )  # fmt: skip
-    out = _backend.out_dtype(lp)
+    out = acc_dtype(lp.dtype)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
@@ -163,7 +162,7 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
 @_backend.impl("ppo_value_loss", "eager")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
     loss, stats, coef = naive.value_loss(v, vo, ret, mask, clip, agg, scale, _gden(gd, gdv, v))
-    out = _backend.out_dtype(v)
+    out = acc_dtype(v.dtype)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
@@ -189,7 +188,7 @@ def _(grad, v, vo, ret, mask, coef, clip):
 def _aggregate(x, mask, agg, scale, gd, gdv):
     """The composition: rows' masked sums and mask totals in the accumulation dtype (masked NaN
     never reach them), the row coefficients of the totals, the loss."""
-    acc = naive._acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     if mask.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
         row_sums = torch.where(mask, x, 0.0).sum(-1, dtype=acc)
         counts = mask.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: far faster on the CPU
@@ -204,14 +203,14 @@ def _aggregate(x, mask, agg, scale, gd, gdv):
 
 @_backend.fake("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return x.new_empty((), dtype=out), x.new_empty((x.shape[0],), dtype=out)
 
 
 @_backend.impl("masked_aggregate", "eager")
 def _(x, mask, agg, scale, gd, gdv):
     loss, coef = _aggregate(x.detach(), mask, agg, scale, gd, gdv)
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return loss.to(out), coef.to(out)
 
 
@@ -235,7 +234,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
         lp, old.detach(), adv.detach(), mask, clip_low, clip_high, dual_clip, agg, lr_clamp,
         scale, _gden(gd, gdv, lp),
     )  # fmt: skip
-    out = _backend.out_dtype(lp)
+    out = acc_dtype(lp.dtype)
     return loss.to(out), stats.detach().to(out), coef.detach().to(out)
 
 
@@ -244,12 +243,12 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
     loss, stats, coef = naive.value_loss(
         v, vo.detach(), ret.detach(), mask, clip, agg, scale, _gden(gd, gdv, v)
     )
-    out = _backend.out_dtype(v)
+    out = acc_dtype(v.dtype)
     return loss.to(out), stats.detach().to(out), coef.detach().to(out)
 
 
 @_backend.fallback("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
     loss, coef = _aggregate(x, mask, agg, scale, gd, gdv)
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return loss.to(out), coef.detach().to(out)

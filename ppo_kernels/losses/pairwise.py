@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_arg, check_float, check_str, check_tensor
+from .._math import acc_dtype
 from .aggregate import VALUE_DTYPES
 
 _backend.register_op(
@@ -58,7 +59,7 @@ def _check_pairs(reduction, names, tensors):
 
 
 def _z(chosen, rejected, ref_chosen, ref_rejected, beta):
-    acc = _backend.out_dtype(chosen)
+    acc = acc_dtype(chosen.dtype)
     c, r = chosen.to(acc), rejected.to(acc)
     if ref_chosen is not None:
         c, r = c - ref_chosen.to(acc), r - ref_rejected.to(acc)
@@ -79,7 +80,7 @@ def _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
 
 @_backend.fake("pairwise_logsigmoid_loss")
 def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
-    out = _backend.out_dtype(chosen)
+    out = acc_dtype(chosen.dtype)
     shape = chosen.shape if reduction == "none" else ()
     return chosen.new_empty(shape, dtype=out), chosen.new_empty(chosen.shape, dtype=out)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _math
+from .._math import acc_dtype
 
 _backend.register_op(
     "masked_mean",
@@ -44,7 +45,7 @@ def _reduced_shape(x, dim):
 
 @_backend.fake("masked_mean")
 def _(x, mask, dim, empty):
-    return x.new_empty(_reduced_shape(x, dim), dtype=_backend.out_dtype(x))
+    return x.new_empty(_reduced_shape(x, dim), dtype=acc_dtype(x.dtype))
 
 
 @_backend.fake("masked_mean_backward")
@@ -85,7 +86,7 @@ def _(grad, x, mask, dim, empty):
 
 @_backend.fake("masked_whiten")
 def _(x, mask, shift_mean, unbiased, eps):
-    return x.new_empty(x.shape, dtype=_backend.out_dtype(x))
+    return x.new_empty(x.shape, dtype=acc_dtype(x.dtype))
 
 
 @_backend.fake("masked_whiten_backward")

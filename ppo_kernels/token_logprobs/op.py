@@ -11,6 +11,7 @@ import torch
 
 from .. import _backend
 from .._checks import check_labels_in_range
+from .._math import acc_dtype
 from . import naive
 
 OP = _backend.register_op(
@@ -53,7 +54,7 @@ def _(logits, labels, inv_temperature, ignore_index, with_entropy):
         ignore_index,
         with_entropy,
     )
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)
 
 
@@ -146,7 +147,7 @@ def _(
 
 @_backend.fake("token_logprobs")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     lp = logits.new_empty(labels.shape, dtype=out)
     ent = logits.new_empty(labels.shape if with_entropy else (0,), dtype=out)
     return lp, ent, logits.new_empty(labels.shape, dtype=out)
@@ -194,5 +195,5 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
     if logits.device.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     lp, ent, lse = naive.forward(logits, labels, temperature, ignore_index, with_entropy)
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)

@@ -1,20 +1,16 @@
-"""SFT warm-up, evaluation, and the PPO / GRPO / DPO / reward-model updates. Every per-token
-computation goes through `Ops` (fused ppo_kernels ops or the eager implementations)."""
+"""PPO / GRPO: one step is a rollout, its scoring in batch (old and Reference log-probs, Critic
+values, rewards, advantages), then `ppo_epochs` passes over shuffled minibatches."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
-import random
-
 import torch
 
-from . import dist
-from .config import TrainConfig
-from .models import ValueModel, frozen_copy, last_index, score, token_logprobs
-from .ops import Ops
-from .rollout import SeqBatch, assemble, generate, segments_to_tokens
+from .. import dist
+from ..config import TrainConfig
+from ..models import last_index, score
+from ..ops import Ops
+from ..rollout import SeqBatch, generate
+from .common import adamw, prompt_tokens
 
 # Sequences per forward / backward pass of the update under --batch-invariant, whatever
 # --micro-batch says: the passes, hence the order in which the gradient is summed, are the mode's.
@@ -25,88 +21,6 @@ from .rollout import SeqBatch, assemble, generate, segments_to_tokens
 INVARIANT_PASS_ROWS = 32
 
 
-def prompt_tokens(tok, problems):
-    return [tok.encode(p.prompt, add_special_tokens=True) for p in problems]
-
-
-def _adamw(params, lr, wd):
-    return torch.optim.AdamW(
-        [p for p in params if p.requires_grad], lr=lr, weight_decay=wd, betas=(0.9, 0.95)
-    )
-
-
-def _cosine(step, total, warmup=20):
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-def pairs_batch(tok, problems, segs_list, device) -> SeqBatch:
-    ids, masks = zip(*(segments_to_tokens(tok, s) for s in segs_list))
-    return assemble(
-        prompt_tokens(tok, problems), list(ids), list(masks), tok.pad_token_id, device=device
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# SFT and evaluation
-# ---------------------------------------------------------------------------------------------
-def sft(cfg: TrainConfig, actor, tok, task, ops: Ops, log=print, on_step=None):
-    """Warm-up on generated demonstrations (loss on action tokens only)."""
-    rng = random.Random(cfg.seed + 1)
-    opt = _adamw(actor.parameters(), cfg.sft_lr, 0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _cosine(s, cfg.sft_steps))
-    actor.train()
-    for step in range(cfg.sft_steps):
-        probs = [task.sample_problem(rng) for _ in range(cfg.sft_batch)]
-        b = pairs_batch(tok, probs, [task.demonstration(p, rng) for p in probs], cfg.device)
-        lp = token_logprobs(ops, actor, *b.model_inputs(), only=b.action_mask)
-        loss = -ops.masked_mean(lp, b.action_mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if on_step is not None:
-            on_step(step, loss.item())
-        if step % 100 == 0 or step == cfg.sft_steps - 1:
-            log(f"sft step {step:4d}  loss {loss.item():.4f}")
-    actor.eval()
-
-
-@torch.no_grad()
-def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk=100, group=None):
-    """(mean verifier reward, tool-call fraction) of the sampled policy on held-out problems (own
-    RNG: comparable before / after, and it does not disturb the training RNG). Data-parallel
-    (`group`): each rank samples its part of each chunk with the one-process run's uniforms, and
-    the counts are summed over the ranks."""
-    g = torch.Generator().manual_seed(seed)
-    total, tool, n = 0.0, 0, 0
-    for lo, hi in dist.chunks(len(problems), chunk, group):
-        a, z = dist.span(lo, hi, group)
-        ps = problems[a:z]
-        b = generate(
-            actor,
-            tok,
-            task,
-            prompt_tokens(tok, ps),
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            generator=g,
-            device=cfg.device,
-            rows=(a - lo, hi - lo),
-            group=group,
-        )
-        total += sum(task.verify(p, r) for p, r in zip(ps, b.responses))
-        tool += sum(("{" in r) for r in b.responses)
-        n += len(ps)
-    m = dist.global_means({"reward": (total, n), "tool": (tool, n)}, group)
-    return m["reward"], m["tool"]
-
-
-# ---------------------------------------------------------------------------------------------
-# PPO / GRPO
-# ---------------------------------------------------------------------------------------------
 def _by_rows(b: SeqBatch, size: int, fn):
     """fn(rows) of the batch's rows in passes of `size` rows (0: one pass), joined."""
     if not size or size >= len(b):
@@ -159,9 +73,9 @@ class RLTrainer:
         # every call of the Actor / Reference goes through `policy` / `ref_policy`
         self.policy, self.ref_policy = wrap(dist.Policy(actor, ops)), wrap(dist.Policy(ref, ops))
         self.critic, self.reward_model = wrap(critic), wrap(reward_model)
-        self.actor_opt = _adamw(self.policy.parameters(), cfg.actor_lr, cfg.weight_decay)
+        self.actor_opt = adamw(self.policy.parameters(), cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = (
-            _adamw(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay)
+            adamw(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay)
             if critic is not None
             else None
         )
@@ -460,164 +374,3 @@ class RLTrainer:
         m.update(dist.global_means(pairs, self.group), beta=self.kl_ctl.beta)
         self.kl_ctl.update(m["kl"], n * dist.world(self.group))
         return m
-
-
-# ---------------------------------------------------------------------------------------------
-# Reward model and DPO (preference pairs): each rank takes its equal share of every batch of
-# pairs; the pair-mean losses averaged over the ranks are the one-process loss
-# ---------------------------------------------------------------------------------------------
-def preference_data(cfg, tok, task, n, seed):
-    rng = random.Random(seed)
-    problems = [task.sample_problem(rng) for _ in range(n)]
-    pairs = [task.preference_pair(p, rng) for p in problems]
-    return problems, pairs
-
-
-def _pair_batch(cfg, tok, problems, pairs, lo, hi) -> SeqBatch:
-    """Pairs lo..hi as one batch: the chosen responses, then the rejected ones."""
-    ps = problems[lo:hi]
-    both = [c for c, _ in pairs[lo:hi]] + [r for _, r in pairs[lo:hi]]
-    return pairs_batch(tok, ps + ps, both, cfg.device)
-
-
-@torch.no_grad()
-def rm_accuracy(cfg, rm, tok, problems, pairs, group=None):
-    """Held-out pairwise accuracy (a tie counts half), over every rank's share of the pairs."""
-    rm.eval()
-    right, n = 0.0, 0
-    for lo, hi in dist.chunks(len(problems), 64, group):
-        a, z = dist.span(lo, hi, group)
-        b = _pair_batch(cfg, tok, problems, pairs, a, z)
-        rc, rr = score(rm, *b.model_inputs()).chunk(2)
-        right += ((rc > rr).float() + 0.5 * (rc == rr).float()).sum().item()
-        n += z - a
-    return dist.global_means({"acc": (right, n)}, group)["acc"]
-
-
-def train_reward_model(
-    cfg, actor, tok, task, ops: Ops, steps, log=print, on_step=None, around_step=None, group=None
-):
-    """Backbone (from the SFT Actor) + scalar head, pairwise loss on 'A preferred to B'.
-    `around_step(step)`: a context manager around each optimiser step (timing, memory).
-    Returns (the trained model, unwrapped and whole on every rank, accuracy before, after)."""
-    around_step = around_step or (lambda step: contextlib.nullcontext())
-    plain = ValueModel.from_causal_lm(actor)
-    spare = copy.deepcopy(plain) if group is not None and cfg.dist == "fsdp2" else None
-    rm = dist.wrap(plain, cfg.dist, group)
-    problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
-    ev_problems, ev_pairs = preference_data(cfg, tok, task, cfg.eval_pairs, cfg.seed + 11)
-    opt = _adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)  # before any forward (dist.wrap)
-    acc_before = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
-    nb = cfg.pairs // cfg.pref_batch
-    for step in range(steps):
-        rm.train()
-        start = (step % nb) * cfg.pref_batch
-        lo, hi = dist.span(start, start + cfg.pref_batch, group)
-        with around_step(step):
-            b = _pair_batch(cfg, tok, problems, pairs, lo, hi)
-            rc, rr = score(rm, *b.model_inputs()).chunk(2)
-            loss = ops.reward_model_loss(rc, rr)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
-            opt.step()
-        if on_step:
-            n = hi - lo
-            on_step(
-                step,
-                dist.global_means(
-                    {
-                        "rm_loss": (loss.detach() * n, n),
-                        "rm_grad_norm": (dist.local(gn), 1),
-                        "train_pair_accuracy": ((rc > rr).sum(), n),
-                    },
-                    group,
-                ),
-            )
-    rm.eval()
-    acc_after = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
-    log(
-        f"reward model: held-out pairwise accuracy {acc_before:.3f} -> {acc_after:.3f} "
-        f"({len(ev_problems)} pairs)"
-    )
-    if spare is not None:  # FSDP2: gather the shards into a whole copy
-        spare.load_state_dict(dist.state_dict(rm, everywhere=True))
-        whole = spare.eval()
-    else:
-        whole = dist.unwrap(rm)
-    standardize_scores(cfg, whole, tok, ev_problems, ev_pairs)
-    return whole, acc_before, acc_after
-
-
-@torch.no_grad()
-def standardize_scores(cfg, rm, tok, problems, pairs):
-    """Rescale the RM's head so its scores of these responses (both of each pair) have mean 0
-    and std 1. The pairwise loss fixes only score differences, at whatever scale training
-    reached (about +-5 here, ten times the verifier's 0 / 1); PPO weighs its KL penalty
-    (--kl-coef) against that scale, so unscaled it barely holds the policy. An affine map with a
-    positive factor: the RM's preferences (pairwise accuracy) are unchanged. Every rank scores
-    all the pairs with its whole copy, so all ranks get the same model."""
-    batches = (
-        _pair_batch(cfg, tok, problems, pairs, lo, min(lo + 64, len(pairs)))
-        for lo in range(0, len(pairs), 64)
-    )
-    s = torch.cat([score(rm, *b.model_inputs()) for b in batches])
-    mean, std = s.mean(), s.std().clamp(min=1e-6)
-    rm.head.weight.div_(std)
-    rm.head.bias.sub_(mean).div_(std)
-
-
-def seq_logprob_sums(policy, b: SeqBatch):
-    """(sum, token count) of each row's action log-probs; `policy` a `dist.Policy` (or its
-    wrapper)."""
-    lp = policy(*b.model_inputs(), logprobs=dict(only=b.action_mask))
-    return (lp * b.action_mask).sum(1), b.action_mask.sum(1)
-
-
-def train_dpo(cfg, actor, tok, task, ops: Ops, on_step=None, around_step=None, group=None):
-    """Offline DPO on the preference pairs; the Reference is the frozen SFT Actor.
-    `around_step(step)`: a context manager around each optimiser step (timing, memory).
-    Returns the trained Actor behind its (data-parallel) `dist.Policy`, for evaluation."""
-    around_step = around_step or (lambda step: contextlib.nullcontext())
-    ref = dist.wrap(dist.Policy(frozen_copy(actor), ops), cfg.dist, group)
-    policy = dist.wrap(dist.Policy(actor, ops), cfg.dist, group)
-    problems, pairs = preference_data(cfg, tok, task, cfg.pairs, cfg.seed + 10)
-    opt = _adamw(policy.parameters(), cfg.dpo_lr, cfg.weight_decay)
-    nb = cfg.pairs // cfg.pref_batch
-    for step in range(cfg.steps):
-        policy.train()
-        start = (step % nb) * cfg.pref_batch
-        lo, hi = dist.span(start, start + cfg.pref_batch, group)
-        with around_step(step):
-            b = _pair_batch(cfg, tok, problems, pairs, lo, hi)
-            with torch.no_grad():
-                rc, rr = seq_logprob_sums(ref, b)[0].chunk(2)
-            sums, n_tok = seq_logprob_sums(policy, b)
-            pc, pr = sums.chunk(2)
-            loss = ops.dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta)
-            # RPO: the chosen responses' NLL per token (a pair mean, like the DPO loss)
-            nll = -(pc / n_tok[: len(pc)].clamp(min=1)).mean()
-            if cfg.dpo_nll_coef:
-                loss = loss + cfg.dpo_nll_coef * nll
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            opt.step()
-        margin = cfg.dpo_beta * ((pc - rc) - (pr - rr)).detach()
-        if on_step:
-            n = hi - lo
-            on_step(
-                step,
-                dist.global_means(
-                    {
-                        "dpo_loss": (loss.detach() * n, n),
-                        "grad_norm": (dist.local(gn), 1),
-                        "reward_margin": (margin.sum(), n),
-                        "reward_accuracy": ((margin > 0).sum(), n),
-                        "chosen_nll": (nll.detach() * n, n),
-                    },
-                    group,
-                ),
-            )
-    policy.eval()
-    return policy
