@@ -45,6 +45,7 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_arg,
+    check_devices,
     check_int,
     check_temperature,
     check_tensor,
@@ -58,6 +59,7 @@ from ._comm import all_reduce_, require_initialized
 from .vocab_layout import (
     HEADER,
     check_layout,
+    check_layout_device,
     gather_settled,
     layout_ints,
     resolve_vocab_start,
@@ -171,11 +173,12 @@ def merge_rows(st: Tensor, labels: Tensor, V: int, ignore_index: int):
     return lin_ref.finalize(merged, zl, labels, V, ignore_index)
 
 
-def _check_finish_args(labels, gathered, rank, rows, dev, acc):
-    """The arguments every vocab-parallel op shares (metadata only)."""
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
+def _check_finish_args(labels, gathered, rank, rows, dev, acc, like):
+    """The arguments every vocab-parallel op shares (metadata only); dev: the op's device, that
+    of its argument `like`."""
+    check_arg("labels", labels, dev, like=like, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
+    check_arg("gathered", gathered, dev, like=like)
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
-    check_arg("gathered", gathered, dev)
     n = HEADER + _ROWS * labels.numel()
     if gathered.shape[1] != n:
         raise ValueError(f"gathered: expected {n} columns per rank, got {gathered.shape[1]}")
@@ -184,12 +187,23 @@ def _check_finish_args(labels, gathered, rank, rows, dev, acc):
         raise ValueError(f"rank: {rank} is not below the world size {gathered.shape[0]}")
 
 
-def _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc):
-    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
-    check_arg("lse", lse, dev, dtypes=(acc,), shape=rows, what="the rows")
+def _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, like):
+    check_devices(like, dev, grad_entropy=grad_entropy, entropy=entropy)
+    check_arg(
+        "grad_logprobs", grad_logprobs, dev, like=like, dtypes=FLOAT_DTYPES, shape=rows, what="rows"
+    )
+    check_arg("lse", lse, dev, like=like, dtypes=(acc,), shape=rows, what="the rows")
     if grad_entropy is not None and grad_entropy.numel():
-        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
-        check_arg("entropy", entropy, dev, dtypes=(acc,), shape=rows, what="the rows")
+        check_arg(
+            "grad_entropy",
+            grad_entropy,
+            dev,
+            like=like,
+            dtypes=FLOAT_DTYPES,
+            shape=rows,
+            what="rows",
+        )
+        check_arg("entropy", entropy, dev, like=like, dtypes=(acc,), shape=rows, what="the rows")
 
 
 # ---- token_logprobs on a vocabulary slice of the logits ----
@@ -204,7 +218,9 @@ def _states_op(
 ) -> Tensor:
     """[_ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows)."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES, shape=logits.shape[:-1])
+    check_arg(
+        "labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES, shape=logits.shape[:-1]
+    )
     check_int("vocab_start", vocab_start, min_value=0)
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
@@ -214,6 +230,7 @@ def _states_op(
 
 @_states_op.register_fake
 def _(logits, labels, vocab_start, temperature, ignore_index):
+    check_devices("logits", logits, labels=labels)
     return logits.new_empty((_ROWS, labels.numel()), dtype=_acc(logits.dtype))
 
 
@@ -231,7 +248,7 @@ def _token_logprobs_op(
     every rank, gathered [world, HEADER + _ROWS * N]; logits [..., V_rank] (this rank's slice)
     is read only by the backward."""
     acc = _acc(logits.dtype)
-    _check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
+    _check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc, "logits")
     check_temperature(temperature)
     lp, ent, lse, layout = _finish(
         gathered, labels.reshape(-1), rank, ignore_index, with_entropy, logits.shape[-1]
@@ -242,6 +259,7 @@ def _token_logprobs_op(
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
+    check_devices("logits", logits, labels=labels, gathered=gathered)
     acc, shape = _acc(logits.dtype), labels.shape
     ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
     out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
@@ -264,8 +282,16 @@ def _token_logprobs_backward_op(
     elementwise given the merged lse and entropy (no collective)."""
     acc, dev, rows = _acc(logits.dtype), logits.device, logits.shape[:-1]
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
-    _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)
+    check_arg(
+        "labels",
+        labels,
+        dev,
+        like="logits",
+        dtypes=INDEX_DTYPES,
+        shape=rows,
+        what="logits.shape[:-1]",
+    )
+    _check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, "logits")
     vocab_start, V = layout_ints(layout)
     inv_t = 1.0 / check_temperature(temperature)
     x = logits.reshape(labels.numel(), logits.shape[-1])
@@ -300,6 +326,16 @@ def _token_logprobs_backward_op(
 
 @_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore):
+    check_layout_device(layout)
+    check_devices(
+        "logits",
+        logits,
+        grad_logprobs=grad_logprobs,
+        grad_entropy=grad_entropy,
+        labels=labels,
+        lse=lse,
+        entropy=entropy,
+    )
     return logits.new_empty(logits.shape)
 
 
@@ -413,6 +449,7 @@ def _linear_states_op(
 
 @_linear_states_op.register_fake
 def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
     return hidden.new_empty((_ROWS, hidden.shape[0]), dtype=_acc(hidden.dtype))
 
 
@@ -437,12 +474,15 @@ def _linear_op(
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    _check_finish_args(labels, gathered, rank, labels.shape, hidden.device, _acc(hidden.dtype))
+    _check_finish_args(
+        labels, gathered, rank, labels.shape, hidden.device, _acc(hidden.dtype), "hidden"
+    )
     return _finish(gathered, labels, rank, ignore_index, with_entropy, weight.shape[0])
 
 
 @_linear_op.register_fake
 def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, *rest):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias, gathered=gathered)
     acc, N = _acc(hidden.dtype), hidden.shape[0]
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
     out = [hidden.new_empty((N,), dtype=acc) for _ in range(2)]
@@ -476,7 +516,7 @@ def _linear_backward_op(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     dev, acc = hidden.device, _acc(hidden.dtype)
-    _check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc)
+    _check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc, "hidden")
     vocab_start, V = layout_ints(layout)
     N, H = hidden.shape
     Vr = weight.shape[0]
@@ -524,6 +564,18 @@ def _linear_backward_op(
 
 @_linear_backward_op.register_fake
 def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb):
+    check_layout_device(layout)
+    check_devices(
+        "hidden",
+        hidden,
+        grad_logprobs=glp,
+        grad_entropy=gent,
+        weight=weight,
+        labels=labels,
+        bias=bias,
+        lse=lse,
+        entropy=ent,
+    )
     acc = _acc(hidden.dtype)
     N, H = hidden.shape
     Vr = weight.shape[0]
@@ -649,10 +701,12 @@ def _full_kl_op(
     lse_w_r), gathered [world, 3 * N]; the logits slices are read only by the backward."""
     rows, dev, acc = logits.shape[:-1], logits.device, _backend.out_dtype(logits)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("ref_logits", ref_logits, dev, dtypes=(logits.dtype,), shape=logits.shape)
-    check_arg("mask", mask, dev, dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg(
+        "ref_logits", ref_logits, dev, like="logits", dtypes=(logits.dtype,), shape=logits.shape
+    )
+    check_arg("mask", mask, dev, like="logits", dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg("gathered", gathered, dev, like="logits")
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
-    check_arg("gathered", gathered, dev)
     if gathered.shape[1] != 3 * rows.numel():
         raise ValueError(f"gathered: expected {3 * rows.numel()} columns per rank")
     check_temperature(temperature)
@@ -665,6 +719,7 @@ def _full_kl_op(
 
 @_full_kl_op.register_fake
 def _(logits, ref_logits, gathered, mask, temperature):
+    check_devices("logits", logits, ref_logits=ref_logits, gathered=gathered, mask=mask)
     rows, o = logits.shape[:-1], _backend.out_dtype(logits)
     return tuple(logits.new_empty(rows, dtype=o) for _ in range(3))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
 from ..fused_linear import chunks
 from ..fused_linear.planner import _acc
 from ..token_logprobs import op as tl_op
@@ -43,6 +43,8 @@ OP = _backend.register_op(
 _backend.routes_in_cpp("linear_token_logprobs")
 
 
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
 @_backend.fake("linear_token_logprobs")
 def _(
     hidden,
@@ -56,6 +58,7 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
     acc = _acc(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
@@ -82,6 +85,10 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
+    check_devices(
+        "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
+        labels=labels, bias=bias, lse=lse, entropy=entropy,
+    )  # fmt: skip
     acc = _acc(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]

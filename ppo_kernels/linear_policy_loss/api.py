@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import (
     check_bool,
+    check_devices,
     check_float,
     check_int,
     check_same_device,
@@ -328,6 +329,12 @@ def _resolve(
             f"got {tuple(hidden.shape)}"
         )
     check_same_device(hidden=hidden, weight=weight, labels=labels)
+    # the rest too: the rollout correction reads some before the op's checks run
+    check_devices(
+        "hidden", hidden, old_logprobs=old_logprobs, mask=mask, advantages=advantages, bias=bias,
+        ref_logprobs=ref_logprobs, weights=weights, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, rollout_logprobs=rollout_logprobs,
+    )  # fmt: skip
     T = shape[-1]
     B = math.prod(shape[:-1])
     rows = (B, T)
@@ -380,8 +387,9 @@ def _resolve(
             "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
         )
     agg_i, scale, gd, gdv = aggregation(
-        agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, hidden.device
-    )
+        agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, hidden.device,
+        "hidden",
+    )  # fmt: skip
     kl_coef = check_float("kl_coef", kl_coef)
     entropy_coef = check_float("entropy_coef", entropy_coef)
     rh = None
