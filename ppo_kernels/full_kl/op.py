@@ -20,6 +20,13 @@ _backend.routes_in_cpp("full_kl")
 # the other arguments' devices.
 
 
+def _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w):
+    check_devices(
+        "logits", logits, grad=grad, ref_logits=ref_logits, mask=mask, kl=kl, lse_z=lse_z,
+        lse_w=lse_w,
+    )  # fmt: skip
+
+
 @_backend.fake("full_kl")
 def _(logits, ref_logits, temperature, mask):
     check_devices("logits", logits, ref_logits=ref_logits, mask=mask)
@@ -36,13 +43,6 @@ def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
             ref_logits.shape if need_ref else (0,), dtype=ref_logits.dtype, device=ref_logits.device
         ),
     )
-
-
-def _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w):
-    check_devices(
-        "logits", logits, grad=grad, ref_logits=ref_logits, mask=mask, kl=kl, lse_z=lse_z,
-        lse_w=lse_w,
-    )  # fmt: skip
 
 
 # The kernels on logits tiles, one implementation per backend with one signature (inv_temperature
