@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                                                    const at::Tensor& labels_in,
                                                    double inv_temperature, int64_t ignore_index,
                                                    bool with_entropy) {
-  // a named ValueError before the build's
+  // labels on logits' device (a ValueError naming it), then that device is this build's
   check_arg(labels_in, "labels", device_of(logits_in, "logits"));
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(labels_in), "logits and labels must be ",
               Dev::kTensorKind, " tensors");
@@ -253,7 +253,8 @@ void bwd(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_
          const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
          const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
          at::Tensor grad_logits) {
-  const DeviceOf on = device_of(logits, "logits");  // a named ValueError before the build's
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits, "logits");
   for (const auto& [t, name] : {std::pair{&grad_logprobs, "grad_logprobs"},
                                 {&labels_in, "labels"},
                                 {&lse, "lse"},
