@@ -329,7 +329,7 @@ def _outcome(cid, fn):
 def _init_group():
     import torch.distributed as dist
 
-    path = tempfile.mktemp(prefix="ppo_devices_")
+    path = os.path.join(tempfile.mkdtemp(prefix="ppo_devices_"), "store")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     return dist.group.WORLD
 
@@ -529,3 +529,25 @@ def test_shapes_print_as_python_tuples():
         assert "[" not in msg, msg
         for shape in shapes:
             assert shape in msg, (shape, msg)
+
+
+def test_an_empty_tensor_on_another_device_is_refused():
+    """No element is read, and still the call is refused: the caller's mistake is the same."""
+    e, m = torch.randn(0, 3), torch.ones(0, 3, dtype=torch.bool)
+    calls = [
+        (lambda: pk.kl_penalty(e, e.to(OTHER), "k3"), "ref_logprobs"),
+        (lambda: pk.masked_mean(e, m.to(OTHER)), "mask"),
+        (lambda: pk.gae(e, e.to(OTHER)), "values"),
+        (lambda: pk.token_logprobs(torch.randn(0, 5), torch.zeros(0, dtype=torch.long).to(OTHER)),
+         "labels"),
+    ]  # fmt: skip
+    if _backend.HAS_EXTENSION:
+        inf = float("inf")
+        args = (e, e.to(OTHER), "k3", False, -inf, inf, -inf, inf)
+        calls += [
+            (lambda: torch.ops.ppo_kernels.kl_penalty.default.redispatch(_CPU, *args), "ref"),
+            (lambda: torch.ops.ppo_kernels_C.kl_penalty_fwd.default.redispatch(_CPU, *args), "ref"),
+        ]
+    for fn, name in calls:
+        with pytest.raises(ValueError, match=rf"{name}\w*: expected a tensor on cpu .* got meta"):
+            fn()
