@@ -278,7 +278,7 @@ def record(rows) -> list[Recorded]:
 
 
 def _schema_tensors(op, args, kwargs):
-    """(argument name, value) of each tensor argument of a recorded call (None ones skipped)."""
+    """(argument name, position) of each tensor argument of a recorded call (None skipped)."""
     out = []
     for i, a in enumerate(op._schema.arguments):
         v = args[i] if i < len(args) else kwargs.get(a.name)
@@ -305,12 +305,15 @@ def op_cases(calls) -> dict[str, tuple]:
 
 
 def _run_op_case(case):
-    c, _, pos, how = case
-    args = list(c.args)
-    args[pos] = _moved(args[pos])
+    c, arg, pos, how = case
+    args, kwargs = list(c.args), dict(c.kwargs)
+    if pos < len(args):
+        args[pos] = _moved(args[pos])
+    else:
+        kwargs[arg] = _moved(kwargs[arg])
     if how == "kernel":
-        return c.op.redispatch(_CPU, *args, **c.kwargs)
-    return c.op(*args, **c.kwargs)
+        return c.op.redispatch(_CPU, *args, **kwargs)
+    return c.op(*args, **kwargs)
 
 
 def public_cases(rows) -> dict[str, tuple]:
