@@ -1046,11 +1046,13 @@ def test_accumulate_kernel_is_torch_add_bit_for_bit(dtype):
         torch.ops.ppo_kernels_C.accumulate_(acc, x)
         assert torch.equal(acc, want)
     acc = torch.zeros(4, 5)
-    with pytest.raises(RuntimeError, match="acc"):
+    with pytest.raises(TypeError, match="acc: expected dtype float32"):
         torch.ops.ppo_kernels_C.accumulate_(acc.double(), torch.ones(4, 5))
-    with pytest.raises(RuntimeError, match="x"):
+    with pytest.raises(
+        ValueError, match=r"x: expected 20 elements \(like acc\), got shape \(4, 6\)"
+    ):
         torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(4, 6))
-    with pytest.raises(RuntimeError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous"):
         torch.ops.ppo_kernels_C.accumulate_(acc, torch.ones(5, 4).T)
 
 

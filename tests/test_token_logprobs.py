@@ -251,7 +251,9 @@ def test_bad_arguments_name_the_argument():
         pk.token_logprobs(x, y, temperature=0.0)
     with pytest.raises(ValueError, match="logits: the last .* contiguous"):
         pk.token_logprobs(x.t(), torch.randint(0, 4, (10,)))
-    with pytest.raises(ValueError, match="labels: expected device"):
+    with pytest.raises(
+        ValueError, match=r"labels: expected a tensor on cpu \(like logits\), got meta"
+    ):
         pk.token_logprobs(x, y.to("meta"))
     with pytest.raises(ValueError, match="vocabulary dimension"):
         pk.token_logprobs(torch.randn(3, 0), torch.zeros(3, dtype=torch.long))

@@ -26,13 +26,15 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores_in,
                                 double eps, bool norm_by_std, const std::string& kind_name,
                                 const std::optional<at::Tensor>& mask) {
   const int64_t kind = mode_index("kind", group_advantage_names(), kind_name);
-  TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
-  check_arg(scores_in, "scores", scores_in.device(), Kind::kFloating);
-  const int64_t B = scores_in.size(0);
+  const DeviceOf dev = device_of(scores_in, "scores");
+  check_arg(scores_in, "scores", dev, Kind::kFloating);
   const bool by_index = group_index.has_value() && group_index->defined();
-  if (by_index) check_arg(*group_index, "group_index", scores_in.device(), Kind::kIndex);
-  if (mask.has_value() && mask->defined()) check_arg(*mask, "mask", scores_in.device());
-  TORCH_CHECK(by_index || group_size >= 1, "group_size: expected >= 1");
+  if (by_index) check_arg(*group_index, "group_index", dev, Kind::kIndex);
+  if (mask.has_value() && mask->defined()) check_arg(*mask, "mask", dev);
+  TORCH_CHECK_VALUE(scores_in.dim() == 1, "scores: expected 1 dimension (B,), got shape ",
+                    shape_str(scores_in.sizes()));
+  const int64_t B = scores_in.size(0);
+  TORCH_CHECK_VALUE(by_index || group_size >= 1, "group_size: expected >= 1");
   std::vector<float> x(B);
   const at::Tensor scores = scores_in.contiguous();
   load_float(scores, 0, B, x.data());

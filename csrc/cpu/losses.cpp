@@ -38,14 +38,17 @@ struct Shape2 {
 };
 
 Shape2 rows_of(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "loss kernels expect contiguous [B, T] inputs");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(),
+                    "loss kernels expect contiguous (B, T) inputs, got shape ",
+                    shape_str(x.sizes()));
   const int64_t B = x.size(0), T = x.size(1);
   return {B, T, T == 0 ? 0 : (T + kChunk - 1) / kChunk};
 }
 
 void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  TORCH_CHECK(b.sizes() == a.sizes() && b.is_contiguous(), name,
-              ": expected a contiguous tensor of shape ", a.sizes(), ", got ", b.sizes());
+  TORCH_CHECK_VALUE(b.sizes() == a.sizes() && b.is_contiguous(), name,
+                    ": expected a contiguous tensor of shape ", shape_str(a.sizes()), ", got ",
+                    shape_str(b.sizes()));
 }
 
 // The names of a loss kernel's three [B, T] inputs, for the argument checks; masked_aggregate has
@@ -57,18 +60,21 @@ constexpr Names kAggregateNames{"loss_mat", nullptr, nullptr};
 
 void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
                      const at::Tensor& mask) {
-  check_arg(x, n[0], x.device(), Kind::kFloating);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0],
-              ": expected a contiguous [B, T] tensor, got ", x.sizes());
+  const DeviceOf dev = device_of(x, n[0]);
+  check_arg(x, n[0], dev, Kind::kFloating);
   if (n[1] != nullptr) {
-    check_arg(y, n[1], x.device(), Kind::kFloating);
+    check_arg(y, n[1], dev, Kind::kFloating);
+    check_arg(z, n[2], dev, Kind::kFloating);
+  }
+  check_arg(mask, "mask", dev);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(), n[0],
+                    ": expected a contiguous (B, T) tensor, got shape ", shape_str(x.sizes()));
+  if (n[1] != nullptr) {
     check_like(x, y, n[1]);
-    check_arg(z, n[2], x.device(), Kind::kFloating);
     check_like(x, z, n[2]);
   }
-  check_arg(mask, "mask", x.device());
   check_like(x, mask, "mask");
-  TORCH_CHECK(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
+  TORCH_CHECK_TYPE(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
 }
 
 // One pass: per-chunk partial sums of (loss, mask, the NS per-token statistics), then the serial
@@ -86,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
   const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
   if (global_denom.has_value() && global_denom->defined()) {
-    check_arg(*global_denom, "global_denom", x.device(), Kind::kAny, 1, "a single value");
+    check_arg(*global_denom, "global_denom", device_of(x, names[0]), Kind::kAny, 1,
+              "a single value");
   }
   const int64_t items = s.B * s.nch;
   const bool one_input = names[1] == nullptr;
@@ -189,10 +196,13 @@ template <typename Fn>
 at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& y,
                     const at::Tensor& z, const at::Tensor& mask, const at::Tensor& row_coef,
                     const Names& names, Fn fn) {
+  const DeviceOf dev = device_of(x, names[0]);
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32);
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating);
   check_loss_args(names, x, y, z, mask);
   const Shape2 s = rows_of(x);
-  check_arg(row_coef, "row_coef", x.device(), Kind::kFloat32, s.B, "one per row");
-  check_arg(grad_loss, "grad_loss", x.device(), Kind::kFloating, 1, "the 0-dim loss");
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, 1, "the 0-dim loss");
   at::Tensor grad = new_output(x.sizes(), x.options());
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
@@ -274,11 +284,14 @@ std::tuple<at::Tensor, at::Tensor> masked_aggregate_fwd_cpu(
 // grad = grad_loss * row_coef[b] * mask where mask != 0, else 0, in `dtype` (loss_mat's).
 at::Tensor masked_aggregate_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& mask,
                                     const at::Tensor& row_coef, at::ScalarType dtype) {
-  check_arg(mask, "mask", mask.device());
+  const DeviceOf dev = device_of(mask, "mask");
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32);
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating);
   const Shape2 s = rows_of(mask);
-  check_arg(row_coef, "row_coef", mask.device(), Kind::kFloat32, s.B, "one per row");
-  check_arg(grad_loss, "grad_loss", mask.device(), Kind::kFloating, 1, "the 0-dim loss");
-  TORCH_CHECK(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ", dtype);
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, 1, "the 0-dim loss");
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ",
+                   dtype_name(dtype));
   at::Tensor grad = new_output(mask.sizes(), mask.options().dtype(dtype));
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
@@ -328,11 +341,11 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_fwd_cpu(
     const at::Tensor& chosen, const at::Tensor& rejected,
     const std::optional<at::Tensor>& ref_chosen, const std::optional<at::Tensor>& ref_rejected,
     double beta, const std::string& reduction_name) {
-  const at::Device dev = chosen.device();
+  const DeviceOf dev = device_of(chosen, "chosen");
   check_arg(chosen, "chosen", dev, Kind::kFloating);
   check_arg(rejected, "rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
-  TORCH_CHECK(ref_chosen.has_value() == ref_rejected.has_value(),
-              "ref_chosen, ref_rejected: expected both or neither");
+  TORCH_CHECK_VALUE(ref_chosen.has_value() == ref_rejected.has_value(),
+                    "ref_chosen, ref_rejected: expected both or neither");
   if (ref_chosen) {
     check_arg(*ref_chosen, "ref_chosen", dev, Kind::kFloating, chosen.numel(), "like chosen");
     check_arg(*ref_rejected, "ref_rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
@@ -405,13 +418,14 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_bwd_cpu(const at::Te
                                                                     double beta,
                                                                     at::ScalarType chosen_dtype,
                                                                     at::ScalarType rejected_dtype) {
-  check_arg(coef, "coef", coef.device(), Kind::kFloat32);
+  const DeviceOf dev = device_of(coef, "coef");
+  check_arg(coef, "coef", dev, Kind::kFloat32);
   const bool per_pair = grad_loss.dim() > 0;
-  check_arg(grad_loss, "grad_loss", coef.device(), Kind::kFloating, per_pair ? coef.numel() : 1,
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, per_pair ? coef.numel() : 1,
             per_pair ? "one per pair" : "the 0-dim loss");
-  TORCH_CHECK(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
-              "chosen_dtype, rejected_dtype: expected floating dtypes, got ", chosen_dtype, ", ",
-              rejected_dtype);
+  TORCH_CHECK_TYPE(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
+                   "chosen_dtype, rejected_dtype: expected floating dtypes, got ",
+                   dtype_name(chosen_dtype), ", ", dtype_name(rejected_dtype));
   const int64_t n = coef.numel();
   const at::Tensor cf = coef.contiguous();
   const at::Tensor gl = grad_loss.to(at::kFloat).contiguous();

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
+from .._checks import check_devices
 from .._math import acc_dtype
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
@@ -96,6 +97,10 @@ def sequence_parallel_gae(
 ):
     """The body of gae(..., process_group=...): the registered op's arguments as the public API
     normalised them (`ppo_kernels::gae`'s schema; init_value / init_adv the right edge)."""
+    check_devices(
+        "rewards", rewards, values=values, mask=mask, dones=dones, gamma_t=gamma_t, lam_t=lam_t,
+        init_value=init_value, init_adv=init_adv, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     require_initialized()
     gae = _backend.op("gae")
     if cu_seqlens is not None:

@@ -13,6 +13,7 @@ from .. import _backend
 from .._checks import (
     FLOAT_DTYPES,
     check_arg,
+    check_devices,
     check_temperature,
     check_tensor,
 )
@@ -53,10 +54,12 @@ def _full_kl_op(
     lse_w_r), gathered [world, 3 * N]; the logits slices are read only by the backward."""
     rows, dev, acc = logits.shape[:-1], logits.device, acc_dtype(logits.dtype)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("ref_logits", ref_logits, dev, dtypes=(logits.dtype,), shape=logits.shape)
-    check_arg("mask", mask, dev, dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg(
+        "ref_logits", ref_logits, dev, like="logits", dtypes=(logits.dtype,), shape=logits.shape
+    )
+    check_arg("mask", mask, dev, like="logits", dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg("gathered", gathered, dev, like="logits")
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
-    check_arg("gathered", gathered, dev)
     if gathered.shape[1] != 3 * rows.numel():
         raise ValueError(f"gathered: expected {3 * rows.numel()} columns per rank")
     check_temperature(temperature)
@@ -69,6 +72,7 @@ def _full_kl_op(
 
 @_full_kl_op.register_fake
 def _(logits, ref_logits, gathered, mask, temperature):
+    check_devices("logits", logits, ref_logits=ref_logits, gathered=gathered, mask=mask)
     rows, o = logits.shape[:-1], acc_dtype(logits.dtype)
     return tuple(logits.new_empty(rows, dtype=o) for _ in range(3))
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._checks import (
+    check_devices,
     check_int,
 )
 from .._math import acc_dtype
@@ -25,6 +26,7 @@ from ..fused_linear.tiler import Tiler
 from ..fused_linear.vocab_chunks import VocabChunks, chunk_states
 from ._comm import all_reduce_
 from .vocab_layout import (
+    check_layout_device,
     gather_settled,
     layout_ints,
     resolve_vocab_start,
@@ -88,6 +90,7 @@ def _linear_states_op(
 
 @_linear_states_op.register_fake
 def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
     return hidden.new_empty((ROWS, hidden.shape[0]), dtype=acc_dtype(hidden.dtype))
 
 
@@ -112,12 +115,15 @@ def _linear_op(
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    check_finish_args(labels, gathered, rank, labels.shape, hidden.device, acc_dtype(hidden.dtype))
+    check_finish_args(
+        labels, gathered, rank, labels.shape, hidden.device, acc_dtype(hidden.dtype), "hidden"
+    )
     return finish(gathered, labels, rank, ignore_index, with_entropy, weight.shape[0])
 
 
 @_linear_op.register_fake
 def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, *rest):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias, gathered=gathered)
     acc, N = acc_dtype(hidden.dtype), hidden.shape[0]
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
     out = [hidden.new_empty((N,), dtype=acc) for _ in range(2)]
@@ -151,7 +157,7 @@ def _linear_backward_op(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
-    check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc)
+    check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc, "hidden")
     vocab_start, V = layout_ints(layout)
     N, H = hidden.shape
     Vr = weight.shape[0]
@@ -172,6 +178,18 @@ def _linear_backward_op(
 
 @_linear_backward_op.register_fake
 def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb):
+    check_layout_device(layout)
+    check_devices(
+        "hidden",
+        hidden,
+        grad_logprobs=glp,
+        grad_entropy=gent,
+        weight=weight,
+        labels=labels,
+        bias=bias,
+        lse=lse,
+        entropy=ent,
+    )
     acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     Vr = weight.shape[0]

@@ -45,6 +45,7 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_arg,
+    check_devices,
     check_int,
     check_temperature,
     check_tensor,
@@ -52,6 +53,7 @@ from .._checks import (
 from .._math import acc_dtype
 from ..fused_linear.vocab_chunks import tile_bwd_
 from .vocab_layout import (
+    check_layout_device,
     gather_settled,
     layout_ints,
     resolve_vocab_start,
@@ -77,7 +79,9 @@ def _states_op(
 ) -> Tensor:
     """[ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows)."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES, shape=logits.shape[:-1])
+    check_arg(
+        "labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES, shape=logits.shape[:-1]
+    )
     check_int("vocab_start", vocab_start, min_value=0)
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
@@ -87,6 +91,7 @@ def _states_op(
 
 @_states_op.register_fake
 def _(logits, labels, vocab_start, temperature, ignore_index):
+    check_devices("logits", logits, labels=labels)
     return logits.new_empty((ROWS, labels.numel()), dtype=acc_dtype(logits.dtype))
 
 
@@ -104,7 +109,7 @@ def _token_logprobs_op(
     every rank, gathered [world, HEADER + ROWS * N]; logits [..., V_rank] (this rank's slice)
     is read only by the backward."""
     acc = acc_dtype(logits.dtype)
-    check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
+    check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc, "logits")
     check_temperature(temperature)
     lp, ent, lse, layout = finish(
         gathered, labels.reshape(-1), rank, ignore_index, with_entropy, logits.shape[-1]
@@ -115,6 +120,7 @@ def _token_logprobs_op(
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
+    check_devices("logits", logits, labels=labels, gathered=gathered)
     acc, shape = acc_dtype(logits.dtype), labels.shape
     ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
     out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
@@ -137,8 +143,16 @@ def _token_logprobs_backward_op(
     elementwise given the merged lse and entropy (no collective)."""
     acc, dev, rows = acc_dtype(logits.dtype), logits.device, logits.shape[:-1]
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
-    check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)
+    check_arg(
+        "labels",
+        labels,
+        dev,
+        like="logits",
+        dtypes=INDEX_DTYPES,
+        shape=rows,
+        what="logits.shape[:-1]",
+    )
+    check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, "logits")
     vocab_start, V = layout_ints(layout)
     inv_t = 1.0 / check_temperature(temperature)
     x = logits.reshape(labels.numel(), logits.shape[-1])
@@ -173,6 +187,16 @@ def _token_logprobs_backward_op(
 
 @_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore):
+    check_layout_device(layout)
+    check_devices(
+        "logits",
+        logits,
+        grad_logprobs=grad_logprobs,
+        grad_entropy=grad_entropy,
+        labels=labels,
+        lse=lse,
+        entropy=entropy,
+    )
     return logits.new_empty(logits.shape)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._checks import check_devices
 from .._math import acc_dtype
 from . import naive
 
@@ -26,8 +27,17 @@ def _est(estimator):  # the Triton kernels specialise on the estimator's index
     return _modes.index("estimator", _modes.KL_ESTIMATORS, estimator)
 
 
+# The fakes and fallbacks check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
+def _rewards_devices(scores, logprobs, ref_logprobs, mask, beta_t):
+    check_devices(
+        "logprobs", logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask, beta=beta_t
+    )
+
+
 @_backend.fake("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs)
     return logprobs.new_empty(logprobs.shape, dtype=acc_dtype(logprobs.dtype))
 
 
@@ -48,6 +58,8 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 
 @_backend.fake("kl_penalty_backward")
 def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi, need_lp, need_ref):
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs, grad=grad)
+
     def out(need):
         return logprobs.new_empty(logprobs.shape if need else (0,))
 
@@ -76,6 +88,7 @@ def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi,
 
 @_backend.fake("kl_penalized_rewards")
 def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
+    _rewards_devices(scores, logprobs, ref_logprobs, mask, beta_t)
     out = acc_dtype(logprobs.dtype)
     B, T = logprobs.shape
     return (
@@ -107,6 +120,7 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
 # Without the compiled extension: the references themselves, differentiable by autograd.
 @_backend.fallback("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs)
     bounds = (in_lo, in_hi, out_lo, out_hi)
     v = naive.kl_penalty(logprobs, ref_logprobs, estimator, straight_through, bounds)
     return v.to(acc_dtype(logprobs.dtype))
@@ -114,5 +128,6 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 
 @_backend.fallback("kl_penalized_rewards")
 def _(*args):
+    _rewards_devices(*args[:5])
     with torch.no_grad():  # as the registered op's Autograd kernel: the rewards carry no history
         return _backend.python_impl("kl_penalized_rewards", "eager")(*args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args, check_backward_args
@@ -48,6 +48,8 @@ OP = _backend.register_op(
 _backend.routes_in_cpp("linear_token_logprobs")
 
 
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
 @_backend.fake("linear_token_logprobs")
 def _(
     hidden,
@@ -61,6 +63,7 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
     acc = acc_dtype(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
@@ -87,6 +90,10 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
+    check_devices(
+        "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
+        labels=labels, bias=bias, lse=lse, entropy=entropy,
+    )  # fmt: skip
     acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]

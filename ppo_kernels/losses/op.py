@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._checks import check_devices
 from .._math import acc_dtype
 from . import naive
 
@@ -106,9 +107,20 @@ def _policy_params(clip_low, clip_high, dual_clip, log_ratio_clamp):
     return (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
 
 
+# The fakes and fallbacks check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices); names as the schemas write them.
+def _policy_devices(lp, old, adv, mask, **more):
+    check_devices("logprobs", lp, old_logprobs=old, advantages=adv, mask=mask, **more)
+
+
+def _value_devices(v, vo, ret, mask, **more):
+    check_devices("values", v, old_values=vo, returns=ret, mask=mask, **more)
+
+
 # --------------------------------------------------------------------------- policy loss
 @_backend.fake("ppo_policy_loss")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
+    _policy_devices(lp, old, adv, mask, global_denom=gd)
     return _outputs(lp, N_STATS_POLICY)
 
 
@@ -130,6 +142,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
 
 @_backend.fake("ppo_policy_loss_backward")
 def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
+    _policy_devices(lp, old, adv, mask, grad_loss=grad, row_coef=coef)
     return torch.empty_like(lp)
 
 
@@ -150,6 +163,7 @@ def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
 # --------------------------------------------------------------------------- value loss
 @_backend.fake("ppo_value_loss")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
+    _value_devices(v, vo, ret, mask, global_denom=gd)
     return _outputs(v, N_STATS_VALUE)
 
 
@@ -168,6 +182,7 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
 
 @_backend.fake("ppo_value_loss_backward")
 def _(grad, v, vo, ret, mask, coef, clip):
+    _value_devices(v, vo, ret, mask, grad_loss=grad, row_coef=coef)
     return torch.empty_like(v)
 
 
@@ -203,6 +218,7 @@ def _aggregate(x, mask, agg, scale, gd, gdv):
 
 @_backend.fake("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
+    check_devices("loss_mat", x, mask=mask, global_denom=gd)
     out = acc_dtype(x.dtype)
     return x.new_empty((), dtype=out), x.new_empty((x.shape[0],), dtype=out)
 
@@ -216,6 +232,7 @@ def _(x, mask, agg, scale, gd, gdv):
 
 @_backend.fake("masked_aggregate_backward")
 def _(grad, mask, coef, dtype):
+    check_devices("mask", mask, grad_loss=grad, row_coef=coef)
     return mask.new_empty(mask.shape, dtype=dtype)
 
 
@@ -230,6 +247,7 @@ def _(grad, mask, coef, dtype):
 # The references themselves, differentiable by autograd (the gradient flows to the first input).
 @_backend.fallback("ppo_policy_loss")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
+    _policy_devices(lp, old, adv, mask, global_denom=gd)
     loss, stats, coef = naive.policy_loss(
         lp, old.detach(), adv.detach(), mask, clip_low, clip_high, dual_clip, agg, lr_clamp,
         scale, _gden(gd, gdv, lp),
@@ -240,6 +258,7 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
 
 @_backend.fallback("ppo_value_loss")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
+    _value_devices(v, vo, ret, mask, global_denom=gd)
     loss, stats, coef = naive.value_loss(
         v, vo.detach(), ret.detach(), mask, clip, agg, scale, _gden(gd, gdv, v)
     )
@@ -249,6 +268,7 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
 
 @_backend.fallback("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
+    check_devices("loss_mat", x, mask=mask, global_denom=gd)
     loss, coef = _aggregate(x, mask, agg, scale, gd, gdv)
     out = acc_dtype(x.dtype)
     return loss.to(out), coef.detach().to(out)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_arg, check_float, check_str, check_tensor
+from .._checks import check_arg, check_devices, check_float, check_str, check_tensor
 from .._math import acc_dtype
 from .aggregate import VALUE_DTYPES
 
@@ -53,7 +53,10 @@ def _check_pairs(reduction, names, tensors):
     if not ok:
         check_tensor(names[0], x, dtypes=VALUE_DTYPES)
         for n, t in zip(names[1:], tensors[1:]):
-            check_arg(n, t, x.device, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {names[0]}")
+            like = names[0]
+            check_arg(
+                n, t, x.device, like=like, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {like}"
+            )
     if reduction not in _REDUCTIONS:
         check_str("reduction", reduction, _REDUCTIONS)
 
@@ -78,8 +81,13 @@ def _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
     return -ls.mean(), coef / ls.numel()
 
 
+# The fakes and the fallback check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
 @_backend.fake("pairwise_logsigmoid_loss")
 def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    check_devices(
+        "chosen", chosen, rejected=rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
     out = acc_dtype(chosen.dtype)
     shape = chosen.shape if reduction == "none" else ()
     return chosen.new_empty(shape, dtype=out), chosen.new_empty(chosen.shape, dtype=out)
@@ -93,6 +101,7 @@ def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
 
 @_backend.fake("pairwise_logsigmoid_loss_backward")
 def _(grad, coef, beta, chosen_dtype, rejected_dtype):
+    check_devices("coef", coef, grad_loss=grad)
     return coef.new_empty(coef.shape, dtype=chosen_dtype), coef.new_empty(
         coef.shape, dtype=rejected_dtype
     )
@@ -106,6 +115,9 @@ def _(grad, coef, beta, chosen_dtype, rejected_dtype):
 
 @_backend.fallback("pairwise_logsigmoid_loss")  # no extension: autograd through the composition
 def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    check_devices(
+        "chosen", chosen, rejected=rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
     return _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction)
 
 
