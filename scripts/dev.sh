@@ -95,9 +95,9 @@ setup() {
   grep -q "^compiled extension: yes" <<< "$info" || { echo "the extension did not build" >&2; exit 1; }
 }
 
-# The peers for the drop-in tests (tests/test_integrations*.py) and the parity tests: the supported
+# The peers for the drop-in tests (tests/integrations/) and the parity tests: the supported
 # verl / TRL / OpenRLHF without their dependencies, plus the few light imports their modules need
-# at import time; tests/_peer_stubs.py stands in for what only a GPU cluster needs (ray,
+# at import time; tests/support/peer_stubs.py stands in for what only a GPU cluster needs (ray,
 # tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
 # per Python) makes its tests skip. The peers go in last: an install with dependencies makes pip
 # list every unmet pin of an installed package that depends on what it installed (for verl: ~20
@@ -107,11 +107,11 @@ peers() {
   local p
   pip_ install -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
-  # TRL's GRPOTrainer end to end (tests/test_integrations_trl_e2e.py) needs its data stack
+  # TRL's GRPOTrainer end to end (tests/integrations/test_trl_e2e.py) needs its data stack
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
   pip_ install -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
-  # a local Ray for the worker-activation test (tests/test_integrations_ray.py), the version
+  # a local Ray for the worker-activation test (tests/integrations/test_ray.py), the version
   # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
   pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
   # Liger's kernels need triton (the CUDA build of torch brings it); without triton an installed
