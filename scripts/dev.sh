@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up ppo-kernels on a fresh machine and run something, in one command:
 #   bash scripts/dev.sh demo     # the main job: PPO with fused ops, then eager ops, side by side
-#   bash scripts/dev.sh test     # the test suite
+#   bash scripts/dev.sh test     # the test suite (pytest-xdist, a worker per core; pytest's flags
+#                                # follow: a file, -k, -n 0 for one process, --file-order=...)
 #   bash scripts/dev.sh bench    # the CPU benchmark tables (rewrites bench/results/, on purpose)
 #   bash scripts/dev.sh lint     # ruff check + ruff format --check + clang-format (CI runs it)
 #   bash scripts/dev.sh setup    # only create the venv and build
@@ -151,7 +152,14 @@ case "$cmd" in
   test)
     # PPO_KERNELS_NO_PEERS=1: no peers (their drop-in tests skip; CI's second stage runs none)
     [ "${PPO_KERNELS_NO_PEERS:-0}" = 1 ] || peers
-    "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+    # one pytest-xdist worker per core, a test file per worker at a time (a file's module
+    # fixtures and child processes run once, on one worker), unless the caller picks the workers
+    # (-n 0: one process). CI runs this command as the README writes it: its flags live here.
+    xdist=(-n auto --dist loadfile)
+    for a in "${@:2}"; do
+      case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
+    done
+    "$VENV/bin/python" -m pytest -q -ra "${xdist[@]}" "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
