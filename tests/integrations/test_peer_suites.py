@@ -15,6 +15,7 @@ import sys
 import pytest
 from support import ROOT
 from support.peer_stubs import import_peer
+from support.skips import PEER_TESTS_NOT_ON_PYPI
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE / "peer_suites"))
@@ -33,7 +34,7 @@ def test_peer_suite_passes_patched(peer):
     import_peer(PROBE[peer])
     src = os.environ.get(f"PPO_KERNELS_PEER_SRC_{peer.upper()}")
     if src is None and not peer_suites.SUITES[peer].get("sdist"):
-        pytest.skip(f"{peer}'s tests are not on PyPI: set PPO_KERNELS_PEER_SRC_{peer.upper()}")
+        pytest.skip(PEER_TESTS_NOT_ON_PYPI)
     cache = pathlib.Path(
         os.environ.get("PPO_KERNELS_PEER_CACHE", pathlib.Path(ROOT) / ".peer_tests")
     )

@@ -12,6 +12,7 @@ import tempfile
 import pytest
 import torch
 from support import BENCH
+from support.skips import missing
 
 import ppo_kernels.integrations as pki
 
@@ -24,9 +25,7 @@ def e2e():
         try:  # a distribution, not an importable name: tests/support/peer_stubs.py may stand in for some
             importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            pytest.skip(
-                f"{dist} is not installed: GRPOTrainer needs it (scripts/dev.sh installs it)"
-            )
+            pytest.skip(missing(dist))  # GRPOTrainer needs it
     try:
         importlib.import_module("trl.trainer.grpo_trainer")
     except ImportError as e:

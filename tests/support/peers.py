@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from .skips import missing
+
 
 def _peer_dirs():
     return [
@@ -62,17 +64,12 @@ def load_functions(pkg, relpath, names, ns):
     """The named top-level functions of a peer's source file, run in namespace `ns` (decorators
     dropped); skips the calling test when the source or a function is not there."""
     src, where = peer_source(pkg, relpath)
-    if src is None:
-        pytest.skip(
-            f"{pkg}/{relpath} not found: {pkg} does not import here without its heavy "
-            "dependencies, so the test reads its source; put a wheel from `pip download "
-            f"--no-deps {pkg}` in $PPO_KERNELS_PEER_WHEELS (the literal re-implementations of "
-            "its semantics run either way)"
-        )
+    if src is None:  # not installed, and no wheel or tree in $PPO_KERNELS_PEER_WHEELS
+        pytest.skip(missing(pkg))
     nodes = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name in names]
-    missing = set(names) - {n.name for n in nodes}
-    if missing:
-        pytest.skip(f"{where} lacks {sorted(missing)} (a different {pkg} version)")
+    absent = set(names) - {n.name for n in nodes}
+    if absent:
+        pytest.skip(f"{where} lacks {sorted(absent)} (a different {pkg} version)")
     for n in nodes:
         n.decorator_list = []
     exec(compile(ast.Module(body=nodes, type_ignores=[]), where, "exec"), ns)  # noqa: S102

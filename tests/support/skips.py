@@ -23,6 +23,11 @@ NO_EXTENSION = (
 )
 NO_SIMT = "ppo_kernels._simt is not built (build with PPO_KERNELS_BUILD_SIMT=1)"
 NO_GLOO = "torch.distributed with gloo is not available"
+NO_GLIBC = "needs glibc (the trainer's heap setting is glibc's mallopt)"
+PEER_TESTS_NOT_ON_PYPI = (
+    "the peer's own tests are not on PyPI (TRL, OpenRLHF, Liger): "
+    "PPO_KERNELS_PEER_SRC_<PEER>=DIR, a checkout or a bare git mirror, runs them"
+)
 CUDA_DRY_RUN = (
     "GPU only: the CPU dry run of the cuda tests (PPO_KERNELS_CUDA_TESTS_DEVICE=cpu) leaves out "
     "the large cases and the CUDA graphs"
@@ -36,8 +41,11 @@ _HOW = {
     "openrlhf": "scripts/dev.sh installs the peers, unless PPO_KERNELS_NO_PEERS=1",
     "ray": "scripts/dev.sh installs it with the peers",
     "datasets": "scripts/dev.sh installs it with the peers",
+    "pandas": "scripts/dev.sh installs it with the peers (datasets needs it)",
+    "pyarrow": "scripts/dev.sh installs it with the peers (datasets needs it)",
     "liger_kernel": "scripts/dev.sh installs it only where triton is: it needs triton",
     "transformers": "scripts/dev.sh installs it",
+    "tokenizers": "scripts/dev.sh installs it (transformers needs it)",
     "triton": "the CUDA build of torch brings it",
 }
 
@@ -55,16 +63,25 @@ def need(pkg: str):
     return importlib.import_module(pkg)
 
 
+def unavailable(backend: str, why: str) -> str:
+    """The reason of a skip where `backend` does not run an op here, from `why` (what
+    `_backend.available` or the op's error said): one string for each cause the whole backend
+    shares."""
+    if backend == "triton" and not _backend.HAS_TRITON:
+        return NO_TRITON
+    if backend == "cpp" and not _backend.HAS_EXTENSION:
+        return NO_EXTENSION
+    return why
+
+
 def backend_reason(op: str, backend: str, device_type: str = "cpu") -> str | None:
     """None where `backend` runs `op` on `device_type` here, else the reason (one per cause)."""
     ok, why = _backend.available(op, backend, device_type)
     if ok:
         return None
-    if backend == "triton" and not _backend.HAS_TRITON:
-        return NO_TRITON
-    if backend == "cpp" and not _backend.HAS_EXTENSION:
-        return NO_EXTENSION
-    return f"the {backend} backend of {op} does not run on {device_type} here: {why}"
+    return unavailable(
+        backend, f"the {backend} backend of {op} does not run on {device_type}: {why}"
+    )
 
 
 def need_backend(op: str, backend: str, device_type: str = "cpu") -> None:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from support.skips import NO_GLIBC
 
 from ppo_kernels.gae import naive as gae_ref
 from ppo_kernels.trainer import ConfigError, Ops, TrainConfig
@@ -573,7 +574,7 @@ def test_keep_heap_flag_and_effect():
     assert config_from_args([])[0].keep_heap is True
     assert config_from_args(["--no-keep-heap"])[0].keep_heap is False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc only")
+        pytest.skip(NO_GLIBC)
     assert job.keep_heap() is True
 
     def faults_of_one_block():
