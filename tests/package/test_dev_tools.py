@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,21 @@ def test_pip_filter_shows_real_errors_and_keeps_pips_exit_status():
         assert p.stdout.splitlines() == out
 
 
+def _pytest(folder, plugin, *args):
+    """An inner pytest run of the test files in `folder` with one of the suite's plugins (and
+    none of its conftest)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, ROOT])}
+    cmd = [sys.executable, "-m", "pytest", "-p", plugin, "-p", "no:cacheprovider"]
+    return subprocess.run(
+        [*cmd, "--rootdir", str(folder), *args, str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=300,
+    )
+
+
 def test_skip_summary_is_one_line_per_reason(tmp_path):
     """An inner pytest run with the plugin: 5 skips over 2 reasons from 3 sites, a failure and an
     xfail; -ra gives one line per reason with its count, pytest's lines for the rest."""
@@ -109,24 +125,7 @@ def test_skip_summary_is_one_line_per_reason(tmp_path):
     )
 
     def inner(*args):
-        env = {**os.environ, "PYTHONPATH": TESTS}
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "support.skip_summary",
-            "-p",
-            "no:cacheprovider",
-        ]
-        return subprocess.run(
-            [*cmd, "--rootdir", str(tmp_path), *args, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-        ).stdout
+        return _pytest(tmp_path, "support.skip_summary", "-q", *args).stdout
 
     out = inner("-ra")
     lines = out.splitlines()
@@ -142,3 +141,116 @@ def test_skip_summary_is_one_line_per_reason(tmp_path):
     assert "SKIPPED" not in inner("-rf")
     per_test = [x for x in inner("-ra", "--no-fold-skipped").splitlines() if "SKIPPED" in x]
     assert len(per_test) == 5, per_test
+
+
+def _files(folder, **files):
+    for name, text in files.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(text))
+
+
+def test_file_order_moves_whole_files(tmp_path):
+    """--file-order=reverse / shuffle:SEED reorder the files, each file's tests together and in
+    their order; a seed gives the same order every time; a bad value is a usage error."""
+    two = "def test_1():\n    pass\n\ndef test_2():\n    pass\n"
+    _files(tmp_path, **{f"test_{c}": two for c in "abcde"})
+
+    def order(*args):
+        r = _pytest(tmp_path, "support.file_order", "--collect-only", "-q", *args)
+        return [x for x in r.stdout.splitlines() if "::" in x]
+
+    given = order()
+    assert given == [f"test_{c}.py::test_{i}" for c in "abcde" for i in (1, 2)]
+    assert order("--file-order=reverse") == [
+        f"test_{c}.py::test_{i}" for c in "edcba" for i in (1, 2)
+    ]
+    shuffled = {seed: order(f"--file-order=shuffle:{seed}") for seed in (1, 2)}
+    for got in shuffled.values():
+        files = [x.split("::")[0] for x in got[::2]]
+        assert got == [f"{f}::test_{i}" for f in files for i in (1, 2)]  # whole files, in order
+        assert sorted(files) == [f"test_{c}.py" for c in "abcde"]
+    assert given not in shuffled.values() and shuffled[1] != shuffled[2]
+    assert order("--file-order=shuffle:1") == shuffled[1]
+    bad = _pytest(tmp_path, "support.file_order", "--file-order=backwards")
+    assert bad.returncode == 4 and "--file-order: expected" in bad.stderr, bad.stderr
+
+
+def test_state_check_names_what_a_file_leaves_changed(tmp_path):
+    """A file that leaves an environment variable, torch's default dtype or a ppo_kernels mode
+    changed, or registers ops, fails (its last test, at teardown), naming what; a file that
+    restores what it changed passes."""
+    _files(
+        tmp_path,
+        test_a="""
+            import os
+            import torch
+            from ppo_kernels import _backend
+
+            def test_leaks():
+                os.environ["PPO_KERNELS_BACKEND"] = "eager"
+                torch.set_default_dtype(torch.float64)
+                _backend.set_poison(True)
+
+            def test_last():
+                pass
+            """,
+        test_b="""
+            import os
+            import torch
+            from ppo_kernels import _backend
+
+            def test_restores(monkeypatch):
+                monkeypatch.setenv("PPO_KERNELS_BACKEND", "eager")
+                with _backend.use_backend("eager"):
+                    pass
+                torch.set_default_dtype(torch.float32)
+                _backend.set_poison(False)
+                os.environ.pop("PPO_KERNELS_BACKEND", None)
+            """,
+        test_d="""
+            import torch
+
+            LIBS = []
+
+            def test_registers():
+                LIBS.append(torch.library.Library("ppo_kernels_test_run", "DEF"))
+                LIBS[-1].define("g(Tensor x) -> Tensor")
+            """,
+    )
+    r = _pytest(tmp_path, "support.state", "-q")
+    out = r.stdout
+    assert "test_a.py left process-wide state changed" in out, out
+    assert "os.environ: PPO_KERNELS_BACKEND" in out, out
+    assert "torch default dtype: torch.float32 -> torch.float64" in out, out
+    assert "NaN-poisoned outputs (set_poison): False -> True" in out, out
+    assert "test_d.py left" in out and "1 new (ppo_kernels_test_run::g)" in out, out
+    assert "test_b.py" not in out.split("short test summary")[-1], out
+    assert "4 passed, 2 errors" in out, out
+    # registering ops on import: a collection error
+    _files(
+        tmp_path,
+        test_c="""
+            import torch
+
+            LIB = torch.library.Library("ppo_kernels_test_import", "DEF")
+            LIB.define("f(Tensor x) -> Tensor")
+            """,
+    )
+    out = _pytest(tmp_path, "support.state", "-q", str(tmp_path / "test_c.py")).stdout
+    assert "importing test_c.py registered ops: 1 new (ppo_kernels_test_import::f)" in out, out
+
+
+def test_quiet_run_names_the_running_file(tmp_path):
+    """-q: a silence longer than --quiet-notes seconds gets a line naming the running file, in
+    one process and under pytest-xdist; none without -q or with --quiet-notes=0."""
+    _files(
+        tmp_path,
+        test_slow="import time\n\ndef test_slow():\n    time.sleep(3)\n",
+        test_fast="def test_fast():\n    pass\n",
+    )
+    note = re.compile(r"^\[\d+ s in test_slow\.py\]$", re.M)
+    for args in (["-q"], ["-q", "-n", "2"]):
+        out = _pytest(tmp_path, "support.progress", "--quiet-notes=1", *args).stdout
+        assert note.search(out) and "2 passed" in out, (args, out)
+    for args in (["--quiet-notes=1"], ["-q", "--quiet-notes=0"]):
+        out = _pytest(tmp_path, "support.progress", *args).stdout
+        assert "s in test_slow.py]" not in out and "2 passed" in out, (args, out)

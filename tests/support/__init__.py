@@ -15,7 +15,10 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `integration` | patched-against-unpatched comparisons, verl's loss modules and configs |
 | `dist_workers` | the gloo worker processes of ops/test_distributed.py (run by path) |
 | `ray_tasks` | what integrations/test_ray.py runs in Ray workers |
-| `plugins` | the suite's pytest options and hooks (skip summary, file order, state checks) |
+| `skip_summary` | plugin: the skips, one line per reason with its count |
+| `file_order` | plugin: `--file-order=reverse` or `shuffle:SEED` |
+| `state` | plugin: a test file leaves the process-wide state as it found it |
+| `progress` | plugin: a quiet run names the running file after 30 s without a result |
 """
 
 import os

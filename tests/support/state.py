@@ -1,12 +1,13 @@
-"""A pytest plugin (tests/conftest.py loads it): a test file leaves the process as it found it, so that
-the suite passes in any file order.
+"""A pytest plugin (tests/conftest.py loads it): each test file leaves the process as it found it,
+so that the suite passes in any file order.
 
 At the end of each test file (after its module fixtures tore down) it compares what the file can
 change for the files after it -- ppo_kernels' modes and backend requests, the environment,
 torch's global settings, the peers' patches, the registered ops -- with what it was before the
-file's first test, and fails its last test (an error in teardown) naming what changed. Importing
-a test file must not register ops either: the op set would depend on which files were collected
-(tests/conftest.py imports the modules that register ops, before the first test)."""
+file's first test. What changed fails the file's last test (an error in its teardown, naming it)
+and is put back, so that the files after it run as they would have. Importing a test file must
+not register ops either: the op set would depend on which files were collected (tests/conftest.py
+imports the modules that register ops, before the first test)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ import pytest
 import torch
 
 from ppo_kernels import _backend
+
+# Variables set by pytest for the running test, or by a library for the whole process when first
+# imported or used (whichever test does it first); none changes what a later test computes.
+SET_ONCE_ENV = {
+    "PYTEST_CURRENT_TEST": "pytest, for each test and phase",
+    "TORCHINDUCTOR_CACHE_DIR": "torch._inductor, on the first compile",
+    "RAY_CLIENT_MODE": "ray, on import",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "verl, on import",
+    "VLLM_LOGGING_LEVEL": "trl, on import",
+    "TORCH_CUDA_ARCH_LIST": "verl's megatron engine, on an import that fails here",
+}
 
 
 def _peers_patched() -> list[str]:
@@ -33,45 +45,74 @@ def _peers_patched() -> list[str]:
     ]
 
 
-# Variables a library sets for the whole process when first imported or used, whichever test
-# does it first; none changes what a later test computes.
-SET_ONCE_ENV = {
-    "TORCHINDUCTOR_CACHE_DIR": "torch._inductor, on the first compile",
-    "RAY_CLIENT_MODE": "ray, on import",
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "verl, on import",
-    "VLLM_LOGGING_LEVEL": "trl, on import",
-    "TORCH_CUDA_ARCH_LIST": "verl's megatron engine, on an import that fails here",
+def _set_env(env: dict):
+    for k in [k for k in os.environ if k not in env and k not in SET_ONCE_ENV]:
+        del os.environ[k]
+    os.environ.update(env)
+
+
+def _set_stack(stack: list, values: list, sync):
+    stack[:] = values
+    sync()
+
+
+def _set_cpp_namespace(names: list):
+    _backend._cpp_namespace[:] = names
+    if _backend.HAS_EXTENSION:
+        torch.ops.ppo_kernels_C.set_cpp_namespace(names[-1])
+
+
+def _revert_peers(patched: list):
+    if "ppo_kernels.integrations" in sys.modules:
+        import ppo_kernels.integrations as pki
+
+        for p in set(_peers_patched()) - set(patched):
+            pki.revert(p)
+
+
+# name: (read, put back). The modes are stacks (one layer per open context): a context entered
+# and never left shows as a layer more.
+STATE = {
+    "use_backend layers": (
+        lambda: [dict(x) for x in _backend._stack],
+        lambda v: _set_stack(_backend._stack, v, _backend._invalidate),
+    ),
+    "the cpp backend's op namespaces (use_cpp_namespace)": (
+        lambda: list(_backend._cpp_namespace),
+        _set_cpp_namespace,
+    ),
+    "strict_checks layers": (
+        lambda: list(_backend._strict),
+        lambda v: _set_stack(_backend._strict, v, _backend._mirror_strict),
+    ),
+    "batch_invariant layers": (
+        lambda: list(_backend._invariant),
+        lambda v: _set_stack(_backend._invariant, v, _backend._sync_invariant),
+    ),
+    "NaN-poisoned outputs (set_poison)": (lambda: _backend._poison[0], _backend.set_poison),
+    "os.environ": (
+        lambda: {k: v for k, v in os.environ.items() if k not in SET_ONCE_ENV},
+        _set_env,
+    ),
+    "torch default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "torch grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "torch anomaly mode": (torch.is_anomaly_enabled, torch.autograd.set_detect_anomaly),
+    "torch deterministic algorithms": (
+        torch.are_deterministic_algorithms_enabled,
+        torch.use_deterministic_algorithms,
+    ),
+    "torch threads": (torch.get_num_threads, torch.set_num_threads),
+    "peers patched (ppo_kernels.integrations)": (_peers_patched, _revert_peers),
 }
 
 
 def snapshot() -> dict:
     """What a test file may change for the next ones, by name."""
-    env = {k: v for k, v in os.environ.items() if k not in SET_ONCE_ENV}
-    return {
-        "use_backend layers (ppo_kernels._backend.use_backend)": [dict(x) for x in _backend._stack],
-        "the cpp backend's op namespace (use_cpp_namespace)": _backend.cpp_ops().name,
-        "strict_checks": _backend.strict(),
-        "batch_invariant mode": _backend.invariant(),
-        "NaN-poisoned outputs (set_poison)": _backend._poison[0],
-        "os.environ": env,
-        "torch default dtype": torch.get_default_dtype(),
-        "torch grad mode": torch.is_grad_enabled(),
-        "torch inference mode": torch.is_inference_mode_enabled(),
-        "torch anomaly mode": torch.is_anomaly_enabled(),
-        "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
-        "torch threads": torch.get_num_threads(),
-        "peers patched (ppo_kernels.integrations)": _peers_patched(),
-    }
-
-
-def registered_ops() -> frozenset[str]:
-    """Every op of the ppo_kernels* namespaces (~15 ms: taken per test file)."""
-    return frozenset(
-        n for n in torch._C._dispatch_get_all_op_names() if n.startswith("ppo_kernels")
-    )
+    return {name: read() for name, (read, _) in STATE.items()}
 
 
 def changes(before: dict, after: dict) -> list[str]:
+    """What differs, in words; puts it back as it was before."""
     out = []
     for name, was in before.items():
         now = after[name]
@@ -82,7 +123,15 @@ def changes(before: dict, after: dict) -> list[str]:
             out.append(f"{name}: {', '.join(keys)}")
         else:
             out.append(f"{name}: {was!r} -> {now!r}")
+        STATE[name][1](was)
     return out
+
+
+def registered_ops() -> frozenset[str]:
+    """Every op of the ppo_kernels* namespaces (some ms: taken per test file)."""
+    return frozenset(
+        n for n in torch._C._dispatch_get_all_op_names() if n.startswith("ppo_kernels")
+    )
 
 
 def _new_ops(before, after) -> str:
@@ -91,6 +140,8 @@ def _new_ops(before, after) -> str:
 
 
 _OPS = pytest.StashKey[frozenset]()
+_FILE = pytest.StashKey[tuple]()  # (path, snapshot) at the start of the running file
+_ADVICE = "import their module in tests/conftest.py, so that every test file sees the same ops"
 
 
 def pytest_collection_finish(session):
@@ -99,7 +150,7 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
-    """Importing a test file must not register ops either."""
+    """Importing a test file must not register ops."""
     if not isinstance(collector, pytest.Module):
         return (yield)
     before = registered_ops()
@@ -108,13 +159,9 @@ def pytest_make_collect_report(collector):
     if after != before and report.passed:
         report.outcome = "failed"
         report.longrepr = (
-            f"importing {collector.nodeid} registered ops: {_new_ops(before, after)}; import "
-            "their module in tests/conftest.py, so that every test file sees the same ops"
+            f"importing {collector.nodeid} registered ops: {_new_ops(before, after)}; {_ADVICE}"
         )
     return report
-
-
-_FILE = pytest.StashKey[tuple]()  # (path, snapshot) at the start of the running file
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -135,13 +182,11 @@ def pytest_runtest_teardown(item, nextitem):
     known, now = item.config.stash.get(_OPS, None), registered_ops()
     if known is not None and now != known:
         item.config.stash[_OPS] = now
-        problems.append(
-            f"registered ops: {_new_ops(known, now)} (import their module in "
-            "tests/conftest.py, so that every test file sees the same ops)"
-        )
+        problems.append(f"registered ops: {_new_ops(known, now)} ({_ADVICE})")
     if problems:
         raise AssertionError(
-            f"{path.name} left process-wide state changed for the files after it (restore it, "
-            "e.g. with a context manager or monkeypatch): " + "; ".join(problems)
+            f"{path.name} left process-wide state changed for the files after it (put back "
+            "now; restore it in the test, e.g. with a context manager or monkeypatch): "
+            + "; ".join(problems)
         )
     return result
