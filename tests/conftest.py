@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 
 # logits_dtype="auto" (the default of the fused-head ops) resolves by the machine's bf16 support;
 # the suite pins it to float32 tiles so that every test means the same on every machine. Each
-# mode is tested by name, and "auto" itself in ops/test_linear_logprobs.py (test_auto_logits_dtype_*).
+# mode is tested by name, and "auto" itself in ops/test_linear_logprobs.py
+# (test_auto_logits_dtype_*).
 os.environ.setdefault("PPO_KERNELS_LOGITS_DTYPE", "float32")
 
 import pytest  # noqa: E402

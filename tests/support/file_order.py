@@ -1,7 +1,8 @@
-"""A pytest plugin (tests/conftest.py loads it): `--file-order=reverse` or `--file-order=shuffle:SEED`
-runs the collected test files in reversed or shuffled order, each file's tests together and in
-their own order. The suite must pass in any file order (support/state.py checks what a test
-leaves behind); this is how to show it. `shuffle` alone draws a seed and prints it."""
+"""A pytest plugin (tests/conftest.py loads it): `--file-order=reverse` or
+`--file-order=shuffle:SEED` runs the collected test files in reversed or shuffled order, each
+file's tests together and in their own order. The suite must pass in any file order
+(support/state.py checks what a file leaves behind); this is how to show it. `shuffle` alone
+draws a seed and prints it."""
 
 from __future__ import annotations
 
@@ -34,16 +35,14 @@ def _parse(value: str) -> tuple[str, int | None]:
     )
 
 
-def pytest_configure(config):
-    # parsed once here: xdist's workers get the controller's seed through their own options
-    # only when it was given, so a drawn seed is fixed before the workers start
-    kind, seed = _parse(config.getoption("file_order"))
-    if kind == "shuffle":
-        config.option.file_order = f"shuffle:{seed}"
-    config.stash[_KEY] = (kind, seed)
-
-
 _KEY = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config):
+    kind, seed = _parse(config.getoption("file_order"))
+    if kind == "shuffle":  # a drawn seed, written back: pytest-xdist hands the options to its
+        config.option.file_order = f"shuffle:{seed}"  # workers, which must all shuffle alike
+    config.stash[_KEY] = (kind, seed)
 
 
 def pytest_report_header(config):

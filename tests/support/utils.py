@@ -55,7 +55,7 @@ SUM_SCAN_TOL = dict(atol=1e-2, rtol=1e-4)
 # linear_token_logprobs: the logits come out of a GEMM (float32 accumulation over H in an order of
 # the GPU's choosing), then the same float32 reductions as token_logprobs.
 GEMM_TOL = dict(atol=1e-4, rtol=1e-4)
-# ... and its gradients, with atol relative to the largest |gradient| (tests/support/gpu.close_scaled):
+# ... and its gradients, with atol relative to the largest |gradient| (support/gpu.close_scaled):
 # bf16/fp16 round the logits-gradient tile to the input dtype before the backward GEMMs, an error
 # of up to 2^-8 relative on each of the V (or N) terms of a sum.
 GEMM_GRAD_TOL = {
