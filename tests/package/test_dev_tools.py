@@ -254,3 +254,32 @@ def test_quiet_run_names_the_running_file(tmp_path):
     for args in (["--quiet-notes=1"], ["-q", "--quiet-notes=0"]):
         out = _pytest(tmp_path, "support.progress", *args).stdout
         assert "s in test_slow.py]" not in out and "2 passed" in out, (args, out)
+
+
+def test_skip_reasons_come_from_support_skips():
+    """Every skip of the suite takes its reason from support/skips.py (a name there, or a string
+    built at run time with what went wrong): a literal reason written at the call is a second
+    wording of a cause the skip summary would list twice. pytest.importorskip without a reason
+    is one too (support.skips.need says how the package gets installed)."""
+    import ast
+    import glob
+
+    def literal(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    found = []
+    for path in glob.glob(os.path.join(TESTS, "**", "*.py"), recursive=True):
+        if path.endswith(os.path.join("support", "skips.py")):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if "skip" not in name:  # pytest.skip, .importorskip, .mark.skip, .mark.skipif
+                continue
+            reason = [k.value for k in node.keywords if k.arg == "reason"]
+            if name == "pytest.skip" and node.args:
+                reason.append(node.args[0])
+            if any(literal(r) for r in reason) or (name == "pytest.importorskip" and not reason):
+                found.append(f"{os.path.relpath(path, TESTS)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "reasons not from support/skips.py:\n" + "\n".join(found)

@@ -16,6 +16,7 @@ import os
 
 import pytest
 from support import ROOT
+from support.skips import UNPLACED_MODULE
 
 PKG = os.path.join(ROOT, "ppo_kernels")
 
@@ -158,7 +159,7 @@ def test_imports_point_down(mod, request):
     _expect_pending(request, mod)
     mine = layer(mod)
     if mine is None:
-        pytest.skip("unplaced (test_every_module_has_a_layer fails)")
+        pytest.skip(UNPLACED_MODULE)
     up = sorted(n for n in GRAPH[mod] if (layer(n) or 0) > mine)
     assert not up, f"{mod} (layer {mine}) imports higher layers: {up}"
     if mine < 5:

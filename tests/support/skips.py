@@ -13,10 +13,6 @@ import torch
 from ppo_kernels import _backend
 
 NO_CUDA = "needs a CUDA GPU"
-NO_TRITON = (
-    "triton is not installed (the CUDA build of torch brings it; with it, the Triton kernels run "
-    "here through TRITON_INTERPRET=1)"
-)
 NO_EXTENSION = (
     "the compiled extension is not built (scripts/dev.sh builds it; or "
     "`python setup.py build_ext --inplace`)"
@@ -27,6 +23,9 @@ NO_GLIBC = "needs glibc (the trainer's heap setting is glibc's mallopt)"
 PEER_TESTS_NOT_ON_PYPI = (
     "the peer's own tests are not on PyPI (TRL, OpenRLHF, Liger): "
     "PPO_KERNELS_PEER_SRC_<PEER>=DIR, a checkout or a bare git mirror, runs them"
+)
+UNPLACED_MODULE = (
+    "the module has no layer: package/test_layers.py::test_every_module_has_a_layer fails"
 )
 CUDA_DRY_RUN = (
     "GPU only: the CPU dry run of the cuda tests (PPO_KERNELS_CUDA_TESTS_DEVICE=cpu) leaves out "
@@ -46,13 +45,17 @@ _HOW = {
     "liger_kernel": "scripts/dev.sh installs it only where triton is: it needs triton",
     "transformers": "scripts/dev.sh installs it",
     "tokenizers": "scripts/dev.sh installs it (transformers needs it)",
-    "triton": "the CUDA build of torch brings it",
+    "triton": "the CUDA build of torch brings it; with it, the Triton kernels run here through "
+    "TRITON_INTERPRET=1",
 }
 
 
 def missing(pkg: str) -> str:
     """The reason of a skip where the package `pkg` (its import name) is not installed."""
     return f"{pkg} is not installed ({_HOW.get(pkg, 'an optional dependency')})"
+
+
+NO_TRITON = missing("triton")
 
 
 def need(pkg: str):
