@@ -22,6 +22,11 @@ import pytest  # noqa: E402
 import ppo_kernels  # noqa: E402,F401
 import ppo_kernels.distributed  # noqa: E402,F401
 
+try:  # the SIMT emulator's ops (torch.ops.ppo_kernels_simt), where built
+    import ppo_kernels._simt  # noqa: F401
+except ImportError:
+    pass
+
 pytest_plugins = ["support.skip_summary", "support.file_order", "support.state", "support.progress"]
 
 
