@@ -3,7 +3,7 @@ interpreter, eager) against the float64 reference, through the registered op and
 
 import pytest
 import torch
-from support.skips import backend_reason, need, requires_extension
+from support.skips import need, requires_backend, requires_extension
 from support.utils import GRAD_TOL, TOL, cpu_backends, peak_extra_bytes, poisoned
 
 import ppo_kernels as pk
@@ -298,7 +298,7 @@ def test_env_backend_override(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("cpp" not in BACKENDS, reason=backend_reason("token_logprobs", "cpp"))
+@requires_backend("token_logprobs", "cpp")
 def test_more_than_2_pow_31_elements():
     # bf16 [16400, 131072] = 2.15e9 elements: rows past element 2^31 need 64-bit offsets.
     N, V = 16400, 131072
@@ -333,7 +333,7 @@ def test_temperature_is_a_runtime_argument_of_the_triton_kernels():
         assert is_constexpr("BLOCK")  # the check can tell them apart
 
 
-@pytest.mark.skipif("cpp" not in BACKENDS, reason=backend_reason("token_logprobs", "cpp"))
+@requires_backend("token_logprobs", "cpp")
 def test_no_n_by_v_temporary():
     N, V = 2048, 32000
     logits = torch.randn(N, V)

@@ -94,6 +94,13 @@ def need_backend(op: str, backend: str, device_type: str = "cpu") -> None:
         pytest.skip(reason)
 
 
+def requires_backend(op: str, backend: str, device_type: str = "cpu"):
+    """A skipif marker: skip where `backend` cannot run `op` here (pytest wants a reason string
+    even where the condition is false)."""
+    reason = backend_reason(op, backend, device_type)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 requires_extension = pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
 requires_triton = pytest.mark.skipif(not _backend.HAS_TRITON, reason=NO_TRITON)
