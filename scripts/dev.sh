@@ -159,7 +159,7 @@ case "$cmd" in
     for a in "${@:2}"; do
       case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
     done
-    "$VENV/bin/python" -m pytest -q -ra "${xdist[@]}" "${@:2}" ;;
+    "$VENV/bin/python" -m pytest -q -ra ${xdist[@]+"${xdist[@]}"} "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
