@@ -4,9 +4,9 @@ times everything against eager PyTorch and peers, and writes a dated report.
 
     python bench/gpu_check.py [--skip-build] [--skip-sanitizer] [--only OP,...] [--out DIR]
 
-Correctness is the `cuda` pytest tests, tests/cuda/test_cuda_<op>.py (tolerances and NaN-poisoning
-from tests/_utils.py), run here in one pytest subprocess per op (a kernel that corrupts the CUDA
-context fails its op only); their pass/fail table goes into the report. pytest must be installed
+Correctness is the `cuda` pytest tests, tests/cuda/test_cuda_<op>.py (tolerances and
+NaN-poisoning from tests/support/utils.py), run here in one pytest subprocess per op (a kernel that
+corrupts the CUDA context fails its op only); their pass/fail table goes into the report. pytest must be installed
 (see DEVELOPING.md); without it that phase is reported as not run and the exit status is 1.
 Each op adds bench/gpu_checks/<op>.py with up to two functions:
     sanitize_workload()     small calls of the CUDA (cpp) kernels, run under compute-sanitizer

@@ -2,7 +2,7 @@
 about it (is a kernel compiled for this device type, which op namespace the `cpp` backend calls).
 
 HAS_EXTENSION, EXTENSION_ERROR and HAS_TRITON are fixed at import: a run without the extension is
-a process started with PPO_KERNELS_NO_EXTENSION=1 (as tests/test_package.py does)."""
+a process started with PPO_KERNELS_NO_EXTENSION=1 (as tests/package/test_package.py does)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up ppo-kernels on a fresh machine and run something, in one command:
 #   bash scripts/dev.sh demo     # the main job: PPO with fused ops, then eager ops, side by side
-#   bash scripts/dev.sh test     # the test suite
+#   bash scripts/dev.sh test     # the test suite (pytest-xdist, a worker per core; pytest's flags
+#                                # follow: a file, -k, -n 0 for one process, --file-order=...)
 #   bash scripts/dev.sh bench    # the CPU op tables (rewrites bench/results/, on purpose; --only
 #                                # NAME, --all, --list: bench/run.py)
 #   bash scripts/dev.sh lint     # ruff check + ruff format --check + clang-format (CI runs it)
@@ -105,9 +106,9 @@ setup() {
   grep -q "^compiled extension: yes" <<< "$info" || { echo "the extension did not build" >&2; exit 1; }
 }
 
-# The peers for the drop-in tests (tests/test_integrations*.py) and the parity tests: the supported
+# The peers for the drop-in tests (tests/integrations/) and the parity tests: the supported
 # verl / TRL / OpenRLHF without their dependencies, plus the few light imports their modules need
-# at import time; tests/_peer_stubs.py stands in for what only a GPU cluster needs (ray,
+# at import time; tests/support/peer_stubs.py stands in for what only a GPU cluster needs (ray,
 # tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
 # per Python) makes its tests skip. The peers go in last: an install with dependencies makes pip
 # list every unmet pin of an installed package that depends on what it installed (for verl: ~20
@@ -117,11 +118,11 @@ peers() {
   local p
   pip_ install -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
-  # TRL's GRPOTrainer end to end (tests/test_integrations_trl_e2e.py) needs its data stack
+  # TRL's GRPOTrainer end to end (tests/integrations/test_trl_e2e.py) needs its data stack
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
   pip_ install -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
-  # a local Ray for the worker-activation test (tests/test_integrations_ray.py), the version
+  # a local Ray for the worker-activation test (tests/integrations/test_ray.py), the version
   # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
   pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
   # Liger's kernels need triton (the CUDA build of torch brings it); without triton an installed
@@ -212,7 +213,14 @@ case "$cmd" in
   test)
     # PPO_KERNELS_NO_PEERS=1: no peers (their drop-in tests skip; CI's second stage runs none)
     [ "${PPO_KERNELS_NO_PEERS:-0}" = 1 ] || peers
-    "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+    # one pytest-xdist worker per core, a test file per worker at a time (a file's module
+    # fixtures and child processes run once, on one worker), unless the caller picks the workers
+    # (-n 0: one process). CI runs this command as the README writes it: its flags live here.
+    xdist=(-n auto --dist loadfile)
+    for a in "${@:2}"; do
+      case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
+    done
+    "$VENV/bin/python" -m pytest -q -ra ${xdist[@]+"${xdist[@]}"} "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   wheel) wheel ;;
   demo)

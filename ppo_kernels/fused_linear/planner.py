@@ -204,7 +204,7 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
 # cuBLAS picks its algorithm by shape. So every row chunk is zero-padded to exactly the plan's
 # rows (one matmul shape per (V, H)) and, on the CPU, its GEMMs run on one thread (tiler.py). A
 # row's result then does not depend on its position in the tile
-# (tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
+# (tests/ops/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
 # The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
 # them), more keep the matmul efficient. The GPU value has no benchmark yet.
 INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}

@@ -176,7 +176,7 @@ def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ig
 
 
 def _register(backend: str):
-    # the kernels looked up per call: a test may swap one (tests/test_batch_invariance.py)
+    # the kernels looked up per call: a test may swap one (tests/ops/test_batch_invariance.py)
     impls_f, impls_b = forward.impls, backward.impls
 
     @_backend.impl("token_logprobs", backend)
