@@ -222,14 +222,15 @@ def reward_model_head_loss(
     check_tensor("chosen_hidden", chosen_hidden, dtypes=VALUE_DTYPES, dim=2)
     dev = chosen_hidden.device
     B, H = chosen_hidden.shape
-    check_arg("rejected_hidden", rejected_hidden, dev, dtypes=VALUE_DTYPES, shape=(B, H),
+    like = "chosen_hidden"
+    check_arg("rejected_hidden", rejected_hidden, dev, like=like, dtypes=VALUE_DTYPES, shape=(B, H),
               what="like chosen_hidden")  # fmt: skip
     check_tensor("weight", weight, dtypes=VALUE_DTYPES)
     if weight.numel() != H or weight.dim() not in (1, 2) or weight.shape[-1] != H:
         raise ValueError(f"weight: expected shape (1, {H}) or ({H},), got {tuple(weight.shape)}")
-    check_arg("weight", weight, dev, dtypes=VALUE_DTYPES)
+    check_arg("weight", weight, dev, like=like, dtypes=VALUE_DTYPES)
     if bias is not None:
-        check_arg("bias", bias, dev, dtypes=VALUE_DTYPES)
+        check_arg("bias", bias, dev, like=like, dtypes=VALUE_DTYPES)
         if bias.numel() != 1:
             raise ValueError(f"bias: expected one value, got shape {tuple(bias.shape)}")
     if reduction not in _REDUCTIONS:
@@ -242,7 +243,15 @@ def reward_model_head_loss(
     shifted = rc
     if margin is not None:
         if isinstance(margin, Tensor):
-            check_arg("margin", margin, dev, dtypes=VALUE_DTYPES, shape=(B,), what="one per pair")
+            check_arg(
+                "margin",
+                margin,
+                dev,
+                like=like,
+                dtypes=VALUE_DTYPES,
+                shape=(B,),
+                what="one per pair",
+            )
             shifted = rc - margin.to(rc.dtype)
         else:
             shifted = rc - check_float("margin", margin)

@@ -57,6 +57,9 @@ def test_torch_backend(verl, shape, temperature):
         temperature,
         grad_of=_both,
         atol=ATOL,
+        # the weight's gradient sums 600-700 rows of float32 products, in another order than
+        # verl's 512-row chunks: an element that nearly cancels keeps a rounding of ~1e-5
+        grad_atol=4 * ATOL,
     )
     assert rep["functions"][FUSED]["replaced"] == 1
 

@@ -7,10 +7,10 @@ import inspect
 
 import pytest
 import torch
+from support.skips import NO_GLOO
 
 import ppo_kernels as pk
 from ppo_kernels.losses import config as C
-from support.skips import NO_GLOO
 
 POLICY_FNS = {
     "ppo_policy_loss": (

@@ -31,10 +31,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from support.skips import NO_GLOO, requires_extension
 
 import ppo_kernels as pk
+import ppo_kernels.distill.op  # noqa: F401  (pk.distill.op: the tile kernels' rows)
 from ppo_kernels import _backend
-from support.skips import NO_GLOO, requires_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OTHER = "meta"  # where the moved argument goes; every other tensor stays on the CPU
@@ -101,7 +102,7 @@ def public_calls(group=None) -> list[Row]:
             Row("rloo_advantages_dp", "rloo_advantages", dict(scores=randn(4), mask=randn(4, 3)),
                 dict(group_size=2, **dist)),
         ]  # fmt: skip
-    from test_edge_cases import _TinyCausalLM
+    from support.utils import TinyCausalLM
 
     ids = ints(7, B, T + 1)
     gidx = torch.tensor([0, 1, 0, 1])
@@ -124,7 +125,7 @@ def public_calls(group=None) -> list[Row]:
             dict(logits_dtype="input", max_chunk_bytes=64), ("hidden", "weight")),
         Row("causal_lm_logprobs", "causal_lm_logprobs",
             dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids),
-            dict(model=_TinyCausalLM(7, H))),
+            dict(model=TinyCausalLM(7, H))),
         Row("linear_policy_loss", "linear_policy_loss", dict(lpl, bias=bias, ref_logprobs=ref),
             dict(kl_coef=0.1, entropy_coef=0.1), ("hidden", "weight", "bias")),
         Row("linear_policy_loss_python_loop", "linear_policy_loss",
@@ -191,6 +192,15 @@ def public_calls(group=None) -> list[Row]:
         Row("reward_model_loss", "reward_model_loss",
             dict(chosen_scores=scores, rejected_scores=randn(B)), {},
             ("chosen_scores", "rejected_scores")),
+        # the distillation tile kernels (positional; no public function of their own)
+        Row("distill_tiles", "distill.op.forward",
+            dict(student=randn(3, V), teacher=randn(3, V), labels=ints(V, 3),
+                 mask=torch.tensor([True, True, False])), dict(t=1.25, div="jsd", b=0.5, ii=-100)),
+        Row("distill_tiles_grad", "distill.op.backward_",
+            dict(student=randn(3, V), teacher=randn(3, V), labels=ints(V, 3),
+                 mask=torch.tensor([True, True, False]), lse_student=randn(3),
+                 lse_teacher=randn(3), aux=randn(3), lse_hard=randn(3), grad=randn(3),
+                 grad_hard=randn(3)), dict(t=1.25, div="jsd", b=0.5, ii=-100)),
         Row("dpo_loss", "dpo_loss",
             dict(policy_chosen_lp=scores, policy_rejected_lp=randn(B), ref_chosen_lp=randn(B),
                  ref_rejected_lp=randn(B)), dict(beta=0.1),
@@ -212,7 +222,13 @@ def _call(row: Row, moved: str | None = None, grad: bool = False):
         elif grad and k in row.grad:
             v = v.detach().clone().requires_grad_()
         tensors[k] = v
-    out = getattr(pk, row.fn)(**tensors, **row.kwargs)
+    fn = pk
+    for part in row.fn.split("."):
+        fn = getattr(fn, part)
+    if isinstance(fn, _backend.Kernel):  # a raw tile kernel: positional arguments only
+        out = fn(*tensors.values(), *row.kwargs.values())
+    else:
+        out = fn(**tensors, **row.kwargs)
     if grad:  # the backward ops, with a gradient for every floating output
         outs = [o for o in _leaves(out) if o.is_floating_point() and o.requires_grad]
         if outs:

@@ -11,9 +11,8 @@ import math
 import pytest
 import torch
 from support.peer_stubs import import_peer
-from support.utils import GRAD_TOL, TOL, poisoned
 from support.skips import requires_extension
-from support.utils import cpu_backends
+from support.utils import GRAD_TOL, TOL, cpu_backends, poisoned
 
 from ppo_kernels import _backend
 from ppo_kernels.distill import naive as K

@@ -5,7 +5,7 @@ type checks of every scalar argument. Crash-prone calls live in tests/ops/test_b
 
 import pytest
 import torch
-from support.utils import cpu_backends, poisoned
+from support.utils import TinyCausalLM, cpu_backends, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import _backend
@@ -223,31 +223,6 @@ def test_grpo_eps_zero_equal_scores_is_zero(backend):
 
 
 # --------------------------------------------------------------------------- torch.compile
-class _TinyCausalLM(torch.nn.Module):
-    """The parts of a transformers causal LM that causal_lm_logprobs uses: a backbone returning
-    the last hidden states, an output embedding, a config."""
-
-    class _Backbone(torch.nn.Module):
-        def __init__(self, V, H):
-            super().__init__()
-            self.embed = torch.nn.Embedding(V, H)
-
-        def forward(self, input_ids, attention_mask=None, use_cache=False):
-            return (torch.tanh(self.embed(input_ids)),)
-
-    def __init__(self, V=7, H=4):
-        super().__init__()
-        self.model = self._Backbone(V, H)
-        self.lm_head = torch.nn.Linear(H, V, bias=False)
-        self.config = type("Config", (), {})()
-
-    def get_decoder(self):
-        return self.model
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-
 def _compile_cases():
     B, T, V, H = 2, 5, 7, 4
     lp = torch.randn(B, T, requires_grad=True)
@@ -257,7 +232,7 @@ def _compile_cases():
     labels = torch.randint(0, V, (B, T))
     scores = torch.randn(B)
     hid, w = torch.randn(B, T, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
-    lm = _TinyCausalLM(V, H)
+    lm = TinyCausalLM(V, H)
     return {
         "token_logprobs": (
             lambda x, y: pk.token_logprobs(x[:, :-1], y, temperature=0.7, return_entropy=True),

@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
+from support import ROOT
 
 import ppo_kernels
-from support import ROOT
 
 REFERENCE = os.path.join(ROOT, "docs", "reference")
 

@@ -45,6 +45,7 @@ _HOW = {
     "liger_kernel": "scripts/dev.sh installs it only where triton is: it needs triton",
     "transformers": "scripts/dev.sh installs it",
     "tokenizers": "scripts/dev.sh installs it (transformers needs it)",
+    "tqdm": "scripts/dev.sh installs it (the train extras)",
     "triton": "the CUDA build of torch brings it; with it, the Triton kernels run here through "
     "TRITON_INTERPRET=1",
 }

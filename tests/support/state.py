@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from ppo_kernels import _backend
+from ppo_kernels import _backend, _dispatch, _extension, _outputs, _settings
 
 # Variables set by pytest for the running test, or by a library for the whole process when first
 # imported or used (whichever test does it first); none changes what a later test computes.
@@ -66,7 +66,7 @@ def _set_stack(stack: list, values: list, sync):
 
 
 def _set_cpp_namespace(names: list):
-    _backend._cpp_namespace[:] = names
+    _extension._cpp_namespace[:] = names
     if _backend.HAS_EXTENSION:
         torch.ops.ppo_kernels_C.set_cpp_namespace(names[-1])
 
@@ -83,22 +83,22 @@ def _revert_peers(patched: list):
 # and never left shows as a layer more.
 STATE = {
     "use_backend layers": (
-        lambda: [dict(x) for x in _backend._stack],
-        lambda v: _set_stack(_backend._stack, v, _backend._invalidate),
+        lambda: [dict(x) for x in _dispatch._stack],
+        lambda v: _set_stack(_dispatch._stack, v, _dispatch._invalidate),
     ),
     "the cpp backend's op namespaces (use_cpp_namespace)": (
-        lambda: list(_backend._cpp_namespace),
+        lambda: list(_extension._cpp_namespace),
         _set_cpp_namespace,
     ),
     "strict_checks layers": (
-        lambda: list(_backend._strict),
-        lambda v: _set_stack(_backend._strict, v, _backend._mirror_strict),
+        lambda: list(_settings._strict),
+        lambda v: _set_stack(_settings._strict, v, _settings._mirror_strict),
     ),
     "batch_invariant layers": (
-        lambda: list(_backend._invariant),
-        lambda v: _set_stack(_backend._invariant, v, _backend._sync_invariant),
+        lambda: list(_settings._invariant),
+        lambda v: _set_stack(_settings._invariant, v, _settings._sync_invariant),
     ),
-    "NaN-poisoned outputs (set_poison)": (lambda: _backend._poison[0], _backend.set_poison),
+    "NaN-poisoned outputs (set_poison)": (lambda: _outputs._poison[0], _outputs.set_poison),
     "os.environ": (
         lambda: {k: v for k, v in os.environ.items() if k not in SET_ONCE_ENV},
         _set_env,

@@ -103,3 +103,28 @@ def load_test_file(relpath: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+class TinyCausalLM(torch.nn.Module):
+    """The parts of a transformers causal LM that causal_lm_logprobs uses: a backbone returning
+    the last hidden states, an output embedding, a config."""
+
+    class _Backbone(torch.nn.Module):
+        def __init__(self, V, H):
+            super().__init__()
+            self.embed = torch.nn.Embedding(V, H)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return (torch.tanh(self.embed(input_ids)),)
+
+    def __init__(self, V=7, H=4):
+        super().__init__()
+        self.model = self._Backbone(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.config = type("Config", (), {})()
+
+    def get_decoder(self):
+        return self.model
+
+    def get_output_embeddings(self):
+        return self.lm_head

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from support.skips import need
 
 from ppo_kernels.trainer import (
     ConfigError,
@@ -116,7 +117,7 @@ def test_thread_default_leaves_the_busy_cores_alone(monkeypatch):
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch):
-    pytest.importorskip("tqdm")
+    need("tqdm")
 
     class Tty(io.StringIO):
         def isatty(self):
