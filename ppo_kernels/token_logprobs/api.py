@@ -1,7 +1,7 @@
 """The public API of token_logprobs (typed arguments, defaults, the vocab-parallel form). Tensor
 checks (dtype, shape, device, strides) and the label range run once, in the registered op
 (csrc/ops/token_logprobs.cpp); this layer checks the Python scalars and routes `process_group=`
-to ppo_kernels/distributed/vocab_parallel.py."""
+to ppo_kernels/distributed/vocab_parallel_token_logprobs.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .._checks import (
     check_int,
     check_temperature,
     check_tensor,
+    device_error,
 )
 from . import op  # noqa: F401  (registers the ops' Python side)
 
@@ -27,7 +28,7 @@ def _check_args(logits, labels, temperature, vocab_parallel):
     slice may be empty) and the fallback without the compiled extension."""
     check_temperature(temperature)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES)
+    check_arg("labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
@@ -53,32 +54,43 @@ def token_logprobs(
     process_group=None,
     vocab_start: int | None = None,
 ):
-    """Log-probability of each label under softmax(logits / temperature), fused in one pass.
+    """Log-probability of each label under softmax(logits / temperature), in one fused pass.
+
+    With z = logits / temperature, `logprob = z[label] - logsumexp(z)` and, on request,
+    `entropy = -sum_j p_j log p_j` with p = softmax(z). A position whose label is `ignore_index`
+    gives 0 for both and no gradient. The backward forms `(onehot - p) / temperature` per row.
 
     Args:
-        logits: `[..., V]` float32, bfloat16 or float16 (float64 runs the float64 reference). The
-            leading dimensions may have any strides (e.g. `logits[:, :-1]` is read without a
-            copy); the last dimension must be contiguous.
-        labels: int64 or int32 with shape `logits.shape[:-1]`.
-        temperature: positive float, a runtime value (no kernel recompiles).
-        ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
-        return_entropy: also return the entropy of softmax(logits / temperature).
-        inplace_backward: write the gradient into the logits buffer instead of allocating one
-            (the logits must not be needed by anything else afterwards).
-        process_group: vocab-parallel (tensor-parallel) form: `logits` is this rank's contiguous
-            slice `[..., V_rank]` of the vocabulary (slices may be uneven), `labels` are global
-            ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
-            statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
-            rank's slice is its slice of the unsharded gradient.
-        vocab_start: this rank's first vocabulary id; default: slices contiguous in rank order,
-            settled from the forward's own gather (a new uneven layout costs one more gather,
-            then it is cached; under torch.compile it cannot: give vocab_start for uneven
-            shards there, or a clear error says so).
+        logits (Tensor): `[..., V]`, float32 / bfloat16 / float16 (float64 runs the float64 eager
+            path). The leading dimensions may have any strides: `logits[:, :-1]` is read without
+            a copy. The last dimension must be contiguous. The gradient flows to it.
+        labels (Tensor): `logits.shape[:-1]`, int64 / int32. Ids in [0, V) or `ignore_index`.
+        temperature (float): divides the logits; positive. A runtime value: no kernel recompiles.
+            Default 1.0.
+        ignore_index (int): the label of a position without a log-prob. Default -100.
+        return_entropy (bool): also return the entropy of softmax(logits / temperature).
+            Default False.
+        inplace_backward (bool): write the gradient into the logits' buffer instead of a new one.
+            Only when nothing else needs the logits after the forward. Default False.
+        process_group (ProcessGroup, optional): the vocab-parallel form. `logits` is this rank's
+            contiguous slice `[..., V_rank]` of the vocabulary (slices may be uneven); labels are
+            global ids. Every rank gets the full-vocabulary result from one all-gather of per-row
+            softmax statistics. Each rank's gradient is its slice of the unsharded one.
+            Default None.
+        vocab_start (int, optional): this rank's first vocabulary id. Default None: slices
+            contiguous in rank order, found by the forward's own gather and then cached. Under
+            torch.compile give it for uneven slices (a clear error says so otherwise).
 
     Returns:
-        float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
-        `(logprobs, entropy)` when `return_entropy=True`.
-    See ppo_kernels/token_logprobs/naive.py for the documented edge cases.
+        Tensor: the log-probs, `labels.shape`, float32 (float64 for float64 logits). With
+        `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+
+    Why: the trainer's largest tensor is the `[N, V]` logits. A composition of `log_softmax` and
+    `gather` writes another `[N, V]` tensor, forward and backward; this op reads the logits once
+    and keeps one number per row. It matches verl's `logprobs_from_logits` and TRL's
+    `selective_log_softmax`. Formulas: docs/ppo-math.md ("Token log-probs and entropy"). Edge
+    cases: ppo_kernels/token_logprobs/naive.py. Vocab-parallel form:
+    ppo_kernels/distributed/vocab_parallel_token_logprobs.py.
     """
     # the scalars' types (the op checks the temperature's value; exact types pass for free)
     if type(temperature) is not float:
@@ -94,14 +106,12 @@ def token_logprobs(
     if not isinstance(labels, Tensor):
         check_tensor("labels", labels)
     if labels.device != logits.device:  # before dispatch: a meta tensor would pick the fake
-        raise ValueError(
-            f"labels: expected device {logits.device} (like logits), got {labels.device}"
-        )
+        raise device_error("labels", labels, logits.device, "logits")
     if process_group is not None:
         if inplace_backward:
             raise ValueError("inplace_backward: not supported with process_group")
         _check_args(logits, labels, temperature, vocab_parallel=True)
-        from ..distributed.vocab_parallel import vocab_parallel_token_logprobs
+        from ..distributed.vocab_parallel_token_logprobs import vocab_parallel_token_logprobs
 
         return vocab_parallel_token_logprobs(
             logits, labels, temperature, ignore_index, return_entropy, process_group, vocab_start
