@@ -2,7 +2,7 @@
 # The C++ kernels and the SIMT emulator under AddressSanitizer + UndefinedBehaviorSanitizer, in one
 # command (CI's sanitizer stage runs the same):
 #   bash scripts/sanitize.sh                      # build, then the default subset (TESTS below)
-#   bash scripts/sanitize.sh tests/test_gae.py -k carry   # build, then these pytest arguments
+#   bash scripts/sanitize.sh tests/ops/test_gae.py -k carry   # build, then these pytest arguments
 # The build (PPO_KERNELS_SANITIZE=1 PPO_KERNELS_BUILD_SIMT=1: -fsanitize=address,undefined, -O1, no
 # CUDA) keeps its objects in build/sanitize/ and swaps the in-place ppo_kernels/_C*.so and
 # _simt*.so for the sanitized ones while the tests run; the previous files are put back on exit.
@@ -28,12 +28,12 @@ LOGS=$OUT/logs
 # (every emulated CUDA kernel) and the reports this stage must give (sanitizer findings). Not the
 # peers, the trainer or the distributed forms (the same kernels through longer paths), nor the
 # batch-invariance tests (they assert properties of MKL's matmuls that do not hold under ASan).
-TESTS=(tests/test_token_logprobs.py tests/test_linear_logprobs.py
-       tests/test_linear_policy_loss.py tests/test_full_kl.py tests/test_kl.py tests/test_gae.py
-       tests/test_masked_stats.py tests/test_group_advantages.py tests/test_losses.py
-       tests/test_policy_losses.py tests/test_prop_*.py tests/test_bad_inputs.py
-       tests/test_edge_cases.py tests/test_sizes.py tests/test_simt_emulator.py
-       tests/test_simt_kernels.py tests/test_simt_cpu_suite.py tests/test_sanitizer_findings.py)
+TESTS=(tests/ops/test_token_logprobs.py tests/ops/test_linear_logprobs.py
+       tests/ops/test_linear_policy_loss.py tests/ops/test_full_kl.py tests/ops/test_kl.py
+       tests/ops/test_gae.py tests/ops/test_masked_stats.py tests/ops/test_group_advantages.py
+       tests/ops/test_losses.py tests/ops/test_policy_losses.py tests/ops/test_distill_kernels.py
+       tests/ops/test_bad_inputs.py tests/ops/test_devices.py tests/ops/test_edge_cases.py
+       tests/ops/test_sizes.py tests/properties tests/simt)
 # Deselected (pytest -k): cases that run none of our C++, and cases that cost minutes under ASan for
 # paths the rest covers (without them these files take a third of the time).
 SKIP=(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from support.simt import HAS_SIMT
+from support.skips import NO_SANITIZER, NO_SIMT
 
 try:
     with open("/proc/self/maps") as f:
@@ -15,9 +17,7 @@ try:
 except OSError:
     UNDER_ASAN = False
 
-needs_asan = pytest.mark.skipif(
-    not UNDER_ASAN, reason="needs the sanitized build (bash scripts/sanitize.sh)"
-)
+needs_asan = pytest.mark.skipif(not UNDER_ASAN, reason=NO_SANITIZER)
 
 
 def _child(code):
@@ -40,6 +40,8 @@ print("no report")
 
 
 @needs_asan
+@pytest.mark.simt
+@pytest.mark.skipif(not HAS_SIMT, reason=NO_SIMT)
 @pytest.mark.parametrize(
     "kernel,report",
     [
@@ -52,7 +54,6 @@ print("no report")
     ],
 )
 def test_emulated_kernel_overflow_is_a_sanitizer_report(kernel, report):
-    pytest.importorskip("ppo_kernels._simt")
     proc = _child(SELFTEST.format(name=kernel))
     assert proc.returncode != 0 and "no report" not in proc.stdout, proc.stdout + proc.stderr
     assert report in proc.stderr, proc.stderr
