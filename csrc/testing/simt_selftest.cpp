@@ -113,9 +113,9 @@ __global__ void too_much_shared(const float* x, float* out, int64_t n) {
   out[threadIdx.x] = big[(threadIdx.x + 1) % blockDim.x];
 }
 
-// Broken, caught only by the sanitizers (scripts/sanitize.sh; tests/test_sanitizer_findings.py):
-// the last thread reads the shared element one past the array (a template, as the real kernels
-// are) ...
+// Broken, caught only by the sanitizers (scripts/sanitize.sh,
+// tests/simt/test_sanitizer_findings.py): the last thread reads the shared element one past the
+// array (a template, as the real kernels are) ...
 template <int kN>
 __global__ void shared_off_by_one(const float* x, float* out, int64_t n) {
   PPO_SHARED(float, buf, [kN]);
