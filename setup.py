@@ -8,6 +8,9 @@ found -- also on a machine without a GPU. Switches (environment variables):
   PPO_KERNELS_BUILD_SIMT=1       also build the test-only `ppo_kernels._simt`: the CUDA kernels of
                                  csrc/cuda compiled by g++ and run on the CPU by the SIMT emulator of
                                  csrc/testing (no nvcc or GPU needed; CI sets it)
+  PPO_KERNELS_SANITIZE=1         compile and link `_C` (and `_simt`) with AddressSanitizer and
+                                 UndefinedBehaviorSanitizer, -O1, no CUDA: a test build that loads
+                                 only with libasan preloaded (scripts/sanitize.sh builds and runs it)
   TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
   MAX_JOBS                       parallel compile jobs (ninja)
 
@@ -126,7 +129,16 @@ def _extensions():
     )
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
 
+    sanitize = _flag("PPO_KERNELS_SANITIZE")
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-DPPO_KERNELS_BUILD"]
+    link = ["-fopenmp"]
+    if sanitize:
+        # -O1 keeps the reports' stacks readable; -g1 gives them file:line. UB aborts at the first
+        # finding instead of printing and going on. -fno-wrapv undoes Python's -fwrapv (in every
+        # extension's flags), under which signed overflow is defined and never reported.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+        cxx = ["-O1", "-g1", "-fno-omit-frame-pointer", "-fno-wrapv"] + san + cxx[1:]
+        link += san
     if os.environ.get("PPO_KERNELS_CPU_ARCH", "auto") != "generic" and _host_has_avx2():
         # at::vec picks its 256-bit implementation from these two macros.
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
@@ -139,6 +151,8 @@ def _extensions():
     why_not = None
     if _flag("PPO_KERNELS_SKIP_CUDA_BUILD"):
         why_not = "PPO_KERNELS_SKIP_CUDA_BUILD=1"
+    elif sanitize:
+        why_not = "PPO_KERNELS_SANITIZE=1"
     elif torch.version.cuda is None:
         why_not = f"torch {torch.__version__} is a CPU-only build"
     elif cpp_extension.CUDA_HOME is None:
@@ -180,7 +194,7 @@ def _extensions():
             include_dirs=include_dirs,
             depends=depends,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     else:
         print(f"ppo-kernels: building CPU kernels only ({why_not})")
@@ -190,7 +204,7 @@ def _extensions():
             include_dirs=include_dirs,
             depends=depends,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     exts = [main]
     if _flag("PPO_KERNELS_BUILD_SIMT"):
@@ -202,7 +216,7 @@ def _extensions():
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 # -O1: the emulator's time goes to fiber switches, and -O3 triples the compile time
                 extra_compile_args={"cxx": cxx + ["-O1", "-DPPO_SIMT", "-fno-strict-aliasing"]},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=link,
             )
         )
     return exts

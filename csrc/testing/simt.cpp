@@ -19,6 +19,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SANITIZE_ADDRESS__)  // PPO_KERNELS_SANITIZE=1 (scripts/sanitize.sh)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 thread_local uint3 threadIdx{0, 0, 0};
 thread_local uint3 blockIdx{0, 0, 0};
 thread_local dim3 blockDim;
@@ -144,6 +149,45 @@ struct Block {
 thread_local Block* tb = nullptr;
 thread_local Stacks t_stacks;
 
+// ---- fiber switches, told to AddressSanitizer (a no-op in other builds): with the stack each
+// fiber runs on, ASan unpoisons the right one when an exception leaves frames behind; fake stacks
+// (detect_stack_use_after_return) are not followed.
+thread_local const void* t_sched_bottom = nullptr;  // the launching thread's stack, as ASan has it
+thread_local size_t t_sched_size = 0;
+thread_local char* t_sched_low = nullptr;  // below the scheduler's frames (fault path)
+
+inline void switch_to(const void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(nullptr, bottom, size);
+#else
+  (void)bottom, (void)size;
+#endif
+}
+inline void switched(const void** old_bottom = nullptr, size_t* old_size = nullptr) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, old_bottom, old_size);
+#else
+  (void)old_bottom, (void)old_size;
+#endif
+}
+// A frame below the caller's (the address of this call's own frame).
+[[gnu::noinline]] char* frame_below() { return static_cast<char*>(__builtin_frame_address(0)); }
+
+// After the fault handler's jump from a fiber back to the launch: the thread's own stack again,
+// and the scheduler's abandoned frames below the launch unpoisoned (their redzones would read as
+// errors to the next uninstrumented code that uses that stack, e.g. an intercepted memcpy).
+void back_from_fault() {
+#if defined(__SANITIZE_ADDRESS__)
+  if (t_sched_bottom != nullptr) {
+    switch_to(t_sched_bottom, t_sched_size);
+    switched();
+  }
+  char* hi = frame_below();
+  if (t_sched_low != nullptr && t_sched_low < hi)
+    __asan_unpoison_memory_region(t_sched_low, hi - t_sched_low);
+#endif
+}
+
 const char* kind_name(ShflKind k) {
   switch (k) {
     case ShflKind::kIdx:
@@ -188,7 +232,11 @@ void make_ready(Block& B, int tid) {
   B.ready.push_back(tid);
 }
 
-void yield(Block& B, Fiber& f) { swapcontext(&f.ctx, &B.sched); }
+void yield(Block& B, Fiber& f) {
+  switch_to(t_sched_bottom, t_sched_size);
+  swapcontext(&f.ctx, &B.sched);
+  switched();
+}
 
 // A thread that ends while others wait on it at a barrier or in a shuffle of its warp.
 void check_exit(Block& B, Fiber& f) {
@@ -207,6 +255,7 @@ void check_exit(Block& B, Fiber& f) {
 }
 
 void fiber_main() {
+  switched(&t_sched_bottom, &t_sched_size);
   Block& B = *tb;
   Fiber& f = *B.cur;
   try {
@@ -218,6 +267,7 @@ void fiber_main() {
     if (!B.error) B.error = std::current_exception();
   }
   f.st = St::kDone;
+  switch_to(t_sched_bottom, t_sched_size);
   swapcontext(&f.ctx, &B.sched);  // never resumed
 }
 
@@ -259,6 +309,12 @@ void run_block(Block& B, Stacks& stacks) {
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
+#if defined(__SANITIZE_ADDRESS__)
+    // ASan's swapcontext clears the shadow of the stack a context names at every switch into it,
+    // which would wipe the redzones of a resumed fiber's live frames: clear it once, here.
+    __asan_unpoison_memory_region(f.ctx.uc_stack.ss_sp, kStackBytes);
+    f.ctx.uc_stack = stack_t{};
+#endif
     f.st = St::kReady;
     B.ready.push_back(t);
   }
@@ -266,6 +322,7 @@ void run_block(Block& B, Stacks& stacks) {
   // runs ahead of the others as far as it can: races between warps show even when they need many
   // of its steps in a row).
   // Priorities are redrawn whenever a barrier releases.
+  t_sched_low = frame_below();
   const bool by_warp = (mix(B.rng) & 1) != 0;
   std::vector<uint64_t>& prio = B.prio;
   prio.resize(B.warps.size());
@@ -290,7 +347,9 @@ void run_block(Block& B, Stacks& stacks) {
     Fiber& f = B.fibers[t];
     B.cur = &f;
     threadIdx = f.idx;
+    switch_to(stacks.get(t), kStackBytes);
     swapcontext(&B.sched, &f.ctx);
+    switched();
     if (B.error) std::rethrow_exception(B.error);
   }
 }
@@ -637,6 +696,7 @@ void run(const char* name, dim3 grid, dim3 block, size_t smem, const std::functi
   tb = &B;
   if (sigsetjmp(t_fault_jb, 1) != 0) {
     tb = nullptr;
+    back_from_fault();
     throw Error(Check::kMemory, t_fault_msg);
   }
   try {

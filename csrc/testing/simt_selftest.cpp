@@ -113,6 +113,30 @@ __global__ void too_much_shared(const float* x, float* out, int64_t n) {
   out[threadIdx.x] = big[(threadIdx.x + 1) % blockDim.x];
 }
 
+// Broken, caught only by the sanitizers (scripts/sanitize.sh,
+// tests/simt/test_sanitizer_findings.py): the last thread reads the shared element one past the
+// array (a template, as the real kernels are) ...
+template <int kN>
+__global__ void shared_off_by_one(const float* x, float* out, int64_t n) {
+  PPO_SHARED(float, buf, [kN]);
+  const int t = threadIdx.x;
+  buf[t] = x[t % n];
+  __syncthreads();
+  out[t] = buf[t + 1];
+}
+// ... and one past a local array, through a pointer the compiler cannot follow (UBSan's bounds
+// checks cannot see it: ASan's stack redzones must, after the fiber was switched out at the
+// barrier and back in).
+__global__ void local_off_by_one(const float* x, float* out, int64_t n) {
+  float loc[4];
+  const int t = threadIdx.x;
+  for (int k = 0; k < 4; ++k) loc[k] = x[(t + k) % n];
+  float* p = loc;
+  asm volatile("" : "+r"(p));
+  __syncthreads();
+  out[t] = p[t == kBlock - 1 ? 4 : t % 4];
+}
+
 at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blocks) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 1 && x_in.numel() > 0,
               "selftest: x");
@@ -148,6 +172,10 @@ at::Tensor selftest(const std::string& name, const at::Tensor& x_in, int64_t blo
     run(&split_barrier, kBlock, 1);
   else if (name == "too_much_shared")
     run(&too_much_shared, kBlock, 1);
+  else if (name == "shared_off_by_one")
+    run(&shared_off_by_one<kBlock>, kBlock, 1);
+  else if (name == "local_off_by_one")
+    run(&local_off_by_one, kBlock, 1);
   else if (name == "block_too_large") {
     out = at::full({n}, NAN, x.options());
     dev.launch(name.c_str(), &warp_sum, 1, 2048, 0, xp, out.data_ptr<float>(), n);

@@ -18,6 +18,7 @@ NO_EXTENSION = (
     "`python setup.py build_ext --inplace`)"
 )
 NO_SIMT = "ppo_kernels._simt is not built (build with PPO_KERNELS_BUILD_SIMT=1)"
+NO_SANITIZER = "needs the sanitized build: bash scripts/sanitize.sh runs this file under it"
 NO_GLOO = "torch.distributed with gloo is not available"
 NO_GLIBC = "needs glibc (the trainer's heap setting is glibc's mallopt)"
 PEER_TESTS_NOT_ON_PYPI = (
