@@ -33,7 +33,8 @@ RESULTS = HERE / "results"
 
 # name: (the claim the file backs, results stem, how it runs). "table": bench_<name>.py's
 # table_rows, measured here; otherwise the argv run from the repository root, with {out} the
-# markdown path. A benchmark that writes a fixed path ignores {out}.
+# markdown path. A benchmark that writes a fixed path ignores {out}. A str: a study whose
+# markdown is written by hand from the runs that str names (run.py only redoes its CSV).
 OP_TABLES = ["token_logprobs", "kl", "gae", "losses", "linear_logprobs"]
 BENCHMARKS = {
     "token_logprobs": (
@@ -57,6 +58,11 @@ BENCHMARKS = {
         "per-call cost of every op at 2 x 8 and 64 x 4096, one thread",
         "cpu_overhead",
         ["bench/bench_overhead.py", "--out", "{out}"],
+    ),
+    "overhead_tricks": (
+        "the per-call tricks (hand-built autograd nodes, `os.environ._data`) vs their plain forms",
+        "cpu_overhead_tricks",
+        "python bench/bench_overhead_tricks.py {env,nodes} {calls,step}",
     ),
     "linear_policy_loss": (
         "the fused policy loss vs our composition, Liger and TRL at 4096x1024x32000 and "
@@ -339,12 +345,12 @@ def write_index(out):
         "| claim | file | command |",
         "|---|---|---|",
     ]
-    for name, (claim, stem, _) in BENCHMARKS.items():
+    for name, (claim, stem, how) in BENCHMARKS.items():
         flag = "" if name in OP_TABLES else f" --only {name}"
-        lines.append(
-            f"| {claim} | [`{stem}.md`]({stem}.md), [`.csv`]({stem}.csv) | "
-            f"`bash scripts/dev.sh bench{flag}` |"
-        )
+        command = f"bash scripts/dev.sh bench{flag}"
+        if isinstance(how, str) and how not in ("table", "demo"):
+            command = how
+        lines.append(f"| {claim} | [`{stem}.md`]({stem}.md), [`.csv`]({stem}.csv) | `{command}` |")
     for gpu in sorted(out.glob("gpu_*.md")):
         lines.append(
             f"| the GPU check on {gpu.stem[4:]}: correctness, timings, compute-sanitizer | "
@@ -390,7 +396,9 @@ def main(argv=None):
                     w.writeheader()
                     w.writerows(rows)
                 continue
-            if how == "demo":
+            if isinstance(how, str) and how != "demo":
+                print(f"{name}: written by hand from `{how}` (its CSV redone only)", flush=True)
+            elif how == "demo":
                 run_demo(md)
             else:
                 run_script(how, md)
