@@ -333,6 +333,7 @@ void distill_bwd_cpu(at::Tensor student, const at::Tensor& teacher,
 }
 
 std::vector<std::string> divergence_names_op() { return distill_divergence_names(); }
+std::vector<std::string> topk_tail_names_op() { return distill_topk_tail_names(); }
 
 }  // namespace
 
@@ -347,6 +348,7 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
       "Tensor? grad_hard, float inv_temperature, str divergence, float beta, int ignore_index) "
       "-> ()");
   m.def("distill_divergence_names() -> str[]", &divergence_names_op);
+  m.def("distill_topk_tail_names() -> str[]", &topk_tail_names_op);
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
+from ..losses.config import DIVERGENCES
 
 
 def _acc(dtype):
