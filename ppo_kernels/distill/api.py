@@ -16,6 +16,7 @@ from ..losses.config import DistillLossConfig, fields, takes_configs
 from . import op
 
 _op = _backend.op("linear_distill_loss")
+_FIELDS = fields(DistillLossConfig)  # (a constant: torch.compile does not trace dataclasses.fields)
 
 
 def _like_labels(name, t, shape, n, extra=()):
@@ -153,7 +154,7 @@ def linear_distill_loss(
         None if teacher_bias is None else teacher_bias.detach(),
         ids,
         tlp,
-        *(getattr(cfg, k) for k in fields(DistillLossConfig)),
+        *(getattr(cfg, k) for k in _FIELDS),
         ignore_index,
         int(max_chunk_bytes or 0),
         logits_dtype,
