@@ -23,14 +23,10 @@ def _like_labels(name, t, shape, n, extra=()):
     """t [*shape, *extra] flattened to [n, *extra]."""
     check_tensor(name, t)
     want = tuple(shape) + tuple(extra)
-    if (
-        tuple(t.shape[: len(shape)]) != tuple(shape)
-        or t.dim() != len(want)
-        or (extra and tuple(t.shape[len(shape) :]) != tuple(extra))
-    ):
-        what = "like labels" if not extra else "labels.shape + " + str(tuple(extra))
+    if tuple(t.shape) != want:
+        what = "labels.shape + " + repr(tuple(extra)) if extra else "like labels"
         raise ValueError(f"{name}: expected shape {want} ({what}), got {tuple(t.shape)}")
-    return t.reshape((n,) + tuple(t.shape[len(shape) :]))
+    return t.reshape((n,) + tuple(extra))
 
 
 @takes_configs(distill_config=DistillLossConfig)
