@@ -32,7 +32,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_labels_in_range
 from ..fused_linear import engine
-from ..fused_linear.planner import _acc
+from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES, _acc
 from ..fused_linear.tiler import Tiler
 from ..losses import distill_math as dm
 from ..losses.config import DistillLossConfig, fields, make
@@ -399,6 +399,23 @@ def _check_ids(ids, V):
         )
 
 
+# The CPU's default budget holds at least this many rows per block: a block of fewer rows runs its
+# three GEMMs well below their speed (the weight-gradient product's inner dimension is the rows),
+# which a large vocabulary's tiles (two of them) bring about within 64 MiB
+# (bench/results/cpu_distill.md).
+MIN_BLOCK_ROWS_CPU = 256
+
+
+def _budget(max_chunk_bytes: int, device, V: int, share: int) -> int:
+    """The chunk budget: the caller's, else the planner's default -- on the CPU raised to hold
+    MIN_BLOCK_ROWS_CPU rows of `share` float32 tiles (and a quarter more for the other
+    buffers)."""
+    if max_chunk_bytes or device.type != "cpu":
+        return max_chunk_bytes
+    rows = share * MIN_BLOCK_ROWS_CPU * V * 4 * 5 // 4
+    return max(DEFAULT_MAX_CHUNK_BYTES["cpu"], rows)
+
+
 def run(backend: str, a) -> tuple[Tensor, ...]:
     """linear_distill_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as the
     schema names them (Call)."""
@@ -416,9 +433,10 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         keep = keep & (a.mask != 0)
     token_stats = _backend.new_output((3, N), acc, dev)
     head = distill_head.DistillHead(cfg, keep, token_stats)
-    ldt, budget = a.logits_dtype, a.max_chunk_bytes
+    ldt = a.logits_dtype
     if a.teacher_hidden is not None:
         # the student's tile and the teacher's side by side
+        budget = _budget(a.max_chunk_bytes, dev, V, 2)
         plan = engine.plan_rows(hidden, V, ldt, budget, 2)
         tplan = engine.plan_rows(a.teacher_hidden, V, ldt, budget, 2)
         tplan = dataclasses.replace(tplan, rows=plan.rows, pad=plan.pad)
@@ -427,7 +445,7 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     else:
         # (+ the hard term's gradient tile at temperature 1 when T != 1)
         share = 2 if (cfg.temperature != 1.0 and cfg.weight_hard_loss != 0) else 1
-        plan = engine.plan_rows(hidden, V, ldt, budget, share)
+        plan = engine.plan_rows(hidden, V, ldt, _budget(a.max_chunk_bytes, dev, V, share), share)
         tl = (tl_op.forward.impls[backend], tl_op.backward.impls[backend])
         vocab = TopkTiles(backend, cfg, a.ignore_index, keep, a.topk_ids, a.topk_logprobs, tl)
     gh, gW, gb = engine.run(
