@@ -30,9 +30,10 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range, device_error
+from .._math import acc_dtype
 from ..fused_linear import engine
-from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES, _acc
+from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES
 from ..fused_linear.tiler import Tiler
 from ..losses import distill_math as dm
 from ..losses.config import DistillLossConfig, fields, make
@@ -75,7 +76,7 @@ def _tensor(name, t, device, floating):
             f"{name}: expected a float dtype (float32, bfloat16, float16, float64), got {t.dtype}"
         )
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+        raise device_error(name, t, device, "student")
 
 
 def _rows(name, t, N):
@@ -148,6 +149,9 @@ def _delegate(device_type):
 
 @forward.impl("cpp")
 def _(student, teacher, labels, mask, inv_temperature, divergence, beta, ignore_index):
+    # The C++ kernels are registered for the CPU only: a tensor on another device would send the
+    # call to a dispatch key without a kernel, so the devices are compared first (metadata only).
+    check_devices("student", student, teacher=teacher, labels=labels, mask=mask)
     if not _backend.has_compiled_kernel("distill_fwd", student.device.type):
         return forward.impls[_delegate(student.device.type)](
             student, teacher, labels, mask, inv_temperature, divergence, beta, ignore_index
@@ -194,6 +198,9 @@ def _(student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad, grad_ha
       inv_temperature, divergence, beta, ignore_index):  # fmt: skip
     args = (student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad, grad_hard,
             inv_temperature, divergence, beta, ignore_index)  # fmt: skip
+    check_devices("student", student, teacher=teacher, labels=labels, mask=mask,
+                  lse_student=lse_s, lse_teacher=lse_t, aux=aux, lse_hard=lse_hard, grad=grad,
+                  grad_hard=grad_hard)  # fmt: skip
     if not _backend.has_compiled_kernel("distill_bwd_", student.device.type):
         return backward_.impls[_delegate(student.device.type)](*args)
     _backend.cpp_ops().distill_bwd_(*args)
@@ -427,7 +434,7 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         if a.topk_ids is not None:
             _check_ids(a.topk_ids, V)
     cfg = config(a)
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     keep = labels != a.ignore_index
     if a.mask is not None:
         keep = keep & (a.mask != 0)
@@ -473,7 +480,7 @@ for _b in _backend.BACKENDS:
 
 def _fake_outputs(a):
     hidden = a.hidden
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     N = hidden.shape[0]
     return (
         hidden.new_empty((), dtype=acc),
@@ -491,7 +498,7 @@ def _(*args):
 def _(*args):
     a = Call(*args)
     hidden, weight = a.hidden, a.weight
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if a.need_hidden else (0,))

@@ -105,11 +105,14 @@ class PolicyLossConfig:
             otherwise).
         importance_sampling_level: "token" or "sequence" (TRL's GSPO: the ratio of the row's
             mean log-ratio; clipped types, sapo, cispo). Default "token".
-        tau_pos, tau_neg: sapo's temperatures for A > 0 and A <= 0. Defaults 1.0, 1.05.
+        tau_pos: sapo's temperature for A > 0. Default 1.0.
+        tau_neg: sapo's temperature for A <= 0. Default 1.05.
         dro_beta: dro's quadratic penalty; required for "dro". Default None.
-        clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's share of tokens and covariance
-            band. Defaults 2e-4, 1.0, 5.0.
-        kl_cov_ratio, kl_cov_coef: kl_cov's share of tokens and penalty. Defaults 2e-4, 0.1.
+        clip_cov_ratio: clip_cov's share of tokens. Default 2e-4.
+        clip_cov_lb: the lower end of clip_cov's covariance band. Default 1.0.
+        clip_cov_ub: the upper end of clip_cov's covariance band. Default 5.0.
+        kl_cov_ratio: kl_cov's share of tokens. Default 2e-4.
+        kl_cov_coef: kl_cov's penalty coefficient. Default 0.1.
 
     Made once per distinct set of values and checked then; clip_high and log_ratio_clamp hold
     their resolved values afterwards.

@@ -35,13 +35,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._math import acc_dtype
 from .config import DIVERGENCES, TOPK_TAILS, DistillLossConfig  # noqa: F401  (their home)
 
 _TAIL_CLAMP = -1e-7  # the log of the largest top-k mass a bucket keeps (TRL's)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def resolve(divergence: str, beta: float) -> str:

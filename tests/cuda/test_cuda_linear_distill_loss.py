@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, graph_replay, require
-from _utils import GEMM_TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, graph_replay, require
+from support.utils import GEMM_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
