@@ -489,14 +489,29 @@ def _fake_outputs(a):
     )
 
 
+# The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it
+# as the C++ checks do (a meta tensor sends a call to its fake whatever the other arguments').
+_ON_HIDDENS_DEVICE = (
+    "weight", "labels", "mask", "bias", "teacher_hidden", "teacher_weight", "teacher_bias",
+    "topk_ids", "topk_logprobs",
+)  # fmt: skip
+
+
+def _check_devices(a):
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+
+
 @_backend.fake("linear_distill_loss")
 def _(*args):
-    return _fake_outputs(Call(*args, False, False, False))
+    a = Call(*args, False, False, False)
+    _check_devices(a)
+    return _fake_outputs(a)
 
 
 @_backend.fake("linear_distill_loss_grads")
 def _(*args):
     a = Call(*args)
+    _check_devices(a)
     hidden, weight = a.hidden, a.weight
     acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
@@ -537,6 +552,7 @@ class _Precomputed(torch.autograd.Function):
 @_backend.fallback("linear_distill_loss")
 def _(*args):
     a = Call(*args, False, False, False)
+    _check_devices(a)
     if not (
         torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
