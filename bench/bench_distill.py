@@ -6,6 +6,7 @@
                 chunk_size 1024; --liger-eager adds compiled=False)
   materialised  both heads' [N, V] logits, float32 log_softmax, Liger's JSD + the hard-label
                 cross-entropy by autograd (distill/naive.py eager_linear_distill_loss)
+  4 GEMMs       the floor: the four GEMMs every fused loss here runs, alone (no check)
 
 The same loss for all: Liger's defaults (generalised JSD, beta 0.5, temperature 1, weights 0.5 /
 0.5), the teacher another head of width H over the same vocabulary. Modes interleaved per
@@ -89,6 +90,19 @@ def materialised(x):
     return _backward(loss, h, W)
 
 
+def four_gemms(x, rows=512):
+    """The floor of every mode here: the four GEMMs a fused loss cannot avoid (the student's and
+    the teacher's logits, the two gradient GEMMs), in row blocks, and nothing else."""
+    h, W, th, tW = x["h"], x["W"], x["th"], x["tW"]
+    gW = torch.zeros_like(W)
+    for r in range(0, h.shape[0], rows):
+        z = h[r : r + rows] @ W.T
+        th[r : r + rows] @ tW.T
+        z @ W
+        gW.addmm_(z.T, h[r : r + rows])
+    return gW
+
+
 def run_size(N, H, V, dtype, reps, liger_eager, skip=()):
     x = _inputs(N, H, V, dtype)
     modes = {}
@@ -115,6 +129,10 @@ def run_size(N, H, V, dtype, reps, liger_eager, skip=()):
             (gW.float() - base[2].float()).abs().max().item() / base[2].float().abs().max().item(),
         )
         check[name] = (abs(loss.item() - base[0].item()), err)
+    if not any(s in "4 GEMMs alone (floor)" for s in skip):
+        modes["4 GEMMs alone (floor)"] = lambda: four_gemms(x)
+        peaks["4 GEMMs alone (floor)"] = peak_extra_bytes(modes["4 GEMMs alone (floor)"])
+        check["4 GEMMs alone (floor)"] = (float("nan"), float("nan"))
     med, loads = interleaved_medians(modes, reps)
     return {n: (med[n], peaks[n], check[n]) for n in modes}, loads
 
