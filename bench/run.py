@@ -87,16 +87,16 @@ BENCHMARKS = {
         "cpu_head_defaults",
         ["bench/bench_head_defaults.py", "--reps", "3", "--threads", "1", "--out", "{out}"],
     ),
+    "batch_invariant": (
+        "the cost of batch-invariant mode",
+        "cpu_batch_invariant",
+        ["bench/bench_batch_invariant.py", "--out", "{out}"],
+    ),
     "distill": (
         "the fused distillation loss vs Liger's LigerFusedLinearJSDLoss and the materialised "
         "logits at 4096x1024x32000 and 2048x256x152064",
         "cpu_distill",
         ["bench/bench_distill.py", "--reps", "3", "--threads", "2", "--out", "{out}"],
-    ),
-    "batch_invariant": (
-        "the cost of batch-invariant mode",
-        "cpu_batch_invariant",
-        ["bench/bench_batch_invariant.py", "--out", "{out}"],
     ),
     "distributed": (
         "bytes per token of the distributed forms' one collective (2 gloo processes)",

@@ -278,43 +278,6 @@ class RolloutCorrectionConfig:
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
-@dataclass(frozen=True)
-class KLTermConfig:
-    """The KL penalty `kl_coef * agg(kl)` of the fused policy loss.
-
-    Args:
-        kl_coef: its coefficient. Default 0.0 (no term).
-        kl_estimator: the sampled estimator against ref_logprobs: "k1", "k2", "k3", "abs"
-            or their aliases, "+" for straight-through (the k2 gradient). Default "k3".
-        kl_clamp: "none", "verl", "openrlhf" or a `KLClamp`. Default None: no clamp.
-    """
-
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_clamp: object = None
-
-    def __post_init__(self):
-        from ..kl.naive import parse_estimator, resolve_clamp
-
-        _set(self, kl_coef=check_float("kl_coef", self.kl_coef))
-        est, _ = parse_estimator(self.kl_estimator)
-        resolve_clamp(self.kl_clamp, est)
-
-
-@dataclass(frozen=True)
-class EntropyTermConfig:
-    """The entropy bonus `- entropy_coef * agg(entropy)` of the fused policy loss.
-
-    Args:
-        entropy_coef: its coefficient. Default 0.0 (no term; the entropy is still reported).
-    """
-
-    entropy_coef: float = 0.0
-
-    def __post_init__(self):
-        _set(self, entropy_coef=check_float("entropy_coef", self.entropy_coef))
-
-
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")  # = csrc/common/distill_host.h's
 TOPK_TAILS = ("bucket", "renormalize")
 
@@ -360,6 +323,43 @@ class DistillLossConfig:
         wh = check_float("weight_hard_loss", self.weight_hard_loss)
         check_str("topk_tail", self.topk_tail, TOPK_TAILS)
         _set(self, beta=beta, temperature=t, weight_soft_loss=ws, weight_hard_loss=wh)
+
+
+@dataclass(frozen=True)
+class KLTermConfig:
+    """The KL penalty `kl_coef * agg(kl)` of the fused policy loss.
+
+    Args:
+        kl_coef: its coefficient. Default 0.0 (no term).
+        kl_estimator: the sampled estimator against ref_logprobs: "k1", "k2", "k3", "abs"
+            or their aliases, "+" for straight-through (the k2 gradient). Default "k3".
+        kl_clamp: "none", "verl", "openrlhf" or a `KLClamp`. Default None: no clamp.
+    """
+
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: object = None
+
+    def __post_init__(self):
+        from ..kl.naive import parse_estimator, resolve_clamp
+
+        _set(self, kl_coef=check_float("kl_coef", self.kl_coef))
+        est, _ = parse_estimator(self.kl_estimator)
+        resolve_clamp(self.kl_clamp, est)
+
+
+@dataclass(frozen=True)
+class EntropyTermConfig:
+    """The entropy bonus `- entropy_coef * agg(entropy)` of the fused policy loss.
+
+    Args:
+        entropy_coef: its coefficient. Default 0.0 (no term; the entropy is still reported).
+    """
+
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        _set(self, entropy_coef=check_float("entropy_coef", self.entropy_coef))
 
 
 def fields(cls) -> tuple[str, ...]:
@@ -449,7 +449,7 @@ CONFIGS = (
     PolicyLossConfig,
     AggregationConfig,
     RolloutCorrectionConfig,
+    DistillLossConfig,
     KLTermConfig,
     EntropyTermConfig,
-    DistillLossConfig,
 )

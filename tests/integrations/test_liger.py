@@ -238,7 +238,7 @@ def test_report_and_revert(liger):
         assert {
             f"{grpo.__name__}.LigerFusedLinearGRPOFunction",
             f"{functional.__name__}.liger_fused_linear_grpo",
-        } <= set(rep["functions"])  # (and the other losses' targets)
+        } <= set(rep["functions"])  # (the other losses' targets: their own test files)
         assert functional.LigerFusedLinearGRPOFunction is grpo.LigerFusedLinearGRPOFunction
         assert grpo.LigerFusedLinearGRPOFunction is not original
         assert "liger" in pki.format_report("liger")

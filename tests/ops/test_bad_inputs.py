@@ -858,45 +858,6 @@ CASES = [
         "ops.linear_policy_loss_grads(*lpl_with(old_logprobs=b[:1]), True, True, False)",
         "old_logprobs",
     ),
-    # --- linear_distill_loss (the op and its gradients' op)
-    (
-        "ldl_labels_range",
-        False,
-        "each",
-        "ops.linear_distill_loss(*ldl_with(labels=big[0]))",
-        "labels",
-    ),
-    (
-        "ldl_teacher_rows",
-        False,
-        "each",
-        "ops.linear_distill_loss(*ldl_with(teacher_hidden=torch.randn(2, 2)))",
-        "teacher_hidden",
-    ),
-    (
-        "ldl_topk_ids_range",
-        False,
-        "each",
-        "ops.linear_distill_loss(*ldl_with(teacher_hidden=None, teacher_weight=None, "
-        "topk_ids=torch.full((3, 2), 10**9), topk_logprobs=torch.zeros(3, 2)))",
-        "topk_ids",
-    ),
-    (
-        "ldl_grads_weight_dtype",
-        False,
-        "each",
-        "ops.linear_distill_loss_grads(*ldl_with(weight=w.double()), True, True, False)",
-        "weight",
-    ),
-    (
-        "ldl_grads_topk_shape",
-        False,
-        "each",
-        "ops.linear_distill_loss_grads(*ldl_with(teacher_hidden=None, teacher_weight=None, "
-        "topk_ids=torch.zeros(3, 2, dtype=torch.long), topk_logprobs=torch.zeros(3, 1)), True, "
-        "True, False)",
-        "topk_logprobs",
-    ),
     # --- masked statistics
     ("whiten_eps_str", False, None, "pk.masked_whiten(a, m, eps='1e-8')", "eps"),
     (
@@ -947,6 +908,45 @@ CASES = [
         None,
         "C.masked_whiten_bwd(torch.ones(3), a, m, True, True, 1e-8)",
         "grad",
+    ),
+    # --- linear_distill_loss (the op and its gradients' op)
+    (
+        "ldl_labels_range",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(labels=big[0]))",
+        "labels",
+    ),
+    (
+        "ldl_teacher_rows",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(teacher_hidden=torch.randn(2, 2)))",
+        "teacher_hidden",
+    ),
+    (
+        "ldl_topk_ids_range",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(teacher_hidden=None, teacher_weight=None, "
+        "topk_ids=torch.full((3, 2), 10**9), topk_logprobs=torch.zeros(3, 2)))",
+        "topk_ids",
+    ),
+    (
+        "ldl_grads_weight_dtype",
+        False,
+        "each",
+        "ops.linear_distill_loss_grads(*ldl_with(weight=w.double()), True, True, False)",
+        "weight",
+    ),
+    (
+        "ldl_grads_topk_shape",
+        False,
+        "each",
+        "ops.linear_distill_loss_grads(*ldl_with(teacher_hidden=None, teacher_weight=None, "
+        "topk_ids=torch.zeros(3, 2, dtype=torch.long), topk_logprobs=torch.zeros(3, 1)), True, "
+        "True, False)",
+        "topk_logprobs",
     ),
     # --- linear_token_logprobs
     (
