@@ -13,9 +13,9 @@ import torch
 
 import ppo_kernels as pk
 
+from . import _liger_distill
 from ._args import NO_IGNORE, need, tensor
 from ._grpo import AGG, loss_kwargs, real
-from ._liger_distill import targets as distill_targets
 from ._patch import Noted, Peer, Target
 
 GRPO = "liger_kernel.chunked_loss.grpo_loss"
@@ -228,4 +228,4 @@ PEER = Peer(
         Target(FUNCTIONAL, "liger_fused_linear_grpo", grpo_apply),
     ],
 )
-PEER.targets.extend(distill_targets())  # LigerFusedLinearJSDLoss (_liger_distill.py)
+PEER.targets.extend(_liger_distill.targets())  # LigerFusedLinearJSDLoss
