@@ -98,6 +98,12 @@ BENCHMARKS = {
         "cpu_batch_invariant",
         ["bench/bench_batch_invariant.py", "--out", "{out}"],
     ),
+    "distill": (
+        "the fused distillation loss vs Liger's LigerFusedLinearJSDLoss and the materialised "
+        "logits at 4096x1024x32000 and 2048x256x152064",
+        "cpu_distill",
+        ["bench/bench_distill.py", "--reps", "3", "--threads", "2", "--out", "{out}"],
+    ),
     "distributed": (
         "bytes per token of the distributed forms' one collective (2 gloo processes)",
         "cpu_distributed",

@@ -12,7 +12,7 @@ from ._backend import (  # noqa: F401
     use_backend,
 )
 from ._backend import resolve as resolve_backend  # noqa: F401
-from .distill import op as _distill_op  # noqa: F401  (the distillation tiles' backend key)
+from .distill.api import linear_distill_loss  # noqa: F401
 from .full_kl.api import full_kl  # noqa: F401
 from .fused_linear.planner import default_logits_dtype  # noqa: F401
 from .gae.api import gae  # noqa: F401
@@ -26,6 +26,7 @@ from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.config import (  # noqa: F401
     AggregationConfig,
+    DistillLossConfig,
     EntropyTermConfig,
     KLTermConfig,
     PolicyLossConfig,

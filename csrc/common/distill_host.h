@@ -17,6 +17,13 @@ inline const std::vector<std::string>& distill_divergence_names() {
   return names;
 }
 
+// How a cached teacher's top-k support treats the mass outside it (ppo_kernels/losses/config.py
+// TOPK_TAILS; the registered op checks the name, the Python loop computes it).
+inline const std::vector<std::string>& distill_topk_tail_names() {
+  static const std::vector<std::string> names = {"bucket", "renormalize"};
+  return names;
+}
+
 // The tiles: student and teacher [N, V], one float dtype, rows of any stride, the vocabulary
 // contiguous; labels [N] (optional), mask [N] (optional); the mode and its beta.
 struct DistillCall {

@@ -15,19 +15,19 @@ namespace ppo_kernels {
 // ppo_kernels/distill/op.py DIVERGENCES (tests/test_distill_kernels.py compares them).
 enum Divergence : int { kForwardKL = 0, kReverseKL = 1, kJSD = 2, kTV = 3 };
 
-// log(exp(a) + exp(b)); -inf when both are -inf (no NaN from -inf - -inf).
-PPO_HD float log_add_exp(float a, float b) {
-  const float m = a > b ? a : b;
-  if (m == -INFINITY) return -INFINITY;
-  return m + log1pf(expf(-fabsf(a - b)));
+// log m of the mixture m = (1 - beta) p + beta q, from the probabilities (one log, not the
+// exp + log1p of log(e^(lp + log(1 - beta)) + e^(lq + log beta))). m is held at FLT_MIN or more:
+// where both probabilities underflow their terms are below 1e-36 (and p = 0 terms are skipped),
+// while log 0 would make a term q (lq - log m) infinite.
+PPO_HD float log_mix(float p, float q, float beta) {
+  return logf(fmaxf((1.f - beta) * p + beta * q, 1.17549435e-38f));
 }
 
 // One entry of jsd(beta) = beta KL(q || m) + (1 - beta) KL(p || m), m = (1 - beta) p + beta q,
 // given the log-probs and probabilities; `aux` gets the entry's part of KL(p || m), which the
 // gradient needs. Zero probabilities contribute 0.
-PPO_HD float jsd_term(float lp, float lq, float p, float q, float log1mb, float logb, float beta,
-                      float& aux) {
-  const float lm = log_add_exp(lp + log1mb, lq + logb);
+PPO_HD float jsd_term(float lp, float lq, float p, float q, float beta, float& aux) {
+  const float lm = log_mix(p, q, beta);
   const float kp = p > 0.f ? p * (lp - lm) : 0.f;
   aux += kp;
   return (q > 0.f ? beta * q * (lq - lm) : 0.f) + (1.f - beta) * kp;
@@ -48,8 +48,7 @@ PPO_HD float tv_term(float p, float q, float& aux) {
 //   jsd         (1 - beta) p (lp - log m - KL(p || m))      (aux = KL(p || m))
 //   tv          p (sgn(p - q) - sum_i p_i sgn(p_i - q_i)) / 2
 // A zero p gives 0 (no 0 * inf).
-PPO_HD float distill_grad(int mode, float lp, float lq, float p, float q, float aux, float log1mb,
-                          float logb, float beta) {
+PPO_HD float distill_grad(int mode, float lp, float lq, float p, float q, float aux, float beta) {
   switch (mode) {
     case kForwardKL:
       return p - q;
@@ -57,8 +56,7 @@ PPO_HD float distill_grad(int mode, float lp, float lq, float p, float q, float 
       return p > 0.f ? p * ((lp - lq) - aux) : 0.f;
     case kJSD: {
       if (!(p > 0.f)) return 0.f;
-      const float lm = log_add_exp(lp + log1mb, lq + logb);
-      return (1.f - beta) * p * ((lp - lm) - aux);
+      return (1.f - beta) * p * ((lp - log_mix(p, q, beta)) - aux);
     }
     default:
       return 0.5f * p * (sign_of(p - q) - aux);

@@ -33,12 +33,9 @@ Vec vsign(const Vec& x) {
   return Vec::blendv(zero, one, x > zero) - Vec::blendv(zero, one, x < zero);
 }
 
-// log(e^a + e^b), -inf where both are -inf.
-Vec vlog_add_exp(const Vec& a, const Vec& b) {
-  const Vec ninf(-INFINITY), zero(0.f);
-  const Vec m = at::vec::maximum(a, b);
-  const Vec r = m + (zero - (a - b).abs()).exp().log1p();
-  return Vec::blendv(r, ninf, m == ninf);
+// log m of the mixture m = (1 - beta) p + beta q (distill_math.h log_mix), vectorised.
+Vec vlog_mix(const Vec& p, const Vec& q, const Vec& v1mb, const Vec& vb) {
+  return at::vec::maximum(v1mb * p + vb * q, Vec(1.17549435e-38f)).log();
 }
 
 // KLStats of one block relative to its own maxes (the terms of kl_stats_add), vectorised.
@@ -120,9 +117,8 @@ RowOut row_forward(const scalar_t* s, const scalar_t* t, const DistillCall& c, b
     }
     o.lse_s = stats_lse(a);
     o.lse_t = stats_lse(b);
-    const float beta = c.beta, log1mb = std::log1p(-beta), logb = std::log(beta);
+    const float beta = c.beta;
     const Vec vls(o.lse_s), vlt(o.lse_t), zero(0.f), half(0.5f), vb(beta), v1mb(1.f - beta);
-    const Vec vl1mb(log1mb), vlb(logb);
     Vec vval(0.f), vaux(0.f);
     float val = 0.f, aux = 0.f;
     for (int64_t j = 0; j < V; j += kBlock) {
@@ -135,7 +131,7 @@ RowOut row_forward(const scalar_t* s, const scalar_t* t, const DistillCall& c, b
         const Vec lq = Vec::loadu(buf.t.data() + i) - vlt;
         const Vec p = lp.exp(), q = lq.exp();
         if (c.mode == kJSD) {
-          const Vec lm = vlog_add_exp(lp + vl1mb, lq + vlb);
+          const Vec lm = vlog_mix(p, q, v1mb, vb);
           const Vec kp = Vec::blendv(zero, p * (lp - lm), p > zero);
           const Vec kq = Vec::blendv(zero, q * (lq - lm), q > zero);
           vval = vval + vb * kq + v1mb * kp;
@@ -148,8 +144,7 @@ RowOut row_forward(const scalar_t* s, const scalar_t* t, const DistillCall& c, b
       for (; i < n; ++i) {
         const float lp = buf.s[i] - o.lse_s, lq = buf.t[i] - o.lse_t;
         const float p = std::exp(lp), q = std::exp(lq);
-        val +=
-            c.mode == kJSD ? jsd_term(lp, lq, p, q, log1mb, logb, beta, aux) : tv_term(p, q, aux);
+        val += c.mode == kJSD ? jsd_term(lp, lq, p, q, beta, aux) : tv_term(p, q, aux);
       }
     }
     o.value = val + hsum(vval);
@@ -213,15 +208,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 // d D / d z of one vector of entries (the caller scales by g / T), MODE known at compile time.
 template <int MODE>
-Vec vgrad(const Vec& lp, const Vec& lq, const Vec& p, const Vec& q, const Vec& aux, const Vec& l1mb,
-          const Vec& lb, const Vec& v1mb) {
+Vec vgrad(const Vec& lp, const Vec& lq, const Vec& p, const Vec& q, const Vec& aux, const Vec& vb,
+          const Vec& v1mb) {
   const Vec zero(0.f);
   if constexpr (MODE == kForwardKL) {
     return p - q;
   } else if constexpr (MODE == kReverseKL) {
     return Vec::blendv(zero, p * ((lp - lq) - aux), p > zero);
   } else if constexpr (MODE == kJSD) {
-    const Vec lm = vlog_add_exp(lp + l1mb, lq + lb);
+    const Vec lm = vlog_mix(p, q, v1mb, vb);
     return Vec::blendv(zero, v1mb * p * ((lp - lm) - aux), p > zero);
   } else {
     return Vec(0.5f) * p * (vsign(p - q) - aux);
@@ -233,10 +228,8 @@ void row_backward(scalar_t* s, const scalar_t* t, const DistillCall& c, float ls
                   float aux, float ga, float gh, float lse_h, int64_t y, bool hard_sep,
                   Buffers& buf) {
   const float inv_t = c.inv_t, beta = c.beta;
-  const float log1mb = MODE == kJSD ? std::log1p(-beta) : 0.f;
-  const float logb = MODE == kJSD ? std::log(beta) : 0.f;
   const Vec vls(lse_s), vlt(lse_t), vaux(aux), vga(ga), vgh(gh), vlh(lse_h);
-  const Vec vl1mb(log1mb), vlb(logb), v1mb(1.f - beta);
+  const Vec vb(beta), v1mb(1.f - beta);
   const bool hard = gh != 0.f;
   for (int64_t j = 0; j < c.V; j += kBlock) {
     const int64_t n = std::min(kBlock, c.V - j);
@@ -248,15 +241,17 @@ void row_backward(scalar_t* s, const scalar_t* t, const DistillCall& c, float ls
     for (; i + Vec::size() <= n; i += Vec::size()) {
       const Vec lp = Vec::loadu(buf.s.data() + i) - vls;
       const Vec lq = Vec::loadu(buf.t.data() + i) - vlt;
-      const Vec p = lp.exp(), q = lq.exp();
-      Vec g = vga * vgrad<MODE>(lp, lq, p, q, vaux, vl1mb, vlb, v1mb);
+      // (exp_u20: the gradient's exps, as the token_logprobs kernels' gradient tiles; reverse_kl
+      // reads log q only)
+      const Vec p = lp.exp_u20(), q = MODE == kReverseKL ? Vec(0.f) : lq.exp_u20();
+      Vec g = vga * vgrad<MODE>(lp, lq, p, q, vaux, vb, v1mb);
       if (hard) g = g - vgh * (hard_sep ? (Vec::loadu(buf.raw.data() + i) - vlh).exp() : p);
       g.store(buf.s.data() + i);
     }
     for (; i < n; ++i) {
       const float lp = buf.s[i] - lse_s, lq = buf.t[i] - lse_t;
       const float p = std::exp(lp), q = std::exp(lq);
-      float g = ga * distill_grad(MODE, lp, lq, p, q, aux, log1mb, logb, beta);
+      float g = ga * distill_grad(MODE, lp, lq, p, q, aux, beta);
       if (hard) g -= gh * (hard_sep ? std::exp(buf.raw[i] - lse_h) : p);
       buf.s[i] = g;
     }
@@ -333,6 +328,7 @@ void distill_bwd_cpu(at::Tensor student, const at::Tensor& teacher,
 }
 
 std::vector<std::string> divergence_names_op() { return distill_divergence_names(); }
+std::vector<std::string> topk_tail_names_op() { return distill_topk_tail_names(); }
 
 }  // namespace
 
@@ -347,6 +343,7 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
       "Tensor? grad_hard, float inv_temperature, str divergence, float beta, int ignore_index) "
       "-> ()");
   m.def("distill_divergence_names() -> str[]", &divergence_names_op);
+  m.def("distill_topk_tail_names() -> str[]", &topk_tail_names_op);
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

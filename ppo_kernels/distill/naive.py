@@ -37,8 +37,7 @@ import math
 import torch
 
 from .._math import acc_dtype
-
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
+from ..losses.config import DIVERGENCES
 
 
 def _check(divergence, beta):
@@ -153,3 +152,32 @@ def backward_(
     g = grad_tile(student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad, grad_hard,
                   inv_temperature, divergence, beta, ignore_index)  # fmt: skip
     student.copy_(g)
+
+
+def eager_linear_distill_loss(
+    hidden, weight, labels, teacher_hidden, teacher_weight, *, beta=0.5, temperature=1.0,
+    weight_hard_loss=0.5, weight_soft_loss=0.5, ignore_index=-100,
+):  # fmt: skip
+    """What a trainer does today (the benchmark baseline): both heads' logits materialised
+    ([N, V] each, the GEMMs in the input dtype), upcast to float32, log_softmax, Liger's
+    generalised JSD (beta 0: forward KL, 1: reverse KL) and the hard-label cross-entropy at
+    temperature 1, token mean over the labels not ignored; differentiated by autograd."""
+    z = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T).float()
+    with torch.no_grad():
+        zt = (teacher_hidden.reshape(-1, teacher_hidden.shape[-1]) @ teacher_weight.T).float()
+    y = labels.reshape(-1)
+    keep = y != ignore_index
+    n = keep.sum().clamp(min=1)
+    lp = torch.log_softmax(z / temperature, -1)
+    lq = torch.log_softmax(zt / temperature, -1)
+    if beta == 0:
+        d = torch.nn.functional.kl_div(lp, lq, reduction="none", log_target=True)
+    elif beta == 1:
+        d = torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True)
+    else:
+        lm = torch.logsumexp(torch.stack([lp + math.log(1 - beta), lq + math.log(beta)]), 0)
+        d = beta * torch.nn.functional.kl_div(lm, lq, reduction="none", log_target=True)
+        d = d + (1 - beta) * torch.nn.functional.kl_div(lm, lp, reduction="none", log_target=True)
+    soft = torch.where(keep, d.sum(-1), 0.0).sum() / n
+    hard = torch.nn.functional.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum") / n
+    return weight_hard_loss * hard + weight_soft_loss * soft

@@ -18,19 +18,10 @@ INF = float("inf")
 
 
 @triton.jit
-def _log1p(x):
-    # log1p without libdevice (the interpreter has none): log(1 + x) corrected for the rounding of
-    # 1 + x; exact to a few ulp for tiny x
-    y = 1.0 + x
-    den = tl.where(y == 1.0, 1.0, y - 1.0)
-    return tl.where(y == 1.0, x, tl.log(y) * (x / den))
-
-
-@triton.jit
-def _log_add_exp(a, b):
-    m = tl.maximum(a, b)
-    d = tl.where(m == -float("inf"), 0.0, tl.abs(a - b))
-    return tl.where(m == -float("inf"), -float("inf"), m + _log1p(tl.exp(-d)))
+def _log_mix(p, q, beta):
+    # log of the mixture (1 - beta) p + beta q, held at FLT_MIN or more (csrc/common/distill_math.h
+    # log_mix: one log instead of exp + log1p)
+    return tl.log(tl.maximum((1.0 - beta) * p + beta * q, 1.17549435e-38))
 
 
 @triton.jit
@@ -45,7 +36,7 @@ def _merge(m, s, z):
 @triton.jit
 def _fwd_kernel(
     S, T, LAB, MASK, VAL, LSS, LST, AUX, HLP, LSH,
-    V, s_stride, t_stride, inv_t, beta, log1mb, logb, ignore_index,
+    V, s_stride, t_stride, inv_t, beta, ignore_index,
     MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_LABELS: tl.constexpr,
     HARD_SEP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -93,7 +84,7 @@ def _fwd_kernel(
             elif MODE == 1:
                 val += tl.sum(tl.where(p > 0.0, p * (lp - lq), 0.0), 0)
             elif MODE == 2:
-                lm = _log_add_exp(lp + log1mb, lq + logb)
+                lm = _log_mix(p, q, beta)
                 kp = tl.where(p > 0.0, p * (lp - lm), 0.0)
                 kq = tl.where(q > 0.0, q * (lq - lm), 0.0)
                 val += tl.sum(beta * kq + (1.0 - beta) * kp, 0)
@@ -131,7 +122,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_kernel(
     S, T, LAB, MASK, LSS, LST, AUX, LSH, G, GH,
-    V, s_stride, t_stride, inv_t, beta, log1mb, logb, ignore_index,
+    V, s_stride, t_stride, inv_t, beta, ignore_index,
     MODE: tl.constexpr, HAS_MASK: tl.constexpr, HARD: tl.constexpr, HARD_SEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -168,7 +159,7 @@ def _bwd_kernel(
             elif MODE == 1:
                 e = tl.where(p > 0.0, p * ((lp - lq) - aux), 0.0)
             elif MODE == 2:
-                lm = _log_add_exp(lp + log1mb, lq + logb)
+                lm = _log_mix(p, q, beta)
                 e = tl.where(p > 0.0, (1.0 - beta) * p * ((lp - lm) - aux), 0.0)
             else:
                 sg = tl.where(p > q, 1.0, tl.where(p < q, -1.0, 0.0))
@@ -192,12 +183,7 @@ def _block(V):
 
 
 def _mode_args(divergence, beta):
-    import math
-
-    mode = DIVERGENCES.index(divergence)
-    if mode == 2:
-        return mode, float(beta), math.log1p(-beta), math.log(beta)
-    return mode, float(beta), 0.0, 0.0
+    return DIVERGENCES.index(divergence), float(beta)
 
 
 def forward(student, teacher, labels, mask, inv_t, divergence, beta, ignore_index):
@@ -208,7 +194,7 @@ def forward(student, teacher, labels, mask, inv_t, divergence, beta, ignore_inde
     hlp = new_output((N,), **f32) if has_labels else torch.empty(0, **f32)
     lsh = new_output((N,), **f32) if has_labels else torch.empty(0, **f32)
     if N:
-        mode, b, l1mb, lb = _mode_args(divergence, beta)
+        mode, b = _mode_args(divergence, beta)
         block = _block(V)
         _fwd_kernel[(N,)](
             student, teacher,
@@ -216,7 +202,7 @@ def forward(student, teacher, labels, mask, inv_t, divergence, beta, ignore_inde
             mask.contiguous() if mask is not None else val,
             val, lss, lst, aux,
             hlp if has_labels else val, lsh if has_labels else val,
-            V, student.stride(0), teacher.stride(0), float(inv_t), b, l1mb, lb, int(ignore_index),
+            V, student.stride(0), teacher.stride(0), float(inv_t), b, int(ignore_index),
             MODE=mode, HAS_MASK=mask is not None, HAS_LABELS=has_labels,
             HARD_SEP=has_labels and float(inv_t) != 1.0, BLOCK=block,
             num_warps=8 if block >= 2048 else 4,
@@ -229,7 +215,7 @@ def backward_(student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad,
     N, V = student.shape
     if N == 0 or V == 0:
         return
-    mode, b, l1mb, lb = _mode_args(divergence, beta)
+    mode, b = _mode_args(divergence, beta)
     hard = grad_hard is not None
     block = _block(V)
 
@@ -243,7 +229,7 @@ def backward_(student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad,
         f32(lse_s), f32(lse_t), f32(aux),
         f32(lse_hard) if hard else student,
         f32(grad), f32(grad_hard) if hard else student,
-        V, student.stride(0), teacher.stride(0), float(inv_t), b, l1mb, lb, int(ignore_index),
+        V, student.stride(0), teacher.stride(0), float(inv_t), b, int(ignore_index),
         MODE=mode, HAS_MASK=mask is not None, HARD=hard,
         HARD_SEP=hard and float(inv_t) != 1.0, BLOCK=block,
         num_warps=8 if block >= 2048 else 4,

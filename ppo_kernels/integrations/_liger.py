@@ -4,7 +4,8 @@ which `LigerFusedLinearGRPOLoss` calls, and its functional alias `liger_fused_li
 the input, the weight and the bias. Semantics read from Liger-Kernel 0.8.5's source; the mapping of
 its loss types to ours is in docs/ppo-math.md, what falls back (and why) in the README.
 
-Liger's `compiled` and `chunk_size` only choose how it computes (ours plans its own chunks)."""
+Liger's `compiled` and `chunk_size` only choose how it computes (ours plans its own chunks).
+The fused distillation loss (`LigerFusedLinearJSDLoss`) is _liger_distill.py's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 import ppo_kernels as pk
 
+from . import _liger_distill
 from ._args import NO_IGNORE, need, tensor
 from ._grpo import AGG, loss_kwargs, real
 from ._patch import Noted, Peer, Target
@@ -226,3 +228,4 @@ PEER = Peer(
         Target(FUNCTIONAL, "liger_fused_linear_grpo", grpo_apply),
     ],
 )
+PEER.targets.extend(_liger_distill.targets())  # LigerFusedLinearJSDLoss

@@ -8,6 +8,8 @@ argument's name).
 - `RolloutCorrectionConfig`: importance weights and rejection between the rollout's log-probs
   and the trainer's.
 - `KLTermConfig`, `EntropyTermConfig`: the KL penalty and the entropy bonus of the fused loss.
+- `DistillLossConfig`: the distillation loss (divergence, its weights, temperature, the cached
+  teacher's tail).
 
 Each field's name, default and meaning are written once, here. `ppo_policy_loss` and
 `linear_policy_loss` take a configuration by keyword (`loss_config=`, ...) or its fields as flat
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_bool, check_float, check_int, check_str
+from .._checks import check_bool, check_float, check_int, check_str, check_temperature
 
 # the policy-loss types: the clipped surrogate's first (a table the C++ routing shares)
 from .._modes import AGG_MODES
@@ -276,6 +278,53 @@ class RolloutCorrectionConfig:
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")  # = csrc/common/distill_host.h's
+TOPK_TAILS = ("bucket", "renormalize")
+
+
+@dataclass(frozen=True)
+class DistillLossConfig:
+    """The distillation loss between a student and a teacher (formulas: docs/ppo-math.md,
+    "Distillation losses"; Liger's `LigerFusedLinearJSDLoss` defaults).
+
+    Args:
+        divergence: the per-token divergence over the whole vocabulary, p the student's and q
+            the teacher's distribution: "forward_kl" KL(q || p), "reverse_kl" KL(p || q),
+            "jsd" the generalised Jensen-Shannon divergence of weight `beta`, "tv" the total
+            variation. Default "jsd".
+        beta: jsd's weight of the teacher, in [0, 1]; as Liger and TRL, beta 0 is forward_kl
+            and beta 1 reverse_kl. Ignored by the other divergences. Default 0.5.
+        temperature: both heads' logits are divided by it before the divergence (the
+            hard-label term and nothing else stays at temperature 1, as Liger's). Default 1.0.
+        weight_soft_loss: the divergence term's weight. Default 0.5.
+        weight_hard_loss: the hard-label term's weight (the student's cross-entropy on the
+            labels). Default 0.5.
+        topk_tail: a cached teacher (top-k ids and log-probs): "bucket" adds the mass outside
+            the top-k as one more entry of both distributions, "renormalize" renormalises both
+            over the top-k. Default "bucket".
+
+    A weight of 0 drops its term (an infinite value there does not make the loss NaN).
+    """
+
+    divergence: str = "jsd"
+    beta: float = 0.5
+    temperature: float = 1.0
+    weight_soft_loss: float = 0.5
+    weight_hard_loss: float = 0.5
+    topk_tail: str = "bucket"
+
+    def __post_init__(self):
+        check_str("divergence", self.divergence, DIVERGENCES)
+        beta = check_float("beta", self.beta)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta: expected a value in [0, 1], got {beta!r}")
+        t = check_temperature(self.temperature)
+        ws = check_float("weight_soft_loss", self.weight_soft_loss)
+        wh = check_float("weight_hard_loss", self.weight_hard_loss)
+        check_str("topk_tail", self.topk_tail, TOPK_TAILS)
+        _set(self, beta=beta, temperature=t, weight_soft_loss=ws, weight_hard_loss=wh)
+
+
 @dataclass(frozen=True)
 class KLTermConfig:
     """The KL penalty `kl_coef * agg(kl)` of the fused policy loss.
@@ -400,6 +449,7 @@ CONFIGS = (
     PolicyLossConfig,
     AggregationConfig,
     RolloutCorrectionConfig,
+    DistillLossConfig,
     KLTermConfig,
     EntropyTermConfig,
 )

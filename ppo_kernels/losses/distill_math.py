@@ -30,27 +30,15 @@ p~_i sgn(p~_i - q~_i) / 2), the student's support log-probs get
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._math import acc_dtype
+from .config import DIVERGENCES, TOPK_TAILS, DistillLossConfig  # noqa: F401  (their home)
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
-TOPK_TAILS = ("bucket", "renormalize")
 _TAIL_CLAMP = -1e-7  # the log of the largest top-k mass a bucket keeps (TRL's)
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    divergence: str = "jsd"
-    beta: float = 0.5  # jsd's mixture weight of the teacher
-    temperature: float = 1.0
-    weight_soft_loss: float = 0.5
-    weight_hard_loss: float = 0.5
-    topk_tail: str = "bucket"
 
 
 def resolve(divergence: str, beta: float) -> str:
@@ -63,22 +51,6 @@ def resolve(divergence: str, beta: float) -> str:
     return divergence
 
 
-def check_config(cfg: DistillConfig):
-    """ValueError naming the option."""
-    if cfg.divergence not in DIVERGENCES:
-        raise ValueError(f"divergence: unknown {cfg.divergence!r}; expected one of {DIVERGENCES}")
-    if not 0.0 <= cfg.beta <= 1.0:
-        raise ValueError(f"beta: expected a value in [0, 1], got {cfg.beta}")
-    if not (cfg.temperature > 0 and math.isfinite(cfg.temperature)):
-        raise ValueError(f"temperature: expected a positive finite number, got {cfg.temperature}")
-    for name in ("weight_soft_loss", "weight_hard_loss"):
-        v = getattr(cfg, name)
-        if not math.isfinite(v):
-            raise ValueError(f"{name}: expected a finite number, got {v}")
-    if cfg.topk_tail not in TOPK_TAILS:
-        raise ValueError(f"topk_tail: expected one of {TOPK_TAILS}, got {cfg.topk_tail!r}")
-
-
 class TokenResult(NamedTuple):
     loss: Tensor
     soft_loss: Tensor
@@ -87,8 +59,22 @@ class TokenResult(NamedTuple):
     d_hard_logprob: Tensor  # [N] d L / d lp_t (0 where no hard term)
 
 
+def coefficients(cfg: DistillLossConfig, keep: Tensor, num_tokens: Tensor) -> tuple:
+    """(d L / d D_t, d L / d lp_t) per token [N] (None for a term of weight 0) of Liger's
+    reduction over num_tokens kept tokens (keep [N] bool; num_tokens at least 1)."""
+    kf = keep.to(num_tokens.dtype) / num_tokens
+    d_value = cfg.weight_soft_loss * kf if cfg.weight_soft_loss != 0 else None
+    d_hard = -cfg.weight_hard_loss * kf if cfg.weight_hard_loss != 0 else None
+    return d_value, d_hard
+
+
+def num_kept(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """max(#kept tokens, 1) as a 0-dim tensor of `dtype` (no host sync)."""
+    return keep.sum().clamp(min=1).to(dtype)
+
+
 def combine(
-    cfg: DistillConfig,
+    cfg: DistillLossConfig,
     values: Tensor,
     hard_logprobs: Tensor | None,
     keep: Tensor,
@@ -96,21 +82,27 @@ def combine(
 ) -> TokenResult:
     """Liger's reduction of the per-token values [N] over the kept tokens (keep [N]: the label is
     not ignored and the mask is set); num_tokens: the batch's kept count when these tokens are a
-    block of it (default: this block's, at least 1). Values off `keep` are never read."""
+    block of it (default: this block's, at least 1). Values off `keep` are never read; a term
+    of weight 0 is left out of the loss (its value may be infinite)."""
     acc = acc_dtype(values.dtype)
     k = keep.to(torch.bool)
-    n = k.sum().clamp(min=1).to(acc) if num_tokens is None else torch.as_tensor(num_tokens).to(acc)
+    n = num_kept(k, acc) if num_tokens is None else torch.as_tensor(num_tokens).to(acc)
     zero = torch.zeros((), dtype=acc, device=values.device)
     soft = torch.where(k, values.detach().to(acc), zero).sum() / n
-    kf = k.to(acc)
     if hard_logprobs is None:
         hard = zero
-        d_hard = torch.zeros_like(kf)
     else:
         hard = -torch.where(k, hard_logprobs.detach().to(acc), zero).sum() / n
-        d_hard = -cfg.weight_hard_loss * kf / n
-    loss = cfg.weight_hard_loss * hard + cfg.weight_soft_loss * soft
-    return TokenResult(loss, soft, hard, cfg.weight_soft_loss * kf / n, d_hard)
+    loss = zero
+    if cfg.weight_hard_loss != 0:
+        loss = loss + cfg.weight_hard_loss * hard
+    if cfg.weight_soft_loss != 0:
+        loss = loss + cfg.weight_soft_loss * soft
+    d_value, d_hard = coefficients(cfg, k, n)
+    kz = torch.zeros_like(k, dtype=acc)
+    d_value = kz if d_value is None else d_value
+    d_hard = kz if (d_hard is None or hard_logprobs is None) else d_hard
+    return TokenResult(loss, soft, hard, d_value, d_hard)
 
 
 def _entry_terms(divergence, beta, lp, lq):

@@ -66,6 +66,9 @@ def divergence(student_logits, teacher_logits, divergence: str, beta=0.5, temper
     return divergence_from_logprobs(logp, logq, divergence, beta)
 
 
+_full_divergence = divergence  # (linear_distill_loss's argument of that name shadows it)
+
+
 def topk_divergence(
     student_logits, topk_ids, topk_logprobs, divergence: str, beta=0.5, temperature=1.0,
     tail="bucket",
@@ -141,3 +144,64 @@ def sampled_reverse_kl(student_logits, teacher_logits, tokens, temperature=1.0):
     logq = torch.log_softmax(teacher_logits.double() / temperature, -1)
     idx = tokens.unsqueeze(-1)
     return (logp.gather(-1, idx) - logq.gather(-1, idx)).squeeze(-1)
+
+
+def linear_distill_loss(
+    hidden,
+    weight,
+    labels,
+    teacher_hidden=None,
+    teacher_weight=None,
+    *,
+    bias=None,
+    teacher_bias=None,
+    mask=None,
+    topk_ids=None,
+    topk_logprobs=None,
+    divergence="jsd",
+    beta=0.5,
+    temperature=1.0,
+    weight_soft_loss=0.5,
+    weight_hard_loss=0.5,
+    topk_tail="bucket",
+    ignore_index=-100,
+):
+    """The fused distillation loss from hidden states on materialised float64 logits:
+    (loss, soft, hard, divergence, hard_logprobs, sampled_reverse_kl), the last three per token
+    (0 off the kept tokens), autograd to hidden / weight / bias. The teacher is a head
+    (teacher_hidden, teacher_weight, teacher_bias) or a cached top-k (topk_ids, topk_logprobs);
+    with the latter the sampled-token reverse KL is NaN where the label is not among the ids.
+    A term of weight 0 is left out of the loss."""
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    keep = labels != ignore_index
+    if mask is not None:
+        keep = keep & (mask != 0)
+    n = keep.sum().clamp(min=1)
+    y = torch.where(keep, labels, 0).long()
+    lp = torch.log_softmax(z / temperature, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    if teacher_hidden is not None:
+        zt = teacher_hidden.double() @ teacher_weight.double().T
+        if teacher_bias is not None:
+            zt = zt + teacher_bias.double()
+        d = _full_divergence(z, zt, divergence, beta, temperature)
+        lq = torch.log_softmax(zt / temperature, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    else:
+        d = topk_divergence(z, topk_ids.long(), topk_logprobs, divergence, beta, temperature,
+                            topk_tail)  # fmt: skip
+        valid = topk_logprobs > -math.inf
+        hit = (topk_ids == y.unsqueeze(-1)) & valid
+        lq_hit = torch.where(hit, topk_logprobs.double(), -math.inf).amax(-1)
+        lq = torch.where(hit.any(-1), lq_hit, math.nan)
+    zero = torch.zeros((), dtype=torch.float64)
+    d = torch.where(keep, d, zero)
+    h = torch.where(keep, hard_logprobs(z, y, ignore_index), zero)
+    k = torch.where(keep, (lp - lq).detach(), zero)
+    soft, hard = d.sum() / n, -h.sum() / n
+    loss = zero
+    if weight_hard_loss != 0:
+        loss = loss + weight_hard_loss * hard
+    if weight_soft_loss != 0:
+        loss = loss + weight_soft_loss * soft
+    return loss, soft, hard, d, h, k

@@ -67,6 +67,15 @@ vlg = vgathered(ops.vocab_parallel_linear_states(vh, vw, vy, None, 0, 1.0, -100,
 _, vlent, vllse, vllayout = ops.vocab_parallel_linear_token_logprobs(
     vh, vw, vy, None, vlg, 0, 1.0, -100, True, 0, "float32", None)
 vkl = torch.stack(ops.full_kl(vz, vref, 1.0, None)).reshape(1, -1)
+# linear_distill_loss: hidden [3, 4], weight [5, 4], a teacher head [3, 2] / [5, 2]
+from ppo_kernels.distill import op as ldl_op
+ldl = [h, w, lab3, None, None, torch.randn(3, 2), torch.randn(5, 2), None, None, None, "jsd", 0.5,
+       1.0, 0.5, 0.5, "bucket", -100, 0, "float32"]
+def ldl_with(**kw):
+    out = list(ldl)
+    for k, v in kw.items():
+        out[ldl_op.ARG_NAMES.index(k)] = v
+    return out
 """
 
 # (id, needs the extension, backend or None, code, the argument the message must name)
@@ -899,6 +908,45 @@ CASES = [
         None,
         "C.masked_whiten_bwd(torch.ones(3), a, m, True, True, 1e-8)",
         "grad",
+    ),
+    # --- linear_distill_loss (the op and its gradients' op)
+    (
+        "ldl_labels_range",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(labels=big[0]))",
+        "labels",
+    ),
+    (
+        "ldl_teacher_rows",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(teacher_hidden=torch.randn(2, 2)))",
+        "teacher_hidden",
+    ),
+    (
+        "ldl_topk_ids_range",
+        False,
+        "each",
+        "ops.linear_distill_loss(*ldl_with(teacher_hidden=None, teacher_weight=None, "
+        "topk_ids=torch.full((3, 2), 10**9), topk_logprobs=torch.zeros(3, 2)))",
+        "topk_ids",
+    ),
+    (
+        "ldl_grads_weight_dtype",
+        False,
+        "each",
+        "ops.linear_distill_loss_grads(*ldl_with(weight=w.double()), True, True, False)",
+        "weight",
+    ),
+    (
+        "ldl_grads_topk_shape",
+        False,
+        "each",
+        "ops.linear_distill_loss_grads(*ldl_with(teacher_hidden=None, teacher_weight=None, "
+        "topk_ids=torch.zeros(3, 2, dtype=torch.long), topk_logprobs=torch.zeros(3, 1)), True, "
+        "True, False)",
+        "topk_logprobs",
     ),
     # --- linear_token_logprobs
     (

@@ -20,7 +20,7 @@ from ppo_kernels.distill import op
 from ppo_kernels.losses import distill_math as DM
 from ppo_kernels.losses import distill_naive as DN
 
-BACKENDS = cpu_backends("distill")
+BACKENDS = cpu_backends("linear_distill_loss")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MODES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.1), ("tv", 0.5)]
 
@@ -202,7 +202,7 @@ def test_gradcheck_of_the_kernel_gradient(div, beta):
     zs = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
     zt = torch.randn(3, 6, generator=g, dtype=torch.float64)
     labels = torch.tensor([2, -100, 5])
-    assert _backend.backend_for("distill", zs) == "eager"
+    assert _backend.backend_for("linear_distill_loss", zs) == "eager"
     assert torch.autograd.gradcheck(
         lambda z: _Divergence.apply(z, zt, labels, 1 / 0.8, div, beta), (zs,)
     )
@@ -212,12 +212,13 @@ def test_gradcheck_of_the_kernel_gradient(div, beta):
 def test_mode_tables_match_the_cpp_ones():
     assert tuple(torch.ops.ppo_kernels_C.distill_divergence_names()) == op.DIVERGENCES
     assert op.DIVERGENCES == DM.DIVERGENCES == DN.DIVERGENCES == K.DIVERGENCES
+    assert tuple(torch.ops.ppo_kernels_C.distill_topk_tail_names()) == DM.TOPK_TAILS
 
 
 def test_cpp_on_a_device_without_its_kernels_delegates():
-    info = _backend.OPS["distill"]
-    assert _backend.delegation("distill", "cpp", "cuda") is not None
-    assert info.cuda_default == "triton" and info.public == ()
+    info = _backend.OPS["linear_distill_loss"]
+    assert _backend.delegation("linear_distill_loss", "cpp", "cuda") is not None
+    assert info.cuda_default == "triton" and info.public == ("linear_distill_loss",)
 
 
 _x = torch.randn(3, 5)
@@ -297,7 +298,7 @@ def test_composes_liger_jsd_distillation_loss(backend, beta, w_hard, T):
                                       return_soft_hard_loss=True)  # fmt: skip
     loss, soft, hard = mod(hs, Ws, ht, Wt, labels)
     gh, gW = torch.autograd.grad(loss, (hs, Ws))
-    cfg = DM.DistillConfig(
+    cfg = DM.DistillLossConfig(
         "jsd", beta, T, weight_soft_loss=1 - w_hard + 0.2, weight_hard_loss=w_hard
     )
     div = DM.resolve(cfg.divergence, cfg.beta)

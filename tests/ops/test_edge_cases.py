@@ -314,6 +314,24 @@ def _compile_cases():
         "rloo_advantages": (lambda s: pk.rloo_advantages(s, group_size=2), (scores,)),
         "reward_model_loss": (lambda a, b: pk.reward_model_loss(a, b), (scores, scores.flip(0))),
         "dpo_loss": (lambda a, b: pk.dpo_loss(a, b, b, a, beta=0.1), (scores, scores.flip(0))),
+        "linear_distill_loss": (
+            lambda a, b, y, m: pk.linear_distill_loss(
+                a, b, y, a.detach() * 0.5, b.detach(), mask=m, temperature=0.8, divergence="tv"
+            )[0],
+            (hid, w, labels, mask),
+        ),
+        "linear_distill_loss_topk": (
+            lambda a, b, y, i, t: pk.linear_distill_loss(
+                a, b, y, topk_ids=i, topk_logprobs=t, divergence="reverse_kl"
+            )[0],
+            (
+                hid,
+                w,
+                labels,
+                labels[..., None].expand(B, T, 2),
+                lp.detach()[..., None].expand(B, T, 2) - 1,
+            ),
+        ),
     }
 
 

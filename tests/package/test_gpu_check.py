@@ -79,7 +79,7 @@ class _RunOnce:
                 self.errors.append(f"{case} / {name}: {type(e).__name__}: {e}")
 
 
-@pytest.mark.parametrize("op", ["linear_logprobs", "linear_policy_loss"])
+@pytest.mark.parametrize("op", ["linear_logprobs", "linear_policy_loss", "linear_distill_loss"])
 def test_timing_and_sanitizer_workloads_rehearsed_on_the_cpu(op, monkeypatch):
     """The device runs these only when a GPU is lent (seldom, and briefly): their Python
     -- argument names, the peers' calls -- is rehearsed here at small sizes on the CPU, so a
@@ -92,6 +92,9 @@ def test_timing_and_sanitizer_workloads_rehearsed_on_the_cpu(op, monkeypatch):
         # (the module's own _liger still returns None without Liger)
         eager_liger = mod.liger_module
         monkeypatch.setattr(mod, "liger_module", lambda compiled: eager_liger(False))
+    if op == "linear_distill_loss":  # Liger's compiled default as eager chunks (as above)
+        liger = mod._liger
+        monkeypatch.setattr(mod, "_liger", lambda compiled=True: liger(False))
     ctx = _RunOnce()
     mod.timing(ctx, N=256, H=64, V=1000)
     assert ctx.errors == []

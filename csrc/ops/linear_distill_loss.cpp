@@ -1,0 +1,317 @@
+// Registered ops `ppo_kernels::linear_distill_loss` and `ppo_kernels::linear_distill_loss_grads`:
+// the distillation loss between a student LM head and a teacher (a second LM head, or its cached
+// top-k ids and log-probs) from the hidden states in one chunked pass, with the student's
+// gradients formed on the way. Schemas, argument checks naming the argument, backend routing and
+// autograd live here; the chunk loop (both logits tiles -> the divergence per row and the
+// hard-label log-prob -> per-token coefficients -> the student's gradient tile, written over its
+// logits tile -> grad_hidden rows and the weight-gradient sum) is ppo_kernels/distill/op.py, which
+// registers it per backend (`ppo_kernels_cpp::` around the compiled distillation and
+// token_logprobs tile kernels, `ppo_kernels_triton::`, `ppo_kernels_eager::`), with the fake
+// kernels.
+//
+// linear_distill_loss_grads computes the loss, the statistics and the gradients of hidden / weight
+// / bias that are asked for (need_*: a frozen head costs no weight-gradient GEMM); the teacher
+// never gets one. linear_distill_loss is its value. Autograd: the Autograd-key kernel calls
+// linear_distill_loss_grads below autograd with need_* from requires_grad and saves the gradients;
+// the backward scales them by the upstream gradient (no GEMM). The kernels are boxed: they forward
+// the arguments and read the ones they check by name from the schema.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "common/distill_host.h"
+#include "common/modes.h"
+#include "ops/checks.h"
+#include "ops/route.h"
+
+namespace ppo_kernels {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using torch::jit::Stack;
+
+// Everything linear_distill_loss takes, in order (ppo_kernels/distill/api.py documents each;
+// hidden [N, H], the per-token tensors [N], the top-k ones [N, K]).
+#define PPO_LDL_ARGS                                                                               \
+  "Tensor hidden, Tensor weight, Tensor labels, Tensor? mask, Tensor? bias, "                      \
+  "Tensor? teacher_hidden, Tensor? teacher_weight, Tensor? teacher_bias, Tensor? topk_ids, "       \
+  "Tensor? topk_logprobs, str divergence, float beta, float temperature, float weight_soft_loss, " \
+  "float weight_hard_loss, str topk_tail, int ignore_index, int max_chunk_bytes, "                 \
+  "str logits_dtype"
+
+constexpr size_t kOutputs = 3;  // loss [], stats [2], token_stats [3, N]
+
+c10::OperatorHandle find(const char* name) {
+  auto h = c10::Dispatcher::singleton().findOp({name, ""});
+  TORCH_CHECK(h.has_value(), name,
+              " is not registered (import ppo_kernels first: ppo_kernels/distill/op.py registers "
+              "the implementations)");
+  return *h;
+}
+
+const c10::OperatorHandle& grads_op() {
+  static const c10::OperatorHandle h = find("ppo_kernels::linear_distill_loss_grads");
+  return h;
+}
+
+// The Python implementations of linear_distill_loss_grads per backend (op.py).
+const c10::OperatorHandle& impl(Backend b) {
+  switch (b) {
+    case Backend::kCpp: {
+      static const c10::OperatorHandle h = find("ppo_kernels_cpp::linear_distill_loss_grads");
+      return h;
+    }
+    case Backend::kTriton: {
+      static const c10::OperatorHandle h = find("ppo_kernels_triton::linear_distill_loss_grads");
+      return h;
+    }
+    default: {
+      static const c10::OperatorHandle h = find("ppo_kernels_eager::linear_distill_loss_grads");
+      return h;
+    }
+  }
+}
+
+struct Args {
+  size_t n, hidden, weight, labels, mask, bias, teacher_hidden, teacher_weight, teacher_bias,
+      topk_ids, topk_logprobs, divergence, beta, temperature, weight_soft_loss, weight_hard_loss,
+      topk_tail, max_chunk_bytes, logits_dtype;
+};
+
+// Argument positions, read once from linear_distill_loss's schema by name (the _grads op takes the
+// same arguments, then need_hidden, need_weight, need_bias).
+const Args& args_of() {
+  static const Args a = [] {
+    const auto& s = find("ppo_kernels::linear_distill_loss").schema();
+    auto at = [&](const char* name) {
+      const auto i = s.argumentIndexWithName(name);
+      TORCH_CHECK(i.has_value(), "linear_distill_loss: no argument ", name, " in the schema");
+      return static_cast<size_t>(*i);
+    };
+    Args r{};
+    r.n = s.arguments().size();
+    r.hidden = at("hidden");
+    r.weight = at("weight");
+    r.labels = at("labels");
+    r.mask = at("mask");
+    r.bias = at("bias");
+    r.teacher_hidden = at("teacher_hidden");
+    r.teacher_weight = at("teacher_weight");
+    r.teacher_bias = at("teacher_bias");
+    r.topk_ids = at("topk_ids");
+    r.topk_logprobs = at("topk_logprobs");
+    r.divergence = at("divergence");
+    r.beta = at("beta");
+    r.temperature = at("temperature");
+    r.weight_soft_loss = at("weight_soft_loss");
+    r.weight_hard_loss = at("weight_hard_loss");
+    r.topk_tail = at("topk_tail");
+    r.max_chunk_bytes = at("max_chunk_bytes");
+    r.logits_dtype = at("logits_dtype");
+    return r;
+  }();
+  return a;
+}
+
+Stack arguments(const Stack& stack, size_t n_args) {
+  return Stack(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
+}
+
+std::optional<Tensor> opt_tensor(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toTensor();
+}
+
+// Metadata checks of every argument the kernels index by (never a host sync; the label and top-k
+// id ranges are checked by the loop on the CPU, and on the GPU under strict_checks()).
+void check(const Stack& a, const Args& i) {
+  const Tensor hidden = a[i.hidden].toTensor();
+  expect_float(hidden, "hidden");
+  expect_dim(hidden, "hidden", 2);
+  const int64_t N = hidden.size(0);
+  const Tensor weight = a[i.weight].toTensor();
+  expect_float(weight, "weight");
+  expect_device(weight, "weight", hidden, "hidden");
+  expect_dtype(weight, "weight", hidden.scalar_type(), "like hidden");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    "weight: expected shape (V, ", hidden.size(1), ") (H = hidden.shape[-1]), got ",
+                    weight.sizes());
+  const int64_t V = weight.size(0);
+  if (auto bias = opt_tensor(a[i.bias])) {
+    expect_float(*bias, "bias");
+    expect_device(*bias, "bias", hidden, "hidden");
+    expect_dtype(*bias, "bias", hidden.scalar_type(), "like hidden");
+    expect_shape(*bias, "bias", {V}, "weight.shape[0]");
+  }
+  const Tensor labels = a[i.labels].toTensor();
+  expect_index(labels, "labels");
+  expect_device(labels, "labels", hidden, "hidden");
+  expect_shape(labels, "labels", {N}, "hidden.shape[0]");
+  TORCH_CHECK_VALUE(V > 0 || N == 0, "weight: the vocabulary dimension (first) is empty");
+  if (auto mask = opt_tensor(a[i.mask])) {
+    expect_mask(*mask, "mask");
+    expect_device(*mask, "mask", hidden, "hidden");
+    expect_shape(*mask, "mask", {N}, "like labels");
+  }
+  // the teacher: a second LM head, or its cached top-k (exactly one of the two)
+  const auto th = opt_tensor(a[i.teacher_hidden]), tw = opt_tensor(a[i.teacher_weight]);
+  const auto ids = opt_tensor(a[i.topk_ids]), tlp = opt_tensor(a[i.topk_logprobs]);
+  TORCH_CHECK_VALUE(th.has_value() == tw.has_value(), th ? "teacher_weight" : "teacher_hidden",
+                    ": teacher_hidden and teacher_weight go together (the teacher's LM head)");
+  TORCH_CHECK_VALUE(ids.has_value() == tlp.has_value(), ids ? "topk_logprobs" : "topk_ids",
+                    ": topk_ids and topk_logprobs go together (the cached teacher)");
+  TORCH_CHECK_VALUE(th.has_value() != ids.has_value(),
+                    th ? "topk_ids: give the teacher either as teacher_hidden / teacher_weight or "
+                         "as topk_ids / topk_logprobs, not both"
+                       : "teacher_hidden: a teacher is needed: teacher_hidden / teacher_weight "
+                         "(its LM head) or topk_ids / topk_logprobs (its cached top-k)");
+  if (th) {
+    expect_float(*th, "teacher_hidden");
+    expect_device(*th, "teacher_hidden", hidden, "hidden");
+    // both tiles in one dtype: the tile kernels read them side by side
+    expect_dtype(*th, "teacher_hidden", hidden.scalar_type(), "like hidden");
+    expect_dim(*th, "teacher_hidden", 2);
+    TORCH_CHECK_VALUE(th->size(0) == N, "teacher_hidden: expected ", N,
+                      " rows (like hidden), got shape ", th->sizes());
+    expect_dtype(*tw, "teacher_weight", th->scalar_type(), "like teacher_hidden");
+    expect_device(*tw, "teacher_weight", hidden, "hidden");
+    TORCH_CHECK_VALUE(tw->dim() == 2 && tw->size(0) == V && tw->size(1) == th->size(1),
+                      "teacher_weight: expected shape (", V, ", ", th->size(1),
+                      ") (weight's vocabulary, teacher_hidden's width), got ", tw->sizes());
+    if (auto tb = opt_tensor(a[i.teacher_bias])) {
+      expect_dtype(*tb, "teacher_bias", th->scalar_type(), "like teacher_hidden");
+      expect_device(*tb, "teacher_bias", hidden, "hidden");
+      expect_shape(*tb, "teacher_bias", {V}, "weight.shape[0]");
+    }
+  } else {
+    TORCH_CHECK_VALUE(a[i.teacher_bias].isNone(),
+                      "teacher_bias: needs teacher_hidden and teacher_weight");
+    expect_index(*ids, "topk_ids");
+    expect_device(*ids, "topk_ids", hidden, "hidden");
+    TORCH_CHECK_VALUE(ids->dim() == 2 && ids->size(0) == N, "topk_ids: expected shape (", N,
+                      ", K) (hidden.shape[0] rows), got ", ids->sizes());
+    expect_float(*tlp, "topk_logprobs");
+    expect_device(*tlp, "topk_logprobs", hidden, "hidden");
+    expect_shape(*tlp, "topk_logprobs", ids->sizes(), "like topk_ids");
+  }
+  mode_index("divergence", distill_divergence_names(), a[i.divergence].toStringRef());
+  mode_index("topk_tail", distill_topk_tail_names(), a[i.topk_tail].toStringRef());
+  const double beta = a[i.beta].toDouble();
+  TORCH_CHECK_VALUE(beta >= 0 && beta <= 1, "beta: expected a value in [0, 1], got ", beta);
+  expect_temperature(a[i.temperature].toDouble());
+  expect_finite("weight_soft_loss", a[i.weight_soft_loss].toDouble());
+  expect_finite("weight_hard_loss", a[i.weight_hard_loss].toDouble());
+  TORCH_CHECK_VALUE(a[i.max_chunk_bytes].toInt() >= 0,
+                    "max_chunk_bytes: expected a non-negative integer (0: the default), got ",
+                    a[i.max_chunk_bytes].toInt());
+  const auto& ld = a[i.logits_dtype].toStringRef();
+  TORCH_CHECK_VALUE(ld == "float32" || ld == "input",
+                    "logits_dtype: expected 'float32' or 'input', got '", ld, "'");
+}
+
+// linear_distill_loss_grads on the CPU / CUDA keys: check, then the backend's implementation.
+void grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  const Stack args = arguments(*stack, i.n + 3);  // + need_hidden, need_weight, need_bias
+  check(args, i);
+  impl(backend_for("linear_distill_loss", args[i.hidden].toTensor())).callBoxed(stack);
+}
+
+// linear_distill_loss on the CPU / CUDA keys (no gradient asked for): the _grads op's value.
+void loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  for (int k = 0; k < 3; ++k) stack->emplace_back(false);
+  grads_op().callBoxed(stack);
+  torch::jit::drop(*stack, 3);  // the (empty) gradients
+}
+
+class LossFn : public torch::autograd::Function<LossFn> {
+ public:
+  // args: every argument of linear_distill_loss (hidden, weight and bias are also the autograd
+  // inputs before it); need_*: whether each gradient is asked for
+  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
+                               const std::optional<Tensor>& bias, Stack args, bool need_h,
+                               bool need_w, bool need_b) {
+    {
+      BelowAutograd guard;
+      args.emplace_back(need_h);
+      args.emplace_back(need_w);
+      args.emplace_back(need_b);
+      grads_op().callBoxed(&args);
+    }
+    TORCH_INTERNAL_ASSERT(args.size() == kOutputs + 3);
+    const Tensor loss = args[0].toTensor(), stats = args[1].toTensor(),
+                 token_stats = args[2].toTensor();
+    ctx->save_for_backward({args[3].toTensor(), args[4].toTensor(), args[5].toTensor()});
+    ctx->saved_data["need"] = std::vector<bool>{need_h, need_w, need_b};
+    ctx->saved_data["dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->mark_non_differentiable({stats, token_stats});
+    return {loss, stats, token_stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto need = ctx->saved_data["need"].toBoolList();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const Tensor& g = grads[0];
+    variable_list out(7);
+    if (!g.defined()) return out;
+    // As linear_policy_loss's backward: the gradients formed for an upstream gradient of 1 are
+    // handed over as they are when it is 1 and the graph is not kept (read only for a plain CPU
+    // scalar: no sync, nothing traced); otherwise scaled out of place.
+    const bool unit = !torch::autograd::get_current_graph_task_keep_graph() &&
+                      g.device().is_cpu() && g.numel() == 1 && !g.requires_grad() &&
+                      !at::isTensorSubclassLike(g) && g.item<double>() == 1.0;
+    const auto scaled = [&](const Tensor& t) { return unit ? t : t * g; };
+    if (need[0]) out[0] = scaled(saved[0]);
+    if (need[1]) out[1] = scaled(saved[1]).to(dtype);
+    if (need[2]) out[2] = scaled(saved[2]).to(dtype);
+    return out;
+  }
+};
+
+// linear_distill_loss on the Autograd key: the gradients of the student's inputs that require one,
+// formed in the forward.
+void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  Stack args = arguments(*stack, i.n);
+  torch::jit::drop(*stack, i.n);
+  const Tensor hidden = args[i.hidden].toTensor(), weight = args[i.weight].toTensor();
+  const auto bias = opt_tensor(args[i.bias]);
+  const bool grad = at::GradMode::is_enabled();
+  const bool need_h = grad && hidden.requires_grad(), need_w = grad && weight.requires_grad();
+  const bool need_b = grad && bias.has_value() && bias->requires_grad();
+  variable_list out = LossFn::apply(hidden, weight, bias, std::move(args), need_h, need_w, need_b);
+  for (auto& t : out) stack->emplace_back(std::move(t));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.set_python_module("ppo_kernels.distill.op");  // the fake kernels
+  // -> (loss [], stats [2]: soft_loss, hard_loss, token_stats [3, N]: the divergence, the
+  // hard-label log-prob, the sampled-token reverse KL; float32, float64 for float64 hidden)
+  m.def("linear_distill_loss(" PPO_LDL_ARGS ") -> (Tensor loss, Tensor stats, Tensor token_stats)");
+  // + the gradients of hidden (hidden's dtype), weight and bias (float32; float64 for float64),
+  // each an empty tensor when not asked for
+  m.def("linear_distill_loss_grads(" PPO_LDL_ARGS
+        ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+        "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("linear_distill_loss", torch::CppFunction::makeFromBoxedFunction<&loss_kernel>());
+  m.impl("linear_distill_loss_grads", torch::CppFunction::makeFromBoxedFunction<&grads_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("linear_distill_loss", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+}
+
+}  // namespace ppo_kernels
