@@ -21,9 +21,9 @@ from .._checks import (
     check_tensor,
 )
 from ..fused_linear.planner import resolve_logits_dtype
-from ..losses import preference_math as prm
 from ..losses.config import PreferenceLossConfig, takes_configs
 from . import op
+from .head import check_reference
 
 _op = _backend.op("linear_preference_loss")
 _CAPTURE: list = []  # arguments(): the calls whose op arguments are kept instead of run
@@ -189,9 +189,7 @@ def linear_preference_loss(
                 f"{tuple(ref_hidden.shape)}"
             )
         rh = ref_hidden.detach().reshape(R * T, ref_hidden.shape[-1])
-    has_ref = ref_logps is not None or ref_hidden is not None
-    if not cfg.unpaired:
-        prm.check_config(cfg.paired_config(), has_reference=has_ref)
+    check_reference(cfg, ref_logps is not None or ref_hidden is not None)
     rp = reference_point
     if rp is not None:
         if isinstance(rp, Tensor):

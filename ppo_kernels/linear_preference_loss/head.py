@@ -33,6 +33,15 @@ from ..losses.config import PreferenceLossConfig, fields, make
 CONFIG_FIELDS = fields(PreferenceLossConfig)
 
 
+def check_reference(cfg: PreferenceLossConfig, has_reference: bool):
+    """ValueError for a reference given to the reference-free types (orpo, simpo, cpo)."""
+    free = [t for t in cfg.loss_type if t in prm.REFERENCE_FREE_TYPES]
+    if free and has_reference:
+        raise ValueError(
+            f"ref_logps: {free} are reference-free; pass neither ref_logps nor ref_hidden"
+        )
+
+
 def config(a) -> PreferenceLossConfig:
     """The PreferenceLossConfig of the op's arguments `a` (checked once per distinct values)."""
     values = {k: getattr(a, k) for k in CONFIG_FIELDS}

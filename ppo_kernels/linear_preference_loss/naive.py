@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..losses import preference_naive as NV
-from . import head as pref_head
+from ..losses.config import PreferenceLossConfig, fields
 
 
 def logits_of(a, h, W, b, acc):
@@ -56,7 +56,7 @@ def linear_preference_loss(a):
     """(loss, stats {name: 0-dim}, rows {logps, ref_logps, rewards: [R]}, token log-probs [R, T])
     of the op's arguments `a` (op.Call; hidden [N, H]), differentiable to a.hidden, a.weight,
     a.bias by autograd."""
-    cfg = pref_head.config(a)
+    cfg = PreferenceLossConfig(**{k: getattr(a, k) for k in fields(PreferenceLossConfig)})
     R, T = a.labels.shape
     h = a.hidden
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
@@ -151,9 +151,9 @@ def linear_preference_loss(a):
             o = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
             stats["log_odds_ratio"] = _mean(F.logsigmoid(o))
             stats["log_odds_chosen"] = _mean(o)
-        out = torch.empty(3, R, dtype=acc)
+        out = torch.empty(3, R, dtype=seq.dtype)
         out[0, cr] = seq.detach()
         out[1, cr] = torch.zeros_like(seq) if ref is None else ref.detach()
         out[2, cr] = torch.cat((cw, rw))
-    rows = dict(zip(pref_head.ROW_STATS, out))
+    rows = dict(zip(("logps", "ref_logps", "rewards"), out))
     return loss, stats, rows, lp.detach()

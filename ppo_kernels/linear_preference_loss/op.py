@@ -134,6 +134,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     if a.pairs is not None and cpu_or_strict:
         check_pairs(a.pairs, R)
     cfg = pref_head.config(a)
+    pref_head.check_reference(cfg, a.ref_logps is not None or a.ref_hidden is not None)
     if a.mask is not None:  # off the mask: no log-prob, no gradient (the kernels skip the row)
         labels = torch.where(
             a.mask != 0, labels, torch.full((), ii, dtype=labels.dtype, device=dev)
