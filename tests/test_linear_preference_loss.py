@@ -299,9 +299,11 @@ def test_gemm_count(backend):
     assert _mm_calls(lambda: fused(loss_type="aot")) == 4
     # per block of a small budget (several blocks)
     n1 = -(-R * T // engine.plan_rows(x["h"].view(-1, H), V, "float32", SMALL).rows)
-    n2 = -(-R * T // engine.plan_rows(x["h"].view(-1, H), V, "float32", SMALL, 2).rows)
     assert _mm_calls(lambda: fused(max_chunk_bytes=SMALL)) == 4 * n1
-    assert _mm_calls(lambda: fused(max_chunk_bytes=SMALL, **rh)) == 5 * n2
+    assert _mm_calls(lambda: fused(max_chunk_bytes=SMALL, **rh)) == 5 * n1
+    # the two tiles side by side would cut a pair: the reference head's pass first, then one
+    n3 = -(-R * T // engine.plan_rows(x["h"].view(-1, H), V, "float32", 1000).rows)
+    assert _mm_calls(lambda: fused(max_chunk_bytes=1000, **rh)) == 4 * n3
     kto = dict(loss_type="kto", desirable=x["y"], max_chunk_bytes=SMALL)
     assert _mm_calls(lambda: fused(**kto)) == 3 * -(-R // (7 // T))  # whole rows per block
     with torch.no_grad():
@@ -326,6 +328,32 @@ def test_passes():
     assert kto.passes(T, T) == 1 and kto.step(3 * T + 1, T) == 3 * T
     assert engine.plan_rows(torch.empty(R * T, H), V, "float32", SMALL).rows < 2 * T
     assert engine.plan_rows(torch.empty(R * T, H), V, "float32", BIG).rows >= 2 * T
+
+
+def test_the_default_budget_grows_a_block_to_one_pair():
+    """A pair whose tile exceeds the default budget: the block grows to hold it (one pass), a
+    given budget is kept (a first pass); a reference head then runs its own pass first."""
+    Tl, Vl = 600, 30000
+    h = torch.empty(2, Tl, 4)
+    W = torch.empty(Vl, 4)
+    labels = torch.zeros(2, Tl, dtype=torch.long)
+
+    def plan(**kw):
+        call, _ = api.arguments(h, W, labels, **kw)
+        cfg = head.config(call)
+        hd = head.PreferenceHead(
+            call, cfg, head.Layout(cfg, None, 2, Tl, "cpu"), labels, torch.float32
+        )
+        return op.plan_blocks(hd, call, Vl, op.whole_vocab("eager", 1.0, -100)), hd
+
+    (p, beside), hd = plan()
+    assert p.rows == 2 * Tl and not hd.needs_first_pass(p.rows) and not beside
+    (p, _), hd = plan(max_chunk_bytes=64 << 20)
+    assert hd.needs_first_pass(p.rows)
+    (p, beside), hd = plan(ref_hidden=h, ref_weight=W)
+    assert p.rows == 2 * Tl and not beside
+    (p, _), hd = plan(loss_type="aot")  # a batch statistic: a first pass anyway
+    assert hd.needs_first_pass(p.rows) and p.rows < 2 * Tl
 
 
 @pytest.mark.parametrize(

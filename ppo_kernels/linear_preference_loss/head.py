@@ -195,9 +195,13 @@ class PreferenceHead(HeadTerm):
     def passes(self, rows: int, T: int) -> int:
         return 2 if self.needs_first_pass(rows) else 1
 
+    @property
+    def batch_scope(self) -> bool:
+        """Whether a coefficient needs every pair of the batch (the sorted types)."""
+        return self.paired and prm.stat_scope(self.pcfg) == "batch"
+
     def needs_first_pass(self, rows: int) -> bool:
-        scope = prm.stat_scope(self.pcfg) if self.paired else "pair"
-        return scope == "batch" or (self.group > rows and self.R > 0)
+        return self.batch_scope or (self.group > rows and self.R > 0)
 
     @property
     def R(self) -> int:
@@ -218,10 +222,9 @@ class PreferenceHead(HeadTerm):
         n = r1 - r0
         w0, w1 = r0 // T, r1 // T
         lp = blk.lp[:n].view(-1, T)
-        ref = None
-        if blk.kl is not None:  # the reference tile's token log-probs
+        if blk.kl is not None:  # the reference tile's token log-probs (else its pass gave them)
             self.ref_tok[r0:r1] = blk.kl[0][:n]
-            ref = self.ref_tok[r0:r1].view(-1, T)
+        ref = None if self.ref_tok is None else self.ref_tok[r0:r1].view(-1, T)
         coef = self._rows(w0, w1, lp, ref)
         return pad(coef.reshape(-1)), None, None
 

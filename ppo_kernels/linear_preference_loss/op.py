@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_labels_in_range
 from ..fused_linear import engine
-from ..fused_linear.planner import _acc
+from ..fused_linear.planner import Plan, _acc
 from ..token_logprobs import op as tl_op
 from . import head as pref_head
 
@@ -114,6 +114,43 @@ def check_pairs(pairs: Tensor, R: int):
         raise ValueError("pairs: every row must be in exactly one pair (chosen or rejected)")
 
 
+# The default budget grows a block to one pair (2T rows, the chunk Liger's losses materialise)
+# when its rows hold less, up to this many bytes of logits tile: a pair longer than a block costs
+# a first pass, one more GEMM per block. A given max_chunk_bytes is kept.
+PAIR_BLOCK_MAX_BYTES = {"cpu": 4 << 30, "cuda": 16 << 30}
+
+
+def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool]:
+    """(the row plan, whether a reference head's tile sits beside the policy tile). The
+    reference tile goes beside the policy tile (WholeVocab's `ref`: both tiles within the
+    budget) when the blocks then still hold whole pairs; otherwise the reference head runs a
+    pass of its own first (the same GEMMs, one tile at a time) and the policy's blocks get the
+    whole budget. vocab.rows (a shard's reduction: the rows common to every rank) fixes the rows
+    and vocab.ref_beside the choice."""
+    hidden, ldt, budget = a.hidden, a.logits_dtype, a.max_chunk_bytes
+    full = a.ref_hidden is not None
+    if vocab.rows is not None:
+        p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
+        return dataclasses.replace(p, rows=vocab.rows), full and getattr(vocab, "ref_beside", False)
+    if full:
+        p = engine.plan_rows(hidden, V, ldt, budget, 2, vocab.fused)
+        if not head.needs_first_pass(p.rows):
+            return p, True
+    p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
+    return grown(p, head, hidden, V, budget), False
+
+
+def grown(p: Plan, head, hidden: Tensor, V: int, budget: int) -> Plan:
+    """The default budget's plan grown to hold one pair (PAIR_BLOCK_MAX_BYTES), or p."""
+    if budget or _backend.invariant() or head.batch_scope or head.group <= p.rows:
+        return p
+    elem = hidden.dtype.itemsize if p.input_tiles else 4
+    cap = PAIR_BLOCK_MAX_BYTES.get(hidden.device.type, PAIR_BLOCK_MAX_BYTES["cuda"])
+    if head.group * V * elem > cap:
+        return p
+    return dataclasses.replace(p, rows=min(head.group, hidden.shape[0]))
+
+
 def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor, ...]:
     """linear_preference_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as
     the schema names them (Call). vocab: how a tile is reduced (default whole_vocab; the
@@ -142,12 +179,8 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     layout = pref_head.Layout(cfg, a.pairs, R, T, dev)
     head = pref_head.PreferenceHead(a, cfg, layout, labels, acc)
     V = a.weight.shape[0]
-    ldt, budget = a.logits_dtype, a.max_chunk_bytes
     full = a.ref_hidden is not None
-    share = 2 if full else 1  # the reference tile beside the policy tile
-    plan = engine.plan_rows(hidden, V, ldt, budget, share, vocab.fused)
-    if vocab.rows is not None:
-        plan = dataclasses.replace(plan, rows=vocab.rows)
+    plan, beside = plan_blocks(head, a, V, vocab)
     two_pass = head.needs_first_pass(plan.rows)
     flat = labels.reshape(-1)
     order = layout.order
@@ -162,10 +195,10 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     ref = ref_plan = None
     if full:
         rhead = (a.ref_hidden, a.ref_weight, a.ref_bias)
-        ref_plan = engine.plan_rows(a.ref_hidden, V, ldt, budget, share)
+        ref_plan = engine.plan_rows(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes)
         ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
         head.ref_tok = torch.empty(N, dtype=acc, device=dev)  # (walk order)
-        if two_pass:  # the reference's token log-probs first: the first pass needs them
+        if not beside:  # the reference head's pass first (the first pass, if any, needs it)
             engine.run(
                 engine.StoreStats(False),
                 vocab,
