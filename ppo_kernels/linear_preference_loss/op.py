@@ -181,7 +181,6 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     V = a.weight.shape[0]
     full = a.ref_hidden is not None
     plan, beside = plan_blocks(head, a, V, vocab)
-    two_pass = head.needs_first_pass(plan.rows)
     flat = labels.reshape(-1)
     order = layout.order
     token_stats = _backend.new_output((3, R, T), acc, dev)
