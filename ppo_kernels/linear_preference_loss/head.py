@@ -96,6 +96,16 @@ ROW_STATS = ("logps", "ref_logps", "rewards")
 TOKEN_STATS = ("logprobs", "entropy", "ref_logprobs")
 
 
+def unit_rows(cfg: PreferenceLossConfig, T: int) -> int:
+    """The tokens a block must hold whole for one pass: a pair (2T), or a row (T) unpaired."""
+    return T if cfg.unpaired else 2 * T
+
+
+def is_batch_scope(cfg: PreferenceLossConfig) -> bool:
+    """Whether a coefficient needs every pair of the batch (the sorted types): a first pass."""
+    return not cfg.unpaired and prm.stat_scope(cfg.paired_config()) == "batch"
+
+
 def _padded_rows(n: int) -> int:
     """n, or in batch-invariant mode n rounded up to a multiple of INVARIANT_ROW_MULTIPLE (no
     elementwise op over rows then ends in a vectorised loop's scalar remainder)."""
@@ -186,7 +196,8 @@ class PreferenceHead(HeadTerm):
         self.chosen_sum = torch.zeros(R, dtype=acc, device=dev)  # plain masked sums (sft)
         self.ref_tok = None  # [N] the reference head's token log-probs (walk order; op.run)
         self.coef_all = None  # every token's dL/dlogprob, after a first pass
-        self.group = 2 * T if self.paired else T  # tokens per unit a coefficient needs whole
+        self.group = unit_rows(cfg, T)  # tokens a block holds whole
+        self.batch_scope = is_batch_scope(cfg)
 
     # ------------------------------------------------------------------ the engine's interface
     def step(self, rows: int, T: int) -> int:
@@ -194,11 +205,6 @@ class PreferenceHead(HeadTerm):
 
     def passes(self, rows: int, T: int) -> int:
         return 2 if self.needs_first_pass(rows) else 1
-
-    @property
-    def batch_scope(self) -> bool:
-        """Whether a coefficient needs every pair of the batch (the sorted types)."""
-        return self.paired and prm.stat_scope(self.pcfg) == "batch"
 
     def needs_first_pass(self, rows: int) -> bool:
         return self.batch_scope or (self.group > rows and self.R > 0)

@@ -137,18 +137,19 @@ def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool]:
         if not head.needs_first_pass(p.rows):
             return p, True
     p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
-    return grown(p, head, hidden, V, budget), False
+    return grown(p, head.group, head.batch_scope, hidden, V, budget), False
 
 
-def grown(p: Plan, head, hidden: Tensor, V: int, budget: int) -> Plan:
-    """The default budget's plan grown to hold one pair (PAIR_BLOCK_MAX_BYTES), or p."""
-    if budget or _backend.invariant() or head.batch_scope or head.group <= p.rows:
+def grown(p: Plan, group: int, batch_scope: bool, hidden: Tensor, V: int, budget: int) -> Plan:
+    """The default budget's plan grown to hold one pair (`group` rows, head.unit_rows) within
+    PAIR_BLOCK_MAX_BYTES of tile, or p (a given budget, batch-invariant mode, a sorted type)."""
+    if budget or _backend.invariant() or batch_scope or group <= p.rows:
         return p
     elem = hidden.dtype.itemsize if p.input_tiles else 4
     cap = PAIR_BLOCK_MAX_BYTES.get(hidden.device.type, PAIR_BLOCK_MAX_BYTES["cuda"])
-    if head.group * V * elem > cap:
+    if group * V * elem > cap:
         return p
-    return dataclasses.replace(p, rows=min(head.group, hidden.shape[0]))
+    return dataclasses.replace(p, rows=min(group, hidden.shape[0]))
 
 
 def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor, ...]:
