@@ -235,10 +235,10 @@ def test_report_and_revert(liger):
     rep = pki.apply("liger")
     try:
         assert rep["active"] and rep["version"].startswith("0.8.")
-        assert set(rep["functions"]) == {
+        assert {
             f"{grpo.__name__}.LigerFusedLinearGRPOFunction",
             f"{functional.__name__}.liger_fused_linear_grpo",
-        }
+        } <= set(rep["functions"])  # (the other losses' targets: their own test files)
         assert functional.LigerFusedLinearGRPOFunction is grpo.LigerFusedLinearGRPOFunction
         assert grpo.LigerFusedLinearGRPOFunction is not original
         assert "liger" in pki.format_report("liger")

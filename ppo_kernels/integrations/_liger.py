@@ -14,6 +14,7 @@ import ppo_kernels as pk
 
 from ._args import NO_IGNORE, need, tensor
 from ._grpo import AGG, loss_kwargs, real
+from ._liger_preference import TARGETS as PREFERENCE_TARGETS
 from ._patch import Noted, Peer, Target
 
 GRPO = "liger_kernel.chunked_loss.grpo_loss"
@@ -224,5 +225,6 @@ PEER = Peer(
     [
         Target(GRPO, "LigerFusedLinearGRPOFunction", grpo_apply),
         Target(FUNCTIONAL, "liger_fused_linear_grpo", grpo_apply),
+        *PREFERENCE_TARGETS,  # DPO, ORPO, SimPO, CPO, KTO (_liger_preference.py)
     ],
 )
