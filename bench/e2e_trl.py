@@ -66,7 +66,7 @@ def tokenizer(vocab: int):
 
 def tiny_llama(vocab: int, seed: int = 0, **config):
     """A tiny random-init LlamaForCausalLM (float32, hidden 32, 2 layers); `config`: more
-    LlamaConfig fields (token ids). Also the model of tests/test_integrations_callers.py."""
+    LlamaConfig fields (token ids). Also the model of tests/integrations/test_callers.py."""
     import transformers
 
     cfg = transformers.LlamaConfig(

@@ -36,7 +36,7 @@ inline void check_distill_arg(const at::Tensor& t, const char* name, const at::D
         st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble, name,
         ": expected a float dtype (float32, bfloat16, float16, float64), got ", st);
   }
-  TORCH_CHECK_VALUE(t.device() == device, name, ": expected device ", device, ", got ", t.device());
+  check_device(t, name, device, "student");
 }
 
 inline DistillCall prepare_distill(const at::Tensor& student, const at::Tensor& teacher,
@@ -47,9 +47,10 @@ inline DistillCall prepare_distill(const at::Tensor& student, const at::Tensor& 
   check_distill_arg(student, "student", student.device(), true);
   check_distill_arg(teacher, "teacher", student.device(), true);
   TORCH_CHECK_VALUE(student.dim() == 2, "student: expected a [N, V] tile, got shape ",
-                    student.sizes());
-  TORCH_CHECK_VALUE(teacher.sizes() == student.sizes(), "teacher: expected shape ", student.sizes(),
-                    " (like student), got ", teacher.sizes());
+                    shape_str(student.sizes()));
+  TORCH_CHECK_VALUE(teacher.sizes() == student.sizes(), "teacher: expected shape ",
+                    shape_str(student.sizes()), " (like student), got ",
+                    shape_str(teacher.sizes()));
   TORCH_CHECK_TYPE(teacher.scalar_type() == student.scalar_type(), "teacher: expected dtype ",
                    student.scalar_type(), " (like student), got ", teacher.scalar_type());
   const int64_t N = student.size(0), V = student.size(1);
@@ -73,14 +74,14 @@ inline DistillCall prepare_distill(const at::Tensor& student, const at::Tensor& 
     TORCH_CHECK_TYPE(l.scalar_type() == at::kLong || l.scalar_type() == at::kInt,
                      "labels: expected dtype int64 or int32, got ", l.scalar_type());
     TORCH_CHECK_VALUE(l.numel() == N, "labels: expected ", N,
-                      " elements (student.shape[0]), got shape ", l.sizes());
+                      " elements (student.shape[0]), got shape ", shape_str(l.sizes()));
     labels = labels_in->to(at::kLong).contiguous();
     if (labels.is_cpu()) check_labels_on_host(labels, V, ignore_index);
   }
   if (mask_in.has_value() && mask_in->defined()) {
     check_distill_arg(*mask_in, "mask", student.device(), false);
     TORCH_CHECK_VALUE(mask_in->numel() == N, "mask: expected ", N,
-                      " elements (student.shape[0]), got shape ", mask_in->sizes());
+                      " elements (student.shape[0]), got shape ", shape_str(mask_in->sizes()));
     mask = mask_in->to(at::kBool).contiguous();
   }
   return {student,
@@ -100,7 +101,7 @@ inline DistillCall prepare_distill(const at::Tensor& student, const at::Tensor& 
 inline at::Tensor distill_row_arg(const at::Tensor& t, const char* name, const DistillCall& c) {
   check_distill_arg(t, name, c.s.device(), true);
   TORCH_CHECK_VALUE(t.numel() == c.N, name, ": expected ", c.N,
-                    " elements (student.shape[0]), got shape ", t.sizes());
+                    " elements (student.shape[0]), got shape ", shape_str(t.sizes()));
   return t.to(at::kFloat).contiguous();
 }
 

@@ -182,6 +182,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                                                    const at::Tensor& ref_in,
                                                    const std::optional<at::Tensor>& mask_in,
                                                    double inv_temperature) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits_in, "logits");
+  check_arg(ref_in, "ref_logits", on);
+  if (mask_in.has_value() && mask_in->defined()) check_arg(*mask_in, "mask", on);
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(ref_in), "logits and ref_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits_in);
@@ -208,6 +212,17 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
          const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in, const at::Tensor& lz_in,
          const at::Tensor& lw_in, double inv_temperature, at::Tensor grad_logits,
          std::optional<at::Tensor> grad_ref) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits_in, "logits");
+  for (const auto& [t, name] : {std::pair{&grad_in, "grad"},
+                                {&ref_in, "ref_logits"},
+                                {&kl_in, "kl"},
+                                {&lz_in, "lse_z"},
+                                {&lw_in, "lse_w"},
+                                {&grad_logits, "grad_logits"}})
+    check_arg(*t, name, on);
+  if (mask_in.has_value() && mask_in->defined()) check_arg(*mask_in, "mask", on);
+  if (grad_ref.has_value() && grad_ref->defined()) check_arg(*grad_ref, "grad_ref_logits", on);
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(ref_in), "logits and ref_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits_in);

@@ -67,7 +67,7 @@ void check_forward(const Tensor& hidden, const Tensor& weight, const Tensor& lab
                    dtype_name(weight.scalar_type()));
   expect_device(weight, "weight", hidden, "hidden");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H,
-                    ") (H = hidden.shape[-1]), got ", weight.sizes());
+                    ") (H = hidden.shape[-1]), got ", shape_str(weight.sizes()));
   const int64_t V = weight.size(0);
   expect_index(labels, "labels");
   expect_device(labels, "labels", hidden, "hidden");
@@ -210,6 +210,10 @@ Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const 
   expect_dtype(lse, "lse", acc, "the forward's lse");
   expect_device(lse, "lse", hidden, "hidden");
   expect_shape(lse, "lse", rows, "hidden.shape[:-1]");
+  // on hidden's device even where not read (no entropy gradient: empty tensors)
+  if (entropy.defined()) expect_device(entropy, "entropy", hidden, "hidden");
+  if (grad_entropy && grad_entropy->defined())
+    expect_device(*grad_entropy, "grad_entropy", hidden, "hidden");
   if (grad_entropy && grad_entropy->defined() && grad_entropy->numel() > 0) {
     expect_float(*grad_entropy, "grad_entropy");
     expect_device(*grad_entropy, "grad_entropy", hidden, "hidden");

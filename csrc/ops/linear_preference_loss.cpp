@@ -153,7 +153,7 @@ void check(const Stack& a, const Args& i) {
   expect_dtype(weight, "weight", hidden.scalar_type(), "like hidden");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
                     "weight: expected shape (V, ", hidden.size(1), ") (H = hidden.shape[-1]), got ",
-                    weight.sizes());
+                    shape_str(weight.sizes()));
   const int64_t V = weight.size(0);
   if (auto bias = opt_tensor(a[i.bias])) {
     expect_float(*bias, "bias");
@@ -166,7 +166,7 @@ void check(const Stack& a, const Args& i) {
   expect_device(labels, "labels", hidden, "hidden");
   expect_dim(labels, "labels", 2);
   TORCH_CHECK_VALUE(labels.numel() == hidden.size(0), "labels: expected ", hidden.size(0),
-                    " tokens (hidden.shape[0] = R * T), got shape ", labels.sizes());
+                    " tokens (hidden.shape[0] = R * T), got shape ", shape_str(labels.sizes()));
   TORCH_CHECK_VALUE(V > 0 || labels.numel() == 0,
                     "weight: the vocabulary dimension (first) is empty");
   const int64_t R = labels.size(0);
@@ -229,12 +229,13 @@ void check(const Stack& a, const Args& i) {
     expect_device(*ref_h, "ref_hidden", hidden, "hidden");
     expect_dim(*ref_h, "ref_hidden", 2);
     TORCH_CHECK_VALUE(ref_h->size(0) == hidden.size(0), "ref_hidden: expected ", hidden.size(0),
-                      " rows (like hidden), got shape ", ref_h->sizes());
+                      " rows (like hidden), got shape ", shape_str(ref_h->sizes()));
     expect_dtype(*ref_w, "ref_weight", ref_h->scalar_type(), "like ref_hidden");
     expect_device(*ref_w, "ref_weight", hidden, "hidden");
     TORCH_CHECK_VALUE(ref_w->dim() == 2 && ref_w->size(0) == V && ref_w->size(1) == ref_h->size(1),
                       "ref_weight: expected shape (", V, ", ", ref_h->size(1),
-                      ") (weight's vocabulary, ref_hidden's width), got ", ref_w->sizes());
+                      ") (weight's vocabulary, ref_hidden's width), got ",
+                      shape_str(ref_w->sizes()));
     if (auto rb = opt_tensor(a[i.ref_bias])) {
       expect_dtype(*rb, "ref_bias", ref_h->scalar_type(), "like ref_hidden");
       expect_device(*rb, "ref_bias", hidden, "hidden");
@@ -247,7 +248,7 @@ void check(const Stack& a, const Args& i) {
     expect_float(*kl, "reference_point");
     expect_device(*kl, "reference_point", hidden, "hidden");
     TORCH_CHECK_VALUE(kl->numel() == 1, "reference_point: expected a single value, got shape ",
-                      kl->sizes());
+                      shape_str(kl->sizes()));
   }
   expect_positive("beta", a[i.beta].toDouble());
   expect_finite("label_smoothing", a[i.label_smoothing].toDouble());

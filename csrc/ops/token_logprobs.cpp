@@ -74,6 +74,10 @@ OptTensor check_backward(const Tensor& grad_logprobs, const OptTensor& grad_entr
   check_forward(logits, labels, temperature, ignore_index);
   check_row(grad_logprobs, "grad_logprobs", logits, false);
   check_row(lse, "lse", logits, true);
+  // on logits' device even where not read (no entropy gradient: empty tensors)
+  if (entropy.defined()) expect_device(entropy, "entropy", logits, "logits");
+  if (grad_entropy && grad_entropy->defined())
+    expect_device(*grad_entropy, "grad_entropy", logits, "logits");
   if (!grad_entropy || !grad_entropy->defined() || grad_entropy->numel() == 0) return std::nullopt;
   check_row(*grad_entropy, "grad_entropy", logits, false);
   check_row(entropy, "entropy", logits, true);

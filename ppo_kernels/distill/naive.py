@@ -36,11 +36,9 @@ import math
 
 import torch
 
+from .._math import acc_dtype
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check(divergence, beta):
@@ -67,7 +65,7 @@ def _xlogy(p, a):
 
 def forward(student, teacher, labels, mask, inv_temperature, divergence, beta, ignore_index):
     _check(divergence, beta)
-    acc = _acc(student.dtype)
+    acc = acc_dtype(student.dtype)
     lp, lse_s = _logprobs(student, inv_temperature, acc)
     lq, lse_t = _logprobs(teacher, inv_temperature, acc)
     p, q = lp.exp(), lq.exp()
@@ -115,7 +113,7 @@ def grad_tile(
 ):  # fmt: skip
     """d L / d student [N, V] in the accumulation dtype (backward_ writes it into the tile)."""
     _check(divergence, beta)
-    acc = _acc(student.dtype)
+    acc = acc_dtype(student.dtype)
     zs = student.to(acc) * inv_temperature
     zt = teacher.to(acc) * inv_temperature
     lp = zs - lse_s.to(acc).unsqueeze(-1)

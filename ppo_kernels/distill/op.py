@@ -15,7 +15,7 @@ import math
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range, device_error
 from . import naive
 
 DIVERGENCES = naive.DIVERGENCES  # = csrc/common/distill_host.h distill_divergence_names()
@@ -47,7 +47,7 @@ def _tensor(name, t, device, floating):
             f"{name}: expected a float dtype (float32, bfloat16, float16, float64), got {t.dtype}"
         )
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+        raise device_error(name, t, device, "student")
 
 
 def _rows(name, t, N):
@@ -118,6 +118,9 @@ def _delegate(device_type):
 
 @forward.impl("cpp")
 def _(student, teacher, labels, mask, inv_temperature, divergence, beta, ignore_index):
+    # The C++ kernels are registered for the CPU only: a tensor on another device would send the
+    # call to a dispatch key without a kernel, so the devices are compared first (metadata only).
+    check_devices("student", student, teacher=teacher, labels=labels, mask=mask)
     if not _backend.has_compiled_kernel("distill_fwd", student.device.type):
         return forward.impls[_delegate(student.device.type)](
             student, teacher, labels, mask, inv_temperature, divergence, beta, ignore_index
@@ -164,6 +167,9 @@ def _(student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad, grad_ha
       inv_temperature, divergence, beta, ignore_index):  # fmt: skip
     args = (student, teacher, labels, mask, lse_s, lse_t, aux, lse_hard, grad, grad_hard,
             inv_temperature, divergence, beta, ignore_index)  # fmt: skip
+    check_devices("student", student, teacher=teacher, labels=labels, mask=mask,
+                  lse_student=lse_s, lse_teacher=lse_t, aux=aux, lse_hard=lse_hard, grad=grad,
+                  grad_hard=grad_hard)  # fmt: skip
     if not _backend.has_compiled_kernel("distill_bwd_", student.device.type):
         return backward_.impls[_delegate(student.device.type)](*args)
     _backend.cpp_ops().distill_bwd_(*args)

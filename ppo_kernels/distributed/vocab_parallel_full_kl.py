@@ -13,9 +13,11 @@ from .. import _backend
 from .._checks import (
     FLOAT_DTYPES,
     check_arg,
+    check_devices,
     check_temperature,
     check_tensor,
 )
+from .._math import acc_dtype
 from ._comm import all_gather as _all_gather
 from ._comm import require_initialized
 
@@ -50,12 +52,14 @@ def _full_kl_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(kl, lse_z, lse_w) with logits.shape[:-1] from every rank's per-slice (kl_r, lse_z_r,
     lse_w_r), gathered [world, 3 * N]; the logits slices are read only by the backward."""
-    rows, dev, acc = logits.shape[:-1], logits.device, _backend.out_dtype(logits)
+    rows, dev, acc = logits.shape[:-1], logits.device, acc_dtype(logits.dtype)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("ref_logits", ref_logits, dev, dtypes=(logits.dtype,), shape=logits.shape)
-    check_arg("mask", mask, dev, dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg(
+        "ref_logits", ref_logits, dev, like="logits", dtypes=(logits.dtype,), shape=logits.shape
+    )
+    check_arg("mask", mask, dev, like="logits", dtypes=(torch.bool,), shape=rows, allow_none=True)
+    check_arg("gathered", gathered, dev, like="logits")
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
-    check_arg("gathered", gathered, dev)
     if gathered.shape[1] != 3 * rows.numel():
         raise ValueError(f"gathered: expected {3 * rows.numel()} columns per rank")
     check_temperature(temperature)
@@ -68,7 +72,8 @@ def _full_kl_op(
 
 @_full_kl_op.register_fake
 def _(logits, ref_logits, gathered, mask, temperature):
-    rows, o = logits.shape[:-1], _backend.out_dtype(logits)
+    check_devices("logits", logits, ref_logits=ref_logits, gathered=gathered, mask=mask)
+    rows, o = logits.shape[:-1], acc_dtype(logits.dtype)
     return tuple(logits.new_empty(rows, dtype=o) for _ in range(3))
 
 
@@ -101,7 +106,7 @@ def vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     """The body of full_kl(..., process_group=...): both logits this rank's vocabulary slice."""
     require_initialized()
     temperature = float(temperature)
-    acc = _backend.out_dtype(logits)
+    acc = acc_dtype(logits.dtype)
     if logits.shape[-1] == 0:  # an empty slice: no mass, no cross term
         lz_r = torch.full(logits.shape[:-1], float("-inf"), dtype=acc, device=logits.device)
         kl_r, lw_r = torch.zeros_like(lz_r), lz_r.clone()

@@ -14,17 +14,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _backend
 from .._checks import (
+    check_devices,
     check_int,
 )
+from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args
-from ..fused_linear.planner import _acc, plan_call
+from ..fused_linear.planner import plan_call
 from ..fused_linear.tiler import Tiler
 from ..fused_linear.vocab_chunks import VocabChunks, chunk_states
 from ._comm import all_reduce_
 from .vocab_layout import (
+    check_layout_device,
     gather_settled,
     layout_ints,
     resolve_vocab_start,
@@ -61,7 +63,7 @@ def _linear_states_op(
     check_int("vocab_start", vocab_start, min_value=0)
     N, H = hidden.shape
     Vr = weight.shape[0]
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     inv_t = 1.0 / temperature
     local = empty_states(labels, vocab_start, Vr, ignore_index, acc)
     if N and Vr:
@@ -88,7 +90,8 @@ def _linear_states_op(
 
 @_linear_states_op.register_fake
 def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
-    return hidden.new_empty((ROWS, hidden.shape[0]), dtype=_acc(hidden.dtype))
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
+    return hidden.new_empty((ROWS, hidden.shape[0]), dtype=acc_dtype(hidden.dtype))
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_linear_token_logprobs", mutates_args=())
@@ -112,13 +115,16 @@ def _linear_op(
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    check_finish_args(labels, gathered, rank, labels.shape, hidden.device, _acc(hidden.dtype))
+    check_finish_args(
+        labels, gathered, rank, labels.shape, hidden.device, acc_dtype(hidden.dtype), "hidden"
+    )
     return finish(gathered, labels, rank, ignore_index, with_entropy, weight.shape[0])
 
 
 @_linear_op.register_fake
 def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, *rest):
-    acc, N = _acc(hidden.dtype), hidden.shape[0]
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias, gathered=gathered)
+    acc, N = acc_dtype(hidden.dtype), hidden.shape[0]
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
     out = [hidden.new_empty((N,), dtype=acc) for _ in range(2)]
     return out[0], ent, out[1], torch.empty(2, dtype=torch.int64)
@@ -150,8 +156,8 @@ def _linear_backward_op(
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    dev, acc = hidden.device, _acc(hidden.dtype)
-    check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc)
+    dev, acc = hidden.device, acc_dtype(hidden.dtype)
+    check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc, "hidden")
     vocab_start, V = layout_ints(layout)
     N, H = hidden.shape
     Vr = weight.shape[0]
@@ -172,7 +178,19 @@ def _linear_backward_op(
 
 @_linear_backward_op.register_fake
 def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb):
-    acc = _acc(hidden.dtype)
+    check_layout_device(layout)
+    check_devices(
+        "hidden",
+        hidden,
+        grad_logprobs=glp,
+        grad_entropy=gent,
+        weight=weight,
+        labels=labels,
+        bias=bias,
+        lse=lse,
+        entropy=ent,
+    )
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     Vr = weight.shape[0]
     gh = hidden.new_empty((N, H) if nh else (0,), dtype=acc)
@@ -260,5 +278,5 @@ def vocab_parallel_linear_token_logprobs(
         logits_dtype,
         process_group.group_name if reduce_hidden_grad else None,
     )
-    out = _backend.out_dtype(hidden2d)
+    out = acc_dtype(hidden2d.dtype)
     return lp.to(out), ent.to(out)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_arg, check_labels_in_range
+from .._checks import FLOAT_DTYPES, check_arg, check_devices, check_labels_in_range
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args
 from ..fused_linear.vocab_chunks import tile_bwd_, tile_stats_
@@ -104,8 +104,12 @@ def _check(a):
     )  # fmt: skip
     dev = a.hidden.device
     for name in ("advantages", "old_logprobs", "ref_logprobs", "weights"):
-        check_arg(name, getattr(a, name), dev, dtypes=FLOAT_DTYPES, allow_none=True)
-    check_arg("mask", a.mask, dev)
+        check_arg(name, getattr(a, name), dev, like="hidden", dtypes=FLOAT_DTYPES, allow_none=True)
+    check_arg("mask", a.mask, dev, like="hidden")
+    check_arg("global_denom", a.global_denom, dev, like="hidden", allow_none=True)
+    check_devices(
+        "hidden", dev, ref_hidden=a.ref_hidden, ref_weight=a.ref_weight, ref_bias=a.ref_bias
+    )
     if (a.ref_hidden is None) != (a.ref_weight is None):
         name = "ref_weight" if a.ref_hidden is None else "ref_hidden"
         raise ValueError(f"{name}: ref_hidden and ref_weight go together (the reference LM head)")
@@ -119,13 +123,17 @@ def _check(a):
             )
         rh = a.ref_hidden
         check_arg(
-            "ref_hidden", rh, dev, dtypes=FLOAT_DTYPES, shape=(a.hidden.shape[0], rh.shape[-1])
-        )
+            "ref_hidden", rh, dev, like="hidden", dtypes=FLOAT_DTYPES,
+            shape=(a.hidden.shape[0], rh.shape[-1]),
+        )  # fmt: skip
         shape = (a.weight.shape[0], rh.shape[1])
         what = "weight's slice of the vocabulary, ref_hidden's width"
-        check_arg("ref_weight", a.ref_weight, dev, dtypes=(rh.dtype,), shape=shape, what=what)
         check_arg(
-            "ref_bias", a.ref_bias, dev, dtypes=(rh.dtype,), shape=shape[:1],
+            "ref_weight", a.ref_weight, dev, like="hidden", dtypes=(rh.dtype,), shape=shape,
+            what=what,
+        )  # fmt: skip
+        check_arg(
+            "ref_bias", a.ref_bias, dev, like="hidden", dtypes=(rh.dtype,), shape=shape[:1],
             what="weight.shape[0]", allow_none=True,
         )  # fmt: skip
 

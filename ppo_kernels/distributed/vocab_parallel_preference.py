@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_arg, check_labels_in_range
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_arg,
+    check_devices,
+    check_labels_in_range,
+)
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args
 from ..fused_linear.vocab_chunks import tile_stats_
@@ -85,12 +91,23 @@ def _check(a):
         a.max_chunk_bytes, a.logits_dtype, vocab_slice=True,
     )  # fmt: skip
     dev = a.hidden.device
-    check_arg("mask", a.mask, dev, shape=(R, T), what="like labels", allow_none=True)
-    check_arg("ref_logps", a.ref_logps, dev, dtypes=FLOAT_DTYPES, shape=(R,), allow_none=True,
+    check_arg("mask", a.mask, dev, like="hidden", shape=(R, T), what="like labels", allow_none=True)
+    check_arg("ref_logps", a.ref_logps, dev, like="hidden", dtypes=FLOAT_DTYPES, shape=(R,), allow_none=True,
               what="one per row")  # fmt: skip
-    check_arg("pairs", a.pairs, dev, dtypes=INDEX_DTYPES, shape=(R // 2, 2), allow_none=True,
+    check_arg("pairs", a.pairs, dev, like="hidden", dtypes=INDEX_DTYPES, shape=(R // 2, 2), allow_none=True,
               what="(rows / 2, 2)")  # fmt: skip
-    check_arg("desirable", a.desirable, dev, shape=(R,), allow_none=True, what="one per row")
+    check_arg(
+        "desirable",
+        a.desirable,
+        dev,
+        like="hidden",
+        shape=(R,),
+        allow_none=True,
+        what="one per row",
+    )
+    check_devices(
+        "hidden", dev, ref_hidden=a.ref_hidden, ref_weight=a.ref_weight, ref_bias=a.ref_bias
+    )
     if (a.ref_hidden is None) != (a.ref_weight is None):
         name = "ref_weight" if a.ref_hidden is None else "ref_hidden"
         raise ValueError(f"{name}: ref_hidden and ref_weight go together (the reference LM head)")
@@ -104,13 +121,26 @@ def _check(a):
             )
         rh = a.ref_hidden
         check_arg(
-            "ref_hidden", rh, dev, dtypes=FLOAT_DTYPES, shape=(a.hidden.shape[0], rh.shape[-1])
+            "ref_hidden",
+            rh,
+            dev,
+            like="hidden",
+            dtypes=FLOAT_DTYPES,
+            shape=(a.hidden.shape[0], rh.shape[-1]),
         )
         shape = (a.weight.shape[0], rh.shape[1])
         what = "weight's slice of the vocabulary, ref_hidden's width"
-        check_arg("ref_weight", a.ref_weight, dev, dtypes=(rh.dtype,), shape=shape, what=what)
         check_arg(
-            "ref_bias", a.ref_bias, dev, dtypes=(rh.dtype,), shape=shape[:1],
+            "ref_weight",
+            a.ref_weight,
+            dev,
+            like="hidden",
+            dtypes=(rh.dtype,),
+            shape=shape,
+            what=what,
+        )
+        check_arg(
+            "ref_bias", a.ref_bias, dev, like="hidden", dtypes=(rh.dtype,), shape=shape[:1],
             what="weight.shape[0]", allow_none=True,
         )  # fmt: skip
 

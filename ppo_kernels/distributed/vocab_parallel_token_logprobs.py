@@ -45,13 +45,15 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_arg,
+    check_devices,
     check_int,
     check_temperature,
     check_tensor,
 )
-from ..fused_linear.planner import _acc
+from .._math import acc_dtype
 from ..fused_linear.vocab_chunks import tile_bwd_
 from .vocab_layout import (
+    check_layout_device,
     gather_settled,
     layout_ints,
     resolve_vocab_start,
@@ -77,7 +79,9 @@ def _states_op(
 ) -> Tensor:
     """[ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows)."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES, shape=logits.shape[:-1])
+    check_arg(
+        "labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES, shape=logits.shape[:-1]
+    )
     check_int("vocab_start", vocab_start, min_value=0)
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
@@ -87,7 +91,8 @@ def _states_op(
 
 @_states_op.register_fake
 def _(logits, labels, vocab_start, temperature, ignore_index):
-    return logits.new_empty((ROWS, labels.numel()), dtype=_acc(logits.dtype))
+    check_devices("logits", logits, labels=labels)
+    return logits.new_empty((ROWS, labels.numel()), dtype=acc_dtype(logits.dtype))
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_token_logprobs", mutates_args=())
@@ -103,8 +108,8 @@ def _token_logprobs_op(
     """(logprobs, entropy or an empty tensor, lse, layout) of labels [...] from the states of
     every rank, gathered [world, HEADER + ROWS * N]; logits [..., V_rank] (this rank's slice)
     is read only by the backward."""
-    acc = _acc(logits.dtype)
-    check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc)
+    acc = acc_dtype(logits.dtype)
+    check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc, "logits")
     check_temperature(temperature)
     lp, ent, lse, layout = finish(
         gathered, labels.reshape(-1), rank, ignore_index, with_entropy, logits.shape[-1]
@@ -115,7 +120,8 @@ def _token_logprobs_op(
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
-    acc, shape = _acc(logits.dtype), labels.shape
+    check_devices("logits", logits, labels=labels, gathered=gathered)
+    acc, shape = acc_dtype(logits.dtype), labels.shape
     ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
     out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
     return out[0], ent, out[1], torch.empty(2, dtype=torch.int64)
@@ -135,10 +141,18 @@ def _token_logprobs_backward_op(
 ) -> Tensor:
     """This rank's slice of the unsharded gradient: d(sum(g_lp * lp + g_ent * ent)) / d logits,
     elementwise given the merged lse and entropy (no collective)."""
-    acc, dev, rows = _acc(logits.dtype), logits.device, logits.shape[:-1]
+    acc, dev, rows = acc_dtype(logits.dtype), logits.device, logits.shape[:-1]
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="logits.shape[:-1]")
-    check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc)
+    check_arg(
+        "labels",
+        labels,
+        dev,
+        like="logits",
+        dtypes=INDEX_DTYPES,
+        shape=rows,
+        what="logits.shape[:-1]",
+    )
+    check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, "logits")
     vocab_start, V = layout_ints(layout)
     inv_t = 1.0 / check_temperature(temperature)
     x = logits.reshape(labels.numel(), logits.shape[-1])
@@ -173,6 +187,16 @@ def _token_logprobs_backward_op(
 
 @_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore):
+    check_layout_device(layout)
+    check_devices(
+        "logits",
+        logits,
+        grad_logprobs=grad_logprobs,
+        grad_entropy=grad_entropy,
+        labels=labels,
+        lse=lse,
+        entropy=entropy,
+    )
     return logits.new_empty(logits.shape)
 
 

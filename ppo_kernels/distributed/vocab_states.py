@@ -16,10 +16,11 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_arg,
+    check_devices,
     check_int,
     check_tensor,
 )
-from ..fused_linear.planner import _acc
+from .._math import acc_dtype
 from ..fused_linear.vocab_chunks import tile_stats_
 from ..linear_logprobs import naive as lin_ref
 from .vocab_layout import (
@@ -43,7 +44,7 @@ def local_states(
     of z = logits * inv_t over the slice, the label's z where this slice owns the label (NaN
     elsewhere), and 1.0 where it owns it. Ignored rows keep the empty state."""
     N, V = logits.shape
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     st = empty_states(labels, vocab_start, V, ignore_index, acc)
     if V == 0 or N == 0:
         return st
@@ -131,11 +132,12 @@ def merge_rows(st: Tensor, labels: Tensor, V: int, ignore_index: int):
     return lin_ref.finalize(merged, zl, labels, V, ignore_index)
 
 
-def check_finish_args(labels, gathered, rank, rows, dev, acc):
-    """The arguments every vocab-parallel op shares (metadata only)."""
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
+def check_finish_args(labels, gathered, rank, rows, dev, acc, like):
+    """The arguments every vocab-parallel op shares (metadata only); dev: the op's device, that
+    of its argument `like`."""
+    check_arg("labels", labels, dev, like=like, dtypes=INDEX_DTYPES, shape=rows, what="the rows")
+    check_arg("gathered", gathered, dev, like=like)
     check_tensor("gathered", gathered, dtypes=(acc,), dim=2)
-    check_arg("gathered", gathered, dev)
     n = HEADER + ROWS * labels.numel()
     if gathered.shape[1] != n:
         raise ValueError(f"gathered: expected {n} columns per rank, got {gathered.shape[1]}")
@@ -144,9 +146,20 @@ def check_finish_args(labels, gathered, rank, rows, dev, acc):
         raise ValueError(f"rank: {rank} is not below the world size {gathered.shape[0]}")
 
 
-def check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc):
-    check_arg("grad_logprobs", grad_logprobs, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
-    check_arg("lse", lse, dev, dtypes=(acc,), shape=rows, what="the rows")
+def check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, like):
+    check_devices(like, dev, grad_entropy=grad_entropy, entropy=entropy)
+    check_arg(
+        "grad_logprobs", grad_logprobs, dev, like=like, dtypes=FLOAT_DTYPES, shape=rows, what="rows"
+    )
+    check_arg("lse", lse, dev, like=like, dtypes=(acc,), shape=rows, what="the rows")
     if grad_entropy is not None and grad_entropy.numel():
-        check_arg("grad_entropy", grad_entropy, dev, dtypes=FLOAT_DTYPES, shape=rows, what="rows")
-        check_arg("entropy", entropy, dev, dtypes=(acc,), shape=rows, what="the rows")
+        check_arg(
+            "grad_entropy",
+            grad_entropy,
+            dev,
+            like=like,
+            dtypes=FLOAT_DTYPES,
+            shape=rows,
+            what="rows",
+        )
+        check_arg("entropy", entropy, dev, like=like, dtypes=(acc,), shape=rows, what="the rows")

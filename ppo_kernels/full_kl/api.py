@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor
+from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor, device_error
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _full_kl = _backend.op("full_kl")
@@ -81,11 +81,16 @@ def full_kl(
     # devices before dispatch: a meta tensor would pick the fake kernel (two CPU tensors: no
     # device objects to build)
     if not (logits.is_cpu and ref_logits.is_cpu) and ref_logits.device != logits.device:
-        raise ValueError(
-            f"ref_logits: expected device {logits.device} (like logits), got {ref_logits.device}"
-        )
+        raise device_error("ref_logits", ref_logits, logits.device, "logits")
     if mask is not None:
-        check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]")
+        check_arg(
+            "mask",
+            mask,
+            logits.device,
+            like="logits",
+            shape=logits.shape[:-1],
+            what="logits.shape[:-1]",
+        )
         if mask.dtype != torch.bool:
             mask = mask != 0
         mask = mask.contiguous()

@@ -9,12 +9,14 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_arg,
+    check_devices,
     check_int,
     check_labels_in_range,
     check_temperature,
     check_tensor,
 )
-from .planner import _acc, _check_logits_dtype
+from .._math import acc_dtype
+from .planner import _check_logits_dtype
 
 
 def check_args(
@@ -37,17 +39,26 @@ def check_args(
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, dim=2)
     N, H = hidden.shape
     dev = hidden.device
-    check_arg("weight", weight, dev, dtypes=(hidden.dtype,))
+    check_arg("weight", weight, dev, like="hidden", dtypes=(hidden.dtype,))
     if weight.dim() != 2 or weight.shape[1] != H:
         raise ValueError(
             f"weight: expected shape (V, {H}) (H = hidden.shape[-1]), got {tuple(weight.shape)}"
         )
     V = weight.shape[0]
-    check_arg("labels", labels, dev, dtypes=INDEX_DTYPES, shape=(N,), what="hidden.shape[:-1]")
+    check_arg(
+        "labels",
+        labels,
+        dev,
+        like="hidden",
+        dtypes=INDEX_DTYPES,
+        shape=(N,),
+        what="hidden.shape[:-1]",
+    )
     check_arg(
         "bias",
         bias,
         dev,
+        like="hidden",
         dtypes=(hidden.dtype,),
         shape=(V,),
         what="weight.shape[0]",
@@ -80,23 +91,28 @@ def check_backward_args(
     check_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
-    rows, dev, acc = labels.shape, hidden.device, (_acc(hidden.dtype),)
+    rows, dev, acc = labels.shape, hidden.device, (acc_dtype(hidden.dtype),)
+    check_devices("hidden", hidden, grad_entropy=grad_entropy, entropy=entropy)
     check_arg(
         "grad_logprobs",
         grad_logprobs,
         dev,
+        like="hidden",
         dtypes=FLOAT_DTYPES,
         shape=rows,
         what="hidden.shape[:-1]",
     )
-    check_arg("lse", lse, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
+    check_arg("lse", lse, dev, like="hidden", dtypes=acc, shape=rows, what="hidden.shape[:-1]")
     if grad_entropy is not None and grad_entropy.numel() > 0:
         check_arg(
             "grad_entropy",
             grad_entropy,
             dev,
+            like="hidden",
             dtypes=FLOAT_DTYPES,
             shape=rows,
             what="hidden.shape[:-1]",
         )
-        check_arg("entropy", entropy, dev, dtypes=acc, shape=rows, what="hidden.shape[:-1]")
+        check_arg(
+            "entropy", entropy, dev, like="hidden", dtypes=acc, shape=rows, what="hidden.shape[:-1]"
+        )

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .planner import Plan, _acc, _resolve_budget, plan_chunks, plan_invariant
+from .._math import acc_dtype
+from .planner import Plan, _resolve_budget, plan_chunks, plan_invariant
 from .tiler import Tiler
 
 
@@ -256,7 +257,7 @@ def run(
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     need_h, need_w, need_b = need
     need_b = need_b and bias is not None
     gh_dtype = acc if vocab.partial else hidden.dtype

@@ -30,10 +30,6 @@ _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 F32_OUT_MATMUL_DEVICES = ("cuda",)
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 LOGITS_DTYPES = ("float32", "input")
 _LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" resolves per machine
 
@@ -208,7 +204,7 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
 # cuBLAS picks its algorithm by shape. So every row chunk is zero-padded to exactly the plan's
 # rows (one matmul shape per (V, H)) and, on the CPU, its GEMMs run on one thread (tiler.py). A
 # row's result then does not depend on its position in the tile
-# (tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
+# (tests/ops/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
 # The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
 # them), more keep the matmul efficient. The GPU value has no benchmark yet.
 INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}

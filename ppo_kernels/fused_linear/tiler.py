@@ -36,7 +36,8 @@ import functools
 import torch
 
 from .. import _backend
-from .planner import Plan, _acc
+from .._math import acc_dtype
+from .planner import Plan
 
 
 @functools.cache
@@ -78,7 +79,7 @@ class Tiler:
         self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
         self.order = order  # rows r0:r1 are hidden[order[r0:r1]] (None: hidden[r0:r1])
         self.cap = softcap
-        self.acc = _acc(hidden.dtype)
+        self.acc = acc_dtype(hidden.dtype)
         self.input_tiles = plan.input_tiles
         # bf16/fp16 float32 tiles straight from matmuls with float32 output (cuBLAS)
         self.lowp = plan.f32_out and not plan.input_tiles

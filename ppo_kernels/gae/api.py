@@ -9,7 +9,15 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_float, check_shape, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_float,
+    check_shape,
+    check_tensor,
+    device_error,
+)
 from . import op  # noqa: F401  (registers the op's Python side)
 
 _gae = _backend.op("gae")
@@ -22,7 +30,7 @@ def _per_token(name, x, rewards):
     check_tensor(name, x, dtypes=FLOAT_DTYPES)
     check_tensor("rewards", rewards)
     if x.device != rewards.device:
-        raise ValueError(f"{name}: expected device {rewards.device} (like rewards), got {x.device}")
+        raise device_error(name, x, rewards.device, "rewards")
     try:
         return x.expand(rewards.shape)
     except RuntimeError:
@@ -35,7 +43,7 @@ def _per_row(name, t, n_rows, rewards):
     check_tensor(name, t, dtypes=FLOAT_DTYPES)
     check_shape(name, t, (n_rows,), "one per row")
     if t.device != rewards.device:
-        raise ValueError(f"{name}: expected device {rewards.device} (like rewards), got {t.device}")
+        raise device_error(name, t, rewards.device, "rewards")
     return t
 
 

@@ -8,7 +8,14 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_float, check_same_device, check_shape, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from . import op  # noqa: F401  (registers the ops' Python side)
 from .naive import KLClamp, parse_estimator, resolve_clamp
 
@@ -57,6 +64,8 @@ def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
     the binding itself, cheaper than the operator's Python protocol.)"""
     if not _plain_f32_pair(a, b):
         return None
+    if a.dim() == 0 and a.device != b.device:  # torch takes a CPU scalar beside a GPU one
+        return None  # (the op refuses it, naming the argument)
     try:
         return torch.sub(a, b)
     except RuntimeError:  # e.g. two devices: the op's checks name the argument
@@ -209,6 +218,9 @@ def kl_penalized_rewards(
                 "kl: pass either a precomputed kl or logprobs and ref_logprobs, not both"
             )
         check_tensor("kl", kl, dtypes=FLOAT_DTYPES, dim=2)
+        check_devices(
+            "kl", kl, scores=scores, mask=mask, beta=beta if isinstance(beta, Tensor) else None
+        )
         # kl - 0 under k1 with no clamp is kl exactly: the op masks it and places the scores
         logprobs, ref_logprobs, estimator, clamp = kl, torch.zeros_like(kl), "k1", "none"
     elif logprobs is None or ref_logprobs is None:

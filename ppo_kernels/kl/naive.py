@@ -36,11 +36,13 @@ kl_penalized_rewards (RLHF-PPO rewards), for each row b with action mask m:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from .._math import acc_dtype
 from .._modes import KL_ESTIMATOR_ALIASES, KL_ESTIMATORS
 
 ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accepted name -> canonical
@@ -134,7 +136,8 @@ def resolve_clamp(clamp, estimator: str) -> tuple[float, float, float, float]:
 
 
 def _acc(*ts):
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    """The accumulation dtype of the widest input (float64 if any is)."""
+    return acc_dtype(functools.reduce(torch.promote_types, (t.dtype for t in ts)))
 
 
 def _clamp(x, lo, hi):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import check_bool, check_int, check_temperature
+from .._checks import check_bool, check_devices, check_int, check_temperature
 from .api import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
@@ -152,6 +152,10 @@ def causal_lm_logprobs(
     check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
     weight, bias = lm_head(model)
+    # on the LM head's device (a meta tensor would otherwise reach the backbone's embedding)
+    check_devices(
+        "model", weight, input_ids=input_ids, attention_mask=attention_mask, labels=labels
+    )
     out = backbone(model)(
         input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
     )

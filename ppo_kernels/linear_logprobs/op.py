@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args, check_backward_args
-from ..fused_linear.planner import _acc, plan_call
+from ..fused_linear.planner import plan_call
 from ..fused_linear.vocab_chunks import VocabChunks
 from ..token_logprobs import op as tl_op
 
@@ -47,6 +48,8 @@ OP = _backend.register_op(
 _backend.routes_in_cpp("linear_token_logprobs")
 
 
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
 @_backend.fake("linear_token_logprobs")
 def _(
     hidden,
@@ -60,7 +63,8 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
-    acc = _acc(hidden.dtype)
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
+    acc = acc_dtype(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
@@ -86,7 +90,11 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
-    acc = _acc(hidden.dtype)
+    check_devices(
+        "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
+        labels=labels, bias=bias, lse=lse, entropy=entropy,
+    )  # fmt: skip
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if need_hidden else (0,))
@@ -115,7 +123,7 @@ def run_forward(
     """The registered op `linear_token_logprobs` on `backend` (arguments checked): (logprobs,
     entropy or an empty tensor, lse) [N], float32 (float64 for float64 input)."""
     N = hidden.shape[0]
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     dev = hidden.device
     lp = _backend.new_output((N,), acc, dev)
     ent = _backend.new_output((N,) if with_entropy else (0,), acc, dev)
@@ -143,7 +151,7 @@ def run_backward(
     where not needed."""
     N, H = hidden.shape
     V = weight.shape[0]
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     dev = hidden.device
     if N == 0:
         need_bias = need_bias and bias is not None

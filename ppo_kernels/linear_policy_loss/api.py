@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import (
     check_bool,
+    check_devices,
     check_float,
     check_int,
     check_same_device,
@@ -190,6 +191,12 @@ def linear_policy_loss(
             f"got {tuple(hidden.shape)}"
         )
     check_same_device(hidden=hidden, weight=weight, labels=labels)
+    # the rest too: the rollout correction reads some before the op's checks run
+    check_devices(
+        "hidden", hidden, old_logprobs=old_logprobs, mask=mask, advantages=advantages, bias=bias,
+        ref_logprobs=ref_logprobs, weights=weights, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, rollout_logprobs=rollout_logprobs,
+    )  # fmt: skip
     T = shape[-1]
     B = math.prod(shape[:-1])
     rows = (B, T)
@@ -209,7 +216,7 @@ def linear_policy_loss(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator)}")
     agg_i, scale, gd, gdv = policy_aggregation(
-        aggregation_config, cfg.loss_type, B, T, hidden.device
+        aggregation_config, cfg.loss_type, B, T, hidden.device, "hidden"
     )
     kl_coef, entropy_coef = kl_config.kl_coef, entropy_config.entropy_coef
     rh = None

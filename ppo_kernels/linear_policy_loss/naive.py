@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._math import acc_dtype
 from ..kl import naive as kl_ref
 from ..losses import policy_math as pm
 from ..losses import policy_naive
@@ -58,7 +59,7 @@ def token_values(a) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logprobs, entropy, the exact KL to the reference head or None) [B, T] from the hidden
     states, differentiable (autograd; the reference head is not)."""
     h = a.hidden
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h.dtype)
     z = _logits(a, h, a.weight, a.bias, acc)
     logp = torch.log_softmax(z, -1)
     labels = a.labels.reshape(-1)

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
 from ..full_kl import op as fk_op
 from ..fused_linear import engine
-from ..fused_linear.planner import _acc
 from ..token_logprobs import op as tl_op
 from . import head as policy_head
 
@@ -150,7 +150,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         if dev.type == "cpu" or _backend.strict():
             check_labels_in_range(labels, a.weight.shape[0], a.ignore_index)
         vocab = whole_vocab(backend, dev.type, a.temperature, a.ignore_index)
-    token_stats = _backend.new_output((3, B, T), _acc(hidden.dtype), dev)
+    token_stats = _backend.new_output((3, B, T), acc_dtype(hidden.dtype), dev)
     token_stats[2].zero_()  # the KL row stays 0 without ref_logprobs
     head = policy_head.PolicyHead(a, backend, token_stats)
     hidden, V = a.hidden, a.weight.shape[0]
@@ -195,23 +195,38 @@ for _b in _backend.BACKENDS:
 
 def _fake_outputs(a):
     hidden = a.hidden
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     B, T = a.labels.shape
     loss = hidden.new_empty((), dtype=acc)
     stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
     return loss, stats, hidden.new_empty((3, B, T), dtype=acc)
 
 
+# The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it
+# as the C++ checks do (a meta tensor sends a call to its fake whatever the other arguments').
+_ON_HIDDENS_DEVICE = (
+    "weight", "labels", "advantages", "old_logprobs", "mask", "bias", "ref_logprobs", "weights",
+    "global_denom", "ref_hidden", "ref_weight", "ref_bias",
+)  # fmt: skip
+
+
+def _check_devices(a):
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+
+
 @_backend.fake("linear_policy_loss")
 def _(*args):
-    return _fake_outputs(Call(*args, False, False, False))
+    a = Call(*args, False, False, False)
+    _check_devices(a)
+    return _fake_outputs(a)
 
 
 @_backend.fake("linear_policy_loss_grads")
 def _(*args):
     a = Call(*args)
+    _check_devices(a)
     hidden, weight = a.hidden, a.weight
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if a.need_hidden else (0,))
@@ -262,4 +277,5 @@ def with_grads(runner, args) -> tuple[Tensor, Tensor, Tensor]:
 
 @_backend.fallback("linear_policy_loss")
 def _(*args):
+    _check_devices(Call(*args, False, False, False))
     return with_grads(lambda call: run("eager", call), args)

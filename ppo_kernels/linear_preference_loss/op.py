@@ -21,8 +21,9 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_labels_in_range
+from .._math import acc_dtype
 from ..fused_linear import engine
-from ..fused_linear.planner import Plan, _acc
+from ..fused_linear.planner import Plan
 from ..token_logprobs import op as tl_op
 from . import head as pref_head
 
@@ -162,7 +163,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     R, T = labels.shape
     N = R * T
     dev = hidden.device
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     ii = a.ignore_index
     cpu_or_strict = dev.type == "cpu" or _backend.strict()
     if vocab is None:
@@ -249,7 +250,7 @@ for _b in _backend.BACKENDS:
 
 def _fake_outputs(a):
     hidden = a.hidden
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     R, T = a.labels.shape
     loss = hidden.new_empty((), dtype=acc)
     stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
@@ -265,7 +266,7 @@ def _(*args):
 def _(*args):
     a = Call(*args)
     hidden, weight = a.hidden, a.weight
-    acc = _acc(hidden.dtype)
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if a.need_hidden else (0,))

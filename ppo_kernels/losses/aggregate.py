@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_float, check_int, check_str, check_tensor
+from .._checks import check_devices, check_float, check_int, check_str, check_tensor
+from .._math import acc_dtype
 from . import op  # noqa: F401  (registers the ops' Python side)
 from .config import AGG_NAMES, AggregationConfig
 from .policy_math import default_aggregation
@@ -57,9 +58,10 @@ def memo(cache: dict, fn, *args):
     return out
 
 
-def policy_aggregation(cfg: AggregationConfig, loss_type: str, B: int, T: int, device):
-    """`aggregation` of a policy loss over B rows of T tokens: agg=None takes the loss type's
-    default (and TRL's types count every row); geo_mean takes no other."""
+def policy_aggregation(cfg: AggregationConfig, loss_type: str, B: int, T: int, device, like):
+    """`aggregation` of a policy loss over B rows of T tokens (on `device`, that of its argument
+    `like`): agg=None takes the loss type's default (and TRL's types count every row); geo_mean
+    takes no other."""
     agg, gbs = cfg.agg, cfg.global_batch_size
     if agg is None:
         agg, all_rows = default_aggregation(loss_type)
@@ -70,23 +72,32 @@ def policy_aggregation(cfg: AggregationConfig, loss_type: str, B: int, T: int, d
             "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
         )
     return aggregation(
-        agg, T, cfg.dp_size, cfg.global_num_tokens, gbs, cfg.loss_scale_factor, device
+        agg, T, cfg.dp_size, cfg.global_num_tokens, gbs, cfg.loss_scale_factor, device, like
     )
 
 
 _AGGREGATIONS: dict = {}
 
 
-def aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
+def aggregation(
+    agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device, like
+):
     """(agg, scale, global_denom tensor or None, global_denom value or None), remembered per
     argument set when no denominator is a tensor.
 
     "token-sum" is token-mean over a denominator of 1. A normaliser the mode does not use
     (global_batch_size for the token modes, global_num_tokens for the sequence modes,
     loss_scale_factor outside seq-mean-token-sum-norm) is ignored, as verl's agg_loss does: verl
-    passes all of them whatever the mode."""
+    passes all of them whatever the mode; tensors are on the loss's device (`device`, that of its
+    argument `like`) all the same."""
     args = (agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device)
     if isinstance(global_num_tokens, Tensor) or isinstance(global_batch_size, Tensor):
+        check_devices(
+            like,
+            device,
+            global_num_tokens=global_num_tokens if isinstance(global_num_tokens, Tensor) else None,
+            global_batch_size=global_batch_size if isinstance(global_batch_size, Tensor) else None,
+        )
         return _aggregation(*args)
     return memo(_AGGREGATIONS, _aggregation, *args)
 
@@ -117,8 +128,6 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
     if isinstance(denom, Tensor):
         if denom.numel() != 1:
             raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
-        if denom.device != device:
-            raise ValueError(f"{name}: expected device {device}, got {denom.device}")
         return agg, scale, denom.reshape(()), None
     if denom is not None:
         return agg, scale, None, check_float(name, denom, nonneg=True)
@@ -134,7 +143,7 @@ def _denominator(agg, mask, gd, gdv):
         return torch.full((), gdv, device=mask.device)
     m = rows(mask)
     if agg == "token-mean":
-        return m.sum(dtype=torch.float64 if m.dtype == torch.float64 else torch.float32)
+        return m.sum(dtype=acc_dtype(m.dtype))
     return (m != 0).any(-1).sum()
 
 
@@ -218,10 +227,7 @@ def masked_aggregate(
         raise ValueError(
             f"mask: expected shape {tuple(loss_mat.shape)} (like loss_mat), got {tuple(mask.shape)}"
         )
-    if mask.device != loss_mat.device:
-        raise ValueError(
-            f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}"
-        )
+    check_devices("loss_mat", loss_mat, mask=mask)
     mode, scale, gd, gdv = aggregation(
         agg,
         loss_mat.shape[-1],
@@ -230,6 +236,7 @@ def masked_aggregate(
         global_batch_size,
         loss_scale_factor,
         loss_mat.device,
+        "loss_mat",
     )
     loss, _ = _masked_aggregate(rows(loss_mat), rows(mask), mode, scale, gd, gdv)
     return apply_empty(loss, mode, mask, gd, gdv, empty)

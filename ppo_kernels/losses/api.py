@@ -182,6 +182,7 @@ def ppo_policy_loss(
         logprobs.shape[:-1].numel(),
         logprobs.shape[-1],
         logprobs.device,
+        "logprobs",
     )
     extended = ext.needs_extension(cfg, rollout)
     if extended or weights is not None:  # compositions of torch ops: no registered op checks
@@ -240,6 +241,7 @@ def ppo_policy_loss(
     out = apply_empty_stats(out, mask, empty_stats)
     if entropy is not None:
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
+        check_same_device(logprobs=logprobs, entropy=entropy)
         out["entropy_mean"] = _backend.op("masked_mean")(
             entropy.detach().float(), mask, None, "zero"
         )
@@ -312,6 +314,7 @@ def ppo_value_loss(
         global_batch_size,
         loss_scale_factor,
         values.device,
+        "values",
     )
     if weights is not None:
         _check_tensors(_VALUE, inputs, mask)

@@ -36,13 +36,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._math import acc_dtype
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
 TOPK_TAILS = ("bucket", "renormalize")
 _TAIL_CLAMP = -1e-7  # the log of the largest top-k mass a bucket keeps (TRL's)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)

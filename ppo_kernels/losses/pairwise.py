@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_arg, check_float, check_str, check_tensor
+from .._checks import check_arg, check_devices, check_float, check_str, check_tensor
+from .._math import acc_dtype
 from .aggregate import VALUE_DTYPES
 
 _backend.register_op(
@@ -52,13 +53,16 @@ def _check_pairs(reduction, names, tensors):
     if not ok:
         check_tensor(names[0], x, dtypes=VALUE_DTYPES)
         for n, t in zip(names[1:], tensors[1:]):
-            check_arg(n, t, x.device, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {names[0]}")
+            like = names[0]
+            check_arg(
+                n, t, x.device, like=like, dtypes=VALUE_DTYPES, shape=x.shape, what=f"like {like}"
+            )
     if reduction not in _REDUCTIONS:
         check_str("reduction", reduction, _REDUCTIONS)
 
 
 def _z(chosen, rejected, ref_chosen, ref_rejected, beta):
-    acc = _backend.out_dtype(chosen)
+    acc = acc_dtype(chosen.dtype)
     c, r = chosen.to(acc), rejected.to(acc)
     if ref_chosen is not None:
         c, r = c - ref_chosen.to(acc), r - ref_rejected.to(acc)
@@ -77,9 +81,14 @@ def _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
     return -ls.mean(), coef / ls.numel()
 
 
+# The fakes and the fallback check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
 @_backend.fake("pairwise_logsigmoid_loss")
 def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
-    out = _backend.out_dtype(chosen)
+    check_devices(
+        "chosen", chosen, rejected=rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
+    out = acc_dtype(chosen.dtype)
     shape = chosen.shape if reduction == "none" else ()
     return chosen.new_empty(shape, dtype=out), chosen.new_empty(chosen.shape, dtype=out)
 
@@ -92,6 +101,7 @@ def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
 
 @_backend.fake("pairwise_logsigmoid_loss_backward")
 def _(grad, coef, beta, chosen_dtype, rejected_dtype):
+    check_devices("coef", coef, grad_loss=grad)
     return coef.new_empty(coef.shape, dtype=chosen_dtype), coef.new_empty(
         coef.shape, dtype=rejected_dtype
     )
@@ -105,6 +115,9 @@ def _(grad, coef, beta, chosen_dtype, rejected_dtype):
 
 @_backend.fallback("pairwise_logsigmoid_loss")  # no extension: autograd through the composition
 def _(chosen, rejected, ref_chosen, ref_rejected, beta, reduction):
+    check_devices(
+        "chosen", chosen, rejected=rejected, ref_chosen=ref_chosen, ref_rejected=ref_rejected
+    )
     return _composition(chosen, rejected, ref_chosen, ref_rejected, beta, reduction)
 
 
@@ -214,14 +227,15 @@ def reward_model_head_loss(
     check_tensor("chosen_hidden", chosen_hidden, dtypes=VALUE_DTYPES, dim=2)
     dev = chosen_hidden.device
     B, H = chosen_hidden.shape
-    check_arg("rejected_hidden", rejected_hidden, dev, dtypes=VALUE_DTYPES, shape=(B, H),
+    like = "chosen_hidden"
+    check_arg("rejected_hidden", rejected_hidden, dev, like=like, dtypes=VALUE_DTYPES, shape=(B, H),
               what="like chosen_hidden")  # fmt: skip
     check_tensor("weight", weight, dtypes=VALUE_DTYPES)
     if weight.numel() != H or weight.dim() not in (1, 2) or weight.shape[-1] != H:
         raise ValueError(f"weight: expected shape (1, {H}) or ({H},), got {tuple(weight.shape)}")
-    check_arg("weight", weight, dev, dtypes=VALUE_DTYPES)
+    check_arg("weight", weight, dev, like=like, dtypes=VALUE_DTYPES)
     if bias is not None:
-        check_arg("bias", bias, dev, dtypes=VALUE_DTYPES)
+        check_arg("bias", bias, dev, like=like, dtypes=VALUE_DTYPES)
         if bias.numel() != 1:
             raise ValueError(f"bias: expected one value, got shape {tuple(bias.shape)}")
     if reduction not in _REDUCTIONS:
@@ -234,7 +248,15 @@ def reward_model_head_loss(
     shifted = rc
     if margin is not None:
         if isinstance(margin, Tensor):
-            check_arg("margin", margin, dev, dtypes=VALUE_DTYPES, shape=(B,), what="one per pair")
+            check_arg(
+                "margin",
+                margin,
+                dev,
+                like=like,
+                dtypes=VALUE_DTYPES,
+                shape=(B,),
+                what="one per pair",
+            )
             shifted = rc - margin.to(rc.dtype)
         else:
             shifted = rc - check_float("margin", margin)

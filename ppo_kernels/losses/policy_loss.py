@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_tensor
+from .._checks import check_tensor, device_error
 from . import op  # noqa: F401  (registers the fused op's Python side)
 from . import policy_math as pm
 from . import rollout_correction as rc
@@ -172,7 +172,7 @@ def extended_policy_loss(
                 f"{tuple(weights.shape)}"
             )
         if weights.device != logprobs.device:
-            raise ValueError(f"weights: expected device {logprobs.device}, got {weights.device}")
+            raise device_error("weights", weights, logprobs.device, "logprobs")
     w = None if weights is None else _rows(weights).detach().to(x.m.dtype)
     stats: dict[str, Tensor] = {}
     eff_mask = mask

@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._math import acc_dtype
+from .._math import acc_dtype  # noqa: F401  (also policy_loss's pm.acc_dtype)
 from .config import CLIP_TYPES, LOSS_TYPES, SEQUENCE_LEVEL_TYPES, PolicyLossConfig
 
 # the types whose per-token gradient needs every token of the batch first (a second pass in a

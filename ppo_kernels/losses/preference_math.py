@@ -74,6 +74,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._math import acc_dtype
+
 # TRL DPOTrainer's types, then Liger's reference-free ones (ORPO, SimPO, CPO).
 TRL_TYPES = (
     "sigmoid",
@@ -103,10 +105,6 @@ F_DIVERGENCE_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "ro
 BATCH_STAT_TYPES = ("aot", "aot_unpaired")
 # TRL clamps the alpha-divergence exponent so that exp stays finite in the input dtype
 _ALPHA_CLAMP = {torch.float16: 11.0}
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .._checks import (
     check_int,
     check_temperature,
     check_tensor,
+    device_error,
 )
 from . import op  # noqa: F401  (registers the ops' Python side)
 
@@ -27,7 +28,7 @@ def _check_args(logits, labels, temperature, vocab_parallel):
     slice may be empty) and the fallback without the compiled extension."""
     check_temperature(temperature)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES)
+    check_arg("labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
@@ -105,9 +106,7 @@ def token_logprobs(
     if not isinstance(labels, Tensor):
         check_tensor("labels", labels)
     if labels.device != logits.device:  # before dispatch: a meta tensor would pick the fake
-        raise ValueError(
-            f"labels: expected device {logits.device} (like logits), got {labels.device}"
-        )
+        raise device_error("labels", labels, logits.device, "logits")
     if process_group is not None:
         if inplace_backward:
             raise ValueError("inplace_backward: not supported with process_group")

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._math import acc_dtype
 
 
 def _label_masks(labels, V, ignore_index):
@@ -35,7 +33,7 @@ def _shifted(logits, temperature):
     """(z - max z) with z = logits / temperature, computed as (x - max x) / temperature so that
     finite logits never overflow (x - max x <= 0; -inf where the gap itself overflows: p = 0), and
     the unscaled row max. Rows with NaN / +inf, or all -inf, come out NaN."""
-    x = logits.to(_acc(logits.dtype))
+    x = logits.to(acc_dtype(logits.dtype))
     m = x.amax(-1, keepdim=True) if x.shape[-1] > 0 else x.new_zeros(x.shape[:-1] + (1,))
     return (x - m) / temperature, m.squeeze(-1)
 
@@ -68,7 +66,7 @@ def backward(
     inv_t * (g_lp * (onehot - p) - g_ent * p * (log p + H)). p is recomputed from the shifted
     logits (the saved lse may have overflowed, see forward)."""
     V = logits.shape[-1]
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     z, _ = _shifted(logits, temperature)
     logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
     p = logp.exp()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
 from . import naive
 
 OP = _backend.register_op(
@@ -53,7 +54,7 @@ def _(logits, labels, inv_temperature, ignore_index, with_entropy):
         ignore_index,
         with_entropy,
     )
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)
 
 
@@ -142,11 +143,21 @@ def _(
 
 
 # ---- the registered ops' fake kernels and triton / eager implementations (the op's schemas) ----
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
+
+
+def _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy):
+    check_devices(
+        "logits", logits, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, labels=labels,
+        lse=lse, entropy=entropy,
+    )  # fmt: skip
 
 
 @_backend.fake("token_logprobs")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
-    out = _backend.out_dtype(logits)
+    check_devices("logits", logits, labels=labels)
+    out = acc_dtype(logits.dtype)
     lp = logits.new_empty(labels.shape, dtype=out)
     ent = logits.new_empty(labels.shape if with_entropy else (0,), dtype=out)
     return lp, ent, logits.new_empty(labels.shape, dtype=out)
@@ -154,16 +165,18 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
 
 @_backend.fake("token_logprobs_backward")
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy)
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 @_backend.fake("token_logprobs_backward_")
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy)
     return None
 
 
 def _register(backend: str):
-    # the kernels looked up per call: a test may swap one (tests/test_batch_invariance.py)
+    # the kernels looked up per call: a test may swap one (tests/ops/test_batch_invariance.py)
     impls_f, impls_b = forward.impls, backward.impls
 
     @_backend.impl("token_logprobs", backend)
@@ -191,8 +204,9 @@ _register("eager")
 # is never written into the logits there).
 @_backend.fallback("token_logprobs")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
+    check_devices("logits", logits, labels=labels)
     if logits.device.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     lp, ent, lse = naive.forward(logits, labels, temperature, ignore_index, with_entropy)
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)

@@ -28,7 +28,11 @@ class TrainConfig:
     out: str = _f("out/train", "output directory (metrics.jsonl, summary.json, plot, checkpoints)")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     seed: int = _f(0, "random seed (same seed: same run)")
-    threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
+    threads: int = _f(
+        0,
+        "torch CPU threads (0: torch's default less the cores the load average says are busy, "
+        "at least 1)",
+    )
     keep_heap: bool = _f(
         True,
         "on the CPU (glibc): malloc keeps freed memory for reuse (no mmap per large tensor, no "
@@ -45,7 +49,9 @@ class TrainConfig:
         "one process: ignored",
         choices=("ddp", "fsdp2"),
     )
-    progress: bool = _f(True, "progress bar")
+    progress: bool = _f(
+        True, "progress bars on a terminal (output to a file: a line per phase or step instead)"
+    )
     plot: bool = _f(True, "write DIR/curves.png")
     # -- model --------------------------------------------------------------------------------
     model: Optional[str] = _f(None, "local transformers causal LM (dir) instead of the tiny one")
@@ -188,6 +194,8 @@ class TrainConfig:
         for name in ("logprob_micro_batch", "micro_batch"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0 (0: one pass), got {getattr(self, name)}")
+        if self.threads < 0:
+            bad("threads", f"must be >= 0 (0: chosen from the idle cores), got {self.threads}")
         for name in ("gamma", "lam", "p_tool", "p_format"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [0, 1], got {getattr(self, name)}")

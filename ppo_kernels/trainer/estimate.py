@@ -17,6 +17,7 @@ import time
 import torch
 
 from .config import TrainConfig
+from .first_run import load_note
 
 # Seconds of the default job's phases on one reference machine, one torch thread (only their
 # ratios to the SFT step are used): a mean SFT step with either ops, a mean PPO step with either
@@ -40,13 +41,13 @@ PROBE_STEPS = 3
 def probe_sft_step(cfg: TrainConfig, actor, tok, task, ops_mode: str) -> float:
     """Median wall seconds of one SFT step of `cfg` here and now: PROBE_STEPS steps after an
     untimed first one, on a copy of `actor`."""
-    from . import algos
+    from .algos.sft import sft
     from .ops import Ops
 
     stamps = []
     probe_cfg = dataclasses.replace(cfg, sft_steps=PROBE_STEPS + 1)
     with torch.random.fork_rng(devices=[]):
-        algos.sft(
+        sft(
             probe_cfg,
             copy.deepcopy(actor),
             tok,
@@ -81,8 +82,9 @@ def _span(lo: float, hi: float) -> str:
     return f"{lo:{spec}}-{hi:{spec}} min"
 
 
-def format_estimate(phases: list, probe: float, sft_cached: bool) -> str:
-    """One line: each phase as a range (SPREAD around its estimate), then the total."""
+def format_estimate(phases: list, probe: float, sft_cached: bool, note: str = "") -> str:
+    """One line: each phase as a range (SPREAD around its estimate), then the total; a `note`
+    (first_run.load_note: the machine is busy) on a line of its own."""
     lo, hi = SPREAD
     parts = [f"{name} {_span(lo * s, hi * s)}" for name, s in phases]
     if sft_cached:
@@ -90,13 +92,15 @@ def format_estimate(phases: list, probe: float, sft_cached: bool) -> str:
     elif phases and phases[0][0] == "SFT warm-up":
         parts[0] += " (cached for later runs)"
     total = sum(s for _, s in phases)
-    return (
+    line = (
         f"phase times from a {PROBE_STEPS}-step probe of this machine ({probe:.2f} s per SFT "
         f"step now): " + ", ".join(parts) + f"; in all {_span(lo * total, hi * total)}"
     )
+    return line + (f"\n{note}" if note else "")
 
 
 def estimate(cfg: TrainConfig, actor, tok, task, runs: list[str], sft_to_run: bool) -> str:
     probe = probe_sft_step(cfg, actor, tok, task, cfg.ops)
     sft_cached = not sft_to_run and cfg.sft_steps > 0
-    return format_estimate(phase_seconds(cfg, probe, runs, sft_to_run), probe, sft_cached)
+    phases = phase_seconds(cfg, probe, runs, sft_to_run)
+    return format_estimate(phases, probe, sft_cached, load_note())

@@ -9,12 +9,14 @@ V=152064, and a CUDA-graph capture of forward + backward (no host sync)."""
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, graph_replay, require
-from _utils import GEMM_TOL, poisoned
-from test_linear_policy_loss import _reference  # autograd of the float64 reference, any device
+from support.gpu import DEVICE, MARKS, big, close, graph_replay, require
+from support.utils import GEMM_TOL, load_test_file, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
+
+# autograd of the float64 reference, any device
+_reference = load_test_file("ops/test_linear_policy_loss.py")._reference
 
 pytestmark = MARKS
 OP = "linear_policy_loss"

@@ -6,8 +6,8 @@ and a CUDA-graph capture of the policy loss's forward and backward (no host sync
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
-from _utils import GRAD_TOL, TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
+from support.utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
@@ -146,11 +146,11 @@ def test_policy_loss_cuda_graph(part, mode):
 
 
 def test_ppo_step_cuda_graph():
-    """The whole per-token step of a PPO update (tests/_step.py: kl_penalized_rewards, gae,
+    """The whole per-token step of a PPO update (tests/support/step.py: kl_penalized_rewards, gae,
     masked_whiten, both losses with device-side totals, autograd.grad of the sum) on the default
     CUDA backends, captured in one CUDA graph (warm-up under sync_debug_mode="error"); new inputs
     copied in place, then a replay gives the eager step's numbers on them."""
-    from _step import make_inputs, ppo_step
+    from support.step import make_inputs, ppo_step
 
     x = make_inputs(16, 1024, DEVICE)
     new = make_inputs(16, 1024, DEVICE, seed=1)
