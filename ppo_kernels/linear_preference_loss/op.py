@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.planner import Plan
@@ -257,14 +257,29 @@ def _fake_outputs(a):
     return loss, stats, hidden.new_empty((3, R), dtype=acc), hidden.new_empty((3, R, T), dtype=acc)
 
 
+# The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it
+# as the C++ checks do (a meta tensor sends a call to its fake whatever the other arguments').
+_ON_HIDDENS_DEVICE = (
+    "weight", "labels", "mask", "bias", "pairs", "desirable", "ref_logps", "ref_hidden",
+    "ref_weight", "ref_bias", "reference_point",
+)  # fmt: skip
+
+
+def _check_devices(a):
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+
+
 @_backend.fake("linear_preference_loss")
 def _(*args):
-    return _fake_outputs(Call(*args, False, False, False))
+    a = Call(*args, False, False, False)
+    _check_devices(a)
+    return _fake_outputs(a)
 
 
 @_backend.fake("linear_preference_loss_grads")
 def _(*args):
     a = Call(*args)
+    _check_devices(a)
     hidden, weight = a.hidden, a.weight
     acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
@@ -320,4 +335,5 @@ def with_grads(runner, args) -> tuple[Tensor, ...]:
 
 @_backend.fallback("linear_preference_loss")
 def _(*args):
+    _check_devices(Call(*args, False, False, False))
     return with_grads(lambda call: run("eager", call), args)
