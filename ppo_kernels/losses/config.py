@@ -339,7 +339,8 @@ class PreferenceLossConfig:
             resolved.
         ld_alpha: LD-DPO's weight of the tokens past the shorter completion of a pair (TRL).
             Default None: off.
-        desirable_weight, undesirable_weight: KTO's class weights. Defaults 1.0.
+        desirable_weight: KTO's weight of the desirable rows. Default 1.0.
+        undesirable_weight: KTO's weight of the undesirable rows. Default 1.0.
     """
 
     loss_type: str | tuple[str, ...] = "sigmoid"
