@@ -15,13 +15,14 @@ and gradients checked against the fused op before timing. The materialised loss 
 
     python bench/bench_preference.py [--reps 3] [--threads 2] [--sizes P,T,H,V ...]
         [--dtypes float32 bfloat16] [--out bench/results/cpu_preference.md]
-        [--csv bench/results/cpu_preference.csv]
+
+`bash scripts/dev.sh bench --only preference` runs it (bench/run.py) and writes the CSV of its
+tables beside the markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import subprocess
 import sys
@@ -158,7 +159,6 @@ def main():
     ap.add_argument("--sizes", nargs="*", default=["8,512,1024,32000", "2,1024,256,152064"])
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lines = [
@@ -176,7 +176,6 @@ def main():
         "no higher peak, at most 0.5x the time and 0.2x the peak of the materialised loss.",
         "",
     ]
-    rows = []
     for size in args.sizes:
         P, T, H, V = (int(v) for v in size.split(","))
         for dt in args.dtypes:
@@ -202,22 +201,12 @@ def main():
                     f"{ratio(peak, lig[1] if lig else 0)} | {ratio(peak, mat[1] if mat else 0)} "
                     f"| {le:.1e} | {ge:.1e} |"
                 )
-                rows.append(
-                    dict(pairs=P, T=T, H=H, V=V, dtype=dt, mode=name, ms=round(t * 1e3, 1),
-                         peak_mib=round(peak / 2**20, 1), load_before=l0, load_after=l1,
-                         loss_err=le, grad_err=ge)
-                )  # fmt: skip
             if skipped:
                 lines.append(f"\n{skipped}")
             lines.append("")
             print("\n".join(lines[-len(res) - 5 :]), flush=True)
     lines.append(f"`uptime` after: {_uptime()}")
     write_report(lines, args.out)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
 
 
 if __name__ == "__main__":
