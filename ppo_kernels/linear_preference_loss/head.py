@@ -265,17 +265,8 @@ class PreferenceHead(HeadTerm):
                 plain = (m * lpp).sum(-1)
                 self.chosen_sum[w0:w1] = plain[:rows]
                 n = sl(self.n)
-                res = prm.paired_loss(
-                    self.pcfg,
-                    seq[0::2],
-                    seq[1::2],
-                    None if ref is None else ref[0::2],
-                    None if ref is None else ref[1::2],
-                    n_chosen=n[0::2],
-                    n_rejected=n[1::2],
-                    chosen_sum=plain[0::2],
-                    num_pairs=self.L.P,
-                    num_chosen_tokens=self.n_chosen_total,
+                res = self._paired_loss(
+                    seq, ref, n, plain, num_pairs=self.L.P, num_chosen_tokens=self.n_chosen_total
                 )
                 d_seq = torch.stack((res.d_chosen, res.d_rejected), 1).reshape(-1)
                 coef = d_seq.unsqueeze(-1) * k
@@ -295,22 +286,28 @@ class PreferenceHead(HeadTerm):
                 coef = res.d_logps.unsqueeze(-1) * k
         return coef[:rows]
 
+    def _paired_loss(self, seq, ref, n, chosen_sum, **totals):
+        """preference_math.paired_loss of rows in walk order: each pair's chosen row, then its
+        rejected row (`totals`: the whole batch's counts, for a block's share)."""
+        return prm.paired_loss(
+            self.pcfg,
+            seq[0::2],
+            seq[1::2],
+            None if ref is None else ref[0::2],
+            None if ref is None else ref[1::2],
+            n_chosen=n[0::2],
+            n_rejected=n[1::2],
+            chosen_sum=chosen_sum[0::2],
+            **totals,
+        )
+
     def result(self) -> tuple[Tensor, Tensor]:
         """(loss, stats) once every row has its sequence log-prob: the whole batch's math (the
         same terms the blocks differentiated)."""
         ref = self.ref_seq if self.has_ref else None
         if self.paired:
             seq, n = self.seq, self.n
-            res = prm.paired_loss(
-                self.pcfg,
-                seq[0::2],
-                seq[1::2],
-                None if ref is None else ref[0::2],
-                None if ref is None else ref[1::2],
-                n_chosen=n[0::2],
-                n_rejected=n[1::2],
-                chosen_sum=self.chosen_sum[0::2],
-            )
+            res = self._paired_loss(seq, ref, n, self.chosen_sum)
         else:
             res = prm.unpaired_loss(self.ucfg, self.seq, ref, self.desirable, kl=self.kl)
         names = _stat_names(tuple(self.cfg.loss_type))
