@@ -93,6 +93,12 @@ BENCHMARKS = {
         "cpu_head_defaults",
         ["bench/bench_head_defaults.py", "--reps", "3", "--threads", "1", "--out", "{out}"],
     ),
+    "preference": (
+        "the fused DPO loss with a reference head vs Liger's LigerFusedLinearDPOLoss and the "
+        "materialised logits at 8x512 pairs x 1024 x 32000 and 2x1024 x 256 x 152064",
+        "cpu_preference",
+        ["bench/bench_preference.py", "--reps", "3", "--threads", "2", "--out", "{out}"],
+    ),
     "batch_invariant": (
         "the cost of batch-invariant mode",
         "cpu_batch_invariant",

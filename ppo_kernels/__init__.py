@@ -22,6 +22,7 @@ from .kl.naive import KLClamp  # noqa: F401
 from .linear_logprobs.api import linear_token_logprobs  # noqa: F401
 from .linear_logprobs.hf import causal_lm_logprobs  # noqa: F401
 from .linear_policy_loss.api import linear_policy_loss  # noqa: F401
+from .linear_preference_loss.api import linear_preference_loss  # noqa: F401
 from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.config import (  # noqa: F401
@@ -30,9 +31,10 @@ from .losses.config import (  # noqa: F401
     EntropyTermConfig,
     KLTermConfig,
     PolicyLossConfig,
+    PreferenceLossConfig,
     RolloutCorrectionConfig,
 )
-from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401
+from .losses.pairwise import dpo_loss, reward_model_head_loss, reward_model_loss  # noqa: F401
 from .losses.rollout_correction import RolloutCorrection, rollout_correction  # noqa: F401
 from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs.api import token_logprobs  # noqa: F401

@@ -276,8 +276,10 @@ def run(
     rtiler = gk_buf = None
     if ref is not None:
         rtiler = Tiler(*ref, ref_plan, vocab.backend, softcap=softcap, order=order)
+        # the reference tile's gradient term (none when it only gives statistics)
+        ref_grad = any_grad and getattr(vocab, "ref_bwd", None) is not None
         gk_buf = torch.empty(
-            tiler.max_rows * V if any_grad else 0,
+            tiler.max_rows * V if ref_grad else 0,
             dtype=tiler.buf_in.dtype if plan.input_tiles else acc,
             device=dev,
         )

@@ -16,6 +16,7 @@ import ppo_kernels as pk
 from . import _liger_distill
 from ._args import NO_IGNORE, need, tensor
 from ._grpo import AGG, loss_kwargs, real
+from ._liger_preference import TARGETS as PREFERENCE_TARGETS
 from ._patch import Noted, Peer, Target
 
 GRPO = "liger_kernel.chunked_loss.grpo_loss"
@@ -226,6 +227,7 @@ PEER = Peer(
     [
         Target(GRPO, "LigerFusedLinearGRPOFunction", grpo_apply),
         Target(FUNCTIONAL, "liger_fused_linear_grpo", grpo_apply),
+        *PREFERENCE_TARGETS,  # DPO, ORPO, SimPO, CPO, KTO (_liger_preference.py)
     ],
 )
 PEER.targets.extend(_liger_distill.targets())  # LigerFusedLinearJSDLoss

@@ -207,10 +207,15 @@ def reward_model_head_loss(
     `center_rewards_coefficient`, `coef * (r_chosen + r_rejected)^2` (its reward centring).
 
     Args:
-        chosen_hidden, rejected_hidden: `[B, H]` float hidden states (gradient flows to both).
-        weight: the head, `[1, H]` or `[H]`; bias: `[1]` or None.
-        margin: per-pair `[B]` margins or one number (None: 0).
-        reduction: "mean" (0 for no pairs), "sum" or "none" (per pair).
+        chosen_hidden (Tensor): `[B, H]` float hidden states of the chosen completions' last
+            tokens. The gradient flows to it.
+        rejected_hidden (Tensor): `[B, H]`, the rejected completions'. The gradient flows to it.
+        weight (Tensor): the scalar head, `[1, H]` or `[H]`.
+        bias (Tensor, optional): `[1]`. Default None.
+        margin (Tensor | float, optional): per-pair `[B]` margins or one number. Default None: 0.
+        center_rewards_coefficient (float, optional): the reward-centring term's coefficient.
+            Default None: no term.
+        reduction (str): "mean" (0 for no pairs), "sum" or "none" (per pair). Default "mean".
 
     Returns:
         (loss, chosen rewards [B], rejected rewards [B]); the rewards detached, for metrics.

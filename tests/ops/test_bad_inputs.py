@@ -54,6 +54,15 @@ def lpl_with(**kw):
     for k, v in kw.items():
         out[lpl_op.ARG_NAMES.index(k)] = v
     return out
+# linear_preference_loss: one pair of rows of T = 4 tokens (hidden [8, 4]), as the API builds it
+from ppo_kernels.linear_preference_loss import api as lpr_api, op as lpr_op
+lpr = list(lpr_api.arguments(torch.randn(2, 4, 4), w, torch.randint(0, 5, (2, 4)), m)[0])
+lpr = lpr[: len(lpr_op.ARG_NAMES)]
+def lpr_with(**kw):
+    out = list(lpr)
+    for k, v in kw.items():
+        out[lpr_op.ARG_NAMES.index(k)] = v
+    return out
 # the vocab-parallel forms' ops (ppo_kernels.distributed) on one rank's states (world 1, no
 # collective): logits [4, 6], hidden [4, 3], weight [6, 3]
 import ppo_kernels.distributed
@@ -857,6 +866,64 @@ CASES = [
         "each",
         "ops.linear_policy_loss_grads(*lpl_with(old_logprobs=b[:1]), True, True, False)",
         "old_logprobs",
+    ),
+    # --- linear_preference_loss (the op and its gradients' op)
+    (
+        "lpr_labels_dtype",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(labels=lpr[2].float()))",
+        "labels",
+    ),
+    (
+        "lpr_labels_1e9",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(labels=torch.full((2, 4), 10**9)))",
+        "labels",
+    ),
+    (
+        "lpr_mask_shape",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(mask=m[:, :2]))",
+        "mask",
+    ),
+    (
+        "lpr_pairs_shape",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(pairs=torch.zeros(3, 2, dtype=torch.long)))",
+        "pairs",
+    ),
+    (
+        "lpr_pairs_1e9",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(pairs=torch.tensor([[0, 10**9]])))",
+        "pairs",
+    ),
+    (
+        "lpr_desirable_paired",
+        False,
+        "each",
+        "ops.linear_preference_loss(*lpr_with(desirable=torch.ones(2, dtype=torch.bool)))",
+        "desirable",
+    ),
+    ("lpr_beta", False, "each", "ops.linear_preference_loss(*lpr_with(beta=-inf))", "beta"),
+    (
+        "lpr_grads_weight_dtype",
+        False,
+        "each",
+        "ops.linear_preference_loss_grads(*lpr_with(weight=w.double()), True, True, False)",
+        "weight",
+    ),
+    (
+        "lpr_grads_ref_logps_shape",
+        False,
+        "each",
+        "ops.linear_preference_loss_grads(*lpr_with(ref_logps=sc[:1]), True, True, False)",
+        "ref_logps",
     ),
     # --- masked statistics
     ("whiten_eps_str", False, None, "pk.masked_whiten(a, m, eps='1e-8')", "eps"),

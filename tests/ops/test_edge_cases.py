@@ -252,6 +252,18 @@ def _compile_cases():
             )[0],
             (hid, w, labels, scores, ref, mask),
         ),
+        "linear_preference_loss": (
+            lambda a, b, y, m, r: pk.linear_preference_loss(
+                a, b, y, m, ref_logps=r, loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.5)
+            )[0],
+            (hid, w, labels, mask, scores),
+        ),
+        "linear_preference_loss_kto": (
+            lambda a, b, y, d: pk.linear_preference_loss(
+                a, b, y, loss_type="kto", desirable=d, reference_point=0.1
+            )[0],
+            (hid, w, labels, mask[:, 0]),
+        ),
         "full_kl": (lambda x, y: pk.full_kl(x, y), (logits, logits.detach() + 1)),
         "kl_penalty": (lambda a, b: pk.kl_penalty(a, b, "k3", clamp="verl"), (lp, ref)),
         "kl_penalty_openrlhf": (
@@ -417,6 +429,23 @@ def _scalar_cases():
         ("group_size", lambda v: pk.rloo_advantages(s, group_size=v)),
         ("reduction", lambda v: pk.reward_model_loss(s, s, reduction=v)),
         ("beta", lambda v: pk.dpo_loss(s, s, s, s, beta=v)),
+        ("beta", lambda v: pk.linear_preference_loss(h[:, None], w, lab[:, None], beta=v)),
+        (
+            "loss_type",
+            lambda v: pk.linear_preference_loss(h[:, None], w, lab[:, None], loss_type=v),
+        ),
+        (
+            "label_smoothing",
+            lambda v: pk.linear_preference_loss(h[:, None], w, lab[:, None], label_smoothing=v),
+        ),
+        (
+            "average_log_prob",
+            lambda v: pk.linear_preference_loss(h[:, None], w, lab[:, None], average_log_prob=v),
+        ),
+        (
+            "return_entropy",
+            lambda v: pk.linear_preference_loss(h[:, None], w, lab[:, None], return_entropy=v),
+        ),
         ("reduction", lambda v: pk.dpo_loss(s, s, s, s, beta=0.1, reduction=v)),
     ]
 

@@ -14,6 +14,7 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `peers` | the peers' functions read from their source files |
 | `integration` | patched-against-unpatched comparisons, verl's loss modules and configs |
 | `dist_workers` | the gloo worker processes of ops/test_distributed.py (run by path) |
+| `dist_preference_workers` | the gloo workers of ops/test_distributed_preference.py (run by path) |
 | `ray_tasks` | what integrations/test_ray.py runs in Ray workers |
 | `skip_summary` | plugin: the skips, one line per reason with its count |
 | `file_order` | plugin: `--file-order=reverse` or `shuffle:SEED` |

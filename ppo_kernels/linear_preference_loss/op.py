@@ -1,0 +1,339 @@
+"""The Python side of the registered ops `ppo_kernels::linear_preference_loss` and
+`ppo_kernels::linear_preference_loss_grads`, defined in C++ (csrc/ops/linear_preference_loss.cpp:
+schemas, checks, routing, autograd): the op on each backend -- the fused-linear engine's loop
+(fused_linear/engine.py) with the preference loss's head term (head.py) -- the fake kernels and the
+fallback without the extension. Semantics: naive.py; public function: api.py.
+
+One pass over the hidden-state rows computes the loss and its gradients ("3 GEMMs": the logits
+tile, then grad_hidden = G W and grad_W = G^T h for the logits gradient G formed in the forward;
+a reference head adds its tile's GEMM, no gradient). A pair longer than a block, and the sorted
+types (aot, aot_unpaired), take the engine's first pass of log-probs (4 GEMMs; a reference head
+then runs one pass of its own before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
+from ..fused_linear import engine
+from ..fused_linear.planner import Plan
+from ..token_logprobs import op as tl_op
+from . import head as pref_head
+
+OP = _backend.register_op(
+    "linear_preference_loss",
+    kernel="token_logprobs_fwd",
+    triton=True,
+    cuda_default="triton",
+    folder="linear_preference_loss",
+    delegates={
+        ("cpp", "cpu"): "BLAS matmuls + the token_logprobs C++ kernels",
+        ("cpp", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs CUDA kernels",
+        ("triton", "cuda"): "cuBLAS matmuls (torch.mm) + the token_logprobs Triton kernels",
+        ("eager", "cpu"): "BLAS matmuls (torch.mm) + eager tile math",
+        ("eager", "cuda"): "cuBLAS matmuls (torch.mm) + eager tile math",
+    },
+)
+_backend.routes_in_cpp("linear_preference_loss")
+
+CONFIG_FIELDS = pref_head.CONFIG_FIELDS  # loss_type ... undesirable_weight
+
+# The arguments of both registered ops, in schema order (csrc/ops/linear_preference_loss.cpp;
+# checked against the schema at import). linear_preference_loss_grads adds need_hidden,
+# need_weight, need_bias.
+ARG_NAMES = (
+    "hidden",
+    "weight",
+    "labels",
+    "mask",
+    "bias",
+    "pairs",
+    "desirable",
+    "ref_logps",
+    "ref_hidden",
+    "ref_weight",
+    "ref_bias",
+    "reference_point",
+    *CONFIG_FIELDS,
+    "temperature",
+    "softcap",
+    "ignore_index",
+    "max_chunk_bytes",
+    "logits_dtype",
+    "with_entropy",
+)
+NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
+Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
+
+if _backend.HAS_EXTENSION:
+    _schema = _backend.registered("linear_preference_loss_grads").default._schema
+    assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + NEED_NAMES, (
+        "csrc/ops/linear_preference_loss.cpp and op.ARG_NAMES disagree"
+    )
+
+stat_names = pref_head.stat_names
+ROW_STATS, TOKEN_STATS = pref_head.ROW_STATS, pref_head.TOKEN_STATS
+
+
+def _ref_kernel(backend: str, temperature: float, ignore_index: int):
+    """engine.WholeVocab's `ref` for a reference head: its tile's token log-probs (the
+    token_logprobs forward kernel on the reference tile), no gradient."""
+    f = tl_op.forward.impls[backend]
+    inv_t = 1.0 / temperature
+
+    def fwd(z, zr, labels):
+        return (f(zr, labels, inv_t, ignore_index, False)[0],)
+
+    return fwd, None
+
+
+def whole_vocab(backend: str, temperature: float, ignore_index: int) -> engine.WholeVocab:
+    """The engine's reduction of whole-vocabulary tiles on `backend`, the reference tile's token
+    log-probs beside the policy tile's."""
+    tl = (tl_op.forward.impls[backend], tl_op.backward.impls[backend])
+    return engine.WholeVocab(
+        backend, temperature, ignore_index, tl, _ref_kernel(backend, temperature, ignore_index)
+    )
+
+
+def check_pairs(pairs: Tensor, R: int):
+    """ValueError unless `pairs` [P, 2] holds every row once (reads it: a host sync on the GPU,
+    so GPU callers run it under strict_checks() only)."""
+    seen = torch.zeros(R, dtype=torch.long, device=pairs.device)
+    flat = pairs.reshape(-1).long()
+    if bool(((flat < 0) | (flat >= R)).any()):
+        raise ValueError(f"pairs: a row index outside [0, {R})")
+    seen.index_add_(0, flat, torch.ones_like(flat))
+    if not bool((seen == 1).all()):
+        raise ValueError("pairs: every row must be in exactly one pair (chosen or rejected)")
+
+
+# The default budget grows a block to one pair (2T rows, the chunk Liger's losses materialise)
+# when its rows hold less, up to this many bytes of logits tile: a pair longer than a block costs
+# a first pass, one more GEMM per block. A given max_chunk_bytes is kept.
+PAIR_BLOCK_MAX_BYTES = {"cpu": 4 << 30, "cuda": 16 << 30}
+
+
+def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool]:
+    """(the row plan, whether a reference head's tile sits beside the policy tile). The
+    reference tile goes beside the policy tile (WholeVocab's `ref`: both tiles within the
+    budget) when the blocks then still hold whole pairs; otherwise the reference head runs a
+    pass of its own first (the same GEMMs, one tile at a time) and the policy's blocks get the
+    whole budget. vocab.rows (a shard's reduction: the rows common to every rank) fixes the rows
+    and vocab.ref_beside the choice."""
+    hidden, ldt, budget = a.hidden, a.logits_dtype, a.max_chunk_bytes
+    full = a.ref_hidden is not None
+    if vocab.rows is not None:
+        p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
+        return dataclasses.replace(p, rows=vocab.rows), full and getattr(vocab, "ref_beside", False)
+    if full:
+        p = engine.plan_rows(hidden, V, ldt, budget, 2, vocab.fused)
+        if not head.needs_first_pass(p.rows):
+            return p, True
+    p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
+    return grown(p, head.group, head.batch_scope, hidden, V, budget), False
+
+
+def grown(p: Plan, group: int, batch_scope: bool, hidden: Tensor, V: int, budget: int) -> Plan:
+    """The default budget's plan grown to hold one pair (`group` rows, head.unit_rows) within
+    PAIR_BLOCK_MAX_BYTES of tile, or p (a given budget, batch-invariant mode, a sorted type)."""
+    if budget or _backend.invariant() or batch_scope or group <= p.rows:
+        return p
+    elem = hidden.dtype.itemsize if p.input_tiles else 4
+    cap = PAIR_BLOCK_MAX_BYTES.get(hidden.device.type, PAIR_BLOCK_MAX_BYTES["cuda"])
+    if group * V * elem > cap:
+        return p
+    return dataclasses.replace(p, rows=min(group, hidden.shape[0]))
+
+
+def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor, ...]:
+    """linear_preference_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as
+    the schema names them (Call). vocab: how a tile is reduced (default whole_vocab; the
+    vocab-parallel form passes its shard's, whose labels it has checked against the whole
+    vocabulary). Returns (loss, stats, row_stats, token_stats, grad_hidden, grad_weight,
+    grad_bias)."""
+    hidden, labels = a.hidden, a.labels
+    R, T = labels.shape
+    N = R * T
+    dev = hidden.device
+    acc = acc_dtype(hidden.dtype)
+    ii = a.ignore_index
+    cpu_or_strict = dev.type == "cpu" or _backend.strict()
+    if vocab is None:
+        if cpu_or_strict:
+            check_labels_in_range(labels, a.weight.shape[0], ii)
+        vocab = whole_vocab(backend, a.temperature, ii)
+    if a.pairs is not None and cpu_or_strict:
+        check_pairs(a.pairs, R)
+    cfg = pref_head.config(a)
+    pref_head.check_reference(cfg, a.ref_logps is not None or a.ref_hidden is not None)
+    if a.mask is not None:  # off the mask: no log-prob, no gradient (the kernels skip the row)
+        labels = torch.where(
+            a.mask != 0, labels, torch.full((), ii, dtype=labels.dtype, device=dev)
+        )
+    layout = pref_head.Layout(cfg, a.pairs, R, T, dev)
+    head = pref_head.PreferenceHead(a, cfg, layout, labels, acc)
+    V = a.weight.shape[0]
+    full = a.ref_hidden is not None
+    plan, beside = plan_blocks(head, a, V, vocab)
+    flat = labels.reshape(-1)
+    order = layout.order
+    token_stats = _backend.new_output((3, R, T), acc, dev)
+    walked = order is not None
+    lp_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[0].view(-1)
+    ent_w = None
+    if head.with_entropy:
+        ent_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[1].view(-1)
+    else:
+        token_stats[1].zero_()
+    ref = ref_plan = None
+    if full:
+        rhead = (a.ref_hidden, a.ref_weight, a.ref_bias)
+        ref_plan = engine.plan_rows(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes)
+        ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
+        head.ref_tok = torch.empty(N, dtype=acc, device=dev)  # (walk order)
+        if not beside:  # the reference head's pass first (the first pass, if any, needs it)
+            engine.run(
+                engine.StoreStats(False),
+                vocab,
+                engine.Head(*rhead, flat, T, order),
+                ref_plan,
+                softcap=a.softcap,
+                lp_out=head.ref_tok,
+            )
+        else:
+            ref = rhead
+    gh, gW, gb = engine.run(
+        head,
+        vocab,
+        engine.Head(hidden, a.weight, a.bias, flat, T, order),
+        plan,
+        ref=ref,
+        ref_plan=ref_plan,
+        softcap=a.softcap,
+        need=(a.need_hidden, a.need_weight, a.need_bias),
+        lp_out=lp_w,
+        ent_out=ent_w,
+    )
+    if walked:
+        layout.unwalk_(token_stats[0].view(-1), lp_w)
+        if ent_w is not None:
+            layout.unwalk_(token_stats[1].view(-1), ent_w)
+    if full:  # the reference's token log-probs (0 off the mask)
+        layout.unwalk_(token_stats[2].view(-1), head.ref_tok)
+    else:
+        token_stats[2].zero_()
+    loss, stats = head.result()
+    row_stats = _backend.new_output((3, R), acc, dev)
+    layout.unwalk_(row_stats, torch.stack((head.seq, head.ref_seq, head.rewards)))
+    return loss, stats, row_stats, token_stats, gh, gW, gb
+
+
+def _impl(backend):
+    def impl(*args):
+        return run(backend, Call(*args))
+
+    impl.__name__ = f"linear_preference_loss_grads_{backend}"
+    return impl
+
+
+for _b in _backend.BACKENDS:
+    _backend.impl("linear_preference_loss_grads", _b)(_impl(_b))
+
+
+def _fake_outputs(a):
+    hidden = a.hidden
+    acc = acc_dtype(hidden.dtype)
+    R, T = a.labels.shape
+    loss = hidden.new_empty((), dtype=acc)
+    stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
+    return loss, stats, hidden.new_empty((3, R), dtype=acc), hidden.new_empty((3, R, T), dtype=acc)
+
+
+# The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it
+# as the C++ checks do (a meta tensor sends a call to its fake whatever the other arguments').
+_ON_HIDDENS_DEVICE = (
+    "weight", "labels", "mask", "bias", "pairs", "desirable", "ref_logps", "ref_hidden",
+    "ref_weight", "ref_bias", "reference_point",
+)  # fmt: skip
+
+
+def _check_devices(a):
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+
+
+@_backend.fake("linear_preference_loss")
+def _(*args):
+    a = Call(*args, False, False, False)
+    _check_devices(a)
+    return _fake_outputs(a)
+
+
+@_backend.fake("linear_preference_loss_grads")
+def _(*args):
+    a = Call(*args)
+    _check_devices(a)
+    hidden, weight = a.hidden, a.weight
+    acc = acc_dtype(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    gh = hidden.new_empty((N, H) if a.need_hidden else (0,))
+    gW = hidden.new_empty((V, H) if a.need_weight else (0,), dtype=acc)
+    gb = hidden.new_empty((V,) if (a.need_bias and a.bias is not None) else (0,), dtype=acc)
+    return (*_fake_outputs(a), gh, gW, gb)
+
+
+# --------------------------------------------------------------------------- without the extension
+N_OUT = 4  # loss, stats, row_stats, token_stats
+
+
+class _Precomputed(torch.autograd.Function):
+    """A chunk loop with its gradients attached, as the C++ autograd kernel does: runner(call)
+    gives run's outputs (the eager loop here; the vocab-parallel form's loop)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, runner, *args):
+        need = ctx.needs_input_grad[:3]
+        call = Call(*args, need[0], need[1], need[2] and bias is not None)
+        out = runner(call)
+        ctx.save_for_backward(*out[N_OUT:])
+        ctx.need, ctx.dtype = need, weight.dtype
+        ctx.mark_non_differentiable(*out[1:N_OUT])
+        return out[:N_OUT]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, *_):
+        gh, gW, gb = ctx.saved_tensors
+        h, w, b = ctx.need
+        return (
+            gh * g if h else None,
+            (gW * g).to(ctx.dtype) if w else None,
+            (gb * g).to(ctx.dtype) if b else None,
+            *(None,) * (1 + len(ARG_NAMES)),
+        )
+
+
+def with_grads(runner, args) -> tuple[Tensor, ...]:
+    """(loss, stats, row_stats, token_stats) of the op's arguments `args` by runner(Call) (run's
+    outputs), the gradients of hidden / weight / bias that require grad attached to the loss."""
+    a = Call(*args, False, False, False)
+    if not (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
+    ):
+        return runner(a)[:N_OUT]
+    return _Precomputed.apply(a.hidden, a.weight, a.bias, runner, *args)
+
+
+@_backend.fallback("linear_preference_loss")
+def _(*args):
+    _check_devices(Call(*args, False, False, False))
+    return with_grads(lambda call: run("eager", call), args)
