@@ -34,7 +34,7 @@ import torch
 from support.skips import NO_GLOO, requires_extension
 
 import ppo_kernels as pk
-import ppo_kernels.distill.op  # noqa: F401  (pk.distill.op: the tile kernels' rows)
+import ppo_kernels.distill.tiles  # noqa: F401  (pk.distill.tiles: the tile kernels' rows)
 from ppo_kernels import _backend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -213,10 +213,10 @@ def public_calls(group=None) -> list[Row]:
             dict(chosen_scores=scores, rejected_scores=randn(B)), {},
             ("chosen_scores", "rejected_scores")),
         # the distillation tile kernels (positional; no public function of their own)
-        Row("distill_tiles", "distill.op.forward",
+        Row("distill_tiles", "distill.tiles.forward",
             dict(student=randn(3, V), teacher=randn(3, V), labels=ints(V, 3),
                  mask=torch.tensor([True, True, False])), dict(t=1.25, div="jsd", b=0.5, ii=-100)),
-        Row("distill_tiles_grad", "distill.op.backward_",
+        Row("distill_tiles_grad", "distill.tiles.backward_",
             dict(student=randn(3, V), teacher=randn(3, V), labels=ints(V, 3),
                  mask=torch.tensor([True, True, False]), lse_student=randn(3),
                  lse_teacher=randn(3), aux=randn(3), lse_hard=randn(3), grad=randn(3),

@@ -16,7 +16,7 @@ from support.utils import GRAD_TOL, TOL, cpu_backends, poisoned
 
 from ppo_kernels import _backend
 from ppo_kernels.distill import naive as K
-from ppo_kernels.distill import op
+from ppo_kernels.distill import tiles
 from ppo_kernels.losses import distill_math as DM
 from ppo_kernels.losses import distill_naive as DN
 
@@ -29,7 +29,7 @@ def _run(backend, student, teacher, labels=None, mask=None, T=1.0, div="jsd", be
          grad=None, grad_hard=None, ignore_index=-100):  # fmt: skip
     """(forward outputs, the gradient tile) of one backend; the backward writes over a copy of
     the student tile (the tile is its own output)."""
-    fwd = op.forward.impls[backend](
+    fwd = tiles.forward.impls[backend](
         student, teacher, labels, mask, 1.0 / T, div, beta, ignore_index
     )
     N = student.shape[0]
@@ -37,7 +37,7 @@ def _run(backend, student, teacher, labels=None, mask=None, T=1.0, div="jsd", be
         grad = torch.ones(N)
     tile = student.clone()
     lse_h = fwd[5] if grad_hard is not None else None
-    op.backward_.impls[backend](tile, teacher, labels, mask, fwd[1], fwd[2], fwd[3], lse_h, grad,
+    tiles.backward_.impls[backend](tile, teacher, labels, mask, fwd[1], fwd[2], fwd[3], lse_h, grad,
                                 grad_hard, 1.0 / T, div, beta, ignore_index)  # fmt: skip
     return fwd, tile
 
@@ -159,11 +159,11 @@ def test_strided_rows_and_in_place_tile(backend):
     buf = torch.randn(4, 40)
     tbuf = torch.randn(4, 40)
     zs, zt = buf[:, 3:33], tbuf[:, 5:35]
-    fwd = op.forward.impls[backend](zs, zt, None, None, 1.0, "tv", 0.5, -100)
+    fwd = tiles.forward.impls[backend](zs, zt, None, None, 1.0, "tv", 0.5, -100)
     value, _, g = _ref(zs, zt, None, None, 1.0, "tv", 0.5, torch.ones(4), None)
     torch.testing.assert_close(fwd[0].double(), value, **TOL[torch.float32])
     before = buf.clone()
-    op.backward_.impls[backend](zs, zt, None, None, fwd[1], fwd[2], fwd[3], None, torch.ones(4),
+    tiles.backward_.impls[backend](zs, zt, None, None, fwd[1], fwd[2], fwd[3], None, torch.ones(4),
                                 None, 1.0, "tv", 0.5, -100)  # fmt: skip
     torch.testing.assert_close(buf[:, 3:33].double(), g, **GRAD_TOL[torch.float32])
     assert torch.equal(buf[:, :3], before[:, :3]) and torch.equal(buf[:, 33:], before[:, 33:])
@@ -172,7 +172,7 @@ def test_strided_rows_and_in_place_tile(backend):
 def test_backends_agree_on_empty_tiles():
     for backend in BACKENDS:
         e = torch.zeros(0, 11)
-        fwd = op.forward.impls[backend](e, e, torch.zeros(0, dtype=torch.long), None, 1.0, "jsd",
+        fwd = tiles.forward.impls[backend](e, e, torch.zeros(0, dtype=torch.long), None, 1.0, "jsd",
                                         0.5, -100)  # fmt: skip
         assert all(t.shape == (0,) for t in fwd)
 
@@ -182,7 +182,7 @@ class _Divergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, zs, zt, labels, inv_t, div, beta):
-        fwd = op.forward(zs, zt, labels, None, inv_t, div, beta, -100)
+        fwd = tiles.forward(zs, zt, labels, None, inv_t, div, beta, -100)
         ctx.save_for_backward(zs, zt, labels, *fwd)
         ctx.args = (inv_t, div, beta)
         return fwd[0], fwd[4]
@@ -192,7 +192,7 @@ class _Divergence(torch.autograd.Function):
         zs, zt, labels, _, ls, lt, aux, _, lh = ctx.saved_tensors
         tile = zs.detach().clone()
         inv_t, div, beta = ctx.args
-        op.backward_(tile, zt, labels, None, ls, lt, aux, lh, g, gh, inv_t, div, beta, -100)
+        tiles.backward_(tile, zt, labels, None, ls, lt, aux, lh, g, gh, inv_t, div, beta, -100)
         return tile, None, None, None, None, None
 
 
@@ -210,8 +210,8 @@ def test_gradcheck_of_the_kernel_gradient(div, beta):
 
 @requires_extension
 def test_mode_tables_match_the_cpp_ones():
-    assert tuple(torch.ops.ppo_kernels_C.distill_divergence_names()) == op.DIVERGENCES
-    assert op.DIVERGENCES == DM.DIVERGENCES == DN.DIVERGENCES == K.DIVERGENCES
+    assert tuple(torch.ops.ppo_kernels_C.distill_divergence_names()) == tiles.DIVERGENCES
+    assert tiles.DIVERGENCES == DM.DIVERGENCES == DN.DIVERGENCES == K.DIVERGENCES
     assert tuple(torch.ops.ppo_kernels_C.distill_topk_tail_names()) == DM.TOPK_TAILS
 
 
@@ -249,12 +249,12 @@ def test_bad_inputs_name_the_argument(backend, case):
              divergence="tv", beta=0.5, ignore_index=-100)  # fmt: skip
     a.update(kw)
     with pytest.raises(err, match=match):
-        op.forward.impls[backend](*a.values())
+        tiles.forward.impls[backend](*a.values())
     st = a["student"]
     n = st.shape[0] if st.dim() else 0
     with pytest.raises(err, match=match):
         r = torch.zeros(n)
-        op.backward_.impls[backend](st.clone(), a["teacher"], a["labels"], a["mask"], r, r, r, None,
+        tiles.backward_.impls[backend](st.clone(), a["teacher"], a["labels"], a["mask"], r, r, r, None,
                                     r, None, *list(a.values())[4:])  # fmt: skip
 
 
@@ -274,7 +274,7 @@ def test_bad_backward_rows_name_the_argument(backend):
         (dict(grad_hard=r, lse_hard=None), "lse_hard: a hard-label gradient"),
     ):
         with pytest.raises((ValueError, TypeError), match=match):
-            op.backward_.impls[backend](*args(**kw))
+            tiles.backward_.impls[backend](*args(**kw))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -304,10 +304,10 @@ def test_composes_liger_jsd_distillation_loss(backend, beta, w_hard, T):
     div = DM.resolve(cfg.divergence, cfg.beta)
     zs, zt = hs.detach() @ Ws.detach().T, ht @ Wt.T
     keep = labels != -100
-    fwd = op.forward.impls[backend](zs, zt, labels, keep, 1 / T, div, beta, -100)
+    fwd = tiles.forward.impls[backend](zs, zt, labels, keep, 1 / T, div, beta, -100)
     res = DM.combine(cfg, fwd[0], fwd[4], keep)
     tile = zs.clone()
-    op.backward_.impls[backend](tile, zt, labels, keep, fwd[1], fwd[2], fwd[3], fwd[5],
+    tiles.backward_.impls[backend](tile, zt, labels, keep, fwd[1], fwd[2], fwd[3], fwd[5],
                                 res.d_value, res.d_hard_logprob, 1 / T, div, beta, -100)  # fmt: skip
     tol = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(res.loss, loss.detach(), **tol)
