@@ -1,0 +1,510 @@
+"""token_logprobs under the distribution a rollout engine sampled from (temperature, min-p, top-k,
+top-p; vLLM's and SGLang's rules) and the head's statistics, on every backend available for CPU
+tensors (cpp, Triton through the interpreter, eager) against float64 references written from
+docs/ppo-math.md ("The distribution the rollout sampled from")."""
+
+import math
+
+import pytest
+import torch
+from _utils import GRAD_TOL, poisoned
+from conftest import cpu_backends
+
+import ppo_kernels as pk
+from ppo_kernels import _backend, use_backend
+from ppo_kernels.token_logprobs import naive as ref
+
+BACKENDS = cpu_backends("token_logprobs")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STATS = ("outside", "sum_p2", "lse", "topk", "is_argmax")
+ops = torch.ops.ppo_kernels
+
+
+# ---- a float64 reference written from the documented rules, token by token (no sort) ----
+
+
+def brute_kept(x, T, k, p, mp, sampler):
+    """The kept set of one row (a list of floats) straight from docs/ppo-math.md, in Python
+    floats: prefix masses over the rank order (decreasing logit, ties by index)."""
+    V = len(x)
+    z = [v / T for v in x]
+    zmax = max(z)
+    w = [math.exp(v - zmax) if v > -math.inf else 0.0 for v in z]
+    S = sum(w)
+    prob = [v / S for v in w]
+    pmax = max(prob)
+    minp_keep = [prob[j] >= mp * pmax for j in range(V)]
+    k_on = 0 < k < V
+    p_on = p < 1
+    order = sorted(range(V), key=lambda j: (-x[j], j))
+    if sampler == "vllm":
+        A = [j for j in order if minp_keep[j]]
+        B = A
+        if k_on and len(A) > k:
+            vk = x[A[k - 1]]
+            B = [j for j in A if x[j] >= vk]
+        if not p_on:
+            return set(B)
+        SB = sum(prob[j] for j in B)
+        kept, above, i = set(), 0.0, 0
+        while i < len(B):  # whole tie groups: the mass strictly above their value decides
+            g = [B[i]]
+            while i + len(g) < len(B) and x[B[i + len(g)]] == x[B[i]]:
+                g.append(B[i + len(g)])
+            if above / SB < p:
+                kept.update(g)
+            above += sum(prob[j] for j in g)
+            i += len(g)
+        return kept
+    kept, excl = set(), 0.0
+    for r, j in enumerate(order):
+        if (not k_on or r < k) and (not p_on or excl <= p) and minp_keep[j]:
+            kept.add(j)
+        excl += prob[j]
+    return kept
+
+
+def _rows(t, n):
+    return [float(v) for v in t.reshape(n)] if t.dim() else [float(t)] * n
+
+
+def kept_from_cut(logits, cut, cut_index):
+    V = logits.shape[-1]
+    x = logits.double()
+    j = torch.arange(V)
+    c = cut.double().unsqueeze(-1)
+    return (x > c) | ((x == c) & (j <= cut_index.unsqueeze(-1)))
+
+
+def sampler_op(logits, labels, T=1.0, k=0, p=1.0, mp=0.0, sampler="vllm", temps=None, ks=None,
+               ps=None, mps=None, ignore_index=-100, entropy=True, stats_top_k=0):  # fmt: skip
+    return ops.token_logprobs_sampler(
+        logits, labels, T, temps, k, ks, p, ps, mp, mps, sampler, ignore_index, entropy, True,
+        True, stats_top_k, True,
+    )  # fmt: skip
+
+
+def _inputs(N, V, dtype=torch.float32, scale=2.0, ignore_frac=0.0):
+    logits = (torch.randn(N, V) * scale).to(dtype)
+    labels = torch.randint(0, V, (N,))
+    labels[torch.rand(N) < ignore_frac] = -100
+    return logits, labels
+
+
+def _check_against_truth(logits, labels, T, k, p, mp, sampler, outs, rel=1e-4):
+    """The kernel's kept set lies between the documented sets at p / min_p nudged by `rel` (the
+    float32 rounding of the masses), exactly for top-k; log-probs, entropy and the statistics
+    equal the float64 values on the kernel's own kept set."""
+    N, V = logits.shape
+    lp, ent, lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax = outs
+    kept = kept_from_cut(logits, cut, cut_index)
+    Ts, ks_, ps_, mps_ = (_rows(torch.as_tensor(v), N) for v in (T, k, p, mp))
+    x64 = logits.double()
+    for r in range(N):
+        if int(labels[r]) == -100:
+            assert lp[r] == 0 and ent[r] == 0 and not outside[r]
+            continue
+        row = [float(v) for v in x64[r]]
+        kk, pp, mm = int(ks_[r]), ps_[r], mps_[r]
+        inner = brute_kept(row, Ts[r], kk, pp * (1 - rel), min(1.0, mm * (1 + rel)), sampler)
+        outer = brute_kept(row, Ts[r], kk, min(1.0, pp * (1 + rel)), mm * (1 - rel), sampler)
+        got = set(torch.nonzero(kept[r]).flatten().tolist())
+        assert inner <= got <= outer, (r, sorted(inner), sorted(got), sorted(outer))
+        z = x64[r] / Ts[r]
+        zk = torch.where(kept[r], z, torch.full_like(z, -math.inf))
+        lsk = torch.logsumexp(zk, 0)
+        q = torch.exp(zk - lsk)
+        lab = int(labels[r])
+        want_lp = (z[lab] - lsk).item() if kept[r, lab] else -math.inf
+        assert bool(outside[r]) == (not bool(kept[r, lab]))
+        if want_lp == -math.inf:
+            assert lp[r] == -math.inf
+        else:
+            assert abs(lp[r].item() - want_lp) <= 5e-5 + 2e-5 * abs(want_lp), (r, lp[r], want_lp)
+        h = -(q[q > 0] * torch.log(q[q > 0])).sum().item()
+        assert abs(ent[r].item() - h) <= 5e-5 + 2e-5 * h, (r, ent[r], h)
+        assert abs(lse[r].item() - lsk.item()) <= 5e-5 + 2e-5 * abs(lsk.item())
+        assert abs(sum_p2[r].item() - (q * q).sum().item()) <= 2e-5
+        fl = torch.logsumexp(z, 0).item()
+        assert abs(full_lse[r].item() - fl) <= 5e-5 + 2e-5 * abs(fl)
+        assert bool(is_argmax[r]) == bool(x64[r, lab] == x64[r].max())
+        if top_ids.numel():
+            K = top_ids.shape[-1]
+            order = sorted(range(V), key=lambda j: (-row[j], j))[:K]
+            assert top_ids[r].tolist() == order
+            for i, j in enumerate(order):
+                want = (z[j] - lsk).item() if kept[r, j] else -math.inf
+                got_lp = top_lp[r, i].item()
+                assert (got_lp == want) if want == -math.inf else abs(got_lp - want) < 1e-4
+
+
+SETTINGS = [
+    # (T, top_k, top_p, min_p)
+    (1.0, 5, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.3, 0, 1.0, 0.05),
+    (0.8, 20, 0.95, 0.02),
+    (1.0, 1, 1.0, 0.0),
+    (1.0, 0, 0.3, 0.0),
+    (0.5, 3, 0.5, 0.5),
+    (1.0, 0, 1.0, 1.0),
+    (2.0, 100, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("V", [7, 50, 2500])
+def test_kept_set_and_outputs_follow_the_rules(backend, sampler, setting, V):
+    T, k, p, mp = setting
+    logits, labels = _inputs(12, V, ignore_frac=0.2)
+    with use_backend(backend), poisoned():
+        outs = sampler_op(logits, labels, T, k, p, mp, sampler, stats_top_k=min(V, 6))
+    _check_against_truth(logits, labels, T, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_per_row_parameters(backend, sampler):
+    N, V = 16, 300
+    logits, labels = _inputs(N, V, ignore_frac=0.1)
+    T = torch.rand(N) + 0.5
+    k = torch.randint(0, 40, (N,))
+    p = torch.rand(N) * 0.8 + 0.2
+    p[::3] = 1.0
+    mp = torch.rand(N) * 0.2
+    mp[::2] = 0.0
+    with use_backend(backend), poisoned():
+        outs = sampler_op(logits, labels, 1.0, 0, 1.0, 0.0, sampler, T, k, p, mp, stats_top_k=4)
+    _check_against_truth(logits, labels, T, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_ties(backend, sampler):
+    """Tied logits at every boundary: the k-th value, the top-p crossing, the min-p bound."""
+    N, V = 24, 40
+    logits = torch.randint(-3, 4, (N, V)).float()  # many ties
+    labels = torch.randint(0, V, (N,))
+    for k, p, mp in [(3, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.3), (5, 0.7, 0.1), (1, 1.0, 0.0)]:
+        with use_backend(backend), poisoned():
+            outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, stats_top_k=8)
+        _check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [33, 4099, 32000])
+def test_dtypes_and_sizes(backend, dtype, V):
+    logits, labels = _inputs(4, V, dtype, scale=3.0, ignore_frac=0.2)
+    for sampler in ("vllm", "sglang"):
+        with use_backend(backend), poisoned():
+            outs = sampler_op(logits, labels, 0.9, 40, 0.9, 0.01, sampler, stats_top_k=5)
+        _check_against_truth(logits.float(), labels, 0.9, 40, 0.9, 0.01, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_and_peaked_rows(backend):
+    """Rows where top-p keeps most of a large vocabulary, and rows where it keeps one token: the
+    band estimates of the CPU kernel miss on purpose in some of them (its exact fallback)."""
+    V = 20000
+    flat = torch.randn(3, V) * 0.3
+    peaked = torch.randn(3, V)
+    peaked[:, 7] = 40.0
+    big_k = torch.randn(2, V) * 2
+    logits = torch.cat([flat, peaked, big_k])
+    labels = torch.randint(0, V, (8,))
+    for sampler in ("vllm", "sglang"):
+        for k, p, mp in [(0, 0.9, 0.0), (0, 0.999, 0.0), (5000, 0.95, 0.0), (0, 0.5, 0.001)]:
+            with use_backend(backend), poisoned():
+                outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler)
+            _check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_options_off_equal_the_plain_op(backend):
+    """No option (or every option off, or a temperature tensor of equal values): the plain
+    softmax; the cpp kernels run the plain op's rows for it, bit for bit."""
+    logits, labels = _inputs(9, 300, ignore_frac=0.2)
+    with use_backend(backend):
+        lp0, ent0 = pk.token_logprobs(logits, labels, temperature=0.7, return_entropy=True)
+        T = torch.full((9,), 0.7)
+        lp1, ent1 = pk.token_logprobs(logits, labels, temperature=T, return_entropy=True)
+        lp2, ent2 = pk.token_logprobs(
+            logits, labels, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, return_entropy=True
+        )
+    tol = dict(rtol=0, atol=0) if backend == "cpp" else dict(rtol=1e-6, atol=1e-6)
+    for a, b in ((lp0, lp1), (ent0, ent1), (lp0, lp2), (ent0, ent2)):
+        torch.testing.assert_close(a, b, **tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_on_the_kept_set(backend, sampler, dtype):
+    N, V = 10, 200
+    logits, labels = _inputs(N, V, dtype, ignore_frac=0.2)
+    T = torch.rand(N) + 0.5
+    x = logits.clone().requires_grad_(True)
+    with use_backend(backend), poisoned():
+        lp, ent = pk.token_logprobs(
+            x, labels, temperature=T, top_k=30, top_p=0.8, min_p=0.01, sampler=sampler,
+            return_entropy=True,
+        )  # fmt: skip
+        g_lp, g_ent = torch.randn_like(lp), torch.randn_like(ent)
+        finite = torch.isfinite(lp)
+        (torch.where(finite, lp, 0) * g_lp + ent * g_ent).sum().backward()
+        outs = sampler_op(logits, labels, 1.0, 30, 0.8, 0.01, sampler, temps=T)
+    kept = kept_from_cut(logits, outs[3], outs[4])
+    x64 = logits.double().requires_grad_(True)
+    z = x64 / T.double().unsqueeze(-1)
+    zk = torch.where(kept, z, torch.full_like(z, -math.inf))
+    logq = zk - torch.logsumexp(zk, -1, keepdim=True)
+    q = logq.exp()
+    valid = labels != -100
+    lab = labels.clamp(min=0)
+    lp64 = logq.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+    ent64 = -torch.where(q > 0, q * logq, torch.zeros_like(q)).sum(-1)
+    use = valid & torch.isfinite(lp64)
+    total = (
+        torch.where(use, lp64, 0) * g_lp.double() + torch.where(valid, ent64, 0) * g_ent.double()
+    )
+    total.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL[dtype])
+    assert torch.equal(torch.isfinite(lp), use | ~valid)
+
+
+def test_gradcheck_float64():
+    """float64 logits run the float64 reference: gradcheck of log-probs and entropy, the kept set
+    held fixed (away from its boundaries by construction)."""
+    N, V = 3, 12
+    logits = torch.randn(N, V, dtype=torch.float64) * 2
+    labels = torch.tensor([0, 5, 11])
+    T = torch.tensor([0.7, 1.0, 1.5], dtype=torch.float64)
+
+    def f(x):
+        lp, ent = pk.token_logprobs(
+            x, labels, temperature=T, top_k=6, top_p=0.9, return_entropy=True
+        )
+        return torch.where(torch.isfinite(lp), lp, 0), ent
+
+    torch.autograd.gradcheck(f, (logits.requires_grad_(True),))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_label_outside_the_kept_set(backend):
+    """-inf (never NaN), counted, and no log-prob gradient; the entropy's still flows."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    labels = torch.tensor([0, 4, -100])
+    x = logits.clone().requires_grad_(True)
+    with use_backend(backend):
+        lp, ent, st = pk.token_logprobs(x, labels, top_k=2, return_entropy=True, stats=("outside",))
+        assert lp[0] > -math.inf and lp[1] == -math.inf and lp[2] == 0
+        assert st.outside.tolist() == [False, True, False] and int(st.num_outside) == 1
+        lp[1].sum().backward(retain_graph=True)
+        assert torch.equal(x.grad, torch.zeros_like(x))
+        ent[1].backward()
+        assert x.grad[1, :2].abs().sum() > 0 and torch.equal(x.grad[1, 2:], torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_undefined_rows_stay_nan(backend):
+    V = 10
+    logits = torch.randn(4, V)
+    logits[0, 3] = float("nan")
+    logits[1] = -float("inf")
+    logits[2, 1] = float("inf")
+    labels = torch.tensor([1, 2, 3, 4])
+    with use_backend(backend):
+        lp, ent = pk.token_logprobs(logits, labels, top_p=0.9, top_k=3, return_entropy=True)
+    assert torch.isnan(lp[:3]).all() and torch.isnan(ent[:3]).all()
+    assert torch.isfinite(ent[3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflowing_scaled_logits(backend):
+    """Finite logits whose scaled value overflows float32: exact results (float64 slow path)."""
+    logits = torch.tensor([[3e38, 2.9e38, 1e38, 0.0, -3e38]] * 2)
+    labels = torch.tensor([0, 1])
+    with use_backend(backend):
+        lp, ent = pk.token_logprobs(logits, labels, temperature=0.5, top_k=2, return_entropy=True)
+    # z gap 2e37 between the two kept tokens: p = (1, 0) in any precision
+    assert lp[0] == 0 and lp[1] == -math.inf or lp[1] < -1e30
+    assert torch.isfinite(ent).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_boundaries(backend):
+    """k = 1 (greedy), k = V (off), p -> 0 (the top token), p = 1, min_p = 1 (the maxima)."""
+    logits, labels = _inputs(6, 30)
+    top = logits.argmax(-1)
+    labels[:3] = top[:3]
+    with use_backend(backend):
+        for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+            lp = pk.token_logprobs(logits, labels, **kw)
+            assert torch.equal(lp[:3], torch.zeros(3))
+            assert (lp[3:][labels[3:] != top[3:]] == -math.inf).all()
+        plain = pk.token_logprobs(logits, labels)
+        for kw in ({"top_k": 30}, {"top_k": 1000}, {"top_p": 1.0}, {"min_p": 0.0}):
+            torch.testing.assert_close(pk.token_logprobs(logits, labels, **kw), plain)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_without_truncation(backend):
+    logits, labels = _inputs(8, 500, ignore_frac=0.25)
+    with use_backend(backend), poisoned():
+        outs = ops.token_logprobs_sampler(
+            logits, labels, 0.8, None, 0, None, 1.0, None, 0.0, None, "vllm", -100, True, True,
+            True, 7, True,
+        )  # fmt: skip
+    _check_against_truth(logits, labels, 0.8, 0, 1.0, 0.0, "vllm", outs)
+    ignored = labels == -100
+    assert (outs[8][ignored] == -1).all() and (outs[9][ignored] == 0).all()
+
+
+def test_statistics_api():
+    logits, labels = _inputs(5, 64)
+    lp, st = pk.token_logprobs(logits, labels, stats=STATS, stats_top_k=4)
+    assert st.top_ids.shape == (5, 4) and st.top_logprobs.shape == (5, 4)
+    assert st.num_outside == 0 and not st.outside.any()
+    lp2, st2 = pk.token_logprobs(logits, labels, stats="sum_p2")
+    assert st2.lse is None and st2.sum_p2 is not None
+    torch.testing.assert_close(lp2, lp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_sequence_and_per_token_shapes(backend):
+    B, Tn, V = 3, 4, 40
+    logits = torch.randn(B, Tn, V)
+    labels = torch.randint(0, V, (B, Tn))
+    temps = torch.tensor([0.5, 1.0, 2.0])
+    ks = torch.tensor([[1, 2, 3, 4]] * B)
+    with use_backend(backend):
+        a = pk.token_logprobs(logits, labels, temperature=temps, top_k=ks)
+        b = torch.stack(
+            [
+                torch.stack(
+                    [
+                        pk.token_logprobs(
+                            logits[i, t : t + 1], labels[i, t : t + 1],
+                            temperature=float(temps[i]), top_k=int(ks[i, t]),
+                        )[0]
+                        for t in range(Tn)
+                    ]
+                )
+                for i in range(B)
+            ]
+        )  # fmt: skip
+    torch.testing.assert_close(a, b)
+
+
+BAD = [
+    (dict(top_k=-1), ValueError, "top_k"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(min_p=2.0), ValueError, "min_p"),
+    (dict(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0])), ValueError, "temperature"),
+    (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), ValueError, "temperature"),
+    (dict(temperature=torch.ones(5)), ValueError, "temperature"),
+    (dict(temperature=torch.ones(4, dtype=torch.int64)), TypeError, "temperature"),
+    (dict(top_k=torch.tensor([1, -2, 3, 4])), ValueError, "top_k"),
+    (dict(top_k=torch.ones(4)), TypeError, "top_k"),
+    (dict(top_p=torch.tensor([0.5, 0.0, 1.0, 1.0])), ValueError, "top_p"),
+    (dict(min_p=torch.tensor([0.5, 1.5, 0.0, 0.0])), ValueError, "min_p"),
+    (dict(top_p=0.5, sampler="hf"), ValueError, "sampler"),
+    (dict(stats=("nope",)), ValueError, "stats"),
+    (dict(stats=("topk",)), ValueError, "stats_top_k"),
+    (dict(stats=("topk",), stats_top_k=65), ValueError, "stats_top_k"),
+    (dict(top_k=1.5), TypeError, "top_k"),
+    (dict(top_p="0.5"), TypeError, "top_p"),
+    (dict(top_p=0.5, inplace_backward=True), ValueError, "inplace_backward"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD)
+def test_bad_inputs_name_the_argument(kw, exc, name):
+    logits, labels = _inputs(4, 10)
+    with pytest.raises(exc, match=name):
+        pk.token_logprobs(logits, labels, **kw)
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason="the registered op needs the extension")
+def test_registered_op_checks_its_tensors():
+    logits, labels = _inputs(4, 10)
+    with pytest.raises(ValueError, match="top_p"):
+        sampler_op(logits, labels, p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler_op(logits, labels, temps=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="top_k"):
+        sampler_op(logits, labels, ks=torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="stats_top_k"):
+        sampler_op(logits, labels, stats_top_k=11)
+    with pytest.raises(IndexError, match="labels"):
+        sampler_op(logits, torch.tensor([0, 1, 2, 10]))
+    lp, ent, lse, cut, ci, *_ = sampler_op(logits, labels, p=0.5)
+    g = torch.ones(4)
+    with pytest.raises(ValueError, match="cut_index"):
+        ops.token_logprobs_sampler_backward(g, None, logits, labels, lse, ent, cut, ci[:3], 1.0,
+                                            None, -100)  # fmt: skip
+    with pytest.raises(TypeError, match="cut"):
+        ops.token_logprobs_sampler_backward(g, None, logits, labels, lse, ent, cut.double(), ci,
+                                            1.0, None, -100)  # fmt: skip
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason="opcheck needs the registered op")
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_opcheck(sampler):
+    logits, labels = _inputs(5, 30, ignore_frac=0.2)
+    x = logits.requires_grad_(True)
+    T = torch.rand(5) + 0.5
+    args = (x, labels, 1.0, T, 4, None, 0.8, None, 0.01, None, sampler, -100, True, True, True,
+            3, True)  # fmt: skip
+    torch.library.opcheck(ops.token_logprobs_sampler.default, args)
+    outs = ops.token_logprobs_sampler(*args)
+    bargs = (torch.randn(5), torch.randn(5), logits.detach(), labels, outs[2], outs[1], outs[3],
+             outs[4], 1.0, T, -100)  # fmt: skip
+    torch.library.opcheck(ops.token_logprobs_sampler_backward.default, bargs)
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason="compile traces the registered op")
+def test_compile():
+    logits, labels = _inputs(6, 40)
+    T = torch.rand(6) + 0.5
+
+    def f(x, y, t):
+        lp, ent, st = pk.token_logprobs(
+            x, y, temperature=t, top_k=5, top_p=0.9, min_p=0.01, return_entropy=True,
+            stats=STATS, stats_top_k=3,
+        )  # fmt: skip
+        return lp, ent, st.num_outside, st.top_ids
+
+    want = f(logits, labels, T)
+    got = torch.compile(f, fullgraph=True, dynamic=True)(logits, labels, T)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariant(backend):
+    """A row's outputs do not depend on the rows around it, in batch-invariant mode."""
+    logits, labels = _inputs(20, 333)
+    with use_backend(backend), pk.batch_invariant():
+        full = sampler_op(logits, labels, 0.9, 7, 0.9, 0.01, "vllm", stats_top_k=3)
+        part = sampler_op(logits[5:9], labels[5:9], 0.9, 7, 0.9, 0.01, "vllm", stats_top_k=3)
+    for a, b in zip(full, part):
+        if a.numel():
+            assert torch.equal(a[5:9], b) or torch.allclose(
+                a[5:9], b, equal_nan=True, atol=0, rtol=0
+            )
+
+
+def test_eager_baseline_agrees():
+    """bench's eager sort-and-cumsum baseline (vLLM's code) against the op."""
+    logits, labels = _inputs(6, 500)
+    labels = logits.argsort(-1, descending=True)[:, 3]  # inside every kept set below
+    for kw in ({"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.01}, {"top_k": 20, "top_p": 0.95}):
+        want = ref.eager_sampled_logprobs(logits, labels, temperature=0.8, **kw)
+        got = pk.token_logprobs(logits, labels, temperature=0.8, **kw)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
