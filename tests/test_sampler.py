@@ -259,14 +259,14 @@ def test_gradients_on_the_kept_set(backend, sampler, dtype):
     kept = kept_from_cut(logits, outs[3], outs[4])
     x64 = logits.double().requires_grad_(True)
     z = x64 / T.double().unsqueeze(-1)
-    zk = torch.where(kept, z, torch.full_like(z, -math.inf))
-    logq = zk - torch.logsumexp(zk, -1, keepdim=True)
-    q = logq.exp()
+    lse = torch.logsumexp(torch.where(kept, z, torch.full_like(z, -math.inf)), -1, keepdim=True)
+    logq = torch.where(kept, z - lse, torch.zeros_like(z))  # (no -inf: no NaN gradient)
+    q = torch.where(kept, logq.exp(), torch.zeros_like(z))
     valid = labels != -100
     lab = labels.clamp(min=0)
+    use = valid & kept.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
     lp64 = logq.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-    ent64 = -torch.where(q > 0, q * logq, torch.zeros_like(q)).sum(-1)
-    use = valid & torch.isfinite(lp64)
+    ent64 = -(q * logq).sum(-1)
     total = (
         torch.where(use, lp64, 0) * g_lp.double() + torch.where(valid, ent64, 0) * g_ent.double()
     )
@@ -508,3 +508,82 @@ def test_eager_baseline_agrees():
         want = ref.eager_sampled_logprobs(logits, labels, temperature=0.8, **kw)
         got = pk.token_logprobs(logits, labels, temperature=0.8, **kw)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the CUDA kernels (csrc/cuda/token_logprobs_sampler.cuh) under the SIMT emulator ----------
+
+
+def _simt_case(seed, dtype, N, V, settings, strided=False, max_row_blocks=1 << 20):
+    """Forward (every output) and backward of the emulated CUDA kernels against the rules and the
+    float64 values on their kept set, outputs NaN-poisoned."""
+    from _simt import emulated, launches
+
+    if strided:
+        logits = (torch.randn(N, 2, V) * 2).to(dtype)[:, 0]
+    else:
+        logits = (torch.randn(N, V) * 2).to(dtype)
+    labels = torch.randint(0, V, (N,))
+    labels[:: max(1, N // 3)] = -100
+    for T, k, p, mp, sampler in settings:
+        with emulated(seed, max_row_blocks=max_row_blocks, token_logprobs="cpp"):
+            outs = sampler_op(logits, labels, T, k, p, mp, sampler, stats_top_k=min(V, 5))
+            x = logits.clone().requires_grad_(True)
+            lp, ent = pk.token_logprobs(
+                x, labels, temperature=T, top_k=k, top_p=p, min_p=mp, sampler=sampler,
+                return_entropy=True,
+            )  # fmt: skip
+            g = torch.randn(N)
+            (torch.where(torch.isfinite(lp), lp, 0) * g + ent).sum().backward()
+            names = [e.split()[0] + " " + e.split()[1] for e in launches()]
+        assert names == [
+            "token_logprobs_sampler fwd_kernel",
+            "token_logprobs_sampler fwd_kernel",
+            "token_logprobs_sampler bwd_kernel",
+        ], names
+        _check_against_truth(logits.float(), labels, T, k, p, mp, sampler, outs)
+        with use_backend("eager"):
+            x64 = logits.double().requires_grad_(True)
+            lp64, ent64 = pk.token_logprobs(
+                x64, labels, temperature=T, top_k=k, top_p=p, min_p=mp, sampler=sampler,
+                return_entropy=True,
+            )  # fmt: skip
+            (torch.where(torch.isfinite(lp64), lp64, 0) * g.double() + ent64).sum().backward()
+        same = torch.isfinite(lp) == torch.isfinite(lp64)  # rows whose kept sets agree
+        torch.testing.assert_close(
+            x.grad[same].double(), x64.grad[same], **GRAD_TOL[dtype], equal_nan=True
+        )
+
+
+SIMT_SETTINGS = [
+    (0.7, 5, 1.0, 0.0, "vllm"),
+    (1.0, 0, 0.8, 0.02, "vllm"),
+    (1.3, 20, 0.9, 0.0, "sglang"),
+    (1.0, 0, 0.5, 0.1, "sglang"),
+]
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("seed", (0, 1))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_simt_sampler(seed, dtype):
+    pytest.importorskip("ppo_kernels._simt")
+    _simt_case(seed, dtype, 5, 300, SIMT_SETTINGS)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("seed", (0, 1))
+def test_simt_sampler_ties_strided_grid_stride(seed):
+    """Tied logits (SGLang's split tie group: the serial tie scan), strided rows, and more rows
+    than blocks (the shared scratch reused across rows)."""
+    pytest.importorskip("ppo_kernels._simt")
+    from _simt import emulated
+
+    N, V = 7, 41
+    logits = torch.randint(-3, 4, (N, 2, V)).float()[:, 1]
+    labels = torch.randint(0, V, (N,))
+    for k, p, mp, sampler in [(3, 1.0, 0.0, "sglang"), (0, 0.5, 0.0, "sglang"),
+                              (4, 0.7, 0.1, "vllm")]:  # fmt: skip
+        with emulated(seed, max_row_blocks=3, token_logprobs="cpp"):
+            outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, stats_top_k=8)
+        _check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
+    _simt_case(seed, torch.float32, 6, 70, SIMT_SETTINGS[:2], strided=True, max_row_blocks=2)

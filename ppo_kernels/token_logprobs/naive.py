@@ -113,14 +113,14 @@ def _sorted_rows(x):
     return torch.sort(x, dim=-1, descending=True, stable=True)
 
 
-def sampler_kept(x, temperature, top_k, top_p, min_p, sampler="vllm"):
+def sampler_kept(x, inv_temperature, top_k, top_p, min_p, sampler="vllm"):
     """The kept set of each row of x [N, V] (any float dtype; computed in its dtype) as the engines
-    compute it: sort, then cumulative sums. temperature, top_k (int, 0 = off), top_p (1 = off),
-    min_p (0 = off) are [N] tensors. Returns (kept [N, V] bool in token order, sorted indices,
+    compute it: sort, then cumulative sums. inv_temperature (1 / T), top_k (int, 0 = off), top_p
+    (1 = off), min_p (0 = off) are [N] tensors. Returns (kept [N, V] bool in token order, sorted indices,
     z sorted relative to the row max, the last kept rank [N], the row's active flag [N])."""
     N, V = x.shape
     xs, idx = _sorted_rows(x)
-    zs = (xs - xs[:, :1]) / temperature.to(x.dtype).unsqueeze(-1)  # z - max z, <= 0
+    zs = (xs - xs[:, :1]) * inv_temperature.to(x.dtype).unsqueeze(-1)  # z - max z, <= 0
     ps = torch.softmax(zs, dim=-1)
     keep = zs >= torch.log(min_p.to(x.dtype)).unsqueeze(-1)  # p_j >= min_p * p_max
     k = top_k.long()
@@ -148,7 +148,7 @@ def sampler_kept(x, temperature, top_k, top_p, min_p, sampler="vllm"):
         keep = keep & ~(p_on.unsqueeze(-1) & ~(excl <= p))
     else:
         raise ValueError(f"sampler: expected one of {SAMPLERS}, got {sampler!r}")
-    last = keep.sum(-1) - 1
+    last = (keep.sum(-1) - 1).clamp(min=0)  # (the top token is always kept for top_p > 0)
     kept = torch.zeros_like(keep).scatter(-1, idx, keep)
     active = k_on | p_on | (min_p > 0)
     return kept, idx, xs, zs, last, active
@@ -157,7 +157,7 @@ def sampler_kept(x, temperature, top_k, top_p, min_p, sampler="vllm"):
 def sampler_forward(
     logits,
     labels,
-    temperature,
+    inv_temperature,
     top_k,
     top_p,
     min_p,
@@ -170,7 +170,7 @@ def sampler_forward(
     with_is_argmax=False,
 ):
     """token_logprobs under the sampler's distribution. logits [..., V]; labels and the per-token
-    parameters (temperature, top_k, top_p, min_p) with labels.shape. Computed in float64 for
+    parameters (inv_temperature = 1 / T, top_k, top_p, min_p) with labels.shape. Computed in float64 for
     float64 logits, else float32. Returns (logprobs, entropy, lse, cut, cut_index, outside,
     sum_p2, full_lse, top_ids, top_logprobs, is_argmax), each with labels.shape (top_* with a
     last dim of stats_top_k); entropy and the statistics not asked for are empty.
@@ -186,7 +186,7 @@ def sampler_forward(
     x = logits.to(acc).reshape(-1, V)
     lab = labels.reshape(-1)
     N = lab.numel()
-    per = [t.reshape(-1) for t in (temperature, top_k, top_p, min_p)]
+    per = [t.reshape(-1) for t in (inv_temperature, top_k, top_p, min_p)]
     mx = x.amax(-1) if V > 0 else x.new_zeros(N)
     bad = ~(torch.logsumexp(x - mx.nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1), -1).isfinite()) | (
         ~mx.isfinite()
@@ -196,14 +196,14 @@ def sampler_forward(
     ks = kept.gather(-1, idx)  # kept, in rank order
     zk = torch.where(ks, zs, torch.full_like(zs, -float("inf")))
     lse_s = torch.logsumexp(zk, -1)  # of z - max z over the kept set
-    t = per[0].to(acc)
+    it = per[0].to(acc)
     ignored, valid, safe = _label_masks(lab, V, ignore_index)
     xl = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     in_set = kept.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     nan = torch.full((N,), float("nan"), dtype=acc, device=x.device)
-    lp = torch.where(in_set, (xl - mx) / t - lse_s, torch.full_like(nan, -float("inf")))
+    lp = torch.where(in_set, (xl - mx) * it - lse_s, torch.full_like(nan, -float("inf")))
     lp = torch.where(valid & ~bad, lp, nan).masked_fill(ignored, 0.0)
-    lse = torch.where(bad, nan, mx / t + lse_s).masked_fill(ignored, 0.0)
+    lse = torch.where(bad, nan, mx * it + lse_s).masked_fill(ignored, 0.0)
     logq = zk - lse_s.unsqueeze(-1)
     q = logq.exp()
     cut = xs.gather(-1, last.unsqueeze(-1)).squeeze(-1)
@@ -226,7 +226,7 @@ def sampler_forward(
     sum_p2 = finish((q * q).sum(-1)) if with_sum_p2 else empty
     full_lse = empty
     if with_lse:
-        fl = mx / t + torch.logsumexp(zs, -1)
+        fl = mx * it + torch.logsumexp(zs, -1)
         full_lse = torch.where(bad, nan, fl).masked_fill(ignored, 0.0).reshape(shape)
     if stats_top_k > 0:
         kk = stats_top_k
@@ -265,23 +265,23 @@ def sampler_backward(
     entropy,
     cut,
     cut_index,
-    temperature,
+    inv_temperature,
     ignore_index=-100,
 ):
     """Gradient w.r.t. logits of sum(grad_logprobs * logprobs + grad_entropy * entropy) under the
     kept set (cut, cut_index) of sampler_forward, in logits' dtype: on the kept set K,
     (g_lp * (onehot - q) - g_ent * q * (log q + H)) / T with q = softmax(z) renormalised on K; 0
     outside K, and no log-prob term for a label outside K. q is recomputed relative to the row max
-    (the saved lse may have overflowed)."""
+    (the saved lse may have overflowed). inv_temperature: per-token 1 / T with labels.shape."""
     V = logits.shape[-1]
     acc = _acc(logits.dtype)
     x = logits.to(acc)
-    t = temperature.to(acc).unsqueeze(-1)
+    it = inv_temperature.to(acc).unsqueeze(-1)
     j = torch.arange(V, device=x.device)
     c = cut.to(acc).unsqueeze(-1)
     kept = (x > c) | ((x == c) & (j <= cut_index.unsqueeze(-1)))
     m = x.amax(-1, keepdim=True) if V > 0 else x.new_zeros(x.shape[:-1] + (1,))
-    z = torch.where(kept, (x - m) / t, torch.full_like(x, -float("inf")))
+    z = torch.where(kept, (x - m) * it, torch.full_like(x, -float("inf")))
     logq = z - torch.logsumexp(z, -1, keepdim=True)
     q = logq.exp()
     ignored, valid, safe = _label_masks(labels, V, ignore_index)
@@ -292,7 +292,7 @@ def sampler_backward(
         w = torch.where(q > 0, q * (logq + entropy.to(acc).unsqueeze(-1)), torch.zeros_like(q))
         g = g - grad_entropy.to(acc).unsqueeze(-1) * w
     g = g.scatter_add(-1, safe.unsqueeze(-1), glp.unsqueeze(-1))
-    g = g / t
+    g = g * it
     g = torch.where(valid.unsqueeze(-1), g, torch.full_like(g, float("nan")))
     g = g.masked_fill(ignored.unsqueeze(-1), 0.0)
     return g.to(logits.dtype)

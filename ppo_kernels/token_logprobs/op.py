@@ -223,15 +223,22 @@ def _flat_param(tensor, labels, dtype):
     return _per_token(None, tensor, labels, dtype).reshape(-1).contiguous()
 
 
+def _kernel_param(value, flat, labels, dtype):
+    """A kernel's per-token parameter (labels.numel() values, or None: the scalar) with
+    labels.shape."""
+    if flat is None:
+        return torch.full(labels.shape, value, dtype=dtype, device=labels.device)
+    return flat.to(dtype).reshape(labels.shape)
+
+
 def _eager_params(labels, inv_temperature, inv_temperatures, top_k, top_ks, top_p, top_ps, min_p,
                   min_ps):  # fmt: skip
     f64 = torch.float64
-    inv = _per_token(inv_temperature, inv_temperatures, labels, f64)
     return (
-        1.0 / inv,
-        _per_token(top_k, top_ks, labels, torch.int64),
-        _per_token(top_p, top_ps, labels, f64),
-        _per_token(min_p, min_ps, labels, f64),
+        _kernel_param(inv_temperature, inv_temperatures, labels, f64),
+        _kernel_param(top_k, top_ks, labels, torch.int64),
+        _kernel_param(top_p, top_ps, labels, f64),
+        _kernel_param(min_p, min_ps, labels, f64),
     )
 
 
@@ -310,7 +317,7 @@ def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, cut, cut_index,
       inv_temperatures, ignore_index, grad_logits):  # fmt: skip
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    t = 1.0 / _per_token(inv_temperature, inv_temperatures, labels, torch.float64)
+    t = _kernel_param(inv_temperature, inv_temperatures, labels, torch.float64)
     grad_logits.copy_(
         _backend.invariant_rows(
             lambda gl, ge, x, y, ls, en, c, ci, tt: naive.sampler_backward(
