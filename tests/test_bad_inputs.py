@@ -1059,6 +1059,35 @@ CASES = [
         "C.token_logprobs_sampler_bwd(g6, None, logits, labels, o[2], o[1], o[3][:1], o[4], 1.0, None, -100, torch.empty_like(logits))",
         "cut",
     ),
+    # --- full_kl with per-row temperatures
+    (
+        "fkr_temperature_shape",
+        False,
+        "each",
+        "ops.full_kl_row_temperature(logits, ref, torch.ones(3), None)",
+        "temperature",
+    ),
+    (
+        "fkr_temperature_zero",
+        False,
+        "each",
+        "ops.full_kl_row_temperature(logits, ref, torch.tensor([1.0, 0.0]), None)",
+        "temperature",
+    ),
+    (
+        "fkr_bwd_kl_shape",
+        False,
+        "each",
+        "ops.full_kl_row_temperature_backward(g6, logits, ref, None, kl[:1], lz, lw, torch.ones(2), True)",
+        "kl",
+    ),
+    (
+        "C_fk_fwd_inv_temperatures",
+        True,
+        None,
+        "C.full_kl_fwd(logits, ref, None, 1.0, torch.ones(5, dtype=torch.float64))",
+        "inv_temperatures",
+    ),
 ]
 
 

@@ -192,48 +192,76 @@ inline int mask_bits(Vec m) {
 #endif
 }
 
-// The statistics pass: softmax stats of z = x * inv_t (as row_logprob's), the sum of exp(2 nd)
-// when asked (relative to the final max), and the largest logit.
+// The statistics pass: softmax stats of z = x * inv_t (as row_logprob's) and, when asked, the
+// sum of exp(2 nd) (relative to the final max), in the same loop over each L1-resident block.
 struct RowStatsExt {
   SoftmaxStats st;
-  float e2;    // sum exp(2 (z_j - st.m))
-  float xmax;  // max x (NaN-propagating)
+  float e2;  // sum exp(2 (z_j - st.m))
 };
 
+// block_stats with sum exp(2 (z - m)) too (one exp per value).
+inline SoftmaxStats block_stats_e2(const float* z, int64_t n, float m, float& e2) {
+  e2 = 0.f;
+  if (m == -INFINITY) return stats_empty();
+  if (m == INFINITY || m != m) return {m, NAN, NAN};
+  const Vec vm(m), floor_(-FLT_MAX);
+  Vec vs(0.f), vu(0.f), v2(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec d = Vec::loadu(z + i) - vm;
+    const Vec e = d.exp_u20();
+    vs = vs + e;
+    vu = at::vec::fmadd(e, at::vec::clamp_min(d, floor_), vu);
+    v2 = at::vec::fmadd(e, e, v2);
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
+  };
+  float s = sum(vs), u = sum(vu);
+  e2 = sum(v2);
+  for (; i < n; ++i) {
+    const float d = z[i] - m;
+    const float e = std::exp(d);
+    s += e;
+    u += weighted_offset(e, d);
+    e2 += e * e;
+  }
+  return {m, s, u};
+}
+
 template <typename scalar_t>
-RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2,
-                          bool with_xmax) {
+RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2) {
   SoftmaxStats st = stats_empty();
-  float e2 = 0.f, xmax = -INFINITY;
+  float e2 = 0.f;
   for (int64_t j = 0; j < V; j += kBlock) {
     const int64_t n = std::min(kBlock, V - j);
     const float m = load_scaled(row + j, n, inv_t, buf);
-    const SoftmaxStats b = block_stats(buf, n, m);
-    if (with_e2 && m > -INFINITY && m < INFINITY) {
-      // sum exp(2 (z - m)) of the block, then rescaled to the running max
-      const Vec vm(m);
-      Vec acc(0.f);
-      int64_t i = 0;
-      for (; i + Vec::size() <= n; i += Vec::size()) {
-        const Vec e = (Vec::loadu(buf + i) - vm).exp_u20();
-        acc = at::vec::fmadd(e, e, acc);
-      }
-      float s2 = at::vec::vec_reduce_all<float>([](Vec a, Vec c) { return a + c; }, acc);
-      for (; i < n; ++i) {
-        const float e = std::exp(buf[i] - m);
-        s2 += e * e;
-      }
-      const float m_new = nan_max(st.m, m);
-      const float fa = st.m > -INFINITY ? std::exp(2.f * (st.m - m_new)) : 0.f;
-      const float fb = std::exp(2.f * (m - m_new));
-      e2 = e2 * fa + s2 * fb;
+    if (!with_e2) {
+      st = stats_merge(st, block_stats(buf, n, m));
+      continue;
     }
-    if (with_xmax) {
-      for (int64_t i = 0; i < n; ++i) xmax = nan_max(xmax, static_cast<float>(row[j + i]));
-    }
+    float b2;
+    const SoftmaxStats b = block_stats_e2(buf, n, m, b2);
+    const float m_new = nan_max(st.m, m);
+    // e2 relative to the new max: times exp(2 (m_old - m_new)) (0 for an empty state)
+    const float fa = st.s == 0.f ? 0.f : std::exp(2.f * (st.m - m_new));
+    const float fb = b.s == 0.f ? 0.f : std::exp(2.f * (m - m_new));
+    e2 = e2 * fa + b2 * fb;
     st = stats_merge(st, b);
   }
-  return {st, e2, xmax};
+  return {st, e2};
+}
+
+// Whether x_label is the row's largest logit: its scaled value is the max z, and (when scaling
+// could have rounded two logits to one value) no logit exceeds it.
+template <typename scalar_t>
+bool label_is_argmax(const scalar_t* row, int64_t V, float xl, float inv_t, float m) {
+  const float zl = inv_t != 1.f ? scaled(xl, inv_t) : xl;
+  if (!(zl == m)) return false;
+  if (inv_t == 1.f) return true;
+  for (int64_t j = 0; j < V; ++j)
+    if (static_cast<float>(row[j]) > xl) return false;
+  return true;
 }
 
 // nd = x * inv_t - m for a vector of float logits, rounded as load_scaled rounds the product.
@@ -242,32 +270,70 @@ inline float nd_of(float x, float inv_t, float m, bool scale) {
   return (scale ? scaled(x, inv_t) : x) - m;
 }
 
+// The smallest float logit x whose nd (as nd_of computes it) is at least `bound` (more than it when
+// strict): nd is non-decreasing in x, so a decision on nd is a comparison of x with this, exact
+// (a binary search over the floats' order-preserving keys, on the same nd_of).
+inline float x_threshold(float bound, bool strict, float inv_t, float m) {
+  const bool scale = inv_t != 1.f;
+  const auto pass = [&](float x) {
+    const float nd = nd_of(x, inv_t, m, scale);
+    return strict ? nd > bound : nd >= bound;
+  };
+  const auto key_of = [](float x) {
+    int32_t b;
+    std::memcpy(&b, &x, 4);
+    return b ^ ((b >> 31) & 0x7FFFFFFF);
+  };
+  const auto value_of = [](int32_t k) {
+    const int32_t b = k ^ ((k >> 31) & 0x7FFFFFFF);
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
+  };
+  int64_t lo = key_of(-INFINITY), hi = key_of(INFINITY);
+  if (pass(-INFINITY)) return -INFINITY;
+  if (!pass(INFINITY)) return INFINITY;  // (nothing finite passes)
+  while (hi - lo > 1) {                  // pass(value_of(hi)) holds, pass(value_of(lo)) does not
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pass(value_of(static_cast<int32_t>(mid)))) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return value_of(static_cast<int32_t>(hi));
+}
+
 // Step 3: tokens with nd > theta_hi summed into `above`, those with theta_lo <= nd <= theta_hi
 // collected into `band` (in index order), those with floor <= nd < theta_lo summed into `mid`
-// (count and mass; floor = +inf: none).
+// (count and mass; floor = +inf: none). The bounds are turned into logit thresholds first, so a
+// vector of the row is one comparison away from being skipped.
 template <typename scalar_t>
 void band_pass(const scalar_t* row, int64_t V, float inv_t, float m, float theta_lo, float theta_hi,
                float floor, MassSums<float>& above, MassSums<float>& mid,
                std::vector<BandItem<float>>& band) {
   const bool scale = inv_t != 1.f;
-  const Vec vt(inv_t), vm(m), vlo(theta_lo), vhi(theta_hi), vfl(floor), vinf(INFINITY);
-  Vec sa(0.f), ua(0.f), e2a(0.f), xa(INFINITY), sm(0.f);
+  const float xa = x_threshold(theta_hi, true, inv_t, m);   // above: x >= xa
+  const float xb = x_threshold(theta_lo, false, inv_t, m);  // band: xb <= x < xa
+  const float xf = floor == INFINITY ? INFINITY : x_threshold(floor, false, inv_t, m);
+  const Vec vt(inv_t), vm(m), vxa(xa), vxb(xb), vxf(xf), vany(std::min(xb, xf)), vinf(INFINITY);
+  Vec sa(0.f), ua(0.f), e2a(0.f), xma(INFINITY), sm(0.f);
   int64_t na = 0, nm = 0;
   band.clear();
   alignas(32) float xs[Vec::size()], nds[Vec::size()], es[Vec::size()];
   const auto vec8 = [&](Vec x, int64_t j0) {
-    const Vec nd = nd_of(x, vt, vm, scale);
-    const Vec up = nd > vhi;
-    const Vec in = (nd >= vlo) & (nd <= vhi);
-    const Vec lowish = (nd >= vfl) & (nd < vlo);
+    if (mask_bits(x >= vany) == 0) return;  // every lane below the band and mid
+    const Vec up = x >= vxa;
+    const Vec in = (x >= vxb) & (x < vxa);
+    const Vec lowish = (x >= vxf) & (x < vxb);
     const int ma = mask_bits(up), mb = mask_bits(in), mm = mask_bits(lowish);
-    if ((ma | mb | mm) == 0) return;
+    const Vec nd = nd_of(x, vt, vm, scale);
     const Vec e = nd.exp_u20();
     if (ma) {
       sa = sa + (e & up);
       ua = ua + ((e * nd) & up);
       e2a = e2a + ((e * e) & up);
-      xa = at::vec::minimum(xa, Vec::blendv(vinf, x, up));
+      xma = at::vec::minimum(xma, Vec::blendv(vinf, x, up));
       na += __builtin_popcount(ma);
     }
     if (mm) {
@@ -302,18 +368,19 @@ void band_pass(const scalar_t* row, int64_t V, float inv_t, float m, float theta
   above.u = sum(ua);
   above.e2 = sum(e2a);
   above.xmin =
-      at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::minimum(a, b); }, xa);
+      at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::minimum(a, b); }, xma);
   above.n = na;
   mid.s = sum(sm);
   mid.n = nm;
   for (; j < V; ++j) {
     const float x = static_cast<float>(row[j]);
+    if (!(x >= std::min(xb, xf))) continue;
     const float nd = nd_of(x, inv_t, m, scale);
-    if (nd > theta_hi) {
+    if (x >= xa) {
       above.add(std::exp(nd), nd, x);
-    } else if (nd >= theta_lo) {
+    } else if (x >= xb) {
       band.push_back({x, nd, std::exp(nd), static_cast<int32_t>(j)});
-    } else if (nd >= floor) {
+    } else {
       mid.s += std::exp(nd);
       ++mid.n;
     }
@@ -330,8 +397,7 @@ struct SampleBounds {
 class RowSample {
  public:
   static constexpr int64_t kSize = 1024;
-  // nd and exp(nd) of evenly spaced tokens (the whole row when V <= kSize), sorted by nd
-  // descending.
+  // nd of evenly spaced tokens (the whole row when V <= kSize); ordered only on demand.
   template <typename scalar_t>
   void take(const scalar_t* row, int64_t V, float inv_t, float m, std::vector<float>& nd,
             std::vector<float>& e) {
@@ -342,32 +408,43 @@ class RowSample {
       const int64_t j = n == V ? i : (i * V) / n;
       nd[i] = nd_of(static_cast<float>(row[j]), inv_t, m, scale);
     }
-    std::sort(nd.begin(), nd.end(), [](float a, float b) { return a > b; });
-    e.resize(n);
-    for (int64_t i = 0; i < n; ++i) e[i] = std::exp(nd[i]);
     nd_ = nd.data();
-    e_ = e.data();
+    ev_ = &e;
     n_ = n;
     V_ = V;
+    sorted_ = false;
+  }
+  // The i-th largest sampled nd (1-based; a partial selection, no sort).
+  float largest(int64_t i) {
+    if (sorted_) return nd_[i - 1];
+    std::nth_element(nd_, nd_ + (i - 1), nd_ + n_, [](float a, float b) { return a > b; });
+    return nd_[i - 1];
   }
   // Bounds on the nd of the k-th token (1-based) in rank order; lo is sure when `sure` asks it
   // and the sample has k tokens (k of them lie at or above it).
-  SampleBounds kth(int64_t k, bool sure) const {
+  SampleBounds kth(int64_t k, bool sure) {
     const double r = static_cast<double>(k) * n_ / V_;
     const double margin = 4.0 * std::sqrt(r) + 4.0;
     int64_t i_lo = sure ? k : static_cast<int64_t>(std::ceil(r + margin));
     const int64_t i_hi = static_cast<int64_t>(std::floor(r - margin));
     if (n_ == V_) i_lo = k;  // the whole row: exact
     SampleBounds b{-INFINITY, INFINITY};
-    if (i_lo >= 1 && i_lo <= n_) b.lo = nd_[i_lo - 1];
-    if (n_ == V_ && k >= 1 && k <= n_) b.hi = k >= 2 ? nd_[k - 2] : INFINITY;
-    if (n_ < V_ && i_hi >= 1) b.hi = nd_[i_hi - 1];  // at most ~i_hi * V / n tokens above
+    if (i_lo >= 1 && i_lo <= n_) b.lo = largest(i_lo);
+    if (n_ == V_ && k >= 2 && k <= n_) b.hi = largest(k - 1);
+    if (n_ < V_ && i_hi >= 1) b.hi = largest(i_hi);  // at most ~i_hi * V / n tokens above
     if (b.hi < b.lo) b.hi = b.lo;
     return b;
   }
   // Bounds on where the mass above reaches a fraction f of the mass of the tokens with
   // nd >= floor (the sample's estimate).
-  SampleBounds mass_fraction(double f, float floor) const {
+  SampleBounds mass_fraction(double f, float floor) {
+    if (!sorted_) {
+      std::sort(nd_, nd_ + n_, [](float a, float b) { return a > b; });
+      ev_->resize(n_);
+      for (int64_t i = 0; i < n_; ++i) (*ev_)[i] = std::exp(nd_[i]);
+      e_ = ev_->data();
+      sorted_ = true;
+    }
     double total = 0, sq = 0;
     int64_t n = 0;
     for (; n < n_ && nd_[n] >= floor; ++n) {
@@ -396,9 +473,11 @@ class RowSample {
   }
 
  private:
-  const float* nd_ = nullptr;
+  float* nd_ = nullptr;
   const float* e_ = nullptr;
+  std::vector<float>* ev_ = nullptr;
   int64_t n_ = 0, V_ = 1;
+  bool sorted_ = false;
 };
 
 // Step 4: the walk over the band, in rank order after the tokens `above` it. Returns false when
@@ -535,9 +614,15 @@ struct BandBounds {
   float lo, hi, floor;
 };
 
-inline BandBounds band_bounds(const RowSample& smp, const SamplerRowArgs& a, int64_t V) {
+inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V, float full_mass) {
   const bool k_on = top_k_on(a.top_k, V), p_on = top_p_on(a.top_p);
   const float minp = min_p_bound(a.min_p);
+  // a sure lower bound on top-p's cut when the reference mass is at least `ref`: the tokens below
+  // it hold less than (1 - p) of it (the sample's estimate of the cut is poor where a few tokens
+  // carry most of the mass)
+  const auto sure_p = [&](float ref) {
+    return std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V));
+  };
   // small k: the sure bound (k sampled tokens at or above it); larger: an estimate
   const bool sure_k = a.top_k <= 32;
   BandBounds b{minp, minp, INFINITY};
@@ -551,7 +636,7 @@ inline BandBounds band_bounds(const RowSample& smp, const SamplerRowArgs& a, int
     }
     if (p_on) {
       const SampleBounds q = smp.mass_fraction(a.top_p, -INFINITY);
-      b.lo = std::max(b.lo, q.lo);
+      b.lo = std::max({b.lo, q.lo, sure_p(full_mass)});
       b.hi = std::max(b.hi, q.hi);
     }
   } else if (k_on) {
@@ -562,7 +647,8 @@ inline BandBounds band_bounds(const RowSample& smp, const SamplerRowArgs& a, int
     if (p_on) b.hi = std::max(b.hi, smp.mass_fraction(a.top_p, k.lo).hi);
   } else if (p_on) {
     const SampleBounds q = smp.mass_fraction(a.top_p, minp);
-    b.lo = std::max(minp, q.lo);
+    // (min-p on: its set's mass is at least the top token's, 1)
+    b.lo = std::max({minp, q.lo, sure_p(min_p_on(a.min_p) ? 1.f : full_mass)});
     b.hi = std::max(b.hi, q.hi);
     if (min_p_on(a.min_p)) b.floor = minp;  // min-p's mass below the band, for top-p's target
   }
@@ -609,12 +695,12 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   o.cut_index = V - 1;
   o.outside = false;
   o.sum_p2 = 0.f;
-  const RowStatsExt rs =
-      row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, a.with_is_argmax);
+  const RowStatsExt rs = row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc);
   const SoftmaxStats& st = rs.st;
   const float xl = static_cast<float>(row[label]);
-  o.is_argmax = xl == rs.xmax;
   o.full_lse = stats_lse(st);
+  o.is_argmax =
+      a.with_is_argmax && std::isfinite(o.full_lse) && label_is_argmax(row, V, xl, inv_t, st.m);
   if (!std::isfinite(o.full_lse)) {
     const RowStats64 r64 = row_stats64(row, V, static_cast<double>(inv_t));
     if (!(r64.m == r64.m)) {  // NaN / +inf logits, or all -inf: undefined
@@ -638,6 +724,7 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     TORCH_CHECK(ok || !trunc, "token_logprobs_sampler: internal error (float64 row)");
     const double lsk = std::log(w.kept.s);
     const bool kept = !trunc || in_kept_set(xl, label, w.cut, w.cut_index);
+    o.is_argmax = a.with_is_argmax && static_cast<double>(row[label]) == xmax;
     o.cut = trunc ? w.cut : -INFINITY;
     o.cut_index = trunc ? w.cut_index : V - 1;
     o.outside = !kept;
@@ -669,7 +756,7 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   smp.take(row, V, inv_t, m, ws.sample_nd, ws.sample_e);
   BandBounds bb;
   if (trunc) {
-    bb = band_bounds(smp, a, V);
+    bb = band_bounds(smp, a, V, st.s);
   } else {
     bb = {smp.kth(a.stats_top_k, true).lo, INFINITY, INFINITY};
   }

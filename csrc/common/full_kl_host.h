@@ -19,6 +19,22 @@ inline void check_kl_inv_temperature(double inv_temperature) {
               inv_temperature);
 }
 
+// Per-row inverse temperatures (float64, one per row, contiguous), or nullptr: the scalar for every
+// row. Their values are read on the host for CPU tensors (positive, finite in float32).
+inline const double* kl_inv_temperatures(const std::optional<at::Tensor>& t,
+                                         const at::Device& device, int64_t N) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check_arg(*t, "inv_temperatures", device);
+  TORCH_CHECK(t->scalar_type() == at::kDouble && t->numel() == N && t->is_contiguous(),
+              "inv_temperatures: expected ", N, " contiguous float64 values (one per row), got ",
+              t->scalar_type(), " ", t->sizes());
+  const double* p = t->const_data_ptr<double>();
+  if (t->is_cpu()) {
+    for (int64_t r = 0; r < N; ++r) check_kl_inv_temperature(p[r]);
+  }
+  return p;
+}
+
 inline KLRows prepare_kl_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
   TORCH_CHECK(logits_in.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
   check_arg(logits_in, "logits", logits_in.device(), Kind::kFloating);

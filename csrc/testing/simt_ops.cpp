@@ -141,23 +141,22 @@ void token_logprobs_sampler_bwd(const at::Tensor& glp, const std::optional<at::T
   g.write_back(grad_logits, out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(const at::Tensor& logits,
-                                                           const at::Tensor& ref,
-                                                           const std::optional<at::Tensor>& mask,
-                                                           double inv_t) {
-  const Guarded g(logits, ref, mask);
-  return full_kl_cuda::fwd<Device>(g(logits), g(ref), g(mask), inv_t);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(
+    const at::Tensor& logits, const at::Tensor& ref, const std::optional<at::Tensor>& mask,
+    double inv_t, const std::optional<at::Tensor>& inv_ts) {
+  const Guarded g(logits, ref, mask, inv_ts);
+  return full_kl_cuda::fwd<Device>(g(logits), g(ref), g(mask), inv_t, g(inv_ts));
 }
 
 void full_kl_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ref,
                  const std::optional<at::Tensor>& mask, const at::Tensor& kl, const at::Tensor& lz,
                  const at::Tensor& lw, double inv_t, at::Tensor grad_logits,
-                 std::optional<at::Tensor> grad_ref) {
-  const Guarded g(grad, logits, ref, mask, kl, lz, lw, grad_logits, grad_ref);
+                 std::optional<at::Tensor> grad_ref, const std::optional<at::Tensor>& inv_ts) {
+  const Guarded g(grad, logits, ref, mask, kl, lz, lw, grad_logits, grad_ref, inv_ts);
   const at::Tensor gx = g(grad_logits);
   const std::optional<at::Tensor> gy = g(grad_ref);
-  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx,
-                            gy);
+  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx, gy,
+                            g(inv_ts));
   g.write_back(grad_logits, gx);
   if (grad_ref.has_value()) g.write_back(*grad_ref, *gy);
 }

@@ -13,6 +13,7 @@ from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _full_kl = _backend.op("full_kl")
+_full_kl_rows = _backend.op("full_kl_row_temperature")
 
 
 def _check_args(logits, ref_logits, temperature, vocab_parallel):
@@ -41,7 +42,7 @@ def full_kl(
     logits: Tensor,
     ref_logits: Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     mask: Tensor | None = None,
     process_group=None,
 ) -> Tensor:
@@ -54,7 +55,10 @@ def full_kl(
             contiguous. Gradient flows to it.
         ref_logits: the reference model's logits, same shape and dtype, own strides. Gradient
             flows to it only if it requires grad.
-        temperature: positive float applied to both (a runtime value: no recompiles).
+        temperature: positive float applied to both (a runtime value: no recompiles), or a float
+            tensor of per-row values whose shape is a leading part of logits.shape[:-1] (`[B]`
+            per sequence or `[B, T]` per token for `[B, T, V]` logits), e.g. a rollout's
+            per-request temperatures. No gradient flows to it.
         mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
             and are not read.
 
@@ -66,7 +70,8 @@ def full_kl(
         float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
     See ppo_kernels/full_kl/naive.py for the documented edge cases.
     """
-    if type(temperature) is not float:  # the op checks its value; a float passes for free
+    per_row = isinstance(temperature, Tensor)
+    if type(temperature) is not float and not per_row:  # the op checks the value (floats: free)
         temperature = check_temperature(temperature)
     if not (isinstance(logits, Tensor) and isinstance(ref_logits, Tensor)):
         check_tensor("logits", logits)
@@ -82,6 +87,30 @@ def full_kl(
         if mask.dtype != torch.bool:
             mask = mask != 0
         mask = mask.contiguous()
+    if per_row:
+        check_tensor("temperature", temperature, dtypes=FLOAT_DTYPES)
+        rows = tuple(logits.shape[:-1])
+        if temperature.device != logits.device:
+            raise ValueError(
+                f"temperature: expected device {logits.device} (like logits), "
+                f"got {temperature.device}"
+            )
+        if tuple(temperature.shape) != rows[: temperature.dim()]:
+            raise ValueError(
+                "temperature: expected a shape that is a leading part of logits.shape[:-1] "
+                f"{rows} (per row or per token), got {tuple(temperature.shape)}"
+            )
+        if process_group is not None:
+            raise ValueError(
+                "process_group: per-row temperatures are not supported with the vocab-parallel "
+                "form yet"
+            )
+        if not _backend.HAS_EXTENSION:
+            _check_args(logits, ref_logits, 1.0, vocab_parallel=False)
+            if not bool((temperature > 0).all()):
+                raise ValueError("temperature: expected positive values")
+        kl, _, _ = _full_kl_rows(logits, ref_logits, temperature, mask)
+        return kl
     if process_group is not None:
         _check_args(logits, ref_logits, temperature, vocab_parallel=True)
         from ..distributed.vocab_parallel import vocab_parallel_full_kl

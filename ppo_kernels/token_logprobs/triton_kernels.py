@@ -576,7 +576,7 @@ def _sampler_bwd_kernel(
         logq = (x - xmax) * inv_t - log_sk
         q = tl.where(kept, tl.exp(logq), 0.0)
         g = -a * q - b * (q * tl.maximum(logq + h, -FLT_MAX))
-        g = g + tl.where((offs == label) & in_set, a, 0.0)
+        g = g + tl.where(offs == label, a, 0.0)  # (a = 0 when the label is outside the set)
         g = tl.where(valid, g, float("nan"))
         g = tl.where(ignored, 0.0, g)
         tl.store(gbase + offs, g.to(G.dtype.element_ty), mask=msk)
