@@ -172,6 +172,8 @@ struct SamplerWorkspace {
   RankedBand<float> ranked;
   RankedBand<double> ranked64;
   std::vector<float> sample_nd, sample_e;
+  std::vector<int32_t> hcnt;
+  std::vector<float> hs, hu, he2;
   float buf[kBlock];
 };
 
@@ -266,6 +268,7 @@ bool label_is_argmax(const scalar_t* row, int64_t V, float xl, float inv_t, floa
 
 // nd = x * inv_t - m for a vector of float logits, rounded as load_scaled rounds the product.
 inline Vec nd_of(Vec x, Vec vt, Vec vm, bool scale) { return (scale ? rounded(x * vt) : x) - vm; }
+inline bool inv_t_scales(float inv_t) { return inv_t != 1.f; }
 inline float nd_of(float x, float inv_t, float m, bool scale) {
   return (scale ? scaled(x, inv_t) : x) - m;
 }
@@ -419,6 +422,26 @@ class RowSample {
     if (sorted_) return nd_[i - 1];
     std::nth_element(nd_, nd_ + (i - 1), nd_ + n_, [](float a, float b) { return a > b; });
     return nd_[i - 1];
+  }
+  // The lowest sampled nd below which the row's estimated mass (the sampled masses times V / n)
+  // stays within `budget` (relative to the max token, as the masses): a lower bound on top-p's
+  // cut when the budget is a part of (1 - p) of the reference mass. The bulk of a row is what
+  // a uniform sample estimates well.
+  float mass_below_bound(double budget) {
+    mass_fraction(0.5, -INFINITY);  // (orders the sample and computes its masses)
+    double acc = 0;
+    const double w = static_cast<double>(V_) / n_;
+    for (int64_t i = n_ - 1; i >= 0; --i) {
+      acc += e_[i] * w;
+      if (acc > budget) return i + 1 < n_ ? nd_[i + 1] : nd_[i];
+    }
+    return -INFINITY;
+  }
+  // The row's estimated number of tokens with lo <= nd <= hi.
+  double count_between(float lo, float hi) const {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n_; ++i) c += nd_[i] >= lo && nd_[i] <= hi;
+    return static_cast<double>(c) * V_ / n_;
   }
   // Bounds on the nd of the k-th token (1-based) in rank order; lo is sure when `sure` asks it
   // and the sample has k tokens (k of them lie at or above it).
@@ -612,6 +635,7 @@ bool walk_band(RankedBand<T>& band, const MassSums<T>& above, const MassSums<T>&
 // summed).
 struct BandBounds {
   float lo, hi, floor;
+  float lo_sure = -INFINITY;  // a lower bound that always holds (top-p without top-k)
 };
 
 inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V, float full_mass) {
@@ -636,7 +660,9 @@ inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V
     }
     if (p_on) {
       const SampleBounds q = smp.mass_fraction(a.top_p, -INFINITY);
-      b.lo = std::max({b.lo, q.lo, sure_p(full_mass)});
+      b.lo_sure = std::max(b.lo, sure_p(full_mass));
+      const float est = smp.mass_below_bound(0.5 * (1.0 - a.top_p) * full_mass);
+      b.lo = std::max({b.lo, q.lo, b.lo_sure, k_on ? -INFINITY : est});
       b.hi = std::max(b.hi, q.hi);
     }
   } else if (k_on) {
@@ -648,7 +674,10 @@ inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V
   } else if (p_on) {
     const SampleBounds q = smp.mass_fraction(a.top_p, minp);
     // (min-p on: its set's mass is at least the top token's, 1)
-    b.lo = std::max({minp, q.lo, sure_p(min_p_on(a.min_p) ? 1.f : full_mass)});
+    const float ref = min_p_on(a.min_p) ? 1.f : full_mass;
+    b.lo_sure = std::max(minp, sure_p(ref));
+    const float est = smp.mass_below_bound(0.5 * (1.0 - a.top_p) * ref);
+    b.lo = std::max({minp, q.lo, b.lo_sure, est});
     b.hi = std::max(b.hi, q.hi);
     if (min_p_on(a.min_p)) b.floor = minp;  // min-p's mass below the band, for top-p's target
   }
@@ -658,6 +687,219 @@ inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V
   }
   b.hi = std::max(b.hi, b.lo);
   return b;
+}
+
+// A wide band (top-p without top-k on a flat row, where the band holds a large part of the
+// vocabulary): per-bucket sums over nd instead of the tokens (one pass), then only the bucket where
+// top-p's boundary falls is collected and sorted (a second, mostly skipped, pass). Returns false
+// when a bound did not hold (the caller falls back to the bounds that always hold).
+constexpr int64_t kWideBand = 16384;  // tokens: above this the band is bucketed, not collected
+constexpr int64_t kWideBuckets = 2048;
+
+template <typename scalar_t>
+bool top_p_wide(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
+                const BandBounds& bb, SamplerWorkspace& ws, WalkResult<float>& w) {
+  const bool scale = inv_t_scales(a.inv_t);
+  const float inv_t = a.inv_t;
+  const float hi_nd = std::min(bb.hi, 0.f), lo_nd = bb.lo;
+  if (!(lo_nd > -INFINITY) || !(hi_nd > lo_nd)) return false;
+  const int64_t NB = kWideBuckets;
+  const float bscale = static_cast<float>(NB - 1) / (hi_nd - lo_nd);
+  const float xa = x_threshold(bb.hi, true, inv_t, m);
+  const float xb = x_threshold(bb.lo, false, inv_t, m);
+  const float xf = bb.floor == INFINITY ? INFINITY : x_threshold(bb.floor, false, inv_t, m);
+  ws.hcnt.assign(NB, 0);
+  ws.hs.assign(NB, 0.f);
+  ws.hu.assign(NB, 0.f);
+  ws.he2.assign(NB, 0.f);
+  int32_t* hc = ws.hcnt.data();
+  float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
+  const Vec vt(inv_t), vm(m), vxa(xa), vxb(xb), vxf(xf), vany(std::min(xb, xf)), vinf(INFINITY),
+      vhi(hi_nd), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f);
+  Vec sa(0.f), ua(0.f), e2a(0.f), xma(INFINITY), sm(0.f);
+  int64_t na = 0, nm = 0;
+  alignas(32) float nds[Vec::size()], es[Vec::size()], bs[Vec::size()];
+  const auto bucket_of = [&](float nd) {
+    const float f = std::min((hi_nd - nd) * bscale, static_cast<float>(NB - 1));
+    return f > 0.f ? static_cast<int64_t>(f) : int64_t(0);
+  };
+  const auto vec8 = [&](Vec x, int64_t) {
+    if (mask_bits(x >= vany) == 0) return;
+    const Vec up = x >= vxa;
+    const Vec in = (x >= vxb) & (x < vxa);
+    const Vec lowish = (x >= vxf) & (x < vxb);
+    const int ma = mask_bits(up), mb = mask_bits(in), mm = mask_bits(lowish);
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec e = nd.exp_u20();
+    if (ma) {
+      sa = sa + (e & up);
+      ua = ua + ((e * nd) & up);
+      e2a = e2a + ((e * e) & up);
+      xma = at::vec::minimum(xma, Vec::blendv(vinf, x, up));
+      na += __builtin_popcount(ma);
+    }
+    if (mm) {
+      sm = sm + (e & lowish);
+      nm += __builtin_popcount(mm);
+    }
+    if (mb) {
+      const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
+      f.store(bs);
+      nd.store(nds);
+      e.store(es);
+      for (int bits = mb; bits; bits &= bits - 1) {
+        const int i = __builtin_ctz(bits);
+        const int64_t b = static_cast<int64_t>(bs[i]);
+        ++hc[b];
+        hs[b] += es[i];
+        hu[b] += es[i] > 0.f ? es[i] * nds[i] : 0.f;
+        he2[b] += es[i] * es[i];
+      }
+    }
+  };
+  MassSums<float> above, mid;
+  int64_t j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      vec8(p0, j);
+      vec8(p1, j + Vec::size());
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) vec8(Vec::loadu(row + j), j);
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
+  };
+  above.s = sum(sa);
+  above.u = sum(ua);
+  above.e2 = sum(e2a);
+  above.xmin =
+      at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return at::vec::minimum(p, q); }, xma);
+  above.n = na;
+  mid.s = sum(sm);
+  mid.n = nm;
+  // the scalar tail: the bucket from the same float expression as the vector lanes'
+  for (; j < V; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (!(x >= std::min(xb, xf))) continue;
+    const float nd = nd_of(x, inv_t, m, scale);
+    const float e = std::exp(nd);
+    if (x >= xa) {
+      above.add(e, nd, x);
+    } else if (x >= xb) {
+      const int64_t b = bucket_of(nd);
+      ++hc[b];
+      hs[b] += e;
+      hu[b] += e > 0.f ? e * nd : 0.f;
+      he2[b] += e * e;
+    } else {
+      mid.s += e;
+      ++mid.n;
+    }
+  }
+  // top-p's target and the bucket its boundary falls in
+  float ref = full_mass;
+  if (!a.sglang && min_p_on(a.min_p)) {  // renormalised on what min-p keeps
+    if (bb.floor == INFINITY) return false;
+    ref = above.s + mid.s;
+    for (int64_t b = 0; b < NB; ++b) ref += hs[b];
+  }
+  const float tau = a.top_p * ref;
+  if (!top_p_keeps(a.sglang, above.s, tau)) return false;  // the boundary lies above the band
+  float acc = above.s;
+  int64_t bstar = -1;
+  for (int64_t b = 0; b < NB; ++b) {
+    if (a.sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
+      bstar = b;
+      break;
+    }
+    acc += hs[b];
+  }
+  if (bstar < 0) return false;  // the boundary lies below the band
+  // the tokens of that bucket
+  std::vector<BandItem<float>>& items = ws.band;
+  items.clear();
+  const auto collect = [&](Vec x, int64_t j0) {
+    const int mb = mask_bits((x >= vxb) & (x < vxa));
+    if (mb == 0) return;
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
+    alignas(32) float xs[Vec::size()];
+    f.store(bs);
+    nd.store(nds);
+    x.store(xs);
+    for (int bits = mb; bits; bits &= bits - 1) {
+      const int i = __builtin_ctz(bits);
+      if (static_cast<int64_t>(bs[i]) == bstar)
+        items.push_back({xs[i], nds[i], 0.f, static_cast<int32_t>(j0 + i)});
+    }
+  };
+  j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      collect(p0, j);
+      collect(p1, j + Vec::size());
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) collect(Vec::loadu(row + j), j);
+  }
+  const int64_t jv = j;
+  for (; j < V; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (!(x >= xb && x < xa)) continue;
+    const float nd = nd_of(x, inv_t, m, scale);
+    if (bucket_of(nd) == bstar) items.push_back({x, nd, std::exp(nd), static_cast<int32_t>(j)});
+  }
+  // the masses as the first pass summed them (exp_u20 in the vector part, exp in the tail)
+  for (auto& it : items) {
+    if (it.j < jv) {
+      float ndv[Vec::size()];
+      std::fill(ndv, ndv + Vec::size(), it.nd);
+      Vec::loadu(ndv).exp_u20().store(ndv);
+      it.e = ndv[0];
+    }
+  }
+  std::sort(items.begin(), items.end(), rank_before<float>);
+  // walk the bucket in rank order from the mass above it
+  int64_t last = -1;
+  if (a.sglang) {
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      acc += items[i].e;
+      if (acc > tau) {
+        last = i;
+        break;
+      }
+    }
+    if (last < 0) last = static_cast<int64_t>(items.size()) - 1;
+  } else {
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size());) {
+      if (!top_p_keeps(false, acc, tau)) break;
+      int64_t e = i;
+      while (e < static_cast<int64_t>(items.size()) && items[e].x == items[i].x)
+        acc += items[e++].e;
+      last = e - 1;
+      i = e;
+    }
+  }
+  if (last < 0) return false;
+  w.cut = items[last].x;
+  w.cut_index = V - 1;
+  if (a.sglang && last + 1 < static_cast<int64_t>(items.size()) && items[last + 1].x == w.cut)
+    w.cut_index = items[last].j;
+  MassSums<float> k = above;
+  for (int64_t b = 0; b < bstar; ++b) {
+    k.n += hc[b];
+    k.s += hs[b];
+    k.u += hu[b];
+    k.e2 += he2[b];
+  }
+  for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
+  w.kept = k;
+  return true;
 }
 
 // The rare slow path of a row whose scaled logits overflow float32 (x = 3e38 at temperature
@@ -763,7 +1005,16 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   const float minp = min_p_bound(a.min_p);
   WalkResult<float> w;
   bool ok = false;
-  for (int attempt = 0; attempt < 2 && !ok; ++attempt) {
+  if (trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0 &&
+      smp.count_between(bb.lo, bb.hi) > kWideBand) {
+    ok = top_p_wide(row, V, a, m, st.s, bb, ws, w);
+    if (!ok && bb.lo_sure < bb.lo) {  // the estimated lower bound missed: the sure one
+      BandBounds sure = bb;
+      sure.lo = bb.lo_sure;
+      ok = top_p_wide(row, V, a, m, st.s, sure, ws, w);
+    }
+  }
+  for (int attempt = ok ? 2 : 0; attempt < 2 && !ok; ++attempt) {
     if (attempt == 1) {  // the bounds that always hold
       bb = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
     }
