@@ -670,7 +670,7 @@ inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V
     const SampleBounds k = smp.kth(a.top_k, sure_k);
     b.lo = std::max(minp, k.lo);
     b.hi = std::max(b.hi, k.hi);
-    if (p_on) b.hi = std::max(b.hi, smp.mass_fraction(a.top_p, k.lo).hi);
+    if (p_on && b.hi < INFINITY) b.hi = std::max(b.hi, smp.mass_fraction(a.top_p, k.lo).hi);
   } else if (p_on) {
     const SampleBounds q = smp.mass_fraction(a.top_p, minp);
     // (min-p on: its set's mass is at least the top token's, 1)
@@ -1005,21 +1005,26 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   const float minp = min_p_bound(a.min_p);
   WalkResult<float> w;
   bool ok = false;
-  if (trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0 &&
-      smp.count_between(bb.lo, bb.hi) > kWideBand) {
-    ok = top_p_wide(row, V, a, m, st.s, bb, ws, w);
-    if (!ok && bb.lo_sure < bb.lo) {  // the estimated lower bound missed: the sure one
-      BandBounds sure = bb;
-      sure.lo = bb.lo_sure;
-      ok = top_p_wide(row, V, a, m, st.s, sure, ws, w);
-    }
+  // the bounds tried in turn: the estimates; for top-p without top-k its sure lower bound; then
+  // the bounds that always hold
+  const bool p_only = trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0;
+  BandBounds tries[3];
+  int ntries = 0;
+  tries[ntries++] = bb;
+  if (p_only && bb.lo_sure < bb.lo) {
+    tries[ntries] = bb;
+    tries[ntries].lo = bb.lo_sure;
+    tries[ntries++].hi = INFINITY;
   }
-  for (int attempt = ok ? 2 : 0; attempt < 2 && !ok; ++attempt) {
-    if (attempt == 1) {  // the bounds that always hold
-      bb = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
+  tries[ntries++] = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
+  for (int i = 0; i < ntries && !ok; ++i) {
+    const BandBounds& b = tries[i];
+    if (p_only && i + 1 < ntries && smp.count_between(b.lo, b.hi) > kWideBand) {
+      ok = top_p_wide(row, V, a, m, st.s, b, ws, w);
+      continue;
     }
     MassSums<float> above, mid;
-    band_pass(row, V, inv_t, m, bb.lo, bb.hi, bb.floor, above, mid, ws.band);
+    band_pass(row, V, inv_t, m, b.lo, b.hi, b.floor, above, mid, ws.band);
     ws.ranked.build(ws.band);
     if (a.stats_top_k > 0 && ws.ranked.size() < a.stats_top_k) continue;
     if (!trunc) {
@@ -1027,7 +1032,7 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
       w.cut_index = V - 1;
       ok = true;
     } else {
-      ok = walk_band<float>(ws.ranked, above, mid, bb.floor < INFINITY, st.s, V, a, bb.lo, w);
+      ok = walk_band<float>(ws.ranked, above, mid, b.floor < INFINITY, st.s, V, a, b.lo, w);
     }
   }
   TORCH_CHECK(ok, "token_logprobs_sampler: internal error (no band held the kept set)");

@@ -172,7 +172,7 @@ struct RowOut {
   int64_t stats_k;
 };
 
-__device__ void fill_row(const RowOut& o, int64_t r, int64_t V, float value) {
+__device__ inline void fill_row(const RowOut& o, int64_t r, int64_t V, float value) {
   if (threadIdx.x != 0) return;
   o.lp[r] = value;
   o.lse[r] = value;

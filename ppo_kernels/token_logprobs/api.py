@@ -243,8 +243,16 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
                    lambda x: check_int("top_k", x, min_value=0))  # fmt: skip
     p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p)
     mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p)
-    if not _backend.HAS_EXTENSION:
+    if not _backend.HAS_EXTENSION:  # the registered op's value checks (a host read)
         _check_args(logits, labels, temp, vocab_parallel=False)
+        for name, t, ok in (
+            ("temperature", temps, lambda v: (v > 0) & (1.0 / v.double() <= 3.4028234663852886e38)),
+            ("top_k", ks, lambda v: v >= 0),
+            ("top_p", ps, lambda v: (v > 0) & (v <= 1)),
+            ("min_p", mps, lambda v: (v >= 0) & (v <= 1)),
+        ):
+            if t is not None and not bool(ok(t).all()):
+                raise ValueError(f"{name}: a value is out of range (see the docstring)")
     outs = _token_logprobs_sampler(
         logits, labels, float(temp), temps, int(k if k is not None else 0), ks,
         float(p if p is not None else 1.0), ps, float(mp if mp is not None else 0.0), mps,

@@ -13,6 +13,17 @@ Documented edge cases (every backend matches them):
     saved lse may be +-inf. A temperature whose inverse overflows float32 (< ~2.9e-39) is refused
     (ValueError naming temperature).
   * empty vocabulary with no rows: empty outputs; with rows: ValueError.
+
+Under the sampler's distribution (sampler_forward; the rules: docs/ppo-math.md):
+  * a label outside the kept set: logprob -inf (never NaN), `outside` True, no log-prob gradient
+    (the entropy's still flows); the kept set is never empty (the top token is always kept).
+  * label == ignore_index: 0 for every output (False / -1 for is_argmax / the top ids).
+  * a row undefined without truncation (NaN / +inf logits, all -inf): NaN, with the full kept set
+    (cut -inf) and `outside` False.
+  * tied logits: vLLM keeps or drops a tie group whole (top-k: every tie of the k-th value; top-p:
+    by the mass strictly above the value); SGLang orders ties by token id.
+  * a per-row parameter tensor (temperature, top_k, top_p, min_p) has a shape that is a leading
+    part of labels.shape; its values are checked like the scalars (ValueError naming it).
 """
 
 from __future__ import annotations
