@@ -14,7 +14,7 @@ found -- also on a machine without a GPU. Switches (environment variables):
 The extension must be compiled against the torch it will run with, so build with
 `pip install --no-build-isolation .` (pip's default build isolation would hide that torch; the
 build stops at once saying so). Next to the extension, `_C.torch_version` records the torch it was
-built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_backend.py).
+built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_extension.py).
 """
 
 import glob
@@ -60,6 +60,25 @@ def _require_torch():
 
 
 _require_torch()
+
+
+def _torch_versions():
+    """(the package version naming the torch it is built against, the torch requirement).
+
+    The extension runs only under the torch it was compiled with, so a wheel says which in its
+    name: the local version `+torch2.13.0.cpu` (PEP 440: letters, digits and dots; pip accepts
+    it, PyPI does not take it, so wheels for several torch builds can share a folder or a
+    private index) and the requirement `torch==2.13.0`, which the CPU and CUDA builds of that
+    release both satisfy."""
+    import torch
+
+    full = torch.__version__
+    public = full.split("+")[0]
+    local = re.sub(r"[^0-9A-Za-z.]+", ".", full).strip(".")
+    return f"{VERSION}+torch{local}", f"torch=={public}"
+
+
+VERSION = "0.1.0"
 
 
 def _flag(name):
@@ -212,15 +231,17 @@ def _build_ext():
     return BuildExt
 
 
+PACKAGE_VERSION, TORCH_REQUIREMENT = _torch_versions()
+
 setup(
     name="ppo-kernels",
-    version="0.1.0",
+    version=PACKAGE_VERSION,
     description="Fused CUDA / Triton / C++ kernels for PPO-style RL training of language models",
     packages=find_packages(include=["ppo_kernels", "ppo_kernels.*"]),
     ext_modules=_extensions(),
     cmdclass={"build_ext": _build_ext()},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "numpy"],  # numpy: torch warns at import without it
+    install_requires=[TORCH_REQUIREMENT, "numpy"],  # numpy: torch warns at import without it
     extras_require={
         "triton": ["triton>=3.6"],
         "test": ["pytest", "pytest-benchmark", "numpy", "expecttest", "hypothesis"],

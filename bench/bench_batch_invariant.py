@@ -1,4 +1,4 @@
-"""Cost of batch-invariant mode (issue 21) on the CPU: forward + backward of each op in the default
+"""Cost of batch-invariant mode on the CPU: forward + backward of each op in the default
 mode and under `ppo_kernels.batch_invariant()`, timed interleaved (default, mode, default, ...;
 the medians of the rounds), with the load average before and after.
 

@@ -23,7 +23,7 @@ from ppo_kernels.full_kl import naive as fref  # noqa: E402
 from ppo_kernels.kl import naive as kref  # noqa: E402
 
 B, T = 64, 4096  # sampled-token ops: 256k tokens
-N, V = 256, 32000  # full_kl on the CPU (the H200 target N=8192, V=152064 is in gpu_checks)
+N, V = 256, 32000  # full_kl on the CPU (the GPU target N=8192, V=152064 is in gpu_checks)
 FUSED = "cpp" if pk.HAS_EXTENSION else "eager"
 
 

@@ -8,7 +8,7 @@ replaces (`eager_*` / `verl_*` in the ops' naive.py, or the one-liner named in t
 
 Each pair is timed interleaved (ours, eager, ours, eager, ... in rounds of many calls), and the
 medians of the rounds are reported: a busy machine slows both sides of a round alike. The load
-average is printed first; quote numbers only from a quiet machine (load < 1 on 2 cores).
+average is printed first; quote numbers only from a quiet machine (load well below its cores).
 """
 
 from __future__ import annotations

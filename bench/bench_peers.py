@@ -14,7 +14,7 @@ that want both of one logits tensor, run on given logits (the model forward left
 FSDPEngineWithLMHead.prepare_model_outputs (remove-padding path, calculate_entropy) and OpenRLHF
 0.11's Actor.forward(return_entropy=True), each unpatched, with only the per-function targets
 patched (two passes of our op) and with the caller patched too (one pass).
-The peers are imported with tests/_peer_stubs.py (their cluster-only imports stubbed).
+The peers are imported with tests/support/peer_stubs.py (their cluster-only imports stubbed).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
-import _peer_stubs  # noqa: E402
 from _common import machine, median_seconds, peak_extra_bytes  # noqa: E402
+from support import peer_stubs  # noqa: E402  (tests/support/)
 
 import ppo_kernels.integrations as pki  # noqa: E402
 
@@ -48,7 +48,7 @@ def _grad_step(logits, f):
 
 def _inputs(n, v, dtype):
     """The peers imported (stubs for their cluster-only imports) and seeded logits, labels."""
-    _peer_stubs.install()
+    peer_stubs.install()
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(n, v, generator=g) * 2).to(dtype)
     return logits, torch.randint(0, v, (n,), generator=g), g

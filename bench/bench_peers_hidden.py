@@ -34,8 +34,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 for p in (HERE, os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")):
     sys.path.insert(0, p)
-import _peer_stubs  # noqa: E402
 from _common import machine, peak_extra_bytes  # noqa: E402
+from support import peer_stubs  # noqa: E402  (tests/support/)
 
 import ppo_kernels.integrations as pki  # noqa: E402
 
@@ -207,7 +207,7 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    _peer_stubs.install()
+    peer_stubs.install()
     load = os.getloadavg()[0]
     lines = [
         HEAD,

@@ -26,8 +26,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 for p in (HERE, os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")):
     sys.path.insert(0, p)
-import _peer_stubs  # noqa: E402
 from _common import machine, peak_extra_bytes  # noqa: E402
+from support import peer_stubs  # noqa: E402  (tests/support/)
 
 import ppo_kernels.integrations as pki  # noqa: E402
 
@@ -58,8 +58,8 @@ CORRECTION["rollout_rs_threshold"] = "0.5_2.0,0.1"
 
 
 def _modules():
-    _peer_stubs.install()
-    from _verl_losses import actor_config, verl_loss_modules
+    peer_stubs.install()
+    from support.integration import actor_config, verl_loss_modules
 
     return verl_loss_modules, actor_config
 

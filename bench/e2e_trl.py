@@ -66,7 +66,7 @@ def tokenizer(vocab: int):
 
 def tiny_llama(vocab: int, seed: int = 0, **config):
     """A tiny random-init LlamaForCausalLM (float32, hidden 32, 2 layers); `config`: more
-    LlamaConfig fields (token ids). Also the model of tests/test_integrations_callers.py."""
+    LlamaConfig fields (token ids). Also the model of tests/integrations/test_callers.py."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -190,8 +190,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
-    # one thread: on this shared 2-core machine a second OpenMP thread made the tiny model's steps
-    # 2-20x slower at random (the load of other jobs), in both runs alike
+    # one thread: on a small shared machine a second OpenMP thread made the tiny model's steps
+    # several times slower at random (the load of other jobs), in both runs alike
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_e2e_trl.md"))
     a = ap.parse_args()

@@ -31,8 +31,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 for p in (HERE, os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")):
     sys.path.insert(0, p)
-import _peer_stubs  # noqa: E402
 from _common import machine, peak_extra_bytes  # noqa: E402
+from support import peer_stubs  # noqa: E402  (tests/support/)
 
 import ppo_kernels.integrations as pki  # noqa: E402
 
@@ -111,7 +111,7 @@ def _config(loss):
 def run(algo="ppo", iters=20, seed=0, patched=False, epochs=2, loss="vanilla", fused=False):
     """One training run: a `Run` (per-step losses, final parameters, sampled tokens, seconds,
     calls replaced and fallen back)."""
-    _peer_stubs.install()
+    peer_stubs.install()
     core = importlib.import_module("verl.trainer.ppo.core_algos")
     tf = importlib.import_module("verl.utils.torch_functional")
     exp = importlib.import_module("verl.utils.experimental.torch_functional")
@@ -178,7 +178,7 @@ def run(algo="ppo", iters=20, seed=0, patched=False, epochs=2, loss="vanilla", f
 
 
 def compare(u: Run, p: Run) -> dict:
-    """The differences the README reports (and tests/test_integrations_verl.py bounds)."""
+    """The differences the README reports (and tests/integrations/test_verl.py bounds)."""
     d = (u.params - p.params).abs()
     return {
         "loss_abs": max(abs(x - y) for x, y in zip(u.losses, p.losses)),

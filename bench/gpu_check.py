@@ -4,15 +4,17 @@ times everything against eager PyTorch and peers, and writes a dated report.
 
     python bench/gpu_check.py [--skip-build] [--skip-sanitizer] [--only OP,...] [--out DIR]
 
-Correctness is the `cuda` pytest tests, tests/cuda/test_cuda_<op>.py (tolerances and NaN-poisoning
-from tests/_utils.py), run here in one pytest subprocess per op (a kernel that corrupts the CUDA
-context fails its op only); their pass/fail table goes into the report. pytest must be installed
+Correctness is the `cuda` pytest tests, tests/cuda/test_cuda_<op>.py (tolerances and
+NaN-poisoning from tests/support/utils.py), run here in one pytest subprocess per op (a kernel that
+corrupts the CUDA context fails its op only); their pass/fail table goes into the report. pytest must be installed
 (see DEVELOPING.md); without it that phase is reported as not run and the exit status is 1.
 Each op adds bench/gpu_checks/<op>.py with up to two functions:
     sanitize_workload()     small calls of the CUDA (cpp) kernels, run under compute-sanitizer
     timing(ctx)             ctx.bench(...) fused backends vs eager and peers, with bytes moved
-The report (markdown + CSV) goes to bench/results/gpu_check_<date>_<gpu>.{md,csv} (or --out, e.g.
-$OUT on the device machine), rewritten after each phase (correctness, timing, sanitizer: the slowest
+    profile(ctx)            ctx.profile(...) the top kernels of one large call (torch.profiler)
+The report (markdown + CSV) goes to bench/results/gpu_<kind>.{md,csv}, one per device kind (e.g.
+gpu_H200.md; it names its date and commit; history is git's), or to --out (e.g. $OUT on the device
+machine), rewritten after each phase (correctness, timing, sanitizer: the slowest
 last) so a run cut short by its time limit still leaves what it measured.
 """
 
@@ -53,7 +55,11 @@ class Ctx:
 
         self.torch = torch
         self.timings = []  # timing rows
+        self.profiles = []  # (op, case, top kernels)
         self.bandwidth = None
+
+    def profile(self, op, case, rows):
+        self.profiles.append((op, case, rows))
 
     # -- timing --
     def measure_bandwidth(self):
@@ -280,7 +286,7 @@ def _write_report(out_dir, lines, ctx, gpu):
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_check_{datetime.date.today()}_{gpu.replace(' ', '_')}"
+    stem = "gpu_" + gpu.removeprefix("NVIDIA ").replace(" ", "_")  # one report per device kind
     (out / f"{stem}.md").write_text("\n".join(lines))
     with open(out / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["op", "case", "impl", "ms", "peak_mb", "pct_bw", "error"])
@@ -289,12 +295,26 @@ def _write_report(out_dir, lines, ctx, gpu):
             w.writerow({k: r.get(k) for k in w.fieldnames})
 
 
+def profile_section(profiles) -> list[str]:
+    """The report's profile tables: per op, its top kernels by self time."""
+    out = ["## Profile (torch.profiler, one call after a warm-up; kernels by self time)", ""]
+    for op, case, rows in profiles:
+        out += [f"### {op}: {case}", "", "| kernel | calls | ms | % of step |", "|---|---|---|---|"]
+        out += [
+            f"| `{r['kernel'][:90]}` | {r['calls']} | {r['ms']:.2f} | {r['pct']:.1f} |"
+            for r in rows
+        ]
+        out.append("")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-build", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-profile", action="store_true")
     ap.add_argument(
         "--only", default="", help="comma-separated ops (names of bench/gpu_checks/*.py)"
     )
@@ -327,7 +347,7 @@ def main():
             print(build[2], flush=True)
             out = pathlib.Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"gpu_check_{datetime.date.today()}_build_failed.md").write_text(
+            (out / "gpu_build_failed.md").write_text(
                 f"# GPU check {datetime.date.today()}: the build failed (rc={build[0]}, "
                 f"{build[1]:.0f} s)\n\n```\n{build[2]}\n```\n"
             )
@@ -404,6 +424,19 @@ def main():
         lines += head + _timing_rows(ctx)
 
     _write_report(args.out, lines, ctx, gpu)
+
+    if not args.skip_profile:
+        for name, mod in mods:
+            if hasattr(mod, "profile"):
+                t = time.time()
+                try:
+                    mod.profile(ctx)
+                except Exception:  # noqa: BLE001
+                    err = traceback.format_exc(limit=3).replace("\n", " ")
+                    ctx.profiles.append((name, "profile", [dict(kernel=err, calls=0, ms=0, pct=0)]))
+                print(f"profile {name}: {time.time() - t:.1f}s", flush=True)
+        lines += profile_section(ctx.profiles)
+        _write_report(args.out, lines, ctx, gpu)
 
     if not args.skip_sanitizer:
         t = time.time()

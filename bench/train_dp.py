@@ -24,7 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the default job with a small vocabulary (the task's 22 characters + padding to 64), so that a
-# step takes well under a second on a 2-core CPU and the run learns within 40 steps
+# step is quick on a small CPU and the run learns within 40 steps
 JOB = ["--algo", "ppo", "--vocab", "64", "--threads", "1", "--no-progress"]
 SHOWN = [
     ("score", "score"),

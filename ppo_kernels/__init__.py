@@ -12,6 +12,7 @@ from ._backend import (  # noqa: F401
     use_backend,
 )
 from ._backend import resolve as resolve_backend  # noqa: F401
+from .distill import op as _distill_op  # noqa: F401  (the distillation tiles' backend key)
 from .full_kl.api import full_kl  # noqa: F401
 from .fused_linear.planner import default_logits_dtype  # noqa: F401
 from .gae.api import gae  # noqa: F401
@@ -23,6 +24,13 @@ from .linear_logprobs.hf import causal_lm_logprobs  # noqa: F401
 from .linear_policy_loss.api import linear_policy_loss  # noqa: F401
 from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
+from .losses.config import (  # noqa: F401
+    AggregationConfig,
+    EntropyTermConfig,
+    KLTermConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+)
 from .losses.pairwise import dpo_loss, reward_model_loss  # noqa: F401
 from .losses.rollout_correction import RolloutCorrection, rollout_correction  # noqa: F401
 from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401

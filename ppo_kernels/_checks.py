@@ -35,14 +35,37 @@ def check_tensor(name: str, t, *, dtypes=None, dim=None, min_dim=None):
         )
 
 
+def device_error(name: str, t, device, like: str) -> ValueError:
+    """The one form of a device mismatch, as the C++ checks write it (csrc/common/tensor_checks.h):
+    `mask: expected a tensor on cpu (like logprobs), got meta`."""
+    return ValueError(f"{name}: expected a tensor on {device} (like {like}), got {t.device}")
+
+
+def check_devices(like: str, x, **tensors):
+    """Every tensor of `tensors` (None skipped; a tuple / list: each of its tensors) on the device
+    of `x` (a tensor, or a torch.device), the op's main tensor named `like`: a ValueError naming
+    the argument and both devices otherwise. Empty tensors too. Metadata only."""
+    device = x if isinstance(x, torch.device) else x.device
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if isinstance(t, (tuple, list)):
+            for i, u in enumerate(t):
+                if u is not None and u.device != device:
+                    raise device_error(f"{name}[{i}]", u, device, like)
+        elif t.device != device:
+            raise device_error(name, t, device, like)
+
+
 def check_same_device(**tensors):
+    """Tensors (None skipped) on the device of the first one, each a torch.Tensor."""
     items = [(k, v) for k, v in tensors.items() if v is not None]
     for k, v in items:
         check_tensor(k, v)
     dev0 = items[0][1].device
     for k, v in items[1:]:
         if v.device != dev0:
-            raise ValueError(f"{k}: expected device {dev0} (like {items[0][0]}), got {v.device}")
+            raise device_error(k, v, dev0, items[0][0])
 
 
 def check_shape(name: str, t, shape, what: str):
@@ -145,15 +168,24 @@ def check_temperature(x) -> float:
 
 
 def check_arg(
-    name: str, t, device, *, dtypes=None, shape=None, what: str = "", allow_none: bool = False
+    name: str,
+    t,
+    device,
+    *,
+    like: str,
+    dtypes=None,
+    shape=None,
+    what: str = "",
+    allow_none: bool = False,
 ):
-    """One tensor argument of a registered op (forward or backward): type, dtype, device, shape.
-    Metadata only (no sync), so the backward ops can run it on every call."""
+    """One tensor argument of a registered op (forward or backward): type, dtype, device (the
+    op's, that of its argument `like`), shape. Metadata only (no sync), so the backward ops can
+    run it on every call."""
     if t is None and allow_none:
         return
     check_tensor(name, t, dtypes=dtypes)
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+        raise device_error(name, t, device, like)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(
             f"{name}: expected shape {tuple(shape)}{f' ({what})' if what else ''}, "

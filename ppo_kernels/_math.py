@@ -1,20 +1,25 @@
-"""Shared math (layer 2 of the layout): masked moments with a power-of-two scale, used by the
-masked statistics' eager implementation (masked_stats/op.py) and their data-parallel form
-(distributed/data_parallel.py). Plain PyTorch, no host sync, traceable by torch.compile."""
+"""Shared math (layer 2 of the layout): the accumulation dtype every kernel and reference uses, and
+masked moments with a power-of-two scale, used by the masked statistics' eager implementation
+(masked_stats/op.py) and their data-parallel form (distributed/data_parallel.py). Plain PyTorch,
+no host sync, traceable by torch.compile."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ._backend import out_dtype
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops accumulate and return per-token outputs in: float64 for float64 inputs
+    (the exact reference, gradcheck), float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def masked_weights(x: Tensor, mask: Tensor):
     """(x in the accumulation dtype, selection m = mask != 0, weights w): a float mask weights
     each position by its value (as verl's and OpenRLHF's `x * mask` sums do); bool / integer masks
     select (weight 1)."""
-    acc = out_dtype(x)
+    acc = acc_dtype(x.dtype)
     m = mask != 0
     w = mask.to(acc) if mask.is_floating_point() else m.to(acc)
     return x.to(acc), m, w

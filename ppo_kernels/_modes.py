@@ -1,6 +1,6 @@
 """Modes that cross the Python / C++ boundary, by name. The op schemas take these strings; the
 position of a name in its table is the enum value the C++ kernels switch on (csrc/common/modes.h)
-and the constexpr the Triton kernels specialise on. tests/test_contract.py checks these tables
+and the constexpr the Triton kernels specialise on. tests/package/test_contract.py checks these tables
 against the C++ ones (`torch.ops.ppo_kernels_C.mode_names`)."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build the extension -- C++ and CUDA kernels, sm_90 -- against the torch of the lent GPU's image
-# (torch 2.11.0+cu130, whose extensions build as C++17), here, before a device call: on
-# 2026-12-04 two device calls (about 8.5 of the session's 15 minutes) ended in compile errors
-# this finds (autograd nodes held by shared_ptr before torch 2.13; std::bit_cast outside C++20).
-# It is setup.py's own build (its flags, torch's nvcc flags, the link), in a scratch copy of the
-# working tree (uncommitted changes included), so it cannot drift from what gpu_check.py builds.
-# Nothing is run. ~6 minutes on 2 cores; the first call installs torch 2.11 with its CUDA
-# libraries and headers (~3 GB) into $VENV. CI's stage 4 builds the .cpp files against 2.11 on
-# every push; the .cu files are compiled against it only here.
+# (torch 2.11.0+cu130, whose extensions build as C++17), here, before a device call: device calls
+# have ended in compile errors this finds, spending most of a session's device time
+# (bench/results/gpu_2026-12-04_H200_build_failed.md: autograd nodes held by shared_ptr before torch
+# 2.13; std::bit_cast outside C++20). It is setup.py's own build (its flags, torch's nvcc flags, the
+# link), in a scratch copy of the working tree (uncommitted changes included), so it cannot drift
+# from what gpu_check.py builds. Nothing is run. A build takes minutes on a small CPU; the first
+# call installs torch 2.11 with its CUDA libraries and headers (~3 GB) into $VENV. CI's stage 4
+# builds the .cpp files against 2.11 on every push; the .cu files are compiled against it only here.
 #   bash scripts/check_device_build.sh   # VENV (default /tmp/torch211), TORCH (2.11.0), JOBS
 set -euo pipefail
 cd "$(dirname "$0")/.."

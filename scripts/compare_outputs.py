@@ -379,9 +379,10 @@ def calls():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        import tempfile
+
+        store = tempfile.NamedTemporaryFile(delete=False).name  # no port to collide on
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     pg = dist.group.WORLD
 
     def vp_tl():

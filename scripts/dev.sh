@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Set up ppo-kernels on a fresh machine and run something, in one command:
 #   bash scripts/dev.sh demo     # the main job: PPO with fused ops, then eager ops, side by side
-#   bash scripts/dev.sh test     # the test suite
-#   bash scripts/dev.sh bench    # the CPU benchmark tables (rewrites bench/results/, on purpose)
+#   bash scripts/dev.sh test     # the test suite (pytest-xdist, a worker per core; pytest's flags
+#                                # follow: a file, -k, -n 0 for one process, --file-order=...)
+#   bash scripts/dev.sh bench    # the CPU op tables (rewrites bench/results/, on purpose; --only
+#                                # NAME, --all, --list: bench/run.py)
 #   bash scripts/dev.sh lint     # ruff check + ruff format --check + clang-format (CI runs it)
+#   bash scripts/dev.sh docs     # the documentation site on http://127.0.0.1:8000 (--build: build
+#                                # it into build/site with warnings as errors, as CI does)
+#   bash scripts/dev.sh wheel    # a binary wheel of the package into wheels/
 #   bash scripts/dev.sh setup    # only create the venv and build
 # The torch build follows the machine: with an NVIDIA GPU, torch 2.14.1 (CUDA 13.0) and the C++ +
 # CUDA kernels; without one, the CPU-only torch 2.13.0 and the C++ kernels. PPO_KERNELS_FORCE_CUDA=1
 # (or TORCH=2.14.1) takes the CUDA build on a machine without a GPU (CI does, to compile the CUDA
 # kernels). Later calls reuse the venv and rebuild only what changed (ninja), so they take seconds.
 # Environment: VENV (default .venv), TORCH, PYTHON (default python3), MAX_JOBS (default 2),
-# PPO_KERNELS_FORCE_CUDA / PPO_KERNELS_SKIP_CUDA_BUILD, PPO_KERNELS_NO_PEERS.
+# PPO_KERNELS_FORCE_CUDA / PPO_KERNELS_SKIP_CUDA_BUILD, PPO_KERNELS_NO_PEERS, DOCS_VENV (default
+# .venv-docs), TORCH_CUDA_ARCH_LIST (GPU targets, setup.py's default 8.0;9.0+PTX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath -m "${VENV:-.venv}")
@@ -28,8 +34,10 @@ if [ -z "${TORCH:-}" ]; then
     TORCH=$TORCH_CUDA
   else
     TORCH=$TORCH_CPU
-    say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
-        "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)"
+    case "${1:-test}" in docs|lint) ;; *)  # the two that need no torch
+      say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
+          "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)" ;;
+    esac
   fi
 fi
 TORCH_PIP=("torch==$TORCH")
@@ -70,6 +78,8 @@ build_filter() {  # ninja's [n/m] lines shortened to the source file; other outp
   done
 }
 
+deps_want() { echo "${TORCH_PIP[*]} ${DEPS[*]}"; }  # what the venv's .ppo_deps records
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
@@ -77,7 +87,8 @@ setup() {
     pip_ install -q --upgrade pip setuptools wheel
   fi
   # dependencies: only when the wanted set changed since the last call
-  local want="${TORCH_PIP[*]} ${DEPS[*]}"
+  local want
+  want=$(deps_want)
   if [ "$(cat "$VENV/.ppo_deps" 2>/dev/null)" != "$want" ]; then
     say "installing torch $TORCH and the test / trainer dependencies (first time: 1-3 min on a" \
         "CPU machine, more for the 2.5 GB CUDA build)"
@@ -95,9 +106,9 @@ setup() {
   grep -q "^compiled extension: yes" <<< "$info" || { echo "the extension did not build" >&2; exit 1; }
 }
 
-# The peers for the drop-in tests (tests/test_integrations*.py) and the parity tests: the supported
+# The peers for the drop-in tests (tests/integrations/) and the parity tests: the supported
 # verl / TRL / OpenRLHF without their dependencies, plus the few light imports their modules need
-# at import time; tests/_peer_stubs.py stands in for what only a GPU cluster needs (ray,
+# at import time; tests/support/peer_stubs.py stands in for what only a GPU cluster needs (ray,
 # tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
 # per Python) makes its tests skip. The peers go in last: an install with dependencies makes pip
 # list every unmet pin of an installed package that depends on what it installed (for verl: ~20
@@ -107,11 +118,11 @@ peers() {
   local p
   pip_ install -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
-  # TRL's GRPOTrainer end to end (tests/test_integrations_trl_e2e.py) needs its data stack
+  # TRL's GRPOTrainer end to end (tests/integrations/test_trl_e2e.py) needs its data stack
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
   pip_ install -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
-  # a local Ray for the worker-activation test (tests/test_integrations_ray.py), the version
+  # a local Ray for the worker-activation test (tests/integrations/test_ray.py), the version
   # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
   pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
   # Liger's kernels need triton (the CUDA build of torch brings it); without triton an installed
@@ -140,24 +151,81 @@ lint() {
   echo "lint: ok"
 }
 
+# The documentation site (mkdocs.yml, docs/): MkDocs Material + mkdocstrings, in a venv of its own
+# (no torch: the reference is read from the source). Every package pinned, the dependencies too,
+# so that a new release cannot change the build.
+DOCS_PKGS=(mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+           griffelib==2.4.1 mkdocs-autorefs==1.4.5 mkdocs-get-deps==0.2.2
+           mkdocs-material-extensions==1.3.1 pymdown-extensions==13.1.2 Markdown==3.11.3
+           Pygments==2.21.0 Jinja2==3.1.6 MarkupSafe==3.0.4 PyYAML==6.0.4 pyyaml_env_tag==1.1
+           babel==2.19.0 backrefs==8.3.1 click==8.5.1 colorama==0.4.6 ghp-import==2.1.0
+           mergedeep==1.3.4 packaging==26.4 paginate==0.5.7 pathspec==1.1.1 platformdirs==4.14.9
+           python-dateutil==4.0.0 requests==2.34.2 certifi==2026.10.19.post1
+           charset-normalizer==3.5.3 idna==3.21 urllib3==2.8.0 watchdog==7.1.1 tzdata==2026.6
+           ruff==0.17.6)  # ruff: mkdocstrings formats the signatures with it
+docs() {
+  local venv
+  venv=$(realpath -m "${DOCS_VENV:-.venv-docs}")
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  if [ "$(cat "$venv/.ppo_deps" 2>/dev/null)" != "${DOCS_PKGS[*]}" ]; then
+    say "installing the documentation tools into $venv"
+    "$venv/bin/pip" install -q --no-deps "${DOCS_PKGS[@]}" 2>&1 | "$PY" scripts/pip_filter.py
+    echo "${DOCS_PKGS[*]}" > "$venv/.ppo_deps"
+  fi
+  export NO_MKDOCS_2_WARNING=1  # Material's notice about its successor, on every build
+  if [ "${1:-}" = --build ]; then
+    "$venv/bin/mkdocs" build --strict "${@:2}"
+    echo "docs: built build/site/index.html"
+  else
+    "$venv/bin/mkdocs" serve "$@"
+  fi
+}
+
+# A binary wheel of the package with the extension compiled against the venv's torch (the CPU
+# kernels; with a CUDA torch the CUDA kernels too: sm_80, sm_90 and PTX by default), named after that torch
+# (setup.py: version 0.1.0+torch<version>, requiring torch==<version>). Built from the in-place
+# build's objects (ninja: nothing to recompile after `setup`); never the test-only SIMT emulator.
+wheel() {
+  mkdir -p wheels
+  PPO_KERNELS_BUILD_SIMT=0 "$VENV/bin/pip" wheel -q --no-build-isolation --no-deps -w wheels . \
+    2>&1 | build_filter
+  local whl
+  whl=$(ls -t wheels/ppo_kernels-*.whl | head -n 1)
+  say "built $whl"
+  "$VENV/bin/python" -m zipfile -l "$whl" | grep -E "ppo_kernels/_C[.]" \
+    || { echo "$whl holds no compiled extension" >&2; exit 1; }
+}
+
 cmd=${1:-test}
 case "$cmd" in
-  setup|test|bench|demo) ;;
+  setup|test|bench|demo|wheel) ;;
   lint) lint; exit 0 ;;
-  *) echo "usage: $0 {setup|test|bench|demo|lint}" >&2; exit 2 ;;
+  docs) docs "${@:2}"; exit 0 ;;
+  *) echo "usage: $0 {setup|test|bench|demo|lint|docs|wheel}" >&2; exit 2 ;;
 esac
+if [ "$cmd" = demo ]; then  # the first run's installs and compiling, before they start
+  "$PY" -I ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \
+    $([ "$TORCH" = "$TORCH_CUDA" ] && [ "${PPO_KERNELS_SKIP_CUDA_BUILD:-0}" != 1 ] && echo --cuda) \
+    || true
+fi
 setup
 case "$cmd" in
   test)
     # PPO_KERNELS_NO_PEERS=1: no peers (their drop-in tests skip; CI's second stage runs none)
     [ "${PPO_KERNELS_NO_PEERS:-0}" = 1 ] || peers
-    "$VENV/bin/python" -m pytest -q -ra "${@:2}" ;;
+    # one pytest-xdist worker per core, a test file per worker at a time (a file's module
+    # fixtures and child processes run once, on one worker), unless the caller picks the workers
+    # (-n 0: one process). CI runs this command as the README writes it: its flags live here.
+    xdist=(-n auto --dist loadfile)
+    for a in "${@:2}"; do
+      case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
+    done
+    "$VENV/bin/python" -m pytest -q -ra ${xdist[@]+"${xdist[@]}"} "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
+  wheel) wheel ;;
   demo)
     say "the main job: PPO on the embedded task with fused ops, then eager ops (writes runs/demo)"
-    # one torch thread: on a 2-core machine shared with anything else, a second OpenMP thread
-    # made the tiny model's steps several times slower (SFT: 0.45 it/s with 2 threads, 5 with 1)
-    # no checkpoint (92 MB; README "What is kept on disk"): `demo --checkpoint` keeps one
-    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --threads 1 \
-      --no-checkpoint "${@:2}" ;;
+    # no checkpoint (92 MB; docs/trainer.md "What is kept on disk"): `demo --checkpoint` keeps one
+    "$VENV/bin/python" -m ppo_kernels train --algo ppo --compare --out runs/demo --no-checkpoint \
+      "${@:2}" ;;
 esac

@@ -5,8 +5,8 @@
 - The block "ERROR: pip's dependency resolver does not currently take into account all the
   packages that are installed ..." when every line of it is an unmet requirement of a peer
   (argv: their names or pins, "verl==0.9.1"): dev.sh installs verl / TRL / OpenRLHF with --no-deps on purpose (ray,
-  vllm, deepspeed ... are what tests/_peer_stubs.py stands in for), and pip repeats their pins
-  after each later install. Such a block becomes one line saying what was left out and why. A
+  vllm, deepspeed ... are what tests/support/peer_stubs.py stands in for), and pip repeats their
+  pins after each later install. Such a block becomes one line saying what was left out and why. A
   conflict of any other package keeps the whole block, so real problems still show.
 
 pip's exit status is not ours to change: dev.sh pipes into this under `set -o pipefail`.
@@ -40,7 +40,7 @@ def _summary(block: list[re.Match]) -> str:
     return (
         f"== pip: {len(block)} unmet requirements of the peers {', '.join(peers)} not shown "
         f"({missing} not installed, {len(block) - missing} at another version): they are "
-        "installed --no-deps on purpose, tests/_peer_stubs.py stands in for their cluster "
+        "installed --no-deps on purpose, tests/support/peer_stubs.py stands in for their cluster "
         "stack; `pip check` lists them"
     )
 

@@ -110,7 +110,7 @@ def timing(ctx, N=32768, H=4096, V=152064):
         "linear_token_logprobs": fwd_bwd(
             lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)
         ),
-        # the CUDA C++ reductions (the default until the H200 run of 2026-11-30: 282-288 ms)
+        # the CUDA C++ reductions (the default before bench/results/gpu_2026-11-30_H200.md)
         "linear_token_logprobs cpp": lambda: _with_backend(
             "cpp", fwd_bwd(lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True))
         ),
@@ -163,3 +163,18 @@ def timing(ctx, N=32768, H=4096, V=152064):
             warmup=1,
             rep=5,
         )
+
+
+def profile(ctx, N=32768, H=4096, V=152064):
+    """The top kernels of one bf16 fwd+bwd of linear_token_logprobs (its default backend)."""
+    from gpu_checks._profile import top_kernels
+
+    h, W, _, y = _inputs(N, H, V, torch.bfloat16, False)
+    h.requires_grad_(), W.requires_grad_()
+
+    def run():
+        h.grad = W.grad = None
+        lp, ent = pk.linear_token_logprobs(h, W, y, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+
+    ctx.profile(OP, f"N={N} H={H} V={V} bf16 +entropy fwd+bwd", top_kernels(run, DEVICE))

@@ -122,3 +122,19 @@ def timing(ctx, N=32768, H=4096, V=152064):
 
     fns["cuBLAS: the 3 GEMMs alone (floor)"] = three_gemms
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 bnpo+k3 fwd+bwd", fns, warmup=1, rep=5)
+
+
+def profile(ctx, N=32768, H=4096, V=152064):
+    """The top kernels of one bf16 fwd+bwd of linear_policy_loss (bnpo + k3 KL, its default
+    backend)."""
+    from gpu_checks._profile import top_kernels
+
+    x = _inputs(N, H, V, torch.bfloat16)
+    h = x["h"].detach().requires_grad_()
+    W = x["W"].detach().requires_grad_()
+
+    def run():
+        h.grad = W.grad = None
+        fused_loss(x, h, W).backward()
+
+    ctx.profile(OP, f"N={N} H={H} V={V} bf16 bnpo+k3 fwd+bwd", top_kernels(run, DEVICE))

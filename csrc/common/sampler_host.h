@@ -13,20 +13,20 @@ namespace ppo_kernels {
 // A per-token parameter tensor as the raw kernels take it: `numel` contiguous values of `dtype`
 // on `device`; nullptr when absent (the scalar holds for every row).
 template <typename T>
-const T* param_ptr(const std::optional<at::Tensor>& t, const char* name, const at::Device& device,
+const T* param_ptr(const std::optional<at::Tensor>& t, const char* name, const DeviceOf& on,
                    at::ScalarType dtype, int64_t numel) {
   if (!t.has_value() || !t->defined()) return nullptr;
-  check_arg(*t, name, device);
-  TORCH_CHECK(t->scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ",
-              t->scalar_type());
-  TORCH_CHECK(t->numel() == numel && t->is_contiguous(), name, ": expected ", numel,
-              " contiguous values (one per row), got shape ", t->sizes());
+  check_arg(*t, name, on);
+  TORCH_CHECK_TYPE(t->scalar_type() == dtype, name, ": expected dtype ", dtype_name(dtype),
+                   ", got ", dtype_name(t->scalar_type()));
+  TORCH_CHECK_VALUE(t->numel() == numel && t->is_contiguous(), name, ": expected ", numel,
+                    " contiguous values (one per row), got shape ", shape_str(t->sizes()));
   return t->const_data_ptr<T>();
 }
 
 inline bool sampler_is_sglang(std::string_view sampler) {
-  TORCH_CHECK(sampler == "vllm" || sampler == "sglang",
-              "sampler: expected 'vllm' or 'sglang', got '", std::string(sampler), "'");
+  TORCH_CHECK_VALUE(sampler == "vllm" || sampler == "sglang",
+                    "sampler: expected 'vllm' or 'sglang', got '", std::string(sampler), "'");
   return sampler == "sglang";
 }
 
@@ -41,17 +41,17 @@ struct SamplerParamPtrs {
   double top_p0, min_p0;
 };
 
-inline SamplerParamPtrs sampler_params(const at::Device& device, int64_t N, double inv_temperature,
+inline SamplerParamPtrs sampler_params(const DeviceOf& device, int64_t N, double inv_temperature,
                                        const std::optional<at::Tensor>& inv_temperatures,
                                        int64_t top_k, const std::optional<at::Tensor>& top_ks,
                                        double top_p, const std::optional<at::Tensor>& top_ps,
                                        double min_p, const std::optional<at::Tensor>& min_ps) {
-  TORCH_CHECK(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
-              "inv_temperature: expected a positive value finite in float32, got ",
-              inv_temperature);
-  TORCH_CHECK(top_k >= 0, "top_k: expected >= 0, got ", top_k);
-  TORCH_CHECK(top_p > 0 && top_p <= 1, "top_p: expected a value in (0, 1], got ", top_p);
-  TORCH_CHECK(min_p >= 0 && min_p <= 1, "min_p: expected a value in [0, 1], got ", min_p);
+  TORCH_CHECK_VALUE(inv_temperature > 0 && std::isfinite(static_cast<float>(inv_temperature)),
+                    "inv_temperature: expected a positive value finite in float32, got ",
+                    inv_temperature);
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k: expected >= 0, got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, "top_p: expected a value in (0, 1], got ", top_p);
+  TORCH_CHECK_VALUE(min_p >= 0 && min_p <= 1, "min_p: expected a value in [0, 1], got ", min_p);
   return {param_ptr<double>(inv_temperatures, "inv_temperatures", device, at::kDouble, N),
           param_ptr<int64_t>(top_ks, "top_ks", device, at::kLong, N),
           param_ptr<double>(top_ps, "top_ps", device, at::kDouble, N),

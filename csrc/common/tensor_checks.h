@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <string>
 
 #include "common/row_indexer.h"
 
@@ -38,38 +39,84 @@ inline std::pair<at::Tensor, RowIndexer> rows_of(const at::Tensor& t) {
   return {c, *make_row_indexer(c)};
 }
 
+inline std::string dtype_name(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return "float32";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
+    case at::kDouble:
+      return "float64";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kBool:
+      return "bool";
+    default:
+      return c10::toString(st);
+  }
+}
+
+// A shape as Python prints a tuple, what torch users read in `tensor.shape`: (2, 16), (5,), ().
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+// Every tensor argument is on the op's device: a ValueError naming the argument and both devices
+// (`mask: expected a tensor on cpu (like logprobs), got meta`). Empty tensors too: a kernel that
+// is handed one may still read its pointer, and the caller's mistake is the same.
+inline void check_device(const at::Tensor& t, const char* name, const at::Device& device,
+                         const char* like) {
+  TORCH_CHECK_VALUE(t.device() == device, name, ": expected a tensor on ", device, " (like ", like,
+                    "), got ", t.device());
+}
+
+// The device of a raw kernel's call and the argument it is read from (for the messages).
+struct DeviceOf {
+  at::Device device;
+  const char* like;
+};
+inline DeviceOf device_of(const at::Tensor& t, const char* name) { return {t.device(), name}; }
+
 // Argument checks of the raw kernels (torch.ops.ppo_kernels_C.*): each message names the argument,
-// so a wrong size, dtype or device is an error, never an out-of-bounds read.
+// so a wrong size, dtype or device is an error, never an out-of-bounds read. As the registered
+// ops: TypeError for dtypes, ValueError for devices and sizes.
 enum class Kind { kAny, kFloat32, kFloating, kIndex };
 
-inline void check_arg(const at::Tensor& t, const char* name, const at::Device& device,
+inline void check_arg(const at::Tensor& t, const char* name, const DeviceOf& on,
                       Kind kind = Kind::kAny) {
-  TORCH_CHECK(t.defined(), name, ": expected a tensor");
-  TORCH_CHECK(t.device() == device, name, ": expected device ", device, ", got ", t.device());
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a tensor");
+  check_device(t, name, on.device, on.like);
   const at::ScalarType st = t.scalar_type();
   switch (kind) {
     case Kind::kAny:
       break;
     case Kind::kFloat32:
-      TORCH_CHECK(st == at::kFloat, name, ": expected dtype float32, got ", st);
+      TORCH_CHECK_TYPE(st == at::kFloat, name, ": expected dtype float32, got ", dtype_name(st));
       break;
     case Kind::kFloating:
-      TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
-                  name, ": expected a float dtype (float32, bfloat16, float16, float64), got ", st);
+      TORCH_CHECK_TYPE(
+          st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble, name,
+          ": expected a float dtype (float32, bfloat16, float16, float64), got ", dtype_name(st));
       break;
     case Kind::kIndex:
-      TORCH_CHECK(st == at::kLong || st == at::kInt, name, ": expected dtype int64 or int32, got ",
-                  st);
+      TORCH_CHECK_TYPE(st == at::kLong || st == at::kInt, name,
+                       ": expected dtype int64 or int32, got ", dtype_name(st));
       break;
   }
 }
 
 // check_arg plus the number of elements (`what` says where that number comes from).
-inline void check_arg(const at::Tensor& t, const char* name, const at::Device& device, Kind kind,
+inline void check_arg(const at::Tensor& t, const char* name, const DeviceOf& on, Kind kind,
                       int64_t numel, const char* what) {
-  check_arg(t, name, device, kind);
-  TORCH_CHECK(t.numel() == numel, name, ": expected ", numel, " elements (", what, "), got shape ",
-              t.sizes());
+  check_arg(t, name, on, kind);
+  TORCH_CHECK_VALUE(t.numel() == numel, name, ": expected ", numel, " elements (", what,
+                    "), got shape ", shape_str(t.sizes()));
 }
 
 inline int64_t leading_numel(const at::Tensor& t) {

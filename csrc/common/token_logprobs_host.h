@@ -30,16 +30,18 @@ struct LogprobsCall {
 
 inline LogprobsCall prepare_logprobs_call(const at::Tensor& logits_in, const at::Tensor& labels_in,
                                           bool with_entropy) {
-  TORCH_CHECK(logits_in.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
-  check_arg(logits_in, "logits", logits_in.device(), Kind::kFloating);
-  TORCH_CHECK(logits_in.stride(-1) == 1 || logits_in.size(-1) <= 1,
-              "logits: the last (vocabulary) dimension must be contiguous");
+  const DeviceOf dev = device_of(logits_in, "logits");
+  check_arg(logits_in, "logits", dev, Kind::kFloating);
+  check_arg(labels_in, "labels", dev, Kind::kIndex);
+  TORCH_CHECK_VALUE(logits_in.dim() >= 1, "logits: expected at least 1 dimension (..., V)");
+  TORCH_CHECK_VALUE(logits_in.stride(-1) == 1 || logits_in.size(-1) <= 1,
+                    "logits: the last (vocabulary) dimension must be contiguous");
   const int64_t V = logits_in.size(-1);
   const int64_t N = leading_numel(logits_in);
-  check_arg(labels_in, "labels", logits_in.device(), Kind::kIndex, N, "logits.shape[:-1]");
+  check_arg(labels_in, "labels", dev, Kind::kIndex, N, "logits.shape[:-1]");
   at::Tensor labels = labels_in.contiguous();
-  TORCH_CHECK(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N,
-              " rows");
+  TORCH_CHECK_VALUE(V >= 1 || N == 0, "logits: the vocabulary dimension is empty but there are ", N,
+                    " rows");
   auto [logits, rows] = rows_of(logits_in);
   const auto f32 = labels.options().dtype(at::kFloat);
   return {logits,
@@ -67,17 +69,25 @@ inline LogprobsGradCall prepare_logprobs_grad_call(const at::Tensor& grad_logpro
                                                    const at::Tensor& labels, const at::Tensor& lse,
                                                    const at::Tensor& entropy,
                                                    const at::Tensor& grad_logits) {
-  TORCH_CHECK(logits.dim() >= 1, "logits: expected at least 1 dimension [..., V]");
-  const at::Device dev = logits.device();
-  const int64_t N = leading_numel(logits), V = logits.size(-1);
+  const DeviceOf dev = device_of(logits, "logits");
   check_arg(logits, "logits", dev, Kind::kFloating);
   check_arg(grad_logits, "grad_logits", dev);
-  TORCH_CHECK(
-      grad_logits.sizes() == logits.sizes() && grad_logits.scalar_type() == logits.scalar_type(),
-      "grad_logits: expected shape ", logits.sizes(), " and dtype ", logits.scalar_type(),
-      " (like logits), got ", grad_logits.sizes(), " ", grad_logits.scalar_type());
-  TORCH_CHECK((logits.stride(-1) == 1 && grad_logits.stride(-1) == 1) || V <= 1,
-              "logits, grad_logits: the last (vocabulary) dimension must be contiguous");
+  check_arg(labels, "labels", dev, Kind::kIndex);
+  check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating);
+  check_arg(lse, "lse", dev, Kind::kFloat32);
+  check_arg(entropy, "entropy", dev);  // read only with an entropy gradient; on the device anyway
+  if (grad_entropy.has_value() && grad_entropy->defined())
+    check_arg(*grad_entropy, "grad_entropy", dev);
+  TORCH_CHECK_VALUE(logits.dim() >= 1, "logits: expected at least 1 dimension (..., V)");
+  const int64_t N = leading_numel(logits), V = logits.size(-1);
+  TORCH_CHECK_VALUE(grad_logits.sizes() == logits.sizes(), "grad_logits: expected shape ",
+                    shape_str(logits.sizes()), " (like logits), got ",
+                    shape_str(grad_logits.sizes()));
+  TORCH_CHECK_TYPE(grad_logits.scalar_type() == logits.scalar_type(),
+                   "grad_logits: expected dtype ", dtype_name(logits.scalar_type()),
+                   " (like logits), got ", dtype_name(grad_logits.scalar_type()));
+  TORCH_CHECK_VALUE((logits.stride(-1) == 1 && grad_logits.stride(-1) == 1) || V <= 1,
+                    "logits, grad_logits: the last (vocabulary) dimension must be contiguous");
   check_arg(labels, "labels", dev, Kind::kIndex, N, "logits.shape[:-1]");
   check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, N, "logits.shape[:-1]");
   check_arg(lse, "lse", dev, Kind::kFloat32, N, "logits.shape[:-1]");

@@ -62,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
   const KLRows& R = c.R;
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
-  const double* inv_ts = kl_inv_temperatures(inv_ts_in, logits_in.device(), N);
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0) return {kl, lz, lw};
   const float inv_t0 = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -110,7 +110,7 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in,
                                        inv_temperature, grad_logits, grad_ref);
   const KLRows& R = in.R;
   const int64_t N = R.N, V = R.V;
-  const double* inv_ts = kl_inv_temperatures(inv_ts_in, logits_in.device(), N);
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0 || V == 0) return;
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;

@@ -266,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gae_fwd_cpu(
     const std::optional<at::Tensor>& init_value, const std::optional<at::Tensor>& init_adv,
     const std::optional<at::Tensor>& cu_seqlens, int64_t n_rows, int64_t row_len) {
   const int64_t N = rewards.numel();
-  const at::Device dev = rewards.device();
+  const DeviceOf dev = device_of(rewards, "rewards");
   check_arg(rewards, "rewards", dev, Kind::kFloating);
   check_arg(values, "values", dev, Kind::kAny, N, "like rewards");
   TORCH_CHECK(rewards.is_contiguous() && values.is_contiguous() &&

@@ -75,12 +75,14 @@ bool unclamped(const KLClampSpec& c) {
 }
 
 void check_pair(const at::Tensor& lp, const at::Tensor& ref) {
-  check_arg(lp, "logprobs", lp.device(), Kind::kFloating);
-  check_arg(ref, "ref_logprobs", lp.device());
-  TORCH_CHECK(lp.sizes() == ref.sizes(), "ref_logprobs: expected shape ", lp.sizes(), ", got ",
-              ref.sizes());
-  TORCH_CHECK(lp.scalar_type() == ref.scalar_type(), "ref_logprobs: expected dtype ",
-              lp.scalar_type());
+  const DeviceOf on = device_of(lp, "logprobs");
+  check_arg(lp, "logprobs", on, Kind::kFloating);
+  check_arg(ref, "ref_logprobs", on);
+  TORCH_CHECK_VALUE(lp.sizes() == ref.sizes(), "ref_logprobs: expected shape ",
+                    shape_str(lp.sizes()), " (like logprobs), got ", shape_str(ref.sizes()));
+  TORCH_CHECK_TYPE(lp.scalar_type() == ref.scalar_type(), "ref_logprobs: expected dtype ",
+                   dtype_name(lp.scalar_type()), " (like logprobs), got ",
+                   dtype_name(ref.scalar_type()));
 }
 
 at::Tensor kl_penalty_fwd_cpu(const at::Tensor& lp_in, const at::Tensor& ref_in,
@@ -138,7 +140,8 @@ std::tuple<at::Tensor, at::Tensor> kl_penalty_bwd_cpu(const at::Tensor& grad_in,
                                                       double out_hi, bool need_lp, bool need_ref) {
   check_pair(lp_in, ref_in);
   const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
-  check_arg(grad_in, "grad", lp_in.device(), Kind::kFloating, lp_in.numel(), "like logprobs");
+  check_arg(grad_in, "grad", device_of(lp_in, "logprobs"), Kind::kFloating, lp_in.numel(),
+            "like logprobs");
   const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
 
   at::Tensor glp = need_lp ? new_output(lp.sizes(), lp.options()) : at::empty({0}, lp.options());
@@ -184,11 +187,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
     const at::Tensor& mask_in, const std::optional<at::Tensor>& beta_t, double beta,
     const std::string& est, double in_lo, double in_hi, double out_lo, double out_hi) {
   check_pair(lp_in, ref_in);
-  TORCH_CHECK(lp_in.dim() == 2, "logprobs: expected [B, T]");
-  TORCH_CHECK(mask_in.sizes() == lp_in.sizes(), "mask: expected shape ", lp_in.sizes());
+  TORCH_CHECK_VALUE(lp_in.dim() == 2, "logprobs: expected 2 dimensions (B, T), got shape ",
+                    shape_str(lp_in.sizes()));
+  const DeviceOf on = device_of(lp_in, "logprobs");
   const int64_t B = lp_in.size(0), T = lp_in.size(1);
-  check_arg(scores_in, "scores", lp_in.device(), Kind::kFloating, B, "one per row");
-  check_arg(mask_in, "mask", lp_in.device());
+  check_arg(scores_in, "scores", on, Kind::kFloating, B, "one per row");
+  check_arg(mask_in, "mask", on);
+  TORCH_CHECK_VALUE(mask_in.sizes() == lp_in.sizes(), "mask: expected shape ",
+                    shape_str(lp_in.sizes()), " (like logprobs), got ", shape_str(mask_in.sizes()));
   const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
   const at::Tensor scores = scores_in.to(at::kFloat).contiguous();
   at::Tensor mask = mask_in.contiguous();
@@ -196,9 +202,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_rewards_fwd_cpu(
     mask = mask.to(at::kFloat);
   at::Tensor betas;
   if (beta_t.has_value() && beta_t->defined()) {
-    check_arg(*beta_t, "beta", lp_in.device(), Kind::kFloating);
-    TORCH_CHECK(beta_t->numel() == 1 || beta_t->numel() == B, "beta: expected 1 or ", B,
-                " elements");
+    check_arg(*beta_t, "beta", on, Kind::kFloating);
+    TORCH_CHECK_VALUE(beta_t->numel() == 1 || beta_t->numel() == B, "beta: expected 1 or ", B,
+                      " elements, got shape ", shape_str(beta_t->sizes()));
     betas = beta_t->to(at::kFloat).contiguous();
   }
   const auto f32 = lp.options().dtype(at::kFloat);

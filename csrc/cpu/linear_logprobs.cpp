@@ -24,11 +24,12 @@ using cpu::load_scaled;
 using cpu::Vec;
 
 void check_tile(const at::Tensor& tile, const at::Tensor& labels) {
-  check_arg(tile, "tile", tile.device(), Kind::kFloat32);
-  TORCH_CHECK(tile.dim() == 2 && (tile.stride(1) == 1 || tile.size(1) <= 1),
-              "tile: expected a float32 [rows, vocab_chunk] tensor with stride(1) == 1, got shape ",
-              tile.sizes());
-  check_arg(labels, "labels", tile.device(), Kind::kIndex, tile.size(0), "tile.shape[0]");
+  check_arg(tile, "tile", device_of(tile, "tile"), Kind::kFloat32);
+  TORCH_CHECK_VALUE(tile.dim() == 2 && (tile.stride(1) == 1 || tile.size(1) <= 1),
+                    "tile: expected a float32 (rows, vocab_chunk) tensor with stride(1) == 1, got "
+                    "shape ",
+                    shape_str(tile.sizes()));
+  check_arg(labels, "labels", device_of(tile, "tile"), Kind::kIndex, tile.size(0), "tile.shape[0]");
 }
 
 // state: float32 [3, rows] = (m, s, u) of the scaled logits seen so far; zlabel: float32 [rows].
@@ -37,11 +38,12 @@ void tile_stats_cpu(const at::Tensor& tile, const at::Tensor& labels_in, int64_t
                     at::Tensor zlabel) {
   check_tile(tile, labels_in);
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
-  check_arg(state, "state", tile.device(), Kind::kFloat32, 3 * R, "[3, rows]");
-  TORCH_CHECK(state.is_contiguous() && state.dim() == 2 && state.size(0) == 3,
-              "state: expected a contiguous float32 [3, rows] tensor, got shape ", state.sizes());
-  check_arg(zlabel, "zlabel", tile.device(), Kind::kFloat32, R, "one per row");
-  TORCH_CHECK(zlabel.is_contiguous(), "zlabel: expected a contiguous tensor");
+  check_arg(state, "state", device_of(tile, "tile"), Kind::kFloat32, 3 * R, "3 per row");
+  TORCH_CHECK_VALUE(state.is_contiguous() && state.dim() == 2 && state.size(0) == 3,
+                    "state: expected a contiguous float32 (3, rows) tensor, got shape ",
+                    shape_str(state.sizes()));
+  check_arg(zlabel, "zlabel", device_of(tile, "tile"), Kind::kFloat32, R, "one per row");
+  TORCH_CHECK_VALUE(zlabel.is_contiguous(), "zlabel: expected a contiguous tensor");
   if (R == 0 || Vt == 0) return;
   const at::Tensor labels = labels_in.contiguous();
   const float inv_t = static_cast<float>(inv_temperature);
@@ -83,18 +85,18 @@ void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
                   double inv_temperature, int64_t ignore_index) {
   check_tile(tile, labels_in);
   const int64_t R = tile.size(0), Vt = tile.size(1), ld = tile.stride(0);
-  if (R == 0 || Vt == 0) return;
   const bool has_ent =
       grad_entropy.has_value() && grad_entropy->defined() && grad_entropy->numel() > 0;
-  const at::Device dev = tile.device();
+  const DeviceOf dev = device_of(tile, "tile");
   check_arg(lse_in, "lse", dev, Kind::kFloating, R, "one per row");
   check_arg(grad_logprobs, "grad_logprobs", dev, Kind::kFloating, R, "one per row");
   if (has_ent) {
-    TORCH_CHECK(entropy.has_value() && entropy->defined(),
-                "entropy: grad_entropy needs the forward entropy");
+    TORCH_CHECK_VALUE(entropy.has_value() && entropy->defined(),
+                      "entropy: grad_entropy needs the forward entropy");
     check_arg(*grad_entropy, "grad_entropy", dev, Kind::kFloating, R, "one per row");
     check_arg(*entropy, "entropy", dev, Kind::kFloating, R, "one per row");
   }
+  if (R == 0 || Vt == 0) return;
   const at::Tensor labels = labels_in.contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor glp_t = grad_logprobs.to(at::kFloat).contiguous();
@@ -149,11 +151,11 @@ void tile_bwd_cpu(at::Tensor tile, const at::Tensor& labels_in, int64_t v_start,
 // to a float32 temporary first (a pass more over both); here each block is converted as it is
 // added. The same bits: float32(x) is exact, one rounding per addition.
 void add_into_cpu(at::Tensor acc, const at::Tensor& x) {
-  check_arg(acc, "acc", acc.device(), Kind::kFloat32);
-  check_arg(x, "x", acc.device(), Kind::kFloating, acc.numel(), "like acc");
-  TORCH_CHECK(acc.is_contiguous() && x.is_contiguous() && acc.sizes() == x.sizes(),
-              "acc, x: expected contiguous tensors of one shape, got ", acc.sizes(), " and ",
-              x.sizes());
+  check_arg(acc, "acc", device_of(acc, "acc"), Kind::kFloat32);
+  check_arg(x, "x", device_of(acc, "acc"), Kind::kFloating, acc.numel(), "like acc");
+  TORCH_CHECK_VALUE(acc.is_contiguous() && x.is_contiguous() && acc.sizes() == x.sizes(),
+                    "acc, x: expected contiguous tensors of one shape, got ",
+                    shape_str(acc.sizes()), " and ", shape_str(x.sizes()));
   const int64_t n = acc.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_into_", [&] {
     float* a = acc.data_ptr<float>();

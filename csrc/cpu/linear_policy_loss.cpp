@@ -3,15 +3,15 @@
 // types whose per-token loss is ppo's clipped surrogate at token level (ppo, grpo, bnpo, dr_grpo,
 // dapo, luspo: policy_math.is_ppo_surrogate), float32 (or bf16 / fp16 with logits_dtype="input":
 // input-dtype tiles and GEMMs), whole-vocabulary tiles, not batch-invariant, without caller
-// weights, rollout correction, soft-capping or a reference LM head. There the Python loop runs
-// ~150 small torch ops per call (0.4 ms at 2 x 8 tokens: twice an eager loss on materialised
-// logits). Here each row chunk is a BLAS matmul for the logits tile, then each row reduced while
-// it is in cache (cpu_rows.h): its statistics with every exp(z - m_block) kept, its token's loss
-// and KL terms (loss_math.h's policy_token, kl_stats.h's estimators: the loss and KL kernels'
-// math), and its gradient from the kept exps -- one exp per logit, where the token_logprobs
-// kernels' two passes take two -- then the two gradient matmuls. The same three GEMMs, the same
-// statistics as the Python loop's kernel route (op.py _Loss with `ppo`), which the tests compare
-// it with (the gradient tiles agree to float32 rounding).
+// weights, rollout correction, soft-capping or a reference LM head. There the Python loop runs many
+// small torch ops per call, slower on small calls than an eager loss on materialised logits
+// (bench/results/cpu_linear_policy_loss_small.md). Here each row chunk is a BLAS matmul for the
+// logits tile, then each row reduced while it is in cache (cpu_rows.h): its statistics with every
+// exp(z - m_block) kept, its token's loss and KL terms (loss_math.h's policy_token, kl_stats.h's
+// estimators: the loss and KL kernels' math), and its gradient from the kept exps -- one exp per
+// logit, where the token_logprobs kernels' two passes take two -- then the two gradient matmuls.
+// The same three GEMMs, the same statistics as the Python loop's kernel route (op.py _Loss with
+// `ppo`), which the tests compare it with (the gradient tiles agree to float32 rounding).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -103,10 +103,11 @@ KLValueGrad<float> kl_token(int64_t est, float d, const KLClampSpec& c, bool str
   }
 }
 
-void check_per_token(const Tensor& t, const char* name, const Tensor& labels, Kind kind) {
-  check_arg(t, name, labels.device(), kind);
-  TORCH_CHECK(t.sizes() == labels.sizes(), name, ": expected shape ", labels.sizes(),
-              " (like labels), got ", t.sizes());
+void check_per_token(const Tensor& t, const char* name, const DeviceOf& dev, const Tensor& labels,
+                     Kind kind) {
+  check_arg(t, name, dev, kind);
+  TORCH_CHECK_VALUE(t.sizes() == labels.sizes(), name, ": expected shape ",
+                    shape_str(labels.sizes()), " (like labels), got ", shape_str(t.sizes()));
 }
 
 // -> (loss [], stats [len(stat_order)], token_stats [3, B, T] (log-probs, entropy, KL),
@@ -125,37 +126,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_policy_loss_pp
     double kl_in_hi, double kl_out_lo, double kl_out_hi, double entropy_coef,
     double inv_temperature, int64_t ignore_index, int64_t max_chunk_bytes,
     at::IntArrayRef stat_order, bool need_hidden, bool need_weight, bool need_bias) {
-  const at::Device dev = hidden.device();
+  const DeviceOf dev = device_of(hidden, "hidden");
   const at::ScalarType dt = hidden.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "hidden: expected dtype float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(dev.is_cpu(), "hidden: expected a CPU tensor, got device ", dev);
-  TORCH_CHECK(hidden.dim() == 2, "hidden: expected shape (N, H), got ", hidden.sizes());
-  const int64_t N = hidden.size(0), H = hidden.size(1);
+  // every tensor on hidden's device first, then that device is the CPU (this kernel's)
   check_arg(weight, "weight", dev);
-  TORCH_CHECK(weight.scalar_type() == dt, "weight: expected dtype ", dt, " (hidden's), got ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H, "), got ",
-              weight.sizes());
+  if (bias) check_arg(*bias, "bias", dev);
+  check_arg(labels_in, "labels", dev, Kind::kIndex);
+  check_arg(advantages, "advantages", dev, Kind::kFloating);
+  check_arg(old_logprobs, "old_logprobs", dev, Kind::kFloating);
+  check_arg(mask, "mask", dev);
+  if (ref_logprobs) check_arg(*ref_logprobs, "ref_logprobs", dev, Kind::kFloating);
+  if (global_denom) check_arg(*global_denom, "global_denom", dev);
+  TORCH_CHECK_VALUE(dev.device.is_cpu(), "hidden: expected a CPU tensor, got device ", dev.device);
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                   "hidden: expected dtype float32, bfloat16 or float16, got ", dtype_name(dt));
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden: expected shape (N, H), got ",
+                    shape_str(hidden.sizes()));
+  const int64_t N = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK_TYPE(weight.scalar_type() == dt, "weight: expected dtype ", dtype_name(dt),
+                   " (hidden's), got ", dtype_name(weight.scalar_type()));
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H,
+                    "), got ", shape_str(weight.sizes()));
   const int64_t V = weight.size(0);
   if (bias) {
     check_arg(*bias, "bias", dev, Kind::kAny, V, "weight.shape[0]");
-    TORCH_CHECK(bias->scalar_type() == dt, "bias: expected dtype ", dt, " (hidden's), got ",
-                bias->scalar_type());
+    TORCH_CHECK_TYPE(bias->scalar_type() == dt, "bias: expected dtype ", dtype_name(dt),
+                     " (hidden's), got ", dtype_name(bias->scalar_type()));
   }
-  check_arg(labels_in, "labels", dev, Kind::kIndex);
-  TORCH_CHECK(labels_in.dim() == 2 && labels_in.numel() == N, "labels: expected shape (B, T) with ",
-              "B * T = ", N, " (hidden.shape[0]), got ", labels_in.sizes());
-  TORCH_CHECK(N > 0 && V > 0, "hidden / weight: expected at least one token and one vocabulary ",
-              "entry (the Python loop takes empty calls)");
+  TORCH_CHECK_VALUE(labels_in.dim() == 2 && labels_in.numel() == N,
+                    "labels: expected shape (B, T) with B * T = ", N, " (hidden.shape[0]), got ",
+                    shape_str(labels_in.sizes()));
+  TORCH_CHECK_VALUE(N > 0 && V > 0,
+                    "hidden / weight: expected at least one token and one vocabulary entry (the "
+                    "Python loop takes empty calls)");
   const int64_t B = labels_in.size(0), T = labels_in.size(1);
-  check_per_token(old_logprobs, "old_logprobs", labels_in, Kind::kFloating);
-  check_per_token(mask, "mask", labels_in, Kind::kAny);
-  if (ref_logprobs) check_per_token(*ref_logprobs, "ref_logprobs", labels_in, Kind::kFloating);
-  check_arg(advantages, "advantages", dev, Kind::kFloating);
-  TORCH_CHECK(
+  check_per_token(old_logprobs, "old_logprobs", dev, labels_in, Kind::kFloating);
+  check_per_token(mask, "mask", dev, labels_in, Kind::kAny);
+  if (ref_logprobs) check_per_token(*ref_logprobs, "ref_logprobs", dev, labels_in, Kind::kFloating);
+  TORCH_CHECK_VALUE(
       advantages.sizes() == labels_in.sizes() || (advantages.dim() == 1 && advantages.size(0) == B),
-      "advantages: expected shape ", labels_in.sizes(), " or (", B, "), got ", advantages.sizes());
+      "advantages: expected shape ", shape_str(labels_in.sizes()), " or (", B, ",), got ",
+      shape_str(advantages.sizes()));
   TORCH_CHECK(max_chunk_bytes >= 0, "max_chunk_bytes: expected a non-negative integer, got ",
               max_chunk_bytes);
   for (const int64_t j : stat_order) {

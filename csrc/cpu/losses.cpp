@@ -1,7 +1,5 @@
-// PPO policy / value losses, the pairwise (reward-model / DPO) loss and GRPO / RLOO group
-// advantages: CPU kernels and the schemas of the
-// raw kernels. Semantics: ppo_kernels/losses/naive.py,
-// ppo_kernels/group_advantages/naive.py.
+// PPO policy / value losses, masked_aggregate and the pairwise (reward-model / DPO) loss: CPU
+// kernels and the schemas of the raw kernels. Semantics: ppo_kernels/losses/naive.py.
 //
 // The losses take one pass over the tokens: rows are cut into chunks of kChunk tokens, each chunk
 // (a parallel work item) produces the partial sums of LossPartial (masked loss, mask, statistics)
@@ -21,6 +19,7 @@
 #include <vector>
 
 #include "common/alloc.h"
+#include "common/cpu_load.h"
 #include "common/loss_math.h"
 #include "common/modes.h"
 #include "common/tensor_checks.h"
@@ -30,48 +29,26 @@ namespace {
 
 constexpr int64_t kChunk = 1024;
 
-// n elements of t (contiguous, any real dtype) from flat offset off, as float.
-void load_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
-  if (t.scalar_type() == at::kBool) {
-    // as bytes: gcc does not vectorise bool -> float, and its scalar int -> float conversions
-    // chain on a false register dependency (~1 ns per element, 5x the whole pass)
-    const uint8_t* p = reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()) + off;
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-    return;
-  }
-  AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kBFloat16, at::kHalf, t.scalar_type(), "ppo_load", [&] {
-    const scalar_t* p = t.const_data_ptr<scalar_t>() + off;
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-  });
-}
-
-// The same n elements as float: in place for a float32 tensor, else converted into buf.
-const float* as_float(const at::Tensor& t, int64_t off, int64_t n, float* buf) {
-  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>() + off;
-  load_float(t, off, n, buf);
-  return buf;
-}
-
-void store_float(at::Tensor& t, int64_t off, int64_t n, const float* buf) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "ppo_store", [&] {
-    scalar_t* p = t.data_ptr<scalar_t>() + off;
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
-  });
-}
+using cpu::as_float;
+using cpu::load_float;
+using cpu::store_float;
 
 struct Shape2 {
   int64_t B, T, nch;
 };
 
 Shape2 rows_of(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "loss kernels expect contiguous [B, T] inputs");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(),
+                    "loss kernels expect contiguous (B, T) inputs, got shape ",
+                    shape_str(x.sizes()));
   const int64_t B = x.size(0), T = x.size(1);
   return {B, T, T == 0 ? 0 : (T + kChunk - 1) / kChunk};
 }
 
 void check_like(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  TORCH_CHECK(b.sizes() == a.sizes() && b.is_contiguous(), name,
-              ": expected a contiguous tensor of shape ", a.sizes(), ", got ", b.sizes());
+  TORCH_CHECK_VALUE(b.sizes() == a.sizes() && b.is_contiguous(), name,
+                    ": expected a contiguous tensor of shape ", shape_str(a.sizes()), ", got ",
+                    shape_str(b.sizes()));
 }
 
 // The names of a loss kernel's three [B, T] inputs, for the argument checks; masked_aggregate has
@@ -83,18 +60,21 @@ constexpr Names kAggregateNames{"loss_mat", nullptr, nullptr};
 
 void check_loss_args(const Names& n, const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
                      const at::Tensor& mask) {
-  check_arg(x, n[0], x.device(), Kind::kFloating);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), n[0],
-              ": expected a contiguous [B, T] tensor, got ", x.sizes());
+  const DeviceOf dev = device_of(x, n[0]);
+  check_arg(x, n[0], dev, Kind::kFloating);
   if (n[1] != nullptr) {
-    check_arg(y, n[1], x.device(), Kind::kFloating);
+    check_arg(y, n[1], dev, Kind::kFloating);
+    check_arg(z, n[2], dev, Kind::kFloating);
+  }
+  check_arg(mask, "mask", dev);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(), n[0],
+                    ": expected a contiguous (B, T) tensor, got shape ", shape_str(x.sizes()));
+  if (n[1] != nullptr) {
     check_like(x, y, n[1]);
-    check_arg(z, n[2], x.device(), Kind::kFloating);
     check_like(x, z, n[2]);
   }
-  check_arg(mask, "mask", x.device());
   check_like(x, mask, "mask");
-  TORCH_CHECK(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
+  TORCH_CHECK_TYPE(!at::isComplexType(mask.scalar_type()), "mask: complex masks are not supported");
 }
 
 // One pass: per-chunk partial sums of (loss, mask, the NS per-token statistics), then the serial
@@ -112,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd(
   const int64_t agg = mode_index("agg", agg_names(), agg_name);
   const Shape2 s = rows_of(x);
   if (global_denom.has_value() && global_denom->defined()) {
-    check_arg(*global_denom, "global_denom", x.device(), Kind::kAny, 1, "a single value");
+    check_arg(*global_denom, "global_denom", device_of(x, names[0]), Kind::kAny, 1,
+              "a single value");
   }
   const int64_t items = s.B * s.nch;
   const bool one_input = names[1] == nullptr;
@@ -215,10 +196,13 @@ template <typename Fn>
 at::Tensor loss_bwd(const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& y,
                     const at::Tensor& z, const at::Tensor& mask, const at::Tensor& row_coef,
                     const Names& names, Fn fn) {
+  const DeviceOf dev = device_of(x, names[0]);
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32);
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating);
   check_loss_args(names, x, y, z, mask);
   const Shape2 s = rows_of(x);
-  check_arg(row_coef, "row_coef", x.device(), Kind::kFloat32, s.B, "one per row");
-  check_arg(grad_loss, "grad_loss", x.device(), Kind::kFloating, 1, "the 0-dim loss");
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, 1, "the 0-dim loss");
   at::Tensor grad = new_output(x.sizes(), x.options());
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
@@ -300,11 +284,14 @@ std::tuple<at::Tensor, at::Tensor> masked_aggregate_fwd_cpu(
 // grad = grad_loss * row_coef[b] * mask where mask != 0, else 0, in `dtype` (loss_mat's).
 at::Tensor masked_aggregate_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& mask,
                                     const at::Tensor& row_coef, at::ScalarType dtype) {
-  check_arg(mask, "mask", mask.device());
+  const DeviceOf dev = device_of(mask, "mask");
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32);
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating);
   const Shape2 s = rows_of(mask);
-  check_arg(row_coef, "row_coef", mask.device(), Kind::kFloat32, s.B, "one per row");
-  check_arg(grad_loss, "grad_loss", mask.device(), Kind::kFloating, 1, "the 0-dim loss");
-  TORCH_CHECK(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ", dtype);
+  check_arg(row_coef, "row_coef", dev, Kind::kFloat32, s.B, "one per row");
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, 1, "the 0-dim loss");
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype), "dtype: expected a floating dtype, got ",
+                   dtype_name(dtype));
   at::Tensor grad = new_output(mask.sizes(), mask.options().dtype(dtype));
   const float g = grad_loss.to(at::kFloat).item<float>();
   const at::Tensor coef_c = row_coef.contiguous();
@@ -345,87 +332,6 @@ at::Tensor ppo_value_loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor&
                   value_fn(clip));
 }
 
-// GRPO / RLOO advantages (kind: group_advantage_names()). Groups: group_index[i] in [0, B) or i /
-// group_size. Statistics in double (so a group of equal scores has an exact mean and gives exactly
-// 0).
-at::Tensor group_advantages_cpu(const at::Tensor& scores_in,
-                                const std::optional<at::Tensor>& group_index, int64_t group_size,
-                                double eps, bool norm_by_std, const std::string& kind_name,
-                                const std::optional<at::Tensor>& mask) {
-  const int64_t kind = mode_index("kind", group_advantage_names(), kind_name);
-  TORCH_CHECK(scores_in.dim() == 1, "scores: expected [B]");
-  check_arg(scores_in, "scores", scores_in.device(), Kind::kFloating);
-  const int64_t B = scores_in.size(0);
-  const bool by_index = group_index.has_value() && group_index->defined();
-  if (by_index) check_arg(*group_index, "group_index", scores_in.device(), Kind::kIndex);
-  if (mask.has_value() && mask->defined()) check_arg(*mask, "mask", scores_in.device());
-  TORCH_CHECK(by_index || group_size >= 1, "group_size: expected >= 1");
-  std::vector<float> x(B);
-  const at::Tensor scores = scores_in.contiguous();
-  load_float(scores, 0, B, x.data());
-  std::vector<int64_t> gid(B);
-  if (by_index) {
-    const at::Tensor gi = group_index->contiguous();
-    TORCH_CHECK(gi.numel() == B, "group_index: expected ", B, " elements");
-    AT_DISPATCH_INDEX_TYPES(gi.scalar_type(), "group_index", [&] {
-      const index_t* p = gi.const_data_ptr<index_t>();
-      for (int64_t i = 0; i < B; ++i) {
-        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < B, "group_index: value ", int64_t(p[i]),
-                          " at position ", i, " is outside [0, B) = [0, ", B, ")");
-        gid[i] = p[i];
-      }
-    });
-  } else {
-    for (int64_t i = 0; i < B; ++i) gid[i] = i / group_size;
-  }
-  std::vector<double> cnt(B, 0.0), sum(B, 0.0), ss(B, 0.0);
-  for (int64_t i = 0; i < B; ++i) {
-    cnt[gid[i]] += 1.0;
-    sum[gid[i]] += x[i];
-  }
-  for (int64_t g = 0; g < B; ++g) sum[g] = cnt[g] > 0 ? sum[g] / cnt[g] : 0.0;  // now the mean
-  for (int64_t i = 0; i < B; ++i) {
-    const double c = x[i] - sum[gid[i]];
-    ss[gid[i]] += c * c;
-  }
-  std::vector<float> adv(B);
-  for (int64_t i = 0; i < B; ++i) {
-    const double n = cnt[gid[i]], c = x[i] - sum[gid[i]];
-    double a;
-    if (kind == kGRPO) {
-      if (n <= 1.0)
-        a = norm_by_std ? x[i] / (1.0 + eps) : double(x[i]);  // verl: mean 0, std 1
-      else if (!norm_by_std)
-        a = c;
-      else {  // eps = 0 on a group of equal scores: 0 (c is exactly 0 there), not 0 / 0
-        const double den = std::sqrt(ss[gid[i]] / (n - 1.0)) + eps;
-        a = den > 0 ? c / den : 0.0;
-      }
-    } else {
-      a = n <= 1.0 ? double(x[i]) : c * n / (n - 1.0);  // verl's rloo: a singleton keeps its score
-    }
-    adv[i] = static_cast<float>(a);
-  }
-  const auto f32 = scores.options().dtype(at::kFloat);
-  if (!(mask.has_value() && mask->defined())) {
-    at::Tensor out = new_output({B}, f32);
-    std::copy(adv.begin(), adv.end(), out.data_ptr<float>());
-    return out;
-  }
-  const at::Tensor m = mask->contiguous();
-  TORCH_CHECK(m.dim() == 2 && m.size(0) == B, "mask: expected [B, T]");
-  const int64_t T = m.size(1);
-  at::Tensor out = new_output({B, T}, f32);
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      load_float(m, r * T, T, o + r * T);
-      for (int64_t t = 0; t < T; ++t) o[r * T + t] *= adv[r];
-    }
-  });
-  return out;
-}
-
 // reward_model_loss / dpo_loss: z = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
 // per pair (no references: beta * (chosen - rejected)), loss = -log sigmoid(z) = softplus(-z),
 // stable for any z (log1p of exp(-|z|) in (0, 1]), and coef = d loss / d z = -sigmoid(-z), / n for
@@ -435,11 +341,11 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_fwd_cpu(
     const at::Tensor& chosen, const at::Tensor& rejected,
     const std::optional<at::Tensor>& ref_chosen, const std::optional<at::Tensor>& ref_rejected,
     double beta, const std::string& reduction_name) {
-  const at::Device dev = chosen.device();
+  const DeviceOf dev = device_of(chosen, "chosen");
   check_arg(chosen, "chosen", dev, Kind::kFloating);
   check_arg(rejected, "rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
-  TORCH_CHECK(ref_chosen.has_value() == ref_rejected.has_value(),
-              "ref_chosen, ref_rejected: expected both or neither");
+  TORCH_CHECK_VALUE(ref_chosen.has_value() == ref_rejected.has_value(),
+                    "ref_chosen, ref_rejected: expected both or neither");
   if (ref_chosen) {
     check_arg(*ref_chosen, "ref_chosen", dev, Kind::kFloating, chosen.numel(), "like chosen");
     check_arg(*ref_rejected, "ref_rejected", dev, Kind::kFloating, chosen.numel(), "like chosen");
@@ -512,13 +418,14 @@ std::tuple<at::Tensor, at::Tensor> pairwise_logsigmoid_loss_bwd_cpu(const at::Te
                                                                     double beta,
                                                                     at::ScalarType chosen_dtype,
                                                                     at::ScalarType rejected_dtype) {
-  check_arg(coef, "coef", coef.device(), Kind::kFloat32);
+  const DeviceOf dev = device_of(coef, "coef");
+  check_arg(coef, "coef", dev, Kind::kFloat32);
   const bool per_pair = grad_loss.dim() > 0;
-  check_arg(grad_loss, "grad_loss", coef.device(), Kind::kFloating, per_pair ? coef.numel() : 1,
+  check_arg(grad_loss, "grad_loss", dev, Kind::kFloating, per_pair ? coef.numel() : 1,
             per_pair ? "one per pair" : "the 0-dim loss");
-  TORCH_CHECK(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
-              "chosen_dtype, rejected_dtype: expected floating dtypes, got ", chosen_dtype, ", ",
-              rejected_dtype);
+  TORCH_CHECK_TYPE(at::isFloatingType(chosen_dtype) && at::isFloatingType(rejected_dtype),
+                   "chosen_dtype, rejected_dtype: expected floating dtypes, got ",
+                   dtype_name(chosen_dtype), ", ", dtype_name(rejected_dtype));
   const int64_t n = coef.numel();
   const at::Tensor cf = coef.contiguous();
   const at::Tensor gl = grad_loss.to(at::kFloat).contiguous();
@@ -579,10 +486,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   m.def(
       "pairwise_logsigmoid_loss_bwd(Tensor grad_loss, Tensor coef, float beta, "
       "ScalarType chosen_dtype, ScalarType rejected_dtype) -> (Tensor, Tensor)");
-  m.def(
-      "group_advantages(Tensor scores, Tensor? group_index, int group_size, float eps, bool "
-      "norm_by_std, "
-      "str kind, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
@@ -594,7 +497,6 @@ TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {
   m.impl("masked_aggregate_bwd", &masked_aggregate_bwd_cpu);
   m.impl("pairwise_logsigmoid_loss_fwd", &pairwise_logsigmoid_loss_fwd_cpu);
   m.impl("pairwise_logsigmoid_loss_bwd", &pairwise_logsigmoid_loss_bwd_cpu);
-  m.impl("group_advantages", &group_advantages_cpu);
 }
 
 }  // namespace ppo_kernels

@@ -245,12 +245,15 @@ void dispatch_mask(const at::Tensor& m, F&& f) {
   }
 }
 
-void check_x_mask(const at::Tensor& x, const at::Tensor& mask) {
-  check_arg(x, "x", x.device());
+// x and mask (and the backward's grad) on one device, the CPU (this kernel's).
+void check_x_mask(const at::Tensor& x, const at::Tensor& mask, const at::Tensor* grad = nullptr) {
+  const DeviceOf dev = device_of(x, "x");
+  check_arg(x, "x", dev);
+  check_arg(mask, "mask", dev);
+  if (grad) check_arg(*grad, "grad", dev, Kind::kFloating);
   TORCH_CHECK_VALUE(x.is_cpu(), "x: the cpp kernel runs CPU tensors, got ", x.device());
-  check_arg(mask, "mask", x.device());
-  TORCH_CHECK_VALUE(mask.sizes() == x.sizes(), "mask: expected shape ", x.sizes(),
-                    " (like x), got ", mask.sizes());
+  TORCH_CHECK_VALUE(mask.sizes() == x.sizes(), "mask: expected shape ", shape_str(x.sizes()),
+                    " (like x), got ", shape_str(mask.sizes()));
 }
 
 bool empty_is_nan(const std::string& empty) {
@@ -365,10 +368,10 @@ at::Tensor masked_mean_fwd_cpu(const at::Tensor& x_in, const at::Tensor& mask_in
 at::Tensor masked_mean_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
                                const at::Tensor& mask_in, at::OptionalIntArrayRef dim,
                                const std::string& empty) {
-  check_x_mask(x_in, mask_in);
+  check_x_mask(x_in, mask_in, &grad_in);
   const bool nan_empty = empty_is_nan(empty);
   const Rows r = as_rows(x_in, mask_in, dim);
-  check_arg(grad_in, "grad", x_in.device(), Kind::kFloating, r.R, "one per output element");
+  check_arg(grad_in, "grad", device_of(x_in, "x"), Kind::kFloating, r.R, "one per output element");
   const at::Tensor g = grad_in.to(at::kDouble).contiguous();
   const double* gp = g.const_data_ptr<double>();
   at::Tensor grad = new_output(r.x.sizes(), x_in.options());
@@ -435,8 +438,8 @@ at::Tensor masked_whiten_fwd_cpu(const at::Tensor& x_in, const at::Tensor& mask_
 at::Tensor masked_whiten_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
                                  const at::Tensor& mask_in, bool shift_mean, bool unbiased,
                                  double eps) {
-  check_x_mask(x_in, mask_in);
-  check_arg(grad_in, "grad", x_in.device(), Kind::kFloating, x_in.numel(), "like x");
+  check_x_mask(x_in, mask_in, &grad_in);
+  check_arg(grad_in, "grad", device_of(x_in, "x"), Kind::kFloating, x_in.numel(), "like x");
   TORCH_CHECK_VALUE(eps >= 0, "eps: expected a non-negative number, got ", eps);
   const at::Tensor x = x_in.contiguous(), mask = mask_in.contiguous();
   const at::Tensor g = grad_in.to(at::kFloat).contiguous();

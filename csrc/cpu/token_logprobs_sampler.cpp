@@ -48,8 +48,8 @@ SamplerOuts token_logprobs_sampler_fwd_cpu(const at::Tensor& logits_in, const at
   const int64_t N = c.base.N, V = c.base.V;
   const bool sglang = sampler_is_sglang(sampler);
   const SamplerParamPtrs params =
-      sampler_params(logits_in.device(), N, inv_temperature, inv_temperatures, top_k, top_ks, top_p,
-                     top_ps, min_p, min_ps);
+      sampler_params(device_of(logits_in, "logits"), N, inv_temperature, inv_temperatures, top_k,
+                     top_ks, top_p, top_ps, min_p, min_ps);
   for (int64_t r = 0; r < N && params.inv_t; ++r)
     TORCH_CHECK(params.inv_t[r] > 0 && std::isfinite(static_cast<float>(params.inv_t[r])),
                 "inv_temperatures: expected positive values finite in float32, got ",
@@ -171,13 +171,14 @@ void token_logprobs_sampler_bwd_cpu(const at::Tensor& grad_logprobs,
   const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits,
                                                         labels_in, lse, entropy, grad_logits);
   const int64_t N = c.N, V = c.V;
-  check_arg(cut_in, "cut", logits.device(), Kind::kFloat32, N, "logits.shape[:-1]");
-  check_arg(cut_index_in, "cut_index", logits.device(), Kind::kAny, N, "logits.shape[:-1]");
-  TORCH_CHECK(cut_index_in.scalar_type() == at::kLong, "cut_index: expected dtype int64, got ",
-              cut_index_in.scalar_type());
+  const DeviceOf dev = device_of(logits, "logits");
+  check_arg(cut_in, "cut", dev, Kind::kFloat32, N, "logits.shape[:-1]");
+  check_arg(cut_index_in, "cut_index", dev, Kind::kAny, N, "logits.shape[:-1]");
+  TORCH_CHECK_TYPE(cut_index_in.scalar_type() == at::kLong, "cut_index: expected dtype int64, got ",
+                   dtype_name(cut_index_in.scalar_type()));
   const SamplerParamPtrs params =
-      sampler_params(logits.device(), N, inv_temperature, inv_temperatures, 0, std::nullopt, 1.0,
-                     std::nullopt, 0.0, std::nullopt);
+      sampler_params(device_of(logits, "logits"), N, inv_temperature, inv_temperatures, 0,
+                     std::nullopt, 1.0, std::nullopt, 0.0, std::nullopt);
   if (N == 0) return;
   check_labels_on_host(c.labels, V, ignore_index);
   const at::Tensor cut = cut_in.contiguous(), cut_index = cut_index_in.contiguous();

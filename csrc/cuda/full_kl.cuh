@@ -186,6 +186,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                                                    const std::optional<at::Tensor>& mask_in,
                                                    double inv_temperature,
                                                    const std::optional<at::Tensor>& inv_ts_in) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits_in, "logits");
+  check_arg(ref_in, "ref_logits", on);
+  if (mask_in.has_value() && mask_in->defined()) check_arg(*mask_in, "mask", on);
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(ref_in), "logits and ref_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits_in);
@@ -193,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
   const KLRows& R = c.R;
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
-  const double* inv_ts = kl_inv_temperatures(inv_ts_in, logits_in.device(), N);
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0) return {kl, lz, lw};
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
@@ -213,6 +217,17 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
          const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in, const at::Tensor& lz_in,
          const at::Tensor& lw_in, double inv_temperature, at::Tensor grad_logits,
          std::optional<at::Tensor> grad_ref, const std::optional<at::Tensor>& inv_ts_in) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits_in, "logits");
+  for (const auto& [t, name] : {std::pair{&grad_in, "grad"},
+                                {&ref_in, "ref_logits"},
+                                {&kl_in, "kl"},
+                                {&lz_in, "lse_z"},
+                                {&lw_in, "lse_w"},
+                                {&grad_logits, "grad_logits"}})
+    check_arg(*t, name, on);
+  if (mask_in.has_value() && mask_in->defined()) check_arg(*mask_in, "mask", on);
+  if (grad_ref.has_value() && grad_ref->defined()) check_arg(*grad_ref, "grad_ref_logits", on);
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(ref_in), "logits and ref_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits_in);
@@ -220,7 +235,7 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
                                        inv_temperature, grad_logits, grad_ref);
   const KLRows& R = in.R;
   const int64_t N = R.N, V = R.V;
-  const double* inv_ts = kl_inv_temperatures(inv_ts_in, logits_in.device(), N);
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0 || V == 0) return;
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;

@@ -20,6 +20,7 @@
 
 #include "common/alloc.h"
 #include "common/gae_combine.h"
+#include "common/tensor_checks.h"
 #include "cuda/device.cuh"
 
 namespace ppo_kernels {
@@ -212,6 +213,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
     const std::optional<at::Tensor>& lam_t, double gamma, double lam,
     const std::optional<at::Tensor>& init_value, const std::optional<at::Tensor>& init_adv,
     const std::optional<at::Tensor>& cu_seqlens, int64_t n_rows, int64_t row_len) {
+  // every tensor on rewards' device (a named ValueError), then that device is this build's
+  const DeviceOf on = device_of(rewards, "rewards");
+  check_arg(values, "values", on);
+  for (const auto& [t, name] : {std::pair{&mask, "mask"},
+                                {&dones, "dones"},
+                                {&gamma_t, "gamma_t"},
+                                {&lam_t, "lam_t"},
+                                {&init_value, "init_value"},
+                                {&init_adv, "init_adv"},
+                                {&cu_seqlens, "cu_seqlens"}}) {
+    if (t->has_value() && (*t)->defined()) check_arg(**t, name, on);
+  }
   TORCH_CHECK(Dev::accepts(rewards) && Dev::accepts(values), "gae_fwd: rewards and values must be ",
               Dev::kTensorKind, " tensors");
   Dev device(rewards);

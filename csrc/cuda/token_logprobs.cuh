@@ -222,6 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                                                    const at::Tensor& labels_in,
                                                    double inv_temperature, int64_t ignore_index,
                                                    bool with_entropy) {
+  // labels on logits' device (a ValueError naming it), then that device is this build's
+  check_arg(labels_in, "labels", device_of(logits_in, "logits"));
   TORCH_CHECK(Dev::accepts(logits_in) && Dev::accepts(labels_in), "logits and labels must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits_in);
@@ -251,6 +253,16 @@ void bwd(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_
          const at::Tensor& logits, const at::Tensor& labels_in, const at::Tensor& lse,
          const at::Tensor& entropy, double inv_temperature, int64_t ignore_index,
          at::Tensor grad_logits) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits, "logits");
+  for (const auto& [t, name] : {std::pair{&grad_logprobs, "grad_logprobs"},
+                                {&labels_in, "labels"},
+                                {&lse, "lse"},
+                                {&entropy, "entropy"},
+                                {&grad_logits, "grad_logits"}})
+    check_arg(*t, name, on);
+  if (grad_entropy.has_value() && grad_entropy->defined())
+    check_arg(*grad_entropy, "grad_entropy", on);
   TORCH_CHECK(Dev::accepts(logits) && Dev::accepts(grad_logits), "logits and grad_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits);

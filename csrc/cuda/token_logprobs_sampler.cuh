@@ -435,6 +435,14 @@ fwd(const at::Tensor& logits, const at::Tensor& labels, double inv_temperature,
     double min_p, const std::optional<at::Tensor>& min_ps, c10::string_view sampler,
     int64_t ignore_index, bool with_entropy, bool with_sum_p2, bool with_lse, int64_t stats_top_k,
     bool with_is_argmax) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits, "logits");
+  check_arg(labels, "labels", on);
+  for (const auto& [t, name] : {std::pair{&inv_temperatures, "inv_temperatures"},
+                                {&top_ks, "top_ks"},
+                                {&top_ps, "top_ps"},
+                                {&min_ps, "min_ps"}})
+    if (t->has_value() && (*t)->defined()) check_arg(**t, name, on);
   TORCH_CHECK(Dev::accepts(logits) && Dev::accepts(labels), "logits and labels must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits);
@@ -442,9 +450,8 @@ fwd(const at::Tensor& logits, const at::Tensor& labels, double inv_temperature,
                                        stats_top_k, with_is_argmax);
   const int64_t N = c.base.N, V = c.base.V;
   const bool sglang = sampler_is_sglang(sampler);
-  const SamplerParamPtrs params =
-      sampler_params(logits.device(), N, inv_temperature, inv_temperatures, top_k, top_ks, top_p,
-                     top_ps, min_p, min_ps);
+  const SamplerParamPtrs params = sampler_params(on, N, inv_temperature, inv_temperatures, top_k,
+                                                 top_ks, top_p, top_ps, min_p, min_ps);
   if (N == 0) return c.outputs();
   const RowOut o{c.base.logprobs.data_ptr<float>(),
                  with_entropy ? c.base.entropy.data_ptr<float>() : nullptr,
@@ -479,19 +486,33 @@ void bwd(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_
          const at::Tensor& entropy, const at::Tensor& cut_in, const at::Tensor& cut_index_in,
          double inv_temperature, const std::optional<at::Tensor>& inv_temperatures,
          int64_t ignore_index, at::Tensor grad_logits) {
+  // every tensor on logits' device (a ValueError naming it), then that device is this build's
+  const DeviceOf on = device_of(logits, "logits");
+  for (const auto& [t, name] : {std::pair{&grad_logprobs, "grad_logprobs"},
+                                {&labels, "labels"},
+                                {&lse, "lse"},
+                                {&entropy, "entropy"},
+                                {&cut_in, "cut"},
+                                {&cut_index_in, "cut_index"},
+                                {&grad_logits, "grad_logits"}})
+    check_arg(*t, name, on);
+  if (grad_entropy.has_value() && grad_entropy->defined())
+    check_arg(*grad_entropy, "grad_entropy", on);
+  if (inv_temperatures.has_value() && inv_temperatures->defined())
+    check_arg(*inv_temperatures, "inv_temperatures", on);
   TORCH_CHECK(Dev::accepts(logits) && Dev::accepts(grad_logits), "logits and grad_logits must be ",
               Dev::kTensorKind, " tensors");
   Dev device(logits);
   const LogprobsGradCall c = prepare_logprobs_grad_call(grad_logprobs, grad_entropy, logits, labels,
                                                         lse, entropy, grad_logits);
   const int64_t N = c.N, V = c.V;
-  check_arg(cut_in, "cut", logits.device(), Kind::kFloat32, N, "logits.shape[:-1]");
-  check_arg(cut_index_in, "cut_index", logits.device(), Kind::kAny, N, "logits.shape[:-1]");
-  TORCH_CHECK(cut_index_in.scalar_type() == at::kLong, "cut_index: expected dtype int64, got ",
-              cut_index_in.scalar_type());
+  check_arg(cut_in, "cut", on, Kind::kFloat32, N, "logits.shape[:-1]");
+  check_arg(cut_index_in, "cut_index", on, Kind::kAny, N, "logits.shape[:-1]");
+  TORCH_CHECK_TYPE(cut_index_in.scalar_type() == at::kLong, "cut_index: expected dtype int64, got ",
+                   dtype_name(cut_index_in.scalar_type()));
   const SamplerParamPtrs params =
-      sampler_params(logits.device(), N, inv_temperature, inv_temperatures, 0, std::nullopt, 1.0,
-                     std::nullopt, 0.0, std::nullopt);
+      sampler_params(on, N, inv_temperature, inv_temperatures, 0, std::nullopt, 1.0, std::nullopt,
+                     0.0, std::nullopt);
   if (N == 0) return;
   const at::Tensor cut = cut_in.contiguous(), cut_index = cut_index_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(

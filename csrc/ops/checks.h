@@ -10,28 +10,9 @@
 #include <optional>
 #include <string>
 
-namespace ppo_kernels {
+#include "common/tensor_checks.h"
 
-inline std::string dtype_name(at::ScalarType st) {
-  switch (st) {
-    case at::kFloat:
-      return "float32";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kHalf:
-      return "float16";
-    case at::kDouble:
-      return "float64";
-    case at::kLong:
-      return "int64";
-    case at::kInt:
-      return "int32";
-    case at::kBool:
-      return "bool";
-    default:
-      return c10::toString(st);
-  }
-}
+namespace ppo_kernels {
 
 inline bool is_value_dtype(at::ScalarType st) {
   return st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble;
@@ -61,20 +42,21 @@ inline void expect_mask(const at::Tensor& t, const char* name) {
                    " is not supported (expected bool, an integer or a float dtype)");
 }
 
+// `t` on the op's device, `like`'s (common/tensor_checks.h: check_device).
 inline void expect_device(const at::Tensor& t, const char* name, const at::Tensor& like,
                           const char* like_name) {
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, ": expected device ", like.device(),
-                    " (like ", like_name, "), got ", t.device());
+  check_device(t, name, like.device(), like_name);
 }
 
 inline void expect_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape,
                          const char* what) {
-  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, " (", what, "), got ",
-                    t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape_str(shape), " (", what,
+                    "), got ", shape_str(t.sizes()));
 }
 
 inline void expect_dim(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, ": expected ", dim, " dimensions, got shape ",
+                    shape_str(t.sizes()));
 }
 
 inline void expect_dtype(const at::Tensor& t, const char* name, at::ScalarType st,
@@ -93,8 +75,8 @@ inline void expect_like(const at::Tensor& t, const char* name, const at::Tensor&
                      dtype_name(like.scalar_type()), " (like ", like_name, "), got ",
                      dtype_name(t.scalar_type()));
   }
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, ": expected shape ", like.sizes(), " (like ",
-                    like_name, "), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, ": expected shape ", shape_str(like.sizes()),
+                    " (like ", like_name, "), got ", shape_str(t.sizes()));
 }
 
 // lo <= hi (+-inf allowed; NaN never passes)
@@ -115,14 +97,14 @@ inline double expect_positive(const char* name, double x) {
 
 inline void expect_min_dim(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK_VALUE(t.dim() >= dim, name, ": expected at least ", dim, " dimension(s), got shape ",
-                    t.sizes());
+                    shape_str(t.sizes()));
 }
 
 // [..., V] with the last (vocabulary) dimension contiguous (a size-1 one may have any stride)
 inline void expect_rows_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) <= 1, name,
                     ": the last (vocabulary) dimension must be contiguous (stride 1); got strides ",
-                    t.strides());
+                    shape_str(t.strides()));
 }
 
 // A positive finite temperature whose inverse is finite in float32 (the kernels' 1 / T).

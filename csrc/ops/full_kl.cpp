@@ -176,7 +176,7 @@ const OpRef kRowFwd("full_kl_row_temperature"), kRowBwd("full_kl_row_temperature
 void check_temperatures(const Tensor& t, const Tensor& logits) {
   TORCH_CHECK_VALUE(t.defined(), "temperature: expected a tensor");
   expect_float(t, "temperature");
-  expect_device(t, "temperature", logits, "logits");
+  expect_device(t, "temperatures", logits, "logits");  // the schema's name
   const auto rows = logits.sizes().slice(0, logits.dim() - 1);
   TORCH_CHECK_VALUE(
       t.dim() <= static_cast<int64_t>(rows.size()) && t.sizes() == rows.slice(0, t.dim()),

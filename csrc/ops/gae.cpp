@@ -86,7 +86,7 @@ Outs gae(const Tensor& rewards, const Tensor& values, const OptTensor& mask_in,
     expect_index(cu, "cu_seqlens");
     expect_device(cu, "cu_seqlens", rewards, "rewards");
     TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 1,
-                      "cu_seqlens: expected [n + 1] offsets, got shape ", cu.sizes());
+                      "cu_seqlens: expected (n + 1,) offsets, got shape ", shape_str(cu.sizes()));
     TORCH_CHECK_VALUE(rewards.numel() < (int64_t{1} << 31),
                       "rewards: packed inputs are limited to 2^31 - 1 tokens (int32 offsets)");
     n_rows = cu.numel() - 1;

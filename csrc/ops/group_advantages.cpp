@@ -55,7 +55,7 @@ Tensor group_advantages(const Tensor& scores, const OptTensor& group_index, int6
     expect_mask(*mask, "mask");
     expect_device(*mask, "mask", scores, "scores");
     TORCH_CHECK_VALUE(mask->dim() == 2 && mask->size(0) == B, "mask: expected shape (", B,
-                      ", T) (one row per score), got ", mask->sizes());
+                      ", T) (one row per score), got ", shape_str(mask->sizes()));
   }
   const Backend b = backend_for("group_advantages", scores);
   if (b == Backend::kCpp)  // the kernel checks the group ids itself

@@ -118,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> rewards(const Tensor& scores, const Tensor& l
   expect_dim(lp, "logprobs", 2);
   expect_float(scores, "scores");
   expect_device(scores, "scores", lp, "logprobs");
-  expect_shape(scores, "scores", {lp.size(0)}, "[B]");
+  expect_shape(scores, "scores", {lp.size(0)}, "one per row");
   expect_mask(mask, "mask");
   expect_device(mask, "mask", lp, "logprobs");
   expect_shape(mask, "mask", lp.sizes(), "like logprobs");
@@ -126,7 +126,7 @@ std::tuple<Tensor, Tensor, Tensor> rewards(const Tensor& scores, const Tensor& l
     expect_float(*beta_t, "beta");
     expect_device(*beta_t, "beta", lp, "logprobs");
     TORCH_CHECK_VALUE(beta_t->numel() == 1 || beta_t->numel() == lp.size(0), "beta: expected 1 or ",
-                      lp.size(0), " values, got shape ", beta_t->sizes());
+                      lp.size(0), " values, got shape ", shape_str(beta_t->sizes()));
   }
   expect_finite("beta", beta);
   const Backend b = backend_for("kl_penalized_rewards", lp);

@@ -67,7 +67,7 @@ void check_forward(const Tensor& hidden, const Tensor& weight, const Tensor& lab
                    dtype_name(weight.scalar_type()));
   expect_device(weight, "weight", hidden, "hidden");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == H, "weight: expected shape (V, ", H,
-                    ") (H = hidden.shape[-1]), got ", weight.sizes());
+                    ") (H = hidden.shape[-1]), got ", shape_str(weight.sizes()));
   const int64_t V = weight.size(0);
   expect_index(labels, "labels");
   expect_device(labels, "labels", hidden, "hidden");
@@ -91,12 +91,12 @@ void check_forward(const Tensor& hidden, const Tensor& weight, const Tensor& lab
 }
 
 // ---- One tile: a small call on the cpp backend runs here, in C++. The chunk loop is Python and
-// costs more than the work of a small call (3.5x the eager composition's time fwd+bwd at N=16 H=16
-// V=64); here the logits are one tile, computed by one matmul and reduced by token_logprobs'
-// kernels (at most 256 KiB: kept for the backward by the graph node below, recomputed by the
-// backward op). The roundings are the chunk loop's: float32 tiles upcast bf16 / fp16 inputs (the
-// float32 copy of the head is at most 4 MiB), "input" tiles keep the input dtype and add the bias
-// after the matmul, as `h @ W.T + b` materialised does.
+// costs several times the eager composition's time on a small call (bench/bench_overhead.py,
+// bench/results/cpu_overhead*.md); here the logits are one tile, computed by one matmul and reduced
+// by token_logprobs' kernels (at most 256 KiB: kept for the backward by the graph node below,
+// recomputed by the backward op). The roundings are the chunk loop's: float32 tiles upcast bf16 /
+// fp16 inputs (the float32 copy of the head is at most 4 MiB), "input" tiles keep the input dtype
+// and add the bias after the matmul, as `h @ W.T + b` materialised does.
 constexpr int64_t kOneTileLogits = int64_t{1} << 16;  // N * V
 constexpr int64_t kOneTileWeight = int64_t{1} << 20;  // V * H
 
@@ -210,6 +210,10 @@ Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const 
   expect_dtype(lse, "lse", acc, "the forward's lse");
   expect_device(lse, "lse", hidden, "hidden");
   expect_shape(lse, "lse", rows, "hidden.shape[:-1]");
+  // on hidden's device even where not read (no entropy gradient: empty tensors)
+  if (entropy.defined()) expect_device(entropy, "entropy", hidden, "hidden");
+  if (grad_entropy && grad_entropy->defined())
+    expect_device(*grad_entropy, "grad_entropy", hidden, "hidden");
   if (grad_entropy && grad_entropy->defined() && grad_entropy->numel() > 0) {
     expect_float(*grad_entropy, "grad_entropy");
     expect_device(*grad_entropy, "grad_entropy", hidden, "hidden");

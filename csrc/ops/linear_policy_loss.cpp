@@ -173,7 +173,7 @@ void check(const Stack& a, const Args& i) {
   expect_dtype(weight, "weight", hidden.scalar_type(), "like hidden");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
                     "weight: expected shape (V, ", hidden.size(1), ") (H = hidden.shape[-1]), got ",
-                    weight.sizes());
+                    shape_str(weight.sizes()));
   const int64_t V = weight.size(0);
   if (auto bias = opt_tensor(a[i.bias])) {
     expect_float(*bias, "bias");
@@ -186,7 +186,7 @@ void check(const Stack& a, const Args& i) {
   expect_device(labels, "labels", hidden, "hidden");
   expect_dim(labels, "labels", 2);
   TORCH_CHECK_VALUE(labels.numel() == hidden.size(0), "labels: expected ", hidden.size(0),
-                    " tokens (hidden.shape[0] = B * T), got shape ", labels.sizes());
+                    " tokens (hidden.shape[0] = B * T), got shape ", shape_str(labels.sizes()));
   TORCH_CHECK_VALUE(V > 0 || labels.numel() == 0,
                     "weight: the vocabulary dimension (first) is empty");
   const auto bt = labels.sizes();
@@ -198,8 +198,8 @@ void check(const Stack& a, const Args& i) {
   expect_float(adv, "advantages");
   expect_device(adv, "advantages", hidden, "hidden");
   TORCH_CHECK_VALUE(adv.sizes() == bt || adv.sizes() == bt.slice(0, 1),
-                    "advantages: expected shape ", bt, " (per token) or ", bt.slice(0, 1),
-                    " (per sequence), got ", adv.sizes());
+                    "advantages: expected shape ", shape_str(bt), " (per token) or ",
+                    shape_str(bt.slice(0, 1)), " (per sequence), got ", shape_str(adv.sizes()));
   const Tensor mask = a[i.mask].toTensor();
   expect_mask(mask, "mask");
   expect_device(mask, "mask", hidden, "hidden");
@@ -223,12 +223,13 @@ void check(const Stack& a, const Args& i) {
     expect_device(*ref_h, "ref_hidden", hidden, "hidden");
     expect_dim(*ref_h, "ref_hidden", 2);
     TORCH_CHECK_VALUE(ref_h->size(0) == hidden.size(0), "ref_hidden: expected ", hidden.size(0),
-                      " rows (like hidden), got shape ", ref_h->sizes());
+                      " rows (like hidden), got shape ", shape_str(ref_h->sizes()));
     expect_dtype(*ref_w, "ref_weight", ref_h->scalar_type(), "like ref_hidden");
     expect_device(*ref_w, "ref_weight", hidden, "hidden");
     TORCH_CHECK_VALUE(ref_w->dim() == 2 && ref_w->size(0) == V && ref_w->size(1) == ref_h->size(1),
                       "ref_weight: expected shape (", V, ", ", ref_h->size(1),
-                      ") (weight's vocabulary, ref_hidden's width), got ", ref_w->sizes());
+                      ") (weight's vocabulary, ref_hidden's width), got ",
+                      shape_str(ref_w->sizes()));
     if (auto rb = opt_tensor(a[i.ref_bias])) {
       expect_dtype(*rb, "ref_bias", ref_h->scalar_type(), "like ref_hidden");
       expect_device(*rb, "ref_bias", hidden, "hidden");
@@ -241,7 +242,7 @@ void check(const Stack& a, const Args& i) {
     expect_mask(*gd, "global_denom");
     expect_device(*gd, "global_denom", hidden, "hidden");
     TORCH_CHECK_VALUE(gd->numel() == 1, "global_denom: expected a single value, got shape ",
-                      gd->sizes());
+                      shape_str(gd->sizes()));
   }
   mode_index("agg", agg_names(), a[i.agg].toStringRef());
   mode_index("kl_estimator", kl_estimator_names(), a[i.kl_estimator].toStringRef());
@@ -270,7 +271,8 @@ void check(const Stack& a, const Args& i) {
 // no caller weights, bypass-mode rollout correction, soft-cap or reference head, not
 // batch-invariant, the compiled kernels (not a test's emulated ones). The rest takes the Python
 // chunk loop (op.py run, `ppo_kernels_cpp::`): the same computation around the token_logprobs
-// kernels (two passes over each tile) at ~0.2 ms more per call.
+// kernels (two passes over each tile) at a higher cost per call
+// (bench/results/cpu_linear_policy_loss_cpp_loop.md).
 bool cpp_loop(const Stack& a, const Args& i) {
   const Tensor hidden = a[i.hidden].toTensor();
   const at::ScalarType dt = hidden.scalar_type();

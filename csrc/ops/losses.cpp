@@ -81,7 +81,8 @@ void check_aggregation(const Names& n, const Tensor& x, const std::string& agg,
     expect_mask(*global_denom, "global_denom");  // a count: bool, integer or float
     expect_device(*global_denom, "global_denom", x, n.x);
     TORCH_CHECK_VALUE(global_denom->numel() == 1,
-                      "global_denom: expected a single value, got shape ", global_denom->sizes());
+                      "global_denom: expected a single value, got shape ",
+                      shape_str(global_denom->sizes()));
   }
 }
 

@@ -1,8 +1,8 @@
 // Hand-built graph nodes for calls on plain tensors (layer 4). torch::autograd::Function's generic
 // bookkeeping -- the context's saved_data map, per-input and per-output records, the output
-// wrapping -- costs a small call more than its arithmetic (linear_token_logprobs at N=16 H=16
-// V=64: 1.24x the eager composition's time fwd+bwd through it, 0.85x with its own node). An op
-// whose per-call cost matters builds its node the way PyTorch's generated autograd code does:
+// wrapping -- costs a small call more than its arithmetic: bench/bench_overhead.py's small calls
+// of the ops that build one show it, no trainer step does (bench/results/cpu_overhead_tricks.md).
+// An op whose per-call cost matters builds its node the way PyTorch's generated autograd code does:
 // a `torch::autograd::Node` with SavedVariable members, its next edges, and its outputs' history.
 // Only for plain tensors: fake, functional, batched (functorch), meta or subclass tensors, a
 // dispatch mode or forward-mode AD take the op's torch::autograd::Function, which they trace or

@@ -10,7 +10,7 @@
 // chunk loop: BLAS matmuls, then the compiled tile kernels) registers it as
 // `ppo_kernels_cpp::<op>` and routes there with `OpRef::python(Backend::kCpp)`.
 // The choice per (op, device type) is resolved in Python (ppo_kernels/_backend.py: use_backend,
-// PPO_KERNELS_BACKEND, the measured defaults) and cached here, so a call costs a table read. A
+// PPO_KERNELS_BACKEND, the benchmarked defaults) and cached here, so a call costs a table read. A
 // change of PPO_KERNELS_BACKEND is seen at the next call (the cached value is compared with the
 // environment) and re-resolved through the Python op `ppo_kernels_py::refresh_backends`.
 #pragma once
@@ -72,7 +72,7 @@ using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 // Whether an Autograd-key kernel must build a graph node: grad mode on and a tensor argument
 // requiring grad. When not (rollout scoring, no_grad, plain inputs) the kernel calls the op below
 // autograd directly: Function::apply would still allocate a node and its context and save the
-// inputs (1-2 us of a small call).
+// inputs (a visible share of a small call).
 template <typename... Tensors>
 bool needs_graph(const Tensors&... tensors) {
   return torch::autograd::compute_requires_grad(tensors...);

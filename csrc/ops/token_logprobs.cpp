@@ -74,6 +74,10 @@ OptTensor check_backward(const Tensor& grad_logprobs, const OptTensor& grad_entr
   check_forward(logits, labels, temperature, ignore_index);
   check_row(grad_logprobs, "grad_logprobs", logits, false);
   check_row(lse, "lse", logits, true);
+  // on logits' device even where not read (no entropy gradient: empty tensors)
+  if (entropy.defined()) expect_device(entropy, "entropy", logits, "logits");
+  if (grad_entropy && grad_entropy->defined())
+    expect_device(*grad_entropy, "grad_entropy", logits, "logits");
   if (!grad_entropy || !grad_entropy->defined() || grad_entropy->numel() == 0) return std::nullopt;
   check_row(*grad_entropy, "grad_entropy", logits, false);
   check_row(entropy, "entropy", logits, true);
@@ -269,7 +273,7 @@ bool check_values(const Tensor& t) { return !t.is_cuda() || strict_checks(); }
 void check_temperatures(const OptTensor& t, const Tensor& logits, const Tensor& labels) {
   if (!t) return;
   expect_float(*t, "temperature");
-  expect_device(*t, "temperature", logits, "logits");
+  expect_device(*t, "temperatures", logits, "logits");  // the schema's names
   expect_param_shape(*t, "temperature", labels);
   if (!check_values(*t) || t->numel() == 0) return;
   constexpr double kFloat32Max = 3.4028234663852886e38;
@@ -293,7 +297,7 @@ void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptT
                     min_p);
   if (top_ks) {
     expect_index(*top_ks, "top_k");
-    expect_device(*top_ks, "top_k", logits, "logits");
+    expect_device(*top_ks, "top_ks", logits, "logits");
     expect_param_shape(*top_ks, "top_k", labels);
     if (check_values(*top_ks) && top_ks->numel() > 0)
       TORCH_CHECK_VALUE(top_ks->ge(0).all().item<bool>(),
@@ -302,7 +306,7 @@ void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptT
   }
   if (top_ps) {
     expect_float(*top_ps, "top_p");
-    expect_device(*top_ps, "top_p", logits, "logits");
+    expect_device(*top_ps, "top_ps", logits, "logits");
     expect_param_shape(*top_ps, "top_p", labels);
     if (check_values(*top_ps) && top_ps->numel() > 0) {
       const Tensor d = top_ps->to(at::kDouble);
@@ -312,7 +316,7 @@ void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptT
   }
   if (min_ps) {
     expect_float(*min_ps, "min_p");
-    expect_device(*min_ps, "min_p", logits, "logits");
+    expect_device(*min_ps, "min_ps", logits, "logits");
     expect_param_shape(*min_ps, "min_p", labels);
     if (check_values(*min_ps) && min_ps->numel() > 0) {
       const Tensor d = min_ps->to(at::kDouble);

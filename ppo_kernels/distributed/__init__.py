@@ -7,5 +7,8 @@ per row block)."""
 
 from .data_parallel import combine_moments, global_moments, local_moments  # noqa: F401
 from .sequence_parallel import sequence_parallel_gae  # noqa: F401
-from .vocab_parallel import merge_states, vocab_parallel_token_logprobs  # noqa: F401
+from .vocab_parallel_full_kl import vocab_parallel_full_kl  # noqa: F401
+from .vocab_parallel_linear import vocab_parallel_linear_token_logprobs  # noqa: F401
 from .vocab_parallel_policy import vocab_parallel_linear_policy_loss  # noqa: F401
+from .vocab_parallel_token_logprobs import vocab_parallel_token_logprobs  # noqa: F401
+from .vocab_states import merge_states  # noqa: F401

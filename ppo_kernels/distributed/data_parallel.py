@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend, _math
-from .._checks import FLOAT_DTYPES, check_shape, check_tensor
+from .._checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, device_error
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
 
@@ -27,7 +27,7 @@ def _prep(x: Tensor, mask: Tensor):
         raise TypeError("mask: complex masks are not supported")
     check_shape("mask", mask, x.shape, "like x")
     if mask.device != x.device:
-        raise ValueError(f"mask: expected device {x.device} (like x), got {mask.device}")
+        raise device_error("mask", mask, x.device, "x")
     return _math.masked_weights(x, mask)
 
 
@@ -95,6 +95,7 @@ def group_advantages_global(
     """The registered op `ppo_kernels::group_advantages` over the responses of every rank (groups
     may span ranks): each rank's advantages, `[B]` or `A[:, None] * mask`."""
     check_tensor("scores", scores, dtypes=FLOAT_DTYPES, dim=1)
+    check_devices("scores", scores, group_index=group_index, mask=mask)
     if mask is not None:
         check_tensor("mask", mask, dim=2)
         if mask.dtype.is_complex:

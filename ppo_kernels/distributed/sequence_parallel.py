@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
+from .._checks import check_devices
+from .._math import acc_dtype
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
 
@@ -95,6 +97,10 @@ def sequence_parallel_gae(
 ):
     """The body of gae(..., process_group=...): the registered op's arguments as the public API
     normalised them (`ppo_kernels::gae`'s schema; init_value / init_adv the right edge)."""
+    check_devices(
+        "rewards", rewards, values=values, mask=mask, dones=dones, gamma_t=gamma_t, lam_t=lam_t,
+        init_value=init_value, init_adv=init_adv, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     require_initialized()
     gae = _backend.op("gae")
     if cu_seqlens is not None:
@@ -122,7 +128,7 @@ def sequence_parallel_gae(
     rank = dist.get_rank(process_group)
     B, T = rewards.shape
     dev = rewards.device
-    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rewards.dtype)
     if cross_checks(rewards):  # the payload's size depends on B
         check_same_sizes(process_group, dev, rewards=B)
 
@@ -160,7 +166,7 @@ def _packed(
     (L,) = rewards.shape
     n = cu.numel() - 1
     dev = rewards.device
-    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rewards.dtype)
     c = cu.long()
     # Local validity, exchanged rather than raised here: a rank that raised before the collective
     # would leave the others waiting in it.

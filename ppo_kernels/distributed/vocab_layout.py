@@ -1,4 +1,4 @@
-"""The vocabulary layout of the vocab-parallel forms (vocab_parallel.py): which contiguous slice
+"""The vocabulary layout of the vocab-parallel forms (vocab_parallel_*.py): which contiguous slice
 [start, start + size) of the vocabulary each rank of the group holds, negotiated through the
 forms' one all-gather.
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_labels_in_range, check_tensor
+from .._checks import check_labels_in_range, check_tensor, device_error
 from ._comm import all_gather as _all_gather
 from ._comm import check_same_sizes, cross_checks, require_initialized
 
@@ -135,11 +135,18 @@ def _check_tiling(starts, sizes) -> int:
     return pos
 
 
+def check_layout_device(layout: Tensor):
+    """The finish ops' layout output lives on the CPU (whatever the logits' device)."""
+    if isinstance(layout, Tensor) and layout.device.type != "cpu":
+        raise device_error("layout", layout, "cpu", "the layout output of the forward")
+
+
 def layout_ints(layout: Tensor) -> tuple[int, int]:
     """(this rank's start, V) of the finish ops' layout output, read by their backward ops."""
+    check_layout_device(layout)
     check_tensor("layout", layout, dtypes=(torch.int64,), dim=1)
-    if layout.numel() != 2 or layout.device.type != "cpu":
-        raise ValueError("layout: expected the forward's int64 [2] CPU tensor (start, V)")
+    if layout.numel() != 2:
+        raise ValueError("layout: expected the forward's int64 (2,) CPU tensor (start, V)")
     start, V = layout.tolist()
     return start, V
 

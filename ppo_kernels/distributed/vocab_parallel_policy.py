@@ -1,5 +1,5 @@
 """Vocab-parallel linear_policy_loss (Megatron's layout, as linear_token_logprobs' vocab-parallel
-form in vocab_parallel.py): weight / bias (and the reference head's ref_weight / ref_bias) hold
+form in vocab_parallel_linear.py): weight / bias (and the reference head's ref_weight / ref_bias) hold
 this rank's contiguous slice of the vocabulary; hidden, labels (global ids) and every per-token
 input are replicated. The chunk loop is the op's own (linear_policy_loss/op.py: run) with the tile
 reduction of a shard (VocabShard):
@@ -35,17 +35,19 @@ import torch
 import torch.distributed as dist
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_arg, check_labels_in_range
-from ..fused_linear import chunks
-from ..fused_linear.chunks import tile_bwd_, tile_stats_
+from .._checks import FLOAT_DTYPES, check_arg, check_devices, check_labels_in_range
+from ..fused_linear import engine
+from ..fused_linear.checks import check_args
+from ..fused_linear.vocab_chunks import tile_bwd_, tile_stats_
 from ..linear_policy_loss import op as lpl_op
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import negotiate
-from .vocab_parallel import _ROWS, empty_states, merge_full_kl, merge_rows
+from .vocab_parallel_full_kl import merge_full_kl
+from .vocab_states import ROWS, empty_states, merge_rows
 
 
-class VocabShard(lpl_op.WholeVocab):
+class VocabShard(engine.WholeVocab):
     """The tile reduction of a vocabulary slice [start, start + V_rank) of V: local statistics,
     one all-gather per row block, the merge; the gradient tile elementwise from the merged ones."""
 
@@ -53,15 +55,16 @@ class VocabShard(lpl_op.WholeVocab):
     partial = True
 
     def __init__(self, backend, device_type, temperature, ignore_index, start, V, rows, group):
-        super().__init__(backend, device_type, temperature, ignore_index)
+        tl, kl = lpl_op.tile_kernels(backend, device_type, temperature)
+        super().__init__(backend, temperature, ignore_index, tl, kl)
         self.start, self.V, self.rows, self.group = start, V, rows, group
         self.world = dist.get_world_size(group)
-        kl_bwd = self.kl_bwd
+        ref_bwd = self.ref_bwd
 
-        def slice_kl_bwd(g, z, zr, kl, lse_z, lse_w, out):
-            return out.zero_() if z.shape[1] == 0 else kl_bwd(g, z, zr, kl, lse_z, lse_w, out)
+        def slice_kl_bwd(g, z, zr, stats, out):
+            return out.zero_() if z.shape[1] == 0 else ref_bwd(g, z, zr, stats, out)
 
-        self.kl_bwd = slice_kl_bwd
+        self.ref_bwd = slice_kl_bwd
 
     def _acc_tile(self, tiler, z):
         """z in the accumulation dtype (a float32 copy of an input-dtype tile)."""
@@ -75,14 +78,14 @@ class VocabShard(lpl_op.WholeVocab):
             tile_stats_(tile, lc, self.start, self.inv_t, self.ii, st[0:3], st[3])
         if zr is not None:  # full_kl's per-slice (kl_r, lse_z_r, lse_w_r)
             if Vr:
-                kl3 = torch.stack(self.kl_fwd(z, zr)).to(tiler.acc)
+                kl3 = torch.stack(self.ref_fwd(z, zr, lc)).to(tiler.acc)
             else:  # an empty slice: no mass, no cross term
                 kl3 = torch.full((3, n), float("-inf"), dtype=tiler.acc, device=z.device)
                 kl3[0] = 0.0
             st = torch.cat([st, kl3])
         got = _all_gather(st, self.group).view(self.world, -1, n)
-        lp, ent, lse = merge_rows(got[:, :_ROWS], lc, self.V, self.ii)
-        return lp, ent, lse, (merge_full_kl(got[:, _ROWS:]) if zr is not None else None)
+        lp, ent, lse = merge_rows(got[:, :ROWS], lc, self.V, self.ii)
+        return lp, ent, lse, (merge_full_kl(got[:, ROWS:]) if zr is not None else None)
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         g = self._acc_tile(tiler, z)
@@ -95,14 +98,18 @@ def _check(a):
     """What the registered op's C++ checks would see, for a vocabulary slice (which may be
     empty); per-token shapes, scalars and options are the API's."""
     labels = a.labels.reshape(-1)
-    chunks.check_args(
+    check_args(
         a.hidden, a.weight, labels, a.bias, a.temperature, a.ignore_index,
         a.max_chunk_bytes, a.logits_dtype, vocab_slice=True,
     )  # fmt: skip
     dev = a.hidden.device
     for name in ("advantages", "old_logprobs", "ref_logprobs", "weights"):
-        check_arg(name, getattr(a, name), dev, dtypes=FLOAT_DTYPES, allow_none=True)
-    check_arg("mask", a.mask, dev)
+        check_arg(name, getattr(a, name), dev, like="hidden", dtypes=FLOAT_DTYPES, allow_none=True)
+    check_arg("mask", a.mask, dev, like="hidden")
+    check_arg("global_denom", a.global_denom, dev, like="hidden", allow_none=True)
+    check_devices(
+        "hidden", dev, ref_hidden=a.ref_hidden, ref_weight=a.ref_weight, ref_bias=a.ref_bias
+    )
     if (a.ref_hidden is None) != (a.ref_weight is None):
         name = "ref_weight" if a.ref_hidden is None else "ref_hidden"
         raise ValueError(f"{name}: ref_hidden and ref_weight go together (the reference LM head)")
@@ -116,13 +123,17 @@ def _check(a):
             )
         rh = a.ref_hidden
         check_arg(
-            "ref_hidden", rh, dev, dtypes=FLOAT_DTYPES, shape=(a.hidden.shape[0], rh.shape[-1])
-        )
+            "ref_hidden", rh, dev, like="hidden", dtypes=FLOAT_DTYPES,
+            shape=(a.hidden.shape[0], rh.shape[-1]),
+        )  # fmt: skip
         shape = (a.weight.shape[0], rh.shape[1])
         what = "weight's slice of the vocabulary, ref_hidden's width"
-        check_arg("ref_weight", a.ref_weight, dev, dtypes=(rh.dtype,), shape=shape, what=what)
         check_arg(
-            "ref_bias", a.ref_bias, dev, dtypes=(rh.dtype,), shape=shape[:1],
+            "ref_weight", a.ref_weight, dev, like="hidden", dtypes=(rh.dtype,), shape=shape,
+            what=what,
+        )  # fmt: skip
+        check_arg(
+            "ref_bias", a.ref_bias, dev, like="hidden", dtypes=(rh.dtype,), shape=shape[:1],
             what="weight.shape[0]", allow_none=True,
         )  # fmt: skip
 
@@ -150,7 +161,7 @@ def vocab_parallel_linear_policy_loss(args: tuple, process_group, vocab_start, r
     # the same row blocks on every rank: the fewest rows any rank's plan takes
     share = 3 if full else 1
     ldt, budget = a.logits_dtype, a.max_chunk_bytes
-    rows = min(lpl_op.plan(hidden, v, ldt, budget, share, fused=False).rows for v in sizes)
+    rows = min(engine.plan_rows(hidden, v, ldt, budget, share, fused=False).rows for v in sizes)
     backend = _backend.backend_for("linear_policy_loss", hidden)
     rank = dist.get_rank(group)
     vocab = VocabShard(

@@ -1,7 +1,7 @@
 """The public API of full_kl (typed arguments, defaults, the vocab-parallel form). Tensor checks
 (dtype, shape, device, strides) run once, in the registered op (csrc/ops/full_kl.cpp); this layer
 checks the Python scalars, normalises the mask and routes `process_group=` to
-ppo_kernels/distributed/vocab_parallel.py."""
+ppo_kernels/distributed/vocab_parallel_full_kl.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor
+from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor, device_error
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _full_kl = _backend.op("full_kl")
@@ -46,29 +46,36 @@ def full_kl(
     mask: Tensor | None = None,
     process_group=None,
 ) -> Tensor:
-    """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits
-    tensors (online max and sums for both distributions; no N x V temporary).
+    """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits.
+
+    `KL[t] = sum_j p_j (log p_j - log q_j)` with p = softmax(logits / temperature) and
+    q = softmax(ref_logits / temperature). Both softmaxes are reduced online (running max and
+    sums), so no `[N, V]` temporary is written.
 
     Args:
-        logits: `[..., V]` policy logits, float32 / bfloat16 / float16 (float64 runs the float64
-            reference). Leading dims may have any strides (e.g. `logits[:, :-1]`), the last must be
-            contiguous. Gradient flows to it.
-        ref_logits: the reference model's logits, same shape and dtype, own strides. Gradient
-            flows to it only if it requires grad.
-        temperature: positive float applied to both (a runtime value: no recompiles), or a float
-            tensor of per-row values whose shape is a leading part of logits.shape[:-1] (`[B]`
-            per sequence or `[B, T]` per token for `[B, T, V]` logits), e.g. a rollout's
-            per-request temperatures. No gradient flows to it.
-        mask: optional `logits.shape[:-1]` tensor; rows with mask == 0 give 0 (and no gradient)
-            and are not read.
-
-        process_group: vocab-parallel form: both logits hold this rank's contiguous slice of the
-            vocabulary (the same slice); every rank gets the full-vocabulary KL (one all-gather
-            of three numbers per row) and its slice of the gradients.
+        logits (Tensor): `[..., V]`, float32 / bfloat16 / float16 (float64 runs the float64 eager
+            path). The policy's logits. The leading dimensions may have any strides; the last
+            must be contiguous. The gradient flows to it.
+        ref_logits (Tensor): logits' shape and dtype, strides of its own. The reference model's
+            logits. The gradient flows to it only when it requires grad.
+        temperature (float or Tensor): divides both logits; positive. A float is a runtime
+            value (no recompiles). A float tensor gives per-row values: its shape is a leading
+            part of `logits.shape[:-1]` (`[B]` per sequence or `[B, T]` per token for
+            `[B, T, V]` logits), e.g. a rollout's per-request temperatures; no gradient flows to
+            it. Default 1.0.
+        mask (Tensor, optional): `logits.shape[:-1]`, bool / integer / float. A row with mask 0
+            gives KL 0 and no gradient, and is not read. Default None: every row.
+        process_group (ProcessGroup, optional): the vocab-parallel form. Both logits hold this
+            rank's contiguous slice of the vocabulary (the same slice). Every rank gets the
+            full-vocabulary KL from one all-gather of three numbers per row, and its slice of the
+            gradients. Default None.
 
     Returns:
-        float32 KL with shape `logits.shape[:-1]` (float64 for float64 logits).
-    See ppo_kernels/full_kl/naive.py for the documented edge cases.
+        Tensor: the KL, `logits.shape[:-1]`, float32 (float64 for float64 logits).
+
+    Why: the exact KL is what the sampled estimators of `kl_penalty` approximate. Composed from
+    `log_softmax` it writes two `[N, V]` tensors; this op reads each logits tensor once. Formulas:
+    docs/ppo-math.md ("Full-vocabulary KL"). Edge cases: ppo_kernels/full_kl/naive.py.
     """
     per_row = isinstance(temperature, Tensor)
     if type(temperature) is not float and not per_row:  # the op checks the value (floats: free)
@@ -79,11 +86,16 @@ def full_kl(
     # devices before dispatch: a meta tensor would pick the fake kernel (two CPU tensors: no
     # device objects to build)
     if not (logits.is_cpu and ref_logits.is_cpu) and ref_logits.device != logits.device:
-        raise ValueError(
-            f"ref_logits: expected device {logits.device} (like logits), got {ref_logits.device}"
-        )
+        raise device_error("ref_logits", ref_logits, logits.device, "logits")
     if mask is not None:
-        check_arg("mask", mask, logits.device, shape=logits.shape[:-1], what="logits.shape[:-1]")
+        check_arg(
+            "mask",
+            mask,
+            logits.device,
+            like="logits",
+            shape=logits.shape[:-1],
+            what="logits.shape[:-1]",
+        )
         if mask.dtype != torch.bool:
             mask = mask != 0
         mask = mask.contiguous()
@@ -91,10 +103,7 @@ def full_kl(
         check_tensor("temperature", temperature, dtypes=FLOAT_DTYPES)
         rows = tuple(logits.shape[:-1])
         if temperature.device != logits.device:
-            raise ValueError(
-                f"temperature: expected device {logits.device} (like logits), "
-                f"got {temperature.device}"
-            )
+            raise device_error("temperature", temperature, logits.device, "logits")
         if tuple(temperature.shape) != rows[: temperature.dim()]:
             raise ValueError(
                 "temperature: expected a shape that is a leading part of logits.shape[:-1] "
@@ -113,7 +122,7 @@ def full_kl(
         return kl
     if process_group is not None:
         _check_args(logits, ref_logits, temperature, vocab_parallel=True)
-        from ..distributed.vocab_parallel import vocab_parallel_full_kl
+        from ..distributed.vocab_parallel_full_kl import vocab_parallel_full_kl
 
         return vocab_parallel_full_kl(logits, ref_logits, temperature, mask, process_group)
     if not _backend.HAS_EXTENSION:

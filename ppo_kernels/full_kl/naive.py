@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._math import acc_dtype
 
 
 def forward(logits, ref_logits, temperature=1.0, mask=None):
@@ -53,7 +51,7 @@ def forward(logits, ref_logits, temperature=1.0, mask=None):
 
 def backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature=1.0, mask=None, need_ref=True):
     """(grad_logits, grad_ref_logits or None) in the logits' dtypes."""
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     z = logits.to(acc) / temperature
     w = ref_logits.to(acc) / temperature
     g = grad.to(acc).unsqueeze(-1) / temperature

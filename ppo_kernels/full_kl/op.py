@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
+from .._checks import check_devices
+from .._math import acc_dtype
 from . import naive
 
 _backend.register_op("full_kl", kernel="full_kl_fwd", triton=True, cuda_default="triton")
@@ -15,16 +17,27 @@ _backend.routes_in_cpp("full_kl")
 
 
 # ---- the registered ops' fake kernels and triton / eager implementations (the op's schemas) ----
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
+
+
+def _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w):
+    check_devices(
+        "logits", logits, grad=grad, ref_logits=ref_logits, mask=mask, kl=kl, lse_z=lse_z,
+        lse_w=lse_w,
+    )  # fmt: skip
 
 
 @_backend.fake("full_kl")
 def _(logits, ref_logits, temperature, mask):
-    shape, o = logits.shape[:-1], _backend.out_dtype(logits)
+    check_devices("logits", logits, ref_logits=ref_logits, mask=mask)
+    shape, o = logits.shape[:-1], acc_dtype(logits.dtype)
     return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
 
 
 @_backend.fake("full_kl_backward")
 def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+    _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w)
     return (
         torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
         torch.empty(
@@ -59,7 +72,7 @@ def _eager_forward(logits, ref_logits, temperature, mask):
     kl, lz, lw = _backend.invariant_rows(
         naive.forward, logits.shape[:-1], logits, ref_logits, temperature, mask
     )
-    o = _backend.out_dtype(logits)
+    o = acc_dtype(logits.dtype)
     return kl.to(o), lz.to(o), lw.to(o)
 
 
@@ -148,8 +161,17 @@ _backend.impl("full_kl_backward", "eager")(_backward_op("eager"))
 
 # Without the compiled extension: the reference itself (differentiable by autograd), and the
 # backward op's eager implementation (the vocab-parallel form's backward calls it).
-_backend.fallback("full_kl")(_backend.python_impl("full_kl", "eager"))
-_backend.fallback("full_kl_backward")(_backend.python_impl("full_kl_backward", "eager"))
+@_backend.fallback("full_kl")
+def _(logits, ref_logits, temperature, mask):
+    check_devices("logits", logits, ref_logits=ref_logits, mask=mask)
+    return _backend.python_impl("full_kl", "eager")(logits, ref_logits, temperature, mask)
+
+
+@_backend.fallback("full_kl_backward")
+def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
+    _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w)
+    eager = _backend.python_impl("full_kl_backward", "eager")
+    return eager(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref)
 
 
 # ---- full_kl with per-row temperatures: ppo_kernels::full_kl_row_temperature (+ backward) ------
@@ -164,12 +186,15 @@ def _row_inverse(logits, temperatures):
 
 @_backend.fake("full_kl_row_temperature")
 def _(logits, ref_logits, temperatures, mask):
-    shape, o = logits.shape[:-1], _backend.out_dtype(logits)
+    check_devices("logits", logits, ref_logits=ref_logits, temperatures=temperatures, mask=mask)
+    shape, o = logits.shape[:-1], acc_dtype(logits.dtype)
     return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
 
 
 @_backend.fake("full_kl_row_temperature_backward")
 def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperatures, need_ref):
+    _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w)
+    check_devices("logits", logits, temperatures=temperatures)
     return (
         torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
         torch.empty(
@@ -199,5 +224,6 @@ _register_rows("eager")
 
 @_backend.fallback("full_kl_row_temperature")
 def _(logits, ref_logits, temperatures, mask):
+    check_devices("logits", logits, ref_logits=ref_logits, temperatures=temperatures, mask=mask)
     t = temperatures.reshape(tuple(temperatures.shape) + (1,) * (logits.dim() - temperatures.dim()))
     return _eager_forward(logits, ref_logits, t, mask)

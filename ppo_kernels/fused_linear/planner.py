@@ -18,9 +18,8 @@ from .._checks import check_str
 # Default cap on the chunk buffers (logits tile + upcast copies + per-chunk gradient accumulator).
 # CPU: a few hundred rows of a 32k-152k vocabulary. GPU: ~2300 rows at V = 152k; each row chunk
 # adds its product into the float32 [V, H] weight gradient (5 GB of traffic at H = 4096), so fewer,
-# larger chunks pay. Measured on the H200 (bench/results/gpu_2026-11-30_H200.md, N=32768 H=4096
-# V=152064 bf16 fwd+bwd): 512 MiB 336 ms, 1 GiB 298, 2 GiB 282-288 (3.2-3.5 GB peak), 4 GiB 280
-# (5.5 GB peak).
+# larger chunks pay. 2 GiB was faster than 512 MiB at a lower peak, and a larger budget gained
+# little more for a larger peak (bench/results/gpu_2026-11-30_H200.md).
 DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
@@ -31,18 +30,14 @@ _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 F32_OUT_MATMUL_DEVICES = ("cuda",)
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 LOGITS_DTYPES = ("float32", "input")
 _LOGITS_DTYPE_ARGS = LOGITS_DTYPES + ("auto",)  # what the APIs take: "auto" resolves per machine
 
 
 def _cpu_native(dtype: torch.dtype) -> bool:
     """Does this CPU multiply `dtype` natively (oneDNN's bf16 / fp16 GEMMs)? Where it does not,
-    the GEMMs are emulated and ~4-45x slower than float32 ones (measured: 2-core EPYC with AVX-512
-    but no BF16, bf16 ~45x; fp16 without AMX-FP16 4x)."""
+    the GEMMs are emulated and several times slower than float32 ones
+    (bench/results/cpu_linear_policy_loss_issue_sizes.md)."""
     cpu = torch.cpu
     if dtype == torch.bfloat16:
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -59,14 +54,26 @@ _ENV_DEFAULT = os.environ.get("PPO_KERNELS_LOGITS_DTYPE") or "auto"
 
 
 def default_logits_dtype(dtype: torch.dtype, device) -> str:
-    """What logits_dtype="auto" (the default) means for bf16 / fp16 inputs on `device`:
-    "input" (GEMMs in the input dtype) on a CPU that multiplies that dtype natively (bf16:
-    AVX-512 BF16 or AMX; fp16: AMX-FP16), where it is 2-2.5x faster than float32 tiles and is
-    the precision of the peers (TRL's and Liger's fused heads); "float32" elsewhere: CPUs that
-    emulate bf16 GEMMs, and CUDA, where bf16 GEMMs with float32 output beat input-dtype tiles
-    (H200, N=32768 H=4096 V=152064: 288 vs 418 ms). The environment variable
-    PPO_KERNELS_LOGITS_DTYPE ("float32" / "input", read at import) fixes it on every machine.
-    float32 / float64 inputs: "float32" (the tiles are the input's dtype either way)."""
+    """What `logits_dtype="auto"` means for a fused LM head's inputs of this dtype on this device.
+
+    "input" (GEMMs in the input dtype, float32 reductions) on a CPU that multiplies bf16 / fp16
+    natively: bf16 with AVX-512 BF16 or AMX, fp16 with AMX-FP16. "float32" elsewhere: on CPUs that
+    emulate those GEMMs, on CUDA (bf16 GEMMs with a float32 output beat input-dtype tiles there),
+    and for float32 / float64 inputs. The environment variable PPO_KERNELS_LOGITS_DTYPE
+    ("float32" / "input", read at import) fixes the answer on every machine.
+
+    Args:
+        dtype (torch.dtype): the dtype of the hidden states and the LM head.
+        device (torch.device | str): where they live ("cpu", "cuda", ...).
+
+    Returns:
+        str: "float32" or "input".
+
+    Why: on a CPU with native bf16 GEMMs, "input" tiles are the fastest. They also give the
+    peers' precision (TRL's and Liger's fused heads). Where the GEMMs are emulated, they are much
+    slower than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
+    bench/results/gpu_2026-11-30_H200.md (CUDA).
+    """
     if _ENV_DEFAULT != "auto":
         return _ENV_DEFAULT
     dev = device.type if isinstance(device, torch.device) else str(device)
@@ -191,20 +198,16 @@ def _plan_input_tiles(N, V, H, dtype, max_chunk_bytes, tiles, fused, f32_out=Fal
     return Plan(rows, vocab, min(sub, vocab), False, False, True, f32_out)
 
 
-# Batch-invariant mode (plan_invariant). A matmul computes each row with the same instructions
-# only for some row counts: MKL runs 1-3 rows and the last row of 4k + 1 rows (small k) with other
-# code; cuBLAS picks its algorithm by shape. With MKL on the CPU a row's result is the same for
-# every row count that is a multiple of INVARIANT_ROW_MULTIPLE, at any position in the call and
-# with 1 or 2 threads (probed on this CPU for 32-1024 rows, K and N from 48 to 152064, float32 and
-# bf16, both tile products; tests/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_
-# the_row_count keeps it checked): there a chunk is padded only to the next multiple, and a small
-# call costs what it costs in the default mode. Elsewhere every chunk is padded to the plan's
-# rows: one matmul shape per (V, H).
-INVARIANT_PAD_TO_MULTIPLE = ("cpu",)
-# The most rows per tile, beside the default budget's (None: the budget's): where every chunk is
-# padded to them fewer waste less on small calls, more keep the matmul efficient. The GPU value is
-# unmeasured.
-INVARIANT_MAX_ROWS = {"cpu": None, "cuda": 2048}
+# Batch-invariant mode (plan_invariant). A BLAS computes a row of a matmul with instructions that
+# depend on the matmul's shape: MKL runs 1-3 rows with other code, and on some CPUs it changes its
+# kernels with the row count even between multiples of 32 (a short hidden gradient g @ W), as
+# cuBLAS picks its algorithm by shape. So every row chunk is zero-padded to exactly the plan's
+# rows (one matmul shape per (V, H)) and, on the CPU, its GEMMs run on one thread (tiler.py). A
+# row's result then does not depend on its position in the tile
+# (tests/ops/test_batch_invariance.py::test_matmul_rows_do_not_depend_on_their_position).
+# The most rows per tile, beside the default budget's: fewer waste less on small calls (padded to
+# them), more keep the matmul efficient. The GPU value has no benchmark yet.
+INVARIANT_MAX_ROWS = {"cpu": 256, "cuda": 2048}
 # rows are a multiple of this: a [rows, vocab] float32 tile never ends in the scalar remainder of
 # a vectorised loop (the eager tile math), whatever the vocabulary size
 INVARIANT_ROW_MULTIPLE = 32
@@ -223,10 +226,9 @@ def plan_invariant(
 ) -> Plan:
     """The plan of batch-invariant mode: a function of (V, H, dtype, device, logits_dtype) only --
     never of the number of rows or of max_chunk_bytes -- so that every call walks the same
-    vocabulary tiles and its rows through matmuls of the same row counts: the default budget's
+    vocabulary tiles and its rows through matmuls of the same shapes: the default budget's
     chunking for an unbounded number of rows, at most INVARIANT_MAX_ROWS rows (a multiple of
-    INVARIANT_ROW_MULTIPLE), each row chunk zero-padded to a multiple of INVARIANT_ROW_MULTIPLE
-    (INVARIANT_PAD_TO_MULTIPLE devices) or to exactly `rows` rows (the others).
+    INVARIANT_ROW_MULTIPLE), each row chunk zero-padded to exactly `rows` rows.
     budget_share: the plan of 1 / budget_share of the default budget (an op that keeps that many
     tiles side by side: linear_policy_loss's exact KL), a constant of the op, not of the call."""
     budget = DEFAULT_MAX_CHUNK_BYTES.get(device_type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
@@ -234,9 +236,8 @@ def plan_invariant(
     p = plan_chunks(_ANY_N, V, H, dtype, device_type, budget, tiles, logits_dtype, fused)
     cap = INVARIANT_MAX_ROWS.get(device_type, INVARIANT_MAX_ROWS["cuda"])
     k = INVARIANT_ROW_MULTIPLE
-    rows = max(k, min(p.rows, cap or p.rows) // k * k)
-    pad = k if device_type in INVARIANT_PAD_TO_MULTIPLE else rows
-    return dataclasses.replace(p, rows=rows, pad=pad)
+    rows = max(k, min(p.rows, cap) // k * k)
+    return dataclasses.replace(p, rows=rows, pad=rows)
 
 
 def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:

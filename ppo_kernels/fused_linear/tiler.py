@@ -1,15 +1,43 @@
-"""The logits tiles of linear_token_logprobs: each [rows, vocab_chunk] tile of hidden @ W^T + b
-computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient matmuls of a tile
-(see the precision notes in chunks.py's docstring)."""
+"""The logits tiles of the fused-linear engine: each [rows, vocab_chunk] tile of hidden @ W^T + b
+computed by a BLAS / cuBLAS matmul into a reused buffer, and the two gradient matmuls of a tile.
+
+Precision (logits_dtype="auto", the default, is one of the two: "input" on a CPU with native
+bf16 / fp16 matmuls, "float32" elsewhere; planner.default_logits_dtype).
+logits_dtype="float32": float32 accumulation everywhere. On the CPU (and
+for float32 inputs) bf16/fp16 inputs are upcast chunk by chunk and all matmuls run in float32. On
+CUDA bf16/fp16 matmuls use cuBLAS with float32 output (torch.mm(..., out_dtype=float32)); the
+logits-gradient tile is rounded to the input dtype for the two backward matmuls, as the
+materialised path (bf16 grad_logits) does (the Triton whole-vocabulary kernel rounds as it
+stores: the float32 gradient is never written).
+logits_dtype="input" (bf16/fp16 only): every matmul runs in the input dtype -- the logits tile,
+the gradient tile and the per-chunk products are rounded to it, exactly the roundings of the
+materialised path `token_logprobs(hidden @ weight.T + bias, ...)` in bf16 -- and the reductions
+still run in float32 (the fused kernels upcast as they load). Why: the CPU has no bf16 x bf16 ->
+float32 matmul (torch.mm(..., out_dtype=float32) is CUDA-only), and its bf16 matmul (AVX-512 BF16 /
+AMX) beats the float32 one on the upcast chunks (bench/results/cpu_head_defaults.md). Sums across
+chunks stay float32 (grad_hidden across vocabulary chunks, grad_weight across row chunks,
+grad_bias). On CUDA the two
+gradient products are not rounded per chunk: the bf16 x bf16 -> float32 matmul adds them into the
+float32 sums itself (as TRL's fused head does): the whole sum is rounded once, as the materialised
+path rounds its one product, and no separate addition pass is needed.
+GPU choice: chunked cuBLAS + reduction kernels, not a fused tl.dot kernel -- see the docstring of
+triton_kernels.py; bench/gpu_checks/linear_logprobs.py times it. A cost to watch, not timed yet: the
+backward walks rows outermost, so each row chunk reads and writes the whole float32 weight-gradient
+accumulator once (beta = 1 GEMM): (N / rows) x V x H x 8 bytes. If the GPU check shows it, use
+squarer tiles (rows ~ vocab chunk ~ sqrt(budget / 6)) or walk the vocabulary outermost (then the
+float32 accumulator is grad_hidden [N, H] instead of grad_weight [V, H]).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from .. import _backend
-from .planner import Plan, _acc
+from .._math import acc_dtype
+from .planner import Plan
 
 
 @functools.cache
@@ -24,8 +52,9 @@ def _cpu_accumulate():
 
 def _accumulate(acc, x):
     """acc += x: an input-dtype product added into a float32 sum. On the CPU the compiled kernel
-    converts x block by block as it adds (torch's `+=` writes a float32 copy of x first: 5% of a
-    bf16 policy-loss step at V=152064); the same bits either way."""
+    converts x block by block as it adds (torch's `+=` writes a float32 copy of x first, a
+    visible share of a bf16 policy-loss step: bench/results/cpu_linear_policy_loss_thp.md); the
+    same bits either way."""
     kernel = _cpu_accumulate() if acc.device.type == "cpu" else None
     if kernel is not None:
         kernel(acc, x)
@@ -45,10 +74,12 @@ class Tiler:
         fused: bool,
         backward: bool = False,
         softcap: float | None = None,
+        order=None,
     ):
         self.h, self.W, self.b, self.plan = hidden, weight, bias, plan
+        self.order = order  # rows r0:r1 are hidden[order[r0:r1]] (None: hidden[r0:r1])
         self.cap = softcap
-        self.acc = _acc(hidden.dtype)
+        self.acc = acc_dtype(hidden.dtype)
         self.input_tiles = plan.input_tiles
         # bf16/fp16 float32 tiles straight from matmuls with float32 output (cuBLAS)
         self.lowp = plan.f32_out and not plan.input_tiles
@@ -80,6 +111,11 @@ class Tiler:
         # the call's other rows do not change
         hdt = self.acc if plan.upcast else hidden.dtype
         self.h_pad = torch.empty((self.max_rows, H) if plan.pad else (0,), dtype=hdt, device=dev)
+        # batch-invariant mode on the CPU: the GEMMs on one thread. With two threads MKL may
+        # split the inner dimension of a short matmul between them on some CPUs (the hidden
+        # gradient g @ W of 32 rows), so a row's sum would depend on the row count.
+        cpu_pad = plan.pad and dev.type == "cpu"
+        self._gemms = _backend.invariant_threads if cpu_pad else contextlib.nullcontext
 
     def padded(self, n: int) -> int:
         """The rows a chunk of n rows is computed on: n, or in batch-invariant mode n rounded up
@@ -88,7 +124,7 @@ class Tiler:
         return min(self.plan.rows, -(-n // k) * k) if k else n
 
     def rows(self, r0, r1):
-        hc = self.h[r0:r1]
+        hc = self.h[r0:r1] if self.order is None else self.h.index_select(0, self.order[r0:r1])
         if self.plan.pad:
             n = r1 - r0
             buf = self.h_pad[: self.padded(n)]
@@ -117,7 +153,8 @@ class Tiler:
         """Tile [rows, v1 - v0] of the logits in a reused buffer: float32, or the input dtype with
         input tiles (matmul, then + bias, each rounded as in the input dtype); soft-capped
         (`cap * tanh(z / cap)`, in the tile's dtype as a model's head does) when softcap is set."""
-        tile = self._linear(hc, v0, v1)
+        with self._gemms():
+            tile = self._linear(hc, v0, v1)
         if self.cap:
             tile.div_(self.cap).tanh_().mul_(self.cap)
         return tile
@@ -196,6 +233,10 @@ class Tiler:
     def grad_matmuls(self, g, hc, v0, v1, gh, gW, gb):
         """gh += g @ W[v0:v1]; gW[v0:v1] += g^T @ hc; gb[v0:v1] += sum(g) (float32 accumulators;
         empty ones are skipped)."""
+        with self._gemms():
+            self._grad_matmuls(g, hc, v0, v1, gh, gW, gb)
+
+    def _grad_matmuls(self, g, hc, v0, v1, gh, gW, gb):
         if gb.numel():
             gb[v0:v1] += g.sum(0, dtype=gb.dtype)
         if self.plan.f32_out:

@@ -9,7 +9,15 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_float, check_shape, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_float,
+    check_shape,
+    check_tensor,
+    device_error,
+)
 from . import op  # noqa: F401  (registers the op's Python side)
 
 _gae = _backend.op("gae")
@@ -22,7 +30,7 @@ def _per_token(name, x, rewards):
     check_tensor(name, x, dtypes=FLOAT_DTYPES)
     check_tensor("rewards", rewards)
     if x.device != rewards.device:
-        raise ValueError(f"{name}: expected device {rewards.device} (like rewards), got {x.device}")
+        raise device_error(name, x, rewards.device, "rewards")
     try:
         return x.expand(rewards.shape)
     except RuntimeError:
@@ -35,7 +43,7 @@ def _per_row(name, t, n_rows, rewards):
     check_tensor(name, t, dtypes=FLOAT_DTYPES)
     check_shape(name, t, (n_rows,), "one per row")
     if t.device != rewards.device:
-        raise ValueError(f"{name}: expected device {rewards.device} (like rewards), got {t.device}")
+        raise device_error(name, t, rewards.device, "rewards")
     return t
 
 
@@ -65,40 +73,54 @@ def gae(
     return_carry: bool = False,
     process_group=None,
 ):
-    """Generalised advantage estimation in one chunked reverse scan (no Python loop over time).
+    """Generalised advantage estimation in one chunked reverse scan, with no Python loop over time.
+
+    Only action positions (mask != 0) take part in the recursion. For an action t with next action
+    n(t) in its row: `delta = r[t] + gamma * V[n(t)] - V[t]` and
+    `A[t] = delta + gamma * lam * A[n(t)]`, with `returns = A + V`. A done at t cuts both links.
+    A masked position carries the next action's advantage, as verl's
+    `compute_gae_advantage_return`.
 
     Args:
-        rewards, values: `[B, T]`, or flat `[total]` with `cu_seqlens`; float32, bfloat16 or
-            float16 (math in float32, float32 outputs; float64 runs the float64 reference). Mixed
-            dtypes compute in float32.
-        mask: bool or numeric like rewards, nonzero = action position. Masked positions are
-            skipped by the recursion and carry the next action's advantage, exactly as verl's
-            compute_gae_advantage_return. None: every position is an action. For OpenRLHF's
-            semantics pass `rewards * mask, values * mask` and no mask; TRL's is no mask.
-        gamma, lam: floats, or per-token tensors broadcastable to rewards.
-        dones: bool like rewards; the episode genuinely terminates right after t (nothing flows
-            back across it).
-        bootstrap_value: `[B]` (one per row) value after the last position of a *truncated* row;
-            None: the row terminated (next value 0).
-        cu_seqlens: int32/int64 `[n + 1]` offsets of n packed rows in the flat inputs.
-        carry: `(next_value[B], next_advantage[B])` flowing in from the right edge, from the chunk
-            (or rank) holding the continuation of each row. Excludes bootstrap_value (which is the
-            carry `(bootstrap_value, 0)`).
-        return_carry: also return the carry at the left edge, `(next_value[B], next_adv[B])`.
-        process_group: sequence-parallel form: each rank of this torch.distributed group holds a
-            contiguous time slice `[B, T_rank]` of the same rows (rank 0 the start); every rank
-            gets its slice of the whole-row result (one all-gather of per-row affine carry maps;
-            see ppo_kernels/distributed/sequence_parallel.py). bootstrap_value / carry belong to
-            the last rank (the right edge); the others' are ignored. Packed: `rewards` etc.
-            are this rank's contiguous slice `[N_rank]` of the packed stream (rows may span
-            ranks) and `cu_seqlens` the stream's `[n + 1]` row offsets minus this rank's first
-            token index (`cu_seqlens - t0`: the row boundaries at their local positions);
-            bootstrap_value / carry `[n]` per row, the same on every rank; no return_carry.
+        rewards (Tensor): `[B, T]`, or `[total]` with `cu_seqlens`. float32 / bfloat16 / float16
+            (float64 runs the float64 eager path). The math runs in float32.
+        values (Tensor): rewards' shape, a float dtype (mixed dtypes compute in float32). The
+            critic's values.
+        mask (Tensor, optional): rewards' shape, bool / integer / float; nonzero marks an action.
+            Default None: every position is an action. For OpenRLHF's semantics pass
+            `rewards * mask, values * mask` and no mask; TRL's is no mask.
+        gamma (float | Tensor): the discount. A float, or a float tensor broadcastable to rewards
+            (per-token discounting). Default 1.0.
+        lam (float | Tensor): the GAE lambda, as gamma. Default 1.0.
+        dones (Tensor, optional): rewards' shape, bool. True where the episode terminates right
+            after t: nothing flows back across it. Default None.
+        bootstrap_value (Tensor, optional): `[B]` (`[n]` when packed), a float dtype. The value
+            after the last position of a truncated row. Not with `carry`. Default None: every row
+            terminated (next value 0).
+        cu_seqlens (Tensor, optional): `[n + 1]`, int32 / int64. Offsets of n packed rows in the
+            1-D inputs. Default None.
+        carry (tuple[Tensor, Tensor], optional): `(next_value, next_advantage)`, each `[B]` (`[n]`
+            when packed). The state flowing in from the right edge, from the chunk or rank that
+            holds each row's continuation. `bootstrap_value` is the carry `(bootstrap_value, 0)`.
+            Default None.
+        return_carry (bool): also return the carry at the left edge, in that form. Default False.
+        process_group (ProcessGroup, optional): the sequence-parallel form. Each rank holds a
+            contiguous time slice `[B, T_rank]` of the same rows, rank 0 the start. Every rank gets
+            its slice of the whole-row result, from one all-gather of per-row affine carry maps.
+            `bootstrap_value` / `carry` belong to the last rank. Packed: each rank holds a
+            contiguous slice `[N_rank]` of the stream (rows may span ranks); `cu_seqlens` is the
+            stream's offsets minus this rank's first token index; `bootstrap_value` / `carry` are
+            per row, the same on every rank; no `return_carry`. Default None.
 
     Returns:
-        `(advantages, returns)` float32 like rewards, or `(advantages, returns, carry)`.
-    GAE has no gradient: the outputs refuse backward. See ppo_kernels/gae/naive.py for the
-    documented semantics and edge cases.
+        tuple[Tensor, Tensor]: `(advantages, returns)`, rewards' shape, float32 (float64 for
+        float64 input). With `return_carry=True`, `(advantages, returns, carry)`. GAE has no
+        gradient: the outputs refuse backward.
+
+    Why: verl, OpenRLHF and TRL run GAE as a Python loop over T, one small kernel per token. The
+    recursion is affine in the carry, so chunks of the row are scanned in parallel and joined by
+    their carries; the same carry crosses ranks. Formulas: docs/ppo-math.md ("GAE"). Edge cases:
+    ppo_kernels/gae/naive.py. Sequence-parallel form: ppo_kernels/distributed/sequence_parallel.py.
     """
     if (
         type(gamma) is float
@@ -113,7 +135,7 @@ def gae(
         and rewards.dtype is values.dtype
     ):
         # the common call: nothing for this layer to check or convert (the op checks the tensors
-        # and that gamma / lam are finite, naming them); ~2 us of the 2 x 8 call
+        # and that gamma / lam are finite, naming them): a small call is mostly this overhead
         adv, ret, _, _ = _gae(
             rewards, values, mask, dones, None, None, gamma, lam, None, None, None
         )

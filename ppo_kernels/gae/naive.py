@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .._math import acc_dtype
+
 
 def _rows(n_rows, row_len, cu_seqlens):
     if cu_seqlens is None:
@@ -124,7 +126,7 @@ def gae_eager(
     per-token gamma/lam, the right-edge carry and packed rows (right-aligned into a padded batch).
     Float64 inputs compute in float64, everything else in float32 (in verl's operation order).
     Returns (advantages, returns, carry_value, carry_adv)."""
-    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rewards.dtype)
     if cu_seqlens is not None:
         return _eager_packed(
             rewards, values, mask, gamma, lam, dones, init_value, init_adv, cu_seqlens, acc

@@ -11,9 +11,12 @@ None. They return (advantages, returns, carry_value, carry_adv)."""
 from __future__ import annotations
 
 from .. import _backend
+from .._checks import check_devices
+from .._math import acc_dtype
 from . import naive
 
-# CUDA: the cpp kernel (a chunked scan with a carry pass) measured fastest (bench/results).
+# CUDA: the cpp kernel (a chunked scan with a carry pass), the fastest in
+# bench/results/gpu_2026-11-30_H200.md.
 _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp", folder="gae")
 _backend.routes_in_cpp("gae")
 
@@ -25,9 +28,19 @@ def _rows(rewards, cu_seqlens):
     return rewards.shape[0], rewards.shape[-1]
 
 
+def _check_devices(rewards, values, mask, dones, gamma_t, lam_t, init_value, init_adv, cu_seqlens):
+    """As the C++ checks (a meta tensor sends a call to the fake whatever the other arguments'
+    devices)."""
+    check_devices(
+        "rewards", rewards, values=values, mask=mask, dones=dones, gamma_t=gamma_t, lam_t=lam_t,
+        init_value=init_value, init_adv=init_adv, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+
+
 @_backend.fake("gae")
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
-    out = _backend.out_dtype(rewards)
+    _check_devices(rewards, values, mask, dones, gamma_t, lam_t, init_value, init_adv, cu_seqlens)
+    out = acc_dtype(rewards.dtype)
     n_rows, _ = _rows(rewards, cu_seqlens)
     return (
         rewards.new_empty(rewards.shape, dtype=out),
@@ -83,6 +96,8 @@ def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init
 # Without the compiled extension: the eager implementation on detached inputs (GAE has no gradient).
 @_backend.fallback("gae")
 def _(rewards, values, mask, dones, gamma_t, lam_t, gamma, lam, init_value, init_adv, cu_seqlens):
+    _check_devices(rewards, values, mask, dones, gamma_t, lam_t, init_value, init_adv, cu_seqlens)
+
     def d(t):
         return None if t is None else t.detach()
 

@@ -95,23 +95,35 @@ def grpo_advantages(
     mask: Tensor | None = None,
     process_group=None,
 ) -> Tensor:
-    """GRPO outcome advantages (verl's `compute_grpo_outcome_advantage`), without a Python loop.
+    """GRPO outcome advantages, per group of responses to one prompt, with no Python loop.
 
-    `A_i = (R_i - mean_g) / (std_g + eps)` with the unbiased std of the response's group
-    (`R_i - mean_g` when `norm_by_std=False`, Dr. GRPO). A singleton group uses mean 0 and std 1
-    (A_i = R_i / (1 + eps)); a group of equal scores gives 0.
+    `A_i = (R_i - mean_g) / (std_g + eps)`, with the mean and unbiased std of response i's group
+    g. With `norm_by_std=False` (Dr. GRPO), `A_i = R_i - mean_g`. A group of one uses mean 0 and
+    std 1, so `A_i = R_i / (1 + eps)`; a group of equal scores gives 0.
 
     Args:
-        scores: [B] one score per response (sum token-level rewards first), any float dtype.
-        group_index: [B] int32/int64 group id per response, values in [0, B), or any labels (a
-            numpy array of uid strings, a list of hashables: see `group_ids`); or
-        group_size: responses come in contiguous groups of this size (B % group_size == 0).
-        mask: optional [B, T] action mask: the result is `A[:, None] * mask`, float32.
-        process_group: groups over the responses of every rank of this torch.distributed group
-            (in rank order; every rank holds the same number B of responses): one all-gather of
-            the scores (and group ids, which are then global: values in [0, world * B)); a group
-            may span ranks. Each rank gets the advantages of its own responses.
-    Returns float32 [B] (or [B, T]); float64 for float64 scores. No gradient.
+        scores (Tensor): `[B]`, any float dtype. One score per response (sum token-level rewards
+            first). No gradient flows.
+        group_index (Tensor, optional): `[B]`, int32 / int64: each response's group id, in
+            [0, B). Or any labels: a numpy array of uid strings, a list of hashables (numbered
+            in sorted order). Give exactly one of group_index and group_size. Default None.
+        group_size (int, optional): the responses come in contiguous groups of this size; it
+            divides B. Default None.
+        eps (float): added to the std; non-negative. Default 1e-6.
+        norm_by_std (bool): divide by the group's std. Default True.
+        mask (Tensor, optional): `[B, T]`, the action mask. The result is then
+            `A[:, None] * mask`. Default None.
+        process_group (ProcessGroup, optional): groups over the responses of every rank of this
+            group, in rank order (every rank holds B responses). One all-gather of the scores and
+            group ids; ids are then global, in [0, world * B), and a group may span ranks. Each
+            rank gets the advantages of its own responses; labels are not accepted. Default None.
+
+    Returns:
+        Tensor: `[B]`, or `[B, T]` with a mask; float32 (float64 for float64 scores). No gradient.
+
+    Why: verl's `compute_grpo_outcome_advantage` loops over the batch in Python and reads every
+    score on the host. This is one kernel over the batch, with verl's values. Formulas:
+    docs/ppo-math.md ("Advantage post-processing").
     """
     return _group_advantages(
         "grpo", scores, group_index, group_size, eps, norm_by_std, mask, process_group
@@ -127,10 +139,30 @@ def rloo_advantages(
     singleton: str = "score",
     process_group=None,
 ) -> Tensor:
-    """RLOO advantages (verl's `compute_rloo_outcome_advantage`): `A_i = R_i - mean of the other
-    members of its group` = n / (n - 1) * (R_i - mean_g). A singleton keeps its score (A_i = R_i,
-    as verl's `rloo`) with `singleton="score"`, or gets 0 with `"zero"` (verl's
-    `rloo_vectorized`). Arguments and result as `grpo_advantages`."""
+    """RLOO advantages: each response's score minus the mean of the other members of its group.
+
+    `A_i = R_i - mean_{j != i} R_j = n / (n - 1) * (R_i - mean_g)` for a group of n responses.
+    The layout of the groups and the result are those of `grpo_advantages`.
+
+    Args:
+        scores (Tensor): `[B]`, any float dtype. One score per response. No gradient flows.
+        group_index (Tensor, optional): `[B]`, int32 / int64 group ids in [0, B), or any labels,
+            as in `grpo_advantages`. Give exactly one of group_index and group_size.
+            Default None.
+        group_size (int, optional): contiguous groups of this size; it divides B. Default None.
+        mask (Tensor, optional): `[B, T]`, the action mask. The result is then
+            `A[:, None] * mask`. Default None.
+        singleton (str): a group of one. "score": `A_i = R_i`, as verl's `rloo`. "zero": 0, as
+            verl's `rloo_vectorized` (not with process_group). Default "score".
+        process_group (ProcessGroup, optional): groups over every rank's responses, as in
+            `grpo_advantages`. Default None.
+
+    Returns:
+        Tensor: `[B]`, or `[B, T]` with a mask; float32 (float64 for float64 scores). No gradient.
+
+    Why: verl's `compute_rloo_outcome_advantage` is a Python loop; this is the GRPO kernel with
+    the leave-one-out mean. Formulas: docs/ppo-math.md ("Advantage post-processing").
+    """
     if singleton not in ("score", "zero"):
         raise ValueError(f"singleton: expected 'score' or 'zero', got {singleton!r}")
     if singleton == "zero" and process_group is not None:

@@ -6,6 +6,8 @@ group_advantages (CPU); Triton is the GPU default. Semantics: naive.py."""
 from __future__ import annotations
 
 from .. import _backend, _modes
+from .._checks import check_devices
+from .._math import acc_dtype
 from . import naive
 
 _backend.register_op(
@@ -18,10 +20,13 @@ _backend.register_op(
 _backend.routes_in_cpp("group_advantages")
 
 
+# The fake and the fallback check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
 @_backend.fake("group_advantages")
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    check_devices("scores", scores, group_index=group_index, mask=mask)
     shape = (scores.shape[0],) if mask is None else tuple(mask.shape)
-    return scores.new_empty(shape, dtype=_backend.out_dtype(scores))
+    return scores.new_empty(shape, dtype=acc_dtype(scores.dtype))
 
 
 @_backend.impl("group_advantages", "triton")
@@ -44,11 +49,12 @@ def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
     size = group_size if group_index is None else None
     adv = naive.group_advantages(scores, group_index, size, eps, norm_by_std, mask, kind)
-    return adv.to(_backend.out_dtype(scores))
+    return adv.to(acc_dtype(scores.dtype))
 
 
 # Without the compiled extension: the eager implementation on detached scores (no gradient).
 @_backend.fallback("group_advantages")
 def _(scores, group_index, group_size, eps, norm_by_std, kind, mask):
+    check_devices("scores", scores, group_index=group_index, mask=mask)
     eager = _backend.python_impl("group_advantages", "eager")
     return eager(scores.detach(), group_index, group_size, eps, norm_by_std, kind, mask)

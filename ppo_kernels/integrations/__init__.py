@@ -45,24 +45,63 @@ def _peer(name: str):
 
 
 def supported_versions(peer: str) -> tuple[str, ...]:
-    """The version prefixes of `peer` whose semantics the adapter was checked against."""
+    """The version prefixes of a peer whose semantics the adapter was checked against.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+
+    Returns:
+        tuple[str, ...]: prefixes such as "0.9." (any 0.9.x) or an exact version.
+    """
     return _peer(peer).versions
 
 
 def apply(peer: str, *, strict: bool = True, dtype: str = "peer") -> dict:
-    """Replace the peer's per-token functions by ppo_kernels ops everywhere the peer reaches them
-    (defining module, `from ... import` copies, registries, class methods). Returns `report`."""
+    """Replace a peer's per-token functions by ppo_kernels ops, everywhere the peer reaches them.
+
+    Every place is patched: the defining module, `from ... import` copies, registries and class
+    methods. The peer's code then runs our ops and gives the same numbers. `revert` undoes it.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+        strict (bool): True: a call using something our op cannot express raises `Unsupported`
+            naming the argument, and an unsupported peer version raises `UnsupportedVersion`.
+            False: such a call runs the peer's own code and is counted in `report`; another
+            version is patched with a warning. Default True.
+        dtype (str): "peer": return the dtype the peer's function returns. "float32": keep our
+            float32 results. Default "peer".
+
+    Returns:
+        dict: `report(peer)` after patching.
+
+    Why: a drop-in with the peer's exact semantics lets a trainer adopt the fused ops without
+    changing its code; strict mode makes every gap visible instead of silent.
+    """
     _peer(peer).apply(strict=strict, dtype=dtype)
     return report(peer)
 
 
 def revert(peer: str) -> None:
-    """Put every original back (no-op when not applied)."""
+    """Put back every original function of a peer; a no-op when it is not patched.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+    """
     _peer(peer).revert()
 
 
 @contextlib.contextmanager
 def patched(peer: str, *, strict: bool = True, dtype: str = "peer"):
+    """Context manager: `apply(peer, ...)` for the `with` block, then `revert(peer)`.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+        strict (bool): as in `apply`. Default True.
+        dtype (str): as in `apply`. Default "peer".
+
+    Returns:
+        ContextManager: yields the peer's adapter; `report(peer)` reads its counts.
+    """
     apply(peer, strict=strict, dtype=dtype)
     try:
         yield _peer(peer)
@@ -71,16 +110,32 @@ def patched(peer: str, *, strict: bool = True, dtype: str = "peer"):
 
 
 def report(peer: str) -> dict:
-    """{"peer", "active", "version", "strict", "dtype", "functions": {qualified name: {"calls",
-    "replaced", "fallbacks", "fallback_reasons": {reason: count}, "passed", "passed_reasons"
-    (caller targets: calls with nothing to fuse, run as the peer's code), "notes" ({how: count}
-    for replaced calls that took a second-best path, e.g. the logits instead of the hidden
-    states), "patched_in": [places],
-    and "unavailable": why, for a caller whose module does not import here}}}."""
+    """What the patch of a peer did: per replaced function, its calls, replacements and fallbacks.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+
+    Returns:
+        dict: `{"peer", "active", "version", "strict", "dtype", "functions"}`. `functions` maps each
+        qualified name to `{"calls", "replaced", "fallbacks", "fallback_reasons", "passed",
+        "passed_reasons", "notes", "patched_in"}`. `fallback_reasons` counts each reason a call ran
+        the peer's code. `passed` counts calls of a caller target with nothing to fuse. `notes`
+        counts replaced calls that took a second-best path (e.g. the logits instead of the hidden
+        states). `patched_in` lists the places patched. `"unavailable"` says why a caller's module
+        does not import here.
+    """
     return _peer(peer).report()
 
 
 def format_report(peer: str) -> str:
+    """`report(peer)` as readable text: one line per function, then its reasons and notes.
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+
+    Returns:
+        str: the report, or "<peer>: not patched".
+    """
     r = report(peer)
     if not r["active"]:
         return f"{peer}: not patched"
@@ -104,8 +159,15 @@ def format_report(peer: str) -> str:
 
 
 def activate_from_env() -> list[str]:
-    """Apply the peers named in $PPO_KERNELS_PATCH (comma-separated); strict only with
-    PPO_KERNELS_PATCH_STRICT=1. A peer that cannot be patched here is a warning, not an error."""
+    """Apply the peers named in the environment variable PPO_KERNELS_PATCH (comma-separated).
+
+    Strict only with PPO_KERNELS_PATCH_STRICT=1. A peer that cannot be patched here (not
+    installed, an unsupported version) is a warning, not an error, unless strict. `import
+    ppo_kernels` calls it when the variable is set.
+
+    Returns:
+        list[str]: the peers that are patched.
+    """
     names = [
         n.strip().lower() for n in os.environ.get("PPO_KERNELS_PATCH", "").split(",") if n.strip()
     ]

@@ -25,7 +25,15 @@ import torch
 
 
 class Unsupported(ValueError):
-    """A peer call uses an argument value the ppo_kernels op cannot express (strict=True)."""
+    """A peer call uses an argument value the ppo_kernels op cannot express (strict=True).
+
+    A ValueError. `apply(..., strict=False)` runs the peer's own code for such calls instead.
+
+    Args:
+        where (str): the replaced function.
+        argument (str): the argument whose value cannot be expressed; kept as `.argument`.
+        reason (str): why not.
+    """
 
     def __init__(self, where: str, argument: str, reason: str):
         super().__init__(
@@ -37,7 +45,11 @@ class Unsupported(ValueError):
 
 
 class UnsupportedVersion(RuntimeError):
-    pass
+    """A peer is not installed, or its version is not one the adapter was checked against.
+
+    A RuntimeError raised by `apply(..., strict=True)`; `strict=False` patches another version
+    with a warning. `supported_versions(peer)` lists the checked ones.
+    """
 
 
 class Fallback(Exception):

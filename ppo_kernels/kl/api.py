@@ -8,7 +8,14 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_float, check_same_device, check_shape, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_float,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from . import op  # noqa: F401  (registers the ops' Python side)
 from .naive import KLClamp, parse_estimator, resolve_clamp
 
@@ -43,10 +50,10 @@ _UNBOUNDED = (-_INF, _INF, -_INF, _INF)
 
 def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
     """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit:
-    torch's own subtraction runs it without the custom op's call (~5 us: 1.1-1.2x eager's time
-    at 64 x 4096 on the CPU; on the H200 the op was slower than eager at 4M tokens). Only for
-    same-shape float32 tensors (anything else reaches the op and its named errors) and when no
-    backend was requested by name."""
+    torch's own subtraction runs it without the custom op's call, whose overhead made the op
+    slower than eager on the CPU and on a GPU (bench/results/cpu_overhead.md,
+    bench/results/gpu_2026-11-30_H200.md). Only for same-shape float32 tensors (anything else
+    reaches the op and its named errors) and when no backend was requested by name."""
     return (
         a.dtype is _F32 and b.dtype is _F32 and a.shape == b.shape and not _backend.any_requested()
     )
@@ -54,9 +61,11 @@ def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
 
 def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
     """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs). (torch.sub:
-    the binding itself, ~0.2-0.4 us less than the operator's Python protocol.)"""
+    the binding itself, cheaper than the operator's Python protocol.)"""
     if not _plain_f32_pair(a, b):
         return None
+    if a.dim() == 0 and a.device != b.device:  # torch takes a CPU scalar beside a GPU one
+        return None  # (the op refuses it, naming the argument)
     try:
         return torch.sub(a, b)
     except RuntimeError:  # e.g. two devices: the op's checks name the argument
@@ -85,23 +94,36 @@ def kl_penalty(
     is_logprobs: Tensor | None = None,
     is_clip: float = 10.0,
 ) -> Tensor:
-    """Per-token KL estimate between the policy and the reference from sampled-token log-probs.
+    """Per-token KL estimate between the policy and the reference, from sampled-token log-probs.
+
+    With d = logprobs - ref_logprobs: k1 is `d`, abs `|d|`, k2 `d^2 / 2`, k3 `exp(-d) + d - 1`.
+    A "+" suffix is straight-through: the named estimator's value with k2's gradient. Clamps bound
+    d before the estimator and the value after it, each peer its own way.
 
     Args:
-        logprobs, ref_logprobs: same shape, float32 / bfloat16 / float16 / float64 (mixed dtypes
-            are promoted). Gradients flow to both.
-        estimator: "k1" ("kl"), "abs", "k2" ("mse"), "k3" ("low_var_kl"), or any of them with a
-            "+" suffix (straight-through: this value, the gradient of k2).
-        is_logprobs: with a "+" estimator, the log-probs of the policy that sampled the tokens:
-            the k2 gradient is importance-weighted by `w = min(exp(logprobs - is_logprobs),
-            is_clip)` (detached), OpenRLHF's `unbiased_gradient` with `log_probs_old`.
-        clamp: the peers' clamp conventions by name -- "none" (= "trl"), "verl", "openrlhf" -- or
-            explicit bounds `KLClamp(log_ratio=(lo, hi), value=(lo, hi))` (None: unbounded).
+        logprobs (Tensor): `[...]`, float32 / bfloat16 / float16 / float64. The policy's log-probs
+            of the sampled tokens. The gradient flows to it.
+        ref_logprobs (Tensor): logprobs' shape, any of those dtypes (mixed dtypes are promoted).
+            The reference model's log-probs. The gradient flows to it.
+        estimator (str): "k1" (alias "kl"), "abs", "k2" ("mse") or "k3" ("low_var_kl"), each
+            optionally with a "+" suffix. Default "k1".
+        clamp (str | KLClamp, optional): a peer's convention by name: "none" (= "trl"), "verl" or
+            "openrlhf". Or explicit bounds, `KLClamp(log_ratio=(lo, hi), value=(lo, hi))`.
+            None: no clamp. Default "none".
+        is_logprobs (Tensor, optional): logprobs' shape. With a "+" estimator, the log-probs of the
+            policy that sampled the tokens. The k2 gradient is then weighted by
+            `min(exp(logprobs - is_logprobs), is_clip)` (detached), as OpenRLHF's
+            `unbiased_gradient`. Default None.
+        is_clip (float): the upper bound of those importance weights; positive. Default 10.0.
 
     Returns:
-        float32 tensor of logprobs' shape (float64 for float64 input). Gradients are exact,
-        including through clamps (zero where a clamp is active, as torch.clamp).
-    See ppo_kernels/kl/naive.py for the formulas, presets and edge cases.
+        Tensor: the estimate, logprobs' shape, float32 (float64 for float64 input). Its gradient
+        is exact, through the clamps too (0 where a clamp is active, as torch.clamp).
+
+    Why: one kernel for the estimators and clamps verl, OpenRLHF and TRL each write their own
+    way, with each peer's numbers exactly. k3 is computed without the float32 cancellation of
+    `exp(x) - x - 1` near 0. Formulas and presets: docs/ppo-math.md ("KL estimators") and
+    ppo_kernels/kl/naive.py, which also lists the edge cases.
     """
     if (
         estimator == "k1"  # the defaults, spelled out: the common call in the fewest steps
@@ -151,28 +173,42 @@ def kl_penalized_rewards(
     kl: Tensor | None = None,
     convention: str = "verl",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """RLHF-PPO per-token rewards in one pass:
-    `r[t] = -beta * kl[t] * mask[t] + score * [t == last position with mask != 0]`.
+    """RLHF-PPO per-token rewards: the KL penalty plus each sequence's score, in one pass.
+
+    `r[t] = -beta * kl[t] * mask[t] + score * [t == the row's last position with mask != 0]`,
+    with kl the estimator of `kl_penalty` (0 where mask is 0). Also returns the per-sequence mean
+    KL over the mask, the input of an adaptive KL controller.
 
     Args:
-        scores: `[B]` sequence scores (reward model or verifier), any float dtype.
-        logprobs, ref_logprobs: `[B, T]` sampled-token log-probs of the policy and the reference.
-        mask: `[B, T]` action mask: bool, integer 0/1, or float weights.
-        beta: KL coefficient: a float, or a 0-dim / `[B]` tensor (e.g. an adaptive KL controller's
-            value, read on the device: no sync, no recompile). Under torch.compile a float beta is
-            a constant of the graph, so pass a changing beta as a tensor.
-        estimator, clamp: as in `kl_penalty` (straight-through "+" variants equal their base here).
-        kl: a precomputed per-token KL `[B, T]` instead of logprobs / ref_logprobs (pass None for
-            both; estimator and clamp are then not used), as OpenRLHF's compute_reward takes it.
-        scores may also be token-level `[B, T]` (verl's token_level_scores): they are added as
-            they are, `r = scores - beta * kl * mask`.
-        convention: "verl" (above) or "openrlhf": the penalty `-beta * kl` on every position
-            (mask == 0 ones too), and a row with no action gets its score on its last position.
+        scores (Tensor): `[B]`, any float dtype. One score per sequence (reward model or
+            verifier). Or `[B, T]`, token-level scores (verl's `token_level_scores`), added as
+            they are: `r = scores - beta * kl * mask`.
+        logprobs (Tensor, optional): `[B, T]`, float32 / bfloat16 / float16 / float64. The policy's
+            log-probs of the sampled tokens. None when `kl` is given.
+        ref_logprobs (Tensor, optional): `[B, T]`, a float dtype (mixed dtypes are promoted). The
+            reference model's log-probs. None when `kl` is given.
+        mask (Tensor): `[B, T]`, bool / integer / float. The action mask; a float mask weights
+            tokens.
+        beta (float | Tensor): the KL coefficient, keyword-only and required. A float, or a 0-dim /
+            `[B]` tensor read on the device (no host sync, no recompile). Under torch.compile a
+            float is a constant of the graph: pass a changing beta as a tensor.
+        estimator (str): as in `kl_penalty`; a "+" variant equals its base here. Default "k1".
+        clamp (str | KLClamp, optional): as in `kl_penalty`. Default "none".
+        kl (Tensor, optional): `[B, T]`, a float dtype. A precomputed per-token KL instead of
+            logprobs and ref_logprobs (give None for both), as OpenRLHF's `compute_reward` takes
+            it. `estimator` and `clamp` are then unused. Default None.
+        convention (str): "verl" (the formula above) or "openrlhf": the penalty on every position,
+            mask 0 too, and a row without actions gets its score on its last position.
+            Default "verl".
 
     Returns:
-        `(token_rewards [B, T], kl [B, T], mean_kl_per_sequence [B])`, float32 (float64 for
-        float64 log-probs); kl is 0 where mask == 0. A row with no action: all zeros, its score
-        dropped, mean kl 0. No gradient flows (the inputs are detached).
+        tuple[Tensor, Tensor, Tensor]: `(rewards [B, T], kl [B, T], mean_kl [B])`, float32
+        (float64 for float64 log-probs). Under "verl" a row without actions gets all zeros and
+        mean KL 0; its score is dropped. No gradient flows: rewards are constants to PPO.
+
+    Why: the rewards are several masked passes over `[B, T]` in verl and OpenRLHF; here they are
+    one kernel, with each peer's placement of the score. Formulas: docs/ppo-math.md ("KL-penalised
+    per-token rewards"). Edge cases: ppo_kernels/kl/naive.py.
     """
     if convention not in ("verl", "openrlhf"):
         raise ValueError(f"convention: expected 'verl' or 'openrlhf', got {convention!r}")
@@ -182,6 +218,9 @@ def kl_penalized_rewards(
                 "kl: pass either a precomputed kl or logprobs and ref_logprobs, not both"
             )
         check_tensor("kl", kl, dtypes=FLOAT_DTYPES, dim=2)
+        check_devices(
+            "kl", kl, scores=scores, mask=mask, beta=beta if isinstance(beta, Tensor) else None
+        )
         # kl - 0 under k1 with no clamp is kl exactly: the op masks it and places the scores
         logprobs, ref_logprobs, estimator, clamp = kl, torch.zeros_like(kl), "k1", "none"
     elif logprobs is None or ref_logprobs is None:

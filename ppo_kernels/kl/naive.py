@@ -36,11 +36,13 @@ kl_penalized_rewards (RLHF-PPO rewards), for each row b with action mask m:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from .._math import acc_dtype
 from .._modes import KL_ESTIMATOR_ALIASES, KL_ESTIMATORS
 
 ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accepted name -> canonical
@@ -48,8 +50,17 @@ ESTIMATORS = {**{n: n for n in KL_ESTIMATORS}, **KL_ESTIMATOR_ALIASES}  # accept
 
 @dataclass(frozen=True)
 class KLClamp:
-    """Clamps of a KL estimator: `log_ratio` bounds d = logprob - ref_logprob before the estimator,
-    `value` bounds its output; each a (lo, hi) pair whose sides may be None (unbounded)."""
+    """Explicit clamps of a KL estimator, for `kl_penalty(..., clamp=KLClamp(...))`.
+
+    Args:
+        log_ratio (tuple, optional): `(lo, hi)` bounds of d = logprob - ref_logprob before the
+            estimator. Either side may be None (unbounded). Default None: no clamp.
+        value (tuple, optional): `(lo, hi)` bounds of the estimator's value, sides as above.
+            Default None: no clamp.
+
+    The gradient is 0 wherever a finite bound is active, as torch.clamp's. The named presets
+    ("verl", "openrlhf") are tables of these: ppo_kernels/kl/naive.py.
+    """
 
     log_ratio: tuple[float | None, float | None] | None = None
     value: tuple[float | None, float | None] | None = None
@@ -125,7 +136,8 @@ def resolve_clamp(clamp, estimator: str) -> tuple[float, float, float, float]:
 
 
 def _acc(*ts):
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+    """The accumulation dtype of the widest input (float64 if any is)."""
+    return acc_dtype(functools.reduce(torch.promote_types, (t.dtype for t in ts)))
 
 
 def _clamp(x, lo, hi):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._checks import check_devices
+from .._math import acc_dtype
 from . import naive
 
 # Elementwise / one-row ops: Triton is the GPU kernel (a CUDA C++ kernel would not read less).
@@ -25,9 +27,18 @@ def _est(estimator):  # the Triton kernels specialise on the estimator's index
     return _modes.index("estimator", _modes.KL_ESTIMATORS, estimator)
 
 
+# The fakes and fallbacks check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
+def _rewards_devices(scores, logprobs, ref_logprobs, mask, beta_t):
+    check_devices(
+        "logprobs", logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask, beta=beta_t
+    )
+
+
 @_backend.fake("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
-    return logprobs.new_empty(logprobs.shape, dtype=_backend.out_dtype(logprobs))
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs)
+    return logprobs.new_empty(logprobs.shape, dtype=acc_dtype(logprobs.dtype))
 
 
 @_backend.impl("kl_penalty", "triton")
@@ -42,11 +53,13 @@ def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo,
 @_backend.impl("kl_penalty", "eager")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
     v = naive.kl_penalty(logprobs, ref_logprobs, estimator, False, (in_lo, in_hi, out_lo, out_hi))
-    return v.to(_backend.out_dtype(logprobs)).contiguous()
+    return v.to(acc_dtype(logprobs.dtype)).contiguous()
 
 
 @_backend.fake("kl_penalty_backward")
 def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi, need_lp, need_ref):
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs, grad=grad)
+
     def out(need):
         return logprobs.new_empty(logprobs.shape if need else (0,))
 
@@ -75,7 +88,8 @@ def _(grad, logprobs, ref_logprobs, estimator, st, in_lo, in_hi, out_lo, out_hi,
 
 @_backend.fake("kl_penalized_rewards")
 def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_hi, out_lo, out_hi):
-    out = _backend.out_dtype(logprobs)
+    _rewards_devices(scores, logprobs, ref_logprobs, mask, beta_t)
+    out = acc_dtype(logprobs.dtype)
     B, T = logprobs.shape
     return (
         logprobs.new_empty((B, T), dtype=out),
@@ -99,19 +113,21 @@ def _(scores, logprobs, ref_logprobs, mask, beta_t, beta, estimator, in_lo, in_h
     b = beta if beta_t is None else beta_t * beta
     bounds = (in_lo, in_hi, out_lo, out_hi)
     r, k, m = naive.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, b, estimator, bounds)
-    out = _backend.out_dtype(logprobs)
+    out = acc_dtype(logprobs.dtype)
     return r.to(out).contiguous(), k.to(out).contiguous(), m.to(out).contiguous()
 
 
 # Without the compiled extension: the references themselves, differentiable by autograd.
 @_backend.fallback("kl_penalty")
 def _(logprobs, ref_logprobs, estimator, straight_through, in_lo, in_hi, out_lo, out_hi):
+    check_devices("logprobs", logprobs, ref_logprobs=ref_logprobs)
     bounds = (in_lo, in_hi, out_lo, out_hi)
     v = naive.kl_penalty(logprobs, ref_logprobs, estimator, straight_through, bounds)
-    return v.to(_backend.out_dtype(logprobs))
+    return v.to(acc_dtype(logprobs.dtype))
 
 
 @_backend.fallback("kl_penalized_rewards")
 def _(*args):
+    _rewards_devices(*args[:5])
     with torch.no_grad():  # as the registered op's Autograd kernel: the rewards carry no history
         return _backend.python_impl("kl_penalized_rewards", "eager")(*args)

@@ -2,7 +2,7 @@
 checks (dtype, shape, device, label range on the CPU) run once, in the registered op
 (csrc/ops/linear_logprobs.cpp); this layer checks what only it sees (the Python scalars, the
 leading dimensions it flattens) and is the one place that routes `process_group=` to the
-vocab-parallel form (ppo_kernels/distributed/vocab_parallel.py). causal_lm_logprobs (hf.py) is
+vocab-parallel form (ppo_kernels/distributed/vocab_parallel_linear.py). causal_lm_logprobs (hf.py) is
 built on it."""
 
 from __future__ import annotations
@@ -46,53 +46,57 @@ def linear_token_logprobs(
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
 ):
-    """Per-token log-probs (and entropy) of `labels` under softmax((hidden @ weight.T + bias) / T),
-    equal to `token_logprobs(hidden @ weight.T + bias, labels, ...)` but never building the
-    [N, V] logits: they are computed and reduced in bounded chunks, forward and backward.
+    """Per-token log-probs (and entropy) from hidden states and an LM head, without the logits.
+
+    Computes `token_logprobs(hidden @ weight.T + bias, labels, ...)`. The `[N, V]` logits exist
+    only as tiles of a bounded chunk of rows (and, when a row does not fit, of the vocabulary).
+    Each tile is reduced to its softmax statistics, forward and backward. With `softcap`, the
+    logits are `softcap * tanh(logits / softcap)` before the temperature.
 
     Args:
-        hidden: `[..., H]` float32, bfloat16 or float16 (float64 runs in float64).
-        weight: `[V, H]` (the LM head), same dtype and device as hidden.
-        labels: int64 or int32 with shape `hidden.shape[:-1]`.
-        bias: optional `[V]`.
-        temperature: positive float.
-        ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
-        return_entropy: also return the entropy of softmax(logits / temperature).
-        softcap: Gemma-2 style `final_logit_softcapping`: the logits are `softcap * tanh(logits /
-            softcap)` before the temperature (computed on each tile in the tile's dtype; the
-            backward keeps one more tile for the derivative). None: no capping.
-        max_chunk_bytes: cap on the chunk buffers (logits tile, upcast copies, per-chunk gradient
-            accumulator); default 64 MiB on the CPU, 2 GiB on the GPU. Extra memory beyond it
-            is O(N + V) plus, in backward, the float32 weight-gradient accumulator [V, H].
-        logits_dtype: the dtype the logits (and their gradient) are computed in, for bf16/fp16
-            inputs; float32/float64 inputs ignore it.
-            "float32": float32 logits tiles (the CPU upcasts the inputs chunk by chunk; CUDA
-            uses bf16/fp16 matmuls with float32 output), more exact than materialised logits.
-            "input": matmuls in the input dtype, so the logits and their gradient are rounded to
-            it exactly as in `token_logprobs(hidden @ weight.T + bias, ...)` with bf16 logits
-            (what a trainer materialising the logits gets); reductions and the sums across
-            chunks stay float32 (on CUDA the gradient matmuls accumulate into them directly).
-            The roundings of TRL's and Liger's fused LM heads. 2-2.5x faster than "float32" on
-            CPUs with native bf16 matmuls (AVX-512 BF16, AMX), ~45x slower where they are
-            emulated; on CUDA slower than "float32" (H200: 418 vs 288 ms).
-            "auto" (default): `ppo_kernels.default_logits_dtype(hidden.dtype, hidden.device)`:
-            "input" on a CPU with native matmuls in that dtype, "float32" elsewhere (the
-            environment variable PPO_KERNELS_LOGITS_DTYPE fixes it on every machine).
-
-        process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout):
-            `weight` / `bias` hold this rank's contiguous slice of the vocabulary, `hidden` is
-            replicated, labels are global ids; every rank gets the full-vocabulary results (one
-            all-gather of per-row softmax statistics). Each rank's weight / bias gradient is its
-            slice of the unsharded one; the hidden gradient is all-reduced (the full gradient on
-            every rank) unless `reduce_hidden_grad=False` (frameworks whose own layers reduce it).
-        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order;
-            see token_logprobs for torch.compile).
+        hidden (Tensor): `[..., H]`, float32 / bfloat16 / float16 (float64 runs in float64). The
+            gradient flows to it when it requires grad.
+        weight (Tensor): `[V, H]`, hidden's dtype and device. The LM head. The gradient flows to
+            it when it requires grad (summed in float32, returned in weight's dtype).
+        labels (Tensor): `hidden.shape[:-1]`, int64 / int32. Ids in [0, V) or `ignore_index`.
+        bias (Tensor, optional): `[V]`, hidden's dtype. Default None.
+        temperature (float): divides the logits; positive. Default 1.0.
+        ignore_index (int): the label of a position without a log-prob (0, no gradient).
+            Default -100.
+        return_entropy (bool): also return the entropy of softmax(logits / temperature).
+            Default False.
+        max_chunk_bytes (int, optional): the budget of the chunk buffers (logits tile, upcast
+            copies, gradient tile). Memory beyond it is O(N + V), plus the float32 `[V, H]` weight
+            gradient in the backward. Default None: 64 MiB on the CPU, 2 GiB on a GPU.
+        logits_dtype (str): the dtype of the logits tiles for bfloat16 / float16 inputs; float32
+            and float64 inputs ignore it. "float32": float32 tiles, more exact than materialised
+            logits. "input": GEMMs in the input dtype with float32 reductions, the roundings of
+            materialised bf16 logits and of TRL's and Liger's fused heads. "auto":
+            `default_logits_dtype(hidden.dtype, hidden.device)`. Default "auto".
+        softcap (float, optional): Gemma-2's `final_logit_softcapping`, applied on each tile.
+            Not with `process_group`.
+            Default None: no capping.
+        process_group (ProcessGroup, optional): the vocab-parallel form (Megatron's
+            tensor-parallel head). `weight` / `bias` hold this rank's contiguous slice of the
+            vocabulary; `hidden` is replicated; labels are global ids. Every rank gets the
+            full-vocabulary result from one all-gather of per-row softmax statistics. Each rank's
+            weight / bias gradient is its slice of the unsharded one. Default None.
+        vocab_start (int, optional): this rank's first vocabulary id. Default None: from the slice
+            sizes, in rank order (see `token_logprobs` for torch.compile).
+        reduce_hidden_grad (bool): with `process_group`, all-reduce the hidden gradient so every
+            rank holds the full one. False for frameworks whose own layers reduce it.
+            Default True.
 
     Returns:
-        float32 log-probs with `labels.shape`, or `(logprobs, entropy)`. Gradients flow to
-        hidden, weight and bias (the weight gradient is accumulated in float32 and handed to
-        autograd in the weight's dtype; `torch.ops.ppo_kernels.linear_token_logprobs_backward`
-        returns it in float32).
+        Tensor: the log-probs, `labels.shape`, float32 (float64 for float64 hidden). With
+        `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+
+    Why: the `[N, V]` logits dominate a policy step's memory (a 32k-token batch at V = 152k is
+    about 20 GB in float32). Chunking keeps the peak at the budget. The tiles come from BLAS /
+    cuBLAS GEMMs and are reduced by the `token_logprobs` kernels. It plays the part of TRL's and
+    Liger's fused LM heads. The CPU / CUDA defaults of `logits_dtype` and `max_chunk_bytes` follow
+    bench/results/cpu_head_defaults.md and bench/results/gpu_2026-11-30_H200.md. Formulas:
+    docs/ppo-math.md ("Token log-probs and entropy"); the engine: ppo_kernels/fused_linear/.
     """
     if (  # the default call on [N, H] hidden: the registered op checks the tensors (named)
         _backend.HAS_EXTENSION
@@ -140,7 +144,7 @@ def linear_token_logprobs(
     tiles = _tiles(hidden.dtype, logits_dtype)
     h2 = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     if process_group is not None:
-        from ..distributed.vocab_parallel import vocab_parallel_linear_token_logprobs
+        from ..distributed.vocab_parallel_linear import vocab_parallel_linear_token_logprobs
 
         lp, ent = vocab_parallel_linear_token_logprobs(
             h2,

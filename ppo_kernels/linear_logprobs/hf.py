@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import check_bool, check_int, check_temperature
+from .._checks import check_bool, check_devices, check_int, check_temperature
 from .api import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
@@ -98,23 +98,41 @@ def causal_lm_logprobs(
     logits_dtype: str = "auto",
     **model_kwargs,
 ):
-    """Log-probs of each next token under a causal LM, without materialising the logits.
+    """Log-probs of each next token under a `transformers` causal LM, never building its logits.
 
-    Runs the model's backbone on `input_ids` [B, T], then `linear_token_logprobs` of the last
-    hidden states through the LM head (tied or untied, with its bias if any). Position t of the
-    result is log p(target[t + 1] | tokens[: t + 1]), so the result has shape [B, T - 1]:
-    targets are `labels[:, 1:]` when labels are given (HF convention, `ignore_index` ignored),
-    else `input_ids[:, 1:]`; targets whose attention_mask is 0 are ignored (0, no gradient).
-    Gradients flow to every parameter of the model.
+    Runs the model's backbone on `input_ids`, then `linear_token_logprobs` of the last hidden
+    states through the LM head (tied or untied, with its bias if any). Position t of the result is
+    `log p(target[t + 1] | tokens[: t + 1])`. The targets are `labels[:, 1:]` when labels are given,
+    else `input_ids[:, 1:]`. A target whose attention_mask is 0 gives 0 and no gradient.
 
-    max_chunk_bytes and logits_dtype ("float32"; "input": the LM-head matmuls in the model's
-    bf16/fp16 dtype, as the model's own logits; "auto", the default, picks by machine) are those
-    of linear_token_logprobs.
-    Extra keyword arguments go to the backbone (e.g. position_ids). Gemma-2 style
-    `config.final_logit_softcapping` is applied (linear_token_logprobs' softcap); raises
-    NotImplementedError for models that rescale their final logits otherwise (Granite's
-    logits_scaling, Cohere's logit_scale).
-    Returns float32 log-probs [B, T - 1], or (logprobs, entropy).
+    Args:
+        model (PreTrainedModel): a `transformers` `*ForCausalLM` (a backbone and an output
+            embedding). Gradients flow to every parameter that requires grad. Gemma-2's
+            `config.final_logit_softcapping` is applied; other logit transforms (Granite's
+            `logits_scaling`, Cohere's `logit_scale`) raise NotImplementedError.
+        input_ids (Tensor): `[B, T]`, integer token ids.
+        attention_mask (Tensor, optional): `[B, T]`, 0 / 1, passed to the backbone; 0 also drops
+            the target. Default None: every token counts.
+        labels (Tensor, optional): `[B, T]`, integer. The targets in the HF convention: a label
+            equal to `ignore_index` gives 0. Default None: the targets are `input_ids`.
+        temperature (float): divides the logits; positive. Default 1.0.
+        return_entropy (bool): also return the entropy of each next-token distribution.
+            Default False.
+        ignore_index (int): the label of a position without a log-prob. Default -100.
+        max_chunk_bytes (int, optional): the chunk buffers' budget, as in `linear_token_logprobs`.
+            Default None: 64 MiB on the CPU, 2 GiB on a GPU.
+        logits_dtype (str): "float32", "input" (the head's GEMMs in the model's bf16 / fp16 dtype,
+            the roundings of the model's own logits) or "auto", as in `linear_token_logprobs`.
+            Default "auto".
+        **model_kwargs: passed to the backbone (e.g. `position_ids`).
+
+    Returns:
+        Tensor: the log-probs, `[B, T - 1]`, float32 (float64 for a float64 model). With
+        `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+
+    Why: `model(input_ids).logits` builds `[B, T, V]` logits, often the largest tensor of the
+    step. This runs the backbone alone and reduces the head in chunks. Formulas: docs/ppo-math.md
+    ("Token log-probs and entropy").
     """
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids: expected a [batch, seq] tensor of token ids")
@@ -134,6 +152,10 @@ def causal_lm_logprobs(
     check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
     weight, bias = lm_head(model)
+    # on the LM head's device (a meta tensor would otherwise reach the backbone's embedding)
+    check_devices(
+        "model", weight, input_ids=input_ids, attention_mask=attention_mask, labels=labels
+    )
     out = backbone(model)(
         input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
     )

@@ -1,28 +1,33 @@
 """The Python side of the registered ops `ppo_kernels::linear_token_logprobs` (+
 `linear_token_logprobs_backward`), defined in C++ (csrc/ops/linear_logprobs.cpp: schemas, checks,
 routing, autograd): their fake kernels, their implementation on each backend -- all three are the
-chunk loop of chunks.py, which plans the chunks, runs the BLAS / cuBLAS matmuls and hands each
-tile to that backend's kernels (a call whose logits fit one tile runs in C++ on the cpp backend,
-without the loop) -- and the fallback without the compiled extension."""
+fused-linear engine's loop (fused_linear/engine.py), which plans the blocks, runs the BLAS /
+cuBLAS matmuls and hands each tile to that backend's kernels (a call whose logits fit one tile
+runs in C++ on the cpp backend, without the loop) -- and the fallback without the compiled
+extension. linear_token_logprobs is the engine's trivial head term: the forward stores each
+token's statistics, the backward's coefficients are the upstream gradients."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
-from ..fused_linear import chunks
-from ..fused_linear.planner import _acc
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
+from ..fused_linear import engine
+from ..fused_linear.checks import check_args, check_backward_args
+from ..fused_linear.planner import plan_call
+from ..fused_linear.vocab_chunks import VocabChunks
 from ..token_logprobs import op as tl_op
 
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
 # vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA
 # (there is no CUDA C++ version of those). "triton" = the Triton token_logprobs kernels reduce
-# whole-vocabulary tiles. Default on CUDA: triton, from the H200 measurements
-# (bench/results/gpu_2026-11-30_H200.md): the Triton token_logprobs kernels reach 79-83% of the
-# bandwidth, the CUDA C++ ones 44-60%, and only the Triton backward writes the bf16 gradient tile
-# the backward matmuls read without a float32 round trip. On every backend the chunk loop itself
-# is Python (chunks.py): the C++ op routes to `ppo_kernels_<backend>::linear_token_logprobs`.
+# whole-vocabulary tiles. Default on CUDA: triton (bench/results/gpu_2026-11-30_H200.md): the
+# Triton token_logprobs kernels reach a larger share of the memory bandwidth than the CUDA C++
+# ones, and only the Triton backward writes the bf16 gradient tile the backward matmuls read
+# without a float32 round trip. On every backend the chunk loop itself is Python
+# (fused_linear/engine.py): the C++ op routes to `ppo_kernels_<backend>::linear_token_logprobs`.
 OP = _backend.register_op(
     "linear_token_logprobs",
     kernel="token_logprobs_fwd",
@@ -43,6 +48,8 @@ OP = _backend.register_op(
 _backend.routes_in_cpp("linear_token_logprobs")
 
 
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
 @_backend.fake("linear_token_logprobs")
 def _(
     hidden,
@@ -56,7 +63,8 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
-    acc = _acc(hidden.dtype)
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
+    acc = acc_dtype(hidden.dtype)
     N = hidden.shape[0]
     lp = hidden.new_empty((N,), dtype=acc)
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
@@ -82,13 +90,90 @@ def _(
     logits_dtype="float32",
     softcap=None,
 ):
-    acc = _acc(hidden.dtype)
+    check_devices(
+        "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
+        labels=labels, bias=bias, lse=lse, entropy=entropy,
+    )  # fmt: skip
+    acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = hidden.new_empty((N, H) if need_hidden else (0,))
     gW = hidden.new_empty((V, H) if need_weight else (0,), dtype=acc)
     gb = hidden.new_empty((V,) if (need_bias and bias is not None) else (0,), dtype=acc)
     return gh, gW, gb
+
+
+def _reduction(hidden, V, temperature, ignore_index, max_chunk_bytes, logits_dtype, backend, tl):
+    """(plan, the engine's reduction): whole-vocabulary tiles reduced by `backend`'s fused
+    token_logprobs kernels (tl: forward / backward) when they fit the budget, else vocabulary
+    chunks."""
+    N, H = hidden.shape
+    fused = engine.fused_backend(hidden, backend)
+    plan = plan_call(N, V, H, hidden.dtype, hidden.device, max_chunk_bytes, logits_dtype, fused)
+    if plan.vocab == V and fused:
+        kernels = (tl[0].impls[fused], tl[1].impls[fused])
+        return plan, engine.WholeVocab(fused, temperature, ignore_index, kernels)
+    return plan, VocabChunks(plan, backend, temperature, ignore_index)
+
+
+def run_forward(
+    hidden, weight, labels, bias, temperature, ignore_index, with_entropy, max_chunk_bytes,
+    logits_dtype, softcap, backend,
+):  # fmt: skip
+    """The registered op `linear_token_logprobs` on `backend` (arguments checked): (logprobs,
+    entropy or an empty tensor, lse) [N], float32 (float64 for float64 input)."""
+    N = hidden.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    dev = hidden.device
+    lp = _backend.new_output((N,), acc, dev)
+    ent = _backend.new_output((N,) if with_entropy else (0,), acc, dev)
+    lse = _backend.new_output((N,), acc, dev)
+    if N == 0:
+        return lp, ent, lse
+    plan, vocab = _reduction(
+        hidden, weight.shape[0], temperature, ignore_index, max_chunk_bytes, logits_dtype,
+        backend, (tl_op.forward, tl_op.backward),
+    )  # fmt: skip
+    engine.run(
+        engine.StoreStats(with_entropy), vocab, engine.Head(hidden, weight, bias, labels), plan,
+        softcap=softcap, lp_out=lp, ent_out=ent if with_entropy else None, lse_out=lse,
+    )  # fmt: skip
+    return lp, ent, lse
+
+
+def run_backward(
+    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
+    ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype, softcap,
+    backend,
+):  # fmt: skip
+    """The registered op `linear_token_logprobs_backward` on `backend` (arguments checked):
+    (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor
+    where not needed."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    dev = hidden.device
+    if N == 0:
+        need_bias = need_bias and bias is not None
+        gh_out = _backend.new_output((N, H) if need_hidden else (0,), hidden.dtype, dev)
+        gW = torch.zeros((V, H) if need_weight else (0,), dtype=acc, device=dev)
+        gb = torch.zeros((V,) if need_bias else (0,), dtype=acc, device=dev)
+        return gh_out.zero_(), gW, gb
+    plan, vocab = _reduction(
+        hidden, V, temperature, ignore_index, max_chunk_bytes, logits_dtype, backend,
+        (tl_op.forward, tl_op.backward),
+    )  # fmt: skip
+    with_ent = grad_entropy is not None and grad_entropy.numel() > 0
+    head = engine.GivenGrads(
+        grad_logprobs.to(acc),
+        grad_entropy.to(acc) if with_ent else None,
+        lse,
+        entropy if with_ent else None,
+    )
+    return engine.run(
+        head, vocab, engine.Head(hidden, weight, bias, labels), plan, softcap=softcap,
+        need=(need_hidden, need_weight, need_bias),
+    )  # fmt: skip
 
 
 def _strict_labels(labels, V, ignore_index):
@@ -116,9 +201,9 @@ def _register(backend: str):
         softcap=None,
     ):
         _strict_labels(labels, weight.shape[0], ignore_index)
-        return chunks.forward(
+        return run_forward(
             hidden, weight, labels, bias, temperature, ignore_index, with_entropy,
-            max_chunk_bytes, logits_dtype, softcap, backend, tl_op.forward,
+            max_chunk_bytes, logits_dtype, softcap, backend,
         )  # fmt: skip
 
     @_backend.impl("linear_token_logprobs_backward", backend)
@@ -141,10 +226,10 @@ def _register(backend: str):
         softcap=None,
     ):
         _strict_labels(labels, weight.shape[0], ignore_index)
-        return chunks.backward(
+        return run_backward(
             grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
             ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype,
-            softcap, backend, tl_op.backward,
+            softcap, backend,
         )  # fmt: skip
 
 
@@ -161,11 +246,11 @@ class _Fallback(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, with_entropy,
                 max_chunk_bytes, logits_dtype, softcap):  # fmt: skip
         args = (temperature, ignore_index, max_chunk_bytes, logits_dtype)
-        chunks.check_args(hidden, weight, labels, bias, *args)
+        check_args(hidden, weight, labels, bias, *args)
         backend = _backend.backend_for("linear_token_logprobs", hidden)
-        lp, ent, lse = chunks.forward(
+        lp, ent, lse = run_forward(
             hidden, weight, labels, bias, temperature, ignore_index, with_entropy,
-            max_chunk_bytes, logits_dtype, softcap, backend, tl_op.forward,
+            max_chunk_bytes, logits_dtype, softcap, backend,
         )  # fmt: skip
         ctx.save_for_backward(hidden, weight, labels, bias, lse, ent)
         ctx.args = (*args, softcap)
@@ -183,14 +268,14 @@ class _Fallback(torch.autograd.Function):
         if grad_ent is not None and grad_ent.numel() == 0:
             grad_ent = None
         temperature, ignore_index, budget, logits_dtype, softcap = ctx.args
-        chunks.check_backward_args(
+        check_backward_args(
             grad_lp, grad_ent, hidden, weight, labels, bias, lse, entropy, temperature,
             ignore_index, budget, logits_dtype,
         )  # fmt: skip
-        gh, gW, gb = chunks.backward(
+        gh, gW, gb = run_backward(
             grad_lp, grad_ent, hidden, weight, labels, bias, lse, entropy, temperature,
             ignore_index, budget, need_h, need_w, need_b, logits_dtype, softcap,
-            _backend.backend_for("linear_token_logprobs", hidden), tl_op.backward,
+            _backend.backend_for("linear_token_logprobs", hidden),
         )  # fmt: skip
         return (
             gh if need_h else None,

@@ -1,11 +1,11 @@
 """Triton kernels for linear_token_logprobs: reductions of one float32 logits tile
 [rows, vocab_chunk] (the tile itself comes from a cuBLAS matmul in chunks.py). One program per row.
 
-Why not a fused tl.dot kernel (logits tiles computed on chip, as the issue sketches)? It has not
-been measured against cuBLAS + these reductions on a GPU yet; the chunked cuBLAS path moves one
-extra float32 tile through HBM per chunk (about 2 x 4 bytes per logit, small next to the
-2 x H flops per logit of the matmul at H >= 1024), and it is the one we can make correct and test
-here (the interpreter runs these kernels on the CPU). Revisit with bench/gpu_checks/linear_logprobs.py.
+Why not a fused tl.dot kernel (logits tiles computed on chip)? It has no GPU benchmark against
+cuBLAS + these reductions yet; the chunked cuBLAS path moves one extra float32 tile through HBM
+per chunk (about 2 x 4 bytes per logit, small next to the 2 x H flops per logit of the matmul at
+H >= 1024), and it is the one we can make correct and test here (the interpreter runs these
+kernels on the CPU). Revisit with bench/gpu_checks/linear_logprobs.py.
 """
 
 from __future__ import annotations

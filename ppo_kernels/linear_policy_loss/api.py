@@ -5,7 +5,6 @@ checks what only it sees (scalars, the loss type's options, shapes before they a
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import (
     check_bool,
+    check_devices,
     check_float,
     check_int,
     check_same_device,
@@ -25,7 +25,15 @@ from ..kl.naive import parse_estimator, resolve_clamp
 from ..losses import policy_loss as ext
 from ..losses import policy_math as pm
 from ..losses import rollout_correction as rc
-from ..losses.aggregate import aggregation, checked_config
+from ..losses.aggregate import policy_aggregation
+from ..losses.config import (
+    AggregationConfig,
+    EntropyTermConfig,
+    KLTermConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+    takes_configs,
+)
 from . import op
 
 _op = _backend.op("linear_policy_loss")
@@ -54,6 +62,16 @@ def _joined(x):
     return x if isinstance(x, str) else repr(float(x))
 
 
+_CAPTURE: list = []  # arguments(): the calls whose op arguments are kept instead of run
+
+
+@takes_configs(
+    loss_config=PolicyLossConfig,
+    aggregation_config=AggregationConfig,
+    rollout_config=RolloutCorrectionConfig,
+    kl_config=KLTermConfig,
+    entropy_config=EntropyTermConfig,
+)
 def linear_policy_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -69,252 +87,97 @@ def linear_policy_loss(
     ref_bias: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     weights: Tensor | None = None,
-    loss_type: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    delta: float | None = None,
-    log_ratio_clamp: float | None = None,
-    importance_sampling_level: str = "token",
-    agg: str | None = None,
-    dp_size: int = 1,
-    global_num_tokens: int | float | Tensor | None = None,
-    global_batch_size: int | float | Tensor | None = None,
-    loss_scale_factor: float | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp=None,
-    entropy_coef: float = 0.0,
+    loss_config: PolicyLossConfig | None = None,
+    aggregation_config: AggregationConfig | None = None,
+    rollout_config: RolloutCorrectionConfig | None = None,
+    kl_config: KLTermConfig | None = None,
+    entropy_config: EntropyTermConfig | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
     logits_dtype: str | None = "auto",
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    dro_beta: float | None = None,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    kl_cov_ratio: float = 2e-4,
-    kl_cov_coef: float = 0.1,
     generator: torch.Generator | None = None,
-    rollout_is: str | None = None,
-    rollout_is_threshold: float | str | tuple[float, float] | None = 2.0,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: float | str | None = None,
-    bypass_mode: bool = False,
     process_group=None,
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The PPO / GRPO policy loss from the hidden states and the LM head in one chunked pass:
-    logits, log-probs, entropy, KL, the loss and its gradients, never building the [N, V] logits,
-    with the logits computed once (3 GEMMs: the logits, then grad_hidden = G W and
-    grad_weight = G^T h for the logits gradient G formed in the forward; `loss.backward()` only
-    scales these by the upstream gradient).
+    logits, log-probs, entropy, KL, the loss and its gradients, never building the [N, V] logits.
 
     loss = pg - entropy_coef * agg(entropy) + kl_coef * agg(kl)   (verl's actor convention)
 
-    Args:
-        hidden: `[..., H]` (e.g. `[B, T, H]`), float32 / bfloat16 / float16 (float64 runs the
-            float64 eager loop); gradients flow to it, to weight and to bias, each only when it
-            requires grad (a frozen LM head costs no weight-gradient GEMM).
-        weight: `[V, H]`, the LM head, hidden's dtype. bias: optional `[V]`.
-        labels: int64 / int32, `hidden.shape[:-1]`; the leading dimensions are the sequences
-            (rows), the last one their tokens (a 1-D input is one sequence).
-        advantages: per token (labels' shape) or per sequence (`labels.shape[:-1]`).
-        old_logprobs, mask: per token (mask: bool / integer / float weights; 0 = no loss).
-        ref_logprobs: per token; the KL term `kl_coef * agg(kl)` with the sampled estimator
-            `kl_estimator` ("k1", "k2", "k3", "abs", their aliases, "+" straight-through) and
-            `kl_clamp` (as kl_penalty: "none", "verl", "openrlhf" or a KLClamp).
-        ref_hidden, ref_weight, ref_bias: instead of ref_logprobs, the reference model's hidden
-            states (`[..., H_ref]`) and LM head: kl is the exact KL(pi || pi_ref) over the whole
-            vocabulary (as `full_kl`, the same temperature and softcap), its reference logits
-            tile computed in the same pass (one more GEMM, no gradient to the reference).
-        entropy_coef: the entropy bonus `- entropy_coef * agg(entropy)`, with its exact gradient.
-        loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
-            importance_sampling_level, agg, dp_size, global_num_tokens, global_batch_size,
-            loss_scale_factor, tau_pos, tau_neg, dro_beta, clip_cov_*, kl_cov_*, generator,
-            weights, rollout_logprobs, rollout_is, rollout_is_threshold,
-            rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, bypass_mode:
-            exactly as `ppo_policy_loss` (every loss type; agg=None takes the type's default;
-            the KL and entropy terms use the same aggregation, over the corrected mask).
-        temperature, softcap, ignore_index, max_chunk_bytes: as `linear_token_logprobs`.
-        logits_dtype: for bf16 / fp16 inputs, "float32" (float32 tiles: the inputs upcast chunk
-            by chunk, float32 GEMMs) or "input" (GEMMs in the input dtype, float32 reductions:
-            the roundings of a materialised bf16 head, and of Liger's / TRL's); "auto" (default;
-            None means the same): `ppo_kernels.default_logits_dtype(hidden.dtype,
-            hidden.device)`, "input" on CPUs with native bf16 / fp16 matmuls, "float32"
-            elsewhere (see `linear_token_logprobs`).
-        process_group: vocab-parallel form (a tensor-parallel LM head, Megatron's layout, as
-            `linear_token_logprobs`): `weight` / `bias` (and `ref_weight` / `ref_bias`) hold this
-            rank's contiguous slice of the vocabulary, `hidden` and every per-token input are
-            replicated, labels are global ids. One all-gather of a small header per call (the
-            slices' layout), then one all-gather of per-row statistics per row block; loss and
-            stats are the unsharded op's on every rank. Each rank's weight / bias gradient is its
-            slice of the unsharded one; the hidden gradient is all-reduced once at the end unless
-            `reduce_hidden_grad=False`. Eager only (no torch.compile graph).
-        vocab_start: this rank's first vocabulary id (default: from the slice sizes, rank order).
+    pg is `ppo_policy_loss` of the log-probs z = (h W^T + b) / temperature gives, for every loss
+    type. The logits are computed once (3 GEMMs: the logits tile, then grad_hidden = G W and
+    grad_weight = G^T h for the logits gradient G formed in the forward); `loss.backward()` only
+    scales these by the upstream gradient.
 
-    Passes: per-token types run one pass. Statistics of the current log-probs over a whole
-    sequence (importance_sampling_level="sequence", gspo, geo_mean) cost nothing extra when a
-    chunk holds whole sequences; a sequence longer than a chunk, clip_cov / kl_cov (batch
-    statistics) and bypass_mode (weights and rejection from the current log-probs) take a first
-    pass computing the log-probs only, then the full pass (4 GEMMs).
+    Args:
+        hidden (Tensor): `[..., H]` (e.g. `[B, T, H]`), float32 / bfloat16 / float16 (float64
+            runs the float64 eager loop). Gradients flow to it, to weight and to bias, each
+            only when it requires grad (a frozen head costs no weight-gradient GEMM).
+        weight (Tensor): `[V, H]`, hidden's dtype. The LM head.
+        labels (Tensor): `[...]` = `hidden.shape[:-1]`, int64 / int32. The leading dimensions
+            are the sequences, the last one their tokens (1-D: one sequence).
+        advantages (Tensor): labels' shape, or `labels.shape[:-1]` (one per sequence).
+        old_logprobs (Tensor): labels' shape, float. The rollout-time log-probs.
+        mask (Tensor): labels' shape, bool / integer / float. 0 = no loss.
+        bias (Tensor, optional): `[V]`. Default None.
+        ref_logprobs (Tensor, optional): labels' shape. The reference model's token log-probs:
+            the KL term uses the sampled estimator of `kl_config`. Default None.
+        ref_hidden (Tensor, optional): `[..., H_ref]`, with `ref_weight` `[V, H_ref]` and
+            optional `ref_bias` `[V]`: the reference head instead of ref_logprobs. kl is then the
+            exact KL(pi || pi_ref) over the vocabulary, its tile computed in the same pass (one
+            more GEMM, no gradient to the reference). Default None.
+        ref_weight (Tensor, optional): see ref_hidden. Default None.
+        ref_bias (Tensor, optional): see ref_hidden. Default None.
+        rollout_logprobs (Tensor, optional): labels' shape. The rollout engine's log-probs, for
+            rollout correction (as `ppo_policy_loss`). Default None.
+        weights (Tensor, optional): labels' shape. Per-token loss weights. Default None.
+        loss_config (PolicyLossConfig, optional): the loss type and its options; its fields
+            are accepted as flat keyword arguments (`loss_type="grpo"`, ...). Default "ppo".
+        aggregation_config (AggregationConfig, optional): `agg` and its normalisers (flat
+            fields too). The KL and entropy terms use the same aggregation. Default: the loss
+            type's.
+        rollout_config (RolloutCorrectionConfig, optional): rollout correction (flat fields
+            too). Default: none.
+        kl_config (KLTermConfig, optional): `kl_coef`, `kl_estimator`, `kl_clamp` (flat fields
+            too). Default: no KL term.
+        entropy_config (EntropyTermConfig, optional): `entropy_coef` (flat field too).
+            Default: no entropy term.
+        temperature (float): divides the logits. Default 1.0.
+        softcap (float, optional): `softcap * tanh(z / softcap)` on the logits (Gemma's head).
+            Default None.
+        ignore_index (int): a label with this value has no log-prob and no loss. Default -100.
+        max_chunk_bytes (int, optional): the chunk buffers' memory budget. Default None: 64 MiB
+            on the CPU, 2 GiB on a GPU.
+        logits_dtype (str, optional): "float32" (tiles in float32), "input" (GEMMs in the input
+            dtype, float32 reductions: the roundings of a materialised bf16 head) or "auto"
+            (`default_logits_dtype`). Default "auto".
+        generator (torch.Generator, optional): clip_cov's random draw. Default None.
+        process_group (ProcessGroup, optional): the vocab-parallel form: `weight` / `bias`
+            (and the reference head's) hold this rank's contiguous slice of the vocabulary;
+            hidden and every per-token input are replicated; labels are global ids. Eager
+            only. Default None.
+        vocab_start (int, optional): this rank's first vocabulary id. Default None: from the
+            slice sizes, in rank order.
+        reduce_hidden_grad (bool): all-reduce the hidden gradient across the group. Default
+            True.
 
     Returns:
-        `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden); stats, detached and
-        without host syncs: per-token `logprobs`, `entropy` and (with ref_logprobs) `kl`
-        (labels' shape; kl is 0 off the mask), `pg_loss`, `entropy_loss` (agg(entropy)),
-        `entropy_mean`, `kl_loss`, `kl_mean` (with ref_logprobs), the policy statistics of
-        `ppo_policy_loss` for that type (`clip_frac`, `clip_frac_lower`, `approx_kl`,
-        `ratio_mean`, TRL's clip fractions), and with rollout correction `masked_fraction`,
-        `is_weight_mean` and verl's `rollout_corr/*` metrics. Means are over the (corrected)
-        mask, 0 for an empty one.
+        `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
+        and without host syncs: per-token `logprobs`, `entropy` and (with a reference) `kl`
+        (labels' shape; kl is 0 off the mask); `pg_loss`, `entropy_loss`, `entropy_mean`,
+        `kl_loss`, `kl_mean`; the policy statistics of `ppo_policy_loss` for the type; with
+        rollout correction `masked_fraction`, `is_weight_mean` and `rollout_corr/*`.
+
+    Why: the loss, its gradients and every statistic in one pass over the head, without the
+    N x V logits that dominate a policy step's memory. Statistics of the current log-probs over a
+    whole sequence (sequence-level ratios, gspo, geo_mean) cost nothing extra when a block holds
+    whole sequences; a longer sequence, clip_cov / kl_cov and bypass mode take a first pass of
+    log-probs only (4 GEMMs). Semantics: docs/ppo-math.md ("The policy loss from hidden
+    states"); the engine: ppo_kernels/fused_linear/.
     """
-    # every argument by name (not **locals(): torch 2.11's Dynamo cannot trace that)
-    call, stats, shape = _resolve(
-        hidden,
-        weight,
-        labels,
-        advantages,
-        old_logprobs,
-        mask,
-        bias=bias,
-        ref_logprobs=ref_logprobs,
-        ref_hidden=ref_hidden,
-        ref_weight=ref_weight,
-        ref_bias=ref_bias,
-        rollout_logprobs=rollout_logprobs,
-        weights=weights,
-        loss_type=loss_type,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        delta=delta,
-        log_ratio_clamp=log_ratio_clamp,
-        importance_sampling_level=importance_sampling_level,
-        agg=agg,
-        dp_size=dp_size,
-        global_num_tokens=global_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-        entropy_coef=entropy_coef,
-        temperature=temperature,
-        softcap=softcap,
-        ignore_index=ignore_index,
-        max_chunk_bytes=max_chunk_bytes,
-        logits_dtype=logits_dtype,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        dro_beta=dro_beta,
-        clip_cov_ratio=clip_cov_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio,
-        kl_cov_coef=kl_cov_coef,
-        generator=generator,
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        rollout_is_batch_normalize=rollout_is_batch_normalize,
-        rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        bypass_mode=bypass_mode,
-        process_group=process_group,
-        vocab_start=vocab_start,
-        reduce_hidden_grad=reduce_hidden_grad,
-    )
-    args = call[: len(op.ARG_NAMES)]
-    if process_group is not None:
-        from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
-
-        loss, st, tok = vocab_parallel_linear_policy_loss(
-            args, process_group, vocab_start, reduce_hidden_grad
-        )
-    else:
-        loss, st, tok = _op(*args)
-    out = dict(zip(op.stat_names(call), st.unbind(0)))
-    out.update(stats)
-    out["logprobs"] = tok[0].view(shape)
-    out["entropy"] = tok[1].view(shape)
-    if call.ref_logprobs is not None or call.ref_hidden is not None:
-        out["kl"] = tok[2].view(shape)
-    return loss, out
-
-
-_SIGNATURE = inspect.signature(linear_policy_loss)
-
-
-def arguments(*args, **kwargs) -> tuple[op.Call, dict[str, Tensor], tuple[int, ...]]:
-    """What linear_policy_loss(*args, **kwargs) hands the registered op: (its arguments as
-    op.Call, need_* False; the statistics computed before it (rollout correction from given
-    log-probs); the per-token shape). The tests feed the same Call to
-    reference.linear_policy_loss."""
-    bound = _SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return _resolve(**bound.arguments)
-
-
-def _resolve(
-    hidden,
-    weight,
-    labels,
-    advantages,
-    old_logprobs,
-    mask,
-    *,
-    bias,
-    ref_logprobs,
-    ref_hidden,
-    ref_weight,
-    ref_bias,
-    rollout_logprobs,
-    weights,
-    loss_type,
-    clip_low,
-    clip_high,
-    dual_clip,
-    delta,
-    log_ratio_clamp,
-    importance_sampling_level,
-    agg,
-    dp_size,
-    global_num_tokens,
-    global_batch_size,
-    loss_scale_factor,
-    kl_coef,
-    kl_estimator,
-    kl_clamp,
-    entropy_coef,
-    temperature,
-    softcap,
-    ignore_index,
-    max_chunk_bytes,
-    logits_dtype,
-    tau_pos,
-    tau_neg,
-    dro_beta,
-    clip_cov_ratio,
-    clip_cov_lb,
-    clip_cov_ub,
-    kl_cov_ratio,
-    kl_cov_coef,
-    generator,
-    rollout_is,
-    rollout_is_threshold,
-    rollout_is_batch_normalize,
-    rollout_rs,
-    rollout_rs_threshold,
-    bypass_mode,
-    process_group,
-    vocab_start,
-    reduce_hidden_grad,
-):
     check_tensor("hidden", hidden, min_dim=1)
     if process_group is None and vocab_start is not None:
         raise ValueError("vocab_start: needs process_group (the vocab-parallel form)")
@@ -328,6 +191,12 @@ def _resolve(
             f"got {tuple(hidden.shape)}"
         )
     check_same_device(hidden=hidden, weight=weight, labels=labels)
+    # the rest too: the rollout correction reads some before the op's checks run
+    check_devices(
+        "hidden", hidden, old_logprobs=old_logprobs, mask=mask, advantages=advantages, bias=bias,
+        ref_logprobs=ref_logprobs, weights=weights, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, rollout_logprobs=rollout_logprobs,
+    )  # fmt: skip
     T = shape[-1]
     B = math.prod(shape[:-1])
     rows = (B, T)
@@ -342,48 +211,14 @@ def _resolve(
         adv = _per_token("advantages", advantages, shape, rows)
     ref = None if ref_logprobs is None else _per_token("ref_logprobs", ref_logprobs, shape, rows)
     wts = None if weights is None else _per_token("weights", weights, shape, rows)
-    cfg = checked_config(
-        loss_type=loss_type,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        delta=delta,
-        log_ratio_clamp=log_ratio_clamp,
-        importance_sampling_level=importance_sampling_level,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        dro_beta=dro_beta,
-        clip_cov_ratio=clip_cov_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio,
-        kl_cov_coef=kl_cov_coef,
-    )
-    rollout = ext.rollout_options(
-        cfg,
-        rollout_logprobs,
-        rollout_is,
-        rollout_is_threshold,
-        rollout_is_batch_normalize,
-        rollout_rs,
-        rollout_rs_threshold,
-        bypass_mode,
-    )
+    cfg = loss_config
+    rollout = ext.rollout_options(cfg, rollout_logprobs, rollout_config)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator)}")
-    if agg is None:
-        agg, all_rows = pm.default_aggregation(cfg.loss_type)
-        if all_rows and global_batch_size is None:
-            global_batch_size = B  # TRL: every row counts
-    elif cfg.loss_type == "geo_mean":
-        raise ValueError(
-            "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
-        )
-    agg_i, scale, gd, gdv = aggregation(
-        agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, hidden.device
+    agg_i, scale, gd, gdv = policy_aggregation(
+        aggregation_config, cfg.loss_type, B, T, hidden.device, "hidden"
     )
-    kl_coef = check_float("kl_coef", kl_coef)
-    entropy_coef = check_float("entropy_coef", entropy_coef)
+    kl_coef, entropy_coef = kl_config.kl_coef, entropy_config.entropy_coef
     rh = None
     if ref_hidden is not None:
         check_tensor("ref_hidden", ref_hidden, min_dim=1)
@@ -395,8 +230,8 @@ def _resolve(
         rh = ref_hidden.detach().reshape(B * T, ref_hidden.shape[-1])
     if kl_coef != 0 and ref_logprobs is None and ref_hidden is None:
         raise ValueError("kl_coef: a KL term needs ref_logprobs or ref_hidden / ref_weight")
-    est, st = parse_estimator(kl_estimator)
-    bounds = resolve_clamp(kl_clamp, est)
+    est, st = parse_estimator(kl_config.kl_estimator)
+    bounds = resolve_clamp(kl_config.kl_clamp, est)
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)
@@ -437,21 +272,7 @@ def _resolve(
         rh,
         None if ref_weight is None else ref_weight.detach(),
         None if ref_bias is None else ref_bias.detach(),
-        cfg.loss_type,
-        cfg.clip_low,
-        cfg.clip_high,
-        cfg.dual_clip,
-        cfg.delta,
-        cfg.log_ratio_clamp,
-        cfg.importance_sampling_level,
-        cfg.tau_pos,
-        cfg.tau_neg,
-        cfg.dro_beta,
-        cfg.clip_cov_ratio,
-        cfg.clip_cov_lb,
-        cfg.clip_cov_ub,
-        cfg.kl_cov_ratio,
-        cfg.kl_cov_coef,
+        *(getattr(cfg, k) for k in op.CONFIG_FIELDS),
         agg_i,
         scale,
         gdv,
@@ -467,13 +288,44 @@ def _resolve(
         logits_dtype,
         bypass,
         rollout.level if bypass else None,
-        _is_threshold(rollout_is_threshold) if bypass and rollout.is_spec else None,
+        _is_threshold(rollout_config.rollout_is_threshold) if bypass and rollout.is_spec else None,
         bool(rollout.batch_normalize) if bypass else False,
-        _joined(rollout_rs) if bypass and rollout.rs_specs else None,
-        _joined(rollout_rs_threshold) if bypass and rollout.rs_specs else None,
+        _joined(rollout_config.rollout_rs) if bypass and rollout.rs_specs else None,
+        _joined(rollout_config.rollout_rs_threshold) if bypass and rollout.rs_specs else None,
         generator,
         False,
         False,
         False,
     )
-    return call, stats, shape
+    if _CAPTURE:
+        _CAPTURE[-1] = (call, stats, shape)
+        return None
+    args = call[: len(op.ARG_NAMES)]
+    if process_group is not None:
+        from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
+
+        loss, st, tok = vocab_parallel_linear_policy_loss(
+            args, process_group, vocab_start, reduce_hidden_grad
+        )
+    else:
+        loss, st, tok = _op(*args)
+    out = dict(zip(op.stat_names(call), st.unbind(0)))
+    out.update(stats)
+    out["logprobs"] = tok[0].view(shape)
+    out["entropy"] = tok[1].view(shape)
+    if call.ref_logprobs is not None or call.ref_hidden is not None:
+        out["kl"] = tok[2].view(shape)
+    return loss, out
+
+
+def arguments(*args, **kwargs) -> tuple[op.Call, dict[str, Tensor], tuple[int, ...]]:
+    """What linear_policy_loss(*args, **kwargs) hands the registered op, without running it:
+    (its arguments as op.Call, need_* False; the statistics computed before it (rollout
+    correction from given log-probs); the per-token shape). The tests feed the same Call to
+    naive.linear_policy_loss."""
+    _CAPTURE.append(None)
+    try:
+        linear_policy_loss(*args, **kwargs)
+        return _CAPTURE[-1]
+    finally:
+        _CAPTURE.pop()

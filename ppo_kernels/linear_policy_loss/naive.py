@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._math import acc_dtype
 from ..kl import naive as kl_ref
 from ..losses import policy_math as pm
 from ..losses import policy_naive
 from ..losses import rollout_correction as rc
+from ..losses.config import PolicyLossConfig, fields
 from ..losses.naive import row_coefficients
 
 
@@ -57,7 +59,7 @@ def token_values(a) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logprobs, entropy, the exact KL to the reference head or None) [B, T] from the hidden
     states, differentiable (autograd; the reference head is not)."""
     h = a.hidden
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h.dtype)
     z = _logits(a, h, a.weight, a.bias, acc)
     logp = torch.log_softmax(z, -1)
     labels = a.labels.reshape(-1)
@@ -75,25 +77,9 @@ def token_values(a) -> tuple[Tensor, Tensor, Tensor | None]:
     return lp.view(a.labels.shape), ent.view(a.labels.shape), kl
 
 
-def loss_config(a) -> pm.LossConfig:
-    """The LossConfig of a call's arguments (shared with op.config, which checks them first)."""
-    return pm.LossConfig(
-        a.loss_type,
-        a.clip_low,
-        a.clip_high,
-        a.dual_clip,
-        a.delta,
-        a.log_ratio_clamp,
-        a.importance_sampling_level,
-        a.tau_pos,
-        a.tau_neg,
-        a.dro_beta,
-        a.clip_cov_ratio,
-        a.clip_cov_lb,
-        a.clip_cov_ub,
-        a.kl_cov_ratio,
-        a.kl_cov_coef,
-    )
+def loss_config(a) -> PolicyLossConfig:
+    """The PolicyLossConfig of a call's arguments (op.Call's fields)."""
+    return PolicyLossConfig(**{k: getattr(a, k) for k in fields(PolicyLossConfig)})
 
 
 def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -15,14 +15,13 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_float, check_int, check_str, check_tensor
-from .._modes import AGG_MODES
+from .._checks import check_devices, check_float, check_int, check_str, check_tensor
+from .._math import acc_dtype
 from . import op  # noqa: F401  (registers the ops' Python side)
-from . import policy_loss as ext
+from .config import AGG_NAMES, AggregationConfig
+from .policy_math import default_aggregation
 
 _masked_aggregate = _backend.op("masked_aggregate")
-
-AGG_NAMES = AGG_MODES + ("token-sum",)
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (
     torch.bool,
@@ -59,36 +58,46 @@ def memo(cache: dict, fn, *args):
     return out
 
 
-_CONFIGS: dict = {}  # the checked configurations seen so far
-
-
-def checked_config(**arguments) -> ext.pm.LossConfig:
-    """The checked LossConfig of a policy-loss call from its arguments (exactly ext.CONFIG_ARGS,
-    by name), remembered per argument values (a repeated call skips the checks): ppo_policy_loss
-    and linear_policy_loss build theirs here. The callers name each argument (not `locals()`:
-    torch 2.11's Dynamo cannot trace that, and fullgraph compiles would break)."""
-    if len(arguments) != len(ext.CONFIG_ARGS):
-        raise TypeError(f"checked_config: expected the arguments {ext.CONFIG_ARGS}")
-    return memo(_CONFIGS, _make_config, *[arguments[k] for k in ext.CONFIG_ARGS])
-
-
-def _make_config(*args):
-    return ext.make_config(*args[:7], **dict(zip(ext.OPTION_CHECKS, args[7:])))
+def policy_aggregation(cfg: AggregationConfig, loss_type: str, B: int, T: int, device, like):
+    """`aggregation` of a policy loss over B rows of T tokens (on `device`, that of its argument
+    `like`): agg=None takes the loss type's default (and TRL's types count every row); geo_mean
+    takes no other."""
+    agg, gbs = cfg.agg, cfg.global_batch_size
+    if agg is None:
+        agg, all_rows = default_aggregation(loss_type)
+        if all_rows and gbs is None:
+            gbs = B  # TRL: every row counts
+    elif loss_type == "geo_mean":
+        raise ValueError(
+            "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
+        )
+    return aggregation(
+        agg, T, cfg.dp_size, cfg.global_num_tokens, gbs, cfg.loss_scale_factor, device, like
+    )
 
 
 _AGGREGATIONS: dict = {}
 
 
-def aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device):
+def aggregation(
+    agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device, like
+):
     """(agg, scale, global_denom tensor or None, global_denom value or None), remembered per
     argument set when no denominator is a tensor.
 
     "token-sum" is token-mean over a denominator of 1. A normaliser the mode does not use
     (global_batch_size for the token modes, global_num_tokens for the sequence modes,
     loss_scale_factor outside seq-mean-token-sum-norm) is ignored, as verl's agg_loss does: verl
-    passes all of them whatever the mode."""
+    passes all of them whatever the mode; tensors are on the loss's device (`device`, that of its
+    argument `like`) all the same."""
     args = (agg, T, dp_size, global_num_tokens, global_batch_size, loss_scale_factor, device)
     if isinstance(global_num_tokens, Tensor) or isinstance(global_batch_size, Tensor):
+        check_devices(
+            like,
+            device,
+            global_num_tokens=global_num_tokens if isinstance(global_num_tokens, Tensor) else None,
+            global_batch_size=global_batch_size if isinstance(global_batch_size, Tensor) else None,
+        )
         return _aggregation(*args)
     return memo(_AGGREGATIONS, _aggregation, *args)
 
@@ -119,8 +128,6 @@ def _aggregation(agg, T, dp_size, global_num_tokens, global_batch_size, loss_sca
     if isinstance(denom, Tensor):
         if denom.numel() != 1:
             raise ValueError(f"{name}: expected a single value, got shape {tuple(denom.shape)}")
-        if denom.device != device:
-            raise ValueError(f"{name}: expected device {device}, got {denom.device}")
         return agg, scale, denom.reshape(()), None
     if denom is not None:
         return agg, scale, None, check_float(name, denom, nonneg=True)
@@ -136,7 +143,7 @@ def _denominator(agg, mask, gd, gdv):
         return torch.full((), gdv, device=mask.device)
     m = rows(mask)
     if agg == "token-mean":
-        return m.sum(dtype=torch.float64 if m.dtype == torch.float64 else torch.float32)
+        return m.sum(dtype=acc_dtype(m.dtype))
     return (m != 0).any(-1).sum()
 
 
@@ -177,20 +184,42 @@ def masked_aggregate(
     loss_scale_factor: float | None = None,
     empty: str = "zero",
 ) -> Tensor:
-    """Aggregate a per-token loss `[..., T]` over `mask` into a scalar, as verl's `agg_loss`:
+    """Aggregate a per-token loss over the mask into one number, as verl's `agg_loss`.
 
-      token-mean               sum(mask * l) / N * dp_size   (N = global_num_tokens or sum(mask))
+    With l the per-token loss and S the number of rows with a non-empty mask (or
+    `global_batch_size`):
+
+      token-mean               sum(mask * l) / N * dp_size     (N = global_num_tokens or sum(mask))
       token-sum                sum(mask * l) * dp_size
       seq-mean-token-sum       sum_b sum_t(mask * l) / S * dp_size
       seq-mean-token-mean      sum_b [sum_t(mask * l) / sum_t mask] / S * dp_size
       seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor   (default: T)
 
-    S = global_batch_size or the number of rows with a non-empty mask. Normalisers a mode does not
-    use are ignored (verl passes them all); with dp_size > 1 the mode's one is required.
-    A float mask weights tokens; positions with mask == 0 never contribute, even when NaN (verl's
-    seq-mean modes would propagate such a NaN). `empty="zero"` gives 0 over a zero denominator,
-    `"nan"` NaN (verl's 0 / 0 without global normalisers; the gradient stays 0).
-    Returns a 0-dim float32 tensor (float64 for float64 input); the gradient flows to loss_mat.
+    A position with mask 0 never contributes, even when l is NaN there.
+
+    Args:
+        loss_mat (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The per-token
+            loss; the leading dimensions are the sequences. The gradient flows to it.
+        mask (Tensor): loss_mat's shape, bool / integer / float. A float mask weights tokens.
+        agg (str): one of the modes above. Default "token-mean".
+        dp_size (int): the data-parallel world size the loss is scaled by, as verl. Default 1.
+        global_num_tokens (float | Tensor, optional): the data-parallel total of mask tokens
+            (token modes), a number or a one-element tensor (no host sync). Required when
+            dp_size > 1 for a token mode. Default None: sum(mask).
+        global_batch_size (float | Tensor, optional): the data-parallel total of non-empty
+            sequences (sequence modes), as global_num_tokens. Default None: S of this batch.
+        loss_scale_factor (float, optional): seq-mean-token-sum-norm's divisor; positive.
+            Default None: T.
+        empty (str): the result over a zero denominator: "zero" gives 0; "nan" gives NaN, as
+            verl's 0 / 0 without global normalisers (the gradient stays 0). Default "zero".
+
+    Returns:
+        Tensor: 0-dim, float32 (float64 for float64 loss_mat).
+
+    Why: torch's NaN-safe masked select costs several passes on the CPU; the C++ kernel is one
+    (bench/bench_overhead.py, results in bench/results/cpu_overhead*.md). On CUDA it runs that
+    composition. A normaliser the mode does not use is ignored, since verl passes them all.
+    Formulas: docs/ppo-math.md ("PPO losses").
     """
     check_tensor("loss_mat", loss_mat, dtypes=VALUE_DTYPES, min_dim=1)
     check_tensor("mask", mask, dtypes=MASK_DTYPES)
@@ -198,10 +227,7 @@ def masked_aggregate(
         raise ValueError(
             f"mask: expected shape {tuple(loss_mat.shape)} (like loss_mat), got {tuple(mask.shape)}"
         )
-    if mask.device != loss_mat.device:
-        raise ValueError(
-            f"mask: expected device {loss_mat.device} (like loss_mat), got {mask.device}"
-        )
+    check_devices("loss_mat", loss_mat, mask=mask)
     mode, scale, gd, gdv = aggregation(
         agg,
         loss_mat.shape[-1],
@@ -210,6 +236,7 @@ def masked_aggregate(
         global_batch_size,
         loss_scale_factor,
         loss_mat.device,
+        "loss_mat",
     )
     loss, _ = _masked_aggregate(rows(loss_mat), rows(mask), mode, scale, gd, gdv)
     return apply_empty(loss, mode, mask, gd, gdv, empty)

@@ -22,11 +22,16 @@ from .aggregate import (
     aggregation,
     apply_empty,
     apply_empty_stats,
-    checked_config,
+    policy_aggregation,
     rows,
 )
+from .config import (
+    AggregationConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+    takes_configs,
+)
 from .naive import STAT_NAMES_POLICY, STAT_NAMES_VALUE
-from .policy_math import default_aggregation
 
 _policy_op = _backend.op("ppo_policy_loss")
 _value_op = _backend.op("ppo_value_loss")
@@ -73,111 +78,84 @@ def _weighted(terms, weights, like, mask, agg, scale, gd, gdv):
     return loss, st
 
 
+@takes_configs(
+    loss_config=PolicyLossConfig,
+    aggregation_config=AggregationConfig,
+    rollout_config=RolloutCorrectionConfig,
+)
 def ppo_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    agg: str | None = None,
-    log_ratio_clamp: float | None = None,
-    dp_size: int = 1,
-    global_num_tokens: int | float | Tensor | None = None,
-    global_batch_size: int | float | Tensor | None = None,
-    loss_scale_factor: float | None = None,
+    loss_config: PolicyLossConfig | None = None,
+    aggregation_config: AggregationConfig | None = None,
+    rollout_config: RolloutCorrectionConfig | None = None,
+    rollout_logprobs: Tensor | None = None,
+    weights: Tensor | None = None,
     entropy: Tensor | None = None,
     approx_kl: str = "clamped",
     empty: str = "zero",
     empty_stats: str = "zero",
-    weights: Tensor | None = None,
-    loss_type: str = "ppo",
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    dro_beta: float | None = None,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    kl_cov_ratio: float = 2e-4,
-    kl_cov_coef: float = 0.1,
     generator: torch.Generator | None = None,
-    rollout_logprobs: Tensor | None = None,
-    rollout_is: str | None = None,
-    rollout_is_threshold: float | str | tuple[float, float] | None = 2.0,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: float | str | None = None,
-    bypass_mode: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped policy loss (verl's `compute_policy_loss_vanilla` + `agg_loss`), fused, and
-    every other policy-loss type of verl's registry and of TRL / Liger (`loss_type`).
+    """The PPO / GRPO policy loss on given log-probs, fused: every policy-loss type of verl's
+    registry and of TRL / Liger, with its aggregation, rollout correction and statistics.
 
-    Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)):
-    `max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))`, and for A < 0 with dual clip
-    `min(that, -A * dual_clip)`; aggregated over `mask` by `agg`:
+    Per token, with rho = exp(clamp(logprob - old_logprob, +-log_ratio_clamp)), the "ppo" loss is
+    `max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))`; for A < 0 with a dual clip c,
+    `min(that, -A c)`. The per-token loss is aggregated over `mask` (`AggregationConfig.agg`):
+
       token-mean               sum(mask * l) / N * dp_size     (N = global_num_tokens or sum(mask))
       seq-mean-token-sum       sum_b sum_t(mask * l) / S * dp_size
       seq-mean-token-mean      sum_b [sum_t(mask * l) / sum_t mask] / S * dp_size
       seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor   (default: T, as verl)
       token-sum                sum(mask * l) * dp_size
-    where S = global_batch_size or the number of rows with a non-empty mask; rows with an empty
-    mask never count. Pass the data-parallel totals (numbers, or 0-dim tensors for no host sync)
-    with dp_size > 1, as verl does.
 
-    loss_type (formulas, statistics and which need a second pass: docs/ppo-math.md and
-    ppo_kernels/losses/policy_math.py):
-      "ppo"      the loss above (today's fused kernels).
-      "grpo", "bnpo", "dr_grpo", "dapo", "luspo"  TRL's / Liger's clipped loss (with `delta`:
-                 min(rho, delta) in the unclipped branch) under their normalisations when
-                 agg=None: grpo = seq-mean-token-mean over all B rows, bnpo = token-mean,
-                 dr_grpo = sum / (B * loss_scale_factor) (TRL's max_completion_length, default T),
-                 dapo = token-mean over global_num_tokens (TRL's num_items_in_batch / processes),
-                 luspo = seq-mean-token-sum over all B rows. No log-ratio clamp by default.
-      "gspo", "sapo", "cispo", "gpg" (= "reinforce"), "dro", "dppo_tv", "dppo_kl", "geo_mean",
-      "clip_cov", "kl_cov"  verl's registry entries of those names (sapo: `tau_pos`/`tau_neg`;
-                 dro: `dro_beta`; dppo: clip_low / clip_high are the divergence thresholds and
-                 dual_clip the ratio truncation, default 20; geo_mean: clip_low / clip_high bound
-                 the log-ratio, the loss is the mean over the B rows (agg must stay None);
-                 clip_cov / kl_cov: `clip_cov_*` / `kl_cov_*`, clip_cov draws its tokens with
-                 `generator`). TRL's / Liger's cispo is "cispo" with clip_low=1 and
-                 clip_high=epsilon_high - 1.
-    agg None takes the type's default ("token-mean" for most); log_ratio_clamp None the peer's
-    clamp of that type (20 for verl's ppo / sapo / cispo / dppo, 10 on the log sequence ratio
-    for gspo, none otherwise). importance_sampling_level="sequence" (TRL's GSPO: the ratio of
-    the row's mean log-ratio, gradient through the mean) applies to the clipped types, sapo and
-    cispo.
-
-    Rollout correction (verl's semantics, see `rollout_correction`): with `rollout_logprobs`,
-    weights from old_logprobs vs rollout_logprobs (`rollout_is`, `rollout_is_threshold`,
-    `rollout_is_batch_normalize`) multiply the per-token loss and rejected tokens
-    (`rollout_rs`, `rollout_rs_threshold`) leave the mask. `bypass_mode=True` (verl's bypass:
-    old_logprobs are the rollout log-probs): weights and rejection from the current log-probs
-    (detached); the clipped types apply only the rejection, gpg / reinforce the weights too.
+    S is global_batch_size or the number of rows with a non-empty mask. Every type's formula and
+    statistics: docs/ppo-math.md ("PPO losses").
 
     Args:
-        logprobs: `[..., T]` float32 / bfloat16 / float16 / float64; the gradient flows to it.
-        old_logprobs: same shape, any float dtype (no gradient).
-        advantages: same shape, or `[...]` (one per sequence).
-        mask: same shape, bool / integer / float (a float mask weights tokens).
-        clip_high: defaults to clip_low. dual_clip: None (off; verl's default is 3.0) or > 1.
-        entropy: optional per-token entropy (same shape); adds the `entropy_mean` statistic
-            (masked mean, no host sync). It does not enter the loss: add an entropy bonus with
-            `masked_mean` / your aggregation as verl does.
-        weights: optional per-token weights multiplying the per-token loss (detached).
+        logprobs (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The current
+            policy's token log-probs; the gradient flows to it.
+        old_logprobs (Tensor): `[..., T]`, any float dtype. The log-probs at rollout time (no
+            gradient).
+        advantages (Tensor): `[..., T]`, or `[...]` (one per sequence). No gradient.
+        mask (Tensor): `[..., T]`, bool / integer / float. 0 marks a token without loss; a float
+            mask weights tokens.
+        loss_config (PolicyLossConfig, optional): the loss type and its options. Default None:
+            built from the flat keyword arguments of its fields (`loss_type`, `clip_low`, ...),
+            else `PolicyLossConfig()` ("ppo", clip 0.2).
+        aggregation_config (AggregationConfig, optional): `agg` and its normalisers; its fields
+            are accepted as flat keyword arguments too. Default: the loss type's aggregation.
+        rollout_config (RolloutCorrectionConfig, optional): rollout correction (importance
+            weights and rejection); its fields are accepted as flat keyword arguments too.
+            Default: none.
+        rollout_logprobs (Tensor, optional): `[..., T]`. The rollout engine's log-probs: weights
+            and rejection from old_logprobs vs these. Default None (in bypass mode
+            old_logprobs are the rollout's).
+        weights (Tensor, optional): `[..., T]`. Per-token weights multiplying the per-token loss
+            (detached). Default None.
+        entropy (Tensor, optional): `[..., T]`. Adds the `entropy_mean` statistic (not a loss
+            term: add an entropy bonus with `masked_aggregate`). Default None.
+        approx_kl (str): "clamped" (verl's ppo_kl of the clamped log-ratio) or "raw". Default
+            "clamped".
+        empty (str): "zero" (0 over a zero denominator) or "nan" (verl's and OpenRLHF's 0 / 0).
+            Default "zero".
+        empty_stats (str): the same for the statistics. Default "zero".
+        generator (torch.Generator, optional): clip_cov's random draw. Default None.
+
     Returns:
-        `(loss, stats)`: a 0-dim float32 loss (float64 for float64 logprobs) and 0-dim tensors
-        `clip_frac`, `clip_frac_lower` (dual clip; 0 without it), `approx_kl` (masked mean of
-        -log-ratio, verl's ppo_kl) and `ratio_mean`, all over the local (corrected) mask, no host
-        sync (each as that type's verl function reports it); TRL's types (grpo, bnpo, dr_grpo,
-        dapo, luspo, cispo) add TRL's `clip_low_frac` / `clip_high_frac` / `clip_region_frac`,
-        `clip_low_frac_min`, `clip_high_frac_max` (and, at sequence level with per-sequence
-        advantages, TRL's per-row `seq_clip_*_frac`); rollout correction adds `masked_fraction`,
-        `is_weight_mean` and verl's metrics as `rollout_corr/<name>`.
-    See ppo_kernels/losses/naive.py for the documented edge cases (all-zero mask: loss 0).
+        `(loss, stats)`: a 0-dim float32 loss (float64 for float64 logprobs) and a dict of 0-dim
+        statistics, no host sync: `clip_frac`, `clip_frac_lower`, `approx_kl`, `ratio_mean`
+        (verl's), TRL's `clip_low_frac`, `clip_high_frac`, `clip_region_frac`,
+        `clip_low_frac_min`, `clip_high_frac_max` for TRL's types, and with rollout correction
+        `masked_fraction`, `is_weight_mean` and verl's `rollout_corr/<name>`.
+
+    Why: one op for the loss verl, TRL, OpenRLHF and Liger each write their own way, with their
+    exact normalisations selected by `loss_type` and `agg`; the analytic gradient is formed in
+    the forward (no autograd graph of ~100 small ops). Edge cases: ppo_kernels/losses/naive.py.
     """
     per_row_adv = (
         isinstance(advantages, Tensor)
@@ -192,53 +170,19 @@ def ppo_policy_loss(
         full_adv = advantages
     inputs = (logprobs, old_logprobs, full_adv)
     _check_shapes(_POLICY, inputs, mask)
-    cfg = checked_config(
-        loss_type=loss_type,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        delta=delta,
-        log_ratio_clamp=log_ratio_clamp,
-        importance_sampling_level=importance_sampling_level,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        dro_beta=dro_beta,
-        clip_cov_ratio=clip_cov_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio,
-        kl_cov_coef=kl_cov_coef,
-    )
-    rollout = ext.rollout_options(
-        cfg,
-        rollout_logprobs,
-        rollout_is,
-        rollout_is_threshold,
-        rollout_is_batch_normalize,
-        rollout_rs,
-        rollout_rs_threshold,
-        bypass_mode,
-    )
+    cfg = loss_config
+    rollout = ext.rollout_options(cfg, rollout_logprobs, rollout_config)
     if rollout_logprobs is not None:
         check_tensor("rollout_logprobs", rollout_logprobs, dtypes=VALUE_DTYPES)
         check_shape("rollout_logprobs", rollout_logprobs, logprobs.shape, "like logprobs")
         check_same_device(logprobs=logprobs, rollout_logprobs=rollout_logprobs)
-    if agg is None:
-        agg, all_rows = default_aggregation(cfg.loss_type)
-        if all_rows and global_batch_size is None:
-            global_batch_size = logprobs.shape[:-1].numel()  # TRL: every row counts
-    elif cfg.loss_type == "geo_mean":
-        raise ValueError(
-            "agg: geo_mean averages its per-sequence losses over the rows; leave agg None"
-        )
-    agg_i, scale, gd, gdv = aggregation(
-        agg,
+    agg_i, scale, gd, gdv = policy_aggregation(
+        aggregation_config,
+        cfg.loss_type,
+        logprobs.shape[:-1].numel(),
         logprobs.shape[-1],
-        dp_size,
-        global_num_tokens,
-        global_batch_size,
-        loss_scale_factor,
         logprobs.device,
+        "logprobs",
     )
     extended = ext.needs_extension(cfg, rollout)
     if extended or weights is not None:  # compositions of torch ops: no registered op checks
@@ -297,6 +241,7 @@ def ppo_policy_loss(
     out = apply_empty_stats(out, mask, empty_stats)
     if entropy is not None:
         check_shape("entropy", entropy, logprobs.shape, "logprobs.shape")
+        check_same_device(logprobs=logprobs, entropy=entropy)
         out["entropy_mean"] = _backend.op("masked_mean")(
             entropy.detach().float(), mask, None, "zero"
         )
@@ -319,12 +264,45 @@ def ppo_value_loss(
     empty_stats: str = "zero",
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss (verl's `compute_value_loss`), fused: per token
-    `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)` (`0.5 * (v - G)^2` when
-    clip is None), aggregated like `ppo_policy_loss` (`empty`, `empty_stats`, `weights` as
-    there). The gradient flows to `values`.
+    """Clipped value loss (verl's `compute_value_loss`), fused, with its aggregation and statistics.
 
-    Returns `(loss, {"clip_frac": ...})` (clip_frac: masked mean of [clipped error > plain error])."""
+    Per token, with v the values, v_old the old values and G the returns:
+    `0.5 * max((v - G)^2, (clip(v, v_old - clip, v_old + clip) - G)^2)`, or `0.5 * (v - G)^2`
+    when clip is None. The per-token loss is aggregated over the mask as in `masked_aggregate`.
+
+    Args:
+        values (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The critic's current
+            values. The gradient flows to it.
+        old_values (Tensor): values' shape, a float dtype. The values at rollout time (no
+            gradient).
+        returns (Tensor): values' shape, a float dtype. The targets, e.g. GAE's returns (no
+            gradient).
+        mask (Tensor): values' shape, bool / integer / float. 0 marks a token without loss; a
+            float mask weights tokens.
+        clip (float, optional): the clip range of the values around old_values; positive.
+            Default None: no clipping.
+        agg (str): "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean" or
+            "seq-mean-token-sum-norm" (see `masked_aggregate`). Default "token-mean".
+        dp_size (int): the data-parallel world size the loss is scaled by, as verl. Default 1.
+        global_num_tokens (int | float | Tensor, optional): the data-parallel total of mask tokens
+            (token modes), a number or a one-element tensor. Default None: sum(mask).
+        global_batch_size (int | float | Tensor, optional): the data-parallel total of non-empty
+            sequences (sequence modes), as global_num_tokens. Default None.
+        loss_scale_factor (float, optional): seq-mean-token-sum-norm's divisor. Default None: T.
+        empty (str): "zero" (0 over a zero denominator) or "nan" (verl's and OpenRLHF's 0 / 0).
+            Default "zero".
+        empty_stats (str): the same for the statistics. Default "zero".
+        weights (Tensor, optional): values' shape. Per-token weights multiplying the per-token
+            loss (detached). Default None.
+
+    Returns:
+        tuple[Tensor, dict[str, Tensor]]: `(loss, stats)`. A 0-dim float32 loss (float64 for
+        float64 values) and `{"clip_frac": ...}`, the masked mean of [clipped error > plain
+        error], 0-dim, with no host sync.
+
+    Why: one op with an analytic gradient instead of the composition's chain of small ops, with
+    verl's aggregation modes exactly. Formulas: docs/ppo-math.md ("PPO losses").
+    """
     inputs = (values, old_values, returns)
     _check_shapes(_VALUE, inputs, mask)
     clip = check_float("clip", clip, positive=True, allow_none=True)
@@ -336,6 +314,7 @@ def ppo_value_loss(
         global_batch_size,
         loss_scale_factor,
         values.device,
+        "values",
     )
     if weights is not None:
         _check_tensors(_VALUE, inputs, mask)

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._math import acc_dtype
 from .._modes import AGG_MODES
 from .policy_math import _max_w, clip_surrogate, trl_clip_statistics
 
@@ -44,10 +45,6 @@ STAT_NAMES_TRL_CLIP = (
 # the registered op's statistics vector: verl's, then TRL's (one pass computes both)
 OP_STAT_NAMES_POLICY = STAT_NAMES_POLICY + STAT_NAMES_TRL_CLIP
 STAT_NAMES_VALUE = ("clip_frac",)
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _masked(x, keep):
@@ -93,7 +90,7 @@ def policy_token_terms(
     logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=None, log_ratio_clamp=20.0
 ):
     """Per-token (loss, clipped, clipped_lower, neg_log_ratio, ratio), verl's vanilla PPO loss."""
-    acc = _acc(logprobs.dtype)
+    acc = acc_dtype(logprobs.dtype)
     lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
     d = torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(d)
@@ -113,7 +110,7 @@ def policy_token_terms(
 
 def value_token_terms(values, old_values, returns, clip=None):
     """Per-token (loss, clipped): 0.5 * max((v - G)^2, (clip(v, v_old -+ eps) - G)^2)."""
-    acc = _acc(values.dtype)
+    acc = acc_dtype(values.dtype)
     v, vo, g = values.to(acc), old_values.to(acc), returns.to(acc)
     l1 = (v - g) ** 2
     if clip is None:
@@ -130,7 +127,7 @@ def policy_token_grad(
     eager backend's backward; custom-op kernels run below autograd, so they cannot call it).
     The clipped surrogate's derivative lives in policy_math.clip_surrogate (shared by every
     clipped loss type)."""
-    acc = _acc(logprobs.dtype)
+    acc = acc_dtype(logprobs.dtype)
     lp, old, adv = logprobs.to(acc), old_logprobs.to(acc), advantages.to(acc)
     d = lp - old
     ratio = torch.exp(torch.clamp(d, -log_ratio_clamp, log_ratio_clamp))
@@ -141,7 +138,7 @@ def policy_token_grad(
 
 def value_token_grad(values, old_values, returns, clip=None):
     """d loss[t] / d v[t] in closed form (what autograd gives for value_token_terms)."""
-    acc = _acc(values.dtype)
+    acc = acc_dtype(values.dtype)
     v, vo, g = values.to(acc), old_values.to(acc), returns.to(acc)
     e1 = v - g
     if clip is None:
@@ -216,14 +213,14 @@ def value_loss(
 
 def reward_model_loss(chosen, rejected, reduction="mean"):
     """-log sigmoid(r_chosen - r_rejected) per pair (Bradley-Terry), stable for any margin."""
-    acc = _acc(chosen.dtype)
+    acc = acc_dtype(chosen.dtype)
     loss = -F.logsigmoid(chosen.to(acc) - rejected.to(acc))
     return _reduce(loss, reduction)
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, reduction="mean"):
     """-log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))) per pair."""
-    acc = _acc(policy_chosen.dtype)
+    acc = acc_dtype(policy_chosen.dtype)
     z = beta * (
         (policy_chosen.to(acc) - ref_chosen.to(acc))
         - (policy_rejected.to(acc) - ref_rejected.to(acc))

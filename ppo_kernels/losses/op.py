@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _modes
+from .._checks import check_devices
+from .._math import acc_dtype
 from . import naive
 
 # Elementwise passes plus one combine: Triton is the GPU kernel.
@@ -57,7 +59,7 @@ _NO_DENOM = -1.0
 
 
 def _outputs(x, n_stats):
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return (
         x.new_empty((), dtype=out),
         x.new_empty((n_stats,), dtype=out),
@@ -71,9 +73,7 @@ def _gden(global_denom, global_denom_value, like):
     if global_denom is not None:
         return global_denom.reshape(()).to(like.device)
     if global_denom_value is not None:
-        return torch.full(
-            (), global_denom_value, dtype=_backend.out_dtype(like), device=like.device
-        )
+        return torch.full((), global_denom_value, dtype=acc_dtype(like.dtype), device=like.device)
     return None
 
 
@@ -107,9 +107,20 @@ def _policy_params(clip_low, clip_high, dual_clip, log_ratio_clamp):
     return (clip_low, clip_high, _OFF if dual_clip is None else dual_clip, log_ratio_clamp)
 
 
+# The fakes and fallbacks check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices); names as the schemas write them.
+def _policy_devices(lp, old, adv, mask, **more):
+    check_devices("logprobs", lp, old_logprobs=old, advantages=adv, mask=mask, **more)
+
+
+def _value_devices(v, vo, ret, mask, **more):
+    check_devices("values", v, old_values=vo, returns=ret, mask=mask, **more)
+
+
 # --------------------------------------------------------------------------- policy loss
 @_backend.fake("ppo_policy_loss")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
+    _policy_devices(lp, old, adv, mask, global_denom=gd)
     return _outputs(lp, N_STATS_POLICY)
 
 
@@ -125,12 +136,13 @@ def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, 
         lp, old, adv, mask, clip_low, clip_high, dual_clip, agg, lr_clamp, scale,
         _gden(gd, gdv, lp),
     )  # fmt: skip
-    out = _backend.out_dtype(lp)
+    out = acc_dtype(lp.dtype)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
 @_backend.fake("ppo_policy_loss_backward")
 def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
+    _policy_devices(lp, old, adv, mask, grad_loss=grad, row_coef=coef)
     return torch.empty_like(lp)
 
 
@@ -151,6 +163,7 @@ def _(grad, lp, old, adv, mask, coef, clip_low, clip_high, dual_clip, lr_clamp):
 # --------------------------------------------------------------------------- value loss
 @_backend.fake("ppo_value_loss")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
+    _value_devices(v, vo, ret, mask, global_denom=gd)
     return _outputs(v, N_STATS_VALUE)
 
 
@@ -163,12 +176,13 @@ def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
 @_backend.impl("ppo_value_loss", "eager")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
     loss, stats, coef = naive.value_loss(v, vo, ret, mask, clip, agg, scale, _gden(gd, gdv, v))
-    out = _backend.out_dtype(v)
+    out = acc_dtype(v.dtype)
     return loss.to(out), stats.to(out), coef.to(out)
 
 
 @_backend.fake("ppo_value_loss_backward")
 def _(grad, v, vo, ret, mask, coef, clip):
+    _value_devices(v, vo, ret, mask, grad_loss=grad, row_coef=coef)
     return torch.empty_like(v)
 
 
@@ -189,10 +203,10 @@ def _(grad, v, vo, ret, mask, coef, clip):
 def _aggregate(x, mask, agg, scale, gd, gdv):
     """The composition: rows' masked sums and mask totals in the accumulation dtype (masked NaN
     never reach them), the row coefficients of the totals, the loss."""
-    acc = naive._acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     if mask.dtype == torch.bool:  # 0 / 1 weights: selecting is weighting (one pass fewer)
         row_sums = torch.where(mask, x, 0.0).sum(-1, dtype=acc)
-        counts = mask.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: ~10x faster on the CPU
+        counts = mask.view(torch.uint8).sum(-1, dtype=acc)  # as bytes: far faster on the CPU
     else:
         m = mask.to(acc)
         row_sums = (torch.where(m != 0, x, 0.0) * m).sum(-1)
@@ -204,19 +218,21 @@ def _aggregate(x, mask, agg, scale, gd, gdv):
 
 @_backend.fake("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
-    out = _backend.out_dtype(x)
+    check_devices("loss_mat", x, mask=mask, global_denom=gd)
+    out = acc_dtype(x.dtype)
     return x.new_empty((), dtype=out), x.new_empty((x.shape[0],), dtype=out)
 
 
 @_backend.impl("masked_aggregate", "eager")
 def _(x, mask, agg, scale, gd, gdv):
     loss, coef = _aggregate(x.detach(), mask, agg, scale, gd, gdv)
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return loss.to(out), coef.to(out)
 
 
 @_backend.fake("masked_aggregate_backward")
 def _(grad, mask, coef, dtype):
+    check_devices("mask", mask, grad_loss=grad, row_coef=coef)
     return mask.new_empty(mask.shape, dtype=dtype)
 
 
@@ -231,25 +247,28 @@ def _(grad, mask, coef, dtype):
 # The references themselves, differentiable by autograd (the gradient flows to the first input).
 @_backend.fallback("ppo_policy_loss")
 def _(lp, old, adv, mask, clip_low, clip_high, dual_clip, lr_clamp, agg, scale, gd, gdv):
+    _policy_devices(lp, old, adv, mask, global_denom=gd)
     loss, stats, coef = naive.policy_loss(
         lp, old.detach(), adv.detach(), mask, clip_low, clip_high, dual_clip, agg, lr_clamp,
         scale, _gden(gd, gdv, lp),
     )  # fmt: skip
-    out = _backend.out_dtype(lp)
+    out = acc_dtype(lp.dtype)
     return loss.to(out), stats.detach().to(out), coef.detach().to(out)
 
 
 @_backend.fallback("ppo_value_loss")
 def _(v, vo, ret, mask, clip, agg, scale, gd, gdv):
+    _value_devices(v, vo, ret, mask, global_denom=gd)
     loss, stats, coef = naive.value_loss(
         v, vo.detach(), ret.detach(), mask, clip, agg, scale, _gden(gd, gdv, v)
     )
-    out = _backend.out_dtype(v)
+    out = acc_dtype(v.dtype)
     return loss.to(out), stats.detach().to(out), coef.detach().to(out)
 
 
 @_backend.fallback("masked_aggregate")
 def _(x, mask, agg, scale, gd, gdv):
+    check_devices("loss_mat", x, mask=mask, global_denom=gd)
     loss, coef = _aggregate(x, mask, agg, scale, gd, gdv)
-    out = _backend.out_dtype(x)
+    out = acc_dtype(x.dtype)
     return loss.to(out), coef.detach().to(out)

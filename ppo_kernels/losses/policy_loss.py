@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_bool, check_float, check_str, check_tensor
+from .._checks import check_tensor, device_error
 from . import op  # noqa: F401  (registers the fused op's Python side)
 from . import policy_math as pm
 from . import rollout_correction as rc
+from .config import PolicyLossConfig, RolloutCorrectionConfig
 from .naive import (
     OP_STAT_NAMES_POLICY,
     STAT_NAMES_POLICY,
@@ -25,83 +26,7 @@ from .naive import (
 
 _policy_op = _backend.op("ppo_policy_loss")
 
-_RATIO_CLIP_TYPES = pm.CLIP_TYPES + ("gspo", "clip_cov")
-_DUAL_CLIP_TYPES = pm.CLIP_TYPES + ("dppo_tv", "dppo_kl")
 _BYPASS_TYPES = pm.CLIP_TYPES + ("gpg", "reinforce")
-
-
-# the type-specific options of LossConfig and their checks (check_float's keywords)
-OPTION_CHECKS = {
-    "tau_pos": dict(positive=True),
-    "tau_neg": dict(positive=True),
-    "dro_beta": dict(positive=True, allow_none=True),
-    "clip_cov_ratio": dict(positive=True),
-    "clip_cov_lb": dict(finite=False),
-    "clip_cov_ub": dict(finite=False),
-    "kl_cov_ratio": dict(positive=True),
-    "kl_cov_coef": {},
-}
-# the arguments (public names, in the registered ops' order) a LossConfig is made of
-CONFIG_ARGS = (
-    "loss_type",
-    "clip_low",
-    "clip_high",
-    "dual_clip",
-    "delta",
-    "log_ratio_clamp",
-    "importance_sampling_level",
-    *OPTION_CHECKS,
-)
-
-
-def make_config(
-    loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, **options
-) -> pm.LossConfig:
-    """A checked LossConfig (options: OPTION_CHECKS' names); every bad value is an error naming
-    its argument."""
-    t = check_str("loss_type", loss_type, pm.LOSS_TYPES)
-    clip_low = check_float("clip_low", clip_low, nonneg=True)
-    clip_high = clip_low if clip_high is None else check_float("clip_high", clip_high)
-    if t in _RATIO_CLIP_TYPES and not (clip_low < 1):
-        raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
-    if t == "cispo":  # TRL's / Liger's upper-only bound epsilon_high: clip_low=1, clip_high=eps-1
-        if not (clip_low <= 1):
-            raise ValueError(f"clip_low: expected a number in [0, 1] for cispo, got {clip_low!r}")
-        if not (clip_high > -1):
-            raise ValueError(f"clip_high: expected a number > -1 for cispo, got {clip_high!r}")
-    elif not (clip_high >= 0):
-        raise ValueError(f"clip_high: expected a non-negative number, got {clip_high!r}")
-    dual_clip = check_float("dual_clip", dual_clip, allow_none=True)
-    if dual_clip is not None:
-        if t not in _DUAL_CLIP_TYPES:
-            raise ValueError(f"dual_clip: loss_type {t!r} has no dual clip / truncation")
-        if t in pm.CLIP_TYPES and not (dual_clip > 1):
-            raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
-        if not (dual_clip > 0):
-            raise ValueError(f"dual_clip: expected a positive truncation, got {dual_clip!r}")
-    delta = check_float("delta", delta, allow_none=True)
-    if delta is not None:
-        if t not in pm.CLIP_TYPES:
-            raise ValueError(f"delta: only the clipped types {pm.CLIP_TYPES} take delta")
-        if not (delta > 0):
-            raise ValueError(f"delta: expected a positive number, got {delta!r}")
-    if log_ratio_clamp is None:
-        log_ratio_clamp = pm.default_log_ratio_clamp(t)
-    log_ratio_clamp = check_float("log_ratio_clamp", log_ratio_clamp, positive=True, finite=False)
-    level = check_str("importance_sampling_level", level, ("token", "sequence"))
-    if level == "sequence" and t not in pm.SEQUENCE_LEVEL_TYPES:
-        raise ValueError(
-            f"importance_sampling_level: 'sequence' applies to {pm.SEQUENCE_LEVEL_TYPES}, not "
-            f"{t!r} (gspo and geo_mean are sequence-level by definition)"
-        )
-    opts = {k: check_float(k, v, **OPTION_CHECKS[k]) for k, v in options.items()}
-    if t == "dro" and opts.get("dro_beta") is None:
-        raise ValueError("dro_beta: required (a positive number) for loss_type='dro'")
-    if not (opts.get("kl_cov_ratio", 0.0) <= 1):
-        raise ValueError(
-            f"kl_cov_ratio: expected a fraction in (0, 1], got {opts['kl_cov_ratio']!r}"
-        )
-    return pm.LossConfig(t, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, level, **opts)
 
 
 class RolloutOptions:
@@ -113,20 +38,13 @@ class RolloutOptions:
 
 
 def rollout_options(
-    cfg,
-    rollout_logprobs,
-    rollout_is,
-    rollout_is_threshold,
-    rollout_is_batch_normalize,
-    rollout_rs,
-    rollout_rs_threshold,
-    bypass_mode,
+    cfg: PolicyLossConfig, rollout_logprobs, rc_cfg: RolloutCorrectionConfig
 ) -> RolloutOptions | None:
-    bypass = check_bool("bypass_mode", bypass_mode)
-    batch_normalize = check_bool("rollout_is_batch_normalize", rollout_is_batch_normalize)
-    level, is_spec, rs_specs = rc.check_options(
-        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold
-    )
+    """The correction a call asks for (None: none), checked against the loss type and the
+    tensors given."""
+    bypass, batch_normalize = rc_cfg.bypass_mode, rc_cfg.rollout_is_batch_normalize
+    rollout_is, rollout_rs = rc_cfg.rollout_is, rc_cfg.rollout_rs
+    level, is_spec, rs_specs = rc_cfg.parsed
     if bypass:
         if rollout_logprobs is not None:
             raise ValueError(
@@ -147,7 +65,7 @@ def rollout_options(
 
 
 def stat_scope(
-    cfg: pm.LossConfig, rollout: RolloutOptions | None, agg: str, global_denominator
+    cfg: PolicyLossConfig, rollout: RolloutOptions | None, agg: str, global_denominator
 ) -> str:
     """policy_math.stat_scope widened by the rollout correction: in bypass mode the weights and
     the rejection come from the current log-probs -- per sequence at sequence level, per batch
@@ -166,7 +84,7 @@ def stat_scope(
     return max(scope, need, key=order.index)
 
 
-def needs_extension(cfg: pm.LossConfig, rollout: RolloutOptions | None) -> bool:
+def needs_extension(cfg: PolicyLossConfig, rollout: RolloutOptions | None) -> bool:
     """Whether a call leaves today's fused "ppo" path (api.py runs that one itself)."""
     return (
         cfg.loss_type != "ppo" or cfg.sequence_level or cfg.delta is not None or rollout is not None
@@ -212,7 +130,7 @@ def shared_loss(cfg, x: pm.Inputs, weights, agg, scale, gd, generator, per_row_a
 
 
 def extended_policy_loss(
-    cfg: pm.LossConfig,
+    cfg: PolicyLossConfig,
     rollout: RolloutOptions | None,
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -254,7 +172,7 @@ def extended_policy_loss(
                 f"{tuple(weights.shape)}"
             )
         if weights.device != logprobs.device:
-            raise ValueError(f"weights: expected device {logprobs.device}, got {weights.device}")
+            raise device_error("weights", weights, logprobs.device, "logprobs")
     w = None if weights is None else _rows(weights).detach().to(x.m.dtype)
     stats: dict[str, Tensor] = {}
     eff_mask = mask

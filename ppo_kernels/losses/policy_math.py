@@ -64,30 +64,14 @@ needs its log-probs before any gradient tile can be formed: a second pass over t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .._modes import CLIP_LOSS_TYPES
+from .._math import acc_dtype  # noqa: F401  (also policy_loss's pm.acc_dtype)
+from .config import CLIP_TYPES, LOSS_TYPES, SEQUENCE_LEVEL_TYPES, PolicyLossConfig
 
-CLIP_TYPES = CLIP_LOSS_TYPES  # the clipped surrogate's types (a table the C++ routing shares)
-LOSS_TYPES = CLIP_TYPES + (
-    "gspo",
-    "sapo",
-    "cispo",
-    "gpg",
-    "reinforce",
-    "dro",
-    "dppo_tv",
-    "dppo_kl",
-    "geo_mean",
-    "clip_cov",
-    "kl_cov",
-)
-# the types TRL / Liger run at importance_sampling_level="sequence" (GSPO as TRL writes it)
-SEQUENCE_LEVEL_TYPES = CLIP_TYPES + ("sapo", "cispo")
 # the types whose per-token gradient needs every token of the batch first (a second pass in a
 # fused op whatever its chunking)
 BATCH_STAT_TYPES = ("clip_cov", "kl_cov")
@@ -103,18 +87,8 @@ _DEFAULT_AGG = {
     "geo_mean": ("seq-mean-token-sum", True),  # verl: torch.mean over the B per-row losses
 }
 
-# the log-ratio clamp each peer applies when log_ratio_clamp=None (inf: none)
-_DEFAULT_LOG_RATIO_CLAMP = {
-    "ppo": 20.0,
-    "sapo": 20.0,
-    "cispo": 20.0,
-    "dppo_tv": 20.0,
-    "dppo_kl": 20.0,
-    "gspo": 10.0,  # one-sided, on the log sequence ratio
-}
 
-
-def is_ppo_surrogate(cfg: LossConfig) -> bool:
+def is_ppo_surrogate(cfg: PolicyLossConfig) -> bool:
     """Whether a type's per-token loss is ppo's clipped surrogate, which the fused "ppo" kernels
     compute with their statistics (verl's and TRL's): every token-level clipped type without
     `delta` (TRL's types differ only in the aggregation and the log-ratio clamp, resolved
@@ -122,7 +96,7 @@ def is_ppo_surrogate(cfg: LossConfig) -> bool:
     return cfg.loss_type in CLIP_TYPES and not cfg.sequence_level and cfg.delta is None
 
 
-def stat_scope(cfg: "LossConfig") -> str:
+def stat_scope(cfg: PolicyLossConfig) -> str:
     """What a token's gradient coefficient needs beyond the token: "token" (nothing: one pass),
     "sequence" (every token of its row: a second pass for a row longer than a chunk) or "batch"
     (every token of the batch: a second pass). Rollout correction in bypass mode can widen it
@@ -139,35 +113,6 @@ def stat_scope(cfg: "LossConfig") -> str:
 def default_aggregation(loss_type: str) -> tuple[str, bool]:
     """(agg mode, whether the sequence count defaults to all B rows) of `agg=None`."""
     return _DEFAULT_AGG.get(loss_type, ("token-mean", False))
-
-
-def default_log_ratio_clamp(loss_type: str) -> float:
-    return _DEFAULT_LOG_RATIO_CLAMP.get(loss_type, math.inf)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """A policy-loss type and its parameters (checked by the public API)."""
-
-    loss_type: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None  # ppo family: dual clip; dppo: the truncation C (None: 20)
-    delta: float | None = None  # TRL's two-sided clip: r1 = min(r, delta)
-    log_ratio_clamp: float = 20.0
-    importance_sampling_level: str = "token"
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    dro_beta: float | None = None
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 0.1
-
-    @property
-    def sequence_level(self) -> bool:
-        return self.importance_sampling_level == "sequence"
 
 
 class Inputs(NamedTuple):
@@ -203,10 +148,6 @@ class Terms(NamedTuple):
 def _max_w(a, b):
     """d max(a, b) / da under torch's rule: 1, 0, or 1/2 at a tie."""
     return torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).to(a.dtype)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def prepare(logprobs, old_logprobs, advantages, mask) -> Inputs:
@@ -253,7 +194,7 @@ def _rank_mask(keys, count):
     return (rank < count).reshape(keys.shape)
 
 
-def statistics(cfg: LossConfig, x: Inputs, generator: torch.Generator | None = None) -> Stats:
+def statistics(cfg: PolicyLossConfig, x: Inputs, generator: torch.Generator | None = None) -> Stats:
     """Stage 1: per-sequence and per-batch statistics of the (detached) log-probs."""
     lp, old, adv, m = (t.detach() for t in x)
     n = m.sum(-1)
@@ -355,7 +296,7 @@ def trl_clip_statistics(r, adv, m, lo, hi) -> tuple[dict[str, Tensor], dict[str,
     }
 
 
-def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
+def token_terms(cfg: PolicyLossConfig, x: Inputs, st: Stats) -> Terms:
     """Stage 2: per-token loss, gradient coefficients and statistic terms given stage 1."""
     lp, old, adv, m = (t.detach() for t in x)
     t = cfg.loss_type
@@ -454,7 +395,9 @@ def token_terms(cfg: LossConfig, x: Inputs, st: Stats) -> Terms:
     return Terms(loss, grad, seq_grad, seq_dstat, met)
 
 
-def token_weights(cfg: LossConfig, x: Inputs, st: Stats, weights: Tensor | None) -> Tensor | None:
+def token_weights(
+    cfg: PolicyLossConfig, x: Inputs, st: Stats, weights: Tensor | None
+) -> Tensor | None:
     """The weight w of each token in the loss: the caller's (detached), geo_mean's per-row
     geometric mean of them (verl)."""
     if weights is None:

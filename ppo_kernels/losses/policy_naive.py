@@ -14,7 +14,7 @@ from . import policy_math as pm
 from .naive import row_coefficients
 
 
-def token_losses(cfg: pm.LossConfig, x: pm.Inputs, lp: torch.Tensor, select=None):
+def token_losses(cfg: pm.PolicyLossConfig, x: pm.Inputs, lp: torch.Tensor, select=None):
     """[B, T] per-token losses as a differentiable function of lp (the prepared x's lp with
     requires_grad), or for geo_mean the [B] per-row losses."""
     old, adv, m = x.old, x.adv, x.m

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._checks import check_bool, check_same_device, check_tensor
-from .policy_math import acc_dtype
+from .._math import acc_dtype
 
 _backend.register_op(
     "rollout_correction", kernel=None, triton=False, cuda_default="eager", folder="losses"
@@ -61,6 +61,15 @@ _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class RolloutCorrection(NamedTuple):
+    """The result of `rollout_correction`: a named tuple.
+
+    Attributes:
+        weights (Tensor | None): `[..., T]`, float32 (float64 for float64 input). The detached
+            importance weights, 0 off the mask; None without `rollout_is`.
+        mask (Tensor): `[..., T]`, the mask's dtype. The mask with rejected tokens set to 0.
+        metrics (dict[str, Tensor]): 0-dim tensors under verl's metric names.
+    """
+
     weights: Tensor | None  # [..., T] detached IS weights (0 off the mask); None without rollout_is
     mask: Tensor  # [..., T] the mask with rejected tokens set to 0 (mask's dtype)
     metrics: dict[str, Tensor]  # 0-dim tensors under verl's metric names
@@ -381,25 +390,43 @@ def rollout_correction(
     rollout_rs_threshold: float | str | None = None,
     offpolicy_metrics: bool = True,
 ) -> RolloutCorrection:
-    """Rollout-correction IS weights, rejection mask and metrics, as verl's
-    `compute_rollout_correction_and_rejection_mask`, with no host synchronisation.
+    """Rollout-correction weights, rejection mask and metrics as verl's, with no host sync.
+
+    With `lr = logprobs - rollout_logprobs` per token (clamped to +-20), the importance weights
+    are `exp(lr)` per token, or `exp(sum of the row's lr)` per sequence. A threshold U truncates
+    them (TIS); a pair (lower, upper) zeroes them outside the band (IcePop). Rejection tests the
+    k1 / k2 / k3 statistics of lr per token or per row and zeroes rejected tokens in the mask.
+    This is verl's `compute_rollout_correction_and_rejection_mask`.
 
     Args:
-        logprobs: `[..., T]` log-probs of the training policy (verl's old_log_prob; the current
-            policy's in bypass mode). Detached: nothing here carries a gradient.
-        rollout_logprobs: same shape, the rollout engine's log-probs.
-        mask: same shape, bool / integer / float (a float mask weights tokens, as verl's).
-        rollout_is: None (no weights), "token" or "sequence".
-        rollout_is_threshold: U (truncate the weights at U), or (lower, upper) / "lower_upper"
-            (IcePop: zero the weights outside the bounds). None: no weights (as verl).
-        rollout_is_batch_normalize: divide the weights by their (local) mean.
-        rollout_rs: rejection options, comma-separated (see the module docstring).
-        rollout_rs_threshold: one threshold for all options or one per option (comma-separated);
-            "lower_upper" for the k1 options.
-        offpolicy_metrics: add verl's off-policy diagnostics (ppl, kl, k3_kl, chi^2).
+        logprobs (Tensor): `[..., T]`, float32 / bfloat16 / float16 / float64. The training
+            policy's log-probs (verl's `old_log_prob`; the current policy's in bypass mode).
+            Detached: nothing here carries a gradient.
+        rollout_logprobs (Tensor): logprobs' shape, a float dtype. The rollout engine's log-probs.
+        mask (Tensor): logprobs' shape, bool / integer / float. A float mask weights tokens.
+        rollout_is (str, optional): the weights' level, "token" or "sequence". Default None: no
+            weights.
+        rollout_is_threshold (float | str | tuple, optional): U, or `(lower, upper)` / the string
+            "lower_upper". None: no weights, as verl. Default 2.0.
+        rollout_is_batch_normalize (bool): divide the weights by their mean over this batch
+            (local, not all-reduced). Default False.
+        rollout_rs (str, optional): rejection options, comma-separated; every one must pass:
+            "token_k1", "token_k2", "token_k3", "seq_sum_kN", "seq_mean_kN", "seq_max_k2",
+            "seq_max_k3". Default None: no rejection.
+        rollout_rs_threshold (float | str, optional): one threshold for every option, or one per
+            option (comma-separated). "lower_upper" for the k1 options. Required with rollout_rs.
+            Default None.
+        offpolicy_metrics (bool): add verl's off-policy diagnostics (kl, k3_kl, ppl, chi^2).
+            Default True.
+
     Returns:
-        `RolloutCorrection(weights, mask, metrics)`: float32 weights (float64 for float64 input)
-        or None, the mask with rejected tokens zeroed (mask's dtype), 0-dim metric tensors.
+        RolloutCorrection: `(weights, mask, metrics)`. weights: logprobs' shape, float32 (float64
+        for float64 input), 0 off the mask, or None without rollout_is. mask: the mask with
+        rejected tokens set to 0, in mask's dtype. metrics: 0-dim tensors under verl's names.
+
+    Why: verl's helper turns some metrics into Python numbers (host syncs); here every metric stays
+    a 0-dim tensor on the device. The differences at degenerate inputs are listed in this
+    module's docstring. `ppo_policy_loss` applies the same correction (its `rollout_config`).
     """
     for n, t in (("logprobs", logprobs), ("rollout_logprobs", rollout_logprobs)):
         check_tensor(n, t, dtypes=_VALUE_DTYPES, min_dim=1)

@@ -26,13 +26,29 @@ def _dims(dim):
 def masked_mean(
     x: Tensor, mask: Tensor, dim=None, *, empty: str = "zero", process_group=None
 ) -> Tensor:
-    """Mean of x over the positions where mask != 0 (over `dim`, or everything when None),
-    weighted by the mask's values when it is a float mask: `sum(x * mask) / sum(mask)`.
-    Masked-out entries never contribute, even when NaN. A set with no position (zero total weight)
-    gives 0 with `empty="zero"` (verl divides by count + 1e-8 and gets 0 too) and NaN with
-    `empty="nan"` (OpenRLHF's 0 / 0). Differentiable in x. float32 (float64 for float64 x).
-    process_group: the mean over the data of every rank of this torch.distributed group (dim must
-    be None), with one all-gather of four numbers per rank and no host sync."""
+    """Mean of x over the positions where mask != 0, with no host sync.
+
+    `sum(x * mask) / sum(mask)` over `dim` (everything when None). A float mask weights each
+    position by its value. A masked-out entry never contributes, even when it is NaN.
+
+    Args:
+        x (Tensor): `[...]`, float32 / bfloat16 / float16 / float64. The gradient flows to it.
+        mask (Tensor): x's shape, bool / integer / float.
+        dim (int | Sequence[int], optional): the dimensions to reduce. Default None: all of them.
+        empty (str): the result over no position (zero total weight): "zero" gives 0, as verl's
+            division by `count + 1e-8`; "nan" gives NaN, as OpenRLHF's 0 / 0. Default "zero".
+        process_group (ProcessGroup, optional): the mean over the data of every rank of this
+            group (`dim` must be None), from one all-gather of four numbers per rank.
+            Default None.
+
+    Returns:
+        Tensor: `x.shape` without the reduced dimensions (0-dim for dim=None), float32 (float64
+        for float64 x).
+
+    Why: verl's `masked_mean` reads the mask count on the host; this one keeps the count on the
+    device, so a training step stays free of syncs. Formulas: docs/ppo-math.md
+    ("Advantage post-processing"). Data-parallel form: ppo_kernels/distributed/data_parallel.py.
+    """
     if empty not in _EMPTY:
         raise ValueError(f"empty: expected one of {_EMPTY}, got {empty!r}")
     if process_group is not None:
@@ -55,17 +71,33 @@ def masked_whiten(
     eps: float = 1e-8,
     process_group=None,
 ) -> Tensor:
-    """`(x - mean) * rsqrt(var + eps)` with the mean and variance over mask != 0 (one set for
-    the whole tensor, as verl and OpenRLHF do); `shift_mean=False` adds the mean back.
-    `unbiased` uses the n - 1 (Bessel) variance like verl; False the biased one. A float mask
-    weights each position by its value, n being the total weight (verl's formulas).
-    verl raises when unbiased and the mask total is 0 or 1; that needs a host sync, so
-    here the result is NaN instead, and `ppo_kernels.strict_checks()` raises like verl.
-    Every position is whitened (masked ones too), as in verl. float32 (float64 for float64 x).
-    Differentiable in x. Any finite input gives a finite, correct result (statistics accumulated
-    in float64 by the CPU kernel; the float32 eager code scales by a power of two near max |x|).
-    process_group: mean and variance over the data of every rank of this torch.distributed group
-    (global whitening), with one all-gather of three numbers per rank and no host sync."""
+    """Whiten x with the mean and variance of its unmasked positions, with no host sync.
+
+    `(x - mean) * rsqrt(var + eps)`, one mean and variance over all mask != 0 positions, as verl
+    and OpenRLHF do. Every position is whitened, masked ones too. A float mask weights each
+    position, n being the total weight.
+
+    Args:
+        x (Tensor): `[...]`, float32 / bfloat16 / float16 / float64. The gradient flows to it.
+        mask (Tensor): x's shape, bool / integer / float.
+        shift_mean (bool): subtract the mean. False adds it back after scaling (verl's
+            `shift_mean=False`). Default True.
+        unbiased (bool): the n - 1 (Bessel) variance, as verl. False: the biased one, as OpenRLHF.
+            With n <= 1 the unbiased result is NaN; under `strict_checks()` it raises, as verl does.
+            Default True.
+        eps (float): added to the variance; non-negative. Default 1e-8.
+        process_group (ProcessGroup, optional): mean and variance over the data of every rank of
+            this group (global whitening), from one all-gather of three numbers per rank.
+            Default None.
+
+    Returns:
+        Tensor: x's shape, float32 (float64 for float64 x). Any finite input gives a finite
+        result: the CPU kernel sums in float64 and the float32 eager path scales by a power of two.
+
+    Why: verl's `masked_whiten` checks the mask count on the host twice per call; raising needs
+    that sync, so here an undefined variance is NaN unless strict checks are on. Formulas:
+    docs/ppo-math.md ("Advantage post-processing").
+    """
     shift_mean = check_bool("shift_mean", shift_mean)
     unbiased = check_bool("unbiased", unbiased)
     eps = check_float("eps", eps, nonneg=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _math
+from .._checks import check_devices
+from .._math import acc_dtype
 
 _backend.register_op(
     "masked_mean",
@@ -42,13 +44,17 @@ def _reduced_shape(x, dim):
     return tuple(s for i, s in enumerate(x.shape) if i not in red)
 
 
+# The fakes and fallbacks check devices as the C++ checks do (a meta tensor sends a call to its
+# fake whatever the other arguments' devices).
 @_backend.fake("masked_mean")
 def _(x, mask, dim, empty):
-    return x.new_empty(_reduced_shape(x, dim), dtype=_backend.out_dtype(x))
+    check_devices("x", x, mask=mask)
+    return x.new_empty(_reduced_shape(x, dim), dtype=acc_dtype(x.dtype))
 
 
 @_backend.fake("masked_mean_backward")
 def _(grad, x, mask, dim, empty):
+    check_devices("x", x, mask=mask, grad=grad)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -85,11 +91,13 @@ def _(grad, x, mask, dim, empty):
 
 @_backend.fake("masked_whiten")
 def _(x, mask, shift_mean, unbiased, eps):
-    return x.new_empty(x.shape, dtype=_backend.out_dtype(x))
+    check_devices("x", x, mask=mask)
+    return x.new_empty(x.shape, dtype=acc_dtype(x.dtype))
 
 
 @_backend.fake("masked_whiten_backward")
 def _(grad, x, mask, shift_mean, unbiased, eps):
+    check_devices("x", x, mask=mask, grad=grad)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -145,9 +153,13 @@ def _(grad, x, mask, shift_mean, unbiased, eps):
 
 
 # Without the compiled extension: the eager forward, differentiable by autograd.
-_backend.fallback("masked_mean")(_mean_eager)
+@_backend.fallback("masked_mean")
+def _(x, mask, dim, empty):
+    check_devices("x", x, mask=mask)
+    return _mean_eager(x, mask, dim, empty)
 
 
 @_backend.fallback("masked_whiten")
 def _(x, mask, shift_mean, unbiased, eps):
+    check_devices("x", x, mask=mask)
     return _backend.python_impl("masked_whiten", "eager")(x, mask, shift_mean, unbiased, eps)

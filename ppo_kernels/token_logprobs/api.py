@@ -1,7 +1,7 @@
 """The public API of token_logprobs (typed arguments, defaults, the vocab-parallel form). Tensor
 checks (dtype, shape, device, strides) and the label range run once, in the registered op
 (csrc/ops/token_logprobs.cpp); this layer checks the Python scalars and routes `process_group=`
-to ppo_kernels/distributed/vocab_parallel.py."""
+to ppo_kernels/distributed/vocab_parallel_token_logprobs.py."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .._checks import (
     check_str,
     check_temperature,
     check_tensor,
+    device_error,
 )
 from . import op  # noqa: F401  (registers the ops' Python side)
 from .naive import MAX_STATS_TOP_K, SAMPLERS, STATS
@@ -46,7 +47,7 @@ def _check_args(logits, labels, temperature, vocab_parallel):
     slice may be empty) and the fallback without the compiled extension."""
     check_temperature(temperature)
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    check_arg("labels", labels, logits.device, dtypes=INDEX_DTYPES)
+    check_arg("labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
@@ -78,43 +79,62 @@ def token_logprobs(
     stats=None,
     stats_top_k: int = 0,
 ):
-    """Log-probability of each label under softmax(logits / temperature), fused in one pass.
+    """Log-probability of each label under softmax(logits / temperature), in one fused pass.
+
+    With z = logits / temperature, `logprob = z[label] - logsumexp(z)` and, on request,
+    `entropy = -sum_j p_j log p_j` with p = softmax(z). A position whose label is `ignore_index`
+    gives 0 for both and no gradient. The backward forms `(onehot - p) / temperature` per row.
 
     Args:
-        logits: `[..., V]` float32, bfloat16 or float16 (float64 runs the float64 reference). The
-            leading dimensions may have any strides (e.g. `logits[:, :-1]` is read without a
-            copy); the last dimension must be contiguous.
-        labels: int64 or int32 with shape `logits.shape[:-1]`.
-        temperature: positive float, a runtime value (no kernel recompiles), or a float tensor
-            of per-row values whose shape is a leading part of labels.shape (`[B]` per sequence
-            or `[B, T]` per token for `[B, T]` labels).
-        ignore_index: positions with this label give 0 (log-prob and entropy) and no gradient.
-        return_entropy: also return the entropy of softmax(logits / temperature).
-        inplace_backward: write the gradient into the logits buffer instead of allocating one
-            (the logits must not be needed by anything else afterwards).
-        process_group: vocab-parallel (tensor-parallel) form: `logits` is this rank's contiguous
-            slice `[..., V_rank]` of the vocabulary (slices may be uneven), `labels` are global
-            ids; every rank gets the full-vocabulary results (one all-gather of per-row softmax
-            statistics; see ppo_kernels/distributed/vocab_parallel.py). The gradient of each
-            rank's slice is its slice of the unsharded gradient.
-        vocab_start: this rank's first vocabulary id; default: slices contiguous in rank order,
-            settled from the forward's own gather (a new uneven layout costs one more gather,
-            then it is cached; under torch.compile it cannot: give vocab_start for uneven
-            shards there, or a clear error says so).
-        top_k, top_p, min_p: the rollout engine's truncation (None, or 0 / 1 / 0: off), scalars
-            or per-row tensors shaped like `temperature`'s: log-probs and entropy under the
-            distribution the engine sampled from (temperature, then min-p, then top-k and top-p,
-            the kept tokens renormalised). A label outside the kept set gets -inf.
-        sampler: whose rules ("vllm" or "sglang"): docs/ppo-math.md says where they differ.
-        stats: names of the head's statistics to return, per token, from the same pass
-            ("outside", "sum_p2", "lse", "topk", "is_argmax"; see HeadStats); "outside" counts
-            the labels outside the kept set (an engine / trainer mismatch).
-        stats_top_k: how many top tokens "topk" returns (1 to 64).
+        logits (Tensor): `[..., V]`, float32 / bfloat16 / float16 (float64 runs the float64 eager
+            path). The leading dimensions may have any strides: `logits[:, :-1]` is read without
+            a copy. The last dimension must be contiguous. The gradient flows to it.
+        labels (Tensor): `logits.shape[:-1]`, int64 / int32. Ids in [0, V) or `ignore_index`.
+        temperature (float or Tensor): divides the logits; positive. A float is a runtime value
+            (no kernel recompiles). A float tensor gives per-row values: its shape is a leading
+            part of labels.shape (`[B]` per sequence or `[B, T]` per token for `[B, T]` labels).
+            Default 1.0.
+        ignore_index (int): the label of a position without a log-prob. Default -100.
+        return_entropy (bool): also return the entropy of softmax(logits / temperature).
+            Default False.
+        inplace_backward (bool): write the gradient into the logits' buffer instead of a new one.
+            Only when nothing else needs the logits after the forward. Default False.
+        process_group (ProcessGroup, optional): the vocab-parallel form. `logits` is this rank's
+            contiguous slice `[..., V_rank]` of the vocabulary (slices may be uneven); labels are
+            global ids. Every rank gets the full-vocabulary result from one all-gather of per-row
+            softmax statistics. Each rank's gradient is its slice of the unsharded one.
+            Default None.
+        vocab_start (int, optional): this rank's first vocabulary id. Default None: slices
+            contiguous in rank order, found by the forward's own gather and then cached. Under
+            torch.compile give it for uneven slices (a clear error says so otherwise).
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature. With top_p / min_p: the
+            log-probs and entropy under the distribution the engine sampled from (temperature,
+            then min-p, then top-k and top-p, the kept tokens renormalised). A label outside the
+            kept set gets -inf. Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang" (docs/ppo-math.md, "The
+            sampler's distribution", says where they differ). Default "vllm".
+        stats (tuple of str, optional): the head's statistics to return per token from the same
+            pass: "outside", "sum_p2", "lse", "topk", "is_argmax" (see HeadStats). "outside"
+            counts the labels outside the kept set (an engine / trainer mismatch). Default None:
+            none computed.
+        stats_top_k (int): how many top tokens "topk" returns, 1 to 64. Default 0.
 
     Returns:
-        float32 log-probs with `labels.shape` (float64 for float64 logits), or the pair
-        `(logprobs, entropy)` when `return_entropy=True`; with `stats`, a HeadStats follows.
-    See ppo_kernels/token_logprobs/naive.py for the documented edge cases.
+        Tensor: the log-probs, `labels.shape`, float32 (float64 for float64 logits). With
+        `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+        With `stats`, a HeadStats follows (the last element of a tuple).
+
+    Why: the trainer's largest tensor is the `[N, V]` logits. A composition of `log_softmax` and
+    `gather` writes another `[N, V]` tensor, forward and backward; this op reads the logits once
+    and keeps one number per row. It matches verl's `logprobs_from_logits` and TRL's
+    `selective_log_softmax`. Formulas: docs/ppo-math.md ("Token log-probs and entropy"). Edge
+    cases: ppo_kernels/token_logprobs/naive.py. Vocab-parallel form:
+    ppo_kernels/distributed/vocab_parallel_token_logprobs.py.
     """
     if (
         top_k is not None
@@ -146,14 +166,12 @@ def token_logprobs(
     if not isinstance(labels, Tensor):
         check_tensor("labels", labels)
     if labels.device != logits.device:  # before dispatch: a meta tensor would pick the fake
-        raise ValueError(
-            f"labels: expected device {logits.device} (like logits), got {labels.device}"
-        )
+        raise device_error("labels", labels, logits.device, "logits")
     if process_group is not None:
         if inplace_backward:
             raise ValueError("inplace_backward: not supported with process_group")
         _check_args(logits, labels, temperature, vocab_parallel=True)
-        from ..distributed.vocab_parallel import vocab_parallel_token_logprobs
+        from ..distributed.vocab_parallel_token_logprobs import vocab_parallel_token_logprobs
 
         return vocab_parallel_token_logprobs(
             logits, labels, temperature, ignore_index, return_entropy, process_group, vocab_start
@@ -172,9 +190,7 @@ def _param(name, x, dtypes, labels, check):
     if isinstance(x, Tensor):
         check_tensor(name, x, dtypes=dtypes)
         if x.device != labels.device:
-            raise ValueError(
-                f"{name}: expected device {labels.device} (like labels), got {x.device}"
-            )
+            raise device_error(name, x, labels.device, "labels")
         if tuple(x.shape) != tuple(labels.shape[: x.dim()]):
             raise ValueError(
                 f"{name}: expected a shape that is a leading part of labels.shape "
@@ -209,9 +225,7 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     check_tensor("logits", logits)
     check_tensor("labels", labels)
     if labels.device != logits.device:
-        raise ValueError(
-            f"labels: expected device {logits.device} (like logits), got {labels.device}"
-        )
+        raise device_error("labels", labels, logits.device, "logits")
     if process_group is not None:
         raise ValueError(
             "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) and "

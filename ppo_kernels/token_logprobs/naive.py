@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._math import acc_dtype
 
 
 def _label_masks(labels, V, ignore_index):
@@ -46,7 +44,7 @@ def _shifted(logits, temperature):
     """(z - max z) with z = logits / temperature, computed as (x - max x) / temperature so that
     finite logits never overflow (x - max x <= 0; -inf where the gap itself overflows: p = 0), and
     the unscaled row max. Rows with NaN / +inf, or all -inf, come out NaN."""
-    x = logits.to(_acc(logits.dtype))
+    x = logits.to(acc_dtype(logits.dtype))
     m = x.amax(-1, keepdim=True) if x.shape[-1] > 0 else x.new_zeros(x.shape[:-1] + (1,))
     return (x - m) / temperature, m.squeeze(-1)
 
@@ -79,7 +77,7 @@ def backward(
     inv_t * (g_lp * (onehot - p) - g_ent * p * (log p + H)). p is recomputed from the shifted
     logits (the saved lse may have overflowed, see forward)."""
     V = logits.shape[-1]
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     z, _ = _shifted(logits, temperature)
     logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
     p = logp.exp()
@@ -193,7 +191,7 @@ def sampler_forward(
     without truncation (NaN / +inf logits, all -inf) give NaN, with the full kept set."""
     shape = labels.shape
     V = logits.shape[-1]
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     x = logits.to(acc).reshape(-1, V)
     lab = labels.reshape(-1)
     N = lab.numel()
@@ -285,7 +283,7 @@ def sampler_backward(
     outside K, and no log-prob term for a label outside K. q is recomputed relative to the row max
     (the saved lse may have overflowed). inv_temperature: per-token 1 / T with labels.shape."""
     V = logits.shape[-1]
-    acc = _acc(logits.dtype)
+    acc = acc_dtype(logits.dtype)
     x = logits.to(acc)
     it = inv_temperature.to(acc).unsqueeze(-1)
     j = torch.arange(V, device=x.device)

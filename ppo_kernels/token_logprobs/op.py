@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import _backend
-from .._checks import check_labels_in_range
+from .._checks import check_devices, check_labels_in_range
+from .._math import acc_dtype
 from . import naive
 
 OP = _backend.register_op(
@@ -53,7 +54,7 @@ def _(logits, labels, inv_temperature, ignore_index, with_entropy):
         ignore_index,
         with_entropy,
     )
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)
 
 
@@ -142,11 +143,21 @@ def _(
 
 
 # ---- the registered ops' fake kernels and triton / eager implementations (the op's schemas) ----
+# The fakes check devices as the C++ checks do: a meta tensor sends a call to its fake whatever
+# the other arguments' devices.
+
+
+def _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy):
+    check_devices(
+        "logits", logits, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, labels=labels,
+        lse=lse, entropy=entropy,
+    )  # fmt: skip
 
 
 @_backend.fake("token_logprobs")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
-    out = _backend.out_dtype(logits)
+    check_devices("logits", logits, labels=labels)
+    out = acc_dtype(logits.dtype)
     lp = logits.new_empty(labels.shape, dtype=out)
     ent = logits.new_empty(labels.shape if with_entropy else (0,), dtype=out)
     return lp, ent, logits.new_empty(labels.shape, dtype=out)
@@ -154,16 +165,18 @@ def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward)
 
 @_backend.fake("token_logprobs_backward")
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy)
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 @_backend.fake("token_logprobs_backward_")
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy)
     return None
 
 
 def _register(backend: str):
-    # the kernels looked up per call: a test may swap one (tests/test_batch_invariance.py)
+    # the kernels looked up per call: a test may swap one (tests/ops/test_batch_invariance.py)
     impls_f, impls_b = forward.impls, backward.impls
 
     @_backend.impl("token_logprobs", backend)
@@ -191,10 +204,11 @@ _register("eager")
 # is never written into the logits there).
 @_backend.fallback("token_logprobs")
 def _(logits, labels, temperature, ignore_index, with_entropy, inplace_backward):
+    check_devices("logits", logits, labels=labels)
     if logits.device.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
     lp, ent, lse = naive.forward(logits, labels, temperature, ignore_index, with_entropy)
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return lp.to(out), ent.to(out), lse.to(out)
 
 
@@ -286,7 +300,7 @@ def _(logits, labels, inv_temperature, inv_temperatures, top_k, top_ks, top_p, t
         labels,
         *params,
     )  # fmt: skip
-    out = _backend.out_dtype(logits)
+    out = acc_dtype(logits.dtype)
     return tuple(o.to(out) if o.is_floating_point() else o for o in outs)
 
 
@@ -356,7 +370,9 @@ def _sampler_kernel_args(labels, temperature, temperatures, top_ks, top_ps, min_
 def _(logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
       sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
       with_is_argmax):  # fmt: skip
-    out = _backend.out_dtype(logits)
+    check_devices("logits", logits, labels=labels, temperatures=temperatures, top_ks=top_ks,
+                  top_ps=top_ps, min_ps=min_ps)  # fmt: skip
+    out = acc_dtype(logits.dtype)
     shape = labels.shape
 
     def rows(on, dtype=out):
@@ -381,6 +397,8 @@ def _(logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, m
 @_backend.fake("token_logprobs_sampler_backward")
 def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, cut, cut_index, temperature,
       temperatures, ignore_index):  # fmt: skip
+    _check_backward_devices(grad_logprobs, grad_entropy, logits, labels, lse, entropy)
+    check_devices("logits", logits, cut=cut, cut_index=cut_index, temperatures=temperatures)
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -439,6 +457,8 @@ class _SamplerFallback(torch.autograd.Function):
 
 @_backend.fallback("token_logprobs_sampler")
 def _(logits, labels, *args):
+    check_devices("logits", logits, labels=labels, temperatures=args[1], top_ks=args[3],
+                  top_ps=args[5], min_ps=args[7])  # fmt: skip
     if logits.device.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, logits.shape[-1], args[9])
     return _SamplerFallback.apply(logits, labels, args)

@@ -6,7 +6,7 @@ ops (`python -m ppo_kernels train --help`).
 - models.py   Actor / Reference / Critic / reward model on transformers models
 - rollout.py  sampling in the multi-turn tool environment; batches with action masks
 - ops.py      every per-token computation: the fused op, or the eager code trainers run today
-- algos.py    SFT, evaluation, PPO / GRPO steps, reward-model training, DPO
+- algos/      one module per algorithm: SFT, evaluation, PPO / GRPO, reward model, DPO
 - job.py      `run(cfg)`: one job end to end (SFT warm-up, training, evaluation, summary)
 - checkpoint.py  the SFT cache, the resumable checkpoint (--resume), the reward model file
 - report.py   metrics.jsonl / metrics.csv, curves.png, the --compare table and closing notes

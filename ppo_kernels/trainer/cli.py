@@ -101,9 +101,12 @@ def _compare(argv, cfg, summary) -> int:
         "-m",
         "ppo_kernels",
         "train",
-        *_without(argv, {"--ops", "--out", "--compare", "--sft-cache", "--resume"}),
+        *_without(argv, {"--ops", "--out", "--compare", "--sft-cache", "--resume", "--threads"}),
         "--ops",
         other,
+        # the first run's threads (--threads 0 chooses from the load, which this run changed)
+        "--threads",
+        str(summary["torch_threads"]),
         "--out",
         other_out,
         "--sft-cache",

@@ -28,16 +28,19 @@ class TrainConfig:
     out: str = _f("out/train", "output directory (metrics.jsonl, summary.json, plot, checkpoints)")
     device: str = _f("cpu", "cpu | cuda | cuda:N")
     seed: int = _f(0, "random seed (same seed: same run)")
-    threads: int = _f(0, "torch CPU threads (0: leave torch's default)")
+    threads: int = _f(
+        0,
+        "torch CPU threads (0: torch's default less the cores the load average says are busy, "
+        "at least 1)",
+    )
     keep_heap: bool = _f(
         True,
         "on the CPU (glibc): malloc keeps freed memory for reuse (no mmap per large tensor, no "
         "trimming) instead of returning it to the OS and faulting it in again every step",
     )
     # 100: the default PPO demo's fused run is meant to gain at least +0.3 eval reward (README
-    # "Measured: ... --compare"); it gained +0.29 in 40 steps, +0.34 / +0.305 / +0.29 in 60 (the
-    # runs differ like seeds once their last bits part), +0.35 in 80, +0.335 in 100; after the
-    # linear_policy_loss row loop (other float32 roundings) +0.265 in 80, +0.37 in 100
+    # "Measured: ... --compare"); fewer steps fell short of it on some runs (the runs differ like
+    # seeds once their last bits part): bench/results/demo_2026-12-04b.md
     steps: int = _f(100, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
     dist: str = _f(
         "ddp",
@@ -46,7 +49,9 @@ class TrainConfig:
         "one process: ignored",
         choices=("ddp", "fsdp2"),
     )
-    progress: bool = _f(True, "progress bar")
+    progress: bool = _f(
+        True, "progress bars on a terminal (output to a file: a line per phase or step instead)"
+    )
     plot: bool = _f(True, "write DIR/curves.png")
     # -- model --------------------------------------------------------------------------------
     model: Optional[str] = _f(None, "local transformers causal LM (dir) instead of the tiny one")
@@ -189,6 +194,8 @@ class TrainConfig:
         for name in ("logprob_micro_batch", "micro_batch"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0 (0: one pass), got {getattr(self, name)}")
+        if self.threads < 0:
+            bad("threads", f"must be >= 0 (0: chosen from the idle cores), got {self.threads}")
         for name in ("gamma", "lam", "p_tool", "p_format"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 bad(name, f"must be in [0, 1], got {getattr(self, name)}")

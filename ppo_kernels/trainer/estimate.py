@@ -17,23 +17,23 @@ import time
 import torch
 
 from .config import TrainConfig
+from .first_run import load_note
 
-# Seconds of the default job's phases on one machine, one torch thread (only their ratios to
-# the SFT step are used): a mean SFT step with either ops, a mean PPO step with either ops (64
-# responses: sampling, scoring, 2 epochs x 2 minibatches) and one held-out evaluation (200
-# prompts). From a `--compare` run of the defaults at load ~3 (README's earlier 40-step table: SFT
-# 2.4 min / 800 steps; PPO steps 1.94 s fused, 4.26 s eager, CPU time); the eager SFT step (1.44x
-# the fused one) and the evaluation (~21 SFT steps, more for the longer responses of a warmed-up
-# model) measured here.
+# Seconds of the default job's phases on one reference machine, one torch thread (only their
+# ratios to the SFT step are used): a mean SFT step with either ops, a mean PPO step with either
+# ops (64 responses: sampling, scoring, 2 epochs x 2 minibatches) and one held-out evaluation
+# (200 prompts). From a `--compare` run of the defaults (the README's "--compare" table); the
+# eager SFT step and the evaluation (more for the longer responses of a warmed-up model) timed
+# on the same machine.
 REF = {
     "sft_step": {"fused": 0.18, "eager": 0.26},
     "rl_step": {"fused": 1.94, "eager": 4.26},
     "eval": 8.0,
 }
 REF_RESPONSES, REF_EVAL_PROMPTS = 64, 200
-# the range around probe x ratio: the probe's median step was within ~10% of the mean of 150 SFT
-# steps here, the ratios carry the spread of runs of other days and loads; the upper end leaves
-# room for the load to rise during a run of several minutes
+# the range around probe x ratio: the probe's median step lands near the mean of a long SFT run,
+# the ratios carry the spread of runs at other loads; the upper end leaves room for the load to
+# rise during a run of several minutes
 SPREAD = (0.8, 1.5)
 PROBE_STEPS = 3
 
@@ -41,13 +41,13 @@ PROBE_STEPS = 3
 def probe_sft_step(cfg: TrainConfig, actor, tok, task, ops_mode: str) -> float:
     """Median wall seconds of one SFT step of `cfg` here and now: PROBE_STEPS steps after an
     untimed first one, on a copy of `actor`."""
-    from . import algos
+    from .algos.sft import sft
     from .ops import Ops
 
     stamps = []
     probe_cfg = dataclasses.replace(cfg, sft_steps=PROBE_STEPS + 1)
     with torch.random.fork_rng(devices=[]):
-        algos.sft(
+        sft(
             probe_cfg,
             copy.deepcopy(actor),
             tok,
@@ -82,8 +82,9 @@ def _span(lo: float, hi: float) -> str:
     return f"{lo:{spec}}-{hi:{spec}} min"
 
 
-def format_estimate(phases: list, probe: float, sft_cached: bool) -> str:
-    """One line: each phase as a range (SPREAD around its estimate), then the total."""
+def format_estimate(phases: list, probe: float, sft_cached: bool, note: str = "") -> str:
+    """One line: each phase as a range (SPREAD around its estimate), then the total; a `note`
+    (first_run.load_note: the machine is busy) on a line of its own."""
     lo, hi = SPREAD
     parts = [f"{name} {_span(lo * s, hi * s)}" for name, s in phases]
     if sft_cached:
@@ -91,13 +92,15 @@ def format_estimate(phases: list, probe: float, sft_cached: bool) -> str:
     elif phases and phases[0][0] == "SFT warm-up":
         parts[0] += " (cached for later runs)"
     total = sum(s for _, s in phases)
-    return (
+    line = (
         f"phase times from a {PROBE_STEPS}-step probe of this machine ({probe:.2f} s per SFT "
         f"step now): " + ", ".join(parts) + f"; in all {_span(lo * total, hi * total)}"
     )
+    return line + (f"\n{note}" if note else "")
 
 
 def estimate(cfg: TrainConfig, actor, tok, task, runs: list[str], sft_to_run: bool) -> str:
     probe = probe_sft_step(cfg, actor, tok, task, cfg.ops)
     sft_cached = not sft_to_run and cfg.sft_steps > 0
-    return format_estimate(phase_seconds(cfg, probe, runs, sft_to_run), probe, sft_cached)
+    phases = phase_seconds(cfg, probe, runs, sft_to_run)
+    return format_estimate(phases, probe, sft_cached, load_note())

@@ -30,7 +30,9 @@ from .task import DecimalAdditionTask
 
 
 def _progress(cfg, total, desc):
-    if not cfg.progress:
+    """A progress bar on a terminal; None otherwise (a log file gets the phases' lines instead of
+    a carriage-return update per step)."""
+    if not cfg.progress or not sys.stdout.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -43,7 +45,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=N
     """The SFT-warmed Actor (cached on disk: fused and eager runs start from the same one).
     `before_sft(actor, tok, task, sft_to_run)`: called once the Actor is built (the CLI's
     estimate)."""
-    from . import algos
+    from .algos.sft import sft
     from .models import load_actor
 
     actor, tok = load_actor(cfg)
@@ -59,7 +61,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=N
         return actor, tok, 0.0
     t0 = time.perf_counter()
     bar = _progress(cfg, cfg.sft_steps, "SFT warm-up")
-    algos.sft(
+    sft(
         cfg,
         actor,
         tok,
@@ -103,12 +105,33 @@ def _check_data_parallel(cfg: TrainConfig, w: int):
             )
 
 
+def auto_threads() -> tuple[int, str]:
+    """(torch threads, why) for --threads 0: torch's default (its physical cores, or
+    OMP_NUM_THREADS / torchrun's choice when set) less the cores other processes keep busy (the
+    1-minute load average, rounded), at least 1. An OpenMP region waits for its slowest thread:
+    with more threads than idle cores every step waits on threads the OS has descheduled, and a
+    busy 2-core machine ran the tiny model's steps many times slower with 2 threads than with 1."""
+    default = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return default, "OMP_NUM_THREADS"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return default, "torch's default"
+    n = max(1, min(default, round(cores - load)))
+    return n, f"{cores} cores, load average {load:.1f}"
+
+
 def keep_heap() -> bool:
     """glibc malloc: no mmap for large blocks and no trimming, so the tensors freed after a step
-    are reused by the next instead of being unmapped and page-faulted in again (measured on the
-    2-core CPU, 6 eager PPO steps: 20.6 s of 50.5 s were system time, 9.2M minor faults; with
-    this 1.2 s of 29.2 s, 0.4M, at 15% more peak RSS). Both --ops alike. Returns whether it
-    applied (not on other C libraries)."""
+    are reused by the next instead of being unmapped and page-faulted in again: without it,
+    system time (minor faults) was a large share of an eager PPO step, for a modest rise of the
+    peak RSS (README, the trainer's timings). Both --ops alike. Returns whether it applied (not
+    on other C libraries)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
@@ -130,6 +153,10 @@ class _Run:
         self.t_start = time.perf_counter()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        else:
+            n, why = auto_threads()
+            torch.set_num_threads(n)
+            self.log(f"torch threads: {n} ({why}; --threads N to choose)")
         if cfg.keep_heap and torch.device(cfg.device).type == "cpu":
             keep_heap()
         torch.manual_seed(cfg.seed)
@@ -202,9 +229,9 @@ class _Run:
             self.cpu_times.append(time.process_time() - c0)
 
     def evaluate(self, actor, tok, problems, seed, when):
-        from . import algos
+        from .algos.evaluate import evaluate
 
-        r, tu = algos.evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
+        r, tu = evaluate(self.cfg, actor, tok, self.task, problems, seed, group=self.group)
         self.summary.update({f"eval_reward_{when}": r, f"eval_tool_use_{when}": tu})
         self.log(
             f"eval {when}: reward {r:.3f} (tool use {tu:.2f}) on {len(problems)} held-out prompts"
@@ -263,7 +290,7 @@ def _train_problems(cfg, task, held_out):
 def _rl_models(r: _Run, actor, tok):
     """(critic, reward_model) for PPO / GRPO: a Critic from the Actor's backbone, or from the
     reward model (InstructGPT) when the reward is a trained RM."""
-    from . import algos
+    from .algos.rm import train_reward_model
     from .models import ValueModel, frozen_copy
 
     cfg = r.cfg
@@ -274,7 +301,7 @@ def _rl_models(r: _Run, actor, tok):
     if cfg.rm_path:
         rm = checkpoint.load_value_model(cfg.rm_path, cfg.device)
     else:
-        rm, a0, a1 = algos.train_reward_model(
+        rm, a0, a1 = train_reward_model(
             cfg,
             actor,
             tok,
@@ -292,12 +319,12 @@ def _rl_models(r: _Run, actor, tok):
 
 
 def _train_rl(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.ppo import RLTrainer
     from .models import frozen_copy
 
     cfg = r.cfg
     critic, reward_model = _rl_models(r, actor, tok)
-    trainer = algos.RLTrainer(
+    trainer = RLTrainer(
         cfg, actor, frozen_copy(actor), critic, tok, r.task, r.ops, reward_model, r.group
     )
     start = 0
@@ -340,10 +367,10 @@ def _on_step(r: _Run, phase: str):
 
 
 def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.dpo import train_dpo
 
     r.evaluate(actor, tok, eval_problems, eval_seed, "before")
-    policy = algos.train_dpo(
+    policy = train_dpo(
         r.cfg,
         actor,
         tok,
@@ -357,9 +384,9 @@ def _train_dpo(r: _Run, actor, tok, eval_problems, eval_seed):
 
 
 def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
-    from . import algos
+    from .algos.rm import train_reward_model
 
-    rm, a0, a1 = algos.train_reward_model(
+    rm, a0, a1 = train_reward_model(
         r.cfg,
         actor,
         tok,

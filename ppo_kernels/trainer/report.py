@@ -199,7 +199,7 @@ def closing_notes(a: dict, b: dict, rows_a: list, rows_b: list) -> str:
     paras.append(
         "Why the rewards part after the first steps: both runs sample with the same code and "
         "the same random numbers, and every per-token value agrees to float32 rounding (~1e-7: "
-        "the fused kernels sum in another order; tests/test_trainer_e2e.py holds two full steps "
+        "the fused kernels sum in another order; tests/trainer/test_e2e.py holds two full steps "
         "of both to rtol 1e-4). Through the optimiser steps those last-bit differences move the "
         "parameters apart until one changes a sampled token (one uniform per row against the "
         "token CDF); from there the rollouts differ and the two runs go on like two seeds of "

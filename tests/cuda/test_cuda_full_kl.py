@@ -4,8 +4,8 @@ temperature, strided rows at a misaligned offset, and rows with -inf / NaN entri
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, require
-from _utils import GRAD_TOL, TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, require
+from support.utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend

@@ -4,8 +4,8 @@ per-token gamma and lam, carries in and out) and one packed row of 4,194,304 tok
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, require
-from _utils import SCAN_TOL, SUM_SCAN_TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, require
+from support.utils import SCAN_TOL, SUM_SCAN_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend

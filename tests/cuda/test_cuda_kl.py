@@ -4,8 +4,8 @@ and clamp preset, forward and gradient, log-ratios up to 40 (clamps and overflow
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, close, require
-from _utils import GRAD_TOL, TOL, poisoned
+from support.gpu import DEVICE, MARKS, close, require
+from support.utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend

@@ -5,8 +5,9 @@ bias, temperature, and the production size H=4096, V=152064."""
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, close_scaled, require
-from _utils import GEMM_GRAD_TOL, GEMM_TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, close_scaled, require
+from support.skips import need
+from support.utils import GEMM_GRAD_TOL, GEMM_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
@@ -103,7 +104,7 @@ def test_input_logits_dtype_matches_materialised(backend, budget):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_lm_logprobs_tiny_qwen2(backend):
     """causal_lm_logprobs on a small random Qwen2 against the float64 log-softmax of its logits."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     require(OP, backend)
     cfg = transformers.Qwen2Config(
         vocab_size=1001,

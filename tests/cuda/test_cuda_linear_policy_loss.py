@@ -9,12 +9,14 @@ V=152064, and a CUDA-graph capture of forward + backward (no host sync)."""
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, graph_replay, require
-from _utils import GEMM_TOL, poisoned
-from test_linear_policy_loss import _reference  # autograd of the float64 reference, any device
+from support.gpu import DEVICE, MARKS, big, close, graph_replay, require
+from support.utils import GEMM_TOL, load_test_file, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
+
+# autograd of the float64 reference, any device
+_reference = load_test_file("ops/test_linear_policy_loss.py")._reference
 
 pytestmark = MARKS
 OP = "linear_policy_loss"
@@ -150,7 +152,7 @@ def test_exact_kl_against_a_reference_head(backend, budget, opts):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("N", [big(2048)])
 def test_production_width(backend, N, logits_dtype):
-    """H=4096, V=152064 in bf16 (the issue's width and vocabulary; 2048 tokens), the default
+    """H=4096, V=152064 in bf16 (a large model's width and vocabulary; 2048 tokens), the default
     chunk budget, against the float64 reference on the GPU."""
     require(OP, backend)
     x = _inputs(N=N, H=4096, V=152064, dtype=torch.bfloat16, bias=False, T=256)

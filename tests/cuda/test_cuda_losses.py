@@ -6,8 +6,8 @@ and a CUDA-graph capture of the policy loss's forward and backward (no host sync
 
 import pytest
 import torch
-from _gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
-from _utils import GRAD_TOL, TOL, poisoned
+from support.gpu import DEVICE, MARKS, big, close, close_scaled, graph_replay, require
+from support.utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
@@ -94,19 +94,19 @@ def test_group_advantages(backend, Bg):
         close(pk.rloo_advantages(s, idx), GR.group_advantages(s, idx, kind="rloo"), **tol)
 
 
-# The H200 run of 2026-11-30 saw the forward + backward capture fail ("operation failed due to a
-# previous error during capture") with no sync found: the parts are captured separately too, so
-# the next GPU run says which part breaks it (the forward alone, autograd.grad through the
-# registered backward, or one of the two aggregations). Since then the op is defined in C++ (no
-# Python custom op, and the backward is a C++ autograd node calling the backward op); not yet
-# rerun on a GPU.
+# The first GPU run (bench/results/gpu_2026-11-30_H200.md) saw the forward + backward capture fail
+# ("operation failed due to a previous error during capture") with no sync found: the parts are
+# captured separately too, so the next GPU run says which part breaks it (the forward alone,
+# autograd.grad through the registered backward, or one of the two aggregations). Since then the op
+# is defined in C++ (no Python custom op, and the backward is a C++ autograd node calling the
+# backward op); not yet rerun on a GPU.
 @pytest.mark.parametrize("mode", ["global", "thread_local"])
 @pytest.mark.parametrize(
     "part", ["forward+backward", "forward", "backward-token-mean", "backward-seq-mean"]
 )
 def test_policy_loss_cuda_graph(part, mode):
     """The policy loss, with device-side global denominators, captured in a CUDA graph: its
-    replay gives exactly the eager run's numbers. (The H200 run of 2026-11-30 saw the capture of
+    replay gives exactly the eager run's numbers. (The first GPU run saw the capture of
     forward+backward invalidated; the parts and the capture modes say where: the forward alone,
     the backward of one aggregation, or only calls from another thread than the capturing one.)"""
     require("ppo_policy_loss", "triton")
@@ -146,11 +146,11 @@ def test_policy_loss_cuda_graph(part, mode):
 
 
 def test_ppo_step_cuda_graph():
-    """The whole per-token step of a PPO update (tests/_step.py: kl_penalized_rewards, gae,
+    """The whole per-token step of a PPO update (tests/support/step.py: kl_penalized_rewards, gae,
     masked_whiten, both losses with device-side totals, autograd.grad of the sum) on the default
     CUDA backends, captured in one CUDA graph (warm-up under sync_debug_mode="error"); new inputs
     copied in place, then a replay gives the eager step's numbers on them."""
-    from _step import make_inputs, ppo_step
+    from support.step import make_inputs, ppo_step
 
     x = make_inputs(16, 1024, DEVICE)
     new = make_inputs(16, 1024, DEVICE, seed=1)

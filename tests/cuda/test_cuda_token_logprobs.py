@@ -4,8 +4,8 @@ a CUDA-graph capture (no host sync on the path)."""
 
 import pytest
 import torch
-from _gpu import DEVICE, DRY_RUN, MARKS, big, close, close_scaled, graph_replay, require
-from _utils import GRAD_TOL, TOL, poisoned
+from support.gpu import DEVICE, DRY_RUN, MARKS, big, close, close_scaled, graph_replay, require
+from support.utils import GRAD_TOL, TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend

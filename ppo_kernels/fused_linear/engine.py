@@ -1,0 +1,329 @@
+"""The chunk loop every loss from hidden states runs on: one pass over row blocks of the hidden
+states, each block's logits tile h W^T (+ b) computed once (tiler.py, planned by planner.py) and
+reduced at once, the logits gradient formed in the same pass from per-token coefficients, then
+the two gradient GEMMs -- "3 GEMMs", the logits never built whole.
+
+Two pieces plug into the loop:
+
+- a **head term** (`HeadTerm`): what the loss makes of each token's statistics. Per block it
+  receives the log-probs, entropy and log-sum-exp of its tokens (and, with a reference head, the
+  exact KL against it), stores what it reports, and returns the coefficients of the gradient:
+  dL/dlogprob, dL/dentropy and dL/dKL per token. linear_policy_loss's head is
+  linear_policy_loss/head.py; linear_token_logprobs's backward is the trivial head whose
+  coefficients are the upstream gradients.
+- a **vocabulary reduction** (`WholeVocab` here; `vocab_chunks.VocabChunks` for tiles of
+  vocabulary chunks; the vocab-parallel forms' shard reductions in ppo_kernels/distributed/):
+  how a block's statistics come out of its tile(s) and how its gradient tile is made and
+  multiplied into the gradients.
+
+A head term whose coefficients need statistics of more than a block (a sequence longer than a
+block, a batch statistic) asks for two passes: the first computes the log-probs only (one GEMM
+per block), the head then forms every coefficient, and the second pass makes the gradient tiles
+(4 GEMMs instead of 3).
+
+Batch-invariant mode: the blocks come from planner.plan_invariant and the tiler pads each to the
+plan's rows; per-token tensors handed to the head are padded the same way (`Block.pad`), so that
+a token's statistics never depend on the rest of the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._math import acc_dtype
+from .planner import Plan, _resolve_budget, plan_chunks, plan_invariant
+from .tiler import Tiler
+
+
+def plan_rows(
+    hidden: Tensor, V: int, logits_dtype: str, max_chunk_bytes: int, share: int = 1, fused=True
+) -> Plan:
+    """The row plan with whole-vocabulary tiles (at least one row per block) within 1 / share of
+    the budget (share tiles side by side); in batch-invariant mode plan_invariant (the call's N
+    and max_chunk_bytes play no part). fused=False: input-dtype tiles get a float32 copy (the
+    per-chunk tile kernels of a vocabulary shard)."""
+    N, H = hidden.shape
+    dt, dev = hidden.dtype, hidden.device
+    if _backend.invariant():
+        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, fused, budget_share=share)
+    else:
+        budget = max(1, _resolve_budget(max_chunk_bytes, dev) // share)
+        p = plan_chunks(N, V, H, dt, dev.type, budget, "rows", logits_dtype, fused=fused)
+    return p if p.vocab == V else dataclasses.replace(p, vocab=V)
+
+
+def fused_backend(hidden, backend: str) -> str | None:
+    """The backend ("cpp" or "triton") whose token_logprobs kernels reduce whole-vocabulary tiles
+    in one pass each when the op runs on `backend`, or None: the per-chunk tile kernels do (eager,
+    float64)."""
+    if hidden.dtype == torch.float64:
+        return None
+    if backend == "triton":
+        return backend
+    if backend == "cpp" and _backend.has_compiled_kernel("token_logprobs_fwd", hidden.device.type):
+        return backend
+    return None
+
+
+def pad_to(t: Tensor | None, n: int) -> Tensor | None:
+    """t with its leading dimension zero-padded to n rows (batch-invariant mode)."""
+    if t is None or t.shape[0] == n:
+        return t
+    out = t.new_zeros((n,) + tuple(t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+class WholeVocab:
+    """The reduction of a tile that holds the whole vocabulary: the token_logprobs kernels give
+    the row statistics and turn the tile into its gradient; the full_kl kernels give the exact KL
+    against a reference tile and its gradient. The kernels are handed in by the registered op
+    (`tl`: token_logprobs' forward / backward; `ref`: what a reference (or teacher) tile beside
+    the policy tile gives -- `fwd(z, zr, labels) -> tuple of per-row tensors` and
+    `bwd(g, z, zr, stats, out) -> out`, the policy tile's gradient of `g * stats[0]` per row,
+    or None when the reference tile adds no gradient). A vocabulary shard's reduction (the
+    vocab-parallel form) overrides `stats` and `grad`."""
+
+    fused = True  # the fused whole-vocabulary kernels reduce the tiles (planned as such)
+    partial = False  # grad_hidden is a partial sum (reduced by the caller, kept in float32)
+    rows = None  # the plan's rows per block (a shard: the rows common to every rank)
+
+    def __init__(self, backend: str, temperature: float, ignore_index: int, tl, ref=None):
+        self.backend, self.inv_t, self.ii = backend, 1.0 / temperature, ignore_index
+        self.fwd, self.bwd = tl
+        self.ref_fwd, self.ref_bwd = ref if ref is not None else (None, None)
+        self.z = self.zr = None
+
+    @property
+    def tiler_fused(self):
+        """What the Tiler is told of the kernels that reduce its whole-vocabulary tiles."""
+        return self.backend if self.fused else False
+
+    def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
+        """The block's tile (and the reference tile), kept for block_grad, and `stats`."""
+        V = tiler.W.shape[0]
+        self.z = tiler.logits(hc, 0, V)
+        self.zr = rtiler.logits(rtiler.rows(r0, r1), 0, V) if rtiler is not None else None
+        return self.stats(tiler, self.z, self.zr, lc, with_entropy)
+
+    def stats(self, tiler, z, zr, lc, with_entropy):
+        """(logprobs, entropy, lse, the reference tile's statistics or None) of a row block from
+        its logits tile z (and the reference head's zr, or None)."""
+        lp, ent, lse = self.fwd(z, lc, self.inv_t, self.ii, with_entropy)
+        return lp, ent, lse, (None if zr is None else self.ref_fwd(z, zr, lc))
+
+    def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
+        """The block's gradient tile from the coefficients (glp, gent, g_full) and the
+        statistics st (lp, ent, lse, klt), multiplied into ghc, gW, gb. The tile of block_stats
+        is consumed (or computed here when the statistics were given)."""
+        glp, gent, g_full = coefs
+        _, ent, lse, klt = st
+        z, zr = self.z, self.zr
+        self.z = self.zr = None
+        if z is None:
+            z = tiler.logits(hc, 0, tiler.W.shape[0])
+        gk = None
+        if g_full is not None:
+            gk = self.ref_bwd(g_full, z, zr, klt, gk_buf[: z.numel()].view(z.shape))
+        tiler.softcap_grad(z)
+        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None)
+        if gk is not None:
+            g += gk
+        tiler.apply_softcap_grad(g)
+        tiler.grad_matmuls(g, hc, 0, z.shape[1], ghc, gW, gb)
+
+    def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
+        """The tile's gradient d(sum(glp * lp + gent * ent)) / dz (z is consumed); alone: no
+        other term is added to it (Triton may then round it to the input dtype as it stores)."""
+        g = tiler.grad_tile(z, rounds_on_store=self.backend == "triton" and alone)
+        self.bwd(z, glp, gent, lc, lse, ent if gent is not None else lse, self.inv_t, self.ii, g)
+        return g
+
+
+class Block(NamedTuple):
+    """One row block as a head term sees it: rows r0:r1 of the call and its tokens' statistics,
+    padded to the tile's rows in batch-invariant mode (`pad` pads a per-token tensor alike)."""
+
+    r0: int
+    r1: int
+    lp: Tensor
+    ent: Tensor
+    lse: Tensor
+    kl: tuple | None  # (kl, lse_z, lse_w) against the reference head
+    pad: object
+
+
+class HeadTerm:
+    """What a fused-linear loss adds to the loop (these defaults: no loss, one pass, every block
+    as the planner cut it). A subclass overrides:
+
+    - `step(rows, T)`: rows per block of the one-pass loop (e.g. whole sequences of T tokens);
+    - `passes(rows, T)`: 2 when a coefficient needs statistics beyond a block;
+    - `after_first_pass(lp)`: with every token's log-prob (flat [N]), before the second pass;
+    - `coefficients(block)`: the block's (dL/dlogprob, dL/dentropy, dL/dKL) per token, each a
+      tensor of the block's (padded) rows or None, after storing what the loss reports;
+      the gradient tile follows from them;
+    - `with_entropy`: whether the reduction computes the entropy;
+    - `given(r0, r1, pad)`: (entropy, lse) of a block known before the loop (a backward of saved
+      statistics: no reduction runs), or None (the default: the reduction computes them).
+    """
+
+    with_entropy = True
+
+    def given(self, r0: int, r1: int, pad):
+        return None
+
+    def step(self, rows: int, T: int) -> int:
+        return rows
+
+    def passes(self, rows: int, T: int) -> int:
+        return 1
+
+    def after_first_pass(self, lp: Tensor) -> None:
+        pass
+
+    def coefficients(self, block: Block):
+        return None, None, None
+
+
+class StoreStats(HeadTerm):
+    """linear_token_logprobs' forward: each token's statistics stored, no gradient."""
+
+    def __init__(self, with_entropy: bool):
+        self.with_entropy = with_entropy
+
+
+class GivenGrads(HeadTerm):
+    """A backward of saved statistics (lse, entropy [N]): the coefficients are given gradients
+    (dL/dlogprob, dL/dentropy [N] or None), as linear_token_logprobs' backward has them."""
+
+    def __init__(self, grad_logprobs, grad_entropy, lse, entropy):
+        self.glp, self.gent, self.lse, self.ent = grad_logprobs, grad_entropy, lse, entropy
+
+    def given(self, r0, r1, pad):
+        return (None if self.gent is None else pad(self.ent[r0:r1])), pad(self.lse[r0:r1])
+
+    def coefficients(self, blk):
+        r0, r1, pad = blk.r0, blk.r1, blk.pad
+        gent = None if self.gent is None else pad(self.gent[r0:r1])
+        return pad(self.glp[r0:r1]), gent, None
+
+
+@dataclasses.dataclass
+class Head:
+    """The LM head of one call: hidden [N, H], weight [V, H], bias [V] or None, labels [N]
+    (flat), and the tokens per sequence (rows are sequences of T tokens)."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    labels: Tensor
+    T: int = 1
+    # the order the loop walks the rows in (int64 [N], a permutation), or None: 0..N-1. A loss
+    # whose coefficient ties rows that are far apart (a preference pair: chosen row i, rejected
+    # row i + P) walks them side by side; the block positions r0:r1 the head term sees are
+    # positions in this order, the hidden gradient rows are put back in place.
+    order: Tensor | None = None
+
+
+def run(
+    head: HeadTerm,
+    vocab,
+    lm: Head,
+    plan: Plan,
+    *,
+    ref: tuple | None = None,
+    ref_plan: Plan | None = None,
+    softcap: float | None = None,
+    need: tuple[bool, bool, bool] = (False, False, False),
+    lp_out: Tensor | None = None,
+    ent_out: Tensor | None = None,
+    lse_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The loop over row blocks of `plan`: per block the tile(s) and their statistics (stored
+    into lp_out / ent_out / lse_out, flat [N] views, where given), the head term's
+    coefficients, the gradient tile and its GEMMs (`vocab`: the reduction, `WholeVocab` or
+    vocab_chunks.VocabChunks). ref: (ref_hidden, ref_weight, ref_bias) of the reference head,
+    planned by ref_plan (its tile beside the policy tile, no gradient), or None. need: which of
+    grad_hidden, grad_weight, grad_bias to form. Returns them (empty tensors where not needed;
+    grad_hidden in hidden's dtype, or float32 partial sums when the reduction says so;
+    grad_weight / grad_bias float32)."""
+    hidden, weight, bias, labels = lm.hidden, lm.weight, lm.bias, lm.labels
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    acc = acc_dtype(hidden.dtype)
+    need_h, need_w, need_b = need
+    need_b = need_b and bias is not None
+    gh_dtype = acc if vocab.partial else hidden.dtype
+    gh_out = _backend.new_output((N, H) if need_h else (0,), gh_dtype, dev)
+    gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
+    any_grad = need_h or need_w or need_b
+    order = lm.order
+    if order is not None:
+        labels = labels[order]
+    tiler = Tiler(
+        hidden, weight, bias, plan, vocab.tiler_fused, backward=any_grad, softcap=softcap,
+        order=order,
+    )  # fmt: skip
+    pad = tiler.pad  # batch-invariant mode: per-token tensors of a block to the tile's rows
+    rtiler = gk_buf = None
+    if ref is not None:
+        rtiler = Tiler(*ref, ref_plan, vocab.backend, softcap=softcap, order=order)
+        gk_buf = torch.empty(
+            tiler.max_rows * V if any_grad else 0,
+            dtype=tiler.buf_in.dtype if plan.input_tiles else acc,
+            device=dev,
+        )
+    ii = vocab.ii
+    gh = torch.empty((tiler.max_rows, H) if need_h else (0,), dtype=acc, device=dev)
+    T = lm.T
+    two_pass = head.passes(plan.rows, T) == 2
+    if two_pass:
+        # first pass: the log-probs of every row (one GEMM per block), then every coefficient
+        for r0 in range(0, N, plan.rows):
+            r1 = min(N, r0 + plan.rows)
+            hc, lc = tiler.rows(r0, r1), pad(labels[r0:r1], ii)
+            lp_out[r0:r1] = vocab.block_stats(tiler, hc, None, r0, r1, lc, False)[0][: r1 - r0]
+        head.after_first_pass(lp_out)
+        step = plan.rows
+    else:
+        step = head.step(plan.rows, T)
+
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        n = r1 - r0
+        # (in batch-invariant mode every per-token tensor below has the tile's rows: padded)
+        hc, lc = tiler.rows(r0, r1), pad(labels[r0:r1], ii)
+        given = head.given(r0, r1, pad)
+        if given is None:
+            st = vocab.block_stats(tiler, hc, rtiler, r0, r1, lc, head.with_entropy)
+            lp, ent, lse, _ = st
+            if ent_out is not None:
+                ent_out[r0:r1] = ent[:n]
+            if lse_out is not None:
+                lse_out[r0:r1] = lse[:n]
+            if two_pass:
+                lp = pad(lp_out[r0:r1])  # the first pass's (the same rows: the same values)
+                st = (lp, *st[1:])
+            elif lp_out is not None:
+                lp_out[r0:r1] = lp[:n]
+        else:
+            st = (None, *given, None)
+        coefs = head.coefficients(Block(r0, r1, *st, pad))
+        if not any_grad:
+            continue
+        ghc = gh[: hc.shape[0]].zero_() if need_h else gh
+        vocab.block_grad(tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb)
+        if need_h:
+            if order is None:
+                gh_out[r0:r1] = ghc[:n]
+            else:
+                gh_out.index_copy_(0, order[r0:r1], ghc[:n].to(gh_out.dtype))
+    return gh_out, gW, gb

@@ -1,0 +1,41 @@
+"""What the algorithms share: prompts as token ids, the optimiser, and the batches of preference
+pairs (the reward model's and DPO's data)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..rollout import SeqBatch, assemble, segments_to_tokens
+
+
+def prompt_tokens(tok, problems):
+    return [tok.encode(p.prompt, add_special_tokens=True) for p in problems]
+
+
+def adamw(params, lr, wd):
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad], lr=lr, weight_decay=wd, betas=(0.9, 0.95)
+    )
+
+
+def pairs_batch(tok, problems, segs_list, device) -> SeqBatch:
+    ids, masks = zip(*(segments_to_tokens(tok, s) for s in segs_list))
+    return assemble(
+        prompt_tokens(tok, problems), list(ids), list(masks), tok.pad_token_id, device=device
+    )
+
+
+def preference_data(cfg, tok, task, n, seed):
+    rng = random.Random(seed)
+    problems = [task.sample_problem(rng) for _ in range(n)]
+    pairs = [task.preference_pair(p, rng) for p in problems]
+    return problems, pairs
+
+
+def pair_batch(cfg, tok, problems, pairs, lo, hi) -> SeqBatch:
+    """Pairs lo..hi as one batch: the chosen responses, then the rejected ones."""
+    ps = problems[lo:hi]
+    both = [c for c, _ in pairs[lo:hi]] + [r for _, r in pairs[lo:hi]]
+    return pairs_batch(tok, ps + ps, both, cfg.device)

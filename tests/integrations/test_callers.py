@@ -1,0 +1,502 @@
+"""The peers' callers that want both log-probs and entropy of the same logits, patched vs unpatched
+on a tiny random-init Llama: verl 0.9's FSDPEngineWithLMHead.prepare_model_outputs, OpenRLHF
+0.11's Actor.forward (one token_logprobs pass for both), TRL 1.16's GRPO per-token path (already
+one fused LM head call). Outputs, dtypes and model gradients agree to the float32 tolerance of the
+per-function tests; the caller ran one fused pass and the per-function replacements were not
+called."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from support import BENCH
+from support.integration import ATOL, RTOL
+from support.peer_stubs import import_peer
+from support.skips import need
+
+import ppo_kernels as pk
+import ppo_kernels.integrations as pki
+
+sys.path.insert(0, BENCH)
+V = 48
+
+
+def _llama(seed=0):
+    need("transformers")
+    from e2e_trl import tiny_llama  # bench/
+
+    return tiny_llama(V, seed)
+
+
+@contextlib.contextmanager
+def _passes():
+    """The passes of our ops: ("logits", return_entropy) per ppo_kernels.token_logprobs call,
+    ("hidden", return_entropy) per linear_token_logprobs call."""
+    calls, real = [], (pk.token_logprobs, pk.linear_token_logprobs)
+
+    def counted(kind, fn):
+        def run(*a, **k):
+            calls.append((kind, bool(k.get("return_entropy", False))))
+            return fn(*a, **k)
+
+        return run
+
+    pk.token_logprobs = counted("logits", real[0])
+    pk.linear_token_logprobs = counted("hidden", real[1])
+    try:
+        yield calls
+    finally:
+        pk.token_logprobs, pk.linear_token_logprobs = real
+
+
+def _grads(model, outs):
+    model.zero_grad()
+    loss = sum(
+        (o.float() * torch.linspace(0.5, 1.5, o.numel()).reshape(o.shape)).sum()
+        for o in outs
+        if o.requires_grad
+    )
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _compare(peer, model, run, *, strict=True):
+    """run() -> output tensors. Unpatched, then patched: same outputs (dtype included) and model
+    gradients. Returns (report, the return_entropy flags of the token_logprobs calls)."""
+    ref = run()
+    gref = _grads(model, ref)
+    with pki.patched(peer, strict=strict), _passes() as calls:
+        got = run()
+        ggot = _grads(model, got)
+        rep = pki.report(peer)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(b.detach().double(), a.detach().double(), rtol=RTOL, atol=ATOL)
+    assert len(gref) == len(ggot) > 0
+    for a, b in zip(gref, ggot):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    return rep["functions"], calls
+
+
+def _one_pass(fns, caller, unfused, calls, kind="logits", entropy=True):
+    """The caller replaced once, one pass of our op (token_logprobs on the logits or
+    linear_token_logprobs on the hidden states), the per-function replacements of the two
+    unfused calls never reached."""
+    assert fns[caller]["replaced"] == 1 and fns[caller]["fallbacks"] == 0, fns[caller]
+    assert calls == [(kind, entropy)]
+    for name in unfused:
+        assert fns[name]["calls"] == 0, (name, fns[name])
+
+
+# ------------------------------------------------------------------ verl 0.9
+
+
+class _MicroBatch(dict):
+    """What verl's engine reads of its TensorDict micro-batch (tensordict is cluster-only)."""
+
+    @property
+    def batch_size(self):
+        return torch.Size([self["input_ids"].size(0)])
+
+
+@pytest.fixture(scope="module")
+def verl_engine():
+    ti = import_peer("verl.workers.engine.fsdp.transformer_impl")
+    tf = import_peer("verl.utils.torch_functional")
+    yield ti, tf
+    pki.revert("verl")
+
+
+VERL_CALLER = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs"
+VERL_UNFUSED = (
+    "verl.utils.torch_functional.logprobs_from_logits",
+    "verl.utils.torch_functional.entropy_from_logits",
+    "verl.utils.torch_functional.entropy_from_logits_with_chunking",
+)
+
+
+def _verl_setup(ti, tf, *, chunked=False, checkpointing=False, bucket=0):
+    eng = object.__new__(ti.FSDPEngineWithLMHead)
+    eng.engine_config = types.SimpleNamespace(
+        entropy_from_logits_with_chunking=chunked,
+        entropy_checkpointing=checkpointing,
+        entropy_from_logits_chunk_size=5,
+    )
+    # as FSDPEngine.__init__ captures it (without torch.compile)
+    eng.compute_entropy_from_logits = (
+        tf.entropy_from_logits_with_chunking if chunked else tf.entropy_from_logits
+    )
+    eng.pad_to_length, eng.pad_to_length_bucket = bucket > 0, bucket
+    eng.use_ulysses_sp = False
+    eng.module = _llama()
+    return eng
+
+
+def _verl_batch(temperature, **flags):
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 9, 3]
+    ids = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    nested = torch.nested.nested_tensor(ids, layout=torch.jagged)
+    pos = torch.nested.nested_tensor([torch.arange(n) for n in lens], layout=torch.jagged)
+    return _MicroBatch(
+        input_ids=nested, position_ids=pos, temperature=temperature, calculate_entropy=True, **flags
+    )
+
+
+def _verl_run(eng, mb):
+    """verl's FSDPEngineWithLMHead.forward_step without the FSDP / autocast / loss plumbing."""
+
+    def run():
+        inputs, args = eng.prepare_model_inputs(micro_batch=mb)
+        raw = eng.module(**inputs, use_cache=False)
+        out = eng.prepare_model_outputs(
+            output=raw, output_args=args, micro_batch=mb, logits_processor_func=None
+        )
+        return [out[k].values() for k in ("log_probs", "entropy") if k in out]
+
+    return run
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "per-sample"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_verl_prepare_model_outputs(verl_engine, temperature, chunked):
+    ti, tf = verl_engine
+    if temperature == "per-sample":
+        temperature = torch.tensor([0.6, 1.0, 1.3])
+    eng = _verl_setup(ti, tf, chunked=chunked, bucket=8)  # a packed-length pad of 7 tokens
+    fns, calls = _compare("verl", eng.module, _verl_run(eng, _verl_batch(temperature)))
+    _one_pass(fns, VERL_CALLER, VERL_UNFUSED, calls)
+    assert eng.compute_entropy_from_logits in (
+        tf.entropy_from_logits,
+        tf.entropy_from_logits_with_chunking,
+    )  # the engine's own attribute is back
+
+
+def test_verl_nothing_to_fuse(verl_engine):
+    """calculate_entropy=False: verl's code runs (its log-prob call still on our op)."""
+    ti, tf = verl_engine
+    eng = _verl_setup(ti, tf)
+    mb = _verl_batch(0.8)
+    mb["calculate_entropy"] = False
+    fns, calls = _compare("verl", eng.module, _verl_run(eng, mb))
+    assert fns[VERL_CALLER]["passed"] == 1 and fns[VERL_CALLER]["replaced"] == 0
+    assert fns["verl.utils.torch_functional.logprobs_from_logits"]["replaced"] == 1
+    assert calls == [("logits", False)]
+
+
+def test_verl_fallbacks(verl_engine):
+    ti, tf = verl_engine
+    eng = _verl_setup(ti, tf, checkpointing=True)
+    mb = _verl_batch(0.8)
+    run = _verl_run(eng, mb)
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="entropy_checkpointing"):
+        run()
+    fns, calls = _compare("verl", eng.module, run, strict=False)
+    s = fns[VERL_CALLER]
+    assert s["fallbacks"] == 1 and s["replaced"] == 0
+    assert "entropy_checkpointing" in next(iter(s["fallback_reasons"]))
+    assert fns["verl.utils.torch_functional.logprobs_from_logits"]["replaced"] == 1
+    eng = _verl_setup(ti, tf)
+    mb["use_remove_padding"] = False
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="'use_remove_padding'"):
+        _verl_run(eng, mb)()
+
+
+# ------------------------------------------------------------------ verl 0.9, use_fused_kernels
+
+VERL_KERNELS = {
+    "torch": "verl.utils.experimental.torch_functional.FusedLinearForPPO.forward",
+    "liger": "verl.utils.experimental.torch_functional.FusedLinearForPPO.forward",
+    "triton": "verl.utils.kernel.linear_cross_entropy.linear_cross_entropy",
+}
+
+
+def _verl_fused_engine(ti, tf, backend, **kw):
+    """The engine with its model's forward replaced by verl's fused-kernel forward for `backend`
+    (verl's own monkey patch, on a subclass so that other Llamas keep theirs)."""
+    mp = import_peer("verl.models.transformers.monkey_patch")
+    eng = _verl_setup(ti, tf, **kw)
+    eng.module.__class__ = type("TinyLlamaForPPO", (type(eng.module),), {})
+    mp.patch_forward_with_backends(
+        eng.module, use_fused_kernels=True, fused_kernels_backend=backend
+    )
+    return eng
+
+
+def _verl_fused_run(eng, temperature, remove_padding=True, fused=True):
+    mb = _verl_batch(temperature, use_fused_kernels=fused, use_remove_padding=remove_padding)
+    return _verl_run(eng, mb)
+
+
+def _outputs_and_grads(model, run):
+    out = run()
+    return [o.detach() for o in out], _grads(model, out)
+
+
+def _assert_close(ref, got):
+    for a, b in zip(ref[0] + ref[1], got[0] + got[1]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(b.double(), a.double(), rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "liger"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_verl_fused_kernels_forward(verl_engine, backend, temperature):
+    """use_fused_kernels=True through verl's engine (prepare_model_inputs, the model's fused
+    forward from verl.models.transformers.dense_common, prepare_model_outputs), each backend
+    patched: the same log-probs, entropy and model gradients as verl's own torch backend
+    unpatched (triton's kernels are CUDA-only) and as its unfused path; one linear_token_logprobs
+    pass, the logits never built (the forward has none to return)."""
+    ti, tf = verl_engine
+    ref_eng = _verl_fused_engine(ti, tf, "torch", bucket=8)
+    ref = _outputs_and_grads(ref_eng.module, _verl_fused_run(ref_eng, temperature))
+    plain = _verl_setup(ti, tf, bucket=8)  # the same weights, the Llama's own forward (logits)
+    unfused = _outputs_and_grads(plain.module, _verl_fused_run(plain, temperature, fused=False))
+    _assert_close(ref, unfused)
+    eng = _verl_fused_engine(ti, tf, backend, bucket=8)
+    with pki.patched("verl"), _passes() as calls:
+        got = _outputs_and_grads(eng.module, _verl_fused_run(eng, temperature))
+        fns = pki.report("verl")["functions"]
+    _assert_close(ref, got)
+    assert fns[VERL_KERNELS[backend]]["replaced"] == 1 and calls == [("hidden", True)]
+    assert fns[VERL_CALLER]["passed"] == 1  # the logits caller: nothing to fuse
+    for name in VERL_UNFUSED:
+        assert fns[name]["calls"] == 0
+
+
+def test_verl_fused_kernels_padded(verl_engine):
+    """use_remove_padding=False with fused kernels: [batch, seqlen] hidden states, the labels
+    rolled inside verl's forward."""
+    ti, tf = verl_engine
+    eng = _verl_fused_engine(ti, tf, "torch")
+    run = _verl_fused_run(eng, 0.8, remove_padding=False)
+    fns, calls = _compare("verl", eng.module, run)
+    assert fns[VERL_KERNELS["torch"]]["replaced"] == 1 and calls == [("hidden", True)]
+
+
+# ------------------------------------------------------------------ OpenRLHF 0.11
+
+ORL_CALLER = "openrlhf.models.actor.Actor.forward"
+ORL_UNFUSED = (
+    "openrlhf.models.utils.log_probs_from_logits",
+    "openrlhf.models.utils.compute_entropy",
+)
+
+
+@pytest.fixture(scope="module")
+def orl_actor():
+    mod = import_peer("openrlhf.models.actor")
+    yield mod
+    pki.revert("openrlhf")
+
+
+def _actor(mod, temperature, packing=False):
+    actor = mod.Actor(_llama(1), temperature=temperature)
+    actor.packing_samples = packing  # Actor.__init__ sets it only when it loads the model itself
+    return actor
+
+
+def _orl_batch(B=3, S=10, A=6):
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, V, (B, S), generator=g)
+    att = torch.ones(B, S, dtype=torch.long)
+    att[1, :3] = 0  # left padding of a shorter prompt
+    att[2, -2:] = 0  # right padding of a shorter response
+    am = att[:, -A:].clone()
+    return seq, att, am
+
+
+def _unpad(sequences, attention_mask, ring_attn_group):
+    """flash_attn's unpad_input in torch (no ring group): OpenRLHF's packed layout."""
+    idx = attention_mask.flatten().nonzero().squeeze(-1)
+    rolled = torch.roll(sequences, shifts=-1, dims=1)
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return tuple(t.flatten()[idx].unsqueeze(0) for t in (sequences, pos, rolled)) + (0, idx)
+
+
+def _pad(t, group, pad_len, indices, batch, seqlen):
+    out = t.new_zeros(batch * seqlen).index_put((indices,), t.reshape(-1))
+    return out.view(batch, seqlen)
+
+
+def _orl_run(actor, seq, att, am, action_mask=True, entropy=True, holder=None):
+    def run():
+        kw = {"action_mask": am} if action_mask else {"return_logprobs": True}
+        lp, out = actor(seq, attention_mask=att, return_output=True, return_entropy=entropy, **kw)
+        if holder is not None:
+            holder.append(out)
+        return [lp, out.entropy] if entropy else [lp]
+
+    return run
+
+
+class _NotPlainHead(torch.nn.Linear):
+    """An LM head the hidden path does not take (as a LoRA-wrapped head): the logits path."""
+
+
+def _logits_path(actor):
+    """The actor with the same weights behind a head that sends the patch to the logits path."""
+    plain = actor.model.lm_head
+    head = _NotPlainHead(plain.in_features, plain.out_features, bias=False)
+    head.weight = plain.weight
+    actor.model.lm_head = head
+    return plain
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("action_mask", [True, False])
+def test_openrlhf_actor_forward(orl_actor, monkeypatch, temperature, packing, action_mask):
+    """Log-probs and entropy asked for: from the hidden states (one linear_token_logprobs pass,
+    the logits never built: the returned output's logits have an empty vocabulary), the same
+    outputs and model gradients as unpatched and as the logits path (FusedPair) of the patch."""
+    mod = orl_actor
+    if packing:  # flash_attn's padding helpers (GPU-only package) in torch
+        monkeypatch.setattr(mod, "unpad_and_slice_tensor", _unpad)
+        monkeypatch.setattr(mod, "gather_and_pad_tensor", _pad)
+    actor = _actor(mod, temperature, packing)
+    seq, att, am = _orl_batch()
+    outs = []
+    run = _orl_run(actor, seq, att, am, action_mask, holder=outs)
+    fns, calls = _compare("openrlhf", actor.model, run)
+    _one_pass(fns, ORL_CALLER, ORL_UNFUSED, calls, kind="hidden")
+    assert outs[0].logits.shape[-1] == V and outs[1].logits.shape[-1] == 0
+    hidden = _outputs_and_grads(actor.model, lambda: (pki.apply("openrlhf"), run())[1])
+    plain = _logits_path(actor)
+    with _passes() as calls:
+        logits = _outputs_and_grads(actor.model, run)
+        fns = pki.report("openrlhf")["functions"]
+    pki.revert("openrlhf")
+    actor.model.lm_head = plain
+    assert calls == [("logits", True)] and "the logits path" in next(iter(fns[ORL_CALLER]["notes"]))
+    _assert_close(logits, hidden)  # today's patched path (one token_logprobs pass on the logits)
+    utils = import_peer("openrlhf.models.utils")
+    assert mod.compute_entropy is utils.compute_entropy  # the call's swaps and apply reverted
+    assert mod.log_probs_from_logits is utils.log_probs_from_logits
+    assert "forward" not in vars(actor.model.lm_head)  # the head's own forward is back
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_openrlhf_logprobs_only(orl_actor, monkeypatch, packing):
+    """Log-probs only (the experience maker's call, no output): one linear_token_logprobs pass
+    without entropy; under no_grad too."""
+    mod = orl_actor
+    if packing:
+        monkeypatch.setattr(mod, "unpad_and_slice_tensor", _unpad)
+        monkeypatch.setattr(mod, "gather_and_pad_tensor", _pad)
+    actor = _actor(mod, 0.9, packing)
+    seq, att, am = _orl_batch()
+    fns, calls = _compare("openrlhf", actor.model, lambda: [actor(seq, am, att)])
+    assert fns[ORL_CALLER]["replaced"] == 1 and calls == [("hidden", False)]
+    with torch.no_grad():
+        ref = actor(seq, am, att)
+        with pki.patched("openrlhf"):
+            got = actor(seq, am, att)
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_openrlhf_nothing_to_fuse_and_fallbacks(orl_actor):
+    mod = orl_actor
+    actor = _actor(mod, 0.9)
+    seq, att, am = _orl_batch()
+    run = lambda: [actor(seq, attention_mask=att, return_output=True)["logits"]]  # noqa: E731
+    fns, calls = _compare("openrlhf", actor.model, run)
+    assert fns[ORL_CALLER]["passed"] == 1 and calls == []  # the logits asked for: OpenRLHF's
+    with pki.patched("openrlhf"), pytest.raises(pki.Unsupported, match="'sequences'"):
+        actor(seq[None], am, att, return_output=True, return_entropy=True)
+
+    class Strided(torch.nn.Module):  # logits whose vocabulary dimension is not contiguous
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *a, **k):
+            out = self.m(*a, **k)
+            out["logits"] = out["logits"].transpose(1, 2).contiguous().transpose(1, 2)
+            return out
+
+    actor.model = Strided(actor.model)  # no get_output_embeddings: the logits path
+    run = lambda: list(actor(seq, am, att, return_output=True, return_entropy=True)[:1])  # noqa: E731
+    fns, calls = _compare("openrlhf", actor.model, run, strict=False)
+    s = fns[ORL_CALLER]
+    assert s["fallbacks"] == 1 and "did not share" in next(iter(s["fallback_reasons"]))
+
+
+def test_openrlhf_model_changing_its_logits(orl_actor):
+    """A model whose output is not its head's (here: it halves the logits) and says so nowhere in
+    its config: the patch sees it, runs the model again with its own head and leaves the calls to
+    OpenRLHF's functions (a fallback, the numbers right)."""
+    mod = orl_actor
+
+    class Halved(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def get_output_embeddings(self):
+            return self.m.get_output_embeddings()
+
+        def forward(self, *a, **k):
+            out = self.m(*a, **k)
+            out["logits"] = out["logits"] * 0.5
+            return out
+
+    actor = _actor(mod, 1.0)
+    actor.model = Halved(actor.model)
+    seq, att, am = _orl_batch()
+    fns, calls = _compare("openrlhf", actor.model, _orl_run(actor, seq, att, am), strict=False)
+    s = fns[ORL_CALLER]
+    assert s["fallbacks"] == 1 and "changes its logits" in next(iter(s["fallback_reasons"]))
+    assert calls == [("logits", True), ("logits", False)]  # OpenRLHF's two calls, each our op
+
+
+def test_openrlhf_config_scaled_logits(orl_actor):
+    """config.logit_scale (Cohere-style scaling after the head): the logits path, noted."""
+    mod = orl_actor
+    actor = _actor(mod, 1.0)
+    actor.model.config.logit_scale = 0.5  # read by the patch only; the Llama ignores it
+    seq, att, am = _orl_batch()
+    fns, calls = _compare("openrlhf", actor.model, _orl_run(actor, seq, att, am))
+    assert calls == [("logits", True)]
+    assert "config.logit_scale" in next(iter(fns[ORL_CALLER]["notes"]))
+
+
+# ------------------------------------------------------------------ TRL 1.16
+
+
+def test_trl_grpo_per_token_path_is_one_fused_call():
+    """GRPOTrainer._get_per_token_logps_and_entropies: TRL 1.16 computes both from the hidden
+    states in one fused LM head call per chunk (no logits), which apply("trl") maps to one
+    linear_token_logprobs pass; selective_log_softmax / entropy_from_logits are never called."""
+    utils = import_peer("trl.trainer.utils")
+    grpo = import_peer("trl.trainer.grpo_trainer")
+    model = _llama(2)
+    utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    trainer = object.__new__(grpo.GRPOTrainer)
+    trainer.accelerator = types.SimpleNamespace(
+        autocast=contextlib.nullcontext, is_main_process=True
+    )
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (4, 11), generator=g)
+    att = torch.ones_like(ids)
+    att[0, :2] = 0
+    att[3, -3:] = 0
+
+    def run():
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, att, 6, batch_size=2, compute_entropy=True
+        )
+        return [lp, ent]
+
+    try:
+        fns, _ = _compare("trl", model, run)
+    finally:
+        pki.revert("trl")
+    assert fns["trl.kernels.chunked_logprob.ChunkedLogProbFunction"]["replaced"] == 2  # 2 chunks
+    for n in ("selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy"):
+        assert fns[f"trl.trainer.utils.{n}"]["calls"] == 0

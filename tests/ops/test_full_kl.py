@@ -1,0 +1,188 @@
+"""full_kl against the float64 definition sum_j p_j (log p_j - log q_j) on every CPU backend."""
+
+import math
+
+import pytest
+import torch
+from support.utils import cpu_backends, poisoned
+
+from ppo_kernels import full_kl, use_backend
+from ppo_kernels.full_kl import naive as R
+
+BACKENDS = cpu_backends("full_kl")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ref64(logits, ref_logits, temperature=1.0, mask=None):
+    """The definition in float64 on the (dtype-rounded) inputs, with autograd for the gradient."""
+    z = logits.detach().double().requires_grad_()
+    w = ref_logits.detach().double().requires_grad_()
+    logp = torch.log_softmax(z / temperature, -1)
+    logq = torch.log_softmax(w / temperature, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    if mask is not None:
+        kl = kl * mask
+    return kl, z, w
+
+
+def _pair(shape, dtype, scale=3.0, close=False):
+    z = torch.randn(shape) * scale
+    w = z + 0.3 * torch.randn(shape) if close else torch.randn(shape) * scale
+    return z.to(dtype), w.to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [1, 7, 33, 2500, 4099])
+def test_forward_backward_matches_float64(backend, dtype, V):
+    N = 5 if V > 1000 else 9
+    z, w = _pair((N, V), dtype, close=V % 2 == 1)
+    z.requires_grad_()
+    w.requires_grad_()
+    with use_backend(full_kl=backend), poisoned():
+        kl = full_kl(z, w, temperature=0.7)
+        g = torch.randn(N)
+        gz, gw = torch.autograd.grad(kl, (z, w), g)
+    want, z64, w64 = _ref64(z, w, 0.7)
+    rz, rw = torch.autograd.grad(want, (z64, w64), g.double())
+    assert kl.dtype == torch.float32 and kl.shape == (N,)
+    assert gz.dtype == dtype and gw.dtype == dtype
+    # float32 accumulation over V: |error| ~ eps * (log V + max |z - w| / T)
+    torch.testing.assert_close(kl.double(), want.detach(), atol=2e-5, rtol=1e-5)
+    gtol = dict(atol=2e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=2**-7)
+    torch.testing.assert_close(gz.double(), rz, **gtol)
+    torch.testing.assert_close(gw.double(), rw, **gtol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identical_and_shifted_distributions_are_exactly_zero(backend):
+    z = torch.randn(4, 3000) * 4
+    with use_backend(full_kl=backend):
+        same = full_kl(z, z.clone())
+        shifted = full_kl(
+            z, z - 1000.0
+        )  # same softmax; a naive lse_z - lse_w would cancel to ~1e-4
+    assert same.abs().max() == 0
+    assert shifted.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_kl_relative_accuracy(backend):
+    z = torch.randn(6, 5000) * 2
+    w = z + 1e-3 * torch.randn(6, 5000)
+    with use_backend(full_kl=backend):
+        kl = full_kl(z, w)
+    want = _ref64(z, w)[0].detach()
+    assert want.min() > 0
+    torch.testing.assert_close(kl.double(), want, atol=1e-8, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_and_strided_rows(backend):
+    B, T, V = 3, 5, 300
+    big = torch.randn(B, T + 1, V)
+    ref_big = torch.randn(B, T + 1, V + 8)
+    z = big[:, :-1]  # strided rows, no copy
+    w = ref_big[:, 1:, 4 : V + 4]  # different strides and offset
+    mask = torch.rand(B, T) > 0.4
+    mask[0] = False
+    zz = z.clone().requires_grad_()
+    with use_backend(full_kl=backend), poisoned():
+        kl = full_kl(z, w, mask=mask)
+        klm = full_kl(zz, w, mask=mask.int())
+        (gz,) = torch.autograd.grad(klm.sum(), zz)
+    want, z64, _ = _ref64(z, w, mask=mask.double())
+    (rz,) = torch.autograd.grad(want.sum(), z64)
+    torch.testing.assert_close(kl.double(), want.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(klm, kl)
+    assert kl[0].eq(0).all() and gz[0].eq(0).all()
+    torch.testing.assert_close(gz.double(), rz, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_cases(backend):
+    V = 40
+    z = torch.randn(6, V)
+    w = torch.randn(6, V)
+    z[0, :5] = -math.inf  # p_j = 0: contributes 0
+    w[0, 5:10] = -math.inf
+    z[0, 5:10] = -math.inf  # p = q = 0 there: 0
+    w[1, 3] = -math.inf  # q_j = 0 with p_j > 0: +inf
+    z[2] = -math.inf  # undefined p: NaN
+    w[3] = -math.inf  # undefined q: NaN
+    z[4, 7] = math.nan  # NaN
+    z[5, 2] = math.inf  # +inf
+    with use_backend(full_kl=backend), poisoned():
+        kl = full_kl(z, w)
+    want = R.forward(z.double(), w.double())[0]
+    torch.testing.assert_close(kl[0].double(), want[0])
+    assert kl[1] == math.inf
+    assert kl[2:].isnan().all()
+    # large logits (|z| ~ 1e4) stay finite
+    with use_backend(full_kl=backend):
+        big = full_kl(z[:1].nan_to_num(0, 0, 0) * 1e4, torch.zeros(1, V))
+    assert torch.isfinite(big).all()
+
+
+def test_float64_gradcheck():
+    z = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: full_kl(a, b, temperature=1.3), (z, w))
+    mask = torch.tensor([True, False, True])
+    torch.autograd.gradcheck(lambda a, b: full_kl(a, b, mask=mask), (z, w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    z, w = torch.randn(2, 3, 17, requires_grad=True), torch.randn(2, 3, 17, requires_grad=True)
+    with use_backend(full_kl=backend):
+        torch.library.opcheck(torch.ops.ppo_kernels.full_kl.default, (z, w, 0.9, None))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.full_kl.default,
+            (z, w, 1.0, torch.tensor([[True, False, True], [False, True, True]])),
+        )
+        kl, lz, lw = torch.ops.ppo_kernels.full_kl(z.detach(), w.detach(), 0.9, None)
+        for need_ref in (True, False):
+            torch.library.opcheck(
+                torch.ops.ppo_kernels.full_kl_backward.default,
+                (torch.randn_like(kl), z.detach(), w.detach(), None, kl, lz, lw, 0.9, need_ref),
+            )
+
+
+def test_only_logits_gradient_when_ref_is_frozen():
+    z = torch.randn(3, 50, requires_grad=True)
+    w = torch.randn(3, 50)
+    kl = full_kl(z, w)
+    (gz,) = torch.autograd.grad(kl.sum(), z)
+    assert w.grad is None and gz.shape == z.shape
+
+
+def test_compile_fullgraph():
+    torch._dynamo.reset()
+    z = torch.randn(4, 6, 64, requires_grad=True)
+    w = torch.randn(4, 6, 64)
+    f = torch.compile(
+        lambda a, b, t: full_kl(a[:, :-1], b[:, :-1], temperature=t).mean(), fullgraph=True
+    )
+    out = f(z, w, 0.8)
+    (g,) = torch.autograd.grad(out, z)
+    want, z64, _ = _ref64(z[:, :-1], w[:, :-1], 0.8)
+    torch.testing.assert_close(out.double(), want.mean().detach(), atol=1e-5, rtol=1e-5)
+    (rz,) = torch.autograd.grad(want.mean(), z64)
+    torch.testing.assert_close(g[:, :-1].double(), rz, atol=1e-6, rtol=1e-4)
+
+
+def test_argument_errors():
+    z = torch.randn(2, 5)
+    with pytest.raises(ValueError, match="ref_logits"):
+        full_kl(z, torch.randn(2, 6))
+    with pytest.raises(TypeError, match="ref_logits"):
+        full_kl(z, z.half())
+    with pytest.raises(ValueError, match="temperature"):
+        full_kl(z, z, temperature=0.0)
+    with pytest.raises(ValueError, match="mask"):
+        full_kl(z, z, mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="contiguous"):
+        full_kl(torch.randn(5, 2).t(), z)
+    with pytest.raises(ValueError, match="empty"):
+        full_kl(torch.randn(2, 0), torch.randn(2, 0))
