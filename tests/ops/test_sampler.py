@@ -355,11 +355,11 @@ def test_opcheck(sampler):
     T = torch.rand(5) + 0.5
     args = (x, labels, 1.0, T, 4, None, 0.8, None, 0.01, None, sampler, -100, True, True, True,
             3, True)  # fmt: skip
-    torch.library.opcheck(ops.token_logprobs_sampler.default, args)
+    torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_sampler.default, args)
     outs = ops.token_logprobs_sampler(*args)
     bargs = (torch.randn(5), torch.randn(5), logits.detach(), labels, outs[2], outs[1], outs[3],
              outs[4], 1.0, T, -100)  # fmt: skip
-    torch.library.opcheck(ops.token_logprobs_sampler_backward.default, bargs)
+    torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_sampler_backward.default, bargs)
 
 
 @pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
@@ -463,10 +463,10 @@ def test_full_kl_row_temperature_opcheck_and_compile():
     x = torch.randn(4, 30, requires_grad=True)
     y = torch.randn(4, 30)
     t = torch.rand(4) + 0.5
-    torch.library.opcheck(ops.full_kl_row_temperature.default, (x, y, t, None))
+    torch.library.opcheck(torch.ops.ppo_kernels.full_kl_row_temperature.default, (x, y, t, None))
     kl, lz, lw = ops.full_kl_row_temperature(x, y, t, None)
     torch.library.opcheck(
-        ops.full_kl_row_temperature_backward.default,
+        torch.ops.ppo_kernels.full_kl_row_temperature_backward.default,
         (torch.randn(4), x.detach(), y, None, kl.detach(), lz, lw, t, True),
     )
 

@@ -7,6 +7,12 @@ import math
 
 import torch
 
+import ppo_kernels as pk
+from ppo_kernels import use_backend
+
+from .simt import emulated, launches
+from .utils import GRAD_TOL
+
 ops = torch.ops.ppo_kernels
 STATS = ("outside", "sum_p2", "lse", "topk", "is_argmax")
 
@@ -135,3 +141,53 @@ def kl64(x, y, T, mask=None):
     lq = torch.log_softmax(y.double() / T, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     return kl if mask is None else torch.where(mask, kl, torch.zeros_like(kl))
+
+
+# ---- the CUDA kernels under the SIMT emulator (tests/simt) ----
+
+
+def simt_case(seed, dtype, N, V, settings, strided=False, max_row_blocks=1 << 20):
+    """Forward (every output) and backward of the emulated CUDA kernels against the rules and the
+    float64 values on their kept set, outputs NaN-poisoned."""
+    if strided:
+        logits = (torch.randn(N, 2, V) * 2).to(dtype)[:, 0]
+    else:
+        logits = (torch.randn(N, V) * 2).to(dtype)
+    labels = torch.randint(0, V, (N,))
+    labels[:: max(1, N // 3)] = -100
+    for T, k, p, mp, sampler in settings:
+        with emulated(seed, max_row_blocks=max_row_blocks, token_logprobs="cpp"):
+            outs = sampler_op(logits, labels, T, k, p, mp, sampler, stats_top_k=min(V, 5))
+            x = logits.clone().requires_grad_(True)
+            lp, ent = pk.token_logprobs(
+                x, labels, temperature=T, top_k=k, top_p=p, min_p=mp, sampler=sampler,
+                return_entropy=True,
+            )  # fmt: skip
+            g = torch.randn(N)
+            (torch.where(torch.isfinite(lp), lp, 0) * g + ent).sum().backward()
+            names = [e.split()[0] + " " + e.split()[1] for e in launches()]
+        assert names == [
+            "token_logprobs_sampler fwd_kernel",
+            "token_logprobs_sampler fwd_kernel",
+            "token_logprobs_sampler bwd_kernel",
+        ], names
+        check_against_truth(logits.float(), labels, T, k, p, mp, sampler, outs)
+        with use_backend("eager"):
+            x64 = logits.double().requires_grad_(True)
+            lp64, ent64 = pk.token_logprobs(
+                x64, labels, temperature=T, top_k=k, top_p=p, min_p=mp, sampler=sampler,
+                return_entropy=True,
+            )  # fmt: skip
+            (torch.where(torch.isfinite(lp64), lp64, 0) * g.double() + ent64).sum().backward()
+        same = torch.isfinite(lp) == torch.isfinite(lp64)  # rows whose kept sets agree
+        torch.testing.assert_close(
+            x.grad[same].double(), x64.grad[same], **GRAD_TOL[dtype], equal_nan=True
+        )
+
+
+SIMT_SETTINGS = [
+    (0.7, 5, 1.0, 0.0, "vllm"),
+    (1.0, 0, 0.8, 0.02, "vllm"),
+    (1.3, 20, 0.9, 0.0, "sglang"),
+    (1.0, 0, 0.5, 0.1, "sglang"),
+]
