@@ -285,6 +285,21 @@ void check_temperatures(const OptTensor& t, const Tensor& logits, const Tensor& 
                     1.0 / kFloat32Max, "); got min ", d.min().item<double>());
 }
 
+// A per-row probability (top_p: values in (0, 1]; min_p: in [0, 1]); `schema` is the tensor's
+// name in the op's schema, which the device message names.
+void check_prob_param(const OptTensor& t, const char* name, const char* schema, bool zero_ok,
+                      const Tensor& logits, const Tensor& labels) {
+  if (!t) return;
+  expect_float(*t, name);
+  expect_device(*t, schema, logits, "logits");
+  expect_param_shape(*t, name, labels);
+  if (!check_values(*t) || t->numel() == 0) return;
+  const Tensor d = t->to(at::kDouble);
+  const Tensor low = zero_ok ? d.ge(0) : d.gt(0);
+  TORCH_CHECK_VALUE(low.logical_and_(d.le(1)).all().item<bool>(), name, ": expected values in ",
+                    zero_ok ? "[0, 1] (0: off)" : "(0, 1] (1: off)");
+}
+
 void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptTensor& temperatures,
                           int64_t top_k, const OptTensor& top_ks, double top_p,
                           const OptTensor& top_ps, double min_p, const OptTensor& min_ps,
@@ -304,26 +319,8 @@ void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptT
                         "top_k: expected values >= 0 (0: off), got min ",
                         top_ks->min().item<int64_t>());
   }
-  if (top_ps) {
-    expect_float(*top_ps, "top_p");
-    expect_device(*top_ps, "top_ps", logits, "logits");
-    expect_param_shape(*top_ps, "top_p", labels);
-    if (check_values(*top_ps) && top_ps->numel() > 0) {
-      const Tensor d = top_ps->to(at::kDouble);
-      TORCH_CHECK_VALUE(d.gt(0).logical_and_(d.le(1)).all().item<bool>(),
-                        "top_p: expected values in (0, 1] (1: off)");
-    }
-  }
-  if (min_ps) {
-    expect_float(*min_ps, "min_p");
-    expect_device(*min_ps, "min_ps", logits, "logits");
-    expect_param_shape(*min_ps, "min_p", labels);
-    if (check_values(*min_ps) && min_ps->numel() > 0) {
-      const Tensor d = min_ps->to(at::kDouble);
-      TORCH_CHECK_VALUE(d.ge(0).logical_and_(d.le(1)).all().item<bool>(),
-                        "min_p: expected values in [0, 1] (0: off)");
-    }
-  }
+  check_prob_param(top_ps, "top_p", "top_ps", false, logits, labels);
+  check_prob_param(min_ps, "min_p", "min_ps", true, logits, labels);
   TORCH_CHECK_VALUE(sampler == "vllm" || sampler == "sglang",
                     "sampler: expected one of ('vllm', 'sglang'), got '", std::string(sampler),
                     "'");

@@ -117,7 +117,7 @@ def token_logprobs(
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
             row. Default None: off.
         sampler (str): whose truncation rules, "vllm" or "sglang" (docs/ppo-math.md, "The
-            sampler's distribution", says where they differ). Default "vllm".
+            distribution the rollout sampled from", says where they differ). Default "vllm".
         stats (tuple of str, optional): the head's statistics to return per token from the same
             pass: "outside", "sum_p2", "lse", "topk", "is_argmax" (see HeadStats). "outside"
             counts the labels outside the kept set (an engine / trainer mismatch). Default None:
