@@ -54,6 +54,12 @@ BENCHMARKS = {
         "cpu_linear_logprobs",
         "table",
     ),
+    "sampler": (
+        "token_logprobs under the sampler's distribution (top-k / top-p / min-p, per-row "
+        "temperatures) and the head's statistics vs the plain pass and eager sort-and-cumsum",
+        "cpu_sampler",
+        ["bench/bench_sampler.py", "--out", "{out}"],
+    ),
     "overhead": (
         "per-call cost of every op at 2 x 8 and 64 x 4096, one thread",
         "cpu_overhead",

@@ -19,6 +19,23 @@ inline void check_kl_inv_temperature(double inv_temperature) {
               inv_temperature);
 }
 
+// Per-row inverse temperatures (float64, one per row, contiguous), or nullptr: the scalar for every
+// row. Their values are read on the host for CPU tensors (positive, finite in float32).
+inline const double* kl_inv_temperatures(const std::optional<at::Tensor>& t, const DeviceOf& on,
+                                         int64_t N) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check_arg(*t, "inv_temperatures", on);
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kDouble,
+                   "inv_temperatures: expected dtype float64, got ", dtype_name(t->scalar_type()));
+  TORCH_CHECK_VALUE(t->numel() == N && t->is_contiguous(), "inv_temperatures: expected ", N,
+                    " contiguous values (one per row), got shape ", shape_str(t->sizes()));
+  const double* p = t->const_data_ptr<double>();
+  if (t->is_cpu()) {
+    for (int64_t r = 0; r < N; ++r) check_kl_inv_temperature(p[r]);
+  }
+  return p;
+}
+
 inline KLRows prepare_kl_rows(const at::Tensor& logits_in, const at::Tensor& ref_in) {
   const DeviceOf dev = device_of(logits_in, "logits");
   check_arg(logits_in, "logits", dev, Kind::kFloating);

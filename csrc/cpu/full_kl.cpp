@@ -57,13 +57,14 @@ KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float m
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
     const at::Tensor& logits_in, const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
-    double inv_temperature) {
+    double inv_temperature, const std::optional<at::Tensor>& inv_ts_in) {
   const KLFwdCall c = prepare_kl_fwd(logits_in, ref_in, mask_in, inv_temperature);
   const KLRows& R = c.R;
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0) return {kl, lz, lw};
-  const float inv_t = static_cast<float>(inv_temperature);
+  const float inv_t0 = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd", [&] {
         const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
@@ -81,6 +82,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
             }
             const scalar_t* zr = x + R.rz(r);
             const scalar_t* wr = y + R.rw(r);
+            const float inv_t = inv_ts ? static_cast<float>(inv_ts[r]) : inv_t0;  // per row
             KLStats st = kl_stats_empty();
             for (int64_t j = 0; j < V; j += kBlock) {
               const int64_t n = std::min(kBlock, V - j);
@@ -102,15 +104,17 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in,
                      const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
                      const at::Tensor& kl_in, const at::Tensor& lz_in, const at::Tensor& lw_in,
                      double inv_temperature, at::Tensor grad_logits,
-                     std::optional<at::Tensor> grad_ref) {
+                     std::optional<at::Tensor> grad_ref,
+                     const std::optional<at::Tensor>& inv_ts_in) {
   const KLGradCall in = prepare_kl_bwd(grad_in, logits_in, ref_in, mask_in, kl_in, lz_in, lw_in,
                                        inv_temperature, grad_logits, grad_ref);
   const KLRows& R = in.R;
   const int64_t N = R.N, V = R.V;
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0 || V == 0) return;
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
-  const float inv_t = static_cast<float>(inv_temperature);
+  const float inv_t0 = static_cast<float>(inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_bwd", [&] {
         const scalar_t* x = R.logits.const_data_ptr<scalar_t>();
@@ -130,6 +134,7 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in,
               if (gyr) std::fill(gyr, gyr + V, scalar_t(0));
               continue;
             }
+            const float inv_t = inv_ts ? static_cast<float>(inv_ts[r]) : inv_t0;  // per row
             const float a = gp[r] * inv_t, lz = lzp[r], lw = lwp[r];
             const float c = lz - lw + klp[r];
             const Vec va(a), vlz(lz), vlw(lw), vc(c), zero(0.f);
@@ -162,12 +167,12 @@ void full_kl_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& logits_in,
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {
   m.def(
-      "full_kl_fwd(Tensor logits, Tensor ref_logits, Tensor? mask, float inv_temperature) "
-      "-> (Tensor kl, Tensor lse_z, Tensor lse_w)");
+      "full_kl_fwd(Tensor logits, Tensor ref_logits, Tensor? mask, float inv_temperature, "
+      "Tensor? inv_temperatures=None) -> (Tensor kl, Tensor lse_z, Tensor lse_w)");
   m.def(
       "full_kl_bwd(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, Tensor kl, "
       "Tensor lse_z, Tensor lse_w, float inv_temperature, Tensor(a!) grad_logits, "
-      "Tensor(b!)? grad_ref_logits) -> ()");
+      "Tensor(b!)? grad_ref_logits, Tensor? inv_temperatures=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels_C, CPU, m) {

@@ -53,7 +53,8 @@ template <typename scalar_t>
 __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
                            const bool* __restrict__ mask, float* __restrict__ kl,
                            float* __restrict__ lz, float* __restrict__ lw, int64_t N, int64_t V,
-                           RowIndexer rx, RowIndexer ry, float inv_t, bool uniform) {
+                           RowIndexer rx, RowIndexer ry, float inv_t0,
+                           const double* __restrict__ inv_ts, bool uniform) {
   using P = Pack<scalar_t>;
   constexpr int kN = P::kN;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
@@ -61,6 +62,7 @@ __global__ void fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __res
       if (threadIdx.x == 0) kl[r] = lz[r] = lw[r] = 0.f;
       continue;
     }
+    const float inv_t = inv_ts != nullptr ? static_cast<float>(inv_ts[r]) : inv_t0;  // per row
     const scalar_t* p = x + rx(r);
     const scalar_t* q = y + ry(r);
     // The elements a thread adds follow the rows' 16-byte alignment (scalar head, or no packs when
@@ -113,11 +115,12 @@ __global__ void bwd_kernel(const float* __restrict__ grad, const scalar_t* __res
                            const float* __restrict__ kl, const float* __restrict__ lzs,
                            const float* __restrict__ lws, scalar_t* __restrict__ gx,
                            scalar_t* __restrict__ gy, int64_t N, int64_t V, RowIndexer rx,
-                           RowIndexer ry, float inv_t) {
+                           RowIndexer ry, float inv_t0, const double* __restrict__ inv_ts) {
   using P = Pack<scalar_t>;
   constexpr int kN = P::kN;
   for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const bool keep = mask == nullptr || mask[r];
+    const float inv_t = inv_ts != nullptr ? static_cast<float>(inv_ts[r]) : inv_t0;  // per row
     const scalar_t* p = x + rx(r);
     const scalar_t* q = y + ry(r);
     scalar_t* op = gx + r * V;
@@ -181,7 +184,8 @@ template <class Dev>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                                                    const at::Tensor& ref_in,
                                                    const std::optional<at::Tensor>& mask_in,
-                                                   double inv_temperature) {
+                                                   double inv_temperature,
+                                                   const std::optional<at::Tensor>& inv_ts_in) {
   // every tensor on logits' device (a ValueError naming it), then that device is this build's
   const DeviceOf on = device_of(logits_in, "logits");
   check_arg(ref_in, "ref_logits", on);
@@ -193,6 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
   const KLRows& R = c.R;
   const at::Tensor &kl = c.kl, &lz = c.lz, &lw = c.lw, &mask = c.mask;
   const int64_t N = R.N, V = R.V;
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0) return {kl, lz, lw};
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, R.logits.scalar_type(), "full_kl_fwd_cuda", [&] {
@@ -202,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(const at::Tensor& logits_in,
                       R.logits.const_data_ptr<scalar_t>(), R.ref.const_data_ptr<scalar_t>(),
                       mask.defined() ? mask.const_data_ptr<bool>() : nullptr, kl.data_ptr<float>(),
                       lz.data_ptr<float>(), lw.data_ptr<float>(), N, V, R.rz, R.rw,
-                      static_cast<float>(inv_temperature), batch_invariant_mode());
+                      static_cast<float>(inv_temperature), inv_ts, batch_invariant_mode());
       });
   return {kl, lz, lw};
 }
@@ -211,7 +216,7 @@ template <class Dev>
 void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& ref_in,
          const std::optional<at::Tensor>& mask_in, const at::Tensor& kl_in, const at::Tensor& lz_in,
          const at::Tensor& lw_in, double inv_temperature, at::Tensor grad_logits,
-         std::optional<at::Tensor> grad_ref) {
+         std::optional<at::Tensor> grad_ref, const std::optional<at::Tensor>& inv_ts_in) {
   // every tensor on logits' device (a ValueError naming it), then that device is this build's
   const DeviceOf on = device_of(logits_in, "logits");
   for (const auto& [t, name] : {std::pair{&grad_in, "grad"},
@@ -230,6 +235,7 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
                                        inv_temperature, grad_logits, grad_ref);
   const KLRows& R = in.R;
   const int64_t N = R.N, V = R.V;
+  const double* inv_ts = kl_inv_temperatures(inv_ts_in, device_of(logits_in, "logits"), N);
   if (N == 0 || V == 0) return;
   const bool need_ref = in.need_ref;
   const at::Tensor &g = in.g, &klc = in.kl, &lzc = in.lz, &lwc = in.lw, &mask = in.mask;
@@ -243,7 +249,7 @@ void bwd(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tenso
                       klc.const_data_ptr<float>(), lzc.const_data_ptr<float>(),
                       lwc.const_data_ptr<float>(), grad_logits.data_ptr<scalar_t>(),
                       need_ref ? grad_ref->data_ptr<scalar_t>() : nullptr, N, V, R.rz, R.rw,
-                      static_cast<float>(inv_temperature));
+                      static_cast<float>(inv_temperature), inv_ts);
       });
 }
 

@@ -23,10 +23,12 @@ using BwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Te
                                           const Tensor&, double, bool);
 // the raw kernels (ppo_kernels_C): inv_temperature = 1 / T; the backward writes grad_logits (and
 // grad_ref_logits when given)
+// (the last: per-row inverse temperatures, or None)
 using KernelFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                        const OptTensor&, double);
+                                                        const OptTensor&, double, const OptTensor&);
 using KernelBwdSig = void(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                          const Tensor&, const Tensor&, const Tensor&, double, Tensor, OptTensor);
+                          const Tensor&, const Tensor&, const Tensor&, double, Tensor, OptTensor,
+                          const OptTensor&);
 
 const OpRef kFwd("full_kl"), kBwd("full_kl_backward"), kFwdKernel("full_kl_fwd"),
     kBwdKernel("full_kl_bwd");
@@ -65,7 +67,7 @@ std::tuple<Tensor, Tensor, Tensor> forward(const Tensor& logits, const Tensor& r
   const Backend b = backend_for("full_kl", logits);
   if (b == Backend::kCpp)
     return kFwdKernel.in<KernelFwdSig>(Ns::kCppKernels)
-        .call(logits, ref_logits, mask, 1.0 / temperature);
+        .call(logits, ref_logits, mask, 1.0 / temperature, std::nullopt);
   return kFwd.python<FwdSig>(b).call(logits, ref_logits, temperature, mask);
 }
 
@@ -89,7 +91,7 @@ std::tuple<Tensor, Tensor> backward(const Tensor& grad, const Tensor& logits,
                        : at::empty({0}, ref_logits.options());
   kBwdKernel.in<KernelBwdSig>(Ns::kCppKernels)
       .call(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0 / temperature, gz,
-            need_ref ? OptTensor(gw) : std::nullopt);
+            need_ref ? OptTensor(gw) : std::nullopt, std::nullopt);
   return {gz, gw};
 }
 
@@ -152,5 +154,151 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("full_kl", &forward_autograd); }
+
+}  // namespace ppo_kernels
+
+// ---- full_kl with per-row temperatures: ppo_kernels::full_kl_row_temperature (+ backward) ------
+// KL(softmax(x / T_r) || softmax(y / T_r)) with a temperature per row (the sampler's per-sequence
+// or per-token temperatures, as token_logprobs takes them): its own op, so full_kl's scalar path
+// stays as it was. The kernels are full_kl's, given the per-row inverse temperatures.
+namespace ppo_kernels {
+namespace {
+
+using RowFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                     const OptTensor&);
+using RowBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                             const OptTensor&, const Tensor&, const Tensor&,
+                                             const Tensor&, const Tensor&, bool);
+const OpRef kRowFwd("full_kl_row_temperature"), kRowBwd("full_kl_row_temperature_backward");
+
+// temperatures: float, on logits' device, its shape a leading part of logits.shape[:-1]; values
+// positive with a float32-finite inverse (read on the CPU; on the GPU under strict_checks()).
+void check_temperatures(const Tensor& t, const Tensor& logits) {
+  TORCH_CHECK_VALUE(t.defined(), "temperature: expected a tensor");
+  expect_float(t, "temperature");
+  expect_device(t, "temperatures", logits, "logits");  // the schema's name
+  const auto rows = logits.sizes().slice(0, logits.dim() - 1);
+  TORCH_CHECK_VALUE(
+      t.dim() <= static_cast<int64_t>(rows.size()) && t.sizes() == rows.slice(0, t.dim()),
+      "temperature: expected a shape that is a leading part of logits.shape[:-1] ", rows,
+      " (per row or per token), got ", t.sizes());
+  if ((t.is_cuda() && !strict_checks()) || t.numel() == 0) return;
+  constexpr double kFloat32Max = 3.4028234663852886e38;
+  const Tensor d = t.to(at::kDouble);
+  TORCH_CHECK_VALUE(d.gt(0).logical_and_(d.reciprocal().le(kFloat32Max)).all().item<bool>(),
+                    "temperature: expected positive values whose inverse is finite in float32 (> ",
+                    1.0 / kFloat32Max, "); got min ", d.min().item<double>());
+}
+
+// 1 / T per row of logits: float64, contiguous, logits.shape[:-1].numel() values.
+Tensor row_inverse_temperatures(const Tensor& t, const Tensor& logits) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.resize(logits.dim() - 1, 1);
+  return t.to(at::kDouble)
+      .reciprocal()
+      .reshape(shape)
+      .expand(logits.sizes().slice(0, logits.dim() - 1))
+      .reshape({-1})
+      .contiguous();
+}
+
+std::tuple<Tensor, Tensor, Tensor> row_forward(const Tensor& logits, const Tensor& ref_logits,
+                                               const Tensor& temperatures, const OptTensor& mask) {
+  check_forward(logits, ref_logits, 1.0, mask);
+  check_temperatures(temperatures, logits);
+  const Backend b = backend_for("full_kl", logits);
+  if (b == Backend::kCpp)
+    return kFwdKernel.in<KernelFwdSig>(Ns::kCppKernels)
+        .call(logits, ref_logits, mask, 1.0, row_inverse_temperatures(temperatures, logits));
+  return kRowFwd.python<RowFwdSig>(b).call(logits, ref_logits, temperatures, mask);
+}
+
+std::tuple<Tensor, Tensor> row_backward(const Tensor& grad, const Tensor& logits,
+                                        const Tensor& ref_logits, const OptTensor& mask,
+                                        const Tensor& kl, const Tensor& lse_z, const Tensor& lse_w,
+                                        const Tensor& temperatures, bool need_ref) {
+  check_forward(logits, ref_logits, 1.0, mask);
+  check_temperatures(temperatures, logits);
+  expect_float(grad, "grad");
+  expect_device(grad, "grad", logits, "logits");
+  expect_shape(grad, "grad", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_saved(kl, "kl", logits);
+  check_saved(lse_z, "lse_z", logits);
+  check_saved(lse_w, "lse_w", logits);
+  const Backend b = backend_for("full_kl", logits);
+  if (b != Backend::kCpp)
+    return kRowBwd.python<RowBwdSig>(b).call(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+                                             temperatures, need_ref);
+  Tensor gz = new_output(logits.sizes(), logits.options());
+  Tensor gw = need_ref ? new_output(ref_logits.sizes(), ref_logits.options())
+                       : at::empty({0}, ref_logits.options());
+  kBwdKernel.in<KernelBwdSig>(Ns::kCppKernels)
+      .call(grad, logits, ref_logits, mask, kl, lse_z, lse_w, 1.0, gz,
+            need_ref ? OptTensor(gw) : std::nullopt,
+            row_inverse_temperatures(temperatures, logits));
+  return {gz, gw};
+}
+
+class FullKLRowFn : public torch::autograd::Function<FullKLRowFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& ref_logits,
+                               const Tensor& temperatures, const OptTensor& mask) {
+    Tensor kl, lse_z, lse_w;
+    {
+      BelowAutograd guard;
+      std::tie(kl, lse_z, lse_w) =
+          kRowFwd.in<RowFwdSig>(Ns::kOps).call(logits, ref_logits, temperatures, mask);
+    }
+    ctx->save_for_backward(
+        {logits, ref_logits, mask.value_or(Tensor()), kl, lse_z, lse_w, temperatures});
+    ctx->mark_non_differentiable({lse_z, lse_w});
+    return {kl, lse_z, lse_w};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& mask = saved[2];
+    const bool need_ref = ctx->needs_input_grad(1);
+    auto [gz, gw] = kRowBwd.in<RowBwdSig>(Ns::kOps).call(
+        grads[0], saved[0], saved[1], mask.defined() ? OptTensor(mask) : std::nullopt, saved[3],
+        saved[4], saved[5], saved[6], need_ref);
+    // logits, ref_logits, temperatures (a constant), mask
+    return {gz, need_ref ? gw : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> row_forward_autograd(const Tensor& logits,
+                                                        const Tensor& ref_logits,
+                                                        const Tensor& temperatures,
+                                                        const OptTensor& mask) {
+  if (!needs_graph(logits, ref_logits, mask)) {
+    BelowAutograd guard;
+    return kRowFwd.in<RowFwdSig>(Ns::kOps).call(logits, ref_logits, temperatures, mask);
+  }
+  auto out = FullKLRowFn::apply(logits, ref_logits, temperatures, mask);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  // temperatures: per-row values, their shape a leading part of logits.shape[:-1]
+  m.def(
+      "full_kl_row_temperature(Tensor logits, Tensor ref_logits, Tensor temperatures, "
+      "Tensor? mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "full_kl_row_temperature_backward(Tensor grad, Tensor logits, Tensor ref_logits, "
+      "Tensor? mask, Tensor kl, Tensor lse_z, Tensor lse_w, Tensor temperatures, bool need_ref) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("full_kl_row_temperature", &row_forward);
+  m.impl("full_kl_row_temperature_backward", &row_backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("full_kl_row_temperature", &row_forward_autograd);
+}
 
 }  // namespace ppo_kernels

@@ -224,3 +224,269 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("token_logprobs", &forward_autograd); }
 
 }  // namespace ppo_kernels
+
+// ---- the sampler's distribution and the head's statistics: ppo_kernels::token_logprobs_sampler --
+// token_logprobs under the distribution a rollout engine sampled from (temperature, min-p, top-k,
+// top-p; vLLM's or SGLang's rules) and, on request, the head's statistics. Semantics:
+// docs/ppo-math.md and ppo_kernels/token_logprobs/naive.py (sampler_forward). Its own op, so the
+// plain token_logprobs path stays as it was. Kernels: csrc/cpu/token_logprobs_sampler.cpp,
+// csrc/cuda/token_logprobs_sampler.cu (cpp), ppo_kernels/token_logprobs/op.py (triton, eager).
+namespace ppo_kernels {
+namespace {
+
+using SamplerOuts = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor, Tensor, Tensor>;
+using SamplerFwdSig = SamplerOuts(const Tensor&, const Tensor&, double, const OptTensor&, int64_t,
+                                  const OptTensor&, double, const OptTensor&, double,
+                                  const OptTensor&, c10::string_view, SymInt, bool, bool, bool,
+                                  int64_t, bool);
+using SamplerBwdSig = Tensor(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                             const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                             const OptTensor&, SymInt);
+// the raw kernels (ppo_kernels_C): inverse temperatures; per-token tensors of labels.numel()
+// contiguous float64 / int64 values
+using SamplerKernelFwdSig = SamplerOuts(const Tensor&, const Tensor&, double, const OptTensor&,
+                                        int64_t, const OptTensor&, double, const OptTensor&, double,
+                                        const OptTensor&, c10::string_view, int64_t, bool, bool,
+                                        bool, int64_t, bool);
+using SamplerKernelBwdSig = void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                                 const OptTensor&, int64_t, Tensor);
+
+const OpRef kSamplerFwd("token_logprobs_sampler"), kSamplerBwd("token_logprobs_sampler_backward"),
+    kSamplerFwdKernel("token_logprobs_sampler_fwd"),
+    kSamplerBwdKernel("token_logprobs_sampler_bwd");
+
+constexpr int64_t kMaxStatsTopK = 64;
+
+// A per-row parameter tensor: on logits' device, its shape a leading part of labels.shape.
+void expect_param_shape(const Tensor& t, const char* name, const Tensor& labels) {
+  TORCH_CHECK_VALUE(t.dim() <= labels.dim() && t.sizes() == labels.sizes().slice(0, t.dim()), name,
+                    ": expected a shape that is a leading part of labels.shape ", labels.sizes(),
+                    " (per row or per token), got ", t.sizes());
+}
+
+// The values of a parameter tensor read on the host: on the CPU always, on the GPU under
+// strict_checks() (a host sync; else out-of-range values give NaN rows, as labels do).
+bool check_values(const Tensor& t) { return !t.is_cuda() || strict_checks(); }
+
+void check_temperatures(const OptTensor& t, const Tensor& logits, const Tensor& labels) {
+  if (!t) return;
+  expect_float(*t, "temperature");
+  expect_device(*t, "temperatures", logits, "logits");  // the schema's names
+  expect_param_shape(*t, "temperature", labels);
+  if (!check_values(*t) || t->numel() == 0) return;
+  constexpr double kFloat32Max = 3.4028234663852886e38;
+  const Tensor d = t->to(at::kDouble);
+  const bool ok = d.gt(0).logical_and_(d.reciprocal().le(kFloat32Max)).all().item<bool>();
+  TORCH_CHECK_VALUE(ok,
+                    "temperature: expected positive values whose inverse is finite in float32 "
+                    "(> ",
+                    1.0 / kFloat32Max, "); got min ", d.min().item<double>());
+}
+
+// A per-row probability (top_p: values in (0, 1]; min_p: in [0, 1]); `schema` is the tensor's
+// name in the op's schema, which the device message names.
+void check_prob_param(const OptTensor& t, const char* name, const char* schema, bool zero_ok,
+                      const Tensor& logits, const Tensor& labels) {
+  if (!t) return;
+  expect_float(*t, name);
+  expect_device(*t, schema, logits, "logits");
+  expect_param_shape(*t, name, labels);
+  if (!check_values(*t) || t->numel() == 0) return;
+  const Tensor d = t->to(at::kDouble);
+  const Tensor low = zero_ok ? d.ge(0) : d.gt(0);
+  TORCH_CHECK_VALUE(low.logical_and_(d.le(1)).all().item<bool>(), name, ": expected values in ",
+                    zero_ok ? "[0, 1] (0: off)" : "(0, 1] (1: off)");
+}
+
+void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptTensor& temperatures,
+                          int64_t top_k, const OptTensor& top_ks, double top_p,
+                          const OptTensor& top_ps, double min_p, const OptTensor& min_ps,
+                          c10::string_view sampler, int64_t stats_top_k) {
+  check_temperatures(temperatures, logits, labels);
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k: expected an int >= 0 (0: off), got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, "top_p: expected a value in (0, 1] (1: off), got ",
+                    top_p);
+  TORCH_CHECK_VALUE(min_p >= 0 && min_p <= 1, "min_p: expected a value in [0, 1] (0: off), got ",
+                    min_p);
+  if (top_ks) {
+    expect_index(*top_ks, "top_k");
+    expect_device(*top_ks, "top_ks", logits, "logits");
+    expect_param_shape(*top_ks, "top_k", labels);
+    if (check_values(*top_ks) && top_ks->numel() > 0)
+      TORCH_CHECK_VALUE(top_ks->ge(0).all().item<bool>(),
+                        "top_k: expected values >= 0 (0: off), got min ",
+                        top_ks->min().item<int64_t>());
+  }
+  check_prob_param(top_ps, "top_p", "top_ps", false, logits, labels);
+  check_prob_param(min_ps, "min_p", "min_ps", true, logits, labels);
+  TORCH_CHECK_VALUE(sampler == "vllm" || sampler == "sglang",
+                    "sampler: expected one of ('vllm', 'sglang'), got '", std::string(sampler),
+                    "'");
+  TORCH_CHECK_VALUE(stats_top_k >= 0 && stats_top_k <= kMaxStatsTopK, "stats_top_k: expected 0 to ",
+                    kMaxStatsTopK, ", got ", stats_top_k);
+  TORCH_CHECK_VALUE(stats_top_k <= logits.size(-1) || labels.numel() == 0,
+                    "stats_top_k: expected at most the vocabulary size ", logits.size(-1), ", got ",
+                    stats_top_k);
+}
+
+// A per-token tensor as the kernels take it: labels.numel() contiguous values of `dtype`.
+OptTensor flat_param(const OptTensor& t, const Tensor& labels, at::ScalarType dtype) {
+  if (!t) return std::nullopt;
+  std::vector<int64_t> shape(t->sizes().begin(), t->sizes().end());
+  shape.resize(labels.dim(), 1);
+  return t->to(dtype).reshape(shape).expand(labels.sizes()).reshape({-1}).contiguous();
+}
+
+OptTensor inverse_temperatures(const OptTensor& t, const Tensor& labels) {
+  if (!t) return std::nullopt;
+  return flat_param(t->to(at::kDouble).reciprocal(), labels, at::kDouble);
+}
+
+SamplerOuts sampler_forward(const Tensor& logits, const Tensor& labels, double temperature,
+                            const OptTensor& temperatures, int64_t top_k, const OptTensor& top_ks,
+                            double top_p, const OptTensor& top_ps, double min_p,
+                            const OptTensor& min_ps, c10::string_view sampler, SymInt ignore_index,
+                            bool with_entropy, bool with_sum_p2, bool with_lse, int64_t stats_top_k,
+                            bool with_is_argmax) {
+  const int64_t ignore = ignore_index.expect_int();
+  check_forward(logits, labels, temperature, ignore);
+  check_sampler_params(logits, labels, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
+                       sampler, stats_top_k);
+  const Backend b = backend_for("token_logprobs", logits);
+  if (b == Backend::kCpp)
+    return kSamplerFwdKernel.in<SamplerKernelFwdSig>(Ns::kCppKernels)
+        .call(logits, labels, 1.0 / temperature, inverse_temperatures(temperatures, labels), top_k,
+              flat_param(top_ks, labels, at::kLong), top_p, flat_param(top_ps, labels, at::kDouble),
+              min_p, flat_param(min_ps, labels, at::kDouble), sampler, ignore, with_entropy,
+              with_sum_p2, with_lse, stats_top_k, with_is_argmax);
+  return kSamplerFwd.python<SamplerFwdSig>(b).call(
+      logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
+      sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k, with_is_argmax);
+}
+
+Tensor sampler_backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy,
+                        const Tensor& logits, const Tensor& labels, const Tensor& lse,
+                        const Tensor& entropy, const Tensor& cut, const Tensor& cut_index,
+                        double temperature, const OptTensor& temperatures, SymInt ignore_index) {
+  const int64_t ignore = ignore_index.expect_int();
+  const OptTensor gent = check_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy,
+                                        temperature, ignore);
+  check_row(cut, "cut", logits, true);
+  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
+  expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
+  expect_device(cut_index, "cut_index", logits, "logits");
+  expect_shape(cut_index, "cut_index", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_temperatures(temperatures, logits, labels);
+  const Backend b = backend_for("token_logprobs", logits);
+  if (b != Backend::kCpp)
+    return kSamplerBwd.python<SamplerBwdSig>(b).call(grad_logprobs, gent, logits, labels, lse,
+                                                     entropy, cut, cut_index, temperature,
+                                                     temperatures, ignore_index);
+  Tensor grad = new_output(logits.sizes(), logits.options());
+  kSamplerBwdKernel.in<SamplerKernelBwdSig>(Ns::kCppKernels)
+      .call(grad_logprobs, gent, logits, labels, lse, entropy, cut, cut_index, 1.0 / temperature,
+            inverse_temperatures(temperatures, labels), ignore, grad);
+  return grad;
+}
+
+class TokenLogprobsSamplerFn : public torch::autograd::Function<TokenLogprobsSamplerFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels,
+                               double temperature, const OptTensor& temperatures, int64_t top_k,
+                               const OptTensor& top_ks, double top_p, const OptTensor& top_ps,
+                               double min_p, const OptTensor& min_ps, c10::string_view sampler,
+                               SymInt ignore_index, bool with_entropy, bool with_sum_p2,
+                               bool with_lse, int64_t stats_top_k, bool with_is_argmax) {
+    SamplerOuts o;
+    {
+      BelowAutograd guard;
+      o = kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(
+          logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
+          sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k, with_is_argmax);
+    }
+    auto& [lp, ent, lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax] = o;
+    ctx->save_for_backward(
+        {logits, labels, lse, ent, cut, cut_index, temperatures.value_or(Tensor())});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["with_entropy"] = with_entropy;
+    ctx->mark_non_differentiable(
+        {lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax});
+    ctx->set_materialize_grads(false);
+    return {lp, ent, lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &logits = saved[0], &labels = saved[1], &lse = saved[2], &ent = saved[3],
+                 &cut = saved[4], &cut_index = saved[5];
+    const OptTensor temperatures = saved[6].defined() ? OptTensor(saved[6]) : std::nullopt;
+    const Tensor& grad_lp = grads[0];
+    const Tensor& grad_ent = grads[1];
+    const Tensor glp = grad_lp.defined() ? grad_lp : at::zeros_like(lse, lse.options());
+    const OptTensor gent = ctx->saved_data["with_entropy"].toBool() && grad_ent.defined()
+                               ? OptTensor(grad_ent)
+                               : std::nullopt;
+    Tensor grad = kSamplerBwd.in<SamplerBwdSig>(Ns::kOps).call(
+        glp, gent, logits, labels, lse, ent, cut, cut_index,
+        ctx->saved_data["temperature"].toDouble(), temperatures,
+        ctx->saved_data["ignore_index"].toSymInt());
+    variable_list out(17);
+    out[0] = grad;
+    return out;
+  }
+};
+
+SamplerOuts sampler_forward_autograd(const Tensor& logits, const Tensor& labels, double temperature,
+                                     const OptTensor& temperatures, int64_t top_k,
+                                     const OptTensor& top_ks, double top_p, const OptTensor& top_ps,
+                                     double min_p, const OptTensor& min_ps,
+                                     c10::string_view sampler, SymInt ignore_index,
+                                     bool with_entropy, bool with_sum_p2, bool with_lse,
+                                     int64_t stats_top_k, bool with_is_argmax) {
+  if (!needs_graph(logits, labels)) {
+    BelowAutograd guard;
+    return kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(
+        logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
+        sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k, with_is_argmax);
+  }
+  auto o = TokenLogprobsSamplerFn::apply(logits, labels, temperature, temperatures, top_k, top_ks,
+                                         top_p, top_ps, min_p, min_ps, sampler,
+                                         std::move(ignore_index), with_entropy, with_sum_p2,
+                                         with_lse, stats_top_k, with_is_argmax);
+  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  // (logprobs, entropy or empty, lse of the kept set, the kept set for the backward as (cut,
+  // cut_index): x > cut, or x == cut and index <= cut_index, outside (the label is not kept),
+  // then the statistics asked for, each empty when not: sum_p2, the full-vocabulary lse, the top
+  // stats_top_k ids and their log-probs, is_argmax). A parameter tensor, when given, holds per-row
+  // values (its shape a leading part of labels.shape) and replaces the scalar.
+  m.def(
+      "token_logprobs_sampler(Tensor logits, Tensor labels, float temperature, "
+      "Tensor? temperatures, int top_k, Tensor? top_ks, float top_p, Tensor? top_ps, "
+      "float min_p, Tensor? min_ps, str sampler, SymInt ignore_index, bool with_entropy, "
+      "bool with_sum_p2, bool with_lse, int stats_top_k, bool with_is_argmax) -> (Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // d(sum(grad_logprobs * logprobs + grad_entropy * entropy)) / d logits on the kept set
+  m.def(
+      "token_logprobs_sampler_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+      "Tensor labels, Tensor lse, Tensor entropy, Tensor cut, Tensor cut_index, float temperature, "
+      "Tensor? temperatures, SymInt ignore_index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("token_logprobs_sampler", &sampler_forward);
+  m.impl("token_logprobs_sampler_backward", &sampler_backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("token_logprobs_sampler", &sampler_forward_autograd);
+}
+
+}  // namespace ppo_kernels

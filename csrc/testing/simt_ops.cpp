@@ -17,6 +17,7 @@
 #include "cuda/full_kl.cuh"
 #include "cuda/gae.cuh"
 #include "cuda/token_logprobs.cuh"
+#include "cuda/token_logprobs_sampler.cuh"
 #include "testing/simt.h"
 
 namespace ppo_kernels {
@@ -108,23 +109,54 @@ void token_logprobs_bwd(const at::Tensor& glp, const std::optional<at::Tensor>& 
   g.write_back(grad_logits, out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(const at::Tensor& logits,
-                                                           const at::Tensor& ref,
-                                                           const std::optional<at::Tensor>& mask,
-                                                           double inv_t) {
-  const Guarded g(logits, ref, mask);
-  return full_kl_cuda::fwd<Device>(g(logits), g(ref), g(mask), inv_t);
+using SamplerOuts =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+SamplerOuts token_logprobs_sampler_fwd(const at::Tensor& logits, const at::Tensor& labels,
+                                       double inv_t, const std::optional<at::Tensor>& inv_ts,
+                                       int64_t top_k, const std::optional<at::Tensor>& top_ks,
+                                       double top_p, const std::optional<at::Tensor>& top_ps,
+                                       double min_p, const std::optional<at::Tensor>& min_ps,
+                                       c10::string_view sampler, int64_t ignore_index,
+                                       bool with_entropy, bool with_sum_p2, bool with_lse,
+                                       int64_t stats_top_k, bool with_is_argmax) {
+  const Guarded g(logits, labels, inv_ts, top_ks, top_ps, min_ps);
+  return token_logprobs_sampler_cuda::fwd<Device>(
+      g(logits), g(labels), inv_t, g(inv_ts), top_k, g(top_ks), top_p, g(top_ps), min_p, g(min_ps),
+      sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k, with_is_argmax);
+}
+
+void token_logprobs_sampler_bwd(const at::Tensor& glp, const std::optional<at::Tensor>& gent,
+                                const at::Tensor& logits, const at::Tensor& labels,
+                                const at::Tensor& lse, const at::Tensor& entropy,
+                                const at::Tensor& cut, const at::Tensor& cut_index, double inv_t,
+                                const std::optional<at::Tensor>& inv_ts, int64_t ignore_index,
+                                at::Tensor grad_logits) {
+  const Guarded g(glp, gent, logits, labels, lse, entropy, cut, cut_index, inv_ts, grad_logits);
+  const at::Tensor out = g(grad_logits);
+  token_logprobs_sampler_cuda::bwd<Device>(g(glp), g(gent), g(logits), g(labels), g(lse),
+                                           g(entropy), g(cut), g(cut_index), inv_t, g(inv_ts),
+                                           ignore_index, out);
+  g.write_back(grad_logits, out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd(
+    const at::Tensor& logits, const at::Tensor& ref, const std::optional<at::Tensor>& mask,
+    double inv_t, const std::optional<at::Tensor>& inv_ts) {
+  const Guarded g(logits, ref, mask, inv_ts);
+  return full_kl_cuda::fwd<Device>(g(logits), g(ref), g(mask), inv_t, g(inv_ts));
 }
 
 void full_kl_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ref,
                  const std::optional<at::Tensor>& mask, const at::Tensor& kl, const at::Tensor& lz,
                  const at::Tensor& lw, double inv_t, at::Tensor grad_logits,
-                 std::optional<at::Tensor> grad_ref) {
-  const Guarded g(grad, logits, ref, mask, kl, lz, lw, grad_logits, grad_ref);
+                 std::optional<at::Tensor> grad_ref, const std::optional<at::Tensor>& inv_ts) {
+  const Guarded g(grad, logits, ref, mask, kl, lz, lw, grad_logits, grad_ref, inv_ts);
   const at::Tensor gx = g(grad_logits);
   const std::optional<at::Tensor> gy = g(grad_ref);
-  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx,
-                            gy);
+  full_kl_cuda::bwd<Device>(g(grad), g(logits), g(ref), g(mask), g(kl), g(lz), g(lw), inv_t, gx, gy,
+                            g(inv_ts));
   g.write_back(grad_logits, gx);
   if (grad_ref.has_value()) g.write_back(*grad_ref, *gy);
 }
@@ -162,12 +194,14 @@ void register_ops() {
                              __LINE__);
   static torch::Library impls(torch::Library::IMPL, "ppo_kernels_simt", c10::DispatchKey::CPU,
                               __FILE__, __LINE__);
-  for (const char* k :
-       {"token_logprobs_fwd", "token_logprobs_bwd", "full_kl_fwd", "full_kl_bwd", "gae_fwd"}) {
+  for (const char* k : {"token_logprobs_fwd", "token_logprobs_bwd", "token_logprobs_sampler_fwd",
+                        "token_logprobs_sampler_bwd", "full_kl_fwd", "full_kl_bwd", "gae_fwd"}) {
     defs.def(schema_of(k).c_str());
   }
   impls.impl("token_logprobs_fwd", &token_logprobs_fwd);
   impls.impl("token_logprobs_bwd", &token_logprobs_bwd);
+  impls.impl("token_logprobs_sampler_fwd", &token_logprobs_sampler_fwd);
+  impls.impl("token_logprobs_sampler_bwd", &token_logprobs_sampler_bwd);
   impls.impl("full_kl_fwd", &full_kl_fwd);
   impls.impl("full_kl_bwd", &full_kl_bwd);
   impls.impl("gae_fwd", &gae_fwd);

@@ -13,6 +13,7 @@ from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor, 
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _full_kl = _backend.op("full_kl")
+_full_kl_rows = _backend.op("full_kl_row_temperature")
 
 
 def _check_args(logits, ref_logits, temperature, vocab_parallel):
@@ -41,7 +42,7 @@ def full_kl(
     logits: Tensor,
     ref_logits: Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     mask: Tensor | None = None,
     process_group=None,
 ) -> Tensor:
@@ -57,8 +58,11 @@ def full_kl(
             must be contiguous. The gradient flows to it.
         ref_logits (Tensor): logits' shape and dtype, strides of its own. The reference model's
             logits. The gradient flows to it only when it requires grad.
-        temperature (float): divides both logits; positive. A runtime value: no recompiles.
-            Default 1.0.
+        temperature (float or Tensor): divides both logits; positive. A float is a runtime
+            value (no recompiles). A float tensor gives per-row values: its shape is a leading
+            part of `logits.shape[:-1]` (`[B]` per sequence or `[B, T]` per token for
+            `[B, T, V]` logits), e.g. a rollout's per-request temperatures; no gradient flows to
+            it. Default 1.0.
         mask (Tensor, optional): `logits.shape[:-1]`, bool / integer / float. A row with mask 0
             gives KL 0 and no gradient, and is not read. Default None: every row.
         process_group (ProcessGroup, optional): the vocab-parallel form. Both logits hold this
@@ -73,7 +77,8 @@ def full_kl(
     `log_softmax` it writes two `[N, V]` tensors; this op reads each logits tensor once. Formulas:
     docs/ppo-math.md ("Full-vocabulary KL"). Edge cases: ppo_kernels/full_kl/naive.py.
     """
-    if type(temperature) is not float:  # the op checks its value; a float passes for free
+    per_row = isinstance(temperature, Tensor)
+    if type(temperature) is not float and not per_row:  # the op checks the value (floats: free)
         temperature = check_temperature(temperature)
     if not (isinstance(logits, Tensor) and isinstance(ref_logits, Tensor)):
         check_tensor("logits", logits)
@@ -94,6 +99,27 @@ def full_kl(
         if mask.dtype != torch.bool:
             mask = mask != 0
         mask = mask.contiguous()
+    if per_row:
+        check_tensor("temperature", temperature, dtypes=FLOAT_DTYPES)
+        rows = tuple(logits.shape[:-1])
+        if temperature.device != logits.device:
+            raise device_error("temperature", temperature, logits.device, "logits")
+        if tuple(temperature.shape) != rows[: temperature.dim()]:
+            raise ValueError(
+                "temperature: expected a shape that is a leading part of logits.shape[:-1] "
+                f"{rows} (per row or per token), got {tuple(temperature.shape)}"
+            )
+        if process_group is not None:
+            raise ValueError(
+                "process_group: per-row temperatures are not supported with the vocab-parallel "
+                "form yet"
+            )
+        if not _backend.HAS_EXTENSION:
+            _check_args(logits, ref_logits, 1.0, vocab_parallel=False)
+            if not bool((temperature > 0).all()):
+                raise ValueError("temperature: expected positive values")
+        kl, _, _ = _full_kl_rows(logits, ref_logits, temperature, mask)
+        return kl
     if process_group is not None:
         _check_args(logits, ref_logits, temperature, vocab_parallel=True)
         from ..distributed.vocab_parallel_full_kl import vocab_parallel_full_kl

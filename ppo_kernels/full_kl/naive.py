@@ -2,7 +2,8 @@
 baseline. Float64 inputs are computed in float64, everything else in float32.
 
     KL(pi || pi_ref)[t] = sum_j p_j (log p_j - log q_j),  p = softmax(z), q = softmax(w),
-    z = logits / temperature, w = ref_logits / temperature.
+    z = logits / temperature, w = ref_logits / temperature (a number, or a tensor of per-row
+    temperatures with shape logits.shape[:-1] + (1,)).
 Gradients (times 1 / temperature): dKL/dz_j = p_j ((log p_j - log q_j) - KL), dKL/dw_j = q_j - p_j.
 
 Documented edge cases (every backend matches them):
@@ -53,7 +54,7 @@ def backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature=1.0, mask=N
     acc = acc_dtype(logits.dtype)
     z = logits.to(acc) / temperature
     w = ref_logits.to(acc) / temperature
-    g = (grad.to(acc) / temperature).unsqueeze(-1)
+    g = grad.to(acc).unsqueeze(-1) / temperature
     p = (z - lse_z.to(acc).unsqueeze(-1)).exp()
     c = (lse_z.to(acc) - lse_w.to(acc) + kl.to(acc)).unsqueeze(-1)
     gz = torch.where(p > 0, g * p * ((z - w) - c), torch.zeros_like(p))

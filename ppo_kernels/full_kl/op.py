@@ -53,16 +53,19 @@ forward = _backend.Kernel("full_kl", "forward")
 backward = _backend.Kernel("full_kl", "backward")  # writes grad_logits (and grad_ref_logits)
 
 
+# inv_temperatures: per-row 1 / T (float64, one per row, contiguous), or None: the scalar holds.
 @forward.impl("cpp")
-def _(logits, ref_logits, mask, inv_temperature):
-    return _backend.cpp_ops().full_kl_fwd(logits, ref_logits, mask, inv_temperature)
+def _(logits, ref_logits, mask, inv_temperature, inv_temperatures=None):
+    return _backend.cpp_ops().full_kl_fwd(
+        logits, ref_logits, mask, inv_temperature, inv_temperatures
+    )
 
 
 @forward.impl("triton")
-def _(logits, ref_logits, mask, inv_temperature):
+def _(logits, ref_logits, mask, inv_temperature, inv_temperatures=None):
     from . import triton_kernels
 
-    return triton_kernels.forward(logits, ref_logits, mask, inv_temperature)
+    return triton_kernels.forward(logits, ref_logits, mask, inv_temperature, inv_temperatures)
 
 
 def _eager_forward(logits, ref_logits, temperature, mask):
@@ -73,29 +76,42 @@ def _eager_forward(logits, ref_logits, temperature, mask):
     return kl.to(o), lz.to(o), lw.to(o)
 
 
+def _eager_temperature(logits, inv_temperature, inv_temperatures):
+    """The temperature as the eager math takes it: a number, or per row [..., 1]."""
+    if inv_temperatures is None:
+        return 1.0 / inv_temperature
+    return (1.0 / inv_temperatures).reshape(tuple(logits.shape[:-1]) + (1,))
+
+
 @forward.impl("eager")
-def _(logits, ref_logits, mask, inv_temperature):
-    return _eager_forward(logits, ref_logits, 1.0 / inv_temperature, mask)
+def _(logits, ref_logits, mask, inv_temperature, inv_temperatures=None):
+    t = _eager_temperature(logits, inv_temperature, inv_temperatures)
+    return _eager_forward(logits, ref_logits, t, mask)
 
 
 @backward.impl("cpp")
-def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref,
+      inv_temperatures=None):  # fmt: skip
     _backend.cpp_ops().full_kl_bwd(
-        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
-    )
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref,
+        inv_temperatures,
+    )  # fmt: skip
 
 
 @backward.impl("triton")
-def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref,
+      inv_temperatures=None):  # fmt: skip
     from . import triton_kernels
 
     triton_kernels.backward(
-        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref
-    )
+        grad, logits, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref,
+        inv_temperatures,
+    )  # fmt: skip
 
 
 @backward.impl("eager")
-def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref):
+def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_logits, grad_ref,
+      inv_temperatures=None):  # fmt: skip
     gz, gw = _backend.invariant_rows(
         naive.backward,
         logits.shape[:-1],
@@ -105,7 +121,7 @@ def _(logits, grad, ref_logits, mask, kl, lse_z, lse_w, inv_temperature, grad_lo
         kl,
         lse_z,
         lse_w,
-        1.0 / inv_temperature,
+        _eager_temperature(logits, inv_temperature, inv_temperatures),
         mask,
         grad_ref is not None,
     )
@@ -156,3 +172,58 @@ def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref):
     _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w)
     eager = _backend.python_impl("full_kl_backward", "eager")
     return eager(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperature, need_ref)
+
+
+# ---- full_kl with per-row temperatures: ppo_kernels::full_kl_row_temperature (+ backward) ------
+
+
+def _row_inverse(logits, temperatures):
+    """1 / T per row of logits (float64, contiguous): the kernels' per-row parameter."""
+    t = temperatures.to(torch.float64)
+    t = t.reshape(tuple(t.shape) + (1,) * (logits.dim() - 1 - t.dim()))
+    return (1.0 / t).expand(logits.shape[:-1]).reshape(-1).contiguous()
+
+
+@_backend.fake("full_kl_row_temperature")
+def _(logits, ref_logits, temperatures, mask):
+    check_devices("logits", logits, ref_logits=ref_logits, temperatures=temperatures, mask=mask)
+    shape, o = logits.shape[:-1], acc_dtype(logits.dtype)
+    return tuple(logits.new_empty(shape, dtype=o) for _ in range(3))
+
+
+@_backend.fake("full_kl_row_temperature_backward")
+def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperatures, need_ref):
+    _check_backward_devices(grad, logits, ref_logits, mask, kl, lse_z, lse_w)
+    check_devices("logits", logits, temperatures=temperatures)
+    return (
+        torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
+        torch.empty(
+            ref_logits.shape if need_ref else (0,), dtype=ref_logits.dtype, device=ref_logits.device
+        ),
+    )
+
+
+def _register_rows(backend):
+    @_backend.impl("full_kl_row_temperature", backend)
+    def _(logits, ref_logits, temperatures, mask):
+        return forward.impls[backend](logits, ref_logits, mask, 1.0,
+                                      _row_inverse(logits, temperatures))  # fmt: skip
+
+    @_backend.impl("full_kl_row_temperature_backward", backend)
+    def _(grad, logits, ref_logits, mask, kl, lse_z, lse_w, temperatures, need_ref):
+        gz, gw = _grad_buffers(logits, ref_logits, need_ref)
+        backward.impls[backend](logits, grad, ref_logits, mask, kl, lse_z, lse_w, 1.0, gz,
+                                gw if need_ref else None,
+                                _row_inverse(logits, temperatures))  # fmt: skip
+        return gz, gw
+
+
+_register_rows("triton")
+_register_rows("eager")
+
+
+@_backend.fallback("full_kl_row_temperature")
+def _(logits, ref_logits, temperatures, mask):
+    check_devices("logits", logits, ref_logits=ref_logits, temperatures=temperatures, mask=mask)
+    t = temperatures.reshape(tuple(temperatures.shape) + (1,) * (logits.dim() - temperatures.dim()))
+    return _eager_forward(logits, ref_logits, t, mask)

@@ -38,13 +38,17 @@ def _fwd_kernel(
     y_so,
     y_si,
     inv_t,
+    INV_TS,
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_TS: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     keep = True
     if HAS_MASK:
         keep = tl.load(MASK + row) != 0
+    if HAS_TS:  # a temperature per row
+        inv_t = tl.load(INV_TS + row).to(tl.float32)
     if keep:
         xb = X + (row // inner) * so + (row % inner) * si
         yb = Y + (row // y_inner) * y_so + (row % y_inner) * y_si
@@ -119,14 +123,18 @@ def _bwd_kernel(
     y_so,
     y_si,
     inv_t,
+    INV_TS,
     HAS_MASK: tl.constexpr,
     NEED_REF: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_TS: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     keep = True
     if HAS_MASK:
         keep = tl.load(MASK + row) != 0
+    if HAS_TS:  # a temperature per row
+        inv_t = tl.load(INV_TS + row).to(tl.float32)
     xb = X + (row // inner) * so + (row % inner) * si
     yb = Y + (row // y_inner) * y_so + (row % y_inner) * y_si
     a = tl.load(G + row).to(tl.float32) * inv_t
@@ -151,7 +159,7 @@ def _block(V):
     return min(triton.next_power_of_2(max(V, 16)), 4096)
 
 
-def forward(logits, ref_logits, mask, inv_t):
+def forward(logits, ref_logits, mask, inv_t, inv_temperatures=None):
     V = logits.shape[-1]
     shape = logits.shape[:-1]
     ix, logits = row_indexer(logits)
@@ -173,14 +181,18 @@ def forward(logits, ref_logits, mask, inv_t):
             *ix,
             *iy,
             float(inv_t),
+            inv_temperatures if inv_temperatures is not None else kl,
             HAS_MASK=has_mask,
             BLOCK=block,
+            HAS_TS=inv_temperatures is not None,
             num_warps=8 if block >= 2048 else 4,
         )
     return kl, lz, lw
 
 
-def backward(grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, grad_ref):
+def backward(
+    grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, grad_ref, inv_temperatures=None
+):
     V = logits.shape[-1]
     N = logits.shape[:-1].numel()
     if N == 0 or V == 0:
@@ -205,8 +217,10 @@ def backward(grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, gra
         *ix,
         *iy,
         float(inv_t),
+        inv_temperatures if inv_temperatures is not None else kl,
         HAS_MASK=has_mask,
         NEED_REF=need_ref,
         BLOCK=block,
+        HAS_TS=inv_temperatures is not None,
         num_warps=8 if block >= 2048 else 4,
     )

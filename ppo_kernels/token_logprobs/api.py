@@ -5,6 +5,8 @@ to ppo_kernels/distributed/vocab_parallel_token_logprobs.py."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor
 
 from .. import _backend
@@ -13,14 +15,31 @@ from .._checks import (
     INDEX_DTYPES,
     check_arg,
     check_bool,
+    check_float,
     check_int,
+    check_str,
     check_temperature,
     check_tensor,
     device_error,
 )
 from . import op  # noqa: F401  (registers the ops' Python side)
+from .naive import MAX_STATS_TOP_K, SAMPLERS, STATS
 
 _token_logprobs = _backend.op("token_logprobs")
+_token_logprobs_sampler = _backend.op("token_logprobs_sampler")
+
+
+class HeadStats(NamedTuple):
+    """The head's statistics `token_logprobs(..., stats=...)` returns (None where not asked);
+    per token with labels.shape, no gradient. See docs/ppo-math.md."""
+
+    outside: Tensor | None  # bool: the label is outside the sampler's kept set (log-prob -inf)
+    num_outside: Tensor | None  # int64, 0-dim: how many labels are outside
+    sum_p2: Tensor | None  # sum_j q_j^2 under the sampler's distribution
+    lse: Tensor | None  # log sum_j exp(logits_j / T) over the whole vocabulary
+    top_ids: Tensor | None  # int64 [..., stats_top_k]: the first tokens in rank order
+    top_logprobs: Tensor | None  # their log-probs under the sampler's distribution
+    is_argmax: Tensor | None  # bool: the label's logit is the row maximum
 
 
 def _check_args(logits, labels, temperature, vocab_parallel):
@@ -53,6 +72,12 @@ def token_logprobs(
     inplace_backward: bool = False,
     process_group=None,
     vocab_start: int | None = None,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
+    stats=None,
+    stats_top_k: int = 0,
 ):
     """Log-probability of each label under softmax(logits / temperature), in one fused pass.
 
@@ -65,7 +90,9 @@ def token_logprobs(
             path). The leading dimensions may have any strides: `logits[:, :-1]` is read without
             a copy. The last dimension must be contiguous. The gradient flows to it.
         labels (Tensor): `logits.shape[:-1]`, int64 / int32. Ids in [0, V) or `ignore_index`.
-        temperature (float): divides the logits; positive. A runtime value: no kernel recompiles.
+        temperature (float or Tensor): divides the logits; positive. A float is a runtime value
+            (no kernel recompiles). A float tensor gives per-row values: its shape is a leading
+            part of labels.shape (`[B]` per sequence or `[B, T]` per token for `[B, T]` labels).
             Default 1.0.
         ignore_index (int): the label of a position without a log-prob. Default -100.
         return_entropy (bool): also return the entropy of softmax(logits / temperature).
@@ -80,10 +107,27 @@ def token_logprobs(
         vocab_start (int, optional): this rank's first vocabulary id. Default None: slices
             contiguous in rank order, found by the forward's own gather and then cached. Under
             torch.compile give it for uneven slices (a clear error says so otherwise).
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature. With top_p / min_p: the
+            log-probs and entropy under the distribution the engine sampled from (temperature,
+            then min-p, then top-k and top-p, the kept tokens renormalised). A label outside the
+            kept set gets -inf. Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang" (docs/ppo-math.md, "The
+            distribution the rollout sampled from", says where they differ). Default "vllm".
+        stats (tuple of str, optional): the head's statistics to return per token from the same
+            pass: "outside", "sum_p2", "lse", "topk", "is_argmax" (see HeadStats). "outside"
+            counts the labels outside the kept set (an engine / trainer mismatch). Default None:
+            none computed.
+        stats_top_k (int): how many top tokens "topk" returns, 1 to 64. Default 0.
 
     Returns:
         Tensor: the log-probs, `labels.shape`, float32 (float64 for float64 logits). With
         `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+        With `stats`, a HeadStats follows (the last element of a tuple).
 
     Why: the trainer's largest tensor is the `[N, V]` logits. A composition of `log_softmax` and
     `gather` writes another `[N, V]` tensor, forward and backward; this op reads the logits once
@@ -92,6 +136,22 @@ def token_logprobs(
     cases: ppo_kernels/token_logprobs/naive.py. Vocab-parallel form:
     ppo_kernels/distributed/vocab_parallel_token_logprobs.py.
     """
+    if (
+        top_k is not None
+        or top_p is not None
+        or min_p is not None
+        or stats is not None
+        or isinstance(temperature, Tensor)
+    ):
+        return _sampled(
+            logits, labels, temperature, ignore_index, return_entropy, inplace_backward,
+            process_group, top_k, top_p, min_p, sampler, stats, stats_top_k,
+        )  # fmt: skip
+    if sampler != "vllm" or stats_top_k != 0:
+        check_str("sampler", sampler, SAMPLERS)
+        check_int("stats_top_k", stats_top_k, min_value=0)
+        if stats_top_k:
+            raise ValueError('stats_top_k: only used with stats=("topk", ...)')
     # the scalars' types (the op checks the temperature's value; exact types pass for free)
     if type(temperature) is not float:
         temperature = check_temperature(temperature)
@@ -122,3 +182,109 @@ def token_logprobs(
         logits, labels, float(temperature), ignore_index, return_entropy, inplace_backward
     )
     return (lp, ent) if return_entropy else lp
+
+
+def _param(name, x, dtypes, labels, check):
+    """A truncation parameter: (scalar, tensor or None). A tensor's shape is a leading part of
+    labels.shape; its values are checked by the registered op."""
+    if isinstance(x, Tensor):
+        check_tensor(name, x, dtypes=dtypes)
+        if x.device != labels.device:
+            raise device_error(name, x, labels.device, "labels")
+        if tuple(x.shape) != tuple(labels.shape[: x.dim()]):
+            raise ValueError(
+                f"{name}: expected a shape that is a leading part of labels.shape "
+                f"{tuple(labels.shape)} (per row or per token), got {tuple(x.shape)}"
+            )
+        return None, x
+    return check(x), None
+
+
+def _check_top_p(x):
+    v = check_float("top_p", x)
+    if not (0.0 < v <= 1.0):
+        raise ValueError(f"top_p: expected a value in (0, 1], got {v}")
+    return v
+
+
+def _check_min_p(x):
+    v = check_float("min_p", x)
+    if not (0.0 <= v <= 1.0):
+        raise ValueError(f"min_p: expected a value in [0, 1], got {v}")
+    return v
+
+
+def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_backward,
+             process_group, top_k, top_p, min_p, sampler, stats, stats_top_k):  # fmt: skip
+    """token_logprobs with the sampler's options or the head's statistics (the registered op
+    token_logprobs_sampler)."""
+    ignore_index = check_int("ignore_index", ignore_index)
+    return_entropy = check_bool("return_entropy", return_entropy)
+    inplace_backward = check_bool("inplace_backward", inplace_backward)
+    sampler = check_str("sampler", sampler, SAMPLERS)
+    check_tensor("logits", logits)
+    check_tensor("labels", labels)
+    if labels.device != logits.device:
+        raise device_error("labels", labels, logits.device, "logits")
+    if process_group is not None:
+        raise ValueError(
+            "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) and "
+            "stats are not supported with the vocab-parallel form yet"
+        )
+    if inplace_backward:
+        raise ValueError(
+            "inplace_backward: not supported with the sampler's options (temperature tensor, "
+            "top_k, top_p, min_p) or stats"
+        )
+    names = ()
+    if stats is not None:
+        if isinstance(stats, str):
+            stats = (stats,)
+        names = tuple(check_str("stats", s, STATS) for s in stats)
+    stats_top_k = check_int("stats_top_k", stats_top_k, min_value=0)
+    if "topk" in names:
+        if not 1 <= stats_top_k <= MAX_STATS_TOP_K:
+            raise ValueError(
+                f'stats_top_k: stats "topk" needs 1 <= stats_top_k <= {MAX_STATS_TOP_K}, '
+                f"got {stats_top_k}"
+            )
+    elif stats_top_k:
+        raise ValueError('stats_top_k: only used with stats=("topk", ...)')
+    temp, temps = _param("temperature", temperature, FLOAT_DTYPES, labels, check_temperature)
+    if temp is None:
+        temp = 1.0
+    k, ks = _param("top_k", 0 if top_k is None else top_k, INDEX_DTYPES, labels,
+                   lambda x: check_int("top_k", x, min_value=0))  # fmt: skip
+    p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p)
+    mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p)
+    if not _backend.HAS_EXTENSION:  # the registered op's value checks (a host read)
+        _check_args(logits, labels, temp, vocab_parallel=False)
+        for name, t, ok in (
+            ("temperature", temps, lambda v: (v > 0) & (1.0 / v.double() <= 3.4028234663852886e38)),
+            ("top_k", ks, lambda v: v >= 0),
+            ("top_p", ps, lambda v: (v > 0) & (v <= 1)),
+            ("min_p", mps, lambda v: (v >= 0) & (v <= 1)),
+        ):
+            if t is not None and not bool(ok(t).all()):
+                raise ValueError(f"{name}: a value is out of range (see the docstring)")
+    outs = _token_logprobs_sampler(
+        logits, labels, float(temp), temps, int(k if k is not None else 0), ks,
+        float(p if p is not None else 1.0), ps, float(mp if mp is not None else 0.0), mps,
+        sampler, ignore_index, return_entropy, "sum_p2" in names, "lse" in names,
+        stats_top_k if "topk" in names else 0, "is_argmax" in names,
+    )  # fmt: skip
+    lp, ent = outs[0], outs[1]
+    result = (lp, ent) if return_entropy else (lp,)
+    if stats is None:
+        return result if return_entropy else lp
+    outside = outs[5] if "outside" in names else None
+    head = HeadStats(
+        outside,
+        outside.sum() if outside is not None else None,
+        outs[6] if "sum_p2" in names else None,
+        outs[7] if "lse" in names else None,
+        outs[8] if "topk" in names else None,
+        outs[9] if "topk" in names else None,
+        outs[10] if "is_argmax" in names else None,
+    )
+    return (*result, head)

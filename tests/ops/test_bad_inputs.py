@@ -1114,6 +1114,109 @@ CASES = [
         "C.linear_logprobs_tile_bwd_(torch.randn(3, 5), lab3, 0, llse, lent[:1], torch.ones(3), torch.ones(3), 1.0, -100)",
         "entropy",
     ),
+    # --- token_logprobs_sampler (the sampler's options and the head's statistics)
+    (
+        "tls_top_p_0",
+        False,
+        "each",
+        "ops.token_logprobs_sampler(logits, labels, 1.0, None, 0, None, 0.0, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "top_p",
+    ),
+    (
+        "tls_temperature_shape",
+        False,
+        "each",
+        "ops.token_logprobs_sampler(logits, labels, 1.0, torch.ones(3), 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "temperature",
+    ),
+    (
+        "tls_temperature_zero",
+        False,
+        "each",
+        "ops.token_logprobs_sampler(logits, labels, 1.0, torch.zeros(2), 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "temperature",
+    ),
+    (
+        "tls_top_k_negative",
+        False,
+        "each",
+        "ops.token_logprobs_sampler(logits, labels, 1.0, None, 0, torch.full((2, 3), -1), 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "top_k",
+    ),
+    (
+        "tls_label_1e9",
+        False,
+        "each",
+        "ops.token_logprobs_sampler(logits, big, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "labels",
+    ),
+    (
+        "tls_bwd_cut_index_size",
+        False,
+        "each",
+        "o = ops.token_logprobs_sampler(logits, labels, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)\n"
+        "ops.token_logprobs_sampler_backward(g6, None, logits, labels, o[2], o[1], o[3], o[4][:1], 1.0, None, -100)",
+        "cut_index",
+    ),
+    (
+        "tls_bwd_label_1e9",
+        False,
+        "each",
+        "o = ops.token_logprobs_sampler(logits, labels, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)\n"
+        "ops.token_logprobs_sampler_backward(g6, None, logits, big, o[2], o[1], o[3], o[4], 1.0, None, -100)",
+        "labels",
+    ),
+    (
+        "C_tls_fwd_top_ks_numel",
+        True,
+        None,
+        "C.token_logprobs_sampler_fwd(logits, labels, 1.0, None, 0, torch.ones(5, dtype=torch.long), 1.0, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)",
+        "top_ks",
+    ),
+    (
+        "C_tls_fwd_sampler",
+        True,
+        None,
+        "C.token_logprobs_sampler_fwd(logits, labels, 1.0, None, 0, None, 0.9, None, 0.0, None, 'hf', -100, True, False, False, 0, False)",
+        "sampler",
+    ),
+    (
+        "C_tls_bwd_cut",
+        True,
+        None,
+        "o = C.token_logprobs_sampler_fwd(logits, labels, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False)\n"
+        "C.token_logprobs_sampler_bwd(g6, None, logits, labels, o[2], o[1], o[3][:1], o[4], 1.0, None, -100, torch.empty_like(logits))",
+        "cut",
+    ),
+    # --- full_kl with per-row temperatures
+    (
+        "fkr_temperature_shape",
+        False,
+        "each",
+        "ops.full_kl_row_temperature(logits, ref, torch.ones(3), None)",
+        "temperature",
+    ),
+    (
+        "fkr_temperature_zero",
+        False,
+        "each",
+        "ops.full_kl_row_temperature(logits, ref, torch.tensor([1.0, 0.0]), None)",
+        "temperature",
+    ),
+    (
+        "fkr_bwd_kl_shape",
+        False,
+        "each",
+        "ops.full_kl_row_temperature_backward(g6, logits, ref, None, kl[:1], lz, lw, torch.ones(2), True)",
+        "kl",
+    ),
+    (
+        "C_fk_fwd_inv_temperatures",
+        True,
+        None,
+        "C.full_kl_fwd(logits, ref, None, 1.0, torch.ones(5, dtype=torch.float64))",
+        "inv_temperatures",
+    ),
     # --- the vocab-parallel forms' registered ops (ppo_kernels.distributed)
     (
         "vp_states_labels_shape",

@@ -15,6 +15,10 @@ token_logprobs (csrc/cuda/token_logprobs.cuh)
   test_token_logprobs_grid_stride   more rows than blocks (max_row_blocks = 3, N prime, 4 warps:
       the block reduction's shared partials reused across rows)
   test_token_logprobs_bad_labels    labels outside the vocabulary give NaN rows (GPU contract)
+token_logprobs_sampler (csrc/cuda/token_logprobs_sampler.cuh)
+  test_token_logprobs_sampler    fwd (every output) + bwd, bf16, both samplers, each option;
+      tests/simt/test_sampler.py holds the rest (all dtypes, ties, strided rows, grid-stride,
+      full_kl's per-row temperatures)
 full_kl (csrc/cuda/full_kl.cuh)
   test_full_kl                   fwd + bwd for both inputs, with / without mask, V=1, 7, 8, 9,
       4099 (two-packs loop + one-pack remainder), 8209 (1024 threads for float32), strided logits vs contiguous ref (alignments
@@ -37,6 +41,7 @@ linear_token_logprobs (ppo_kernels/fused_linear/chunks.py): on CUDA its whole-vo
 
 import pytest
 import torch
+from support.sampler import SIMT_SETTINGS, simt_case
 from support.simt import MARKS, SEEDS, emulated, launches
 from support.utils import GRAD_TOL, TOL
 
@@ -125,6 +130,12 @@ def test_token_logprobs_inplace(seed, dtype):
         (lp * g_lp).sum().backward()
     _close(lp, want_lp, TOL[dtype])
     _close(x.grad, want_g, GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_token_logprobs_sampler(seed):
+    # every option, both samplers; ties, strided rows, grid-stride: tests/simt/test_sampler.py
+    simt_case(seed, torch.bfloat16, 4, 130, SIMT_SETTINGS)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

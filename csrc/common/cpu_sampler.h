@@ -1,0 +1,1067 @@
+// One row of token_logprobs under the sampler's distribution on the CPU (rules:
+// common/sampler_rules.h; semantics: docs/ppo-math.md), and the head's statistics: the per-row
+// kernels csrc/cpu/token_logprobs_sampler.cpp loops over, written for any row of a [rows, V] tile
+// (the fused-linear engine's whole-vocabulary tiles too).
+//
+// The kept set is found by selection, not by sorting the row:
+//   1. the softmax statistics pass (as the plain kernel's, memory-bound);
+//   2. a sample of 1024 tokens gives bounds around each boundary (the k-th token, the top-p mass
+//      crossing): theta_lo below the final cut, theta_hi above it, in nd = z - max z;
+//   3. one vectorised pass over the (now cache-resident) row: tokens above theta_hi are summed
+//      (count, mass, mass * nd, mass^2), tokens in [theta_lo, theta_hi] are collected into the
+//      band, the rest (below every cut) skipped;
+//   4. the band is bucketed by nd (a counting sort), and only the buckets a boundary falls in are
+//      sorted; the rules walk the band in rank order from the sums above it.
+// The bounds are estimates, each checked exactly in step 4 (the k-th token and the mass crossing
+// must lie in the band); when one does not hold, step 3 runs again with the bounds that always
+// hold (theta_hi = +inf, theta_lo = the min-p bound or -inf). The result is exact either way.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/cpu_rows.h"
+#include "common/cpu_softmax.h"
+#include "common/sampler_rules.h"
+
+namespace ppo_kernels {
+namespace cpu {
+
+// One row's parameters and what it asks for.
+struct SamplerRowArgs {
+  float inv_t;
+  int64_t top_k;  // 0 / >= V: off
+  float top_p;    // 1: off
+  float min_p;    // 0: off
+  bool sglang;
+  bool with_sum_p2;
+  bool with_is_argmax;
+  int64_t stats_top_k;  // top ids wanted (0: none)
+};
+
+struct SamplerRowOut {
+  float lp, ent, lse;  // lse of the kept set
+  float cut;
+  int64_t cut_index;
+  bool outside;
+  float sum_p2, full_lse;
+  bool is_argmax;
+};
+
+// A token of the band: its logit, nd = z - max z and exp(nd) (in T), its index.
+template <typename T>
+struct BandItem {
+  float x;
+  T nd, e;
+  int32_t j;
+};
+
+// The rank order: larger logit first, ties by smaller index.
+template <typename T>
+inline bool rank_before(const BandItem<T>& a, const BandItem<T>& b) {
+  return a.x > b.x || (a.x == b.x && a.j < b.j);
+}
+
+// Sums over a set of tokens: count, mass, mass * nd (entropy), mass^2 (sum_p2), smallest logit.
+template <typename T>
+struct MassSums {
+  int64_t n = 0;
+  T s = 0, u = 0, e2 = 0;
+  float xmin = INFINITY;
+  void add(T e, T nd, float x) {
+    ++n;
+    s += e;
+    u += e > 0 ? e * nd : T(0);
+    e2 += e * e;
+    xmin = std::min(xmin, x);
+  }
+};
+
+// The band in rank order: bucketed by nd (a counting sort), each bucket sorted on first use.
+template <typename T>
+class RankedBand {
+ public:
+  void build(const std::vector<BandItem<T>>& in) {
+    const int64_t n = static_cast<int64_t>(in.size());
+    items_.resize(n);
+    nb_ = std::max<int64_t>(1, std::min<int64_t>(8192, n / 2));
+    T hi = -INFINITY, lo = INFINITY;
+    for (const auto& it : in) {
+      hi = std::max(hi, it.nd);
+      if (it.nd > -INFINITY) lo = std::min(lo, it.nd);
+    }
+    hi_ = hi;
+    scale_ = (n > 0 && hi > lo) ? T(nb_ - 1) / (hi - lo) : T(0);
+    start_.assign(nb_ + 1, 0);
+    mass_.assign(nb_ + 1, T(0));  // mass_[b]: the mass of buckets < b (after the prefix sum)
+    sorted_.assign(nb_, 0);
+    for (const auto& it : in) ++start_[bucket(it.nd) + 1];
+    for (int64_t b = 0; b < nb_; ++b) start_[b + 1] += start_[b];
+    std::vector<int64_t> fill(start_.begin(), start_.end() - 1);
+    for (const auto& it : in) {
+      const int64_t b = bucket(it.nd);
+      items_[fill[b]++] = it;
+      mass_[b + 1] += it.e;
+    }
+    for (int64_t b = 0; b < nb_; ++b) mass_[b + 1] += mass_[b];
+  }
+  int64_t size() const { return static_cast<int64_t>(items_.size()); }
+  // The item at position pos, its bucket not sorted (for sums over whole buckets).
+  const BandItem<T>& raw(int64_t pos) const { return items_[pos]; }
+  // The item at rank position pos (its bucket sorted first).
+  const BandItem<T>& at(int64_t pos) {
+    sort_bucket(bucket_of(pos));
+    return items_[pos];
+  }
+  // The bucket holding rank position pos.
+  int64_t bucket_of(int64_t pos) const {
+    return std::upper_bound(start_.begin(), start_.end(), pos) - start_.begin() - 1;
+  }
+  int64_t begin_of(int64_t b) const { return start_[b]; }
+  T mass_before(int64_t b) const { return mass_[b]; }
+  int64_t buckets() const { return nb_; }
+  // The number of leading items with nd >= bound (a prefix: nd falls along the rank order).
+  int64_t count_at_least(T bound) {
+    int64_t lo = 0, hi = size();
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (at(mid).nd >= bound) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
+  // The first bucket whose end mass (mass of buckets <= b) is at least / more than `target`
+  // (strict), or nb_ when none.
+  int64_t first_bucket_reaching(T target, bool strict) const {
+    for (int64_t b = 0; b < nb_; ++b) {
+      const T m = mass_[b + 1];
+      if (strict ? m > target : m >= target) return b;
+    }
+    return nb_;
+  }
+
+ private:
+  int64_t bucket(T nd) const {
+    const T f = std::min<T>((hi_ - nd) * scale_, T(nb_ - 1));
+    return f > 0 ? static_cast<int64_t>(f) : 0;
+  }
+  void sort_bucket(int64_t b) {
+    if (sorted_[b]) return;
+    std::sort(items_.begin() + start_[b], items_.begin() + start_[b + 1], rank_before<T>);
+    sorted_[b] = 1;
+  }
+  std::vector<BandItem<T>> items_;
+  std::vector<int64_t> start_;
+  std::vector<T> mass_;
+  std::vector<uint8_t> sorted_;
+  int64_t nb_ = 1;
+  T hi_ = 0, scale_ = 0;
+};
+
+// Per-thread buffers, reused across rows.
+struct SamplerWorkspace {
+  std::vector<BandItem<float>> band;
+  std::vector<BandItem<double>> band64;
+  RankedBand<float> ranked;
+  RankedBand<double> ranked64;
+  std::vector<float> sample_nd, sample_e;
+  std::vector<int32_t> hcnt;
+  std::vector<float> hs, hu, he2;
+  float buf[kBlock];
+};
+
+// The lanes of a comparison mask as bits.
+inline int mask_bits(Vec m) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_movemask_ps(__m256(m));
+#else
+  float t[Vec::size()];
+  m.store(t);
+  int bits = 0;
+  for (int i = 0; i < Vec::size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &t[i], 4);
+    bits |= (u >> 31) << i;
+  }
+  return bits;
+#endif
+}
+
+// The statistics pass: softmax stats of z = x * inv_t (as row_logprob's) and, when asked, the
+// sum of exp(2 nd) (relative to the final max), in the same loop over each L1-resident block.
+struct RowStatsExt {
+  SoftmaxStats st;
+  float e2;  // sum exp(2 (z_j - st.m))
+};
+
+// block_stats with sum exp(2 (z - m)) too (one exp per value).
+inline SoftmaxStats block_stats_e2(const float* z, int64_t n, float m, float& e2) {
+  e2 = 0.f;
+  if (m == -INFINITY) return stats_empty();
+  if (m == INFINITY || m != m) return {m, NAN, NAN};
+  const Vec vm(m), floor_(-FLT_MAX);
+  Vec vs(0.f), vu(0.f), v2(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec d = Vec::loadu(z + i) - vm;
+    const Vec e = d.exp_u20();
+    vs = vs + e;
+    vu = at::vec::fmadd(e, at::vec::clamp_min(d, floor_), vu);
+    v2 = at::vec::fmadd(e, e, v2);
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
+  };
+  float s = sum(vs), u = sum(vu);
+  e2 = sum(v2);
+  for (; i < n; ++i) {
+    const float d = z[i] - m;
+    const float e = std::exp(d);
+    s += e;
+    u += weighted_offset(e, d);
+    e2 += e * e;
+  }
+  return {m, s, u};
+}
+
+template <typename scalar_t>
+RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2) {
+  SoftmaxStats st = stats_empty();
+  float e2 = 0.f;
+  for (int64_t j = 0; j < V; j += kBlock) {
+    const int64_t n = std::min(kBlock, V - j);
+    const float m = load_scaled(row + j, n, inv_t, buf);
+    if (!with_e2) {
+      st = stats_merge(st, block_stats(buf, n, m));
+      continue;
+    }
+    float b2;
+    const SoftmaxStats b = block_stats_e2(buf, n, m, b2);
+    const float m_new = nan_max(st.m, m);
+    // e2 relative to the new max: times exp(2 (m_old - m_new)) (0 for an empty state)
+    const float fa = st.s == 0.f ? 0.f : std::exp(2.f * (st.m - m_new));
+    const float fb = b.s == 0.f ? 0.f : std::exp(2.f * (m - m_new));
+    e2 = e2 * fa + b2 * fb;
+    st = stats_merge(st, b);
+  }
+  return {st, e2};
+}
+
+// Whether x_label is the row's largest logit: its scaled value is the max z, and (when scaling
+// could have rounded two logits to one value) no logit exceeds it.
+template <typename scalar_t>
+bool label_is_argmax(const scalar_t* row, int64_t V, float xl, float inv_t, float m) {
+  const float zl = inv_t != 1.f ? scaled(xl, inv_t) : xl;
+  if (!(zl == m)) return false;
+  if (inv_t == 1.f) return true;
+  for (int64_t j = 0; j < V; ++j)
+    if (static_cast<float>(row[j]) > xl) return false;
+  return true;
+}
+
+// nd = x * inv_t - m for a vector of float logits, rounded as load_scaled rounds the product.
+inline Vec nd_of(Vec x, Vec vt, Vec vm, bool scale) { return (scale ? rounded(x * vt) : x) - vm; }
+inline bool inv_t_scales(float inv_t) { return inv_t != 1.f; }
+inline float nd_of(float x, float inv_t, float m, bool scale) {
+  return (scale ? scaled(x, inv_t) : x) - m;
+}
+
+// The smallest float logit x whose nd (as nd_of computes it) is at least `bound` (more than it when
+// strict): nd is non-decreasing in x, so a decision on nd is a comparison of x with this, exact
+// (a binary search over the floats' order-preserving keys, on the same nd_of).
+inline float x_threshold(float bound, bool strict, float inv_t, float m) {
+  const bool scale = inv_t != 1.f;
+  const auto pass = [&](float x) {
+    const float nd = nd_of(x, inv_t, m, scale);
+    return strict ? nd > bound : nd >= bound;
+  };
+  const auto key_of = [](float x) {
+    int32_t b;
+    std::memcpy(&b, &x, 4);
+    return b ^ ((b >> 31) & 0x7FFFFFFF);
+  };
+  const auto value_of = [](int32_t k) {
+    const int32_t b = k ^ ((k >> 31) & 0x7FFFFFFF);
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
+  };
+  int64_t lo = key_of(-INFINITY), hi = key_of(INFINITY);
+  if (pass(-INFINITY)) return -INFINITY;
+  if (!pass(INFINITY)) return INFINITY;  // (nothing finite passes)
+  while (hi - lo > 1) {                  // pass(value_of(hi)) holds, pass(value_of(lo)) does not
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pass(value_of(static_cast<int32_t>(mid)))) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return value_of(static_cast<int32_t>(hi));
+}
+
+// Step 3: tokens with nd > theta_hi summed into `above`, those with theta_lo <= nd <= theta_hi
+// collected into `band` (in index order), those with floor <= nd < theta_lo summed into `mid`
+// (count and mass; floor = +inf: none). The bounds are turned into logit thresholds first, so a
+// vector of the row is one comparison away from being skipped.
+template <typename scalar_t>
+void band_pass(const scalar_t* row, int64_t V, float inv_t, float m, float theta_lo, float theta_hi,
+               float floor, MassSums<float>& above, MassSums<float>& mid,
+               std::vector<BandItem<float>>& band) {
+  const bool scale = inv_t != 1.f;
+  const float xa = x_threshold(theta_hi, true, inv_t, m);   // above: x >= xa
+  const float xb = x_threshold(theta_lo, false, inv_t, m);  // band: xb <= x < xa
+  const float xf = floor == INFINITY ? INFINITY : x_threshold(floor, false, inv_t, m);
+  const Vec vt(inv_t), vm(m), vxa(xa), vxb(xb), vxf(xf), vany(std::min(xb, xf)), vinf(INFINITY);
+  Vec sa(0.f), ua(0.f), e2a(0.f), xma(INFINITY), sm(0.f);
+  int64_t na = 0, nm = 0;
+  band.clear();
+  alignas(32) float xs[Vec::size()], nds[Vec::size()], es[Vec::size()];
+  const auto vec8 = [&](Vec x, int64_t j0) {
+    if (mask_bits(x >= vany) == 0) return;  // every lane below the band and mid
+    const Vec up = x >= vxa;
+    const Vec in = (x >= vxb) & (x < vxa);
+    const Vec lowish = (x >= vxf) & (x < vxb);
+    const int ma = mask_bits(up), mb = mask_bits(in), mm = mask_bits(lowish);
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec e = nd.exp_u20();
+    if (ma) {
+      sa = sa + (e & up);
+      ua = ua + ((e * nd) & up);
+      e2a = e2a + ((e * e) & up);
+      xma = at::vec::minimum(xma, Vec::blendv(vinf, x, up));
+      na += __builtin_popcount(ma);
+    }
+    if (mm) {
+      sm = sm + (e & lowish);
+      nm += __builtin_popcount(mm);
+    }
+    if (mb) {
+      x.store(xs);
+      nd.store(nds);
+      e.store(es);
+      for (int bits = mb; bits; bits &= bits - 1) {
+        const int i = __builtin_ctz(bits);
+        band.push_back({xs[i], nds[i], es[i], static_cast<int32_t>(j0 + i)});
+      }
+    }
+  };
+  int64_t j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      vec8(a, j);
+      vec8(b, j + Vec::size());
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) vec8(Vec::loadu(row + j), j);
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
+  };
+  above.s = sum(sa);
+  above.u = sum(ua);
+  above.e2 = sum(e2a);
+  above.xmin =
+      at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::minimum(a, b); }, xma);
+  above.n = na;
+  mid.s = sum(sm);
+  mid.n = nm;
+  for (; j < V; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (!(x >= std::min(xb, xf))) continue;
+    const float nd = nd_of(x, inv_t, m, scale);
+    if (x >= xa) {
+      above.add(std::exp(nd), nd, x);
+    } else if (x >= xb) {
+      band.push_back({x, nd, std::exp(nd), static_cast<int32_t>(j)});
+    } else {
+      mid.s += std::exp(nd);
+      ++mid.n;
+    }
+  }
+}
+
+// The bounds of step 2 from a sample of the row: for each boundary, theta_lo (at or below it)
+// and theta_hi (above it), in nd. "Sure" bounds hold by construction; the others are estimates
+// the walk checks.
+struct SampleBounds {
+  float lo, hi;
+};
+
+class RowSample {
+ public:
+  static constexpr int64_t kSize = 1024;
+  // nd of evenly spaced tokens (the whole row when V <= kSize); ordered only on demand.
+  template <typename scalar_t>
+  void take(const scalar_t* row, int64_t V, float inv_t, float m, std::vector<float>& nd,
+            std::vector<float>& e) {
+    const bool scale = inv_t != 1.f;
+    const int64_t n = std::min(V, kSize);
+    nd.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = n == V ? i : (i * V) / n;
+      nd[i] = nd_of(static_cast<float>(row[j]), inv_t, m, scale);
+    }
+    nd_ = nd.data();
+    ev_ = &e;
+    n_ = n;
+    V_ = V;
+    sorted_ = false;
+  }
+  // The i-th largest sampled nd (1-based; a partial selection, no sort).
+  float largest(int64_t i) {
+    if (sorted_) return nd_[i - 1];
+    std::nth_element(nd_, nd_ + (i - 1), nd_ + n_, [](float a, float b) { return a > b; });
+    return nd_[i - 1];
+  }
+  // The lowest sampled nd below which the row's estimated mass (the sampled masses times V / n)
+  // stays within `budget` (relative to the max token, as the masses): a lower bound on top-p's
+  // cut when the budget is a part of (1 - p) of the reference mass. The bulk of a row is what
+  // a uniform sample estimates well.
+  float mass_below_bound(double budget) {
+    mass_fraction(0.5, -INFINITY);  // (orders the sample and computes its masses)
+    double acc = 0;
+    const double w = static_cast<double>(V_) / n_;
+    for (int64_t i = n_ - 1; i >= 0; --i) {
+      acc += e_[i] * w;
+      if (acc > budget) return i + 1 < n_ ? nd_[i + 1] : nd_[i];
+    }
+    return -INFINITY;
+  }
+  // The row's estimated number of tokens with lo <= nd <= hi.
+  double count_between(float lo, float hi) const {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n_; ++i) c += nd_[i] >= lo && nd_[i] <= hi;
+    return static_cast<double>(c) * V_ / n_;
+  }
+  // Bounds on the nd of the k-th token (1-based) in rank order; lo is sure when `sure` asks it
+  // and the sample has k tokens (k of them lie at or above it).
+  SampleBounds kth(int64_t k, bool sure) {
+    const double r = static_cast<double>(k) * n_ / V_;
+    const double margin = 4.0 * std::sqrt(r) + 4.0;
+    int64_t i_lo = sure ? k : static_cast<int64_t>(std::ceil(r + margin));
+    const int64_t i_hi = static_cast<int64_t>(std::floor(r - margin));
+    if (n_ == V_) i_lo = k;  // the whole row: exact
+    SampleBounds b{-INFINITY, INFINITY};
+    if (i_lo >= 1 && i_lo <= n_) b.lo = largest(i_lo);
+    if (n_ == V_ && k >= 2 && k <= n_) b.hi = largest(k - 1);
+    if (n_ < V_ && i_hi >= 1) b.hi = largest(i_hi);  // at most ~i_hi * V / n tokens above
+    if (b.hi < b.lo) b.hi = b.lo;
+    return b;
+  }
+  // Bounds on where the mass above reaches a fraction f of the mass of the tokens with
+  // nd >= floor (the sample's estimate).
+  SampleBounds mass_fraction(double f, float floor) {
+    if (!sorted_) {
+      std::sort(nd_, nd_ + n_, [](float a, float b) { return a > b; });
+      ev_->resize(n_);
+      for (int64_t i = 0; i < n_; ++i) (*ev_)[i] = std::exp(nd_[i]);
+      e_ = ev_->data();
+      sorted_ = true;
+    }
+    double total = 0, sq = 0;
+    int64_t n = 0;
+    for (; n < n_ && nd_[n] >= floor; ++n) {
+      total += e_[n];
+      sq += static_cast<double>(e_[n]) * e_[n];
+    }
+    SampleBounds b{-INFINITY, INFINITY};
+    if (n == 0 || total <= 0) return b;
+    const double n_eff = total * total / sq;
+    const double d = 4.0 * std::sqrt(std::max(f * (1 - f), 1.0 / n_eff) / n_eff) + 2.0 / n_eff;
+    double acc = 0;
+    bool hi_set = false;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += e_[i];
+      if (!hi_set && acc > (f - d) * total) {
+        b.hi = i >= 1 ? nd_[i - 1] : INFINITY;
+        hi_set = true;
+      }
+      if (acc >= (f + d) * total) {
+        b.lo = nd_[i];
+        break;
+      }
+    }
+    if (b.hi < b.lo) b.hi = b.lo;
+    return b;
+  }
+
+ private:
+  float* nd_ = nullptr;
+  const float* e_ = nullptr;
+  std::vector<float>* ev_ = nullptr;
+  int64_t n_ = 0, V_ = 1;
+  bool sorted_ = false;
+};
+
+// Step 4: the walk over the band, in rank order after the tokens `above` it. Returns false when
+// a bound did not hold (a boundary lies above or below the band; the caller widens them).
+// theta_lo / min_p_floor: the band's lower bound and the min-p bound (the band and `above` hold
+// every token min-p keeps when theta_lo <= min_p_floor); `mid`: the tokens between the min-p bound
+// and the band when the pass summed them (mid_valid). On success: the kept set as (cut,
+// cut_index) and the sums over it.
+template <typename T>
+struct WalkResult {
+  float cut;
+  int64_t cut_index;
+  MassSums<T> kept;
+};
+
+template <typename T>
+bool walk_band(RankedBand<T>& band, const MassSums<T>& above, const MassSums<T>& mid,
+               bool mid_valid, T full_mass, int64_t V, const SamplerRowArgs& a, T theta_lo,
+               WalkResult<T>& res) {
+  const int64_t n = band.size();
+  const bool k_on = top_k_on(a.top_k, V), p_on = top_p_on(a.top_p);
+  const T minp = static_cast<T>(min_p_bound(a.min_p));
+  const bool complete = theta_lo <= minp;  // above + band hold every token min-p keeps
+  // the band's tokens min-p keeps: a prefix (nd falls along the rank order)
+  const int64_t endA = theta_lo >= minp ? n : band.count_at_least(minp);
+  if (endA == 0 && above.n == 0) return false;  // (never: the top token has nd = 0)
+  int64_t last = endA - 1;                      // the last kept position so far
+  bool bound = complete || endA < n;            // the kept set ends inside the band (or at its end)
+  if (a.sglang) {
+    if (k_on) {
+      if (above.n >= a.top_k) return false;  // the k-th token lies above the band
+      const int64_t r = a.top_k - above.n - 1;
+      if (r < endA) {
+        last = std::min(last, r);
+        bound = true;
+      }
+    }
+    if (p_on) {
+      const T tau = static_cast<T>(a.top_p) * full_mass;
+      if (!top_p_keeps(true, above.s, tau)) return false;
+      // the last kept token: the first whose mass up to and including it exceeds tau
+      const int64_t b0 = band.first_bucket_reaching(tau - above.s, true);
+      int64_t pos = b0 < band.buckets() ? band.begin_of(b0) : n;
+      T acc = above.s + (pos < n ? band.mass_before(b0) : T(0));
+      const int64_t end = last + 1;
+      for (; pos < end; ++pos) {
+        acc += band.at(pos).e;
+        if (acc > tau) break;
+      }
+      if (pos < end) {
+        last = pos;
+        bound = true;
+      }
+    }
+  } else {
+    int64_t endB = endA;  // what min-p and top-k keep: a prefix of the band
+    bool k_found = false;
+    if (k_on) {
+      if (above.n >= a.top_k) return false;
+      const int64_t r = a.top_k - above.n - 1;
+      if (r < endA) {
+        const float v = band.at(r).x;
+        int64_t e = r + 1;
+        while (e < endA && band.at(e).x == v) ++e;  // every tie of the k-th value stays
+        endB = e;
+        k_found = true;
+        bound = true;
+      } else {
+        // top-k does not cut only if min-p keeps at most k tokens
+        if (!complete && !mid_valid) return false;
+        const int64_t nA = above.n + endA + (complete ? 0 : mid.n);
+        if (nA > a.top_k) return false;  // the k-th token lies below the band
+      }
+    }
+    T massB = full_mass;  // the whole row's when neither min-p nor top-k is on
+    if (k_on || min_p_on(a.min_p)) {
+      if (!k_found && !complete && !mid_valid) return false;
+      massB = above.s + (k_found || complete ? T(0) : mid.s);
+      const int64_t bB = endB > 0 ? band.bucket_of(endB - 1) : 0;
+      massB += endB > 0 ? band.mass_before(bB) : T(0);
+      for (int64_t pos = endB > 0 ? band.begin_of(bB) : 0; pos < endB; ++pos)
+        massB += band.raw(pos).e;
+    }
+    last = endB - 1;
+    if (p_on) {
+      const T tau = static_cast<T>(a.top_p) * massB;
+      if (!top_p_keeps(false, above.s, tau)) return false;
+      // the last kept group: the last whose mass strictly above is below tau
+      const int64_t b0 = band.first_bucket_reaching(tau - above.s, false);
+      int64_t pos = b0 < band.buckets() ? std::min(band.begin_of(b0), endB) : endB;
+      T acc = above.s + (pos < n ? band.mass_before(band.bucket_of(pos)) : T(0));
+      int64_t kept_end = pos;  // the tokens before pos are kept
+      while (pos < endB && top_p_keeps(false, acc, tau)) {
+        const float v = band.at(pos).x;
+        while (pos < endB && band.at(pos).x == v) acc += band.at(pos++).e;
+        kept_end = pos;
+      }
+      if (kept_end < endB) {
+        last = kept_end - 1;
+        bound = true;
+      } else if (!k_found && !complete) {
+        return false;  // B reaches below the band: so may top-p's boundary
+      }
+    }
+  }
+  if (!bound) return false;  // every boundary may lie below the band
+  MassSums<T> k = above;
+  if (last < 0) {  // min-p's boundary is the last token above the band
+    res.cut = above.xmin;
+    res.cut_index = V - 1;
+    res.kept = k;
+    return true;
+  }
+  const BandItem<T>& c = band.at(last);
+  res.cut = c.x;
+  res.cut_index = V - 1;
+  if (a.sglang && last + 1 < n && band.at(last + 1).x == c.x) res.cut_index = c.j;
+  const int64_t bl = band.bucket_of(last);
+  for (int64_t pos = 0; pos < band.begin_of(bl); ++pos) {
+    const BandItem<T>& it = band.raw(pos);
+    k.add(it.e, it.nd, it.x);
+  }
+  for (int64_t pos = band.begin_of(bl); pos <= last; ++pos) {
+    const BandItem<T>& it = band.at(pos);
+    k.add(it.e, it.nd, it.x);
+  }
+  res.kept = k;
+  return true;
+}
+
+// The bounds of step 2 for one row (nd units): the band [lo, hi], the floor of `mid` (+inf: not
+// summed).
+struct BandBounds {
+  float lo, hi, floor;
+  float lo_sure = -INFINITY;  // a lower bound that always holds (top-p without top-k)
+};
+
+inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V, float full_mass) {
+  const bool k_on = top_k_on(a.top_k, V), p_on = top_p_on(a.top_p);
+  const float minp = min_p_bound(a.min_p);
+  // a sure lower bound on top-p's cut when the reference mass is at least `ref`: the tokens below
+  // it hold less than (1 - p) of it (the sample's estimate of the cut is poor where a few tokens
+  // carry most of the mass)
+  const auto sure_p = [&](float ref) {
+    return std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V));
+  };
+  // small k: the sure bound (k sampled tokens at or above it); larger: an estimate
+  const bool sure_k = a.top_k <= 32;
+  BandBounds b{minp, minp, INFINITY};
+  if (a.sglang) {
+    // the final cut is the highest of the filters' cuts: the band may start at the highest
+    // lower bound; tokens above it must pass every filter: above the highest upper bound
+    if (k_on) {
+      const SampleBounds k = smp.kth(a.top_k, sure_k);
+      b.lo = std::max(b.lo, k.lo);
+      b.hi = std::max(b.hi, k.hi);
+    }
+    if (p_on) {
+      const SampleBounds q = smp.mass_fraction(a.top_p, -INFINITY);
+      b.lo_sure = std::max(b.lo, sure_p(full_mass));
+      const float est = smp.mass_below_bound(0.5 * (1.0 - a.top_p) * full_mass);
+      b.lo = std::max({b.lo, q.lo, b.lo_sure, k_on ? -INFINITY : est});
+      b.hi = std::max(b.hi, q.hi);
+    }
+  } else if (k_on) {
+    // top-p's mass is that of B (down to the k-th value): the band reaches below top-k's cut
+    const SampleBounds k = smp.kth(a.top_k, sure_k);
+    b.lo = std::max(minp, k.lo);
+    b.hi = std::max(b.hi, k.hi);
+    if (p_on && b.hi < INFINITY) b.hi = std::max(b.hi, smp.mass_fraction(a.top_p, k.lo).hi);
+  } else if (p_on) {
+    const SampleBounds q = smp.mass_fraction(a.top_p, minp);
+    // (min-p on: its set's mass is at least the top token's, 1)
+    const float ref = min_p_on(a.min_p) ? 1.f : full_mass;
+    b.lo_sure = std::max(minp, sure_p(ref));
+    const float est = smp.mass_below_bound(0.5 * (1.0 - a.top_p) * ref);
+    b.lo = std::max({minp, q.lo, b.lo_sure, est});
+    b.hi = std::max(b.hi, q.hi);
+    if (min_p_on(a.min_p)) b.floor = minp;  // min-p's mass below the band, for top-p's target
+  }
+  if (a.stats_top_k > 0) {  // the top ids: every one of them collected
+    b.hi = INFINITY;
+    b.lo = std::min(b.lo, smp.kth(a.stats_top_k, true).lo);
+  }
+  b.hi = std::max(b.hi, b.lo);
+  return b;
+}
+
+// A wide band (top-p without top-k on a flat row, where the band holds a large part of the
+// vocabulary): per-bucket sums over nd instead of the tokens (one pass), then only the bucket where
+// top-p's boundary falls is collected and sorted (a second, mostly skipped, pass). Returns false
+// when a bound did not hold (the caller falls back to the bounds that always hold).
+constexpr int64_t kWideBand = 16384;  // tokens: above this the band is bucketed, not collected
+constexpr int64_t kWideBuckets = 2048;
+
+template <typename scalar_t>
+bool top_p_wide(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
+                const BandBounds& bb, SamplerWorkspace& ws, WalkResult<float>& w) {
+  const bool scale = inv_t_scales(a.inv_t);
+  const float inv_t = a.inv_t;
+  const float hi_nd = std::min(bb.hi, 0.f), lo_nd = bb.lo;
+  if (!(lo_nd > -INFINITY) || !(hi_nd > lo_nd)) return false;
+  const int64_t NB = kWideBuckets;
+  const float bscale = static_cast<float>(NB - 1) / (hi_nd - lo_nd);
+  const float xa = x_threshold(bb.hi, true, inv_t, m);
+  const float xb = x_threshold(bb.lo, false, inv_t, m);
+  const float xf = bb.floor == INFINITY ? INFINITY : x_threshold(bb.floor, false, inv_t, m);
+  ws.hcnt.assign(NB, 0);
+  ws.hs.assign(NB, 0.f);
+  ws.hu.assign(NB, 0.f);
+  ws.he2.assign(NB, 0.f);
+  int32_t* hc = ws.hcnt.data();
+  float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
+  const Vec vt(inv_t), vm(m), vxa(xa), vxb(xb), vxf(xf), vany(std::min(xb, xf)), vinf(INFINITY),
+      vhi(hi_nd), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f);
+  Vec sa(0.f), ua(0.f), e2a(0.f), xma(INFINITY), sm(0.f);
+  int64_t na = 0, nm = 0;
+  alignas(32) float nds[Vec::size()], es[Vec::size()], bs[Vec::size()];
+  const auto bucket_of = [&](float nd) {
+    const float f = std::min((hi_nd - nd) * bscale, static_cast<float>(NB - 1));
+    return f > 0.f ? static_cast<int64_t>(f) : int64_t(0);
+  };
+  const auto vec8 = [&](Vec x, int64_t) {
+    if (mask_bits(x >= vany) == 0) return;
+    const Vec up = x >= vxa;
+    const Vec in = (x >= vxb) & (x < vxa);
+    const Vec lowish = (x >= vxf) & (x < vxb);
+    const int ma = mask_bits(up), mb = mask_bits(in), mm = mask_bits(lowish);
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec e = nd.exp_u20();
+    if (ma) {
+      sa = sa + (e & up);
+      ua = ua + ((e * nd) & up);
+      e2a = e2a + ((e * e) & up);
+      xma = at::vec::minimum(xma, Vec::blendv(vinf, x, up));
+      na += __builtin_popcount(ma);
+    }
+    if (mm) {
+      sm = sm + (e & lowish);
+      nm += __builtin_popcount(mm);
+    }
+    if (mb) {
+      const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
+      f.store(bs);
+      nd.store(nds);
+      e.store(es);
+      for (int bits = mb; bits; bits &= bits - 1) {
+        const int i = __builtin_ctz(bits);
+        const int64_t b = static_cast<int64_t>(bs[i]);
+        ++hc[b];
+        hs[b] += es[i];
+        hu[b] += es[i] > 0.f ? es[i] * nds[i] : 0.f;
+        he2[b] += es[i] * es[i];
+      }
+    }
+  };
+  MassSums<float> above, mid;
+  int64_t j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      vec8(p0, j);
+      vec8(p1, j + Vec::size());
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) vec8(Vec::loadu(row + j), j);
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
+  };
+  above.s = sum(sa);
+  above.u = sum(ua);
+  above.e2 = sum(e2a);
+  above.xmin =
+      at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return at::vec::minimum(p, q); }, xma);
+  above.n = na;
+  mid.s = sum(sm);
+  mid.n = nm;
+  // the scalar tail: the bucket from the same float expression as the vector lanes'
+  for (; j < V; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (!(x >= std::min(xb, xf))) continue;
+    const float nd = nd_of(x, inv_t, m, scale);
+    const float e = std::exp(nd);
+    if (x >= xa) {
+      above.add(e, nd, x);
+    } else if (x >= xb) {
+      const int64_t b = bucket_of(nd);
+      ++hc[b];
+      hs[b] += e;
+      hu[b] += e > 0.f ? e * nd : 0.f;
+      he2[b] += e * e;
+    } else {
+      mid.s += e;
+      ++mid.n;
+    }
+  }
+  // top-p's target and the bucket its boundary falls in
+  float ref = full_mass;
+  if (!a.sglang && min_p_on(a.min_p)) {  // renormalised on what min-p keeps
+    if (bb.floor == INFINITY) return false;
+    ref = above.s + mid.s;
+    for (int64_t b = 0; b < NB; ++b) ref += hs[b];
+  }
+  const float tau = a.top_p * ref;
+  if (!top_p_keeps(a.sglang, above.s, tau)) return false;  // the boundary lies above the band
+  float acc = above.s;
+  int64_t bstar = -1;
+  for (int64_t b = 0; b < NB; ++b) {
+    if (a.sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
+      bstar = b;
+      break;
+    }
+    acc += hs[b];
+  }
+  if (bstar < 0) return false;  // the boundary lies below the band
+  // the tokens of that bucket
+  std::vector<BandItem<float>>& items = ws.band;
+  items.clear();
+  const auto collect = [&](Vec x, int64_t j0) {
+    const int mb = mask_bits((x >= vxb) & (x < vxa));
+    if (mb == 0) return;
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
+    alignas(32) float xs[Vec::size()];
+    f.store(bs);
+    nd.store(nds);
+    x.store(xs);
+    for (int bits = mb; bits; bits &= bits - 1) {
+      const int i = __builtin_ctz(bits);
+      if (static_cast<int64_t>(bs[i]) == bstar)
+        items.push_back({xs[i], nds[i], 0.f, static_cast<int32_t>(j0 + i)});
+    }
+  };
+  j = 0;
+  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    for (; j + bVec::size() <= V; j += bVec::size()) {
+      auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
+      collect(p0, j);
+      collect(p1, j + Vec::size());
+    }
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; j + Vec::size() <= V; j += Vec::size()) collect(Vec::loadu(row + j), j);
+  }
+  const int64_t jv = j;
+  for (; j < V; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (!(x >= xb && x < xa)) continue;
+    const float nd = nd_of(x, inv_t, m, scale);
+    if (bucket_of(nd) == bstar) items.push_back({x, nd, std::exp(nd), static_cast<int32_t>(j)});
+  }
+  // the masses as the first pass summed them (exp_u20 in the vector part, exp in the tail)
+  for (auto& it : items) {
+    if (it.j < jv) {
+      float ndv[Vec::size()];
+      std::fill(ndv, ndv + Vec::size(), it.nd);
+      Vec::loadu(ndv).exp_u20().store(ndv);
+      it.e = ndv[0];
+    }
+  }
+  std::sort(items.begin(), items.end(), rank_before<float>);
+  // walk the bucket in rank order from the mass above it
+  int64_t last = -1;
+  if (a.sglang) {
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      acc += items[i].e;
+      if (acc > tau) {
+        last = i;
+        break;
+      }
+    }
+    if (last < 0) last = static_cast<int64_t>(items.size()) - 1;
+  } else {
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size());) {
+      if (!top_p_keeps(false, acc, tau)) break;
+      int64_t e = i;
+      while (e < static_cast<int64_t>(items.size()) && items[e].x == items[i].x)
+        acc += items[e++].e;
+      last = e - 1;
+      i = e;
+    }
+  }
+  if (last < 0) return false;
+  w.cut = items[last].x;
+  w.cut_index = V - 1;
+  if (a.sglang && last + 1 < static_cast<int64_t>(items.size()) && items[last + 1].x == w.cut)
+    w.cut_index = items[last].j;
+  MassSums<float> k = above;
+  for (int64_t b = 0; b < bstar; ++b) {
+    k.n += hc[b];
+    k.s += hs[b];
+    k.u += hu[b];
+    k.e2 += he2[b];
+  }
+  for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
+  w.kept = k;
+  return true;
+}
+
+// The rare slow path of a row whose scaled logits overflow float32 (x = 3e38 at temperature
+// 0.5): every token in the band, in float64 relative to the unscaled max (as row_stats64).
+template <typename scalar_t>
+bool sampler_row64(const scalar_t* row, int64_t V, const SamplerRowArgs& a, SamplerWorkspace& ws,
+                   double& xmax, WalkResult<double>& w, double& full_log_s) {
+  xmax = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) xmax = std::max(xmax, static_cast<double>(row[j]));
+  const double inv_t = a.inv_t;
+  ws.band64.resize(V);
+  double s = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    const double nd = (static_cast<double>(row[j]) - xmax) * inv_t;
+    const double e = std::exp(nd);
+    ws.band64[j] = {static_cast<float>(row[j]), nd, e, static_cast<int32_t>(j)};
+    s += e;
+  }
+  full_log_s = std::log(s);
+  ws.ranked64.build(ws.band64);
+  const MassSums<double> none;
+  SamplerRowArgs a64 = a;
+  return walk_band<double>(ws.ranked64, none, none, false, s, V, a64, -INFINITY, w);
+}
+
+// One row: its label's log-prob under the sampler's distribution, the entropy, the kept set and
+// the statistics asked for. top_ids / top_lp: a.stats_top_k slots (when asked).
+template <typename scalar_t>
+SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const SamplerRowArgs& a,
+                          SamplerWorkspace& ws, int64_t* top_ids, float* top_lp) {
+  const bool trunc = top_k_on(a.top_k, V) || top_p_on(a.top_p) || min_p_on(a.min_p);
+  const float inv_t = a.inv_t;
+  SamplerRowOut o;
+  o.cut = -INFINITY;
+  o.cut_index = V - 1;
+  o.outside = false;
+  o.sum_p2 = 0.f;
+  const RowStatsExt rs = row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc);
+  const SoftmaxStats& st = rs.st;
+  const float xl = static_cast<float>(row[label]);
+  o.full_lse = stats_lse(st);
+  o.is_argmax =
+      a.with_is_argmax && std::isfinite(o.full_lse) && label_is_argmax(row, V, xl, inv_t, st.m);
+  if (!std::isfinite(o.full_lse)) {
+    const RowStats64 r64 = row_stats64(row, V, static_cast<double>(inv_t));
+    if (!(r64.m == r64.m)) {  // NaN / +inf logits, or all -inf: undefined
+      o.lp = o.ent = o.lse = o.sum_p2 = o.full_lse = NAN;
+      for (int64_t i = 0; i < a.stats_top_k; ++i) top_ids[i] = -1, top_lp[i] = NAN;
+      o.is_argmax = false;
+      return o;
+    }
+    double xmax, log_s;
+    WalkResult<double> w;
+    if (!trunc) {
+      w.cut = -INFINITY;
+      w.cut_index = V - 1;
+    }
+    const bool ok = sampler_row64(row, V, a, ws, xmax, w, log_s);
+    if (!trunc) {
+      // every token kept: the sums of the whole row
+      w.kept = MassSums<double>();
+      for (int64_t j = 0; j < V; ++j) w.kept.add(ws.band64[j].e, ws.band64[j].nd, 0.f);
+    }
+    TORCH_CHECK(ok || !trunc, "token_logprobs_sampler: internal error (float64 row)");
+    const double lsk = std::log(w.kept.s);
+    const bool kept = !trunc || in_kept_set(xl, label, w.cut, w.cut_index);
+    o.is_argmax = a.with_is_argmax && static_cast<double>(row[label]) == xmax;
+    o.cut = trunc ? w.cut : -INFINITY;
+    o.cut_index = trunc ? w.cut_index : V - 1;
+    o.outside = !kept;
+    o.lp = kept ? static_cast<float>((static_cast<double>(row[label]) - xmax) * inv_t - lsk)
+                : -INFINITY;
+    o.lse = static_cast<float>(xmax * inv_t + lsk);
+    o.ent = static_cast<float>(lsk - w.kept.u / w.kept.s);
+    o.sum_p2 = static_cast<float>(w.kept.e2 / (w.kept.s * w.kept.s));
+    o.full_lse = static_cast<float>(xmax * inv_t + log_s);
+    for (int64_t i = 0; i < a.stats_top_k; ++i) {
+      const BandItem<double>& it = ws.ranked64.at(i);
+      top_ids[i] = it.j;
+      top_lp[i] = !trunc || in_kept_set(it.x, it.j, w.cut, w.cut_index)
+                      ? static_cast<float>(it.nd - lsk)
+                      : -INFINITY;
+    }
+    return o;
+  }
+  const float m = st.m;
+  if (!trunc && a.stats_top_k == 0) {  // the plain softmax: the statistics pass holds it all
+    const float log_s = std::log(st.s);
+    o.lp = (scaled(xl, inv_t) - m) - log_s;
+    o.ent = stats_entropy(st);
+    o.lse = o.full_lse;
+    o.sum_p2 = rs.e2 / (st.s * st.s);
+    return o;
+  }
+  RowSample smp;
+  smp.take(row, V, inv_t, m, ws.sample_nd, ws.sample_e);
+  BandBounds bb;
+  if (trunc) {
+    bb = band_bounds(smp, a, V, st.s);
+  } else {
+    bb = {smp.kth(a.stats_top_k, true).lo, INFINITY, INFINITY};
+  }
+  const float minp = min_p_bound(a.min_p);
+  WalkResult<float> w;
+  bool ok = false;
+  // the bounds tried in turn: the estimates; for top-p without top-k its sure lower bound; then
+  // the bounds that always hold
+  const bool p_only = trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0;
+  BandBounds tries[3];
+  int ntries = 0;
+  tries[ntries++] = bb;
+  if (p_only && bb.lo_sure < bb.lo) {
+    tries[ntries] = bb;
+    tries[ntries].lo = bb.lo_sure;
+    tries[ntries++].hi = INFINITY;
+  }
+  tries[ntries++] = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
+  for (int i = 0; i < ntries && !ok; ++i) {
+    const BandBounds& b = tries[i];
+    if (p_only && i + 1 < ntries && smp.count_between(b.lo, b.hi) > kWideBand) {
+      ok = top_p_wide(row, V, a, m, st.s, b, ws, w);
+      continue;
+    }
+    MassSums<float> above, mid;
+    band_pass(row, V, inv_t, m, b.lo, b.hi, b.floor, above, mid, ws.band);
+    ws.ranked.build(ws.band);
+    if (a.stats_top_k > 0 && ws.ranked.size() < a.stats_top_k) continue;
+    if (!trunc) {
+      w.cut = -INFINITY;
+      w.cut_index = V - 1;
+      ok = true;
+    } else {
+      ok = walk_band<float>(ws.ranked, above, mid, b.floor < INFINITY, st.s, V, a, b.lo, w);
+    }
+  }
+  TORCH_CHECK(ok, "token_logprobs_sampler: internal error (no band held the kept set)");
+  float log_sk, u_k, e2_k, s_k;
+  if (trunc) {
+    s_k = w.kept.s;
+    u_k = w.kept.u;
+    e2_k = w.kept.e2;
+  } else {
+    s_k = st.s;
+    u_k = st.u;
+    e2_k = rs.e2;
+  }
+  log_sk = std::log(s_k);
+  const bool kept = !trunc || in_kept_set(xl, label, w.cut, w.cut_index);
+  o.cut = trunc ? w.cut : -INFINITY;
+  o.cut_index = trunc ? w.cut_index : V - 1;
+  o.outside = !kept;
+  o.lp = kept ? (scaled(xl, inv_t) - m) - log_sk : -INFINITY;
+  o.lse = m + log_sk;
+  o.ent = trunc ? log_sk - u_k / s_k : stats_entropy(st);
+  o.sum_p2 = trunc ? e2_k / (s_k * s_k) : rs.e2 / (st.s * st.s);
+  for (int64_t i = 0; i < a.stats_top_k; ++i) {
+    const BandItem<float>& it = ws.ranked.at(i);
+    top_ids[i] = it.j;
+    top_lp[i] = !trunc || in_kept_set(it.x, it.j, w.cut, w.cut_index) ? it.nd - log_sk : -INFINITY;
+  }
+  return o;
+}
+
+}  // namespace cpu
+}  // namespace ppo_kernels

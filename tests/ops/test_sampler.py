@@ -1,0 +1,477 @@
+"""token_logprobs under the distribution a rollout engine sampled from (temperature, min-p, top-k,
+top-p; vLLM's and SGLang's rules) and the head's statistics, on every backend available for CPU
+tensors (cpp, Triton through the interpreter, eager) against float64 references written from
+docs/ppo-math.md ("The distribution the rollout sampled from")."""
+
+import math
+
+import pytest
+import torch
+from support.sampler import (
+    STATS,
+    check_against_truth,
+    inputs,
+    kept_from_cut,
+    kl64,
+    ops,
+    sampler_op,
+)
+from support.skips import NO_EXTENSION
+from support.utils import GRAD_TOL, cpu_backends, poisoned
+
+import ppo_kernels as pk
+from ppo_kernels import _backend, use_backend
+from ppo_kernels.token_logprobs import naive as ref
+
+BACKENDS = cpu_backends("token_logprobs")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _sized(sizes, most):
+    """(backend, V) pairs: the Triton interpreter runs a kernel's search passes element by
+    element, so its cases stay at V <= `most` (the cpp and eager backends run them all)."""
+    return [(b, V) for b in BACKENDS for V in sizes if b != "triton" or V <= most]
+
+
+SETTINGS = [
+    # (T, top_k, top_p, min_p)
+    (1.0, 5, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.3, 0, 1.0, 0.05),
+    (0.8, 20, 0.95, 0.02),
+    (1.0, 1, 1.0, 0.0),
+    (1.0, 0, 0.3, 0.0),
+    (0.5, 3, 0.5, 0.5),
+    (1.0, 0, 1.0, 1.0),
+    (2.0, 100, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("backend,V", _sized([7, 50, 2500], 50))
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_kept_set_and_outputs_follow_the_rules(backend, V, sampler, setting):
+    T, k, p, mp = setting
+    logits, labels = inputs(12, V, ignore_frac=0.2)
+    with use_backend(backend), poisoned():
+        outs = sampler_op(logits, labels, T, k, p, mp, sampler, stats_top_k=min(V, 6))
+    check_against_truth(logits, labels, T, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_per_row_parameters(backend, sampler):
+    N, V = 16, 300
+    logits, labels = inputs(N, V, ignore_frac=0.1)
+    T = torch.rand(N) + 0.5
+    k = torch.randint(0, 40, (N,))
+    p = torch.rand(N) * 0.8 + 0.2
+    p[::3] = 1.0
+    mp = torch.rand(N) * 0.2
+    mp[::2] = 0.0
+    with use_backend(backend), poisoned():
+        outs = sampler_op(logits, labels, 1.0, 0, 1.0, 0.0, sampler, T, k, p, mp, stats_top_k=4)
+    check_against_truth(logits, labels, T, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_ties(backend, sampler):
+    """Tied logits at every boundary: the k-th value, the top-p crossing, the min-p bound."""
+    N, V = 24, 40
+    logits = torch.randint(-3, 4, (N, V)).float()  # many ties
+    labels = torch.randint(0, V, (N,))
+    for k, p, mp in [(3, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.3), (5, 0.7, 0.1), (1, 1.0, 0.0)]:
+        with use_backend(backend), poisoned():
+            outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, stats_top_k=8)
+        check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend,V", _sized([33, 4099, 32000], 33))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_and_sizes(backend, V, dtype):
+    logits, labels = inputs(4, V, dtype, scale=3.0, ignore_frac=0.2)
+    for sampler in ("vllm", "sglang"):
+        with use_backend(backend), poisoned():
+            outs = sampler_op(logits, labels, 0.9, 40, 0.9, 0.01, sampler, stats_top_k=5)
+        check_against_truth(logits.float(), labels, 0.9, 40, 0.9, 0.01, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+def test_flat_and_peaked_rows(backend):
+    """Rows where top-p keeps most of a large vocabulary, and rows where it keeps one token: the
+    band estimates of the CPU kernel miss on purpose in some of them (its exact fallback). Too
+    large for the Triton interpreter."""
+    V = 20000
+    flat = torch.randn(3, V) * 0.3
+    peaked = torch.randn(3, V)
+    peaked[:, 7] = 40.0
+    big_k = torch.randn(2, V) * 2
+    logits = torch.cat([flat, peaked, big_k])
+    labels = torch.randint(0, V, (8,))
+    for sampler in ("vllm", "sglang"):
+        for k, p, mp in [(0, 0.9, 0.0), (0, 0.999, 0.0), (5000, 0.95, 0.0), (0, 0.5, 0.001)]:
+            with use_backend(backend), poisoned():
+                outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler)
+            check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_options_off_equal_the_plain_op(backend):
+    """No option (or every option off, or a temperature tensor of equal values): the plain
+    softmax; the cpp kernels run the plain op's rows for it, bit for bit."""
+    logits, labels = inputs(9, 300, ignore_frac=0.2)
+    with use_backend(backend):
+        lp0, ent0 = pk.token_logprobs(logits, labels, temperature=0.7, return_entropy=True)
+        T = torch.full((9,), 0.7)
+        lp1, ent1 = pk.token_logprobs(logits, labels, temperature=T, return_entropy=True)
+        lp2, ent2 = pk.token_logprobs(
+            logits, labels, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, return_entropy=True
+        )
+    tol = dict(rtol=0, atol=0) if backend == "cpp" else dict(rtol=1e-6, atol=1e-6)
+    for a, b in ((lp0, lp1), (ent0, ent1), (lp0, lp2), (ent0, ent2)):
+        torch.testing.assert_close(a, b, **tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_on_the_kept_set(backend, sampler, dtype):
+    N, V = 10, 200
+    logits, labels = inputs(N, V, dtype, ignore_frac=0.2)
+    T = torch.rand(N) + 0.5
+    x = logits.clone().requires_grad_(True)
+    with use_backend(backend), poisoned():
+        lp, ent = pk.token_logprobs(
+            x, labels, temperature=T, top_k=30, top_p=0.8, min_p=0.01, sampler=sampler,
+            return_entropy=True,
+        )  # fmt: skip
+        g_lp, g_ent = torch.randn_like(lp), torch.randn_like(ent)
+        finite = torch.isfinite(lp)
+        (torch.where(finite, lp, 0) * g_lp + ent * g_ent).sum().backward()
+        outs = sampler_op(logits, labels, 1.0, 30, 0.8, 0.01, sampler, temps=T)
+    kept = kept_from_cut(logits, outs[3], outs[4])
+    x64 = logits.double().requires_grad_(True)
+    z = x64 / T.double().unsqueeze(-1)
+    lse = torch.logsumexp(torch.where(kept, z, torch.full_like(z, -math.inf)), -1, keepdim=True)
+    logq = torch.where(kept, z - lse, torch.zeros_like(z))  # (no -inf: no NaN gradient)
+    q = torch.where(kept, logq.exp(), torch.zeros_like(z))
+    valid = labels != -100
+    lab = labels.clamp(min=0)
+    use = valid & kept.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+    lp64 = logq.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+    ent64 = -(q * logq).sum(-1)
+    total = (
+        torch.where(use, lp64, 0) * g_lp.double() + torch.where(valid, ent64, 0) * g_ent.double()
+    )
+    total.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL[dtype])
+    assert torch.equal(torch.isfinite(lp), use | ~valid)
+
+
+def test_gradcheck_float64():
+    """float64 logits run the float64 reference: gradcheck of log-probs and entropy, the kept set
+    held fixed (away from its boundaries by construction)."""
+    N, V = 3, 12
+    logits = torch.randn(N, V, dtype=torch.float64) * 2
+    labels = torch.tensor([0, 5, 11])
+    T = torch.tensor([0.7, 1.0, 1.5], dtype=torch.float64)
+
+    def f(x):
+        lp, ent = pk.token_logprobs(
+            x, labels, temperature=T, top_k=6, top_p=0.9, return_entropy=True
+        )
+        return torch.where(torch.isfinite(lp), lp, 0), ent
+
+    torch.autograd.gradcheck(f, (logits.requires_grad_(True),))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_label_outside_the_kept_set(backend):
+    """-inf (never NaN), counted, and no log-prob gradient; the entropy's still flows."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    labels = torch.tensor([0, 4, -100])
+    x = logits.clone().requires_grad_(True)
+    with use_backend(backend):
+        lp, ent, st = pk.token_logprobs(x, labels, top_k=2, return_entropy=True, stats=("outside",))
+        assert lp[0] > -math.inf and lp[1] == -math.inf and lp[2] == 0
+        assert st.outside.tolist() == [False, True, False] and int(st.num_outside) == 1
+        lp[1].sum().backward(retain_graph=True)
+        assert torch.equal(x.grad, torch.zeros_like(x))
+        ent[1].backward()
+        assert x.grad[1, :2].abs().sum() > 0 and torch.equal(x.grad[1, 2:], torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_undefined_rows_stay_nan(backend):
+    V = 10
+    logits = torch.randn(4, V)
+    logits[0, 3] = float("nan")
+    logits[1] = -float("inf")
+    logits[2, 1] = float("inf")
+    labels = torch.tensor([1, 2, 3, 4])
+    with use_backend(backend):
+        lp, ent = pk.token_logprobs(logits, labels, top_p=0.9, top_k=3, return_entropy=True)
+    assert torch.isnan(lp[:3]).all() and torch.isnan(ent[:3]).all()
+    assert torch.isfinite(ent[3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflowing_scaled_logits(backend):
+    """Finite logits whose scaled value overflows float32: exact results (float64 slow path)."""
+    logits = torch.tensor([[3e38, 2.9e38, 1e38, 0.0, -3e38]] * 2)
+    labels = torch.tensor([0, 1])
+    with use_backend(backend):
+        lp, ent = pk.token_logprobs(logits, labels, temperature=0.5, top_k=2, return_entropy=True)
+    # z gap 2e37 between the two kept tokens: p = (1, 0) in any precision
+    assert lp[0] == 0 and lp[1] == -math.inf or lp[1] < -1e30
+    assert torch.isfinite(ent).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_boundaries(backend):
+    """k = 1 (greedy), k = V (off), p -> 0 (the top token), p = 1, min_p = 1 (the maxima)."""
+    logits, labels = inputs(6, 30)
+    top = logits.argmax(-1)
+    labels[:3] = top[:3]
+    with use_backend(backend):
+        for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+            lp = pk.token_logprobs(logits, labels, **kw)
+            assert torch.equal(lp[:3], torch.zeros(3))
+            assert (lp[3:][labels[3:] != top[3:]] == -math.inf).all()
+        plain = pk.token_logprobs(logits, labels)
+        for kw in ({"top_k": 30}, {"top_k": 1000}, {"top_p": 1.0}, {"min_p": 0.0}):
+            torch.testing.assert_close(pk.token_logprobs(logits, labels, **kw), plain)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_without_truncation(backend):
+    logits, labels = inputs(8, 500, ignore_frac=0.25)
+    with use_backend(backend), poisoned():
+        outs = ops.token_logprobs_sampler(
+            logits, labels, 0.8, None, 0, None, 1.0, None, 0.0, None, "vllm", -100, True, True,
+            True, 7, True,
+        )  # fmt: skip
+    check_against_truth(logits, labels, 0.8, 0, 1.0, 0.0, "vllm", outs)
+    ignored = labels == -100
+    assert (outs[8][ignored] == -1).all() and (outs[9][ignored] == 0).all()
+
+
+def test_statistics_api():
+    logits, labels = inputs(5, 64)
+    lp, st = pk.token_logprobs(logits, labels, stats=STATS, stats_top_k=4)
+    assert st.top_ids.shape == (5, 4) and st.top_logprobs.shape == (5, 4)
+    assert st.num_outside == 0 and not st.outside.any()
+    lp2, st2 = pk.token_logprobs(logits, labels, stats="sum_p2")
+    assert st2.lse is None and st2.sum_p2 is not None
+    torch.testing.assert_close(lp2, lp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_sequence_and_per_token_shapes(backend):
+    B, Tn, V = 3, 4, 40
+    logits = torch.randn(B, Tn, V)
+    labels = torch.randint(0, V, (B, Tn))
+    temps = torch.tensor([0.5, 1.0, 2.0])
+    ks = torch.tensor([[1, 2, 3, 4]] * B)
+    with use_backend(backend):
+        a = pk.token_logprobs(logits, labels, temperature=temps, top_k=ks)
+        b = torch.stack(
+            [
+                torch.stack(
+                    [
+                        pk.token_logprobs(
+                            logits[i, t : t + 1], labels[i, t : t + 1],
+                            temperature=float(temps[i]), top_k=int(ks[i, t]),
+                        )[0]
+                        for t in range(Tn)
+                    ]
+                )
+                for i in range(B)
+            ]
+        )  # fmt: skip
+    torch.testing.assert_close(a, b)
+
+
+BAD = [
+    (dict(top_k=-1), ValueError, "top_k"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(min_p=2.0), ValueError, "min_p"),
+    (dict(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0])), ValueError, "temperature"),
+    (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), ValueError, "temperature"),
+    (dict(temperature=torch.ones(5)), ValueError, "temperature"),
+    (dict(temperature=torch.ones(4, dtype=torch.int64)), TypeError, "temperature"),
+    (dict(top_k=torch.tensor([1, -2, 3, 4])), ValueError, "top_k"),
+    (dict(top_k=torch.ones(4)), TypeError, "top_k"),
+    (dict(top_p=torch.tensor([0.5, 0.0, 1.0, 1.0])), ValueError, "top_p"),
+    (dict(min_p=torch.tensor([0.5, 1.5, 0.0, 0.0])), ValueError, "min_p"),
+    (dict(top_p=0.5, sampler="hf"), ValueError, "sampler"),
+    (dict(stats=("nope",)), ValueError, "stats"),
+    (dict(stats=("topk",)), ValueError, "stats_top_k"),
+    (dict(stats=("topk",), stats_top_k=65), ValueError, "stats_top_k"),
+    (dict(top_k=1.5), TypeError, "top_k"),
+    (dict(top_p="0.5"), TypeError, "top_p"),
+    (dict(top_p=0.5, inplace_backward=True), ValueError, "inplace_backward"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD)
+def test_bad_inputs_name_the_argument(kw, exc, name):
+    logits, labels = inputs(4, 10)
+    with pytest.raises(exc, match=name):
+        pk.token_logprobs(logits, labels, **kw)
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
+def test_registered_op_checks_its_tensors():
+    logits, labels = inputs(4, 10)
+    with pytest.raises(ValueError, match="top_p"):
+        sampler_op(logits, labels, p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler_op(logits, labels, temps=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="top_k"):
+        sampler_op(logits, labels, ks=torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="stats_top_k"):
+        sampler_op(logits, labels, stats_top_k=11)
+    with pytest.raises(IndexError, match="labels"):
+        sampler_op(logits, torch.tensor([0, 1, 2, 10]))
+    lp, ent, lse, cut, ci, *_ = sampler_op(logits, labels, p=0.5)
+    g = torch.ones(4)
+    with pytest.raises(ValueError, match="cut_index"):
+        ops.token_logprobs_sampler_backward(g, None, logits, labels, lse, ent, cut, ci[:3], 1.0,
+                                            None, -100)  # fmt: skip
+    with pytest.raises(TypeError, match="cut"):
+        ops.token_logprobs_sampler_backward(g, None, logits, labels, lse, ent, cut.double(), ci,
+                                            1.0, None, -100)  # fmt: skip
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_opcheck(sampler):
+    logits, labels = inputs(5, 30, ignore_frac=0.2)
+    x = logits.requires_grad_(True)
+    T = torch.rand(5) + 0.5
+    args = (x, labels, 1.0, T, 4, None, 0.8, None, 0.01, None, sampler, -100, True, True, True,
+            3, True)  # fmt: skip
+    torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_sampler.default, args)
+    outs = ops.token_logprobs_sampler(*args)
+    bargs = (torch.randn(5), torch.randn(5), logits.detach(), labels, outs[2], outs[1], outs[3],
+             outs[4], 1.0, T, -100)  # fmt: skip
+    torch.library.opcheck(torch.ops.ppo_kernels.token_logprobs_sampler_backward.default, bargs)
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
+def test_compile():
+    logits, labels = inputs(6, 40)
+    T = torch.rand(6) + 0.5
+
+    def f(x, y, t):
+        lp, ent, st = pk.token_logprobs(
+            x, y, temperature=t, top_k=5, top_p=0.9, min_p=0.01, return_entropy=True,
+            stats=STATS, stats_top_k=3,
+        )  # fmt: skip
+        return lp, ent, st.num_outside, st.top_ids
+
+    want = f(logits, labels, T)
+    got = torch.compile(f, fullgraph=True, dynamic=True)(logits, labels, T)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariant(backend):
+    """A row's outputs do not depend on the rows around it, in batch-invariant mode."""
+    logits, labels = inputs(20, 333)
+    with use_backend(backend), pk.batch_invariant():
+        full = sampler_op(logits, labels, 0.9, 7, 0.9, 0.01, "vllm", stats_top_k=3)
+        part = sampler_op(logits[5:9], labels[5:9], 0.9, 7, 0.9, 0.01, "vllm", stats_top_k=3)
+    for a, b in zip(full, part):
+        if a.numel():
+            assert torch.equal(a[5:9], b) or torch.allclose(
+                a[5:9], b, equal_nan=True, atol=0, rtol=0
+            )
+
+
+def test_eager_baseline_agrees():
+    """bench's eager sort-and-cumsum baseline (vLLM's code) against the op."""
+    logits, labels = inputs(6, 500)
+    labels = logits.argsort(-1, descending=True)[:, 3]  # inside every kept set below
+    for kw in ({"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.01}, {"top_k": 20, "top_p": 0.95}):
+        want = ref.eager_sampled_logprobs(logits, labels, temperature=0.8, **kw)
+        got = pk.token_logprobs(logits, labels, temperature=0.8, **kw)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- full_kl with per-row temperatures (ppo_kernels::full_kl_row_temperature) ------------------
+
+FK_BACKENDS = cpu_backends("full_kl")
+
+
+@pytest.mark.parametrize("backend", FK_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per", ["sequence", "token"])
+def test_full_kl_per_row_temperature(backend, dtype, per):
+    B, Tn, V = 3, 5, 300
+    x = (torch.randn(B, Tn, V) * 2).to(dtype)
+    y = (torch.randn(B, Tn, V) * 2).to(dtype)
+    # (the Triton interpreter of this triton version fails on full_kl's masked backward, with or
+    # without per-row temperatures: tests/test_full_kl.py::test_mask_and_strided_rows[triton])
+    mask = torch.rand(B, Tn) > 0.2 if backend != "triton" else None
+    temps = torch.rand(B) + 0.5 if per == "sequence" else torch.rand(B, Tn) + 0.5
+    t3 = temps.double().reshape(temps.shape + (1,) * (3 - temps.dim()))
+    xg, yg = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    with use_backend(backend), poisoned():
+        kl = pk.full_kl(xg, yg, temperature=temps, mask=mask)
+        g = torch.randn(B, Tn)
+        (kl * g).sum().backward()
+    x64, y64 = x.double().requires_grad_(True), y.double().requires_grad_(True)
+    want = kl64(x64, y64, t3, mask)
+    (want * g.double()).sum().backward()
+    torch.testing.assert_close(kl.double(), want.detach(), atol=5e-5, rtol=2e-5)
+    torch.testing.assert_close(xg.grad.double(), x64.grad, **GRAD_TOL[dtype])
+    torch.testing.assert_close(yg.grad.double(), y64.grad, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", FK_BACKENDS)
+def test_full_kl_equal_temperatures_equal_the_scalar_op(backend):
+    x, y = torch.randn(6, 70), torch.randn(6, 70)
+    with use_backend(backend):
+        a = pk.full_kl(x, y, temperature=0.8)
+        b = pk.full_kl(x, y, temperature=torch.full((6,), 0.8))
+    tol = dict(rtol=0, atol=0) if backend == "cpp" else dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize(
+    "t,exc",
+    [
+        (torch.tensor([1.0, 0.0, 1.0]), ValueError),
+        (torch.ones(4), ValueError),
+        (torch.ones(3, dtype=torch.int64), TypeError),
+    ],
+)
+def test_full_kl_bad_temperatures(t, exc):
+    x, y = torch.randn(3, 10), torch.randn(3, 10)
+    with pytest.raises(exc, match="temperature"):
+        pk.full_kl(x, y, temperature=t)
+
+
+@pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
+def test_full_kl_row_temperature_opcheck_and_compile():
+    x = torch.randn(4, 30, requires_grad=True)
+    y = torch.randn(4, 30)
+    t = torch.rand(4) + 0.5
+    torch.library.opcheck(torch.ops.ppo_kernels.full_kl_row_temperature.default, (x, y, t, None))
+    kl, lz, lw = ops.full_kl_row_temperature(x, y, t, None)
+    torch.library.opcheck(
+        torch.ops.ppo_kernels.full_kl_row_temperature_backward.default,
+        (torch.randn(4), x.detach(), y, None, kl.detach(), lz, lw, t, True),
+    )
+
+    def f(a, b, tt):
+        return pk.full_kl(a, b, temperature=tt)
+
+    got = torch.compile(f, fullgraph=True, dynamic=True)(x.detach(), y, t)
+    torch.testing.assert_close(got, f(x.detach(), y, t))
