@@ -27,14 +27,14 @@ from .losses.aggregate import masked_aggregate  # noqa: F401
 from .losses.api import ppo_policy_loss, ppo_value_loss  # noqa: F401
 from .losses.config import (  # noqa: F401
     AggregationConfig,
-    DistillLossConfig,
     EntropyTermConfig,
     KLTermConfig,
     PolicyLossConfig,
-    PreferenceLossConfig,
     RolloutCorrectionConfig,
 )
+from .losses.distill_config import DistillLossConfig  # noqa: F401
 from .losses.pairwise import dpo_loss, reward_model_head_loss, reward_model_loss  # noqa: F401
+from .losses.preference_config import PreferenceLossConfig  # noqa: F401
 from .losses.rollout_correction import RolloutCorrection, rollout_correction  # noqa: F401
 from .masked_stats.api import masked_mean, masked_whiten  # noqa: F401
 from .token_logprobs.api import token_logprobs  # noqa: F401

@@ -12,6 +12,7 @@
 
 #include <array>
 
+#include "common/cpu_kl.h"
 #include "common/cpu_softmax.h"
 #include "common/distill_host.h"
 #include "common/kl_stats.h"
@@ -19,14 +20,12 @@
 namespace ppo_kernels {
 namespace {
 
+using cpu::block_kl_stats;
 using cpu::from_float;
+using cpu::hsum;
 using cpu::load_scaled;
 using cpu::Vec;
 constexpr int64_t kBlock = cpu::kBlock;
-
-float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
-}
 
 Vec vsign(const Vec& x) {
   const Vec one(1.f), zero(0.f);
@@ -36,35 +35,6 @@ Vec vsign(const Vec& x) {
 // log m of the mixture m = (1 - beta) p + beta q (distill_math.h log_mix), vectorised.
 Vec vlog_mix(const Vec& p, const Vec& q, const Vec& v1mb, const Vec& vb) {
   return at::vec::maximum(v1mb * p + vb * q, Vec(1.17549435e-38f)).log();
-}
-
-// KLStats of one block relative to its own maxes (the terms of kl_stats_add), vectorised.
-KLStats kl_block(const float* z, const float* w, int64_t n, float mz, float mw) {
-  KLStats st{mz, 0.f, mw, 0.f, 0.f};
-  const bool w_empty = mw == -INFINITY, z_empty = mz == -INFINITY;
-  const Vec vmz(mz), vmw(mw), zero(0.f), ninf(-INFINITY), bound(kSeriesBound);
-  Vec vsz(0.f), vv(0.f), vu(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec a = z_empty ? ninf : Vec::loadu(z + i) - vmz;
-    const Vec b = w_empty ? ninf : Vec::loadu(w + i) - vmw;
-    const Vec e = a.exp(), eb = b.exp(), d = b - a;
-    vsz = vsz + e;
-    vv = vv + Vec::blendv(eb - e, e * (d + expm1_minus_x_series(d)), d.abs() < bound);
-    vu = vu + Vec::blendv(zero, e * (a - b), e > zero);
-  }
-  st.sz = hsum(vsz);
-  st.v = hsum(vv);
-  st.u = hsum(vu);
-  for (; i < n; ++i) {
-    const float a = z_empty ? -INFINITY : z[i] - mz;
-    const float b = w_empty ? -INFINITY : w[i] - mw;
-    const float e = std::exp(a), eb = std::exp(b);
-    st.sz += e;
-    st.v += kl_v_term(e, eb, a, b);
-    st.u += kl_term(e, a, b);
-  }
-  return st;
 }
 
 struct RowOut {
@@ -91,8 +61,8 @@ RowOut row_forward(const scalar_t* s, const scalar_t* t, const DistillCall& c, b
       const int64_t n = std::min(kBlock, V - j);
       const float ms = load_scaled(s + j, n, inv_t, buf.s.data());
       const float mt = load_scaled(t + j, n, inv_t, buf.t.data());
-      st = kl_stats_merge(st, rev ? kl_block(buf.s.data(), buf.t.data(), n, ms, mt)
-                                  : kl_block(buf.t.data(), buf.s.data(), n, mt, ms));
+      st = kl_stats_merge(st, rev ? block_kl_stats(buf.s.data(), buf.t.data(), n, ms, mt)
+                                  : block_kl_stats(buf.t.data(), buf.s.data(), n, mt, ms));
       if (hard_sep) {
         const float m1 = load_scaled(s + j, n, 1.f, buf.raw.data());
         h = stats_merge(h, cpu::block_stats(buf.raw.data(), n, m1));

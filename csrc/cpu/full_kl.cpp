@@ -9,6 +9,7 @@
 #include <array>
 
 #include "common/alloc.h"
+#include "common/cpu_kl.h"
 #include "common/cpu_softmax.h"
 #include "common/full_kl_host.h"
 #include "common/kl_stats.h"
@@ -17,43 +18,12 @@
 namespace ppo_kernels {
 namespace {
 
+using cpu::block_kl_stats;
 using cpu::from_float;
+using cpu::hsum;
 using cpu::load_scaled;
 using cpu::Vec;
 constexpr int64_t kBlock = 2048;  // floats per L1-resident block of a row (x2 tensors)
-
-float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v);
-}
-
-// KLStats of one block relative to its own maxes (mz, mw); the same terms as kl_stats_add.
-KLStats block_stats(const float* z, const float* w, int64_t n, float mz, float mw) {
-  KLStats st{mz, 0.f, mw, 0.f, 0.f};
-  const bool w_empty = mw == -INFINITY, z_empty = mz == -INFINITY;
-  const Vec vmz(mz), vmw(mw), zero(0.f), ninf(-INFINITY), bound(kSeriesBound);
-  Vec vsz(0.f), vv(0.f), vu(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec a = z_empty ? ninf : Vec::loadu(z + i) - vmz;
-    const Vec b = w_empty ? ninf : Vec::loadu(w + i) - vmw;
-    const Vec e = a.exp(), eb = b.exp(), d = b - a;
-    vsz = vsz + e;
-    vv = vv + Vec::blendv(eb - e, e * (d + expm1_minus_x_series(d)), d.abs() < bound);
-    vu = vu + Vec::blendv(zero, e * (a - b), e > zero);
-  }
-  st.sz = hsum(vsz);
-  st.v = hsum(vv);
-  st.u = hsum(vu);
-  for (; i < n; ++i) {
-    const float a = z_empty ? -INFINITY : z[i] - mz;
-    const float b = w_empty ? -INFINITY : w[i] - mw;
-    const float e = std::exp(a), eb = std::exp(b);
-    st.sz += e;
-    st.v += kl_v_term(e, eb, a, b);
-    st.u += kl_term(e, a, b);
-  }
-  return st;
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
     const at::Tensor& logits_in, const at::Tensor& ref_in, const std::optional<at::Tensor>& mask_in,
@@ -88,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> full_kl_fwd_cpu(
               const int64_t n = std::min(kBlock, V - j);
               const float mz = load_scaled(zr + j, n, inv_t, bz.data());
               const float mw = load_scaled(wr + j, n, inv_t, bw.data());
-              st = kl_stats_merge(st, block_stats(bz.data(), bw.data(), n, mz, mw));
+              st = kl_stats_merge(st, block_kl_stats(bz.data(), bw.data(), n, mz, mw));
             }
             o[r] = kl_stats_value(st);
             oz[r] = kl_stats_lse_z(st);

@@ -12,7 +12,8 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_int, check_same_device, check_tensor
 from ..fused_linear.planner import resolve_logits_dtype
-from ..losses.config import DistillLossConfig, fields, takes_configs
+from ..losses.config import fields, takes_configs
+from ..losses.distill_config import DistillLossConfig
 from . import op
 
 _op = _backend.op("linear_distill_loss")

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..fused_linear.engine import Block, HeadTerm
 from ..losses import distill_math as dm
-from ..losses.config import DistillLossConfig
+from ..losses.distill_config import DistillLossConfig
 
 # token_stats rows
 TOKEN_STATS = ("divergence", "hard_logprobs", "sampled_reverse_kl")

@@ -37,7 +37,7 @@ import math
 import torch
 
 from .._math import acc_dtype
-from ..losses.config import DIVERGENCES
+from ..losses.distill_config import DIVERGENCES
 
 
 def _check(divergence, beta):

@@ -30,7 +30,8 @@ from ..fused_linear import engine
 from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES
 from ..fused_linear.tiler import Tiler
 from ..losses import distill_math as dm
-from ..losses.config import DistillLossConfig, fields, make
+from ..losses.config import fields, make
+from ..losses.distill_config import DistillLossConfig
 from ..token_logprobs import op as tl_op
 from . import head as distill_head
 from .tiles import DIVERGENCES, backward_, forward  # noqa: F401  (the op's tile kernels)

@@ -21,7 +21,8 @@ from .._checks import (
     check_tensor,
 )
 from ..fused_linear.planner import resolve_logits_dtype
-from ..losses.config import PreferenceLossConfig, takes_configs
+from ..losses.config import takes_configs
+from ..losses.preference_config import PreferenceLossConfig
 from . import op
 from .head import check_reference
 
@@ -107,7 +108,7 @@ def linear_preference_loss(
         ref_weight (Tensor, optional): see ref_hidden. Default None.
         ref_bias (Tensor, optional): see ref_hidden. Default None.
         reference_point (Tensor | float, optional): KTO's detached reference point (TRL's KL
-            of the mismatched rows, `preference_math.kto_reference_point`). Default None: 0.
+            of the mismatched rows, `preference_unpaired.kto_reference_point`). Default None: 0.
         loss_config (PreferenceLossConfig, optional): the loss types and their options; its
             fields are accepted as flat keyword arguments (`loss_type="ipo", beta=0.5`, ...).
             Default: sigmoid (DPO), beta 0.1.

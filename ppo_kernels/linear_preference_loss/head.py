@@ -28,7 +28,9 @@ from .. import _backend
 from ..fused_linear.engine import Block, HeadTerm, pad_to
 from ..fused_linear.planner import INVARIANT_ROW_MULTIPLE
 from ..losses import preference_math as prm
-from ..losses.config import PreferenceLossConfig, fields, make
+from ..losses import preference_unpaired as prpu
+from ..losses.config import fields, make
+from ..losses.preference_config import PreferenceLossConfig
 
 CONFIG_FIELDS = fields(PreferenceLossConfig)
 
@@ -275,7 +277,7 @@ class PreferenceHead(HeadTerm):
                     sft[0::2] = res.d_chosen_sum.unsqueeze(-1) * m[0::2]
                     coef = coef + sft
             else:
-                res = prm.unpaired_loss(
+                res = prpu.unpaired_loss(
                     self.ucfg,
                     seq,
                     ref,
@@ -309,7 +311,7 @@ class PreferenceHead(HeadTerm):
             seq, n = self.seq, self.n
             res = self._paired_loss(seq, ref, n, self.chosen_sum)
         else:
-            res = prm.unpaired_loss(self.ucfg, self.seq, ref, self.desirable, kl=self.kl)
+            res = prpu.unpaired_loss(self.ucfg, self.seq, ref, self.desirable, kl=self.kl)
         names = _stat_names(tuple(self.cfg.loss_type))
         out = [res.metrics[k].to(self.acc).reshape(()) for k in names]
         stats = torch.stack(out) if out else self.seq.new_zeros(0)

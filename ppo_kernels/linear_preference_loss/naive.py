@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..losses import preference_naive as NV
-from ..losses.config import PreferenceLossConfig, fields
+from ..losses.config import fields
+from ..losses.preference_config import PreferenceLossConfig
 
 
 def logits_of(a, h, W, b, acc):

@@ -8,10 +8,11 @@ argument's name).
 - `RolloutCorrectionConfig`: importance weights and rejection between the rollout's log-probs
   and the trainer's.
 - `KLTermConfig`, `EntropyTermConfig`: the KL penalty and the entropy bonus of the fused loss.
-- `DistillLossConfig`: the distillation loss (divergence, its weights, temperature, the cached
-  teacher's tail).
 
-Each field's name, default and meaning are written once, here. `ppo_policy_loss` and
+The preference and distillation losses' configurations are in preference_config.py and
+distill_config.py, on the same machinery (`listed`, `make`, `takes_configs`).
+
+Each field's name, default and meaning are written once, in its class. `ppo_policy_loss` and
 `linear_policy_loss` take a configuration by keyword (`loss_config=`, ...) or its fields as flat
 keyword arguments (`loss_type="grpo", clip_low=0.2`): `takes_configs` turns the flat form into
 the configuration, so a changed default is one line of this module.
@@ -28,12 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_bool, check_float, check_int, check_str, check_temperature
+from .._checks import check_bool, check_float, check_int, check_str
 
 # the policy-loss types: the clipped surrogate's first (a table the C++ routing shares)
 from .._modes import AGG_MODES
 from .._modes import CLIP_LOSS_TYPES as CLIP_TYPES
-from . import preference_math as prm
 
 LOSS_TYPES = CLIP_TYPES + (
     "gspo",
@@ -79,12 +79,23 @@ def default_log_ratio_clamp(loss_type: str) -> float:
     return _DEFAULT_LOG_RATIO_CLAMP.get(loss_type, math.inf)
 
 
+CONFIGS: list[type] = []  # every configuration class, in the order its module defines it
+
+
+def listed(cls):
+    """Class decorator: the configuration class `cls` in CONFIGS (the tests and the reference
+    docs read every configuration from there)."""
+    CONFIGS.append(cls)
+    return cls
+
+
 def _set(obj, **values):
     """Resolved values on a frozen configuration (while it is being made)."""
     for k, v in values.items():
         object.__setattr__(obj, k, v)
 
 
+@listed
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """A policy-loss type and its options (formulas: docs/ppo-math.md, losses/policy_math.py).
@@ -203,6 +214,7 @@ def _denominator(name, value):
     return check_float(name, value, nonneg=True)
 
 
+@listed
 @dataclass(frozen=True, eq=False)
 class AggregationConfig:
     """How per-token terms become the loss (verl's `agg_loss`; formulas in `ppo_policy_loss`).
@@ -239,6 +251,7 @@ class AggregationConfig:
         _set(self, global_num_tokens=gnt, global_batch_size=gbs, loss_scale_factor=lsf)
 
 
+@listed
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
     """Importance weights and rejection between the rollout's log-probs and the trainer's
@@ -279,53 +292,7 @@ class RolloutCorrectionConfig:
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")  # = csrc/common/distill_host.h's
-TOPK_TAILS = ("bucket", "renormalize")
-
-
-@dataclass(frozen=True)
-class DistillLossConfig:
-    """The distillation loss between a student and a teacher (formulas: docs/ppo-math.md,
-    "Distillation losses"; Liger's `LigerFusedLinearJSDLoss` defaults).
-
-    Args:
-        divergence: the per-token divergence over the whole vocabulary, p the student's and q
-            the teacher's distribution: "forward_kl" KL(q || p), "reverse_kl" KL(p || q),
-            "jsd" the generalised Jensen-Shannon divergence of weight `beta`, "tv" the total
-            variation. Default "jsd".
-        beta: jsd's weight of the teacher, in [0, 1]; as Liger and TRL, beta 0 is forward_kl
-            and beta 1 reverse_kl. Ignored by the other divergences. Default 0.5.
-        temperature: both heads' logits are divided by it before the divergence (the
-            hard-label term and nothing else stays at temperature 1, as Liger's). Default 1.0.
-        weight_soft_loss: the divergence term's weight. Default 0.5.
-        weight_hard_loss: the hard-label term's weight (the student's cross-entropy on the
-            labels). Default 0.5.
-        topk_tail: a cached teacher (top-k ids and log-probs): "bucket" adds the mass outside
-            the top-k as one more entry of both distributions, "renormalize" renormalises both
-            over the top-k. Default "bucket".
-
-    A weight of 0 drops its term (an infinite value there does not make the loss NaN).
-    """
-
-    divergence: str = "jsd"
-    beta: float = 0.5
-    temperature: float = 1.0
-    weight_soft_loss: float = 0.5
-    weight_hard_loss: float = 0.5
-    topk_tail: str = "bucket"
-
-    def __post_init__(self):
-        check_str("divergence", self.divergence, DIVERGENCES)
-        beta = check_float("beta", self.beta)
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta: expected a value in [0, 1], got {beta!r}")
-        t = check_temperature(self.temperature)
-        ws = check_float("weight_soft_loss", self.weight_soft_loss)
-        wh = check_float("weight_hard_loss", self.weight_hard_loss)
-        check_str("topk_tail", self.topk_tail, TOPK_TAILS)
-        _set(self, beta=beta, temperature=t, weight_soft_loss=ws, weight_hard_loss=wh)
-
-
+@listed
 @dataclass(frozen=True)
 class KLTermConfig:
     """The KL penalty `kl_coef * agg(kl)` of the fused policy loss.
@@ -349,6 +316,7 @@ class KLTermConfig:
         resolve_clamp(self.kl_clamp, est)
 
 
+@listed
 @dataclass(frozen=True)
 class EntropyTermConfig:
     """The entropy bonus `- entropy_coef * agg(entropy)` of the fused policy loss.
@@ -361,117 +329,6 @@ class EntropyTermConfig:
 
     def __post_init__(self):
         _set(self, entropy_coef=check_float("entropy_coef", self.entropy_coef))
-
-
-@dataclass(frozen=True)
-class PreferenceLossConfig:
-    """A preference loss: its types (summed with their weights) and their options (formulas:
-    docs/ppo-math.md "Preference losses", losses/preference_math.py).
-
-    Args:
-        loss_type: one type or several (a tuple, a list or a comma-separated string), summed
-            with `loss_weights`: TRL's paired "sigmoid" (DPO), "hinge", "ipo", "exo_pair",
-            "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
-            "apo_down", "discopop", "sft" (the NLL of the chosen rows), "sigmoid_norm"; Liger's
-            reference-free "orpo", "simpo", "cpo"; or one unpaired type, "kto" or
-            "apo_zero_unpaired" (rows flagged desirable or not). Default "sigmoid". Held as a
-            tuple.
-        loss_weights: one weight per type (TRL's MPO; ("sigmoid", "sft") with (1, alpha) is
-            RPO and Liger's `compute_nll_loss`). Default None: 1 each.
-        beta: the implicit reward's inverse temperature (ORPO: the odds-ratio term's weight).
-            Default 0.1.
-        label_smoothing: robust / exo_pair / aot / simpo / cpo's epsilon. Default 0.0.
-        discopop_tau: discopop's modulation temperature. Default 0.05.
-        f_divergence_type: TRL's f-DPO score: "reverse_kl", "forward_kl", "js_divergence" or
-            "alpha_divergence". Default "reverse_kl".
-        f_alpha_divergence_coef: alpha_divergence's alpha. Default 0.5.
-        simpo_gamma: SimPO's target margin. Default 0.5.
-        average_log_prob: sequence log-probs as means over the completion instead of sums.
-            Default None: means for orpo / simpo (Liger's defaults), sums otherwise. Held
-            resolved.
-        ld_alpha: LD-DPO's weight of the tokens past the shorter completion of a pair (TRL).
-            Default None: off.
-        desirable_weight: KTO's weight of the desirable rows. Default 1.0.
-        undesirable_weight: KTO's weight of the undesirable rows. Default 1.0.
-    """
-
-    loss_type: str | tuple[str, ...] = "sigmoid"
-    loss_weights: tuple[float, ...] | None = None
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    discopop_tau: float = 0.05
-    f_divergence_type: str = "reverse_kl"
-    f_alpha_divergence_coef: float = 0.5
-    simpo_gamma: float = 0.5
-    average_log_prob: bool | None = None
-    ld_alpha: float | None = None
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-
-    def __post_init__(self):
-        t = self.loss_type
-        if isinstance(t, str):
-            t = tuple(s.strip() for s in t.split(","))
-        elif isinstance(t, (tuple, list)) and all(isinstance(s, str) for s in t):
-            t = tuple(t)
-        else:
-            raise TypeError(f"loss_type: expected a str or a sequence of str, got {t!r}")
-        w = self.loss_weights
-        if w is not None:
-            if not isinstance(w, (tuple, list)):
-                raise TypeError(f"loss_weights: expected a sequence of numbers, got {w!r}")
-            w = tuple(check_float("loss_weights", x) for x in w)
-        opts = {
-            k: check_float(k, getattr(self, k))
-            for k in ("beta", "label_smoothing", "discopop_tau", "f_alpha_divergence_coef",
-                      "simpo_gamma", "desirable_weight", "undesirable_weight")
-        }  # fmt: skip
-        check_str("f_divergence_type", self.f_divergence_type)
-        ld = check_float("ld_alpha", self.ld_alpha, nonneg=True, allow_none=True)
-        known = prm.PAIRED_TYPES + prm.UNPAIRED_TYPES
-        for x in t:
-            if x not in known:
-                raise ValueError(f"loss_type: unknown {x!r}; expected one of {known}")
-        unpaired = [x for x in t if x in prm.UNPAIRED_TYPES]
-        avg = self.average_log_prob
-        if avg is None:
-            avg = any(x in ("orpo", "simpo") for x in t)
-        avg = check_bool("average_log_prob", avg)
-        _set(self, loss_type=t, loss_weights=w, ld_alpha=ld, average_log_prob=avg, **opts)
-        if unpaired:
-            if len(t) != 1:
-                raise ValueError(
-                    f"loss_type: the unpaired {unpaired} cannot be combined with other types"
-                )
-            if w is not None and len(w) != 1:
-                raise ValueError(f"loss_weights: expected 1 weight, got {len(w)}")
-            if ld is not None:
-                raise ValueError("ld_alpha: LD-DPO weights the tokens of a pair (paired types)")
-            prm.check_unpaired_config(self.unpaired_config())
-        else:
-            if ld is not None and avg:
-                raise ValueError("ld_alpha: LD-DPO weights summed log-probs, not means")
-            prm.check_config(self.paired_config(), has_reference=False)
-
-    @property
-    def unpaired(self) -> bool:
-        """An unpaired type (KTO): rows flagged desirable or not, no pairs."""
-        return self.loss_type[0] in prm.UNPAIRED_TYPES
-
-    def paired_config(self):
-        """The math's PreferenceConfig (paired types)."""
-        return prm.PreferenceConfig(
-            self.loss_type, self.loss_weights, self.beta, self.label_smoothing,
-            self.discopop_tau, self.f_divergence_type, self.f_alpha_divergence_coef,
-            self.simpo_gamma,
-        )  # fmt: skip
-
-    def unpaired_config(self):
-        """The math's UnpairedConfig (kto, apo_zero_unpaired)."""
-        w = 1.0 if self.loss_weights is None else self.loss_weights[0]
-        return prm.UnpairedConfig(
-            self.loss_type[0], self.beta, w * self.desirable_weight, w * self.undesirable_weight
-        )
 
 
 def fields(cls) -> tuple[str, ...]:
@@ -555,14 +412,3 @@ def takes_configs(**params: type):
         return call
 
     return wrap
-
-
-CONFIGS = (
-    PolicyLossConfig,
-    AggregationConfig,
-    RolloutCorrectionConfig,
-    DistillLossConfig,
-    KLTermConfig,
-    EntropyTermConfig,
-    PreferenceLossConfig,
-)

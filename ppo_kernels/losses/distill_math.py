@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .._math import acc_dtype
-from .config import DIVERGENCES, TOPK_TAILS, DistillLossConfig  # noqa: F401  (their home)
+from .distill_config import DIVERGENCES, TOPK_TAILS, DistillLossConfig  # noqa: F401  (their home)
 
 _TAIL_CLAMP = -1e-7  # the log of the largest top-k mass a bucket keeps (TRL's)
 

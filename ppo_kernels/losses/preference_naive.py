@@ -17,7 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .preference_math import PreferenceConfig, UnpairedConfig
+from .preference_math import PreferenceConfig
+from .preference_unpaired import UnpairedConfig
 
 
 def token_logprobs(logits, labels, mask=None, temperature=1.0, ignore_index=-100):

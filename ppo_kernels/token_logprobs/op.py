@@ -273,9 +273,9 @@ def _(logits, labels, inv_temperature, inv_temperatures, top_k, top_ks, top_p, t
       with_is_argmax):  # fmt: skip
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    from . import triton_kernels
+    from . import triton_sampler
 
-    return triton_kernels.sampler_forward(
+    return triton_sampler.sampler_forward(
         logits, labels, inv_temperature, inv_temperatures, top_k, top_ks, top_p, top_ps, min_p,
         min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
         with_is_argmax,
@@ -318,9 +318,9 @@ def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, cut, cut_index,
       inv_temperatures, ignore_index, grad_logits):  # fmt: skip
     if logits.device.type == "cpu":
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    from . import triton_kernels
+    from . import triton_sampler
 
-    triton_kernels.sampler_backward(
+    triton_sampler.sampler_backward(
         grad_logprobs, grad_entropy, logits, labels, lse, entropy, cut, cut_index,
         inv_temperature, inv_temperatures, ignore_index, grad_logits,
     )  # fmt: skip

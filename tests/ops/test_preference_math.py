@@ -16,6 +16,7 @@ from support.peer_stubs import import_peer
 
 from ppo_kernels.losses import preference_math as M
 from ppo_kernels.losses import preference_naive as NV
+from ppo_kernels.losses import preference_unpaired as U
 
 B, T, V = 3, 7, 13
 
@@ -224,8 +225,8 @@ def test_no_host_synchronisation():
         ref = (None, None) if t in M.REFERENCE_FREE_TYPES else (rc, rr)
         M.paired_loss(cfg, c, r, *ref, n_chosen=n, n_rejected=n, weights=None)
     for t in M.UNPAIRED_TYPES:
-        M.unpaired_loss(M.UnpairedConfig(t), c, rc, torch.empty(5, dtype=torch.bool, device="meta"),
-                        kl=M.kto_reference_point(r, rr))  # fmt: skip
+        U.unpaired_loss(U.UnpairedConfig(t), c, rc, torch.empty(5, dtype=torch.bool, device="meta"),
+                        kl=U.kto_reference_point(r, rr))  # fmt: skip
 
 
 def test_empty_batch_and_empty_rows():
@@ -267,9 +268,9 @@ def test_bad_configurations_name_the_option(kw, has_ref, weights, match):
 
 def test_bad_unpaired_configurations_name_the_option():
     with pytest.raises(ValueError, match="loss_type: unknown 'bco'"):
-        M.check_unpaired_config(M.UnpairedConfig("bco"))
+        U.check_unpaired_config(U.UnpairedConfig("bco"))
     with pytest.raises(ValueError, match="beta"):
-        M.check_unpaired_config(M.UnpairedConfig("kto", beta=-1.0))
+        U.check_unpaired_config(U.UnpairedConfig("kto", beta=-1.0))
     with pytest.raises(ValueError, match="ld_alpha"):
         M.sequence_token_weights(torch.ones(2, 3), average=True, ld_alpha=0.5)
     with pytest.raises(ValueError, match="mask: ld_alpha"):
@@ -282,7 +283,7 @@ def test_bad_unpaired_configurations_name_the_option():
 @pytest.mark.parametrize("t", M.UNPAIRED_TYPES)
 @pytest.mark.parametrize("kl", [None, 0.4])
 def test_unpaired_math_matches_the_float64_reference(t, kl):
-    cfg = M.UnpairedConfig(t, beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
+    cfg = U.UnpairedConfig(t, beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
     logits, ref_logits, labels = _inputs(seed=4, rows=5)
     y = torch.tensor([True, False, True, True, False])
     ln, mn = NV.unpaired_loss(cfg, logits, labels, y, ref_logits=ref_logits, kl=kl)
@@ -290,7 +291,7 @@ def test_unpaired_math_matches_the_float64_reference(t, kl):
     lp, m = NV.token_logprobs(logits, labels)
     rlp, _ = NV.token_logprobs(ref_logits, labels)
     seq = (lp * m).sum(-1)
-    res = M.unpaired_loss(cfg, seq, (rlp * m).sum(-1), y, kl=kl)
+    res = U.unpaired_loss(cfg, seq, (rlp * m).sum(-1), y, kl=kl)
     (gm,) = torch.autograd.grad((res.d_logps.unsqueeze(-1) * m * lp).sum(), logits)
     torch.testing.assert_close(res.loss, ln.detach())
     torch.testing.assert_close(gm, gn)
@@ -299,7 +300,7 @@ def test_unpaired_math_matches_the_float64_reference(t, kl):
 
 
 def test_unpaired_gradcheck_and_reference_point():
-    cfg = M.UnpairedConfig("kto", beta=0.8, desirable_weight=2.0)
+    cfg = U.UnpairedConfig("kto", beta=0.8, desirable_weight=2.0)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.rand(7, generator=g) > 0.4
@@ -307,7 +308,7 @@ def test_unpaired_gradcheck_and_reference_point():
     class F_(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            res = M.unpaired_loss(cfg, x, None, y, kl=0.2)
+            res = U.unpaired_loss(cfg, x, None, y, kl=0.2)
             ctx.save_for_backward(res.d_logps)
             return res.loss
 
@@ -317,8 +318,8 @@ def test_unpaired_gradcheck_and_reference_point():
 
     assert torch.autograd.gradcheck(F_.apply, (x,))
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 3.5])
-    assert M.kto_reference_point(a, b).item() == 0.0  # clamped at 0
-    assert M.kto_reference_point(b, a).item() == 1.25
+    assert U.kto_reference_point(a, b).item() == 0.0  # clamped at 0
+    assert U.kto_reference_point(b, a).item() == 1.25
 
 
 # ---- TRL's DPOTrainer, its own loss code ----
@@ -579,7 +580,7 @@ def test_matches_liger_kto(use_ref, kl):
     if use_ref:
         rlp, _ = NV.token_logprobs(ref[0].double() @ ref[1].double().T, labels)
         refseq = (rlp * m).sum(-1)
-    res = M.unpaired_loss(M.UnpairedConfig("kto", beta=0.2), seq, refseq, y, kl=kl)
+    res = U.unpaired_loss(U.UnpairedConfig("kto", beta=0.2), seq, refseq, y, kl=kl)
     grads = torch.autograd.grad((res.d_logps.unsqueeze(-1) * m * lp).sum(), (h64, W64, b64))
     _close32(res.loss, loss, "loss")
     for a, b, w in zip(grads, (gh, gW, gb), ("hidden", "weight", "bias")):

@@ -3,8 +3,9 @@
   1 base          _backend (the facade of _extension, _registry, _dispatch, _settings, _outputs,
                   _library), _checks, _modes, _memory, _triton_utils, distributed/_comm
   2 shared math   _math, _triton_math
-  3 kernels       <op>/naive, <op>/triton_kernels, the fused-linear engine (fused_linear/*), the
-                  losses' configurations and two-stage math
+  3 kernels       <op>/naive, <op>/triton_* (Triton kernels), <op>/tiles (an engine loss's tile
+                  kernels), the fused-linear engine (fused_linear/*), the losses' configurations
+                  and two-stage math
   4 registered    <op>/op (the registered ops' Python side) and a fused loss's head term
                   (<op>/head), distributed/* (the distributed forms)
   5 public API    <op>/api, linear_logprobs/hf, the package itself (ppo_kernels/__init__)
@@ -37,15 +38,18 @@ BASE = {
     "_triton_utils",
 }
 MATH = {"_math", "_triton_math"}
-KERNELS = {"naive", "triton_kernels"}
+KERNELS = {"naive", "tiles"}  # and triton_* (an op's Triton kernels)
 # losses/: the shared two-stage math of every policy-loss type, its autograd reference and the
 # rollout-correction math are kernel-level; policy_loss holds the registered op's Python side
 LEAVES = {
     ("losses", "config"): 3,
+    ("losses", "preference_config"): 3,
+    ("losses", "distill_config"): 3,
     ("losses", "policy_math"): 3,
     ("losses", "policy_naive"): 3,
     ("losses", "rollout_correction"): 3,
     ("losses", "preference_math"): 3,
+    ("losses", "preference_unpaired"): 3,
     ("losses", "preference_naive"): 3,
     ("losses", "distill_math"): 3,
     ("losses", "distill_naive"): 3,
@@ -87,7 +91,7 @@ def layer(mod: str) -> int | None:
         return 3  # the engine every loss from hidden states runs on
     if leaf in ("op", "head"):
         return 4
-    if leaf in KERNELS:
+    if leaf in KERNELS or leaf.startswith("triton_"):
         return 3
     return None
 
