@@ -98,7 +98,7 @@ def forward(student, teacher, labels, mask, inv_temperature, divergence, beta, i
     if mask is not None:
         keep = mask != 0
         outs = [torch.where(keep, o, torch.zeros_like(o)) for o in outs]
-    out = student.dtype if student.dtype == torch.float64 else torch.float32
+    out = acc_dtype(student.dtype)
     outs = [o.to(out) for o in outs]
     if labels is None:
         empty = student.new_empty((0,), dtype=out)

@@ -21,6 +21,7 @@ import torch
 
 import ppo_kernels as pk
 
+from .._math import acc_dtype
 from ._args import need, tensor
 from ._grpo import real
 from ._patch import Target
@@ -91,7 +92,7 @@ def _logits_sums(h, w, b):
     """The sum over every position of each row of the raw logits h W^T + b, [R]: linear in h,
     so (sum_t h_t) . (sum_v W_v) + T sum_v b_v (one GEMV; no tile)."""
     with torch.no_grad():
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(h.dtype)
         s = h.detach().to(acc).sum(1) @ w.detach().to(acc).sum(0)
         if b is not None:
             s = s + h.shape[1] * b.detach().to(acc).sum()

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._math import acc_dtype
 from ..losses import preference_naive as NV
 from ..losses.config import fields
 from ..losses.preference_config import PreferenceLossConfig
@@ -60,7 +61,7 @@ def linear_preference_loss(a):
     cfg = PreferenceLossConfig(**{k: getattr(a, k) for k in fields(PreferenceLossConfig)})
     R, T = a.labels.shape
     h = a.hidden
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h.dtype)
     V = a.weight.shape[0]
     z = logits_of(a, h, a.weight, a.bias, acc).reshape(R, T, V)
     lp, m = NV.token_logprobs(z, a.labels, a.mask, 1.0, a.ignore_index)
