@@ -16,6 +16,7 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `dist_workers` | the gloo worker processes of ops/test_distributed.py (run by path) |
 | `dist_preference_workers` | the gloo workers of ops/test_distributed_preference.py (run by path) |
 | `ray_tasks` | what integrations/test_ray.py runs in Ray workers |
+| `trainer_workers` | the spawned ranks of trainer/test_e2e.py's data-parallel helpers test |
 | `skip_summary` | plugin: the skips, one line per reason with its count |
 | `file_order` | plugin: `--file-order=reverse` or `shuffle:SEED` |
 | `state` | plugin: a test file leaves the process-wide state as it found it |

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from support.skips import requires_cuda
+from support.trainer_workers import dp_worker
 
 from ppo_kernels.trainer import Ops, TrainConfig
 from ppo_kernels.trainer.algos.ppo import RLTrainer
@@ -369,7 +370,6 @@ def test_compare_prints_the_table_and_overlays_the_plot(tmp_path, capsys):
 
 def _torchrun(args, nproc=2):
     import subprocess
-    import sys
 
     from support import ROOT as root
 
@@ -484,47 +484,13 @@ def test_preference_training_two_processes_match_one(tmp_path, algo):
         assert (tmp_path / "two" / "reward_model.pt").exists()
 
 
-def _dp_worker(rank, init_file, out_dir):
-    import torch.distributed as tdist
-
-    from ppo_kernels.trainer import dist
-
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    g = tdist.group.WORLD
-    x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))  # row r: rank r's
-    grads = {}
-    for mode in dist.MODES:
-        torch.manual_seed(0)
-        model = dist.wrap(torch.nn.Linear(3, 2), mode, g)
-        model(x[rank]).square().mean().backward()
-        grads[mode] = [dist.local(p.grad) for p in model.parameters()]
-        sd = dist.state_dict(model, everywhere=True)
-    out = {
-        "grads": grads,
-        "state": sd,
-        "means": dist.global_means({"a": (float(rank), 1), "w": (3.0 * rank, 1 + 2 * rank)}, g),
-        "share": dist.share(list(range(6)), g),
-        "span": [dist.span(0, n, g) for n in (2, 5)],
-        "chunks": dist.chunks(201, 100, g),
-        "any": (dist.any_true(rank == 1, g), dist.any_true(False, g)),
-    }
-    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
-    del model  # the wrapped model holds the group: gone before it (see dist.close)
-    dist.close(g)
-    # no interpreter finalization (see ppo_kernels/__main__.py): a gloo thread destroyed there
-    # can abort a worker whose checks all passed; a failed check raised above
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def test_data_parallel_helpers_two_ranks(tmp_path):
     """DDP and FSDP2 (dist.wrap) give every rank the gradient of the mean of the ranks' losses
     (the one-process gradient of the whole batch for equal shares), FSDP2's gathered state dict
     is the whole one; global_means divides summed sums by summed counts (not a mean of means);
     shares, spans and eval chunks are contiguous and leave no rank empty."""
     torch.multiprocessing.spawn(
-        _dp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+        dp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
     )
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
