@@ -15,9 +15,6 @@
 // by the upstream gradient (no GEMM). The argument list is long and only forwarded, so the kernels
 // are boxed: they read the arguments they check by name from the schema.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/TensorSubclassLikeUtils.h>
-#include <torch/autograd.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,14 +26,15 @@
 #include "common/alloc.h"
 #include "common/modes.h"
 #include "ops/checks.h"
+#include "ops/fused_loss.h"
 #include "ops/route.h"
 
 namespace ppo_kernels {
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+using fused_loss::arguments;
+using fused_loss::opt_tensor;
 using torch::jit::Stack;
 
 // Everything linear_policy_loss takes, in order (see ppo_kernels/linear_policy_loss/api.py for
@@ -57,13 +55,8 @@ using torch::jit::Stack;
 
 constexpr int64_t kOutputs = 3;  // loss [], stats [K], token_stats [3, B, T]
 
-// An op by its full name, looked up once (a clear error when its Python side is not registered).
 c10::OperatorHandle find(const char* name) {
-  auto h = c10::Dispatcher::singleton().findOp({name, ""});
-  TORCH_CHECK(h.has_value(), name,
-              " is not registered (import ppo_kernels first: ppo_kernels/linear_policy_loss/op.py "
-              "registers the implementations)");
-  return *h;
+  return fused_loss::find_op(name, "ppo_kernels/linear_policy_loss/op.py");
 }
 
 const c10::OperatorHandle& grads_op() {
@@ -148,16 +141,6 @@ const Args& args_of() {
                 .bypass_mode = at("bypass_mode")};
   }();
   return a;
-}
-
-// The first n_args entries of the top of the stack (the op's arguments).
-torch::jit::Stack arguments(const Stack& stack, size_t n_args) {
-  return Stack(stack.end() - static_cast<std::ptrdiff_t>(n_args), stack.end());
-}
-
-std::optional<Tensor> opt_tensor(const c10::IValue& v) {
-  if (v.isNone()) return std::nullopt;
-  return v.toTensor();
 }
 
 // Metadata checks of every argument the kernels index by (never a host sync): hidden [N, H],
@@ -369,73 +352,14 @@ void grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack)
 // linear_policy_loss on the CPU / CUDA keys (no gradient asked for): linear_policy_loss_grads'
 // value.
 void loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
-  for (int k = 0; k < 3; ++k) stack->emplace_back(false);
-  grads_op().callBoxed(stack);
-  torch::jit::drop(*stack, 3);  // the (empty) gradients
+  fused_loss::value(grads_op(), stack);
 }
-
-class LossFn : public torch::autograd::Function<LossFn> {
- public:
-  // args: every argument of linear_policy_loss (hidden, weight and bias are also the autograd
-  // inputs before it); need_*: whether each gradient is asked for
-  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
-                               const std::optional<Tensor>& bias, Stack args, bool need_h,
-                               bool need_w, bool need_b) {
-    {
-      BelowAutograd guard;
-      args.emplace_back(need_h);
-      args.emplace_back(need_w);
-      args.emplace_back(need_b);
-      grads_op().callBoxed(&args);
-    }
-    TORCH_INTERNAL_ASSERT(args.size() == kOutputs + 3);
-    const Tensor loss = args[0].toTensor(), stats = args[1].toTensor(),
-                 token_stats = args[2].toTensor();
-    ctx->save_for_backward({args[3].toTensor(), args[4].toTensor(), args[5].toTensor()});
-    ctx->saved_data["need"] = std::vector<bool>{need_h, need_w, need_b};
-    ctx->saved_data["dtype"] = static_cast<int64_t>(weight.scalar_type());
-    ctx->mark_non_differentiable({stats, token_stats});
-    return {loss, stats, token_stats};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto need = ctx->saved_data["need"].toBoolList();
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    const Tensor& g = grads[0];
-    variable_list out(7);
-    if (!g.defined()) return out;
-    // The gradients were formed for an upstream gradient of 1. When it is 1 (loss.backward()) and
-    // the graph is not kept, they are handed over as they are: no second [V, H] weight gradient
-    // at the peak (this node releases them before AccumulateGrad takes them over). Read only where
-    // that costs no sync and traces nothing: a plain CPU tensor, no graph of the gradient.
-    // Otherwise scaled out of place: a retained graph's second backward (gradcheck's, for one)
-    // must find them unscaled and unshared. grad_hidden is in hidden's dtype, grad_weight /
-    // grad_bias float32 sums until here.
-    const bool unit = !torch::autograd::get_current_graph_task_keep_graph() &&
-                      g.device().is_cpu() && g.numel() == 1 && !g.requires_grad() &&
-                      !at::isTensorSubclassLike(g) && g.item<double>() == 1.0;
-    const auto scaled = [&](const Tensor& t) { return unit ? t : t * g; };
-    if (need[0]) out[0] = scaled(saved[0]);
-    if (need[1]) out[1] = scaled(saved[1]).to(dtype);
-    if (need[2]) out[2] = scaled(saved[2]).to(dtype);
-    return out;
-  }
-};
 
 // linear_policy_loss on the Autograd key: the gradients of the inputs that require one, formed in
 // the forward.
 void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
   const Args& i = args_of();
-  Stack args = arguments(*stack, i.n);
-  torch::jit::drop(*stack, i.n);
-  const Tensor hidden = args[i.hidden].toTensor(), weight = args[i.weight].toTensor();
-  const auto bias = opt_tensor(args[i.bias]);
-  const bool grad = at::GradMode::is_enabled();
-  const bool need_h = grad && hidden.requires_grad(), need_w = grad && weight.requires_grad();
-  const bool need_b = grad && bias.has_value() && bias->requires_grad();
-  variable_list out = LossFn::apply(hidden, weight, bias, std::move(args), need_h, need_w, need_b);
-  for (auto& t : out) stack->emplace_back(std::move(t));
+  fused_loss::autograd_call<grads_op, kOutputs>(stack, i.n, i.hidden, i.weight, i.bias);
 }
 
 }  // namespace

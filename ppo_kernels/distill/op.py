@@ -26,7 +26,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
-from ..fused_linear import engine
+from ..fused_linear import engine, fused_op
 from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES
 from ..fused_linear.tiler import Tiler
 from ..losses import distill_math as dm
@@ -339,50 +339,11 @@ def _(*args):
 def _(*args):
     a = Call(*args)
     _check_devices(a)
-    hidden, weight = a.hidden, a.weight
-    acc = acc_dtype(hidden.dtype)
-    N, H = hidden.shape
-    V = weight.shape[0]
-    gh = hidden.new_empty((N, H) if a.need_hidden else (0,))
-    gW = hidden.new_empty((V, H) if a.need_weight else (0,), dtype=acc)
-    gb = hidden.new_empty((V,) if (a.need_bias and a.bias is not None) else (0,), dtype=acc)
-    return (*_fake_outputs(a), gh, gW, gb)
+    return (*_fake_outputs(a), *fused_op.grads_shapes(a))
 
 
 # --------------------------------------------------------------------------- without the extension
-class _Precomputed(torch.autograd.Function):
-    """The loop with its gradients attached, as the C++ autograd kernel does."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, *args):
-        need = ctx.needs_input_grad[:3]
-        call = Call(*args, need[0], need[1], need[2] and bias is not None)
-        loss, stats, tok, gh, gW, gb = run("eager", call)
-        ctx.save_for_backward(gh, gW, gb)
-        ctx.need, ctx.dtype = need, weight.dtype
-        ctx.mark_non_differentiable(stats, tok)
-        return loss, stats, tok
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g, *_):
-        gh, gW, gb = ctx.saved_tensors
-        h, w, b = ctx.need
-        return (
-            gh * g if h else None,
-            (gW * g).to(ctx.dtype) if w else None,
-            (gb * g).to(ctx.dtype) if b else None,
-            *(None,) * len(ARG_NAMES),
-        )
-
-
 @_backend.fallback("linear_distill_loss")
 def _(*args):
-    a = Call(*args, False, False, False)
-    _check_devices(a)
-    if not (
-        torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
-    ):
-        return run("eager", a)[:3]
-    return _Precomputed.apply(a.hidden, a.weight, a.bias, *args)
+    _check_devices(Call(*args, False, False, False))
+    return fused_op.with_grads(lambda call: run("eager", call), Call, 3, args)

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
-from ..fused_linear import engine
+from ..fused_linear import engine, fused_op
 from ..fused_linear.planner import Plan
 from ..token_logprobs import op as tl_op
 from . import head as pref_head
@@ -280,57 +280,14 @@ def _(*args):
 def _(*args):
     a = Call(*args)
     _check_devices(a)
-    hidden, weight = a.hidden, a.weight
-    acc = acc_dtype(hidden.dtype)
-    N, H = hidden.shape
-    V = weight.shape[0]
-    gh = hidden.new_empty((N, H) if a.need_hidden else (0,))
-    gW = hidden.new_empty((V, H) if a.need_weight else (0,), dtype=acc)
-    gb = hidden.new_empty((V,) if (a.need_bias and a.bias is not None) else (0,), dtype=acc)
-    return (*_fake_outputs(a), gh, gW, gb)
+    return (*_fake_outputs(a), *fused_op.grads_shapes(a))
 
 
 # --------------------------------------------------------------------------- without the extension
-N_OUT = 4  # loss, stats, row_stats, token_stats
-
-
-class _Precomputed(torch.autograd.Function):
-    """A chunk loop with its gradients attached, as the C++ autograd kernel does: runner(call)
-    gives run's outputs (the eager loop here; the vocab-parallel form's loop)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, runner, *args):
-        need = ctx.needs_input_grad[:3]
-        call = Call(*args, need[0], need[1], need[2] and bias is not None)
-        out = runner(call)
-        ctx.save_for_backward(*out[N_OUT:])
-        ctx.need, ctx.dtype = need, weight.dtype
-        ctx.mark_non_differentiable(*out[1:N_OUT])
-        return out[:N_OUT]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g, *_):
-        gh, gW, gb = ctx.saved_tensors
-        h, w, b = ctx.need
-        return (
-            gh * g if h else None,
-            (gW * g).to(ctx.dtype) if w else None,
-            (gb * g).to(ctx.dtype) if b else None,
-            *(None,) * (1 + len(ARG_NAMES)),
-        )
-
-
 def with_grads(runner, args) -> tuple[Tensor, ...]:
     """(loss, stats, row_stats, token_stats) of the op's arguments `args` by runner(Call) (run's
     outputs), the gradients of hidden / weight / bias that require grad attached to the loss."""
-    a = Call(*args, False, False, False)
-    if not (
-        torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (a.hidden, a.weight, a.bias))
-    ):
-        return runner(a)[:N_OUT]
-    return _Precomputed.apply(a.hidden, a.weight, a.bias, runner, *args)
+    return fused_op.with_grads(runner, Call, 4, args)
 
 
 @_backend.fallback("linear_preference_loss")
