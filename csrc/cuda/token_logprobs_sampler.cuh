@@ -18,6 +18,7 @@
 
 #include "common/sampler_host.h"
 #include "common/sampler_rules.h"
+#include "common/softmax_stats.h"
 #include "cuda/cuda_utils.cuh"
 #include "cuda/device.cuh"
 
