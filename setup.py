@@ -12,6 +12,7 @@ found -- also on a machine without a GPU. Switches (environment variables):
                                  UndefinedBehaviorSanitizer, -O1, no CUDA: a test build that loads
                                  only with libasan preloaded (scripts/sanitize.sh builds and runs it)
   TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
+  PPO_KERNELS_DEBUG=1            keep debug information (-g, from Python's CFLAGS) in the C++ objects
   MAX_JOBS                       parallel compile jobs (ninja)
 
 The extension must be compiled against the torch it will run with, so build with
@@ -130,15 +131,19 @@ def _extensions():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
 
     sanitize = _flag("PPO_KERNELS_SANITIZE")
-    cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-DPPO_KERNELS_BUILD"]
+    base = ["-fopenmp", "-Wno-unknown-pragmas", "-DPPO_KERNELS_BUILD"]
     link = ["-fopenmp"]
     if sanitize:
         # -O1 keeps the reports' stacks readable; -g1 gives them file:line. UB aborts at the first
         # finding instead of printing and going on. -fno-wrapv undoes Python's -fwrapv (in every
         # extension's flags), under which signed overflow is defined and never reported.
         san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-        cxx = ["-O1", "-g1", "-fno-omit-frame-pointer", "-fno-wrapv"] + san + cxx[1:]
+        cxx = ["-O1", "-g1", "-fno-omit-frame-pointer", "-fno-wrapv"] + san + base
         link += san
+    else:
+        # -g0 undoes the -g of Python's own CFLAGS (every extension gets them): debug information
+        # for torch's templates doubles each file's compile time and the library's size.
+        cxx = ["-O3"] + base + ([] if _flag("PPO_KERNELS_DEBUG") else ["-g0"])
     if os.environ.get("PPO_KERNELS_CPU_ARCH", "auto") != "generic" and _host_has_avx2():
         # at::vec picks its 256-bit implementation from these two macros.
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

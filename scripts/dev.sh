@@ -99,7 +99,9 @@ setup() {
   # against the torch just installed; ninja rebuilds only the sources that changed
   "$VENV/bin/python" -c "import site; open(site.getsitepackages()[0] + '/ppo_kernels_dev.pth', 'w').write('$PWD\n')"
   say "compiling the extension (ninja: only sources changed since the last build)"
+  local t0=$SECONDS
   "$VENV/bin/python" setup.py -q build_ext --inplace 2>&1 | build_filter
+  say "compiled in $(( SECONDS - t0 ))s"
   local info
   info=$("$VENV/bin/python" -m ppo_kernels info)
   echo "$info"

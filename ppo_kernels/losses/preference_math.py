@@ -138,7 +138,8 @@ def check_config(cfg: PreferenceConfig, has_reference: bool, has_weights: bool =
             f"loss_weights: expected {len(types)} weights (one per loss type), "
             f"got {len(cfg.loss_weights)}"
         )
-    if not cfg.beta > 0 or not math.isfinite(cfg.beta):
+    # Comparisons, not math.isfinite: they also trace a SymFloat (NaN fails both).
+    if not (0 < cfg.beta < math.inf):
         raise ValueError(f"beta: expected a positive finite number, got {cfg.beta}")
     if cfg.f_divergence_type not in F_DIVERGENCES:
         raise ValueError(

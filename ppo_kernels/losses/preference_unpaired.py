@@ -28,7 +28,8 @@ class UnpairedConfig:
 def check_unpaired_config(cfg: UnpairedConfig):
     if cfg.loss_type not in UNPAIRED_TYPES:
         raise ValueError(f"loss_type: unknown {cfg.loss_type!r}; expected one of {UNPAIRED_TYPES}")
-    if not cfg.beta > 0 or not math.isfinite(cfg.beta):
+    # Comparisons, not math.isfinite: they also trace a SymFloat (NaN fails both).
+    if not (0 < cfg.beta < math.inf):
         raise ValueError(f"beta: expected a positive finite number, got {cfg.beta}")
 
 
