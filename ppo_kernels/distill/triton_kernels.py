@@ -20,8 +20,12 @@ INF = float("inf")
 @triton.jit
 def _log_mix(p, q, beta):
     # log of the mixture (1 - beta) p + beta q, held at FLT_MIN or more (csrc/common/distill_math.h
-    # log_mix: one log instead of exp + log1p)
-    return tl.log(tl.maximum((1.0 - beta) * p + beta * q, 1.17549435e-38))
+    # log_mix: one log instead of exp + log1p). FLT_MIN written exactly (2^-126): Triton types a
+    # literal below it as float64, which made the whole gradient float64 (and, through the
+    # interpreter's float64 -> bfloat16 conversion, garbage in bfloat16 tiles).
+    m = tl.maximum((1.0 - beta) * p + beta * q, 1.1754943508222875e-38)
+    tl.static_assert(m.dtype == tl.float32, "the mixture must stay float32")
+    return tl.log(m)
 
 
 @triton.jit
