@@ -13,6 +13,7 @@ found -- also on a machine without a GPU. Switches (environment variables):
                                  only with libasan preloaded (scripts/sanitize.sh builds and runs it)
   TORCH_CUDA_ARCH_LIST           GPU targets (default "8.0;9.0+PTX": A100, H100/H200, PTX for newer)
   PPO_KERNELS_DEBUG=1            keep debug information (-g, from Python's CFLAGS) in the C++ objects
+  PPO_KERNELS_PCH=0              do not precompile the torch headers (csrc/common/pch.h) first
   MAX_JOBS                       parallel compile jobs (ninja)
 
 The extension must be compiled against the torch it will run with, so build with
@@ -22,6 +23,7 @@ built against; ppo_kernels refuses to load it under another torch (ppo_kernels/_
 """
 
 import glob
+import hashlib
 import os
 import re
 import subprocess
@@ -228,6 +230,65 @@ def _extensions():
 
 
 TORCH_VERSION_FILE = "_C.torch_version"
+PCH = os.path.join("csrc", "common", "pch.h")
+
+
+def _with_pch(write_and_compile, build_dir):
+    """torch's `_write_ninja_file_and_compile_objects` with csrc/common/pch.h precompiled first,
+    by gcc, with the final flags torch's ninja rule gives the C++ sources, and force-included in
+    each of them (-include). gcc takes a .gch only when the flags match and otherwise reads the
+    header itself: at worst the build is as slow as without it. The .gch is remade only when its
+    command or a header changed (a stamp beside it): ninja's incremental builds stay so."""
+    import shlex
+
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    def run(**kw):
+        cxx = ce.get_cxx_compiler()
+        if not _is_gcc(cxx):
+            return write_and_compile(**kw)
+        out = os.path.join(os.path.abspath(build_dir), "pch")
+        os.makedirs(out, exist_ok=True)
+        header = os.path.join(out, "pch.h")
+        with open(os.path.join(ROOT, PCH), "rb") as f:
+            text = f.read()
+        if not os.path.exists(header) or open(header, "rb").read() != text:
+            with open(header, "wb") as f:
+                f.write(text)
+        cflags = [f for f in shlex.split(" ".join(kw["cflags"])) if f != "-c"]
+        post = shlex.split(" ".join(kw["post_cflags"]))
+        cmd = [cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post]
+        key = hashlib.sha256("\0".join(cmd + [torch.__version__]).encode() + text).hexdigest()
+        stamp = header + ".stamp"
+        fresh = os.path.exists(header + ".gch") and os.path.exists(stamp)
+        if not (fresh and open(stamp).read() == key):
+            print("ppo-kernels: precompiling the torch headers (csrc/common/pch.h)", flush=True)
+            if subprocess.call(cmd) != 0:
+                print("ppo-kernels: precompiling them failed; building without it", flush=True)
+                return write_and_compile(**kw)
+            with open(stamp, "w") as f:
+                f.write(key)
+        # -Winvalid-pch: a .gch gcc refuses (it then reads the header) says so in the build log.
+        # -Wno-sign-compare: with the headers precompiled, gcc reports a signed / unsigned
+        # comparison inside a torch template (c10::checked_convert) in every source
+        extra = ["-Winvalid-pch", "-Wno-sign-compare", "-include", shlex.quote(header)]
+        kw["post_cflags"] = [*kw["post_cflags"], *extra]
+        return write_and_compile(**kw)
+
+    return run
+
+
+def _is_gcc(cxx):
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+    return "Free Software Foundation" in out and "clang" not in out
+
+
+def _pch_wanted():
+    return os.environ.get("PPO_KERNELS_PCH", "1") != "0" and sys.platform.startswith("linux")
 
 
 def _build_ext():
@@ -235,6 +296,25 @@ def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
     class BuildExt(BuildExtension.with_options(use_ninja=True)):
+        def build_extension(self, ext):
+            # the main extension's C++ sources only: the SIMT emulator's few files have flags of
+            # their own
+            if ext.name != "ppo_kernels._C" or not _pch_wanted():
+                return super().build_extension(ext)
+            # ccache (torch puts it before the compiler when installed) caches sources built
+            # with a precompiled header only when told these differences do not matter
+            from torch.utils import cpp_extension as ce
+
+            os.environ.setdefault("CCACHE_SLOPPINESS", "pch_defines,time_macros")
+            write_and_compile = getattr(ce, "_write_ninja_file_and_compile_objects", None)
+            if write_and_compile is None:  # another torch's internals: no precompiled header
+                return super().build_extension(ext)
+            ce._write_ninja_file_and_compile_objects = _with_pch(write_and_compile, self.build_temp)
+            try:
+                return super().build_extension(ext)
+            finally:
+                ce._write_ninja_file_and_compile_objects = write_and_compile
+
         def run(self):
             super().run()
             # next to the extension, in build/ and (--inplace) in the source tree: read by
