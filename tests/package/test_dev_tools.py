@@ -149,8 +149,9 @@ def _files(folder, **files):
 
 
 def test_file_order_moves_whole_files(tmp_path):
-    """--file-order=reverse / shuffle:SEED reorder the files, each file's tests together and in
-    their order; a seed gives the same order every time; a bad value is a usage error."""
+    """--file-order=cost (the default) / reverse / shuffle:SEED reorder the files, each file's
+    tests together and in their order; a seed gives the same order every time; a bad value is a
+    usage error."""
     two = "def test_1():\n    pass\n\ndef test_2():\n    pass\n"
     _files(tmp_path, **{f"test_{c}": two for c in "abcde"})
 
@@ -170,6 +171,16 @@ def test_file_order_moves_whole_files(tmp_path):
         assert sorted(files) == [f"test_{c}.py" for c in "abcde"]
     assert given not in shuffled.values() and shuffled[1] != shuffled[2]
     assert order("--file-order=shuffle:1") == shuffled[1]
+    # cost (the default): the recorded longest first, a file without a record before them
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"test_c.py": 50, "test_a.py": 10, "test_e.py": 30, "test_b.py": 1}')
+    os.environ["PPO_KERNELS_TEST_FILE_COSTS"] = str(costs)
+    try:
+        by_cost = order()
+    finally:
+        del os.environ["PPO_KERNELS_TEST_FILE_COSTS"]
+    assert by_cost == [f"test_{c}.py::test_{i}" for c in "dceab" for i in (1, 2)]
+    assert order("--file-order=given") == given
     bad = _pytest(tmp_path, "support.file_order", "--file-order=backwards")
     assert bad.returncode == 4 and "--file-order: expected" in bad.stderr, bad.stderr
 
