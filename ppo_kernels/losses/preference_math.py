@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._checks import check_float
 from .._math import acc_dtype
 
 # TRL DPOTrainer's types, then Liger's reference-free ones (ORPO, SimPO, CPO).
@@ -138,9 +139,7 @@ def check_config(cfg: PreferenceConfig, has_reference: bool, has_weights: bool =
             f"loss_weights: expected {len(types)} weights (one per loss type), "
             f"got {len(cfg.loss_weights)}"
         )
-    # Comparisons, not math.isfinite: they also trace a SymFloat (NaN fails both).
-    if not (0 < cfg.beta < math.inf):
-        raise ValueError(f"beta: expected a positive finite number, got {cfg.beta}")
+    check_float("beta", cfg.beta, positive=True)  # finite too; traces a SymFloat
     if cfg.f_divergence_type not in F_DIVERGENCES:
         raise ValueError(
             f"f_divergence_type: unknown {cfg.f_divergence_type!r}; expected one of {F_DIVERGENCES}"

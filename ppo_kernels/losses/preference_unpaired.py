@@ -4,13 +4,13 @@ docs/ppo-math.md "Preference losses"; the paired types: preference_math.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .._checks import check_float
 from .._math import acc_dtype
 from .preference_math import UNPAIRED_TYPES, _mean, _sig_prime
 
@@ -28,9 +28,7 @@ class UnpairedConfig:
 def check_unpaired_config(cfg: UnpairedConfig):
     if cfg.loss_type not in UNPAIRED_TYPES:
         raise ValueError(f"loss_type: unknown {cfg.loss_type!r}; expected one of {UNPAIRED_TYPES}")
-    # Comparisons, not math.isfinite: they also trace a SymFloat (NaN fails both).
-    if not (0 < cfg.beta < math.inf):
-        raise ValueError(f"beta: expected a positive finite number, got {cfg.beta}")
+    check_float("beta", cfg.beta, positive=True)  # finite too; traces a SymFloat
 
 
 class UnpairedResult(NamedTuple):
