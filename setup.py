@@ -251,9 +251,8 @@ def _with_pch(write_and_compile, build_dir):
         out = os.path.join(os.path.abspath(build_dir), "pch")
         os.makedirs(out, exist_ok=True)
         header = os.path.join(out, "pch.h")
-        with open(os.path.join(ROOT, PCH), "rb") as f:
-            text = f.read()
-        if not os.path.exists(header) or open(header, "rb").read() != text:
+        text = _read(os.path.join(ROOT, PCH), "rb")
+        if _read(header, "rb") != text:
             with open(header, "wb") as f:
                 f.write(text)
         cflags = [f for f in shlex.split(" ".join(kw["cflags"])) if f != "-c"]
@@ -261,8 +260,7 @@ def _with_pch(write_and_compile, build_dir):
         cmd = [cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post]
         key = hashlib.sha256("\0".join(cmd + [torch.__version__]).encode() + text).hexdigest()
         stamp = header + ".stamp"
-        fresh = os.path.exists(header + ".gch") and os.path.exists(stamp)
-        if not (fresh and open(stamp).read() == key):
+        if not (os.path.exists(header + ".gch") and _read(stamp, "r") == key):
             print("ppo-kernels: precompiling the torch headers (csrc/common/pch.h)", flush=True)
             if subprocess.call(cmd) != 0:
                 print("ppo-kernels: precompiling them failed; building without it", flush=True)
@@ -279,6 +277,15 @@ def _with_pch(write_and_compile, build_dir):
     return run
 
 
+def _read(path, mode):
+    """The file's content, or None where there is none."""
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def _is_gcc(cxx):
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -288,7 +295,9 @@ def _is_gcc(cxx):
 
 
 def _pch_wanted():
-    return os.environ.get("PPO_KERNELS_PCH", "1") != "0" and sys.platform.startswith("linux")
+    # on unless turned off (PPO_KERNELS_PCH=0): _flag's words, read with "on" as the default
+    off = os.environ.get("PPO_KERNELS_PCH", "1").lower() in ("0", "false", "no", "off")
+    return not off and sys.platform.startswith("linux")
 
 
 def _build_ext():

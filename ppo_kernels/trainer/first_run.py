@@ -18,8 +18,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Seconds, as (low, high) ranges: one C++ source compiled by one job (its share of a build with
-# the torch headers precompiled: 24 sources in 200 s on 2 quiet cores), one CUDA source by nvcc,
-# the pip installs of the CPU-only and of the CUDA torch.
+# the torch headers precompiled: the README's first-run table), one CUDA source by nvcc, the pip
+# installs of the CPU-only and of the CUDA torch.
 CPP_FILE = (12.0, 30.0)
 CU_FILE = (60.0, 180.0)
 INSTALL_CPU = (60.0, 180.0)
