@@ -48,24 +48,19 @@ _INF = float("inf")
 _UNBOUNDED = (-_INF, _INF, -_INF, _INF)
 
 
-def _plain_f32_pair(a: Tensor, b: Tensor) -> bool:
-    """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit:
-    torch's own subtraction runs it without the custom op's call, whose overhead made the op
-    slower than eager on the CPU and on a GPU (bench/results/cpu_overhead.md,
-    bench/results/gpu_2026-11-30_H200.md). Only for same-shape float32 tensors (anything else
-    reaches the op and its named errors) and when no backend was requested by name."""
-    return (
-        a.dtype is _F32 and b.dtype is _F32 and a.shape == b.shape and not _backend.any_requested()
-    )
-
-
 def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
-    """a - b by torch when `_plain_f32_pair` allows it, else None (the op runs). (torch.sub:
-    the binding itself, cheaper than the operator's Python protocol.)"""
-    if not _plain_f32_pair(a, b):
+    """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit.
+    torch.sub runs it without the custom op's call, whose overhead made the op slower than eager
+    on the CPU and on a GPU (bench/results/cpu_overhead.md, bench/results/gpu_2026-11-30_H200.md).
+
+    Returns None (the op runs, with its named errors) unless both are float32 of one shape and
+    no backend was requested by name. A 0-dim pair on two devices also goes to the op: torch
+    would take a CPU scalar beside a GPU one."""
+    if a.dtype is not _F32 or b.dtype is not _F32 or _backend.any_requested():
         return None
-    if a.dim() == 0 and a.device != b.device:  # torch takes a CPU scalar beside a GPU one
-        return None  # (the op refuses it, naming the argument)
+    shape = a.shape
+    if shape != b.shape or (not shape and a.device != b.device):
+        return None
     try:
         return torch.sub(a, b)
     except RuntimeError:  # e.g. two devices: the op's checks name the argument
