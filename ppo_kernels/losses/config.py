@@ -387,19 +387,55 @@ def takes_configs(**params: type):
         plain = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
         signature = sig.replace(parameters=plain + extra)
 
+        made: dict = {}  # call spelling -> {parameter: configuration}, as make remembers one
+
+        def configs_of(names: list, kwargs: dict) -> dict:
+            """{parameter: configuration} of the flat fields `names` (popped from kwargs)."""
+            flat = {k: kwargs.pop(k) for k in names}
+            key = None
+            if not torch.compiler.is_compiling():
+                vals = tuple(flat.values())
+                key = (tuple(names), vals, tuple(map(type, vals)))
+                try:
+                    hit = made.get(key)
+                except TypeError:  # an unhashable value: made uncached (same errors)
+                    key = hit = None
+                if hit is not None:
+                    return hit
+            grouped: dict[str, dict] = {}
+            for k, v in flat.items():
+                grouped.setdefault(owner[k], {})[k] = v
+            out = {p: make(params[p], **values) for p, values in grouped.items()}
+            if key is not None and len(made) < 512:
+                if not any(isinstance(v, Tensor) for v in flat.values()):
+                    made[key] = out
+            return out
+
+        items = tuple(params.items())
+
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            flat: dict[str, dict] = {}
-            for k in [k for k in kwargs if k in owner]:
-                flat.setdefault(owner[k], {})[k] = kwargs.pop(k)
-            for pname, cls in params.items():
+            names = [k for k in kwargs if k in owner]
+            if not names:
+                for pname, cls in items:
+                    given = kwargs.get(pname)
+                    if given is None:
+                        kwargs[pname] = defaults[pname]
+                    elif not isinstance(given, cls):
+                        raise TypeError(
+                            f"{pname}: expected a {cls.__name__}, got {type(given).__name__}"
+                        )
+                return fn(*args, **kwargs)
+            built = configs_of(names, kwargs)
+            for pname, cls in items:
                 given = kwargs.get(pname)
-                values = flat.get(pname)
+                mine = built.get(pname)
                 if given is None:
-                    kwargs[pname] = defaults[pname] if values is None else make(cls, **values)
-                elif values is not None:
+                    kwargs[pname] = defaults[pname] if mine is None else mine
+                elif mine is not None:
+                    values = sorted(k for k in names if owner[k] == pname)
                     raise TypeError(
-                        f"{pname}: give either {pname}= or its fields {sorted(values)}, not both"
+                        f"{pname}: give either {pname}= or its fields {values}, not both"
                     )
                 elif not isinstance(given, cls):
                     raise TypeError(
