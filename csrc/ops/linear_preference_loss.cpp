@@ -42,9 +42,10 @@ using torch::jit::Stack;
   "float beta, float label_smoothing, float discopop_tau, str f_divergence_type, "             \
   "float f_alpha_divergence_coef, float simpo_gamma, bool average_log_prob, float? ld_alpha, " \
   "float desirable_weight, float undesirable_weight, float temperature, float? softcap, "      \
-  "int ignore_index, int max_chunk_bytes, str logits_dtype, bool with_entropy"
+  "int ignore_index, int max_chunk_bytes, str logits_dtype, bool with_entropy, "               \
+  "bool with_logit_stats"
 
-constexpr int64_t kOutputs = 4;  // loss [], stats [K], row_stats [3, R], token_stats [3, R, T]
+constexpr int64_t kOutputs = 4;  // loss [], stats [K], row_stats [3, R], token_stats [5, R, T]
 
 // The unpaired types (rows flagged desirable or not, no pairs): preference_math.UNPAIRED_TYPES.
 bool is_unpaired(const std::string& t) { return t == "kto" || t == "apo_zero_unpaired"; }
@@ -283,8 +284,8 @@ void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* sta
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   m.set_python_module("ppo_kernels.linear_preference_loss.op");  // the fake kernels
   // -> (loss [], stats [K] (names: op.stat_names), row_stats [3, R]: sequence log-probs, the
-  // reference's, rewards; token_stats [3, R, T]: log-probs, entropy, the reference head's
-  // log-probs; float32, float64 for float64 hidden)
+  // reference's, rewards; token_stats [5, R, T]: log-probs, entropy, the reference head's
+  // log-probs, mean logit, whether the label is the argmax; float32, float64 for float64 hidden)
   m.def("linear_preference_loss(" PPO_LPREF_ARGS
         ") -> (Tensor loss, Tensor stats, Tensor row_stats, Tensor token_stats)");
   // + the gradients of hidden (hidden's dtype), weight and bias (float32; float64 for float64),

@@ -1,7 +1,8 @@
 """TRL adapter: trl.trainer.utils' per-token log-prob / entropy functions and the fused LM head's
 `ChunkedLogProbFunction` (the path GRPOTrainer / RLOOTrainer take in TRL 1.16 with
-`model(..., fused_lm_head=True)`) on ppo_kernels ops, and GRPOTrainer's loss computation on
-linear_policy_loss (_trl_grpo). Semantics read from TRL 1.16.0."""
+`model(..., fused_lm_head=True)`) on ppo_kernels ops, GRPOTrainer's loss computation on
+linear_policy_loss (_trl_grpo) and DPOTrainer's on linear_preference_loss (_trl_dpo). Semantics
+read from TRL 1.16.0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import ppo_kernels as pk
 
 from ._args import NO_IGNORE, entropy, logits_arg, need, tensor
 from ._patch import Fallback, Peer, Target
+from ._trl_dpo import DPO_TRAINER
+from ._trl_dpo import compute_loss as dpo_compute_loss
 from ._trl_grpo import CAPTURE, GRPO_TRAINER, compute_loss
 
 UTILS = "trl.trainer.utils"
@@ -68,8 +71,9 @@ def selective_log_softmax_and_entropy(a, orig, o):
 _PROVIDED = ("log_probs", "entropy")
 
 
-def _chunked_args(a) -> dict:
-    """ChunkedLogProbFunction's arguments as linear_token_logprobs takes them (or Fallback)."""
+def _chunked_args(a, provided=_PROVIDED) -> dict:
+    """ChunkedLogProbFunction's arguments as linear_token_logprobs takes them (or Fallback);
+    `provided`: the per-token outputs the caller computes (a capture's may be more)."""
     h, w = tensor(a["hidden"], "hidden"), tensor(a["weight"], "weight")
     y = tensor(a["targets"], "targets")
     cap = a["final_logit_softcapping"]
@@ -79,7 +83,7 @@ def _chunked_args(a) -> dict:
         "expected None or a positive number",
     )
     outputs = tuple(a["outputs"] or ())
-    extra = sorted(set(outputs) - set(_PROVIDED))
+    extra = sorted(set(outputs) - set(provided))
     need(not extra, "outputs", f"{extra} are not computed by linear_token_logprobs")
     scale = a["logit_scale"]
     need(
@@ -116,7 +120,7 @@ def chunked_logprob_apply(a, orig, o):
     fused loss: _trl_grpo.Capture)."""
     capture = CAPTURE.get()
     try:
-        c = _chunked_args(a)
+        c = _chunked_args(a, getattr(capture, "provides", _PROVIDED))
         if capture is not None:
             return capture.add(c)
     except Fallback as f:
@@ -148,5 +152,6 @@ PEER = Peer(
         Target(UTILS, "selective_log_softmax_and_entropy", selective_log_softmax_and_entropy),
         Target(CHUNKED, "ChunkedLogProbFunction", chunked_logprob_apply),
         Target(GRPO_TRAINER, "GRPOTrainer._compute_loss", compute_loss, optional=True),
+        Target(DPO_TRAINER, "DPOTrainer._compute_loss", dpo_compute_loss, optional=True),
     ],
 )

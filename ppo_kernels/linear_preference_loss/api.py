@@ -62,6 +62,7 @@ def linear_preference_loss(
     max_chunk_bytes: int | None = None,
     logits_dtype: str | None = "auto",
     return_entropy: bool = False,
+    return_logit_stats: bool = False,
     process_group=None,
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
@@ -122,6 +123,10 @@ def linear_preference_loss(
             Default "auto".
         return_entropy (bool): also each token's entropy (the reduction computes it).
             Default False.
+        return_logit_stats (bool): also each token's mean logit over the vocabulary (at the
+            temperature, soft-capped) and whether its label is the first largest logit (TRL's
+            `logits/*` and `mean_token_accuracy` metrics): one more pass over each tile. Not in
+            the vocab-parallel form. Default False.
         process_group (ProcessGroup, optional): the vocab-parallel form: `weight` / `bias`
             (and the reference head's) hold this rank's contiguous slice of the vocabulary;
             everything else is replicated; labels are global ids. Eager only. Default None.
@@ -140,8 +145,9 @@ def linear_preference_loss(
         `logps` (the sequence log-probs the loss sees), `ref_logps` and `rewards` (beta times
         the log-ratio; the log-prob without a reference); per pair `chosen_logps`,
         `rejected_logps`, `chosen_rewards`, `rejected_rewards`; per token (labels' shape)
-        `token_logprobs` (0 off the completion), with `return_entropy` `entropy`, with a
-        reference head `ref_token_logprobs`.
+        `token_logprobs` (0 off the completion), with `return_entropy` `entropy`, with
+        `return_logit_stats` `mean_logits` and `is_top1` (bool), with a reference head
+        `ref_token_logprobs`.
 
     Why: the preference step's loss, gradients and metrics in one pass over the head, without
     the N x V logits (nor a second model's) that dominate its memory. Semantics:
@@ -150,8 +156,11 @@ def linear_preference_loss(
     check_tensor("hidden", hidden, min_dim=2)
     if process_group is None and vocab_start is not None:
         raise ValueError("vocab_start: needs process_group (the vocab-parallel form)")
+    if process_group is not None and return_logit_stats is True:
+        raise ValueError("return_logit_stats: not in the vocab-parallel form")
     check_bool("reduce_hidden_grad", reduce_hidden_grad)
     check_bool("return_entropy", return_entropy)
+    check_bool("return_logit_stats", return_logit_stats)
     check_tensor("weight", weight)
     check_tensor("labels", labels, min_dim=1)
     shape = tuple(labels.shape)
@@ -227,6 +236,7 @@ def linear_preference_loss(
         int(max_chunk_bytes or 0),
         logits_dtype,
         bool(return_entropy),
+        bool(return_logit_stats),
         False,
         False,
         False,
@@ -267,6 +277,9 @@ def _outputs(call, st, rows, tok, shape, cfg) -> dict[str, Tensor]:
         out["entropy"] = tok[1].view(shape)
     if call.ref_hidden is not None:
         out["ref_token_logprobs"] = tok[2].view(shape)
+    if call.with_logit_stats:
+        out["mean_logits"] = tok[3].view(shape)
+        out["is_top1"] = tok[4].view(shape) != 0
     return out
 
 

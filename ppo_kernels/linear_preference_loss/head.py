@@ -94,8 +94,8 @@ def stat_names(a) -> tuple[str, ...]:
 
 # row_stats: per row (original order)
 ROW_STATS = ("logps", "ref_logps", "rewards")
-# token_stats: per token
-TOKEN_STATS = ("logprobs", "entropy", "ref_logprobs")
+# token_stats: per token (entropy with with_entropy, the last two with with_logit_stats; else 0)
+TOKEN_STATS = ("logprobs", "entropy", "ref_logprobs", "mean_logits", "is_top1")
 
 
 def unit_rows(cfg: PreferenceLossConfig, T: int) -> int:

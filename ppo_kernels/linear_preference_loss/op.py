@@ -68,6 +68,7 @@ ARG_NAMES = (
     "max_chunk_bytes",
     "logits_dtype",
     "with_entropy",
+    "with_logit_stats",
 )
 NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
 Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
@@ -94,11 +95,32 @@ def _ref_kernel(backend: str, temperature: float, ignore_index: int):
     return fwd, None
 
 
-def whole_vocab(backend: str, temperature: float, ignore_index: int) -> engine.WholeVocab:
+class PreferenceVocab(engine.WholeVocab):
+    """WholeVocab, the reference tile's token log-probs beside the policy tile's, and optionally
+    each token's logit statistics TRL's DPOTrainer reports (`logit_stats` [2, N], walk order:
+    the mean of the token's logits over the vocabulary at the temperature, and whether the
+    label is the first largest logit; 0 for an ignored token) -- one more pass over the tile.
+    Soft-capping and the temperature keep the order of the logits: the tile's argmax is theirs."""
+
+    logit_stats: Tensor | None = None
+
+    def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
+        st = super().block_stats(tiler, hc, rtiler, r0, r1, lc, with_entropy)
+        if self.logit_stats is not None:
+            z, n = self.z, r1 - r0
+            keep = (lc[:n] != self.ii).to(self.logit_stats.dtype)
+            mean = z[:n].sum(1, dtype=self.logit_stats.dtype) * (self.inv_t / max(z.shape[1], 1))
+            top1 = (z[:n].argmax(1) == lc[:n]).to(keep.dtype) if z.shape[1] else keep * 0
+            self.logit_stats[0, r0:r1] = mean * keep
+            self.logit_stats[1, r0:r1] = top1 * keep
+        return st
+
+
+def whole_vocab(backend: str, temperature: float, ignore_index: int) -> PreferenceVocab:
     """The engine's reduction of whole-vocabulary tiles on `backend`, the reference tile's token
     log-probs beside the policy tile's."""
     tl = (tl_op.forward.impls[backend], tl_op.backward.impls[backend])
-    return engine.WholeVocab(
+    return PreferenceVocab(
         backend, temperature, ignore_index, tl, _ref_kernel(backend, temperature, ignore_index)
     )
 
@@ -185,7 +207,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     plan, beside = plan_blocks(head, a, V, vocab)
     flat = labels.reshape(-1)
     order = layout.order
-    token_stats = _backend.new_output((3, R, T), acc, dev)
+    token_stats = _backend.new_output((len(TOKEN_STATS), R, T), acc, dev)
     walked = order is not None
     lp_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[0].view(-1)
     ent_w = None
@@ -193,6 +215,14 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         ent_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[1].view(-1)
     else:
         token_stats[1].zero_()
+    stats_w = logit_stats = None
+    if a.with_logit_stats:
+        if not isinstance(vocab, PreferenceVocab):
+            raise ValueError("return_logit_stats: not in the vocab-parallel form")
+        stats_w = torch.empty((2, N), dtype=acc, device=dev) if walked else None
+        logit_stats = token_stats[3:5].view(2, N) if stats_w is None else stats_w
+    else:
+        token_stats[3:5].zero_()
     ref = ref_plan = None
     if full:
         rhead = (a.ref_hidden, a.ref_weight, a.ref_bias)
@@ -210,6 +240,8 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
             )
         else:
             ref = rhead
+    if isinstance(vocab, PreferenceVocab):
+        vocab.logit_stats = logit_stats  # (the policy's tiles only)
     gh, gW, gb = engine.run(
         head,
         vocab,
@@ -226,6 +258,9 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         layout.unwalk_(token_stats[0].view(-1), lp_w)
         if ent_w is not None:
             layout.unwalk_(token_stats[1].view(-1), ent_w)
+    if stats_w is not None:
+        layout.unwalk_(token_stats[3].view(-1), stats_w[0])
+        layout.unwalk_(token_stats[4].view(-1), stats_w[1])
     if full:  # the reference's token log-probs (0 off the mask)
         layout.unwalk_(token_stats[2].view(-1), head.ref_tok)
     else:
@@ -254,7 +289,8 @@ def _fake_outputs(a):
     R, T = a.labels.shape
     loss = hidden.new_empty((), dtype=acc)
     stats = hidden.new_empty((len(stat_names(a)),), dtype=acc)
-    return loss, stats, hidden.new_empty((3, R), dtype=acc), hidden.new_empty((3, R, T), dtype=acc)
+    rows = hidden.new_empty((len(ROW_STATS), R), dtype=acc)
+    return loss, stats, rows, hidden.new_empty((len(TOKEN_STATS), R, T), dtype=acc)
 
 
 # The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import sys
 import tempfile
 
 import pytest
 import torch
-from support import BENCH
-from support.skips import missing
+from support.peers import trl_trainer_env
 
 import ppo_kernels.integrations as pki
 
@@ -21,25 +19,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def e2e():
-    for dist in ("trl", "transformers", "tokenizers", "datasets", "pandas", "pyarrow"):
-        try:  # a distribution, not an importable name: tests/support/peer_stubs.py may stand in for some
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pytest.skip(missing(dist))  # GRPOTrainer needs it
-    try:
-        importlib.import_module("trl.trainer.grpo_trainer")
-    except ImportError as e:
-        pytest.skip(f"trl's GRPOTrainer does not import here: {e}")
-    sys.path.insert(0, BENCH)
-    import e2e_trl
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # weight-loading progress bars
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: a second thread only waits on a shared machine
-    yield e2e_trl
-    torch.set_num_threads(threads)
-    pki.revert("trl")
+    yield from trl_trainer_env("trl.trainer.grpo_trainer")
 
 
 def _close(a, b, rtol=RTOL, atol=1e-8):

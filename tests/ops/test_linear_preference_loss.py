@@ -615,3 +615,35 @@ def test_batch_invariance_check_can_fail(monkeypatch):
     monkeypatch.setitem(tl_op.forward.impls, "eager", drifting)
     with pytest.raises(AssertionError, match="differs"):
         _check_invariant("eager", "given", ("sigmoid", "sft"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("budget", [SMALL, BIG])
+def test_logit_stats(backend, budget):
+    """return_logit_stats: each token's mean logit (temperature, soft-cap) and whether its label
+    is the first largest logit (TRL's is_top1), 0 / False off the completion; in every layout
+    and pass (a reference head's pass does not touch them)."""
+    x = _inputs(seed=12)
+    x["labels"][3, 2] = int((x["h"][3, 2] @ x["W"].T + x["b"]).argmax())  # a top-1 label
+    pairs = torch.tensor([[5, 0], [1, 4], [2, 3]])
+    kw = dict(temperature=0.7, softcap=4.0, return_logit_stats=True, max_chunk_bytes=budget,
+              pairs=pairs, **_kw(x, "head"))  # fmt: skip
+    with use_backend(linear_preference_loss=backend), poisoned():
+        _, st, _ = _run(x, **kw)
+    z = x["h"] @ x["W"].T + x["b"]
+    z = 4.0 * torch.tanh(z / 4.0)
+    keep = (x["labels"] != -100) & x["mask"]
+    torch.testing.assert_close(st["mean_logits"], (z.mean(-1) / 0.7) * keep, atol=1e-5, rtol=1e-5)
+    top1 = (z.argmax(-1) == x["labels"]) & keep
+    assert st["is_top1"].dtype == torch.bool and torch.equal(st["is_top1"], top1)
+    assert top1.any() and not top1.all()
+    _, plain, _ = _run(x, **{**kw, "return_logit_stats": False})
+    assert "mean_logits" not in plain and "is_top1" not in plain
+
+
+def test_logit_stats_not_in_the_vocab_parallel_form():
+    x = _inputs()
+    with pytest.raises(ValueError, match="return_logit_stats"):
+        pk.linear_preference_loss(
+            x["h"], x["W"], x["labels"], x["mask"], return_logit_stats=True, process_group=object()
+        )

@@ -123,3 +123,37 @@ def load_verl():
     out.update(load_functions("verl", "utils/groupwise.py", ["group_mean_std"], gw))
     _cache["verl"] = types.SimpleNamespace(**out)
     return _cache["verl"]
+
+
+def trl_trainer_env(trainer_module: str):
+    """Generator for a module-scoped fixture of TRL's trainer tests: skips without TRL's trainer
+    stack (the distributions, not importable names: peer_stubs may stand in for some) or when
+    `trainer_module` does not import; yields bench/e2e_trl.py (the tiny model and tokenizer) with
+    one torch thread, and reverts the "trl" patch after the module."""
+    import importlib
+    import importlib.metadata
+    import sys
+
+    import ppo_kernels.integrations as pki
+
+    from . import BENCH
+
+    for dist in ("trl", "transformers", "tokenizers", "datasets", "pandas", "pyarrow"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(missing(dist))
+    try:
+        importlib.import_module(trainer_module)
+    except ImportError as e:
+        pytest.skip(f"{trainer_module} does not import here: {e}")
+    sys.path.insert(0, BENCH)
+    import e2e_trl
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # weight-loading progress bars
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread only waits on a shared machine
+    yield e2e_trl
+    torch.set_num_threads(threads)
+    pki.revert("trl")
