@@ -3,7 +3,7 @@
 # command (CI's sanitizer stage runs the same):
 #   bash scripts/sanitize.sh                      # build, then the default subset (TESTS below)
 #   bash scripts/sanitize.sh tests/ops/test_gae.py -k carry   # build, then these pytest arguments
-# The build (PPO_KERNELS_SANITIZE=1 PPO_KERNELS_BUILD_SIMT=1: -fsanitize=address,undefined, -O1, no
+# The build (PPO_KERNELS_SANITIZE=1 PPO_KERNELS_BUILD_SIMT=1: -fsanitize=address,undefined, -O0, no
 # CUDA) keeps its objects in build/sanitize/ and swaps the in-place ppo_kernels/_C*.so and
 # _simt*.so for the sanitized ones while the tests run; the previous files are put back on exit.
 # Python and torch are not instrumented: libasan is preloaded into the interpreter (the sanitized
