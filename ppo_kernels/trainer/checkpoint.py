@@ -9,6 +9,9 @@ the reward model.
   generators, and the timings so far. One file, overwritten (written to a temporary name, then
   renamed): at the end of the run and every `--save-every` steps, never with `--no-checkpoint`.
 - `DIR/reward_model.pt` (`--algo rm`, or PPO with `--reward rm` and no `--rm-path`).
+
+A checkpoint is also a teacher (`--algo distill --teacher DIR`): `load_teacher` builds its Actor
+from the configuration saved with it.
 """
 
 from __future__ import annotations
@@ -110,3 +113,30 @@ def due(cfg: TrainConfig, step: int) -> bool:
     if not cfg.checkpoint:
         return False
     return step + 1 == cfg.steps or bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
+
+
+def load_teacher(path: str, device: str):
+    """The Actor saved in a run's checkpoint (`--teacher`: the run directory or the file),
+    rebuilt from the model flags saved with it, frozen, on `device`."""
+    from .models import frozen_copy, load_actor
+
+    file = os.path.join(path, CHECKPOINT) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(
+            f"--teacher: no checkpoint at {file!r} (pass the directory of a run that saved one, "
+            "e.g. --algo ppo --out DIR without --no-checkpoint)"
+        )
+    blob = torch.load(file, map_location=device, weights_only=False)
+    trainer = blob.get("trainer") if isinstance(blob, dict) else None
+    if not isinstance(trainer, dict) or "actor" not in trainer or "cfg" not in blob:
+        raise ConfigError(
+            f"--teacher: {file!r} holds no Actor (expected the checkpoint.pt of a --algo ppo / "
+            "grpo run)"
+        )
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    saved = TrainConfig(**{k: v for k, v in blob["cfg"].items() if k in names})
+    # building the tiny model seeds torch's generator: keep the run's random stream as it is
+    with torch.random.fork_rng(devices=[]):
+        model, tok = load_actor(saved)
+    model.load_state_dict(trainer["actor"])
+    return frozen_copy(model.to(device)), len(tok)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         )
     )
     if summary["ops_eager_fallback"] and cfg.ops == "fused":
-        print(f"note: ran eager (PPO_TRAINER_EAGER_OPS): {summary['ops_eager_fallback']}")
+        print(f"note: not fused as asked: {summary['ops_eager_fallback']}")
     return _compare(argv, cfg, summary) if args.compare else 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,7 +20,11 @@ def _f(default, help, **kw):
 @dataclass
 class TrainConfig:
     # -- run ----------------------------------------------------------------------------------
-    algo: str = _f("ppo", "ppo | grpo | dpo | rm", choices=("ppo", "grpo", "dpo", "rm"))
+    algo: str = _f(
+        "ppo",
+        "ppo | grpo | dpo | rm | distill (on-policy distillation from --teacher)",
+        choices=("ppo", "grpo", "dpo", "rm", "distill"),
+    )
     ops: str = _f(
         "fused",
         "fused: ppo_kernels ops; eager: plain PyTorch references",
@@ -41,7 +46,9 @@ class TrainConfig:
     # 100: the default PPO demo's fused run is meant to gain at least +0.3 eval reward (README
     # "Measured: ... --compare"); fewer steps fell short of it on some runs (the runs differ like
     # seeds once their last bits part): bench/results/demo_2026-12-04b.md
-    steps: int = _f(100, "RL steps (ppo/grpo) or optimiser steps (dpo/rm)")
+    steps: int = _f(
+        100, "RL steps (ppo/grpo), distillation steps (distill) or optimiser steps (dpo/rm)"
+    )
     dist: str = _f(
         "ddp",
         "data parallelism under torchrun: ddp (whole models, DistributedDataParallel) or fsdp2 "
@@ -101,7 +108,7 @@ class TrainConfig:
         "its gradient in passes of a fixed 32 sequences (not --micro-batch), so the run does not "
         "depend on the micro-batch sizes (with --ops fused; one process)",
     )
-    actor_lr: float = _f(5e-4, "Actor AdamW learning rate")
+    actor_lr: float = _f(5e-4, "Actor AdamW learning rate (distill: the student's)")
     critic_lr: float = _f(3e-3, "Critic AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_low: float = _f(0.2, "policy ratio clip below 1")
@@ -139,6 +146,14 @@ class TrainConfig:
     pref_batch: int = _f(32, "pairs per optimiser step (dpo / rm)")
     pref_lr: float = _f(1e-3, "reward-model learning rate")
     dpo_lr: float = _f(3e-4, "DPO learning rate (higher drifts the policy off the pairs)")
+    # -- on-policy distillation ---------------------------------------------------------------
+    teacher: Optional[str] = _f(
+        None,
+        "--algo distill: the teacher, a run directory holding checkpoint.pt (e.g. the --out of "
+        "a --algo ppo run) or that file; the student (the SFT Actor) samples --prompts-per-step "
+        "responses per step and takes one --actor-lr step on the token mean of the "
+        "full-vocabulary reverse KL to the teacher at each sampled prefix",
+    )
     # -- eval / checkpoints -------------------------------------------------------------------
     eval_prompts: int = _f(200, "held-out prompts for eval_reward_before / after")
     checkpoint: bool = _f(
@@ -230,6 +245,19 @@ class TrainConfig:
                 "pref_batch",
                 f"--pairs {self.pairs} is not divisible by --pref-batch {self.pref_batch}",
             )
+        if self.algo == "distill":
+            if self.teacher is None:
+                bad(
+                    "teacher",
+                    "--algo distill needs a teacher: the directory of a run that saved a "
+                    "checkpoint (e.g. --algo ppo --out DIR), or its checkpoint.pt",
+                )
+            if not os.path.exists(self.teacher):
+                bad("teacher", f"{self.teacher!r} does not exist")
+            if self.resume is not None:
+                bad("resume", "--algo distill saves no checkpoint to resume from")
+        elif self.teacher is not None:
+            bad("teacher", f"only --algo distill takes a teacher (got --algo {self.algo})")
         if self.device.startswith("cuda"):
             import torch
 
@@ -243,13 +271,14 @@ class TrainConfig:
 EXAMPLES = """examples:
   python -m ppo_kernels train --out runs/ppo --compare     # PPO, then eager ops, side by side
   python -m ppo_kernels train --algo grpo --group-size 8 --prompts-per-step 8 --out runs/grpo
-  python -m ppo_kernels train --resume runs/ppo --steps 150 --out runs/ppo   # continue a run"""
+  python -m ppo_kernels train --resume runs/ppo --steps 150 --out runs/ppo   # continue a run
+  python -m ppo_kernels train --algo distill --teacher runs/ppo --sft-cache runs/ppo/sft_cache --out runs/distill"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ppo_kernels train",
-        description="The thin PPO / GRPO / DPO / reward-model trainer on transformers models, "
+        description="The thin PPO / GRPO / DPO / reward-model / distillation trainer on transformers models, "
         "every per-token computation through ppo_kernels ops (--ops eager: the "
         "eager code trainers run today, materialised logits included). Default: the "
         "embedded decimal-addition-with-calculator task on a tiny random-init Llama "

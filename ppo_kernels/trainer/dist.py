@@ -94,30 +94,33 @@ class Policy(nn.Module):
     """The Actor behind one forward. Called like the causal LM (keyword arguments, as generation
     does) it is the causal LM; called with `logprobs={...}` it returns
     `models.token_logprobs(ops, actor, input_ids, attention_mask, position_ids, **logprobs)`,
-    with `actor_loss={...}` `models.actor_loss(...)` (the fused PPO / GRPO actor loss)."""
+    and likewise with `actor_loss={...}` `models.actor_loss(...)` (the fused PPO / GRPO actor
+    loss), `preference_loss={...}` `models.preference_loss(...)` (the fused DPO loss),
+    `distill_loss={...}` `models.distill_loss(...)` and `action_hidden={...}`
+    `models.action_hidden(...)` (no ops). A loss is computed inside the wrapper's forward, where
+    FSDP2 has the LM head gathered and DDP sees the forward."""
+
+    _MODES = ("logprobs", "actor_loss", "preference_loss", "distill_loss", "action_hidden")
 
     def __init__(self, actor: nn.Module, ops):
         super().__init__()
         self.actor, self.ops = actor, ops
 
-    def forward(
-        self, input_ids, attention_mask, position_ids, logprobs=None, actor_loss=None, **kw
-    ):
-        if actor_loss is not None:  # inside the wrapper's forward: FSDP2 has the head gathered
-            from .models import actor_loss as loss_fn
-
-            return loss_fn(
-                self.ops, self.actor, input_ids, attention_mask, position_ids, **actor_loss
-            )
-        if logprobs is None:
+    def forward(self, input_ids, attention_mask, position_ids, **kw):
+        modes = [m for m in self._MODES if kw.get(m) is not None]
+        if not modes:
+            kw = {k: v for k, v in kw.items() if k not in self._MODES}
             return self.actor(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw
             )
-        from .models import token_logprobs
+        from . import models
 
-        return token_logprobs(
-            self.ops, self.actor, input_ids, attention_mask, position_ids, **logprobs
-        )
+        (mode,) = modes
+        inputs = (self.actor, input_ids, attention_mask, position_ids)
+        if mode == "action_hidden":
+            return models.action_hidden(*inputs, **kw[mode])
+        fn = models.token_logprobs if mode == "logprobs" else getattr(models, mode)
+        return fn(self.ops, *inputs, **kw[mode])
 
 
 def wrap(model: nn.Module, mode: str, group):

@@ -2,7 +2,7 @@
 DIR/summary.json and DIR/curves.png (and for PPO / GRPO the checkpoint) and returns the summary.
 
 `run(cfg)` is: `_Run` (seeds, output files, resume state) -> the SFT-warmed Actor -> one of
-`_train_rl` / `_train_dpo` / `_train_rm` (each steps through `_Run.step`, which times every step
+`_train_rl` / `_train_dpo` / `_train_rm` / `_train_distill` (each steps through `_Run.step`, which times every step
 and measures the tensor peak of one) -> `_Run.finish` (summary, CSV, plot).
 """
 
@@ -82,7 +82,7 @@ def prepare_actor(cfg: TrainConfig, task, ops: Ops, log, main=True, before_sft=N
 def _check_data_parallel(cfg: TrainConfig, w: int):
     """The global batch sizes split into equal shares (each rank's rows of a PPO minibatch may
     differ: the losses are weighted by tokens); every rank gets held-out rows to evaluate."""
-    if cfg.algo in ("ppo", "grpo") and cfg.prompts_per_step % w:
+    if cfg.algo in ("ppo", "grpo", "distill") and cfg.prompts_per_step % w:
         raise ConfigError(
             f"--prompts-per-step {cfg.prompts_per_step} must divide by the {w} data-parallel "
             "processes"
@@ -410,7 +410,38 @@ def _train_rm(r: _Run, actor, tok, eval_problems, eval_seed):
     )
 
 
-_TRAIN = {"ppo": _train_rl, "grpo": _train_rl, "dpo": _train_dpo, "rm": _train_rm}
+def _train_distill(r: _Run, actor, tok, eval_problems, eval_seed):
+    from .algos.distill import DistillTrainer
+
+    cfg = r.cfg
+    teacher, teacher_vocab = checkpoint.load_teacher(cfg.teacher, cfg.device)
+    if teacher_vocab != len(tok):
+        raise ConfigError(
+            f"--teacher: its tokenizer has {teacher_vocab} tokens, the student's {len(tok)} "
+            "(distillation compares next-token distributions over one vocabulary)"
+        )
+    trainer = DistillTrainer(cfg, actor, teacher, tok, r.task, r.ops, r.group)
+    r.evaluate(teacher, tok, eval_problems, eval_seed, "teacher")
+    r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "before")
+    problems = _train_problems(cfg, r.task, {(p.a, p.b) for p in eval_problems})
+    for step in range(cfg.steps):
+        with r.step(step):
+            m = trainer.step(problems(step))
+        r.record(step, {**m, "seconds": r.last_seconds}, "distill")
+        r.log(
+            f"step {step:4d}  reverse KL {m['distill_kl']:.4f}  score {m['score']:.3f}  "
+            f"{r.last_seconds:.2f}s"
+        )
+    r.evaluate(trainer.policy, tok, eval_problems, eval_seed, "after")
+
+
+_TRAIN = {
+    "ppo": _train_rl,
+    "grpo": _train_rl,
+    "dpo": _train_dpo,
+    "rm": _train_rm,
+    "distill": _train_distill,
+}
 
 
 def run(cfg: TrainConfig, log=print, before_sft=None) -> dict:

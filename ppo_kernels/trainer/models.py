@@ -187,6 +187,99 @@ def actor_loss(ops, actor, input_ids, attention_mask, position_ids, *, temperatu
     )
 
 
+def pack_rows(x, keep, fill=0):
+    """x [B, L, ...] -> [B, T, ...]: each row's entries where `keep` [B, L] is set, moved to the
+    left in their order, `fill` after them (T = the most any row keeps). A completion's action
+    tokens as a row of their own: the preference loss takes rows of T tokens, and the prompt and
+    tool-output positions would only cost logits tiles."""
+    n = keep.sum(1)
+    T = max(int(n.max()), 1) if len(n) else 1
+    slots = torch.arange(T, device=keep.device) < n[:, None]
+    out = x.new_full((x.shape[0], T, *x.shape[2:]), fill)
+    out[slots] = x[keep]
+    return out
+
+
+def action_hidden(actor, input_ids, attention_mask, position_ids, *, only):
+    """The last hidden states that predict each row's action tokens (`only` [B, L-1] non-zero),
+    packed (`pack_rows`): [B, T, H]."""
+    h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+    return pack_rows(h, only > 0)
+
+
+def head_from_hidden(model, what: str):
+    """(weight, bias) of a model whose loss is taken from its hidden states and LM head, as a
+    ConfigError when its logits are soft-capped or scaled after the head."""
+    t = hf.logit_transform(model)
+    if t is not None:
+        raise ConfigError(
+            f"--model: {what} is computed from the hidden states and the LM head, but the model "
+            f"transforms its logits after the head (config.{t[0]}={t[1]})"
+        )
+    return lm_head(model)
+
+
+def preference_loss(
+    ops, actor, input_ids, attention_mask, position_ids, *, only, beta, nll, ref_hidden=None,
+    ref_head=None, ref_logps=None,
+):  # fmt: skip
+    """The DPO step's loss from the Actor's last hidden states and LM head (rows: the chosen
+    completions, then the rejected ones; `only` [2P, L-1]: their action tokens) in one
+    `linear_preference_loss` pass, the Reference as its packed hidden states `ref_hidden` with
+    `ref_head` (weight, bias), or as sequence log-prob sums `ref_logps`. With `nll`, the RPO
+    term: the chosen rows' per-token NLL as `algos/dpo.py` defines it (each row's log-prob sum
+    over its token count, then the pair mean) from one `linear_token_logprobs` pass over the
+    chosen rows' tokens -- the op's own `sft` type is the batch's token mean, another
+    normalisation. Returns (DPO loss, op stats, NLL or None); the NLL carries its gradient."""
+    keep = only > 0
+    h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+    labels = input_ids[:, 1:]
+    weight, bias = head_from_hidden(actor, "the fused DPO loss")
+    rw, rb = ref_head if ref_head is not None else (None, None)
+    loss, st = ops.preference_loss_from_hidden(
+        pack_rows(h, keep),
+        weight,
+        bias,
+        pack_rows(labels, keep, fill=-100),
+        beta=beta,
+        ref_hidden=ref_hidden,
+        ref_weight=rw,
+        ref_bias=rb,
+        ref_logps=ref_logps,
+    )
+    if not nll:
+        return loss, st, None
+    P = input_ids.shape[0] // 2
+    kc = keep[:P]
+    lp = ops.logprobs_from_hidden(
+        h[:P][kc], weight, bias, labels[:P][kc], temperature=1.0, return_entropy=False
+    )
+    rows = torch.arange(P, device=kc.device)[:, None].expand_as(kc)[kc]
+    sums = lp.new_zeros(P).index_add(0, rows, lp)
+    return loss, st, -(sums / kc.sum(1).clamp(min=1)).mean()
+
+
+def distill_loss(
+    ops, actor, input_ids, attention_mask, position_ids, *, only, teacher_hidden, teacher_head,
+    temperature,
+):  # fmt: skip
+    """On-policy distillation's loss from the student's last hidden states and LM head: the
+    token mean over the action tokens (`only` [B, L-1]: non-zero there, packed) of the
+    full-vocabulary reverse KL to the teacher, given as its hidden states at those tokens
+    (`teacher_hidden` [N, H_t]) and its head (weight, bias)."""
+    keep = only > 0
+    h = hidden_states(hf.backbone(actor), input_ids, attention_mask, position_ids)[:, :-1]
+    weight, bias = head_from_hidden(actor, "the distillation loss")
+    tw, tb = teacher_head
+    if bias is not None or tb is not None:
+        raise ConfigError(
+            "--model / --teacher: the distillation loss takes LM heads without a bias"
+        )
+    return ops.distill_loss_from_hidden(
+        h[keep], weight, input_ids[:, 1:][keep], teacher_hidden, tw, temperature=temperature
+    )
+
+
 class ValueModel(nn.Module):
     """A transformers backbone with a scalar head: the Critic (a value per prefix) and the reward
     model (the value at the last token). Causal attention restricts each value to its prefix."""
@@ -203,8 +296,15 @@ class ValueModel(nn.Module):
         p = next(model.parameters())
         return cls(copy.deepcopy(hf.backbone(model)), model.config.hidden_size).to(p.device)
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, pairwise_ops=None):
+        """Each prefix's value [B, L]; with `pairwise_ops` (an Ops; rows: the chosen
+        completions, then the rejected ones) the reward model's pairwise loss straight from the
+        head (`Ops.reward_model_head_loss`): (loss, chosen scores, rejected scores)."""
         h = hidden_states(self.body, input_ids, attention_mask, position_ids)
+        if pairwise_ops is not None:  # inside the forward: FSDP2 has the head gathered
+            last = h[torch.arange(h.shape[0], device=h.device), last_index(attention_mask)]
+            hc, hr = last.chunk(2)
+            return pairwise_ops.reward_model_head_loss(hc, hr, self.head.weight, self.head.bias)
         # the head as a per-row dot product, not nn.Linear: a matmul with one output column runs
         # as a GEMV whose result for a row depends on the number of rows (MKL), so a value would
         # change with the micro-batch it was computed in (--batch-invariant)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 import ppo_kernels as pk
+from ppo_kernels.distill import naive as distill_ref
 from ppo_kernels.gae import naive as gae_ref
 from ppo_kernels.group_advantages import naive as group_ref
 from ppo_kernels.kl import naive as kl_ref
@@ -68,6 +69,11 @@ class Ops:
             return False
         self.used.add(name)
         return True
+
+    def runs_fused(self, name: str) -> bool:
+        """Whether the fused path named `name` runs (recorded as `_fused` does): for a caller
+        that picks between two compositions before computing anything."""
+        return self._fused(name)
 
     def _op(self, name: str, *args, **kwargs):
         """The public op `name`: default backends when fused, its eager implementation otherwise."""
@@ -161,6 +167,58 @@ class Ops:
             temperature=temperature,
         )
 
+    def preference_loss_from_hidden(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        *,
+        beta: float,
+        ref_hidden: Tensor | None = None,
+        ref_weight: Tensor | None = None,
+        ref_bias: Tensor | None = None,
+        ref_logps: Tensor | None = None,
+    ):
+        """The DPO (sigmoid) loss of pairs of completions `[2P, T]` (chosen rows first; labels
+        -100 off the completion) from the hidden states and the LM head in one
+        `linear_preference_loss` pass; the Reference as its head (`ref_hidden`, `ref_weight`:
+        its tile beside the policy's, no gradient) or as sequence log-prob sums `ref_logps`.
+        Fused only: the caller decides with `runs_fused("linear_preference_loss")`."""
+        return pk.linear_preference_loss(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ref_hidden=ref_hidden,
+            ref_weight=ref_weight,
+            ref_bias=ref_bias,
+            ref_logps=ref_logps,
+            loss_type="sigmoid",
+            beta=beta,
+        )
+
+    def distill_loss_from_hidden(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        *,
+        temperature: float,
+    ) -> Tensor:
+        """The token mean over `labels` (the sampled tokens; -100: not in the loss) of the
+        full-vocabulary reverse KL(student || teacher) at `temperature`; the teacher gets no
+        gradient. Fused: one `linear_distill_loss` pass with the teacher's tile beside the
+        student's; eager: both logits materialised (`distill/naive.eager_linear_distill_loss`,
+        its beta 1 being the reverse KL, without the hard-label term)."""
+        args = (hidden, weight, labels, teacher_hidden, teacher_weight)
+        terms = dict(temperature=temperature, weight_soft_loss=1.0, weight_hard_loss=0.0)
+        if self._fused("linear_distill_loss"):
+            return pk.linear_distill_loss(*args, divergence="reverse_kl", **terms)[0]
+        return distill_ref.eager_linear_distill_loss(*args, beta=1.0, **terms)
+
     # -- advantages ---------------------------------------------------------------------------
     def masked_mean(self, x, mask):
         return self._op("masked_mean", x, mask)
@@ -242,6 +300,11 @@ class Ops:
             values, old_values, returns, mask.float(), clip
         )
         return loss, {"vf_clipfrac": clipfrac}
+
+    def reward_model_head_loss(self, chosen_hidden, rejected_hidden, weight, bias):
+        """(loss, chosen scores, rejected scores) straight from the scalar head; fused only
+        (eager keeps the scores' path: `reward_model_loss`)."""
+        return pk.reward_model_head_loss(chosen_hidden, rejected_hidden, weight, bias)
 
     def reward_model_loss(self, chosen, rejected):
         return self._op("reward_model_loss", chosen, rejected)

@@ -32,6 +32,7 @@ _CURVES = [
     ("reward_accuracy", "DPO reward accuracy"),
     ("rm_loss", "reward-model loss"),
     ("train_pair_accuracy", "RM train pair accuracy"),
+    ("distill_kl", "reverse KL to the teacher (per token)"),
 ]
 
 

@@ -17,14 +17,6 @@ from ppo_kernels.trainer.config import config_from_args
 from ppo_kernels.trainer.job import _check_data_parallel, run
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(tmp_path, name, algo, **kw):
     cfg = dict(
         algo=algo,

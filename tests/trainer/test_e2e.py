@@ -18,16 +18,6 @@ from ppo_kernels.trainer.job import run
 from ppo_kernels.trainer.models import ValueModel, frozen_copy, tiny_model
 from ppo_kernels.trainer.task import CharTokenizer, DecimalAdditionTask, Problem
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is faster, and the CI machine's cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TINY = [
     "--vocab",
     "64",

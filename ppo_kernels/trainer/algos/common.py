@@ -7,11 +7,39 @@ import random
 
 import torch
 
-from ..rollout import SeqBatch, assemble, segments_to_tokens
+from .. import dist
+from ..rollout import SeqBatch, assemble, generate, segments_to_tokens
 
 
 def prompt_tokens(tok, problems):
     return [tok.encode(p.prompt, add_special_tokens=True) for p in problems]
+
+
+def sample(cfg, policy, tok, task, problems, generator, rows, group=None) -> SeqBatch:
+    """The responses `policy` samples for `problems` at --temperature, at most
+    --max-new-tokens each (`rollout.generate`; rows=(offset, total) of this rank's rows)."""
+    return generate(
+        policy,
+        tok,
+        task,
+        prompt_tokens(tok, problems),
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=generator,
+        device=cfg.device,
+        rows=rows,
+        group=group,
+    )
+
+
+def sample_share(cfg, policy, tok, task, problems, generator, group=None):
+    """This rank's share of `problems`, each repeated --group-size times, and the responses
+    `policy` samples for them with the one-process run's random numbers: (batch, problems)."""
+    total = len(problems) * cfg.group_size
+    problems, lo = dist.share(problems, group)
+    problems = [p for p in problems for _ in range(cfg.group_size)]
+    rows = (lo * cfg.group_size, total)
+    return sample(cfg, policy, tok, task, problems, generator, rows, group), problems
 
 
 def adamw(params, lr, wd):

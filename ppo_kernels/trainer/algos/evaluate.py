@@ -6,8 +6,7 @@ import torch
 
 from .. import dist
 from ..config import TrainConfig
-from ..rollout import generate
-from .common import prompt_tokens
+from .common import sample
 
 
 @torch.no_grad()
@@ -21,18 +20,7 @@ def evaluate(cfg: TrainConfig, actor, tok, task, problems, seed: int, chunk=100,
     for lo, hi in dist.chunks(len(problems), chunk, group):
         a, z = dist.span(lo, hi, group)
         ps = problems[a:z]
-        b = generate(
-            actor,
-            tok,
-            task,
-            prompt_tokens(tok, ps),
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            generator=g,
-            device=cfg.device,
-            rows=(a - lo, hi - lo),
-            group=group,
-        )
+        b = sample(cfg, actor, tok, task, ps, g, (a - lo, hi - lo), group)
         total += sum(task.verify(p, r) for p, r in zip(ps, b.responses))
         tool += sum(("{" in r) for r in b.responses)
         n += len(ps)

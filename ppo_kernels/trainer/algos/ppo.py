@@ -9,8 +9,8 @@ from .. import dist
 from ..config import TrainConfig
 from ..models import last_index, score
 from ..ops import Ops
-from ..rollout import SeqBatch, generate
-from .common import adamw, prompt_tokens
+from ..rollout import SeqBatch
+from .common import adamw, sample_share
 
 # Sequences per forward / backward pass of the update under --batch-invariant, whatever
 # --micro-batch says: the passes, hence the order in which the gradient is summed, are the mode's.
@@ -111,20 +111,8 @@ class RLTrainer:
     # -- pieces (also used directly by the tests) ---------------------------------------------
     def rollout(self, problems) -> tuple[SeqBatch, torch.Tensor]:
         cfg = self.cfg
-        total = len(problems) * cfg.group_size
-        problems, lo = dist.share(problems, self.group)
-        problems = [p for p in problems for _ in range(cfg.group_size)]
-        b = generate(
-            self.policy,
-            self.tok,
-            self.task,
-            prompt_tokens(self.tok, problems),
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            generator=self.sample_gen,
-            device=cfg.device,
-            rows=(lo * cfg.group_size, total),
-            group=self.group,
+        b, problems = sample_share(
+            cfg, self.policy, self.tok, self.task, problems, self.sample_gen, self.group
         )
         if self.reward_model is not None:
             with torch.no_grad():

@@ -43,6 +43,9 @@ def train_reward_model(
     ev_problems, ev_pairs = preference_data(cfg, tok, task, cfg.eval_pairs, cfg.seed + 11)
     opt = adamw(rm.parameters(), cfg.pref_lr, cfg.weight_decay)  # before any forward (dist.wrap)
     acc_before = rm_accuracy(cfg, rm, tok, ev_problems, ev_pairs, group)
+    # fused: the pairwise loss straight from the scalar head at the last tokens' hidden states;
+    # eager: the scores, then the loss
+    head_loss = ops.runs_fused("reward_model_head_loss")
     nb = cfg.pairs // cfg.pref_batch
     for step in range(steps):
         rm.train()
@@ -50,8 +53,11 @@ def train_reward_model(
         lo, hi = dist.span(start, start + cfg.pref_batch, group)
         with around_step(step):
             b = pair_batch(cfg, tok, problems, pairs, lo, hi)
-            rc, rr = score(rm, *b.model_inputs()).chunk(2)
-            loss = ops.reward_model_loss(rc, rr)
+            if head_loss:
+                loss, rc, rr = rm(*b.model_inputs(), pairwise_ops=ops)
+            else:
+                rc, rr = score(rm, *b.model_inputs()).chunk(2)
+                loss = ops.reward_model_loss(rc, rr)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(rm.parameters(), cfg.max_grad_norm)
