@@ -91,8 +91,9 @@ def main():
         "uniform; temperature tensor uniform in [0.6, 1.4]; 'peaked rows': randn * 4 (top-p 0.9 "
         "keeps ~0.1%), against the plain pass on the same rows.",
         "Peak memory counts torch allocations; the CPU kernel's own scratch (per thread, reused "
-        "across rows: a 1024-token sample, 2048 buckets, the band) is not among them: tens of KB "
-        "typically, at most 16 B x V when a band holds the whole row (2.4 MB at V=152064).",
+        "across rows) is not among them: for top-p alone the row's masses, 4 B x V (0.6 MB at "
+        "V=152064), and 3 x 4096 bucket sums; otherwise a 1024-token sample and the band, tens of "
+        "KB typically, at most 16 B x V when a band holds the whole row (2.4 MB at V=152064).",
         "",
     ]
     with torch.no_grad(), pk.use_backend("cpp"):

@@ -15,6 +15,10 @@
 // The bounds are estimates, each checked exactly in step 4 (the k-th token and the mass crossing
 // must lie in the band); when one does not hold, step 3 runs again with the bounds that always
 // hold (theta_hi = +inf, theta_lo = the min-p bound or -inf). The result is exact either way.
+// Top-p without top-k or the top ids (the costly case: its cut may keep a large part of a flat row)
+// takes a histogram path instead, top_p_hist: the statistics pass keeps each token's mass, one more
+// pass buckets the masses by nd, and only the bucket where the mass crosses top-p's target is
+// collected and sorted (steps 2-4 are its fallback).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -41,6 +45,7 @@ struct SamplerRowArgs {
   bool with_sum_p2;
   bool with_is_argmax;
   int64_t stats_top_k;  // top ids wanted (0: none)
+  bool with_entropy = true;
 };
 
 struct SamplerRowOut {
@@ -166,14 +171,20 @@ class RankedBand {
 };
 
 // Per-thread buffers, reused across rows.
+constexpr int64_t kChunk = 1024;  // top_p_hist's candidates added to their buckets at a time
+
 struct SamplerWorkspace {
   std::vector<BandItem<float>> band;
   std::vector<BandItem<double>> band64;
   RankedBand<float> ranked;
   RankedBand<double> ranked64;
   std::vector<float> sample_nd, sample_e;
-  std::vector<int32_t> hcnt;
-  std::vector<float> hs, hu, he2;
+  std::vector<float> hs, hu, he2;            // top_p_hist's buckets: mass, mass * nd, mass^2
+  std::vector<float> mass;                   // top_p_hist's masses of the row (V floats: 4 B x V)
+  std::vector<float> mass_mb, mass_cb;       // its block maxima, exp(m_b - m) (V / kBlock floats)
+  alignas(32) int32_t chunk_b[kChunk + 16];  // its candidates' buckets and masses (+ a vector)
+  alignas(32) float chunk_e[kChunk + 16];
+  alignas(32) float chunk_nd[kChunk + 16];
   float buf[kBlock];
 };
 
@@ -231,12 +242,20 @@ inline SoftmaxStats block_stats_e2(const float* z, int64_t n, float m, float& e2
   return {m, s, u};
 }
 
+// keep (V floats, when given): left holding exp(z_j - m_b) for each block b, whose max m_b goes to
+// mb[b] (as row_logprob<true>'s), for top_p_hist.
 template <typename scalar_t>
-RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2) {
+RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2,
+                          float* keep = nullptr, float* mb = nullptr) {
   SoftmaxStats st = stats_empty();
   float e2 = 0.f;
-  for (int64_t j = 0; j < V; j += kBlock) {
+  for (int64_t j = 0, blk = 0; j < V; j += kBlock, ++blk) {
     const int64_t n = std::min(kBlock, V - j);
+    if (keep) {
+      mb[blk] = load_scaled(row + j, n, inv_t, keep + j);
+      st = stats_merge(st, block_stats_impl<true>(keep + j, n, mb[blk]));
+      continue;
+    }
     const float m = load_scaled(row + j, n, inv_t, buf);
     if (!with_e2) {
       st = stats_merge(st, block_stats(buf, n, m));
@@ -436,12 +455,6 @@ class RowSample {
       if (acc > budget) return i + 1 < n_ ? nd_[i + 1] : nd_[i];
     }
     return -INFINITY;
-  }
-  // The row's estimated number of tokens with lo <= nd <= hi.
-  double count_between(float lo, float hi) const {
-    int64_t c = 0;
-    for (int64_t i = 0; i < n_; ++i) c += nd_[i] >= lo && nd_[i] <= hi;
-    return static_cast<double>(c) * V_ / n_;
   }
   // Bounds on the nd of the k-th token (1-based) in rank order; lo is sure when `sure` asks it
   // and the sample has k tokens (k of them lie at or above it).
@@ -689,126 +702,192 @@ inline BandBounds band_bounds(RowSample& smp, const SamplerRowArgs& a, int64_t V
   return b;
 }
 
-// A wide band (top-p without top-k on a flat row, where the band holds a large part of the
-// vocabulary): per-bucket sums over nd instead of the tokens (one pass), then only the bucket where
-// top-p's boundary falls is collected and sorted (a second, mostly skipped, pass). Returns false
-// when a bound did not hold (the caller falls back to the bounds that always hold).
-constexpr int64_t kWideBand = 16384;  // tokens: above this the band is bucketed, not collected
-constexpr int64_t kWideBuckets = 2048;
+// Top-p without top-k or the top ids (min-p only under vLLM's rules), from a mass histogram:
+//   A. the statistics pass leaves exp(z - m_b) of each block b in ws.mass (V floats, the
+//      L2-resident scratch of this path) and m_b in ws.mass_mb;
+//   B. one pass over the row: every token with nd >= lo (a lower bound on top-p's cut: a sample's
+//      estimate, else a sure one) gets its mass relative to the row's max (exp(z - m_b) times
+//      exp(m_b - m): a product, not another exp) and adds it to its bucket, linear in nd over
+//      [lo, 0] (kHistBuckets; also mass * nd and mass^2 when the entropy / sum_p2 are asked);
+//      vectors with no such token are skipped;
+//   C. the bucket where the cumulative mass (in rank order, from the top) crosses tau holds the
+//      cut: the buckets above it give the kept set's sums, and one more pass (skipping every
+//      vector without one) collects that bucket's tokens, which are sorted and walked as the
+//      rules say (tie groups share a bucket: the bucket is monotone in x).
+// Returns false when the crossing does not lie above lo (an estimate that missed): the caller
+// tries the sure bound, then the band pass.
+constexpr int64_t kHistBuckets = 4096;
 
-template <typename scalar_t>
-bool top_p_wide(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
-                const BandBounds& bb, SamplerWorkspace& ws, WalkResult<float>& w) {
-  const bool scale = inv_t_scales(a.inv_t);
-  const float inv_t = a.inv_t;
-  const float hi_nd = std::min(bb.hi, 0.f), lo_nd = bb.lo;
-  if (!(lo_nd > -INFINITY) || !(hi_nd > lo_nd)) return false;
-  const int64_t NB = kWideBuckets;
-  const float bscale = static_cast<float>(NB - 1) / (hi_nd - lo_nd);
-  const float xa = x_threshold(bb.hi, true, inv_t, m);
-  const float xb = x_threshold(bb.lo, false, inv_t, m);
-  const float xf = bb.floor == INFINITY ? INFINITY : x_threshold(bb.floor, false, inv_t, m);
-  ws.hcnt.assign(NB, 0);
-  ws.hs.assign(NB, 0.f);
-  ws.hu.assign(NB, 0.f);
-  ws.he2.assign(NB, 0.f);
-  int32_t* hc = ws.hcnt.data();
-  float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
-  const Vec vt(inv_t), vm(m), vxa(xa), vxb(xb), vxf(xf), vany(std::min(xb, xf)), vinf(INFINITY),
-      vhi(hi_nd), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f);
-  Vec sa(0.f), ua(0.f), e2a(0.f), xma(INFINITY), sm(0.f);
-  int64_t na = 0, nm = 0;
-  alignas(32) float nds[Vec::size()], es[Vec::size()], bs[Vec::size()];
-  const auto bucket_of = [&](float nd) {
-    const float f = std::min((hi_nd - nd) * bscale, static_cast<float>(NB - 1));
-    return f > 0.f ? static_cast<int64_t>(f) : int64_t(0);
-  };
-  const auto vec8 = [&](Vec x, int64_t) {
-    if (mask_bits(x >= vany) == 0) return;
-    const Vec up = x >= vxa;
-    const Vec in = (x >= vxb) & (x < vxa);
-    const Vec lowish = (x >= vxf) & (x < vxb);
-    const int ma = mask_bits(up), mb = mask_bits(in), mm = mask_bits(lowish);
-    const Vec nd = nd_of(x, vt, vm, scale);
-    const Vec e = nd.exp_u20();
-    if (ma) {
-      sa = sa + (e & up);
-      ua = ua + ((e * nd) & up);
-      e2a = e2a + ((e * e) & up);
-      xma = at::vec::minimum(xma, Vec::blendv(vinf, x, up));
-      na += __builtin_popcount(ma);
+// The lanes of `mask` of (bucket as a float, mass, nd) stored at the front of bo / eo / ndo
+// (Vec::size() slots each); returns how many.
+struct CompressLut {
+  alignas(32) int32_t idx[256][8];
+  CompressLut() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int i = 0; i < 8; ++i)
+        if (m >> i & 1) idx[m][k++] = i;
+      for (; k < 8; ++k) idx[m][k] = 0;
     }
-    if (mm) {
-      sm = sm + (e & lowish);
-      nm += __builtin_popcount(mm);
-    }
-    if (mb) {
-      const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
-      f.store(bs);
-      nd.store(nds);
-      e.store(es);
-      for (int bits = mb; bits; bits &= bits - 1) {
-        const int i = __builtin_ctz(bits);
-        const int64_t b = static_cast<int64_t>(bs[i]);
-        ++hc[b];
-        hs[b] += es[i];
-        hu[b] += es[i] > 0.f ? es[i] * nds[i] : 0.f;
-        he2[b] += es[i] * es[i];
-      }
-    }
-  };
-  MassSums<float> above, mid;
+  }
+};
+inline const CompressLut& compress_lut() {
+  static const CompressLut lut;
+  return lut;
+}
+inline int compress_store(Vec b, Vec e, Vec nd, int mask, int32_t* bo, float* eo, float* ndo) {
+#if defined(CPU_CAPABILITY_AVX2)
+  static const CompressLut& lut = compress_lut();
+  const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.idx[mask]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bo),
+                      _mm256_permutevar8x32_epi32(_mm256_cvttps_epi32(__m256(b)), perm));
+  _mm256_storeu_ps(eo, _mm256_permutevar8x32_ps(__m256(e), perm));
+  _mm256_storeu_ps(ndo, _mm256_permutevar8x32_ps(__m256(nd), perm));
+  return __builtin_popcount(mask);
+#else
+  alignas(64) float bl[Vec::size()], el[Vec::size()], nl[Vec::size()];
+  b.store(bl);
+  e.store(el);
+  nd.store(nl);
+  int k = 0;
+  for (int bits = mask; bits; bits &= bits - 1) {
+    const int i = __builtin_ctz(bits);
+    bo[k] = static_cast<int32_t>(bl[i]);
+    ndo[k] = nl[i];
+    eo[k++] = el[i];
+  }
+  return k;
+#endif
+}
+
+// f(x, j) on each float32 vector of the row (from its dtype); returns where the scalar tail starts.
+template <typename scalar_t, typename F>
+inline int64_t for_each_vec(const scalar_t* row, int64_t V, F&& f) {
   int64_t j = 0;
   if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
     using bVec = at::vec::Vectorized<scalar_t>;
     for (; j + bVec::size() <= V; j += bVec::size()) {
       auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
-      vec8(p0, j);
-      vec8(p1, j + Vec::size());
+      f(p0, j);
+      f(p1, j + Vec::size());
     }
   } else if constexpr (std::is_same_v<scalar_t, float>) {
-    for (; j + Vec::size() <= V; j += Vec::size()) vec8(Vec::loadu(row + j), j);
+    for (; j + Vec::size() <= V; j += Vec::size()) f(Vec::loadu(row + j), j);
   }
-  const auto sum = [](Vec v) {
-    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
+  return j;
+}
+
+// The highest nd (at least lo) below which a sample of the row (1024 evenly spaced tokens) puts
+// less than `budget` of mass (relative to the max token; the sampled masses times V / n), on a grid
+// of 256 steps over [lo, 0]: an estimate, which top_p_hist checks.
+template <typename scalar_t>
+float sampled_mass_bound(const scalar_t* row, int64_t V, float inv_t, float m, float lo,
+                         float budget) {
+  constexpr int64_t kSteps = 256, kSample = 1024;
+  if (!(lo > -INFINITY) || !(lo < 0.f)) return lo;
+  const bool scale = inv_t_scales(inv_t);
+  const int64_t n = std::min(V, kSample);
+  const float w = -lo / kSteps, wt = static_cast<float>(V) / static_cast<float>(n);
+  float h[kSteps + 1] = {};  // h[kSteps]: below lo
+  for (int64_t i = 0; i < n; ++i) {
+    const float nd = nd_of(static_cast<float>(row[n == V ? i : (i * V) / n]), inv_t, m, scale);
+    const float f = -nd / w;
+    h[f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps] += std::exp(nd) * wt;
+  }
+  float acc = h[kSteps];
+  for (int64_t b = kSteps - 1; b >= 0; --b) {
+    acc += h[b];
+    if (acc > budget) return std::max(lo, -static_cast<float>(b + 1) * w);
+  }
+  return 0.f;
+}
+
+template <typename scalar_t>
+bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
+                float lo, SamplerWorkspace& ws, WalkResult<float>& w) {
+  const bool scale = inv_t_scales(a.inv_t);
+  const float inv_t = a.inv_t;
+  const bool minp_ref = !a.sglang && min_p_on(a.min_p);  // tau from what min-p keeps
+  const float minp = min_p_bound(a.min_p);
+  if (!(lo > -INFINITY) || (minp_ref && lo < minp)) return false;
+  const int64_t NB = kHistBuckets;
+  // bucket = trunc(clamp(-nd * bscale, 0, NB - 1)): non-increasing in nd, hence in x
+  const float bscale = lo < 0.f ? static_cast<float>(NB - 1) / -lo : 0.f;
+  const auto bucket_of = [&](float nd) {
+    return static_cast<int64_t>(
+        std::max(std::min((0.f - nd) * bscale, static_cast<float>(NB - 1)), 0.f));
   };
-  above.s = sum(sa);
-  above.u = sum(ua);
-  above.e2 = sum(e2a);
-  above.xmin =
-      at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return at::vec::minimum(p, q); }, xma);
-  above.n = na;
-  mid.s = sum(sm);
-  mid.n = nm;
-  // the scalar tail: the bucket from the same float expression as the vector lanes'
-  for (; j < V; ++j) {
+  const Vec vt(inv_t), vm(m), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f);
+  // (a candidate's value is never NaN: plain min / max, which the scalar std::min / max match)
+  const auto vbucket = [&](Vec nd) {
+#if defined(CPU_CAPABILITY_AVX2)
+    return Vec(_mm256_max_ps(_mm256_min_ps((vzero - nd) * vbs, vtop), vzero));
+#else
+    return at::vec::maximum(at::vec::minimum((vzero - nd) * vbs, vtop), vzero);
+#endif
+  };
+  const float xlo = x_threshold(lo, false, inv_t, m);  // candidates: x >= xlo
+  const float xf = minp_ref ? x_threshold(minp, false, inv_t, m) : INFINITY;
+  const float xany = std::min(xlo, xf);
+  const float* E = ws.mass.data();
+  // exp(m_b - m) per block
+  const int64_t nblk = (V + kBlock - 1) / kBlock;
+  ws.mass_cb.resize(nblk);
+  float* cb = ws.mass_cb.data();
+  for (int64_t b = 0; b < nblk; ++b) cb[b] = std::exp(ws.mass_mb[b] - m);
+  // the entropy's and sum_p2's sums per bucket too, when asked
+  const bool need_u = a.with_entropy, need_e2 = a.with_sum_p2;
+  ws.hs.assign(NB, 0.f);
+  ws.hu.assign(need_u ? NB : 0, 0.f);
+  ws.he2.assign(need_e2 ? NB : 0, 0.f);
+  float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
+  const Vec vxlo(xlo), vxf(xf);
+  Vec sref(0.f);  // the mass min-p keeps (minp_ref)
+  // the candidates' (bucket, mass, nd), compacted vector by vector without a branch on how many
+  // of its lanes are candidates (data-dependent: a mispredicted branch costs more than the
+  // vector's work), then added to their buckets chunk by chunk
+  int32_t* cbk = ws.chunk_b;
+  float *cev = ws.chunk_e, *cnd = ws.chunk_nd;
+  int64_t nc = 0;
+  const auto flush = [&] {
+    for (int64_t i = 0; i < nc; ++i) hs[cbk[i]] += cev[i];
+    if (need_u)
+      for (int64_t i = 0; i < nc; ++i) hu[cbk[i]] += cev[i] * cnd[i];
+    if (need_e2)
+      for (int64_t i = 0; i < nc; ++i) he2[cbk[i]] += cev[i] * cev[i];
+    nc = 0;
+  };
+  const Vec vany(xany);
+  const int64_t jv = for_each_vec(row, V, [&](Vec x, int64_t j0) {
+    if (mask_bits(x >= vany) == 0) return;
+    const Vec nd = nd_of(x, vt, vm, scale);
+    const Vec e = Vec::loadu(E + j0) * Vec(cb[j0 / kBlock]);
+    if (minp_ref) sref = sref + (e & (x >= vxf));
+    nc += compress_store(vbucket(nd), e, nd, mask_bits(x >= vxlo), cbk + nc, cev + nc, cnd + nc);
+    if (nc >= kChunk) flush();
+  });
+  flush();
+  float ref = minp_ref ? at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, sref)
+                       : full_mass;
+  for (int64_t j = jv; j < V; ++j) {
     const float x = static_cast<float>(row[j]);
-    if (!(x >= std::min(xb, xf))) continue;
+    if (!(x >= xany)) continue;
     const float nd = nd_of(x, inv_t, m, scale);
-    const float e = std::exp(nd);
-    if (x >= xa) {
-      above.add(e, nd, x);
-    } else if (x >= xb) {
+    const float e = E[j] * cb[j / kBlock];
+    if (minp_ref && x >= xf) ref += e;
+    if (x >= xlo) {
       const int64_t b = bucket_of(nd);
-      ++hc[b];
       hs[b] += e;
-      hu[b] += e > 0.f ? e * nd : 0.f;
-      he2[b] += e * e;
-    } else {
-      mid.s += e;
-      ++mid.n;
+      if (need_u) hu[b] += e * nd;
+      if (need_e2) he2[b] += e * e;
     }
   }
-  // top-p's target and the bucket its boundary falls in
-  float ref = full_mass;
-  if (!a.sglang && min_p_on(a.min_p)) {  // renormalised on what min-p keeps
-    if (bb.floor == INFINITY) return false;
-    ref = above.s + mid.s;
-    for (int64_t b = 0; b < NB; ++b) ref += hs[b];
-  }
+  // the bucket where top-p's boundary falls: vLLM keeps a token while the mass strictly above its
+  // value is below tau (the bucket where the mass reaches tau); SGLang while the mass before it
+  // is at most tau (the bucket where it exceeds tau)
   const float tau = a.top_p * ref;
-  if (!top_p_keeps(a.sglang, above.s, tau)) return false;  // the boundary lies above the band
-  float acc = above.s;
+  if (!(tau > 0.f)) return false;
+  float acc = 0.f;
   int64_t bstar = -1;
   for (int64_t b = 0; b < NB; ++b) {
     if (a.sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
@@ -817,70 +896,87 @@ bool top_p_wide(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
     }
     acc += hs[b];
   }
-  if (bstar < 0) return false;  // the boundary lies below the band
-  // the tokens of that bucket
+  if (bstar < 0) return false;  // the boundary lies below lo
+  // C: bstar's tokens collected, those of the buckets above it summed from the buckets. bstar's
+  // logits are [xc, xa): the bucket is monotone in x, so each bound is a binary search over the
+  // floats' keys (as x_threshold's) on the same expression
+  const auto smallest_with_bucket_at_most = [&](int64_t bmax) {
+    const auto pass = [&](float x) {
+      return x >= xlo && bucket_of(nd_of(x, inv_t, m, scale)) <= bmax;
+    };
+    if (bmax < 0) return INFINITY;
+    const auto key_of = [](float x) {
+      int32_t b;
+      std::memcpy(&b, &x, 4);
+      return b ^ ((b >> 31) & 0x7FFFFFFF);
+    };
+    const auto value_of = [](int64_t k) {
+      const int32_t k32 = static_cast<int32_t>(k);
+      const int32_t b = k32 ^ ((k32 >> 31) & 0x7FFFFFFF);
+      float x;
+      std::memcpy(&x, &b, 4);
+      return x;
+    };
+    if (pass(xlo)) return xlo;
+    int64_t klo = key_of(xlo), khi = key_of(INFINITY);  // pass(khi), !pass(klo)
+    while (khi - klo > 1) {
+      const int64_t mid = klo + (khi - klo) / 2;
+      if (pass(value_of(mid))) {
+        khi = mid;
+      } else {
+        klo = mid;
+      }
+    }
+    return value_of(khi);
+  };
+  const float xc = smallest_with_bucket_at_most(bstar);
+  const float xa = smallest_with_bucket_at_most(bstar - 1);
   std::vector<BandItem<float>>& items = ws.band;
   items.clear();
-  const auto collect = [&](Vec x, int64_t j0) {
-    const int mb = mask_bits((x >= vxb) & (x < vxa));
+  const Vec vxc(xc), vxa(xa);
+  alignas(32) float xs[Vec::size()], nds[Vec::size()];
+  for_each_vec(row, V, [&](Vec x, int64_t j0) {
+    const int mb = mask_bits((x >= vxc) & (x < vxa));
     if (mb == 0) return;
     const Vec nd = nd_of(x, vt, vm, scale);
-    const Vec f = at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
-    alignas(32) float xs[Vec::size()];
-    f.store(bs);
-    nd.store(nds);
     x.store(xs);
+    nd.store(nds);
     for (int bits = mb; bits; bits &= bits - 1) {
       const int i = __builtin_ctz(bits);
-      if (static_cast<int64_t>(bs[i]) == bstar)
-        items.push_back({xs[i], nds[i], 0.f, static_cast<int32_t>(j0 + i)});
+      const int64_t j = j0 + i;
+      items.push_back({xs[i], nds[i], E[j] * cb[j / kBlock], static_cast<int32_t>(j)});
     }
-  };
-  j = 0;
-  if constexpr (c10::is_reduced_floating_point_v<scalar_t>) {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    for (; j + bVec::size() <= V; j += bVec::size()) {
-      auto [p0, p1] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + j));
-      collect(p0, j);
-      collect(p1, j + Vec::size());
-    }
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-    for (; j + Vec::size() <= V; j += Vec::size()) collect(Vec::loadu(row + j), j);
-  }
-  const int64_t jv = j;
-  for (; j < V; ++j) {
+  });
+  for (int64_t j = jv; j < V; ++j) {
     const float x = static_cast<float>(row[j]);
-    if (!(x >= xb && x < xa)) continue;
-    const float nd = nd_of(x, inv_t, m, scale);
-    if (bucket_of(nd) == bstar) items.push_back({x, nd, std::exp(nd), static_cast<int32_t>(j)});
+    if (x >= xc && x < xa)
+      items.push_back(
+          {x, nd_of(x, inv_t, m, scale), E[j] * cb[j / kBlock], static_cast<int32_t>(j)});
   }
-  // the masses as the first pass summed them (exp_u20 in the vector part, exp in the tail)
-  for (auto& it : items) {
-    if (it.j < jv) {
-      float ndv[Vec::size()];
-      std::fill(ndv, ndv + Vec::size(), it.nd);
-      Vec::loadu(ndv).exp_u20().store(ndv);
-      it.e = ndv[0];
-    }
+  MassSums<float> k;
+  k.s = acc;
+  for (int64_t b = 0; b < bstar; ++b) {
+    if (need_u) k.u += hu[b];
+    if (need_e2) k.e2 += he2[b];
   }
   std::sort(items.begin(), items.end(), rank_before<float>);
   // walk the bucket in rank order from the mass above it
+  const int64_t n = static_cast<int64_t>(items.size());
   int64_t last = -1;
   if (a.sglang) {
-    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       acc += items[i].e;
       if (acc > tau) {
         last = i;
         break;
       }
     }
-    if (last < 0) last = static_cast<int64_t>(items.size()) - 1;
+    if (last < 0) last = n - 1;
   } else {
-    for (int64_t i = 0; i < static_cast<int64_t>(items.size());) {
+    for (int64_t i = 0; i < n;) {
       if (!top_p_keeps(false, acc, tau)) break;
       int64_t e = i;
-      while (e < static_cast<int64_t>(items.size()) && items[e].x == items[i].x)
-        acc += items[e++].e;
+      while (e < n && items[e].x == items[i].x) acc += items[e++].e;
       last = e - 1;
       i = e;
     }
@@ -888,15 +984,7 @@ bool top_p_wide(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
   if (last < 0) return false;
   w.cut = items[last].x;
   w.cut_index = V - 1;
-  if (a.sglang && last + 1 < static_cast<int64_t>(items.size()) && items[last + 1].x == w.cut)
-    w.cut_index = items[last].j;
-  MassSums<float> k = above;
-  for (int64_t b = 0; b < bstar; ++b) {
-    k.n += hc[b];
-    k.s += hs[b];
-    k.u += hu[b];
-    k.e2 += he2[b];
-  }
+  if (a.sglang && last + 1 < n && items[last + 1].x == w.cut) w.cut_index = items[last].j;
   for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
   w.kept = k;
   return true;
@@ -937,7 +1025,17 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   o.cut_index = V - 1;
   o.outside = false;
   o.sum_p2 = 0.f;
-  const RowStatsExt rs = row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc);
+  // top-p without top-k or the top ids (and min-p only under vLLM's rules): top_p_hist, the
+  // statistics pass keeping each token's exp(z - m_b)
+  const bool p_hist = trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0 &&
+                      !(a.sglang && min_p_on(a.min_p));
+  if (p_hist) {
+    ws.mass.resize(V);
+    ws.mass_mb.resize((V + kBlock - 1) / kBlock);
+  }
+  const RowStatsExt rs =
+      row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc,
+                    p_hist ? ws.mass.data() : nullptr, p_hist ? ws.mass_mb.data() : nullptr);
   const SoftmaxStats& st = rs.st;
   const float xl = static_cast<float>(row[label]);
   o.full_lse = stats_lse(st);
@@ -994,45 +1092,52 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     o.sum_p2 = rs.e2 / (st.s * st.s);
     return o;
   }
-  RowSample smp;
-  smp.take(row, V, inv_t, m, ws.sample_nd, ws.sample_e);
-  BandBounds bb;
-  if (trunc) {
-    bb = band_bounds(smp, a, V, st.s);
-  } else {
-    bb = {smp.kth(a.stats_top_k, true).lo, INFINITY, INFINITY};
-  }
   const float minp = min_p_bound(a.min_p);
   WalkResult<float> w;
   bool ok = false;
-  // the bounds tried in turn: the estimates; for top-p without top-k its sure lower bound; then
-  // the bounds that always hold
-  const bool p_only = trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0;
-  BandBounds tries[3];
-  int ntries = 0;
-  tries[ntries++] = bb;
-  if (p_only && bb.lo_sure < bb.lo) {
-    tries[ntries] = bb;
-    tries[ntries].lo = bb.lo_sure;
-    tries[ntries++].hi = INFINITY;
+  if (p_hist) {
+    // a sure lower bound on the cut: the tokens below it hold less than (1 - p) of the reference
+    // mass (what min-p keeps holds at least the top token's, 1)
+    const float ref = min_p_on(a.min_p) ? 1.f : st.s;
+    const float lo =
+        std::max(minp, std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V)));
+    // first a higher bound from a sample of the row (the bulk, below the cut, is what a uniform
+    // sample estimates well): fewer tokens to bucket, and most vectors skipped on peaked rows
+    const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
+    if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
+    if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
   }
-  tries[ntries++] = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
-  for (int i = 0; i < ntries && !ok; ++i) {
-    const BandBounds& b = tries[i];
-    if (p_only && i + 1 < ntries && smp.count_between(b.lo, b.hi) > kWideBand) {
-      ok = top_p_wide(row, V, a, m, st.s, b, ws, w);
-      continue;
+  // else (and where the histogram's bound did not hold): bounds from a sample of the row, tried in
+  // turn: the estimates; for top-p without top-k its sure lower bound; then the bounds that always
+  // hold
+  RowSample smp;
+  if (!ok) {
+    smp.take(row, V, inv_t, m, ws.sample_nd, ws.sample_e);
+    const BandBounds bb = trunc ? band_bounds(smp, a, V, st.s)
+                                : BandBounds{smp.kth(a.stats_top_k, true).lo, INFINITY, INFINITY};
+    const bool p_only = trunc && top_p_on(a.top_p) && !top_k_on(a.top_k, V) && a.stats_top_k == 0;
+    BandBounds tries[3];
+    int ntries = 0;
+    tries[ntries++] = bb;
+    if (p_only && bb.lo_sure < bb.lo) {
+      tries[ntries] = bb;
+      tries[ntries].lo = bb.lo_sure;
+      tries[ntries++].hi = INFINITY;
     }
-    MassSums<float> above, mid;
-    band_pass(row, V, inv_t, m, b.lo, b.hi, b.floor, above, mid, ws.band);
-    ws.ranked.build(ws.band);
-    if (a.stats_top_k > 0 && ws.ranked.size() < a.stats_top_k) continue;
-    if (!trunc) {
-      w.cut = -INFINITY;
-      w.cut_index = V - 1;
-      ok = true;
-    } else {
-      ok = walk_band<float>(ws.ranked, above, mid, b.floor < INFINITY, st.s, V, a, b.lo, w);
+    tries[ntries++] = {a.stats_top_k > 0 || !trunc ? -INFINITY : minp, INFINITY, INFINITY};
+    for (int i = 0; i < ntries && !ok; ++i) {
+      const BandBounds& b = tries[i];
+      MassSums<float> above, mid;
+      band_pass(row, V, inv_t, m, b.lo, b.hi, b.floor, above, mid, ws.band);
+      ws.ranked.build(ws.band);
+      if (a.stats_top_k > 0 && ws.ranked.size() < a.stats_top_k) continue;
+      if (!trunc) {
+        w.cut = -INFINITY;
+        w.cut_index = V - 1;
+        ok = true;
+      } else {
+        ok = walk_band<float>(ws.ranked, above, mid, b.floor < INFINITY, st.s, V, a, b.lo, w);
+      }
     }
   }
   TORCH_CHECK(ok, "token_logprobs_sampler: internal error (no band held the kept set)");

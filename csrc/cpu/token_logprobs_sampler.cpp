@@ -23,7 +23,7 @@ using SamplerOuts =
                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 SamplerRowArgs row_args(const SamplerParamPtrs& p, int64_t r, bool sglang, bool with_sum_p2,
-                        bool with_is_argmax, int64_t stats_top_k) {
+                        bool with_is_argmax, int64_t stats_top_k, bool with_entropy) {
   return {static_cast<float>(p.inv_t ? p.inv_t[r] : p.inv_t0),
           p.top_k ? p.top_k[r] : p.top_k0,
           static_cast<float>(p.top_p ? p.top_p[r] : p.top_p0),
@@ -31,7 +31,8 @@ SamplerRowArgs row_args(const SamplerParamPtrs& p, int64_t r, bool sglang, bool 
           sglang,
           with_sum_p2,
           with_is_argmax,
-          stats_top_k};
+          stats_top_k,
+          with_entropy};
 }
 
 SamplerOuts token_logprobs_sampler_fwd_cpu(const at::Tensor& logits_in, const at::Tensor& labels_in,
@@ -93,8 +94,8 @@ SamplerOuts token_logprobs_sampler_fwd_cpu(const at::Tensor& logits_in, const at
                 for (int64_t i = 0; i < stats_top_k; ++i) ids[i] = -1, tlp[i] = 0.f;
                 continue;
               }
-              const SamplerRowArgs a =
-                  row_args(params, r, sglang, with_sum_p2, with_is_argmax, stats_top_k);
+              const SamplerRowArgs a = row_args(params, r, sglang, with_sum_p2, with_is_argmax,
+                                                stats_top_k, with_entropy);
               const bool plain = !top_k_on(a.top_k, V) && !top_p_on(a.top_p) &&
                                  !min_p_on(a.min_p) && !with_sum_p2 && !with_lse &&
                                  !with_is_argmax && stats_top_k == 0;
