@@ -17,6 +17,7 @@
 #include "ops/checks.h"
 #include "ops/plain_node.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -192,15 +193,10 @@ Out3 forward(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
                                      with_entropy, max_chunk_bytes, logits_dtype, softcap);
 }
 
-// (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor where
-// not needed (float64 for float64 inputs).
-Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const Tensor& hidden,
-              const Tensor& weight, const Tensor& labels, const OptTensor& bias, const Tensor& lse,
-              const Tensor& entropy, double temperature, int64_t ignore_index,
-              int64_t max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias,
-              const std::string& logits_dtype, std::optional<double> softcap) {
-  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
-                logits_dtype, softcap);
+// The backward's upstream gradients and the forward's saved statistics (lse, entropy) [N].
+void check_saved_stats(const Tensor& grad_logprobs, const OptTensor& grad_entropy,
+                       const Tensor& hidden, const Tensor& labels, const Tensor& lse,
+                       const Tensor& entropy) {
   const auto rows = labels.sizes();
   const auto acc = out_dtype(hidden);
   expect_float(grad_logprobs, "grad_logprobs");
@@ -223,6 +219,18 @@ Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const 
     expect_device(entropy, "entropy", hidden, "hidden");
     expect_shape(entropy, "entropy", rows, "hidden.shape[:-1]");
   }
+}
+
+// (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor where
+// not needed (float64 for float64 inputs).
+Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const Tensor& hidden,
+              const Tensor& weight, const Tensor& labels, const OptTensor& bias, const Tensor& lse,
+              const Tensor& entropy, double temperature, int64_t ignore_index,
+              int64_t max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias,
+              const std::string& logits_dtype, std::optional<double> softcap) {
+  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                logits_dtype, softcap);
+  check_saved_stats(grad_logprobs, grad_entropy, hidden, labels, lse, entropy);
   const Backend b = backend_for(kKey, hidden);
   if (one_tile(hidden, weight, max_chunk_bytes, softcap, b))
     return one_tile_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse,
@@ -385,6 +393,150 @@ Out3 forward_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& 
   return {out[0], out[1], out[2]};
 }
 
+// ---- The sampler's distribution: ppo_kernels::linear_token_logprobs_sampler (+ backward) --------
+// token_logprobs_sampler of hidden @ weight.T + bias (temperature, min-p, top-k, top-p; the head's
+// statistics on request). Its own op, so the plain call's path stays as it was. Every backend runs
+// the Python chunk loop with whole-vocabulary tiles (a top-k / top-p selection needs the whole
+// row), each reduced by that backend's sampler kernels (ppo_kernels/linear_logprobs/op.py).
+using SamplerOuts = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor, Tensor, Tensor>;
+using SamplerFwdSig = SamplerOuts(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                  double, const OptTensor&, int64_t, const OptTensor&, double,
+                                  const OptTensor&, double, const OptTensor&, c10::string_view,
+                                  int64_t, bool, bool, bool, int64_t, bool, int64_t,
+                                  const std::string&, std::optional<double>);
+using SamplerBwdSig = Out3(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, double, const OptTensor&, int64_t, int64_t,
+                           bool, bool, bool, const std::string&, std::optional<double>);
+const OpRef kSamplerFwd("linear_token_logprobs_sampler"),
+    kSamplerBwd("linear_token_logprobs_sampler_backward");
+
+SamplerOuts sampler_forward(const Tensor& hidden, const Tensor& weight, const Tensor& labels,
+                            const OptTensor& bias, double temperature,
+                            const OptTensor& temperatures, int64_t top_k, const OptTensor& top_ks,
+                            double top_p, const OptTensor& top_ps, double min_p,
+                            const OptTensor& min_ps, c10::string_view sampler, int64_t ignore_index,
+                            bool with_entropy, bool with_sum_p2, bool with_lse, int64_t stats_top_k,
+                            bool with_is_argmax, int64_t max_chunk_bytes,
+                            const std::string& logits_dtype, std::optional<double> softcap) {
+  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                logits_dtype, softcap);
+  check_sampler_options(hidden, "hidden", weight.size(0), labels, temperatures, top_k, top_ks,
+                        top_p, top_ps, min_p, min_ps, sampler, stats_top_k);
+  return kSamplerFwd.python<SamplerFwdSig>(backend_for(kKey, hidden))
+      .call(hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps,
+            min_p, min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
+            with_is_argmax, max_chunk_bytes, logits_dtype, softcap);
+}
+
+Out3 sampler_backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy,
+                      const Tensor& hidden, const Tensor& weight, const Tensor& labels,
+                      const OptTensor& bias, const Tensor& lse, const Tensor& entropy,
+                      const Tensor& cut, const Tensor& cut_index, double temperature,
+                      const OptTensor& temperatures, int64_t ignore_index, int64_t max_chunk_bytes,
+                      bool need_hidden, bool need_weight, bool need_bias,
+                      const std::string& logits_dtype, std::optional<double> softcap) {
+  check_forward(hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes,
+                logits_dtype, softcap);
+  check_sampler_temperatures(temperatures, hidden, "hidden", labels);
+  check_saved_stats(grad_logprobs, grad_entropy, hidden, labels, lse, entropy);
+  const auto rows = labels.sizes();
+  TORCH_CHECK_VALUE(cut.defined(), "cut: expected a tensor");
+  expect_dtype(cut, "cut", out_dtype(hidden), "the forward's cut");
+  expect_device(cut, "cut", hidden, "hidden");
+  expect_shape(cut, "cut", rows, "hidden.shape[:-1]");
+  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
+  expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
+  expect_device(cut_index, "cut_index", hidden, "hidden");
+  expect_shape(cut_index, "cut_index", rows, "hidden.shape[:-1]");
+  return kSamplerBwd.python<SamplerBwdSig>(backend_for(kKey, hidden))
+      .call(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, cut, cut_index,
+            temperature, temperatures, ignore_index, max_chunk_bytes, need_hidden, need_weight,
+            need_bias, logits_dtype, softcap);
+}
+
+class LinearSamplerFn : public torch::autograd::Function<LinearSamplerFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
+                               const Tensor& labels, const OptTensor& bias, double temperature,
+                               const OptTensor& temperatures, int64_t top_k,
+                               const OptTensor& top_ks, double top_p, const OptTensor& top_ps,
+                               double min_p, const OptTensor& min_ps, c10::string_view sampler,
+                               int64_t ignore_index, bool with_entropy, bool with_sum_p2,
+                               bool with_lse, int64_t stats_top_k, bool with_is_argmax,
+                               int64_t max_chunk_bytes, const std::string& logits_dtype,
+                               std::optional<double> softcap) {
+    SamplerOuts o;
+    {
+      BelowAutograd guard;
+      o = kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(
+          hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps,
+          min_p, min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
+          with_is_argmax, max_chunk_bytes, logits_dtype, softcap);
+    }
+    auto& [lp, ent, lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax] = o;
+    ctx->save_for_backward({hidden, weight, labels, bias.value_or(Tensor()), lse, ent, cut,
+                            cut_index, temperatures.value_or(Tensor())});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["max_chunk_bytes"] = max_chunk_bytes;
+    ctx->saved_data["logits_dtype"] = logits_dtype;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["with_entropy"] = with_entropy;
+    ctx->mark_non_differentiable(
+        {lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax});
+    ctx->set_materialize_grads(false);
+    return {lp, ent, lse, cut, cut_index, outside, sum_p2, full_lse, top_ids, top_lp, is_argmax};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &hidden = saved[0], &weight = saved[1], &labels = saved[2], &bias = saved[3];
+    const Tensor &lse = saved[4], &entropy = saved[5], &cut = saved[6], &cut_index = saved[7];
+    const OptTensor temperatures = saved[8].defined() ? OptTensor(saved[8]) : std::nullopt;
+    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = bias.defined() && ctx->needs_input_grad(3);
+    variable_list out(22);  // one per argument of the op
+    if (!(need_h || need_w || need_b)) return out;
+    const Tensor& grad_lp = grads[0].defined() ? grads[0] : at::zeros_like(lse);
+    OptTensor grad_ent;
+    if (ctx->saved_data["with_entropy"].toBool() && grads[1].defined()) grad_ent = grads[1];
+    const auto softcap = ctx->saved_data["softcap"];
+    auto [gh, gW, gb] = kSamplerBwd.in<SamplerBwdSig>(Ns::kOps).call(
+        grad_lp, grad_ent, hidden, weight, labels, bias.defined() ? OptTensor(bias) : OptTensor(),
+        lse, entropy, cut, cut_index, ctx->saved_data["temperature"].toDouble(), temperatures,
+        ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["max_chunk_bytes"].toInt(), need_h,
+        need_w, need_b, ctx->saved_data["logits_dtype"].toStringRef(),
+        softcap.isNone() ? std::optional<double>() : softcap.toDouble());
+    if (need_h) out[0] = gh;
+    if (need_w) out[1] = gW.to(weight.scalar_type());  // accumulated in float32
+    if (need_b) out[3] = gb.to(bias.scalar_type());
+    return out;
+  }
+};
+
+SamplerOuts sampler_forward_autograd(
+    const Tensor& hidden, const Tensor& weight, const Tensor& labels, const OptTensor& bias,
+    double temperature, const OptTensor& temperatures, int64_t top_k, const OptTensor& top_ks,
+    double top_p, const OptTensor& top_ps, double min_p, const OptTensor& min_ps,
+    c10::string_view sampler, int64_t ignore_index, bool with_entropy, bool with_sum_p2,
+    bool with_lse, int64_t stats_top_k, bool with_is_argmax, int64_t max_chunk_bytes,
+    const std::string& logits_dtype, std::optional<double> softcap) {
+  if (!needs_graph(hidden, weight, labels, bias)) {
+    BelowAutograd guard;
+    return kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(
+        hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps,
+        min_p, min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
+        with_is_argmax, max_chunk_bytes, logits_dtype, softcap);
+  }
+  auto o = LinearSamplerFn::apply(hidden, weight, labels, bias, temperature, temperatures, top_k,
+                                  top_ks, top_p, top_ps, min_p, min_ps, sampler, ignore_index,
+                                  with_entropy, with_sum_p2, with_lse, stats_top_k, with_is_argmax,
+                                  max_chunk_bytes, logits_dtype, softcap);
+  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -403,15 +555,37 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "Tensor weight, Tensor labels, Tensor? bias, Tensor lse, Tensor entropy, float temperature, "
       "int ignore_index, int max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias, "
       "str logits_dtype=\"float32\", float? softcap=None) -> (Tensor, Tensor, Tensor)");
+  // token_logprobs_sampler of hidden @ weight.T + bias: its outputs ((logprobs, entropy or empty,
+  // lse of the kept set, cut, cut_index, outside, then the statistics asked for) [N]); a
+  // parameter tensor holds per-row values ([N], or 0-dim) and replaces the scalar.
+  m.def(
+      "linear_token_logprobs_sampler(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
+      "float temperature, Tensor? temperatures, int top_k, Tensor? top_ks, float top_p, "
+      "Tensor? top_ps, float min_p, Tensor? min_ps, str sampler, int ignore_index, "
+      "bool with_entropy, bool with_sum_p2, bool with_lse, int stats_top_k, bool with_is_argmax, "
+      "int max_chunk_bytes, str logits_dtype, float? softcap) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // gradients through the kept set (cut, cut_index) only
+  m.def(
+      "linear_token_logprobs_sampler_backward(Tensor grad_logprobs, Tensor? grad_entropy, "
+      "Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, Tensor lse, Tensor entropy, "
+      "Tensor cut, Tensor cut_index, float temperature, Tensor? temperatures, int ignore_index, "
+      "int max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias, "
+      "str logits_dtype, float? softcap) -> (Tensor, Tensor, Tensor)");
 }
 
 // One router for every device (route.h: cpu and cuda; others are refused, naming the device).
 TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("linear_token_logprobs", &forward);
   m.impl("linear_token_logprobs_backward", &backward);
+  m.impl("linear_token_logprobs_sampler", &sampler_forward);
+  m.impl("linear_token_logprobs_sampler_backward", &sampler_backward);
 }
 
-TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) { m.impl("linear_token_logprobs", &forward_autograd); }
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("linear_token_logprobs", &forward_autograd);
+  m.impl("linear_token_logprobs_sampler", &sampler_forward_autograd);
+}
 
 // How many forward / backward calls took the one-tile path (tests read it).
 TORCH_LIBRARY_FRAGMENT(ppo_kernels_C, m) {

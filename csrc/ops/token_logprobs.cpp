@@ -10,6 +10,7 @@
 #include "common/alloc.h"
 #include "ops/checks.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -259,7 +260,7 @@ const OpRef kSamplerFwd("token_logprobs_sampler"), kSamplerBwd("token_logprobs_s
 
 constexpr int64_t kMaxStatsTopK = 64;
 
-// A per-row parameter tensor: on logits' device, its shape a leading part of labels.shape.
+// A per-row parameter tensor: its shape a leading part of labels.shape.
 void expect_param_shape(const Tensor& t, const char* name, const Tensor& labels) {
   TORCH_CHECK_VALUE(t.dim() <= labels.dim() && t.sizes() == labels.sizes().slice(0, t.dim()), name,
                     ": expected a shape that is a leading part of labels.shape ", labels.sizes(),
@@ -270,10 +271,11 @@ void expect_param_shape(const Tensor& t, const char* name, const Tensor& labels)
 // strict_checks() (a host sync; else out-of-range values give NaN rows, as labels do).
 bool check_values(const Tensor& t) { return !t.is_cuda() || strict_checks(); }
 
-void check_temperatures(const OptTensor& t, const Tensor& logits, const Tensor& labels) {
+void check_temperatures(const OptTensor& t, const Tensor& like, const char* like_name,
+                        const Tensor& labels) {
   if (!t) return;
   expect_float(*t, "temperature");
-  expect_device(*t, "temperatures", logits, "logits");  // the schema's names
+  expect_device(*t, "temperatures", like, like_name);  // the schema's names
   expect_param_shape(*t, "temperature", labels);
   if (!check_values(*t) || t->numel() == 0) return;
   constexpr double kFloat32Max = 3.4028234663852886e38;
@@ -288,10 +290,10 @@ void check_temperatures(const OptTensor& t, const Tensor& logits, const Tensor& 
 // A per-row probability (top_p: values in (0, 1]; min_p: in [0, 1]); `schema` is the tensor's
 // name in the op's schema, which the device message names.
 void check_prob_param(const OptTensor& t, const char* name, const char* schema, bool zero_ok,
-                      const Tensor& logits, const Tensor& labels) {
+                      const Tensor& like, const char* like_name, const Tensor& labels) {
   if (!t) return;
   expect_float(*t, name);
-  expect_device(*t, schema, logits, "logits");
+  expect_device(*t, schema, like, like_name);
   expect_param_shape(*t, name, labels);
   if (!check_values(*t) || t->numel() == 0) return;
   const Tensor d = t->to(at::kDouble);
@@ -304,31 +306,8 @@ void check_sampler_params(const Tensor& logits, const Tensor& labels, const OptT
                           int64_t top_k, const OptTensor& top_ks, double top_p,
                           const OptTensor& top_ps, double min_p, const OptTensor& min_ps,
                           c10::string_view sampler, int64_t stats_top_k) {
-  check_temperatures(temperatures, logits, labels);
-  TORCH_CHECK_VALUE(top_k >= 0, "top_k: expected an int >= 0 (0: off), got ", top_k);
-  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, "top_p: expected a value in (0, 1] (1: off), got ",
-                    top_p);
-  TORCH_CHECK_VALUE(min_p >= 0 && min_p <= 1, "min_p: expected a value in [0, 1] (0: off), got ",
-                    min_p);
-  if (top_ks) {
-    expect_index(*top_ks, "top_k");
-    expect_device(*top_ks, "top_ks", logits, "logits");
-    expect_param_shape(*top_ks, "top_k", labels);
-    if (check_values(*top_ks) && top_ks->numel() > 0)
-      TORCH_CHECK_VALUE(top_ks->ge(0).all().item<bool>(),
-                        "top_k: expected values >= 0 (0: off), got min ",
-                        top_ks->min().item<int64_t>());
-  }
-  check_prob_param(top_ps, "top_p", "top_ps", false, logits, labels);
-  check_prob_param(min_ps, "min_p", "min_ps", true, logits, labels);
-  TORCH_CHECK_VALUE(sampler == "vllm" || sampler == "sglang",
-                    "sampler: expected one of ('vllm', 'sglang'), got '", std::string(sampler),
-                    "'");
-  TORCH_CHECK_VALUE(stats_top_k >= 0 && stats_top_k <= kMaxStatsTopK, "stats_top_k: expected 0 to ",
-                    kMaxStatsTopK, ", got ", stats_top_k);
-  TORCH_CHECK_VALUE(stats_top_k <= logits.size(-1) || labels.numel() == 0,
-                    "stats_top_k: expected at most the vocabulary size ", logits.size(-1), ", got ",
-                    stats_top_k);
+  check_sampler_options(logits, "logits", logits.size(-1), labels, temperatures, top_k, top_ks,
+                        top_p, top_ps, min_p, min_ps, sampler, stats_top_k);
 }
 
 // A per-token tensor as the kernels take it: labels.numel() contiguous values of `dtype`.
@@ -378,7 +357,7 @@ Tensor sampler_backward(const Tensor& grad_logprobs, const OptTensor& grad_entro
   expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
   expect_device(cut_index, "cut_index", logits, "logits");
   expect_shape(cut_index, "cut_index", logits.sizes().slice(0, logits.dim() - 1), kRows);
-  check_temperatures(temperatures, logits, labels);
+  check_temperatures(temperatures, logits, "logits", labels);
   const Backend b = backend_for("token_logprobs", logits);
   if (b != Backend::kCpp)
     return kSamplerBwd.python<SamplerBwdSig>(b).call(grad_logprobs, gent, logits, labels, lse,
@@ -460,6 +439,42 @@ SamplerOuts sampler_forward_autograd(const Tensor& logits, const Tensor& labels,
 }
 
 }  // namespace
+
+void check_sampler_options(const Tensor& like, const char* like_name, int64_t V,
+                           const Tensor& labels, const OptTensor& temperatures, int64_t top_k,
+                           const OptTensor& top_ks, double top_p, const OptTensor& top_ps,
+                           double min_p, const OptTensor& min_ps, c10::string_view sampler,
+                           int64_t stats_top_k) {
+  check_temperatures(temperatures, like, like_name, labels);
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k: expected an int >= 0 (0: off), got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, "top_p: expected a value in (0, 1] (1: off), got ",
+                    top_p);
+  TORCH_CHECK_VALUE(min_p >= 0 && min_p <= 1, "min_p: expected a value in [0, 1] (0: off), got ",
+                    min_p);
+  if (top_ks) {
+    expect_index(*top_ks, "top_k");
+    expect_device(*top_ks, "top_ks", like, like_name);
+    expect_param_shape(*top_ks, "top_k", labels);
+    if (check_values(*top_ks) && top_ks->numel() > 0)
+      TORCH_CHECK_VALUE(top_ks->ge(0).all().item<bool>(),
+                        "top_k: expected values >= 0 (0: off), got min ",
+                        top_ks->min().item<int64_t>());
+  }
+  check_prob_param(top_ps, "top_p", "top_ps", false, like, like_name, labels);
+  check_prob_param(min_ps, "min_p", "min_ps", true, like, like_name, labels);
+  TORCH_CHECK_VALUE(sampler == "vllm" || sampler == "sglang",
+                    "sampler: expected one of ('vllm', 'sglang'), got '", std::string(sampler),
+                    "'");
+  TORCH_CHECK_VALUE(stats_top_k >= 0 && stats_top_k <= kMaxStatsTopK, "stats_top_k: expected 0 to ",
+                    kMaxStatsTopK, ", got ", stats_top_k);
+  TORCH_CHECK_VALUE(stats_top_k <= V || labels.numel() == 0,
+                    "stats_top_k: expected at most the vocabulary size ", V, ", got ", stats_top_k);
+}
+
+void check_sampler_temperatures(const OptTensor& t, const Tensor& like, const char* like_name,
+                                const Tensor& labels) {
+  check_temperatures(t, like, like_name, labels);
+}
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   // (logprobs, entropy or empty, lse of the kept set, the kept set for the backward as (cut,

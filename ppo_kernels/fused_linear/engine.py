@@ -11,7 +11,8 @@ Two pieces plug into the loop:
   dL/dlogprob, dL/dentropy and dL/dKL per token. linear_policy_loss's head is
   linear_policy_loss/head.py; linear_token_logprobs's backward is the trivial head whose
   coefficients are the upstream gradients.
-- a **vocabulary reduction** (`WholeVocab` here; `vocab_chunks.VocabChunks` for tiles of
+- a **vocabulary reduction** (`WholeVocab` here, and `SamplerVocab`, its form under a rollout
+  sampler's distribution; `vocab_chunks.VocabChunks` for tiles of
   vocabulary chunks; the vocab-parallel forms' shard reductions in ppo_kernels/distributed/):
   how a block's statistics come out of its tile(s) and how its gradient tile is made and
   multiplied into the gradients.
@@ -142,6 +143,65 @@ class WholeVocab:
         other term is added to it (Triton may then round it to the input dtype as it stores)."""
         g = tiler.grad_tile(z, rounds_on_store=self.backend == "triton" and alone)
         self.bwd(z, glp, gent, lc, lse, ent if gent is not None else lse, self.inv_t, self.ii, g)
+        return g
+
+
+class SamplerVocab(WholeVocab):
+    """The whole-vocabulary reduction under a rollout sampler's distribution: each tile is reduced
+    by token_logprobs' sampler kernels (`tl`: forward / backward of one backend) with the per-row
+    parameters of its rows (`at_block` slices them), and its gradient goes through the kept set
+    only. The forward's extra outputs (the kept set (cut, cut_index), `outside` and the head's
+    statistics) are written into `outs` [N] (`extra`: the kernels' flags); the backward takes the
+    kept set of the forward (`kept`: (cut, cut_index) [N]). Only whole-vocabulary tiles: a top-k
+    / top-p selection needs the whole row. The kernels write the gradient into a tile of its own
+    (gbuf): the CPU kernel reads the logits again after writing a row."""
+
+    def __init__(self, backend, inv_t, params, sampler, ignore_index, tl, extra=None,
+                 outs=None, kept=None, gbuf=None):  # fmt: skip
+        super().__init__(backend, 1.0, ignore_index, tl)
+        self.inv_t = inv_t
+        self.params = params  # (inv_ts, top_k, top_ks, top_p, top_ps, min_p, min_ps): tensors [N]
+        self.sampler, self.extra, self.outs, self.kept, self.gbuf = (
+            sampler, extra, outs, kept, gbuf
+        )  # fmt: skip
+        self.blk = None
+
+    @property
+    def tiler_fused(self):
+        return self.backend  # the sampler kernels read input-dtype tiles themselves
+
+    def at_block(self, r0, r1, pad):
+        """The per-row parameters (and saved kept set) of rows r0:r1, padded as the tile."""
+        inv_ts, k, ks, p, ps, mp, mps = self.params
+
+        def rows(t, fill):
+            return None if t is None else pad(t[r0:r1], fill)
+
+        kept = None
+        if self.kept is not None:
+            kept = (rows(self.kept[0], 0.0), rows(self.kept[1], 0))
+        self.blk = (r0, r1, rows(inv_ts, 1.0), rows(ks, 0), rows(ps, 1.0), rows(mps, 0.0), kept)
+
+    def stats(self, tiler, z, zr, lc, with_entropy):
+        r0, r1, inv_ts, ks, ps, mps, _ = self.blk
+        _, k, _, p, _, mp, _ = self.params
+        outs = self.fwd(
+            z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii, with_entropy,
+            *self.extra,
+        )  # fmt: skip
+        n = r1 - r0
+        for i, o in enumerate(self.outs):  # cut, cut_index, outside, then the statistics
+            if o is not None and o.numel() > 0:
+                o[r0:r1] = outs[3 + i][:n]
+        return outs[0], outs[1], outs[2], None
+
+    def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
+        _, _, inv_ts, _, _, _, (cut, cut_index) = self.blk
+        g = self.gbuf[: z.numel()].view(z.shape)
+        self.bwd(
+            z, glp, gent, lc, lse, ent if gent is not None else lse, cut, cut_index, self.inv_t,
+            inv_ts, self.ii, g,
+        )  # fmt: skip
         return g
 
 
@@ -286,11 +346,14 @@ def run(
     ii = vocab.ii
     gh = torch.empty((tiler.max_rows, H) if need_h else (0,), dtype=acc, device=dev)
     T = lm.T
+    at_block = getattr(vocab, "at_block", None)  # a reduction with per-row parameters
     two_pass = head.passes(plan.rows, T) == 2
     if two_pass:
         # first pass: the log-probs of every row (one GEMM per block), then every coefficient
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
+            if at_block is not None:
+                at_block(r0, r1, pad)
             hc, lc = tiler.rows(r0, r1), pad(labels[r0:r1], ii)
             lp_out[r0:r1] = vocab.block_stats(tiler, hc, None, r0, r1, lc, False)[0][: r1 - r0]
         head.after_first_pass(lp_out)
@@ -301,6 +364,8 @@ def run(
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         n = r1 - r0
+        if at_block is not None:
+            at_block(r0, r1, pad)
         # (in batch-invariant mode every per-token tensor below has the tile's rows: padded)
         hc, lc = tiler.rows(r0, r1), pad(labels[r0:r1], ii)
         given = head.given(r0, r1, pad)

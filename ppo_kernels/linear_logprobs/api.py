@@ -15,13 +15,22 @@ from .._checks import (
     check_bool,
     check_float,
     check_int,
+    check_str,
     check_temperature,
     check_tensor,
 )
 from ..fused_linear.planner import _input_tiles, default_logits_dtype, resolve_logits_dtype
+from ..token_logprobs.api import (
+    check_sampler_unused,
+    sampler_options,
+    sampler_requested,
+    sampler_result,
+)
+from ..token_logprobs.naive import SAMPLERS
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _linear_token_logprobs = _backend.op("linear_token_logprobs")
+_linear_token_logprobs_sampler = _backend.op("linear_token_logprobs_sampler")
 _F32, _F32_DTYPE = "float32", torch.float32
 
 
@@ -36,7 +45,7 @@ def linear_token_logprobs(
     labels: Tensor,
     *,
     bias: Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
     max_chunk_bytes: int | None = None,
@@ -45,6 +54,12 @@ def linear_token_logprobs(
     process_group=None,
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
+    stats=None,
+    stats_top_k: int = 0,
 ):
     """Per-token log-probs (and entropy) from hidden states and an LM head, without the logits.
 
@@ -60,7 +75,9 @@ def linear_token_logprobs(
             it when it requires grad (summed in float32, returned in weight's dtype).
         labels (Tensor): `hidden.shape[:-1]`, int64 / int32. Ids in [0, V) or `ignore_index`.
         bias (Tensor, optional): `[V]`, hidden's dtype. Default None.
-        temperature (float): divides the logits; positive. Default 1.0.
+        temperature (float or Tensor): divides the logits; positive. A float tensor gives
+            per-row values: its shape is a leading part of labels.shape (`[B]` per sequence or
+            `[B, T]` per token for `[B, T]` labels). Default 1.0.
         ignore_index (int): the label of a position without a log-prob (0, no gradient).
             Default -100.
         return_entropy (bool): also return the entropy of softmax(logits / temperature).
@@ -86,10 +103,29 @@ def linear_token_logprobs(
         reduce_hidden_grad (bool): with `process_group`, all-reduce the hidden gradient so every
             rank holds the full one. False for frameworks whose own layers reduce it.
             Default True.
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature. With top_p / min_p / a
+            temperature tensor: `token_logprobs`' sampler on the logits -- the log-probs and
+            entropy under the distribution the engine sampled from (temperature, then min-p,
+            then top-k and top-p, the kept tokens renormalised; a label outside the kept set
+            gets -inf, and no gradient). Every tile then holds whole rows of the vocabulary:
+            `max_chunk_bytes` must hold two rows' tiles (the tile and its gradient). Not with
+            `process_group`. Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang" (docs/ppo-math.md, "The
+            distribution the rollout sampled from"). Default "vllm".
+        stats (tuple of str, optional): the head's statistics to return per token from the same
+            pass: "outside", "sum_p2", "lse", "topk", "is_argmax" (see
+            `ppo_kernels.token_logprobs.api.HeadStats`). Default None: none computed.
+        stats_top_k (int): how many top tokens "topk" returns, 1 to 64. Default 0.
 
     Returns:
         Tensor: the log-probs, `labels.shape`, float32 (float64 for float64 hidden). With
         `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+        With `stats`, a HeadStats follows (the last element of a tuple).
 
     Why: the `[N, V]` logits dominate a policy step's memory (a 32k-token batch at V = 152k is
     about 20 GB in float32). Chunking keeps the peak at the budget. The tiles come from BLAS /
@@ -110,6 +146,10 @@ def linear_token_logprobs(
         and logits_dtype == "auto"
         and softcap is None
         and process_group is None
+        and top_k is None
+        and top_p is None
+        and min_p is None
+        and stats is None
         and type(hidden) is Tensor
         and type(weight) is Tensor
         and type(labels) is Tensor
@@ -132,6 +172,14 @@ def linear_token_logprobs(
             f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
             f"got {tuple(labels.shape)}"
         )
+    if sampler_requested(temperature, top_k, top_p, min_p, stats):
+        return _sampled(
+            hidden, weight, labels, bias, temperature, ignore_index, return_entropy,
+            max_chunk_bytes, logits_dtype, softcap, process_group, top_k, top_p, min_p, sampler,
+            stats, stats_top_k,
+        )  # fmt: skip
+    if sampler != "vllm" or stats_top_k != 0:
+        check_sampler_unused(sampler, stats_top_k)
     temperature = check_temperature(temperature)
     ignore_index = check_int("ignore_index", ignore_index)
     return_entropy = check_bool("return_entropy", return_entropy)
@@ -175,3 +223,43 @@ def linear_token_logprobs(
     )
     lp = lp.view(labels.shape)
     return (lp, ent.view(labels.shape)) if return_entropy else lp
+
+
+def _per_row(t, labels):
+    """A per-row parameter tensor (shape a leading part of labels.shape) as the op takes it: one
+    value per flat row [N]."""
+    if t is None:
+        return None
+    return (
+        t.reshape(tuple(t.shape) + (1,) * (labels.dim() - t.dim())).expand(labels.shape).reshape(-1)
+    )
+
+
+def _sampled(hidden, weight, labels, bias, temperature, ignore_index, return_entropy,
+             max_chunk_bytes, logits_dtype, softcap, process_group, top_k, top_p, min_p, sampler,
+             stats, stats_top_k):  # fmt: skip
+    """linear_token_logprobs with the sampler's options or the head's statistics (the registered
+    op linear_token_logprobs_sampler)."""
+    ignore_index = check_int("ignore_index", ignore_index)
+    return_entropy = check_bool("return_entropy", return_entropy)
+    sampler = check_str("sampler", sampler, SAMPLERS)
+    if process_group is not None:
+        raise ValueError(
+            "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) and "
+            "stats are not supported with the vocab-parallel form yet"
+        )
+    if softcap is not None:
+        check_float("softcap", softcap, positive=True)
+    names, stats_top_k, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
+        labels, temperature, top_k, top_p, min_p, stats, stats_top_k
+    )
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
+    max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
+    outs = _linear_token_logprobs_sampler(
+        hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels.reshape(-1), bias, temp,
+        _per_row(temps, labels), k, _per_row(ks, labels), p, _per_row(ps, labels), mp,
+        _per_row(mps, labels), sampler, ignore_index, return_entropy, "sum_p2" in names,
+        "lse" in names, stats_top_k, "is_argmax" in names, int(max_chunk_bytes or 0),
+        _tiles(hidden.dtype, logits_dtype), None if softcap is None else float(softcap),
+    )  # fmt: skip
+    return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)

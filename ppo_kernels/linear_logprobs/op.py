@@ -16,7 +16,13 @@ from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args, check_backward_args
-from ..fused_linear.planner import plan_call
+from ..fused_linear.planner import (
+    _MIN_ROWS,
+    _resolve_budget,
+    plan_call,
+    plan_chunks,
+    plan_invariant,
+)
 from ..fused_linear.vocab_chunks import VocabChunks
 from ..token_logprobs import op as tl_op
 
@@ -71,6 +77,17 @@ def _(
     return lp, ent, hidden.new_empty((N,), dtype=acc)
 
 
+def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    """A backward op's outputs (grad_hidden, grad_weight, grad_bias) as the fakes give them."""
+    acc = acc_dtype(hidden.dtype)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    gh = hidden.new_empty((N, H) if need_hidden else (0,))
+    gW = hidden.new_empty((V, H) if need_weight else (0,), dtype=acc)
+    gb = hidden.new_empty((V,) if (need_bias and bias is not None) else (0,), dtype=acc)
+    return gh, gW, gb
+
+
 @_backend.fake("linear_token_logprobs_backward")
 def _(
     grad_logprobs,
@@ -94,13 +111,7 @@ def _(
         "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
         labels=labels, bias=bias, lse=lse, entropy=entropy,
     )  # fmt: skip
-    acc = acc_dtype(hidden.dtype)
-    N, H = hidden.shape
-    V = weight.shape[0]
-    gh = hidden.new_empty((N, H) if need_hidden else (0,))
-    gW = hidden.new_empty((V, H) if need_weight else (0,), dtype=acc)
-    gb = hidden.new_empty((V,) if (need_bias and bias is not None) else (0,), dtype=acc)
-    return gh, gW, gb
+    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _reduction(hidden, V, temperature, ignore_index, max_chunk_bytes, logits_dtype, backend, tl):
@@ -141,28 +152,10 @@ def run_forward(
     return lp, ent, lse
 
 
-def run_backward(
-    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
-    ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype, softcap,
-    backend,
-):  # fmt: skip
-    """The registered op `linear_token_logprobs_backward` on `backend` (arguments checked):
-    (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor
-    where not needed."""
-    N, H = hidden.shape
-    V = weight.shape[0]
+def _run_backward(grad_logprobs, grad_entropy, lse, entropy, vocab, plan, hidden, weight, bias,
+                  labels, softcap, need):  # fmt: skip
+    """The engine's loop of a backward op: the upstream gradients are the coefficients."""
     acc = acc_dtype(hidden.dtype)
-    dev = hidden.device
-    if N == 0:
-        need_bias = need_bias and bias is not None
-        gh_out = _backend.new_output((N, H) if need_hidden else (0,), hidden.dtype, dev)
-        gW = torch.zeros((V, H) if need_weight else (0,), dtype=acc, device=dev)
-        gb = torch.zeros((V,) if need_bias else (0,), dtype=acc, device=dev)
-        return gh_out.zero_(), gW, gb
-    plan, vocab = _reduction(
-        hidden, V, temperature, ignore_index, max_chunk_bytes, logits_dtype, backend,
-        (tl_op.forward, tl_op.backward),
-    )  # fmt: skip
     with_ent = grad_entropy is not None and grad_entropy.numel() > 0
     head = engine.GivenGrads(
         grad_logprobs.to(acc),
@@ -171,8 +164,39 @@ def run_backward(
         entropy if with_ent else None,
     )
     return engine.run(
-        head, vocab, engine.Head(hidden, weight, bias, labels), plan, softcap=softcap,
-        need=(need_hidden, need_weight, need_bias),
+        head, vocab, engine.Head(hidden, weight, bias, labels), plan, softcap=softcap, need=need
+    )
+
+
+def _no_rows_grads(hidden, V, bias, need_hidden, need_weight, need_bias):
+    """The backward of a call without rows: zero gradients (empty where not needed)."""
+    H, acc, dev = hidden.shape[1], acc_dtype(hidden.dtype), hidden.device
+    need_bias = need_bias and bias is not None
+    gh_out = _backend.new_output((0, H) if need_hidden else (0,), hidden.dtype, dev)
+    gW = torch.zeros((V, H) if need_weight else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((V,) if need_bias else (0,), dtype=acc, device=dev)
+    return gh_out.zero_(), gW, gb
+
+
+def run_backward(
+    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
+    ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias, logits_dtype, softcap,
+    backend,
+):  # fmt: skip
+    """The registered op `linear_token_logprobs_backward` on `backend` (arguments checked):
+    (grad_hidden in hidden's dtype, grad_weight float32, grad_bias float32), an empty tensor
+    where not needed."""
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    if N == 0:
+        return _no_rows_grads(hidden, V, bias, need_hidden, need_weight, need_bias)
+    plan, vocab = _reduction(
+        hidden, V, temperature, ignore_index, max_chunk_bytes, logits_dtype, backend,
+        (tl_op.forward, tl_op.backward),
+    )  # fmt: skip
+    return _run_backward(
+        grad_logprobs, grad_entropy, lse, entropy, vocab, plan, hidden, weight, bias, labels,
+        softcap, (need_hidden, need_weight, need_bias),
     )  # fmt: skip
 
 
@@ -287,3 +311,221 @@ class _Fallback(torch.autograd.Function):
 
 
 _backend.fallback("linear_token_logprobs")(_Fallback.apply)
+
+
+# ---- The sampler's distribution: ppo_kernels::linear_token_logprobs_sampler (+ backward) ----------
+# token_logprobs_sampler of hidden @ weight.T + bias (csrc/ops/linear_logprobs.cpp). Every tile
+# holds the whole vocabulary (a top-k / top-p selection needs the whole row) and is reduced by the
+# sampler kernels of the op's backend (engine.SamplerVocab): cpp / triton where they run, else
+# (float64, no compiled kernels) the eager ones.
+
+
+def _sampler_kernels(hidden, backend):
+    """The backend whose sampler kernels reduce the tiles."""
+    if hidden.dtype == torch.float64 or engine.fused_backend(hidden, backend) is None:
+        return "eager"
+    return backend
+
+
+def sampler_plan(hidden, V, max_chunk_bytes, logits_dtype):
+    """Whole-vocabulary row blocks within half the budget (the sampler's gradient tile sits beside
+    the logits tile): as many rows as fit, at least one, else a ValueError naming max_chunk_bytes.
+    The forward and the backward plan alike (the same blocks)."""
+    N, H = hidden.shape
+    dt, dev = hidden.dtype, hidden.device
+    if _backend.invariant():
+        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=2)
+        if p.vocab == V:
+            return p
+        budget = _resolve_budget(0, dev)
+    else:
+        budget = _resolve_budget(max_chunk_bytes, dev)
+        half = max(1, budget // 2)
+        for n in (N, *range(min(N, _MIN_ROWS) - 1, 0, -1)):
+            p = plan_chunks(n, V, H, dt, dev.type, half, "rows", logits_dtype, fused=True)
+            if p.vocab == V:
+                return p
+    raise ValueError(
+        f"max_chunk_bytes: {budget} bytes cannot hold one row's whole-vocabulary logits tile "
+        f"(V = {V}, H = {H}, twice: the tile and its gradient); the sampler's options "
+        "(temperature tensor, top_k, top_p, min_p, stats) need whole rows. Give a larger "
+        "max_chunk_bytes."
+    )
+
+
+def _sampler_params(N, dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps):
+    """The per-row parameters as the kernels take them ([N] float64 / int64 or None)."""
+
+    def flat(t, dtype):
+        return None if t is None else t.to(dtype).reshape(-1).expand(N).contiguous()
+
+    inv_ts = (
+        None if temperatures is None else flat(1.0 / temperatures.to(torch.float64), torch.float64)
+    )
+    f64, i64 = torch.float64, torch.int64
+    return (inv_ts, top_k, flat(top_ks, i64), top_p, flat(top_ps, f64), min_p, flat(min_ps, f64))
+
+
+def run_sampler_forward(
+    hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p,
+    min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
+    with_is_argmax, max_chunk_bytes, logits_dtype, softcap, backend,
+):  # fmt: skip
+    """The registered op `linear_token_logprobs_sampler` on `backend` (arguments checked): the
+    outputs of token_logprobs_sampler on the logits, each [N] (top_* [N, stats_top_k])."""
+    N, V = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    dev = hidden.device
+
+    def rows(on, dtype=acc, shape=(N,)):
+        return _backend.new_output(shape if on else (0,), dtype, dev)
+
+    top = (N, stats_top_k) if stats_top_k > 0 else (0,)
+    lp, ent, lse = rows(True), rows(with_entropy), rows(True)
+    extra = (
+        rows(True), rows(True, torch.int64), rows(True, torch.bool), rows(with_sum_p2),
+        rows(with_lse), _backend.new_output(top, torch.int64, dev),
+        _backend.new_output(top, acc, dev), rows(with_is_argmax, torch.bool),
+    )  # fmt: skip
+    if N == 0:
+        return (lp, ent, lse, *extra)
+    kb = _sampler_kernels(hidden, backend)
+    plan = sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
+    params = _sampler_params(N, dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps)
+    vocab = engine.SamplerVocab(
+        kb, 1.0 / temperature, params, sampler, ignore_index,
+        (tl_op.sampler_forward.impls[kb], None),
+        extra=(with_sum_p2, with_lse, stats_top_k, with_is_argmax), outs=extra,
+    )  # fmt: skip
+    engine.run(
+        engine.StoreStats(with_entropy), vocab, engine.Head(hidden, weight, bias, labels), plan,
+        softcap=softcap, lp_out=lp, ent_out=ent if with_entropy else None, lse_out=lse,
+    )  # fmt: skip
+    return (lp, ent, lse, *extra)
+
+
+def run_sampler_backward(
+    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, cut, cut_index,
+    temperature, temperatures, ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias,
+    logits_dtype, softcap, backend,
+):  # fmt: skip
+    """The registered op `linear_token_logprobs_sampler_backward` on `backend` (arguments
+    checked): (grad_hidden, grad_weight float32, grad_bias float32), empty where not needed."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    acc = acc_dtype(hidden.dtype)
+    dev = hidden.device
+    if N == 0:
+        return _no_rows_grads(hidden, V, bias, need_hidden, need_weight, need_bias)
+    kb = _sampler_kernels(hidden, backend)
+    plan = sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
+    params = _sampler_params(N, dev, temperatures, 0, None, 1.0, None, 0.0, None)
+    tile_rows = plan.rows if plan.pad else min(plan.rows, N)
+    gdt = hidden.dtype if plan.input_tiles else acc
+    vocab = engine.SamplerVocab(
+        kb, 1.0 / temperature, params, "vllm", ignore_index,
+        (None, tl_op.sampler_backward.impls[kb]), kept=(cut, cut_index),
+        gbuf=torch.empty(tile_rows * V, dtype=gdt, device=dev),
+    )  # fmt: skip
+    return _run_backward(
+        grad_logprobs, grad_entropy, lse, entropy, vocab, plan, hidden, weight, bias, labels,
+        softcap, (need_hidden, need_weight, need_bias),
+    )  # fmt: skip
+
+
+@_backend.fake("linear_token_logprobs_sampler")
+def _(hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps,
+      min_p, min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
+      with_is_argmax, max_chunk_bytes, logits_dtype, softcap):  # fmt: skip
+    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias,
+                  temperatures=temperatures, top_ks=top_ks, top_ps=top_ps,
+                  min_ps=min_ps)  # fmt: skip
+    acc = acc_dtype(hidden.dtype)
+    N = hidden.shape[0]
+
+    def rows(on, dtype=acc):
+        return hidden.new_empty((N,) if on else (0,), dtype=dtype)
+
+    top = (N, stats_top_k) if stats_top_k > 0 else (0,)
+    return (
+        rows(True), rows(with_entropy), rows(True), rows(True), rows(True, torch.int64),
+        rows(True, torch.bool), rows(with_sum_p2), rows(with_lse),
+        hidden.new_empty(top, dtype=torch.int64), hidden.new_empty(top, dtype=acc),
+        rows(with_is_argmax, torch.bool),
+    )  # fmt: skip
+
+
+@_backend.fake("linear_token_logprobs_sampler_backward")
+def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, cut, cut_index,
+      temperature, temperatures, ignore_index, max_chunk_bytes, need_hidden, need_weight,
+      need_bias, logits_dtype, softcap):  # fmt: skip
+    check_devices(
+        "hidden", hidden, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy, weight=weight,
+        labels=labels, bias=bias, lse=lse, entropy=entropy, cut=cut, cut_index=cut_index,
+        temperatures=temperatures,
+    )  # fmt: skip
+    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _register_sampler(backend: str):
+    @_backend.impl("linear_token_logprobs_sampler", backend)
+    def forward(hidden, weight, labels, bias, *args):
+        _strict_labels(labels, weight.shape[0], args[9])
+        return run_sampler_forward(hidden, weight, labels, bias, *args, backend)
+
+    @_backend.impl("linear_token_logprobs_sampler_backward", backend)
+    def backward(grad_logprobs, grad_entropy, hidden, weight, labels, *args):
+        _strict_labels(labels, weight.shape[0], args[7])
+        return run_sampler_backward(grad_logprobs, grad_entropy, hidden, weight, labels, *args,
+                                    backend)  # fmt: skip
+
+
+for _b in _backend.BACKENDS:
+    _register_sampler(_b)
+
+
+class _SamplerFallback(torch.autograd.Function):
+    """Without the compiled extension: the chunk loop with autograd (the C++ op's, in Python)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, args):
+        (temperature, temperatures, *_, ignore_index, with_entropy, _s, _l, _k, _a,
+         budget, logits_dtype, softcap) = args  # fmt: skip
+        check_args(hidden, weight, labels, bias, temperature, ignore_index, budget, logits_dtype)
+        backend = _backend.backend_for("linear_token_logprobs", hidden)
+        outs = run_sampler_forward(hidden, weight, labels, bias, *args, backend)
+        ctx.save_for_backward(hidden, weight, labels, bias, outs[2], outs[1], outs[3], outs[4],
+                              temperatures)  # fmt: skip
+        ctx.args = (temperature, ignore_index, budget, logits_dtype, softcap)
+        ctx.mark_non_differentiable(*outs[2:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent, *_):
+        hidden, weight, labels, bias, lse, ent, cut, cut_index, temps = ctx.saved_tensors
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        need_b = need_b and bias is not None
+        if not (need_h or need_w or need_b):
+            return None, None, None, None, None
+        if grad_lp is None:
+            grad_lp = torch.zeros_like(lse)
+        if grad_ent is not None and grad_ent.numel() == 0:
+            grad_ent = None
+        temperature, ignore_index, budget, logits_dtype, softcap = ctx.args
+        gh, gW, gb = run_sampler_backward(
+            grad_lp, grad_ent, hidden, weight, labels, bias, lse, ent, cut, cut_index,
+            temperature, temps, ignore_index, budget, need_h, need_w, need_b, logits_dtype,
+            softcap, _backend.backend_for("linear_token_logprobs", hidden),
+        )  # fmt: skip
+        return (
+            gh if need_h else None,
+            gW.to(weight.dtype) if need_w else None,
+            None,
+            gb.to(bias.dtype) if need_b else None,
+            None,
+        )
+
+
+@_backend.fallback("linear_token_logprobs_sampler")
+def _(hidden, weight, labels, bias, *args):
+    return _SamplerFallback.apply(hidden, weight, labels, bias, args)

@@ -136,22 +136,13 @@ def token_logprobs(
     cases: ppo_kernels/token_logprobs/naive.py. Vocab-parallel form:
     ppo_kernels/distributed/vocab_parallel_token_logprobs.py.
     """
-    if (
-        top_k is not None
-        or top_p is not None
-        or min_p is not None
-        or stats is not None
-        or isinstance(temperature, Tensor)
-    ):
+    if sampler_requested(temperature, top_k, top_p, min_p, stats):
         return _sampled(
             logits, labels, temperature, ignore_index, return_entropy, inplace_backward,
             process_group, top_k, top_p, min_p, sampler, stats, stats_top_k,
         )  # fmt: skip
     if sampler != "vllm" or stats_top_k != 0:
-        check_str("sampler", sampler, SAMPLERS)
-        check_int("stats_top_k", stats_top_k, min_value=0)
-        if stats_top_k:
-            raise ValueError('stats_top_k: only used with stats=("topk", ...)')
+        check_sampler_unused(sampler, stats_top_k)
     # the scalars' types (the op checks the temperature's value; exact types pass for free)
     if type(temperature) is not float:
         temperature = check_temperature(temperature)
@@ -182,6 +173,25 @@ def token_logprobs(
         logits, labels, float(temperature), ignore_index, return_entropy, inplace_backward
     )
     return (lp, ent) if return_entropy else lp
+
+
+def sampler_requested(temperature, top_k, top_p, min_p, stats) -> bool:
+    """Whether a call asks for the sampler's distribution or the head's statistics."""
+    return (
+        top_k is not None
+        or top_p is not None
+        or min_p is not None
+        or stats is not None
+        or isinstance(temperature, Tensor)
+    )
+
+
+def check_sampler_unused(sampler, stats_top_k):
+    """The sampler's own arguments of a call without its options: valid, and no top-k stats."""
+    check_str("sampler", sampler, SAMPLERS)
+    check_int("stats_top_k", stats_top_k, min_value=0)
+    if stats_top_k:
+        raise ValueError('stats_top_k: only used with stats=("topk", ...)')
 
 
 def _param(name, x, dtypes, labels, check):
@@ -236,6 +246,23 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
             "inplace_backward: not supported with the sampler's options (temperature tensor, "
             "top_k, top_p, min_p) or stats"
         )
+    names, stats_top_k, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
+        labels, temperature, top_k, top_p, min_p, stats, stats_top_k
+    )
+    if not _backend.HAS_EXTENSION:
+        _check_args(logits, labels, temp, vocab_parallel=False)
+    outs = _token_logprobs_sampler(
+        logits, labels, temp, temps, k, ks, p, ps, mp, mps, sampler, ignore_index,
+        return_entropy, "sum_p2" in names, "lse" in names, stats_top_k, "is_argmax" in names,
+    )  # fmt: skip
+    return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
+
+
+def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k):
+    """The sampler's options and the statistics asked for, checked (the registered ops check the
+    tensors' values; here too without the compiled extension): (stats names, stats_top_k (0
+    unless "topk"), then the scalar and the tensor (or None) of the temperature, top-k, top-p and
+    min-p, the scalar being the neutral value where a tensor is given)."""
     names = ()
     if stats is not None:
         if isinstance(stats, str):
@@ -251,14 +278,11 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     elif stats_top_k:
         raise ValueError('stats_top_k: only used with stats=("topk", ...)')
     temp, temps = _param("temperature", temperature, FLOAT_DTYPES, labels, check_temperature)
-    if temp is None:
-        temp = 1.0
     k, ks = _param("top_k", 0 if top_k is None else top_k, INDEX_DTYPES, labels,
                    lambda x: check_int("top_k", x, min_value=0))  # fmt: skip
     p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p)
     mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p)
     if not _backend.HAS_EXTENSION:  # the registered op's value checks (a host read)
-        _check_args(logits, labels, temp, vocab_parallel=False)
         for name, t, ok in (
             ("temperature", temps, lambda v: (v > 0) & (1.0 / v.double() <= 3.4028234663852886e38)),
             ("top_k", ks, lambda v: v >= 0),
@@ -267,24 +291,27 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
         ):
             if t is not None and not bool(ok(t).all()):
                 raise ValueError(f"{name}: a value is out of range (see the docstring)")
-    outs = _token_logprobs_sampler(
-        logits, labels, float(temp), temps, int(k if k is not None else 0), ks,
-        float(p if p is not None else 1.0), ps, float(mp if mp is not None else 0.0), mps,
-        sampler, ignore_index, return_entropy, "sum_p2" in names, "lse" in names,
-        stats_top_k if "topk" in names else 0, "is_argmax" in names,
+    return (
+        names, stats_top_k, 1.0 if temp is None else float(temp), temps, int(k or 0), ks,
+        1.0 if p is None else float(p), ps, 0.0 if mp is None else float(mp), mps,
     )  # fmt: skip
-    lp, ent = outs[0], outs[1]
-    result = (lp, ent) if return_entropy else (lp,)
+
+
+def sampler_result(outs, shape, return_entropy, stats, names, stats_top_k):
+    """What the public function returns from a sampler op's outputs (flat or with `shape`)."""
+    lp = outs[0].view(shape)
+    result = (lp, outs[1].view(shape)) if return_entropy else (lp,)
     if stats is None:
         return result if return_entropy else lp
-    outside = outs[5] if "outside" in names else None
+    outside = outs[5].view(shape) if "outside" in names else None
+    topk = "topk" in names
     head = HeadStats(
         outside,
         outside.sum() if outside is not None else None,
-        outs[6] if "sum_p2" in names else None,
-        outs[7] if "lse" in names else None,
-        outs[8] if "topk" in names else None,
-        outs[9] if "topk" in names else None,
-        outs[10] if "is_argmax" in names else None,
+        outs[6].view(shape) if "sum_p2" in names else None,
+        outs[7].view(shape) if "lse" in names else None,
+        outs[8].view(*shape, stats_top_k) if topk else None,
+        outs[9].view(*shape, stats_top_k) if topk else None,
+        outs[10].view(shape) if "is_argmax" in names else None,
     )
     return (*result, head)

@@ -1017,6 +1017,50 @@ CASES = [
     ),
     # --- linear_token_logprobs
     (
+        "lin_sampler_top_ks_negative",
+        False,
+        "each",
+        "ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, None, 0, torch.tensor([1, -1, 2]), 1.0, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 0, 'float32', None)",
+        "top_k",
+    ),
+    (
+        "lin_sampler_temperatures_shape",
+        False,
+        "each",
+        "ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, torch.ones(2), 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 0, 'float32', None)",
+        "temperature",
+    ),
+    (
+        "lin_sampler_top_p_zero",
+        False,
+        "each",
+        "ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, None, 0, None, 0.0, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 0, 'float32', None)",
+        "top_p",
+    ),
+    (
+        "lin_sampler_budget_below_a_row",
+        False,
+        "each",
+        "ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 8, 'float32', None)",
+        "max_chunk_bytes",
+    ),
+    (
+        "lin_sampler_bwd_cut_index_size",
+        False,
+        "each",
+        "o = ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 0, 'float32', None)\n"
+        "ops.linear_token_logprobs_sampler_backward(torch.ones(3), None, h, w, lab3, None, o[2], o[1], o[3], o[4][:1], 1.0, None, -100, 0, True, True, False, 'float32', None)",
+        "cut_index",
+    ),
+    (
+        "lin_sampler_bwd_label_1e9",
+        False,
+        "each",
+        "o = ops.linear_token_logprobs_sampler(h, w, lab3, None, 1.0, None, 0, None, 0.9, None, 0.0, None, 'vllm', -100, True, False, False, 0, False, 0, 'float32', None)\n"
+        "ops.linear_token_logprobs_sampler_backward(torch.ones(3), None, h, w, torch.full((3,), 10**9), None, o[2], o[1], o[3], o[4], 1.0, None, -100, 0, True, True, False, 'float32', None)",
+        "labels",
+    ),
+    (
         "lin_bwd_label_1e9",
         False,
         "each",

@@ -242,6 +242,12 @@ def _compile_cases():
             lambda a, b, y: pk.linear_token_logprobs(a, b, y, temperature=0.7),
             (hid, w, labels),
         ),
+        "linear_token_logprobs_sampler": (
+            lambda a, b, y, t: pk.linear_token_logprobs(
+                a, b, y, temperature=t, top_k=4, top_p=0.9, return_entropy=True
+            )[1],
+            (hid, w, labels, scores.abs() + 0.5),
+        ),
         "causal_lm_logprobs": (
             lambda ids, m: pk.causal_lm_logprobs(lm, ids, m, temperature=0.7),
             (labels, mask.long()),
