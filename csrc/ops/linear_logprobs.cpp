@@ -241,6 +241,16 @@ Out3 backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy, const 
                                      need_hidden, need_weight, need_bias, logits_dtype, softcap);
 }
 
+// The head's gradients at the op's argument slots (hidden 0, weight 1, bias 3); weight's and
+// bias's back in their dtype (the kernels accumulate them in float32).
+void place_head_grads(variable_list& out, const Tensor& gh, const Tensor& gW, const Tensor& gb,
+                      bool need_h, bool need_w, bool need_b, const Tensor& weight,
+                      const Tensor& bias) {
+  if (need_h) out[0] = gh;
+  if (need_w) out[1] = gW.to(weight.scalar_type());
+  if (need_b) out[3] = gb.to(bias.scalar_type());
+}
+
 class LinearFn : public torch::autograd::Function<LinearFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
@@ -285,9 +295,7 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
         ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["max_chunk_bytes"].toInt(), need_h,
         need_w, need_b, ctx->saved_data["logits_dtype"].toStringRef(),
         softcap.isNone() ? std::optional<double>() : softcap.toDouble());
-    if (need_h) out[0] = gh;
-    if (need_w) out[1] = gW.to(weight.scalar_type());  // accumulated in float32
-    if (need_b) out[3] = gb.to(bias.scalar_type());
+    place_head_grads(out, gh, gW, gb, need_h, need_w, need_b, weight, bias);
     return out;
   }
 };
@@ -509,9 +517,7 @@ class LinearSamplerFn : public torch::autograd::Function<LinearSamplerFn> {
         ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["max_chunk_bytes"].toInt(), need_h,
         need_w, need_b, ctx->saved_data["logits_dtype"].toStringRef(),
         softcap.isNone() ? std::optional<double>() : softcap.toDouble());
-    if (need_h) out[0] = gh;
-    if (need_w) out[1] = gW.to(weight.scalar_type());  // accumulated in float32
-    if (need_b) out[3] = gb.to(bias.scalar_type());
+    place_head_grads(out, gh, gW, gb, need_h, need_w, need_b, weight, bias);
     return out;
   }
 };

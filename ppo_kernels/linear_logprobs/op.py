@@ -261,6 +261,24 @@ for _b in _backend.BACKENDS:
     _register(_b)
 
 
+def _head_needs(ctx, bias) -> tuple[bool, bool, bool]:
+    """Which of hidden, weight and bias (the op's arguments 0, 1 and 3) need a gradient."""
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    return need_h, need_w, need_b and bias is not None
+
+
+def _head_grads(gh, gW, gb, need, weight, bias) -> tuple:
+    """The gradients of (hidden, weight, labels, bias), None where not needed; weight's and
+    bias's back in their dtype (the kernels accumulate them in float32)."""
+    need_h, need_w, need_b = need
+    return (
+        gh if need_h else None,
+        gW.to(weight.dtype) if need_w else None,
+        None,
+        gb.to(bias.dtype) if need_b else None,
+    )
+
+
 class _Fallback(torch.autograd.Function):
     """Without the compiled extension (no registered op): the same chunk loop on the backend
     `_backend.backend_for` picks (eager on the CPU, Triton on the GPU), its arguments checked in
@@ -284,8 +302,7 @@ class _Fallback(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent, _grad_lse):
         hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        need_b = need_b and bias is not None
+        need_h, need_w, need_b = _head_needs(ctx, bias)
         none = (None,) * 6
         if not (need_h or need_w or need_b):
             return None, None, None, None, *none
@@ -301,13 +318,7 @@ class _Fallback(torch.autograd.Function):
             ignore_index, budget, need_h, need_w, need_b, logits_dtype, softcap,
             _backend.backend_for("linear_token_logprobs", hidden),
         )  # fmt: skip
-        return (
-            gh if need_h else None,
-            gW.to(weight.dtype) if need_w else None,
-            None,
-            gb.to(bias.dtype) if need_b else None,
-            *none,
-        )
+        return (*_head_grads(gh, gW, gb, (need_h, need_w, need_b), weight, bias), *none)
 
 
 _backend.fallback("linear_token_logprobs")(_Fallback.apply)
@@ -503,8 +514,7 @@ class _SamplerFallback(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent, *_):
         hidden, weight, labels, bias, lse, ent, cut, cut_index, temps = ctx.saved_tensors
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        need_b = need_b and bias is not None
+        need_h, need_w, need_b = _head_needs(ctx, bias)
         if not (need_h or need_w or need_b):
             return None, None, None, None, None
         if grad_lp is None:
@@ -517,13 +527,7 @@ class _SamplerFallback(torch.autograd.Function):
             temperature, temps, ignore_index, budget, need_h, need_w, need_b, logits_dtype,
             softcap, _backend.backend_for("linear_token_logprobs", hidden),
         )  # fmt: skip
-        return (
-            gh if need_h else None,
-            gW.to(weight.dtype) if need_w else None,
-            None,
-            gb.to(bias.dtype) if need_b else None,
-            None,
-        )
+        return (*_head_grads(gh, gW, gb, (need_h, need_w, need_b), weight, bias), None)
 
 
 @_backend.fallback("linear_token_logprobs_sampler")
