@@ -110,7 +110,7 @@ def timing(ctx, N=32768, H=4096, V=152064):
         "linear_token_logprobs": fwd_bwd(
             lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True)
         ),
-        # the CUDA C++ reductions (the default before bench/results/gpu_2026-11-30_H200.md)
+        # the CUDA C++ reductions (the default before bench/results/gpu_H200.md)
         "linear_token_logprobs cpp": lambda: _with_backend(
             "cpp", fwd_bwd(lambda: pk.linear_token_logprobs(h, W, y, return_entropy=True))
         ),

@@ -19,7 +19,7 @@ from .._checks import check_str
 # CPU: a few hundred rows of a 32k-152k vocabulary. GPU: ~2300 rows at V = 152k; each row chunk
 # adds its product into the float32 [V, H] weight gradient (5 GB of traffic at H = 4096), so fewer,
 # larger chunks pay. 2 GiB was faster than 512 MiB at a lower peak, and a larger budget gained
-# little more for a larger peak (bench/results/gpu_2026-11-30_H200.md).
+# little more for a larger peak (bench/results/gpu_H200.md).
 DEFAULT_MAX_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _MIN_ROWS = 16  # below this many rows per chunk, chunk the vocabulary instead
 
@@ -72,7 +72,7 @@ def default_logits_dtype(dtype: torch.dtype, device) -> str:
     Why: on a CPU with native bf16 GEMMs, "input" tiles are the fastest. They also give the
     peers' precision (TRL's and Liger's fused heads). Where the GEMMs are emulated, they are much
     slower than float32 ones. Evidence: bench/results/cpu_head_defaults.md (CPU) and
-    bench/results/gpu_2026-11-30_H200.md (CUDA).
+    bench/results/gpu_H200.md (CUDA).
     """
     if _ENV_DEFAULT != "auto":
         return _ENV_DEFAULT

@@ -16,7 +16,7 @@ from .._math import acc_dtype
 from . import naive
 
 # CUDA: the cpp kernel (a chunked scan with a carry pass), the fastest in
-# bench/results/gpu_2026-11-30_H200.md.
+# bench/results/gpu_H200.md.
 _backend.register_op("gae", kernel="gae_fwd", triton=True, cuda_default="cpp", folder="gae")
 _backend.routes_in_cpp("gae")
 

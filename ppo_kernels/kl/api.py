@@ -51,7 +51,7 @@ _UNBOUNDED = (-_INF, _INF, -_INF, _INF)
 def _k1_by_torch(a: Tensor, b: Tensor) -> Tensor | None:
     """Unclamped k1 of float32 inputs is one IEEE subtraction, the kernels' result bit for bit.
     torch.sub runs it without the custom op's call, whose overhead made the op slower than eager
-    on the CPU and on a GPU (bench/results/cpu_overhead.md, bench/results/gpu_2026-11-30_H200.md).
+    on the CPU and on a GPU (bench/results/cpu_overhead.md, bench/results/gpu_H200.md).
 
     Returns None (the op runs, with its named errors) unless both are float32 of one shape and
     no backend was requested by name. A 0-dim pair on two devices also goes to the op: torch

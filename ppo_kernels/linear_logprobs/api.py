@@ -131,7 +131,7 @@ def linear_token_logprobs(
     about 20 GB in float32). Chunking keeps the peak at the budget. The tiles come from BLAS /
     cuBLAS GEMMs and are reduced by the `token_logprobs` kernels. It plays the part of TRL's and
     Liger's fused LM heads. The CPU / CUDA defaults of `logits_dtype` and `max_chunk_bytes` follow
-    bench/results/cpu_head_defaults.md and bench/results/gpu_2026-11-30_H200.md. Formulas:
+    bench/results/cpu_head_defaults.md and bench/results/gpu_H200.md. Formulas:
     docs/ppo-math.md ("Token log-probs and entropy"); the engine: ppo_kernels/fused_linear/.
     """
     if (  # the default call on [N, H] hidden: the registered op checks the tensors (named)

@@ -29,7 +29,7 @@ from ..token_logprobs import op as tl_op
 # "cpp" = the compiled token_logprobs kernels reduce whole-vocabulary tiles (CPU and CUDA); tiles of
 # vocabulary chunks go to csrc/cpu/linear_logprobs.cpp on the CPU and to the Triton kernels on CUDA
 # (there is no CUDA C++ version of those). "triton" = the Triton token_logprobs kernels reduce
-# whole-vocabulary tiles. Default on CUDA: triton (bench/results/gpu_2026-11-30_H200.md): the
+# whole-vocabulary tiles. Default on CUDA: triton (bench/results/gpu_H200.md): the
 # Triton token_logprobs kernels reach a larger share of the memory bandwidth than the CUDA C++
 # ones, and only the Triton backward writes the bf16 gradient tile the backward matmuls read
 # without a float32 round trip. On every backend the chunk loop itself is Python

@@ -94,7 +94,7 @@ def test_group_advantages(backend, Bg):
         close(pk.rloo_advantages(s, idx), GR.group_advantages(s, idx, kind="rloo"), **tol)
 
 
-# The first GPU run (bench/results/gpu_2026-11-30_H200.md) saw the forward + backward capture fail
+# The first GPU run (bench/results/gpu_H200.md) saw the forward + backward capture fail
 # ("operation failed due to a previous error during capture") with no sync found: the parts are
 # captured separately too, so the next GPU run says which part breaks it (the forward alone,
 # autograd.grad through the registered backward, or one of the two aggregations). Since then the op

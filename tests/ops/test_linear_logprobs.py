@@ -844,7 +844,7 @@ def test_auto_logits_dtype_follows_the_cpus_bf16_support(auto_logits_dtype, nati
     assert pk.default_logits_dtype(torch.bfloat16, torch.device("cpu")) == want
     assert pk.default_logits_dtype(torch.bfloat16, "cpu") == want
     # fp16 follows its own support; CUDA is float32 tiles (faster there:
-    # bench/results/gpu_2026-11-30_H200.md); float32 inputs have float32 tiles whatever the mode
+    # bench/results/gpu_H200.md); float32 inputs have float32 tiles whatever the mode
     assert pk.default_logits_dtype(torch.float16, "cpu") == "float32"
     assert pk.default_logits_dtype(torch.bfloat16, torch.device("cuda", 0)) == "float32"
     assert pk.default_logits_dtype(torch.float32, "cpu") == "float32"
