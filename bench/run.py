@@ -60,6 +60,12 @@ BENCHMARKS = {
         "cpu_sampler",
         ["bench/bench_sampler.py", "--out", "{out}"],
     ),
+    "linear_sampler": (
+        "linear_token_logprobs under the sampler's distribution and with the head's statistics "
+        "vs the plain pass and F.linear + eager sort-and-cumsum",
+        "cpu_linear_sampler",
+        ["bench/bench_linear_sampler.py", "--out", "{out}"],
+    ),
     "overhead": (
         "per-call cost of every op at 2 x 8 and 64 x 4096, one thread",
         "cpu_overhead",

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "common/cpu_rows.h"
@@ -242,11 +243,55 @@ inline SoftmaxStats block_stats_e2(const float* z, int64_t n, float m, float& e2
   return {m, s, u};
 }
 
+// The top ids' candidates, collected in the statistics pass: every token whose scaled logit z is
+// at least zb, a sure bound on the k-th largest (at least k tokens of the row are at or above it),
+// raised as the pass goes: once the band holds more than `limit` tokens, the k-th largest logit
+// among them becomes the bound and the tokens below it are dropped (ties kept). A row in random
+// order then collects about k ln(V / k) tokens.
+struct TopCollector {
+  std::vector<BandItem<float>>& band;
+  float zb, inv_t;
+  int64_t k;
+  size_t limit;
+
+  // The block's tokens with z >= zb, with their logit and index (nd and mass are filled in once
+  // the row's max is known).
+  template <typename scalar_t>
+  void add(const float* z, int64_t n, const scalar_t* x, int64_t j0) {
+    const Vec vb(zb);
+    int64_t i = 0;
+    const auto push = [&](int64_t t) {
+      band.push_back({static_cast<float>(x[t]), 0.f, 0.f, static_cast<int32_t>(j0 + t)});
+    };
+    for (; i + Vec::size() <= n; i += Vec::size())
+      for (int bits = mask_bits(Vec::loadu(z + i) >= vb); bits; bits &= bits - 1)
+        push(i + __builtin_ctz(bits));
+    for (; i < n; ++i)
+      if (z[i] >= zb) push(i);
+    if (band.size() > limit) raise();
+  }
+
+ private:
+  void raise() {
+    const auto larger = [](const BandItem<float>& a, const BandItem<float>& b) {
+      return a.x > b.x;
+    };
+    std::nth_element(band.begin(), band.begin() + (k - 1), band.end(), larger);
+    const float xk = band[k - 1].x;
+    band.erase(std::remove_if(band.begin(), band.end(),
+                              [xk](const BandItem<float>& it) { return !(it.x >= xk); }),
+               band.end());
+    zb = std::max(zb, scaled(xk, inv_t));  // z is non-decreasing in x
+    limit = std::max(limit, 2 * band.size());
+  }
+};
+
 // keep (V floats, when given): left holding exp(z_j - m_b) for each block b, whose max m_b goes to
-// mb[b] (as row_logprob<true>'s), for top_p_hist.
+// mb[b] (as row_logprob<true>'s), for top_p_hist. top (when given): the top ids' candidates, read
+// from each block while it is in L1.
 template <typename scalar_t>
 RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2,
-                          float* keep = nullptr, float* mb = nullptr) {
+                          float* keep = nullptr, float* mb = nullptr, TopCollector* top = nullptr) {
   SoftmaxStats st = stats_empty();
   float e2 = 0.f;
   for (int64_t j = 0, blk = 0; j < V; j += kBlock, ++blk) {
@@ -257,6 +302,7 @@ RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* bu
       continue;
     }
     const float m = load_scaled(row + j, n, inv_t, buf);
+    if (top) top->add(buf, n, row + j, j);
     if (!with_e2) {
       st = stats_merge(st, block_stats(buf, n, m));
       continue;
@@ -515,6 +561,22 @@ class RowSample {
   int64_t n_ = 0, V_ = 1;
   bool sorted_ = false;
 };
+
+// The k-th largest of n = min(V, kSize) evenly spaced logits of the row (the row's own k-th
+// largest when n = V), or -inf when k > n: at least k tokens of the row are at or above it. NaN
+// reads as -inf (a row holding one takes the float64 path).
+template <typename scalar_t>
+float sampled_kth_largest(const scalar_t* row, int64_t V, int64_t k, std::vector<float>& tmp) {
+  const int64_t n = std::min(V, RowSample::kSize);
+  if (k > n) return -INFINITY;
+  tmp.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = static_cast<float>(row[n == V ? i : (i * V) / n]);
+    tmp[i] = x == x ? x : -INFINITY;
+  }
+  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<float>());
+  return tmp[k - 1];
+}
 
 // Step 4: the walk over the band, in rank order after the tokens `above` it. Returns false when
 // a bound did not hold (a boundary lies above or below the band; the caller widens them).
@@ -1033,9 +1095,18 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     ws.mass.resize(V);
     ws.mass_mb.resize((V + kBlock - 1) / kBlock);
   }
-  const RowStatsExt rs =
-      row_stats_ext(row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc,
-                    p_hist ? ws.mass.data() : nullptr, p_hist ? ws.mass_mb.data() : nullptr);
+  // the top ids without a truncation: the statistics pass also collects the tokens at or above a
+  // sure bound on the k-th largest logit (a sample's k-th largest), so no second pass reads the row
+  const bool ids_only = !trunc && a.stats_top_k > 0;
+  TopCollector top{ws.band, INFINITY, inv_t, a.stats_top_k,
+                   static_cast<size_t>(std::max<int64_t>(512, 4 * a.stats_top_k))};
+  if (ids_only) {
+    ws.band.clear();
+    top.zb = scaled(sampled_kth_largest(row, V, a.stats_top_k, ws.sample_nd), inv_t);
+  }
+  const RowStatsExt rs = row_stats_ext(
+      row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,
+      p_hist ? ws.mass_mb.data() : nullptr, ids_only ? &top : nullptr);
   const SoftmaxStats& st = rs.st;
   const float xl = static_cast<float>(row[label]);
   o.full_lse = stats_lse(st);
@@ -1106,6 +1177,17 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
     if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
     if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
+  }
+  if (ids_only) {  // the collected band holds the k largest (and their ties)
+    const bool scale = inv_t_scales(inv_t);
+    for (BandItem<float>& it : ws.band) {
+      it.nd = nd_of(it.x, inv_t, m, scale);
+      it.e = std::exp(it.nd);
+    }
+    ws.ranked.build(ws.band);
+    ok = ws.ranked.size() >= a.stats_top_k;
+    w.cut = -INFINITY;
+    w.cut_index = V - 1;
   }
   // else (and where the histogram's bound did not hold): bounds from a sample of the row, tried in
   // turn: the estimates; for top-p without top-k its sure lower bound; then the bounds that always

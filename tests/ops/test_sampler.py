@@ -244,13 +244,24 @@ def test_boundaries(backend):
             torch.testing.assert_close(pk.token_logprobs(logits, labels, **kw), plain)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_statistics_without_truncation(backend):
-    logits, labels = inputs(8, 500, ignore_frac=0.25)
+@pytest.mark.parametrize(
+    "backend,V,k,order",
+    [(b, 500, 7, "random") for b in BACKENDS]
+    + [("cpp", 9000, k, o) for k in (1, 64) for o in ("random", "ascending", "ties")],
+)
+def test_statistics_without_truncation(backend, V, k, order):
+    """The top ids without a truncation: the CPU kernel collects them in its statistics pass
+    behind a bound it raises block by block. Rows in random order, in ascending order (each block
+    raises the bound) and with wide ties (the k-th value shared by many tokens)."""
+    logits, labels = inputs(8, V, ignore_frac=0.25)
+    if order == "ascending":
+        logits = logits.sort(-1).values
+    elif order == "ties":
+        logits = torch.randint(-40, 5, (8, V)).float() / 4
     with use_backend(backend), poisoned():
         outs = ops.token_logprobs_sampler(
             logits, labels, 0.8, None, 0, None, 1.0, None, 0.0, None, "vllm", -100, True, True,
-            True, 7, True,
+            True, k, True,
         )  # fmt: skip
     check_against_truth(logits, labels, 0.8, 0, 1.0, 0.0, "vllm", outs)
     ignored = labels == -100
