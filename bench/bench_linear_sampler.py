@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import interleaved_medians, machine, peak_extra_bytes, write_report  # noqa: E402
+from _common import interleaved_medians, machine, write_report  # noqa: E402
+from bench_sampler import eager_lines, ratio_lines  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels.token_logprobs import naive  # noqa: E402
@@ -90,15 +91,13 @@ def main():
             for f in modes.values():
                 f()
             med, load = interleaved_medians(modes, a.reps)
-            lines += [
+            lines += ratio_lines(
                 f"## N={a.n} H={a.h} V={a.v} {dname}, forward: each option vs the plain pass "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
-                "",
-                "| variant | ms | vs plain |",
-                "|---|---|---|",
-            ]
-            lines += [f"| {k} | {s * 1e3:.0f} | {s / med['plain']:.2f}x |" for k, s in med.items()]
-            lines.append("")
+                med,
+                "plain",
+                digits=0,
+            )
             x = w = y = t = modes = None  # free before the next table
 
             x, w, y, t = inputs(a.n_eager, a.h, a.v, dtype)
@@ -112,23 +111,14 @@ def main():
             for f in modes.values():
                 f()
             med, load = interleaved_medians(modes, a.reps)
-            lines += [
+            lines += eager_lines(
                 f"## N={a.n_eager} H={a.h} V={a.v} {dname}, forward: fused vs F.linear + eager "
                 f"sort-and-cumsum (load {load[0]:.1f} / {load[1]:.1f})",
-                "",
-                "| options | fused ms | eager ms | speed-up | fused peak MB | eager peak MB | "
-                "memory ratio |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for name in EAGER:
-                fs, es = med[f"fused {name}"], med[f"eager {name}"]
-                fm = peak_extra_bytes(modes[f"fused {name}"]) / 2**20
-                em = peak_extra_bytes(modes[f"eager {name}"]) / 2**20
-                lines.append(
-                    f"| {name} | {fs * 1e3:.0f} | {es * 1e3:.0f} | {es / fs:.1f}x | {fm:.0f} | "
-                    f"{em:.0f} | {fm / em:.3f} |"
-                )
-            lines.append("")
+                modes,
+                med,
+                EAGER,
+                digits=0,
+            )[0]
             x = w = y = t = modes = None  # free before the next table
 
         with pk.use_backend("cpp"):
@@ -139,15 +129,13 @@ def main():
             for f in modes.values():
                 f()
             med, load = interleaved_medians(modes, a.reps)
-            lines += [
+            lines += ratio_lines(
                 f"## N={a.n_grad} H={a.h} V={a.v} {dname}, forward + backward (load "
                 f"{load[0]:.1f} / {load[1]:.1f})",
-                "",
-                "| variant | ms | vs plain |",
-                "|---|---|---|",
-            ]
-            lines += [f"| {k} | {s * 1e3:.0f} | {s / med['plain']:.2f}x |" for k, s in med.items()]
-            lines.append("")
+                med,
+                "plain",
+                digits=0,
+            )
             x = w = y = t = modes = None  # free before the next table
     write_report(lines, a.out)
 

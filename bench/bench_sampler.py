@@ -71,6 +71,38 @@ EAGER_CASES = {
 }
 
 
+def ratio_lines(title, med, base, digits=1):
+    """A markdown table of each mode's median time and its ratio to `base` (a name, or a function
+    of the mode's name giving one)."""
+    lines = [title, "", "| variant | ms | vs plain |", "|---|---|---|"]
+    for name, sec in med.items():
+        ref = med[base(name) if callable(base) else base]
+        lines.append(f"| {name} | {sec * 1e3:.{digits}f} | {sec / ref:.2f}x |")
+    return lines + [""]
+
+
+def eager_lines(title, modes, med, names, digits=1):
+    """A markdown table of the fused call against the eager one for each of `names` (modes
+    "fused <name>" and "eager <name>"): time, speed-up, peak memory; and its rows for the CSV."""
+    lines = [
+        title,
+        "",
+        "| options | fused ms | eager ms | speed-up | fused peak MB | eager peak MB | memory ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for name in names:
+        fs, es = med[f"fused {name}"], med[f"eager {name}"]
+        fm = peak_extra_bytes(modes[f"fused {name}"]) / 2**20
+        em = peak_extra_bytes(modes[f"eager {name}"]) / 2**20
+        lines.append(
+            f"| {name} | {fs * 1e3:.{digits}f} | {es * 1e3:.{digits}f} | {es / fs:.1f}x | "
+            f"{fm:.2f} | {em:.0f} | {fm / em:.4f} |"
+        )
+        rows.append(dict(variant=name, ms=fs * 1e3, eager_ms=es * 1e3, fused_mb=fm, eager_mb=em))
+    return lines + [""], rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4096)
@@ -105,20 +137,16 @@ def main():
             for f in modes.values():  # warm up (and the buffers of each path)
                 f()
             med, load = interleaved_medians(modes, a.reps)
-            base = med["plain"]
-            lines += [
+            lines += ratio_lines(
                 f"## N={a.n} V={a.v} {dname}: each variant vs the plain pass "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
-                "",
-                "| variant | ms | vs plain |",
-                "|---|---|---|",
-            ]
+                med,
+                lambda name: "plain, peaked rows" if "peaked" in name else "plain",
+            )
             for name, sec in med.items():
-                ref = med["plain, peaked rows"] if "peaked" in name else base
-                lines.append(f"| {name} | {sec * 1e3:.1f} | {sec / ref:.2f}x |")
+                ref = med["plain, peaked rows"] if "peaked" in name else med["plain"]
                 rows.append(dict(table="vs plain", dtype=dname, n=a.n, v=a.v, variant=name,
                                  ms=sec * 1e3, ratio=sec / ref))  # fmt: skip
-            lines.append("")
             del x, y, t, xp, modes
             # against eager sort-and-cumsum, at fewer rows
             x, y, t = inputs(a.n_eager, a.v, dtype)
@@ -131,25 +159,15 @@ def main():
             for f in modes.values():
                 f()
             med, load = interleaved_medians(modes, a.reps)
-            lines += [
+            table, erows = eager_lines(
                 f"## N={a.n_eager} V={a.v} {dname}: fused vs eager sort-and-cumsum "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
-                "",
-                "| options | fused ms | eager ms | speed-up | fused peak MB | eager peak MB | "
-                "memory ratio |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for name in EAGER_CASES:
-                fs, es = med[f"fused {name}"], med[f"eager {name}"]
-                fm = peak_extra_bytes(modes[f"fused {name}"]) / 2**20
-                em = peak_extra_bytes(modes[f"eager {name}"]) / 2**20
-                lines.append(
-                    f"| {name} | {fs * 1e3:.1f} | {es * 1e3:.1f} | {es / fs:.1f}x | {fm:.2f} | "
-                    f"{em:.0f} | {fm / em:.4f} |"
-                )
-                rows.append(dict(table="vs eager", dtype=dname, n=a.n_eager, v=a.v, variant=name,
-                                 ms=fs * 1e3, eager_ms=es * 1e3, fused_mb=fm, eager_mb=em))  # fmt: skip
-            lines.append("")
+                modes,
+                med,
+                EAGER_CASES,
+            )
+            lines += table
+            rows += [dict(table="vs eager", dtype=dname, n=a.n_eager, v=a.v, **r) for r in erows]
             del x, y, t, modes
     write_report(lines, a.out)
     if a.csv:
