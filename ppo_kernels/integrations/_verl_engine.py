@@ -84,8 +84,9 @@ def fsdp_model_inputs(a, orig, o):
     the temperatures out per token as the model's packed / Ulysses-sliced rows, plus what its fused
     branch adds; the temperatures go to the fused forward as [1, tokens, 1] (remove-padding) or
     [batch, 1, 1], which the patched fused kernels take per row. Also asks the fused kernel for
-    Σπ² where the micro-batch wants it."""
-    mb = a["micro_batch"]
+    Σπ² where the micro-batch wants it. An engine that overrides prepare_model_inputs (VeOmni's:
+    its model's fused forward runs VeOmni's kernels, not verl's) keeps verl's assertion."""
+    self, mb = a["self"], a["micro_batch"]
     fused = _flag(mb, "use_fused_kernels")
     SUM_P2.ask(fused and _flag(mb, "calculate_sum_pi_squared"))
     t = mb["temperature"]
@@ -94,6 +95,13 @@ def fsdp_model_inputs(a, orig, o):
     if not isinstance(t, torch.Tensor):
         raise Passthrough("a number temperature: verl's fused branch passes it on")
     need(t.dim() == 1, "temperature", f"shape {tuple(t.shape)}: expected [batch] (per sample)")
+    ours = sys.modules[FSDP].FSDPEngineWithLMHead.prepare_model_inputs
+    need(
+        type(self).prepare_model_inputs is ours,
+        "self",
+        f"{type(self).__name__} overrides prepare_model_inputs: its fused forward may not run "
+        "verl's kernels",
+    )
     inputs, args = call(orig, _with_flags(a, use_fused_kernels=False))
     if _flag(mb, "use_remove_padding", True):
         temperature = args["temperature_rmpad"].view(1, -1, 1)

@@ -410,6 +410,11 @@ def test_verl_fused_refusals_kept(verl_engine):
         eng.prepare_model_inputs(micro_batch=mb)
     with pki.patched("verl", strict=False), pytest.raises(AssertionError, match="per sample"):
         eng.prepare_model_inputs(micro_batch=mb)
+    # VeOmni's engine overrides prepare_model_inputs (super() first): its fused forward is its own
+    eng.__class__ = type("Overriding", (type(eng),), {"prepare_model_inputs": lambda s, **k: 0})
+    mb = _verl_batch(torch.ones(3), use_fused_kernels=True)
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="'self'.*Overriding"):
+        ti.FSDPEngineWithLMHead.prepare_model_inputs(eng, micro_batch=mb)
 
 
 # ------------------------------------------------------------------ OpenRLHF 0.11
