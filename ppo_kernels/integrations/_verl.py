@@ -393,13 +393,14 @@ def linear_cross_entropy(a, orig, o):
         stats=SUM_P2.stats() if red.lower() == "none" else None,
         **kw,
     )
-    if st:
-        SUM_P2.keep(lp, st)
     if red.lower() == "sum":
         lp = lp.sum()
     elif red.lower() == "mean":
         lp = lp.mean()
-    return o.out(lp, torch.float32), o.out(ent, torch.float32)
+    lp = o.out(lp, torch.float32)
+    if st:  # kept with the log-probs the caller gets
+        SUM_P2.keep(lp, st)
+    return lp, o.out(ent, torch.float32)
 
 
 def _targets():
