@@ -25,12 +25,14 @@ def linear_logprobs(
     with_entropy=True,
     logits_dtype="float32",
     softcap=None,
+    stats=None,
     **distributed,
 ):
     """linear_token_logprobs as the peer's `(hidden @ weight.T) / temperature` computes it: in
     `compute_dtype` (the autocast dtype where the peer's matmul autocasts: the operands are cast
     as autocast casts them), per-row temperatures `rows` folded into the hidden states. Our tiles
-    run with autocast off: their dtype is `logits_dtype`'s, not autocast's."""
+    run with autocast off: their dtype is `logits_dtype`'s, not autocast's. `stats`: the head's
+    statistics, a HeadStats after the results (linear_token_logprobs' `stats`)."""
     dt = compute_dtype or h.dtype
     h, w = h.to(dt), w.to(dt)
     bias = None if bias is None else bias.to(dt)
@@ -52,6 +54,7 @@ def linear_logprobs(
             return_entropy=with_entropy,
             logits_dtype=logits_dtype,
             softcap=softcap,
+            stats=stats,
             **distributed,
         )
 

@@ -32,6 +32,7 @@ from ._args import (
 from ._fused import FusedPair
 from ._hidden import half_tiles, linear_logprobs
 from ._patch import Fallback, Passthrough, Peer, Target
+from ._verl_engine import SUM_P2, fsdp_model_inputs, fused_sum_p2_outputs
 from ._verl_losses import AGG_MODES, legacy_policy_loss
 from ._verl_losses import targets as loss_targets
 
@@ -250,10 +251,13 @@ def fsdp_model_outputs(a, orig, o):
     """FSDPEngineWithLMHead.prepare_model_outputs (verl 0.9's actor and reference forward after
     the model): with remove-padding and entropy asked for, verl calls the engine's
     `compute_entropy_from_logits` then `logprobs_from_logits` on the same temperature-scaled
-    logits; here one token_logprobs pass gives both. Everything else is verl's own code."""
+    logits; here one token_logprobs pass gives both. Everything else is verl's own code. With
+    use_fused_kernels and calculate_sum_pi_squared (verl raises), the fused kernel's Σπ²."""
     self, mb = a["self"], a["micro_batch"]
     flag = sys.modules[FSDP].tu.get_non_tensor_data
     if flag(data=mb, key="use_fused_kernels", default=False):
+        if flag(data=mb, key="calculate_sum_pi_squared", default=False):
+            return fused_sum_p2_outputs(a, orig)
         raise Passthrough("use_fused_kernels: verl's fused kernels compute both from hidden states")
     if not flag(data=mb, key="calculate_entropy", default=False):
         raise Passthrough("calculate_entropy=False: log-probs only (one pass already)")
@@ -320,23 +324,18 @@ def fused_linear_for_ppo(a, orig, o):
     """FusedLinearForPPO.forward (use_fused_kernels=True, backends "torch" and "liger": the fused
     forwards of verl.models.transformers call it with the last hidden states and lm_head.weight)
     -> (log_probs float32, entropy in the hidden states' dtype) on linear_token_logprobs. The "liger"
-    backend (where liger-kernel imports) ignores labels -100, as Liger's kernel does; bf16 / fp16
-    logits tiles are rounded to that dtype, as verl's `hidden @ weight.T` rounds them."""
+    backend (where liger-kernel imports) ignores labels -100, as Liger's kernel does (and takes a
+    per-row temperature tensor, which Liger's kernel cannot); bf16 / fp16 logits tiles are rounded
+    to that dtype, as verl's `hidden @ weight.T` rounds them. Σπ² kept where the engine asks."""
     self, h, w, y = a["self"], a["hidden_states"], a["vocab_weights"], a["input_ids"]
     _hidden_args(h, w, y, ("hidden_states", "vocab_weights", "input_ids"))
     need(h.dim() in (2, 3), "hidden_states", "expected [tokens, hidden] or [batch, tokens, hidden]")
     liger = self.impl_backend == "liger" and (
         sys.modules[EXP_TF]._LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY is not None
     )
-    t = a["temperature"]
-    need(
-        not liger or not isinstance(t, torch.Tensor),
-        "temperature",
-        "a tensor: Liger's kernel takes a number",
-    )
-    t, rows = temperature_arg(t, tuple(y.shape))
+    t, rows = temperature_arg(a["temperature"], tuple(y.shape))
     dt = matmul_dtype(h, w)
-    lp, ent = linear_logprobs(
+    out = linear_logprobs(
         h,
         w,
         y.long(),
@@ -345,8 +344,11 @@ def fused_linear_for_ppo(a, orig, o):
         compute_dtype=dt,
         ignore_index=-100 if liger else NO_IGNORE,
         logits_dtype=half_tiles(dt),
+        stats=SUM_P2.stats(),
     )
-    return o.out(lp, torch.float32), o.out(ent, h.dtype)  # verl's output buffers' dtypes
+    lp = o.out(out[0], torch.float32)  # verl's output buffers' dtypes
+    SUM_P2.keep(lp, out)
+    return lp, o.out(out[1], h.dtype)
 
 
 def linear_cross_entropy(a, orig, o):
@@ -354,7 +356,9 @@ def linear_cross_entropy(a, orig, o):
     Megatron's fused forward with its tensor-parallel group) -> (log-probs, entropy), float32,
     flattened to [tokens] (the log-probs summed / averaged for reduction "sum" / "mean"), on
     linear_token_logprobs (float32 tiles, as verl's kernel accumulates them); a process group:
-    this rank's vocabulary slice, the hidden gradient left to the caller's layers, as verl's."""
+    this rank's vocabulary slice, the hidden gradient left to the caller's layers, as verl's. A
+    per-row temperature tensor (verl asserts a float; the FSDP engine's lifted per-sample
+    temperatures) is taken as FusedLinearForPPO takes it; Σπ² kept where the engine asks."""
     h, w, y = a["hidden"], a["weight"], a["labels"]
     tensor(h, "hidden")
     tensor(y, "labels")
@@ -362,12 +366,8 @@ def linear_cross_entropy(a, orig, o):
     h2, y2 = h.reshape(-1, h.shape[-1]), y.reshape(-1)
     _hidden_args(h2, w, y2, ("hidden", "weight", "labels"))
     need(w.dtype == h.dtype, "weight", f"dtype {w.dtype} differs from the hidden's {h.dtype}")
-    t = a["temperature"]
-    need(
-        isinstance(t, numbers.Real) and not isinstance(t, bool) and t > 0,
-        "temperature",
-        "expected a positive number (verl asserts a float)",
-    )
+    t, rows = temperature_arg(a["temperature"], tuple(y.shape))
+    rows = None if rows is None else rows.reshape(-1)
     red = a["reduction"]
     need(
         isinstance(red, str) and red.lower() in ("none", "sum", "mean"),
@@ -383,12 +383,24 @@ def linear_cross_entropy(a, orig, o):
             "vocab_start": dist.get_rank(pg) * w.shape[0],  # verl's kernel: rank * its slice
             "reduce_hidden_grad": False,
         }
-    lp, ent = linear_logprobs(h2, w, y2.long(), temperature=float(t), compute_dtype=h.dtype, **kw)
+    lp, ent, *st = linear_logprobs(
+        h2,
+        w,
+        y2.long(),
+        temperature=t,
+        rows=rows,
+        compute_dtype=h.dtype,
+        stats=SUM_P2.stats() if red.lower() == "none" else None,
+        **kw,
+    )
     if red.lower() == "sum":
         lp = lp.sum()
     elif red.lower() == "mean":
         lp = lp.mean()
-    return o.out(lp, torch.float32), o.out(ent, torch.float32)
+    lp = o.out(lp, torch.float32)
+    if st:  # kept with the log-probs the caller gets
+        SUM_P2.keep(lp, st)
+    return lp, o.out(ent, torch.float32)
 
 
 def _targets():
@@ -419,6 +431,12 @@ def _targets():
             # CPU-only torch): then verl's fused-kernel path cannot run at all, nothing to patch
             Target(EXP_TF, "FusedLinearForPPO.forward", fused_linear_for_ppo, optional=True),
             Target(KERNEL, "linear_cross_entropy", linear_cross_entropy),
+            Target(
+                FSDP,
+                "FSDPEngineWithLMHead.prepare_model_inputs",
+                fsdp_model_inputs,
+                optional=True,
+            ),
             Target(
                 FSDP,
                 "FSDPEngineWithLMHead.prepare_model_outputs",

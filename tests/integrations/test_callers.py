@@ -11,6 +11,7 @@ import contextlib
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from support import BENCH
@@ -137,18 +138,20 @@ def _verl_setup(ti, tf, *, chunked=False, checkpointing=False, bucket=0):
     return eng
 
 
+VERL_LENS = (5, 9, 3)
+
+
 def _verl_batch(temperature, **flags):
     g = torch.Generator().manual_seed(3)
-    lens = [5, 9, 3]
-    ids = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    ids = [torch.randint(0, V, (n,), generator=g) for n in VERL_LENS]
     nested = torch.nested.nested_tensor(ids, layout=torch.jagged)
-    pos = torch.nested.nested_tensor([torch.arange(n) for n in lens], layout=torch.jagged)
+    pos = torch.nested.nested_tensor([torch.arange(n) for n in VERL_LENS], layout=torch.jagged)
     return _MicroBatch(
         input_ids=nested, position_ids=pos, temperature=temperature, calculate_entropy=True, **flags
     )
 
 
-def _verl_run(eng, mb):
+def _verl_run(eng, mb, keys=("log_probs", "entropy")):
     """verl's FSDPEngineWithLMHead.forward_step without the FSDP / autocast / loss plumbing."""
 
     def run():
@@ -157,7 +160,7 @@ def _verl_run(eng, mb):
         out = eng.prepare_model_outputs(
             output=raw, output_args=args, micro_batch=mb, logits_processor_func=None
         )
-        return [out[k].values() for k in ("log_probs", "entropy") if k in out]
+        return [out[k].values() for k in keys if k in out]
 
     return run
 
@@ -277,6 +280,141 @@ def test_verl_fused_kernels_padded(verl_engine):
     run = _verl_fused_run(eng, 0.8, remove_padding=False)
     fns, calls = _compare("verl", eng.module, run)
     assert fns[VERL_KERNELS["torch"]]["replaced"] == 1 and calls == [("hidden", True)]
+
+
+# ------------------------------------------------------------------ verl 0.9, what its fused kernels refuse
+
+VERL_INPUTS = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_inputs"
+PER_SAMPLE = (0.6, 1.0, 1.3)
+STATS = ("log_probs", "entropy", "sum_pi_squared")
+
+
+def _verl_stats_run(eng, temperature, *, fused=True, remove_padding=True, sum_p2=False):
+    """The engine's outputs, packed; without remove-padding, without each sequence's last token:
+    verl's padded fused forward rolls the labels within each padded row, its unfused
+    path across the packed batch, so that one token's label differs between verl's own paths."""
+    if temperature == "per-sample":
+        temperature = torch.tensor(PER_SAMPLE)
+    mb = _verl_batch(
+        temperature,
+        use_fused_kernels=fused,
+        use_remove_padding=remove_padding,
+        calculate_sum_pi_squared=sum_p2,
+    )
+    run = _verl_run(eng, mb, STATS)
+    if remove_padding:
+        return run
+    keep = torch.ones(sum(VERL_LENS), dtype=torch.bool)
+    keep[torch.tensor(VERL_LENS).cumsum(0) - 1] = False
+    return lambda: [o[keep] for o in run()]
+
+
+@pytest.mark.parametrize(
+    "backend, remove_padding",
+    [("torch", True), ("triton", True), ("liger", True), ("torch", False)],
+)
+def test_verl_fused_per_sample_temperature(verl_engine, backend, remove_padding):
+    """A per-sample temperature with use_fused_kernels (verl asserts a number): the patched
+    prepare_model_inputs hands the fused forward verl's per-token temperatures, the patched fused
+    kernel takes them per row; the same log-probs, entropy and model gradients as verl's unfused
+    path (logits / temperature per token), in one linear_token_logprobs pass."""
+    ti, tf = verl_engine
+    eng = _verl_fused_engine(ti, tf, backend, bucket=8 if remove_padding else 0)
+    with pytest.raises(AssertionError, match="per sample temperature"):  # verl's own
+        _verl_stats_run(eng, "per-sample", remove_padding=remove_padding)()
+    plain = _verl_setup(ti, tf, bucket=8 if remove_padding else 0)
+    run = _verl_stats_run(plain, "per-sample", fused=False, remove_padding=remove_padding)
+    ref = _outputs_and_grads(plain.module, run)
+    with pki.patched("verl"), _passes() as calls:
+        run = _verl_stats_run(eng, "per-sample", remove_padding=remove_padding)
+        got = _outputs_and_grads(eng.module, run)
+        fns = pki.report("verl")["functions"]
+    _assert_close(ref, got)
+    assert fns[VERL_INPUTS]["replaced"] == 1 and fns[VERL_KERNELS[backend]]["replaced"] == 1
+    assert calls == [("hidden", True)]
+
+
+@pytest.mark.parametrize(
+    "temperature, remove_padding", [("per-sample", True), (0.7, True), ("per-sample", False)]
+)
+def test_verl_fused_sum_pi_squared(verl_engine, temperature, remove_padding):
+    """calculate_sum_pi_squared with use_fused_kernels (verl raises: no logits): Σπ² from the
+    fused kernel's one pass, against verl's eager path (calculate_sum_pi_squared_from_logits on
+    the materialised logits / temperature per token), and verl's optimal-token-baseline
+    advantages from either equal. Float32 throughout: Σπ² and the log-probs within 1e-5 relative
+    + 1e-6 absolute (one softmax's round-off), the advantages and returns the same (the baseline's
+    weights W sum about 20 terms of those)."""
+    ti, tf = verl_engine
+    core = import_peer("verl.trainer.ppo.core_algos")
+    bucket = 8 if remove_padding else 0
+    eng = _verl_fused_engine(ti, tf, "torch", bucket=bucket)
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):  # verl's own
+        _verl_stats_run(eng, 0.7, remove_padding=remove_padding, sum_p2=True)()
+    plain = _verl_setup(ti, tf, bucket=bucket)
+    run = _verl_stats_run(
+        plain, temperature, fused=False, remove_padding=remove_padding, sum_p2=True
+    )
+    with torch.no_grad():
+        ref = run()
+        with pki.patched("verl"), _passes() as calls:
+            run = _verl_stats_run(eng, temperature, remove_padding=remove_padding, sum_p2=True)
+            got = run()
+            fns = pki.report("verl")["functions"]
+    assert len(got) == len(ref) == 3 and calls == [("hidden", True)]
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    assert fns[VERL_CALLER]["replaced"] == 1 and fns[VERL_CALLER]["notes"]
+    assert fns[VERL_KERNELS["torch"]]["replaced"] == 1
+    assert fns[VERL_INPUTS]["replaced" if temperature == "per-sample" else "passed"] == 1
+
+    # the optimal-token baseline over the three sequences as one prompt's group, every token
+    # but the last (no next token: see _verl_stats_run) a response token with a reward
+    lens = torch.tensor(VERL_LENS) - (0 if remove_padding else 1)
+    mask = (torch.arange(max(VERL_LENS)) < lens.unsqueeze(1)).float()
+    rewards = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)) * mask
+
+    def otb(lp, sp):
+        pad = torch.zeros(mask.shape)
+        return core.compute_optimal_token_baseline_advantage(
+            rewards,
+            mask,
+            np.zeros(3, dtype=np.int64),
+            pad.masked_scatter(mask.bool(), lp),
+            pad.masked_scatter(mask.bool(), sp),
+        )
+
+    want, have = otb(ref[0], ref[2]), otb(got[0], got[2])
+    assert want[0].abs().max() > 0.1  # a baseline that varies per token, not zero advantages
+    for a, b in zip(want, have):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+def test_verl_fused_refusals_kept(verl_engine):
+    """What the patch cannot lift keeps verl's error: Σπ² asked of prepare_model_outputs whose
+    fused forward did not run a patched kernel asked for it, and a temperature tensor that is not
+    per sample (strict: Unsupported naming the argument)."""
+    ti, tf = verl_engine
+    eng = _verl_fused_engine(ti, tf, "torch")
+    mb = _verl_batch(0.7, use_fused_kernels=True, calculate_sum_pi_squared=True)
+    raw = types.SimpleNamespace(log_probs=torch.zeros(1, 17), entropy=torch.zeros(1, 17))
+    outputs = {"output": raw, "output_args": {}, "micro_batch": mb, "logits_processor_func": None}
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="'calculate_sum_pi_squared'"):
+        eng.prepare_model_outputs(**outputs)
+    with pki.patched("verl", strict=False):
+        with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):  # verl's
+            eng.prepare_model_outputs(**outputs)
+        assert pki.report("verl")["functions"][VERL_CALLER]["fallbacks"] == 1
+    mb = _verl_batch(torch.ones(3, 1), use_fused_kernels=True)
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="'temperature'"):
+        eng.prepare_model_inputs(micro_batch=mb)
+    with pki.patched("verl", strict=False), pytest.raises(AssertionError, match="per sample"):
+        eng.prepare_model_inputs(micro_batch=mb)
+    # VeOmni's engine overrides prepare_model_inputs (super() first): its fused forward is its own
+    eng.__class__ = type("Overriding", (type(eng),), {"prepare_model_inputs": lambda s, **k: 0})
+    mb = _verl_batch(torch.ones(3), use_fused_kernels=True)
+    with pki.patched("verl"), pytest.raises(pki.Unsupported, match="'self'.*Overriding"):
+        ti.FSDPEngineWithLMHead.prepare_model_inputs(eng, micro_batch=mb)
 
 
 # ------------------------------------------------------------------ OpenRLHF 0.11

@@ -66,8 +66,9 @@ def test_torch_backend(verl, shape, temperature):
 
 def test_liger_backend(verl, monkeypatch):
     """impl_backend="liger": Liger's kernel where liger-kernel imports (its CPU path here; labels
-    -100 give 0), else verl's torch route -- both mirrored."""
-    exp, _, _ = verl
+    -100 give 0; a per-row temperature tensor, which Liger's kernel cannot take, as verl's unfused
+    path), else verl's torch route -- both mirrored."""
+    exp, _, tf = verl
     h, w, y, _ = _inputs((2, 40))
     y[0, :3] = -100
     if exp._LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY is not None:
@@ -82,8 +83,10 @@ def test_liger_backend(verl, monkeypatch):
             atol=ATOL,
         )
         assert not got[0][0, :3].any() and not got[1][0, :3].any()
-        with pki.patched("verl", strict=True), pytest.raises(pki.Unsupported, match="temperature"):
-            exp.FusedLinearForPPO(impl_backend="liger")(h, w, y, torch.tensor(0.8))
+        t = torch.tensor([0.8, 1.3]).view(2, 1, 1)
+        with pki.patched("verl", strict=True):
+            got = exp.FusedLinearForPPO(impl_backend="liger").forward(h, w, y.clamp(min=0), t)
+        _close_to_unfused(tf, got, h, w, y.clamp(min=0), t)
     monkeypatch.setattr(exp, "_LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY", None)
     y[0, :3] = 5
     compare(
@@ -204,8 +207,8 @@ def test_strict_and_fallbacks(verl):
         with pytest.raises(pki.Unsupported, match="'reduction'"):
             kern.linear_cross_entropy(h, w, y, 1.0, "max")
     with pki.patched("verl", strict=False):
-        with pytest.raises(AssertionError):  # verl's own check runs: a tensor temperature
-            kern.linear_cross_entropy(h, w, y, torch.tensor(1.0), "none")
+        with pytest.raises(AssertionError):  # verl's own check runs: a temperature per vocab id
+            kern.linear_cross_entropy(h, w, y, torch.ones(V), "none")
         s = pki.report("verl")["functions"][LCE]
         assert s["fallbacks"] == 1 and "temperature" in next(iter(s["fallback_reasons"]))
 
