@@ -6,6 +6,8 @@
                 chunk_size 1 pair, use_ref_model)
   materialised  the same loss on the [N, V] logits of both heads (log_softmax in float32, the
                 reference under no_grad), differentiated by autograd
+  4 GEMMs       the floor: the four GEMMs every fused loss here runs (bench_distill.four_gemms),
+                alone (no check)
 
 The same loss for all: sigmoid DPO, beta 0.1, summed completion log-probs, the first half of the
 rows chosen. Modes interleaved per repetition; median time and peak extra tensor memory (the
@@ -34,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 from _common import interleaved_medians, machine, peak_extra_bytes, write_report  # noqa: E402
+from bench_distill import four_gemms  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 
@@ -141,6 +144,11 @@ def run_size(P, T, H, V, dtype, reps):
             (gW.float() - base[2]).abs().max().item() / base[2].abs().max().item(),
         )
         check[name] = (abs(loss.item() - base[0].item()), err)
+    floor = "4 GEMMs alone (floor)"
+    flat = {"h": x["h"].flatten(0, 1), "W": x["W"], "th": x["rh"].flatten(0, 1), "tW": x["rW"]}
+    modes[floor] = lambda: four_gemms(flat)
+    peaks[floor] = peak_extra_bytes(modes[floor])
+    check[floor] = (float("nan"), float("nan"))
     med, loads = interleaved_medians(modes, reps)
     return {n: (med[n], peaks[n], check[n]) for n in modes}, loads, first, skipped
 
