@@ -258,11 +258,12 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
 
 
-def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k):
+def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k, values=None):
     """The sampler's options and the statistics asked for, checked (the registered ops check the
-    tensors' values; here too without the compiled extension): (stats names, stats_top_k (0
-    unless "topk"), then the scalar and the tensor (or None) of the temperature, top-k, top-p and
-    min-p, the scalar being the neutral value where a tensor is given)."""
+    tensors' values; here too without the compiled extension, or when `values` is True): (stats
+    names, stats_top_k (0 unless "topk"), then the scalar and the tensor (or None) of the
+    temperature, top-k, top-p and min-p, the scalar being the neutral value where a tensor is
+    given)."""
     names = ()
     if stats is not None:
         if isinstance(stats, str):
@@ -282,7 +283,7 @@ def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k
                    lambda x: check_int("top_k", x, min_value=0))  # fmt: skip
     p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p)
     mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p)
-    if not _backend.HAS_EXTENSION:  # the registered op's value checks (a host read)
+    if values or (values is None and not _backend.HAS_EXTENSION):  # the op's (a host read)
         for name, t, ok in (
             ("temperature", temps, lambda v: (v > 0) & (1.0 / v.double() <= 3.4028234663852886e38)),
             ("top_k", ks, lambda v: v >= 0),
