@@ -7,6 +7,7 @@
 #include "common/alloc.h"
 #include "ops/checks.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -299,6 +300,151 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("full_kl_row_temperature", &row_forward_autograd);
+}
+
+}  // namespace ppo_kernels
+
+// ---- full_kl under the sampler's distribution: ppo_kernels::full_kl_sampler (+ backward) -------
+// KL(q || r) with q the policy's distribution as the rollout engine sampled from it (temperature,
+// min-p, top-k, top-p: token_logprobs_sampler's kept set on the policy's logits, renormalised) and
+// r the reference's whole tempered softmax. Every backend runs the same two steps in Python
+// (ppo_kernels/full_kl/op.py): the sampler's kernels for each row's kept set (cut, cut_index),
+// then the full-KL kernels with the tokens outside it dropped. full_kl's own paths are untouched.
+namespace ppo_kernels {
+namespace {
+
+using SamplerFwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, double, const OptTensor&, int64_t, const OptTensor&, double,
+    const OptTensor&, double, const OptTensor&, c10::string_view, const OptTensor&);
+using SamplerBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                 const OptTensor&, const Tensor&, const Tensor&,
+                                                 const Tensor&, const Tensor&, const Tensor&,
+                                                 double, const OptTensor&, bool);
+const OpRef kSamplerFwd("full_kl_sampler"), kSamplerBwd("full_kl_sampler_backward");
+
+// The per-row parameters are checked against a tensor of logits.shape[:-1] (their shape a leading
+// part of it; the messages call it labels.shape, as token_logprobs' do).
+Tensor rows_like(const Tensor& logits) {
+  return at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kLong));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sampler_forward(
+    const Tensor& logits, const Tensor& ref_logits, double temperature,
+    const OptTensor& temperatures, int64_t top_k, const OptTensor& top_ks, double top_p,
+    const OptTensor& top_ps, double min_p, const OptTensor& min_ps, c10::string_view sampler,
+    const OptTensor& mask) {
+  check_forward(logits, ref_logits, temperature, mask);
+  check_sampler_options(logits, "logits", logits.size(-1), rows_like(logits), temperatures, top_k,
+                        top_ks, top_p, top_ps, min_p, min_ps, sampler, 0);
+  const Backend b = backend_for("full_kl", logits);
+  return kSamplerFwd.python<SamplerFwdSig>(b).call(logits, ref_logits, temperature, temperatures,
+                                                   top_k, top_ks, top_p, top_ps, min_p, min_ps,
+                                                   sampler, mask);
+}
+
+std::tuple<Tensor, Tensor> sampler_backward(const Tensor& grad, const Tensor& logits,
+                                            const Tensor& ref_logits, const OptTensor& mask,
+                                            const Tensor& kl, const Tensor& lse_z,
+                                            const Tensor& lse_w, const Tensor& cut,
+                                            const Tensor& cut_index, double temperature,
+                                            const OptTensor& temperatures, bool need_ref) {
+  check_forward(logits, ref_logits, temperature, mask);
+  check_sampler_temperatures(temperatures, logits, "logits", rows_like(logits));
+  expect_float(grad, "grad");
+  expect_device(grad, "grad", logits, "logits");
+  expect_shape(grad, "grad", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_saved(kl, "kl", logits);
+  check_saved(lse_z, "lse_z", logits);
+  check_saved(lse_w, "lse_w", logits);
+  TORCH_CHECK_VALUE(cut.defined(), "cut: expected a tensor");
+  expect_dtype(cut, "cut", out_dtype(logits), "the forward's output dtype");
+  expect_device(cut, "cut", logits, "logits");
+  expect_shape(cut, "cut", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
+  expect_dtype(cut_index, "cut_index", at::kLong, "as the forward returns it");
+  expect_device(cut_index, "cut_index", logits, "logits");
+  expect_shape(cut_index, "cut_index", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  const Backend b = backend_for("full_kl", logits);
+  return kSamplerBwd.python<SamplerBwdSig>(b).call(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
+                                                   cut, cut_index, temperature, temperatures,
+                                                   need_ref);
+}
+
+class FullKLSamplerFn : public torch::autograd::Function<FullKLSamplerFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& ref_logits,
+                               double temperature, const OptTensor& temperatures, int64_t top_k,
+                               const OptTensor& top_ks, double top_p, const OptTensor& top_ps,
+                               double min_p, const OptTensor& min_ps, c10::string_view sampler,
+                               const OptTensor& mask) {
+    Tensor kl, lse_z, lse_w, cut, cut_index;
+    {
+      BelowAutograd guard;
+      std::tie(kl, lse_z, lse_w, cut, cut_index) = kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(
+          logits, ref_logits, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p,
+          min_ps, sampler, mask);
+    }
+    ctx->save_for_backward({logits, ref_logits, mask.value_or(Tensor()), kl, lse_z, lse_w, cut,
+                            cut_index, temperatures.value_or(Tensor())});
+    ctx->saved_data["temperature"] = temperature;
+    ctx->mark_non_differentiable({lse_z, lse_w, cut, cut_index});
+    return {kl, lse_z, lse_w, cut, cut_index};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto opt = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
+    const bool need_ref = ctx->needs_input_grad(1);
+    auto [gz, gw] = kSamplerBwd.in<SamplerBwdSig>(Ns::kOps).call(
+        grads[0], saved[0], saved[1], opt(saved[2]), saved[3], saved[4], saved[5], saved[6],
+        saved[7], ctx->saved_data["temperature"].toDouble(), opt(saved[8]), need_ref);
+    // logits, ref_logits, then the sampler's parameters and mask (constants)
+    variable_list out(12);
+    out[0] = gz;
+    if (need_ref) out[1] = gw;
+    return out;
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sampler_forward_autograd(
+    const Tensor& logits, const Tensor& ref_logits, double temperature,
+    const OptTensor& temperatures, int64_t top_k, const OptTensor& top_ks, double top_p,
+    const OptTensor& top_ps, double min_p, const OptTensor& min_ps, c10::string_view sampler,
+    const OptTensor& mask) {
+  if (!needs_graph(logits, ref_logits)) {
+    BelowAutograd guard;
+    return kSamplerFwd.in<SamplerFwdSig>(Ns::kOps).call(logits, ref_logits, temperature,
+                                                        temperatures, top_k, top_ks, top_p, top_ps,
+                                                        min_p, min_ps, sampler, mask);
+  }
+  auto out = FullKLSamplerFn::apply(logits, ref_logits, temperature, temperatures, top_k, top_ks,
+                                    top_p, top_ps, min_p, min_ps, sampler, mask);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  // (kl, lse_z of the kept set, lse_w, the kept set as (cut, cut_index): x > cut, or x == cut and
+  // index <= cut_index). A parameter tensor holds per-row values (its shape a leading part of
+  // logits.shape[:-1]) and replaces the scalar.
+  m.def(
+      "full_kl_sampler(Tensor logits, Tensor ref_logits, float temperature, Tensor? temperatures, "
+      "int top_k, Tensor? top_ks, float top_p, Tensor? top_ps, float min_p, Tensor? min_ps, "
+      "str sampler, Tensor? mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "full_kl_sampler_backward(Tensor grad, Tensor logits, Tensor ref_logits, Tensor? mask, "
+      "Tensor kl, Tensor lse_z, Tensor lse_w, Tensor cut, Tensor cut_index, float temperature, "
+      "Tensor? temperatures, bool need_ref) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
+  m.impl("full_kl_sampler", &sampler_forward);
+  m.impl("full_kl_sampler_backward", &sampler_backward);
+}
+
+TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
+  m.impl("full_kl_sampler", &sampler_forward_autograd);
 }
 
 }  // namespace ppo_kernels

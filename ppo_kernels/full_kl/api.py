@@ -9,11 +9,21 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import FLOAT_DTYPES, check_arg, check_temperature, check_tensor, device_error
+from .._checks import (
+    FLOAT_DTYPES,
+    check_arg,
+    check_str,
+    check_temperature,
+    check_tensor,
+    device_error,
+)
+from ..token_logprobs.api import sampler_options
+from ..token_logprobs.naive import SAMPLERS
 from . import op  # noqa: F401  (registers the ops' Python side)
 
 _full_kl = _backend.op("full_kl")
 _full_kl_rows = _backend.op("full_kl_row_temperature")
+_full_kl_sampler = _backend.op("full_kl_sampler")
 
 
 def _check_args(logits, ref_logits, temperature, vocab_parallel):
@@ -45,6 +55,10 @@ def full_kl(
     temperature: float | Tensor = 1.0,
     mask: Tensor | None = None,
     process_group=None,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
 ) -> Tensor:
     """Exact KL(pi || pi_ref) per token over the whole vocabulary, in one pass over both logits.
 
@@ -69,6 +83,19 @@ def full_kl(
             rank's contiguous slice of the vocabulary (the same slice). Every rank gets the
             full-vocabulary KL from one all-gather of three numbers per row, and its slice of the
             gradients. Default None.
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature. With top_p / min_p: the
+            policy's distribution is the one the engine sampled from -- tempered, truncated to
+            the kept set K of `token_logprobs`' sampler rules on the policy's logits and
+            renormalised -- and `KL[t] = sum_{j in K} q_j (log q_j - log r_j)` with r the
+            reference's tempered softmax over the whole vocabulary (never truncated). The
+            gradient to logits flows on K only. Not with `process_group`. Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang" (docs/ppo-math.md, "The
+            distribution the rollout sampled from"). Default "vllm".
 
     Returns:
         Tensor: the KL, `logits.shape[:-1]`, float32 (float64 for float64 logits).
@@ -99,6 +126,11 @@ def full_kl(
         if mask.dtype != torch.bool:
             mask = mask != 0
         mask = mask.contiguous()
+    if top_k is not None or top_p is not None or min_p is not None:
+        return _sampled(logits, ref_logits, temperature, mask, process_group, top_k, top_p, min_p,
+                        sampler)  # fmt: skip
+    if sampler != "vllm":
+        check_str("sampler", sampler, SAMPLERS)
     if per_row:
         check_tensor("temperature", temperature, dtypes=FLOAT_DTYPES)
         rows = tuple(logits.shape[:-1])
@@ -129,3 +161,21 @@ def full_kl(
         _check_args(logits, ref_logits, temperature, vocab_parallel=False)
     kl, _, _ = _full_kl(logits, ref_logits, float(temperature), mask)
     return kl
+
+
+def _sampled(logits, ref_logits, temperature, mask, process_group, top_k, top_p, min_p, sampler):
+    """full_kl under the sampler's distribution (the registered op full_kl_sampler)."""
+    sampler = check_str("sampler", sampler, SAMPLERS)
+    if process_group is not None:
+        raise ValueError(
+            "process_group: top_k / top_p / min_p are not supported with the vocab-parallel "
+            "form yet"
+        )
+    rows = logits.new_empty((), dtype=torch.long).expand(logits.shape[:-1])  # shape and device
+    _, _, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
+        rows, temperature, top_k, top_p, min_p, None, 0, rows="logits.shape[:-1]"
+    )
+    if not _backend.HAS_EXTENSION:
+        _check_args(logits, ref_logits, temp, vocab_parallel=False)
+    kl = _full_kl_sampler(logits, ref_logits, temp, temps, k, ks, p, ps, mp, mps, sampler, mask)
+    return kl[0]

@@ -15,6 +15,15 @@ Documented edge cases (every backend matches them):
   * a temperature whose inverse overflows float32 (< ~2.9e-39) is refused (ValueError naming it).
   * the backward op checks its saved inputs (grad, kl, lse_z, lse_w, mask: shape, dtype, device)
     and raises naming the argument instead of reading out of bounds.
+
+Under the sampler's distribution (`top_k`, `top_p`, `min_p`; docs/ppo-math.md, "Full-vocabulary
+KL"): KL(q || r) = sum_{j in K} q_j (log q_j - log r_j), K the kept set of the policy's tempered
+logits (token_logprobs' sampler rules), q = softmax(z) renormalised on K, r = softmax(w) over the
+whole vocabulary. Computed as above with z_j = -inf outside K (the kept set given as (cut,
+cut_index): x > cut, or x == cut and j <= cut_index; a cut of -inf keeps the row whole), so:
+  * gradients: to logits on K only (K is piecewise constant), to ref_logits r_j - q_j everywhere;
+  * a token of K where r_j = 0 gives +inf; the reference is never truncated;
+  * a row undefined without truncation (NaN / +inf, all -inf) stays NaN (its cut is -inf).
 """
 
 from __future__ import annotations
@@ -24,12 +33,25 @@ import torch
 from .._math import acc_dtype
 
 
-def forward(logits, ref_logits, temperature=1.0, mask=None):
+def _drop_outside(z, logits, cut, cut_index):
+    """z with the tokens outside the sampler's kept set (cut, cut_index) at -inf; z itself when no
+    kept set is given. The comparisons are on the logits in the cut's dtype, as the kernels'."""
+    if cut is None:
+        return z
+    x = logits.to(cut.dtype)
+    c, ci = cut.unsqueeze(-1), cut_index.unsqueeze(-1)
+    j = torch.arange(x.shape[-1], device=x.device)
+    kept = (x > c) | ((x == c) & (j <= ci)) | (c == -float("inf"))
+    return torch.where(kept, z, torch.full_like(z, -float("inf")))
+
+
+def forward(logits, ref_logits, temperature=1.0, mask=None, cut=None, cut_index=None):
     """(kl, lse_z, lse_w) with logits.shape[:-1]; masked rows give 0 for all three. Computed in
     float64 whatever the input dtype: this is the exact reference (the kernels accumulate in
-    float32 with the cancellation-free state of csrc/common/kl_stats.h)."""
+    float32 with the cancellation-free state of csrc/common/kl_stats.h). With (cut, cut_index),
+    the policy's distribution is truncated to that kept set (lse_z is then its log-normaliser)."""
     acc = torch.float64
-    z = logits.to(acc) / temperature
+    z = _drop_outside(logits.to(acc) / temperature, logits, cut, cut_index)
     w = ref_logits.to(acc) / temperature
     # relative to each row's max, as the kernels: a - b cancels a constant shift between z and w
     # exactly, where (z - lse_z) - (w - lse_w) would lose it to the rounding of |lse| in float32
@@ -49,10 +71,12 @@ def forward(logits, ref_logits, temperature=1.0, mask=None):
     return kl, lse_z, lse_w
 
 
-def backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature=1.0, mask=None, need_ref=True):
-    """(grad_logits, grad_ref_logits or None) in the logits' dtypes."""
+def backward(grad, logits, ref_logits, kl, lse_z, lse_w, temperature=1.0, mask=None, need_ref=True,
+             cut=None, cut_index=None):  # fmt: skip
+    """(grad_logits, grad_ref_logits or None) in the logits' dtypes; with (cut, cut_index) the
+    forward's kept set (no gradient outside it)."""
     acc = acc_dtype(logits.dtype)
-    z = logits.to(acc) / temperature
+    z = _drop_outside(logits.to(acc) / temperature, logits, cut, cut_index)
     w = ref_logits.to(acc) / temperature
     g = grad.to(acc).unsqueeze(-1) / temperature
     p = (z - lse_z.to(acc).unsqueeze(-1)).exp()

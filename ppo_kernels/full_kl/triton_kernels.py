@@ -1,6 +1,7 @@
 """Triton kernels for full_kl: one program per row, one pass over both logits rows with the online
 state of csrc/common/kl_stats.h (maxes mz, mw; sums sz, sw; u = sum e^a (a - b)), merged block by
-block; backward in one pass."""
+block; backward in one pass. With the sampler's kept set of each row (cut, cut_index), the
+policy's tokens outside it are dropped (-inf) as they are loaded."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def _log1p(x):
 
 
 @triton.jit
+def _kept(x, offs, cut, cut_index):
+    # the sampler's kept set (csrc/common/sampler_rules.h); NaN kept: a row holding one has
+    # cut -inf (undefined: its KL stays NaN), a row without keeps what it should
+    return (x > cut) | ((x == cut) & (offs <= cut_index)) | (x != x)
+
+
+@triton.jit
 def _fwd_kernel(
     X,
     Y,
@@ -42,6 +50,9 @@ def _fwd_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_TS: tl.constexpr = False,
+    CUT=None,
+    CUT_INDEX=None,
+    HAS_CUT: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     keep = True
@@ -49,6 +60,9 @@ def _fwd_kernel(
         keep = tl.load(MASK + row) != 0
     if HAS_TS:  # a temperature per row
         inv_t = tl.load(INV_TS + row).to(tl.float32)
+    if HAS_CUT:
+        cut = tl.load(CUT + row)
+        cut_index = tl.load(CUT_INDEX + row)
     if keep:
         xb = X + (row // inner) * so + (row % inner) * si
         yb = Y + (row // y_inner) * y_so + (row % y_inner) * y_si
@@ -60,7 +74,10 @@ def _fwd_kernel(
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             msk = offs < V
-            z = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
+            xr = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32)
+            z = xr * inv_t
+            if HAS_CUT:
+                z = tl.where(_kept(xr, offs, cut, cut_index), z, -float("inf"))
             w = tl.load(yb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
             mz2 = tl.maximum(mz, tl.max(z, 0))
             mw2 = tl.maximum(mw, tl.max(w, 0))
@@ -128,6 +145,9 @@ def _bwd_kernel(
     NEED_REF: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_TS: tl.constexpr = False,
+    CUT=None,
+    CUT_INDEX=None,
+    HAS_CUT: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     keep = True
@@ -135,6 +155,9 @@ def _bwd_kernel(
         keep = tl.load(MASK + row) != 0
     if HAS_TS:  # a temperature per row
         inv_t = tl.load(INV_TS + row).to(tl.float32)
+    if HAS_CUT:
+        cut = tl.load(CUT + row)
+        cut_index = tl.load(CUT_INDEX + row)
     xb = X + (row // inner) * so + (row % inner) * si
     yb = Y + (row // y_inner) * y_so + (row % y_inner) * y_si
     a = tl.load(G + row).to(tl.float32) * inv_t
@@ -145,7 +168,10 @@ def _bwd_kernel(
         offs = start + tl.arange(0, BLOCK)
         msk = offs < V
         ld = msk & keep
-        z = tl.load(xb + offs, mask=ld, other=0.0).to(tl.float32) * inv_t
+        xr = tl.load(xb + offs, mask=ld, other=0.0).to(tl.float32)
+        z = xr * inv_t
+        if HAS_CUT:
+            z = tl.where(_kept(xr, offs, cut, cut_index), z, -float("inf"))
         w = tl.load(yb + offs, mask=ld, other=0.0).to(tl.float32) * inv_t
         p = tl.exp(z - lz)
         gz = tl.where(p > 0.0, a * p * ((z - w) - c), 0.0)
@@ -159,7 +185,14 @@ def _block(V):
     return min(triton.next_power_of_2(max(V, 16)), 4096)
 
 
-def forward(logits, ref_logits, mask, inv_t, inv_temperatures=None):
+def _kept_args(cut, cut_index):
+    """The kernels' kept-set arguments (contiguous per-row tensors, or none)."""
+    if cut is None:
+        return {}
+    return dict(CUT=cut.contiguous(), CUT_INDEX=cut_index.contiguous(), HAS_CUT=True)
+
+
+def forward(logits, ref_logits, mask, inv_t, inv_temperatures=None, cut=None, cut_index=None):
     V = logits.shape[-1]
     shape = logits.shape[:-1]
     ix, logits = row_indexer(logits)
@@ -186,13 +219,13 @@ def forward(logits, ref_logits, mask, inv_t, inv_temperatures=None):
             BLOCK=block,
             HAS_TS=inv_temperatures is not None,
             num_warps=8 if block >= 2048 else 4,
+            **_kept_args(cut, cut_index),
         )
     return kl, lz, lw
 
 
-def backward(
-    grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, grad_ref, inv_temperatures=None
-):
+def backward(grad, logits, ref_logits, mask, kl, lz, lw, inv_t, grad_logits, grad_ref,
+             inv_temperatures=None, cut=None, cut_index=None):  # fmt: skip
     V = logits.shape[-1]
     N = logits.shape[:-1].numel()
     if N == 0 or V == 0:
@@ -223,4 +256,5 @@ def backward(
         BLOCK=block,
         HAS_TS=inv_temperatures is not None,
         num_warps=8 if block >= 2048 else 4,
+        **_kept_args(cut, cut_index),
     )

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import check_bool, check_devices, check_int, check_temperature
+from .._checks import check_bool, check_devices, check_int, check_str, check_temperature
+from ..token_logprobs.api import check_sampler_unused, sampler_options, sampler_requested
+from ..token_logprobs.naive import SAMPLERS
 from .api import linear_token_logprobs
 
 # Config fields through which a model post-processes its logits in ways the LM head matmul alone
@@ -91,11 +93,17 @@ def causal_lm_logprobs(
     attention_mask: Tensor | None = None,
     *,
     labels: Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     return_entropy: bool = False,
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
     logits_dtype: str = "auto",
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
+    stats=None,
+    stats_top_k: int = 0,
     **model_kwargs,
 ):
     """Log-probs of each next token under a `transformers` causal LM, never building its logits.
@@ -115,7 +123,11 @@ def causal_lm_logprobs(
             the target. Default None: every token counts.
         labels (Tensor, optional): `[B, T]`, integer. The targets in the HF convention: a label
             equal to `ignore_index` gives 0. Default None: the targets are `input_ids`.
-        temperature (float): divides the logits; positive. Default 1.0.
+        temperature (float or Tensor): divides the logits; positive. A float tensor gives per-row
+            values aligned with the result: `[B]` (per sequence) or `[B, T - 1]` (per output
+            position: position t holds the temperature that sampled token t + 1). A `[B, T]`
+            tensor is refused: slice it as your rollout aligns it (`[:, 1:]` when entry t is the
+            temperature token t was sampled at). Default 1.0.
         return_entropy (bool): also return the entropy of each next-token distribution.
             Default False.
         ignore_index (int): the label of a position without a log-prob. Default -100.
@@ -124,11 +136,25 @@ def causal_lm_logprobs(
         logits_dtype (str): "float32", "input" (the head's GEMMs in the model's bf16 / fp16 dtype,
             the roundings of the model's own logits) or "auto", as in `linear_token_logprobs`.
             Default "auto".
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature (`[B]` or `[B, T - 1]`):
+            the log-probs and entropy under the distribution the engine sampled from, as in
+            `linear_token_logprobs` (a target outside the kept set gets -inf). Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang". Default "vllm".
+        stats (tuple of str, optional): the head's statistics per output position, as in
+            `linear_token_logprobs` ("outside", "sum_p2", "lse", "topk", "is_argmax").
+            Default None: none computed.
+        stats_top_k (int): how many top tokens "topk" returns, 1 to 64. Default 0.
         **model_kwargs: passed to the backbone (e.g. `position_ids`).
 
     Returns:
         Tensor: the log-probs, `[B, T - 1]`, float32 (float64 for a float64 model). With
         `return_entropy=True`, the pair `(logprobs, entropy)`, both of that shape and dtype.
+        With `stats`, a HeadStats follows (the last element of a tuple).
 
     Why: `model(input_ids).logits` builds `[B, T, V]` logits, often the largest tensor of the
     step. This runs the backbone alone and reduces the head in chunks. Formulas: docs/ppo-math.md
@@ -146,8 +172,7 @@ def causal_lm_logprobs(
             f"attention_mask: expected shape {tuple(input_ids.shape)} "
             f"(input_ids.shape), got {tuple(attention_mask.shape)}"
         )
-    # the scalars before the (expensive) backbone runs; linear_token_logprobs checks the rest
-    check_temperature(temperature)
+    # the arguments before the (expensive) backbone runs; linear_token_logprobs checks the rest
     check_int("ignore_index", ignore_index)
     check_bool("return_entropy", return_entropy)
     _check_logit_transforms(model)
@@ -156,6 +181,21 @@ def causal_lm_logprobs(
     check_devices(
         "model", weight, input_ids=input_ids, attention_mask=attention_mask, labels=labels
     )
+    target = (labels if labels is not None else input_ids)[:, 1:]
+    if sampler_requested(temperature, top_k, top_p, min_p, stats):
+        if isinstance(temperature, Tensor) and tuple(temperature.shape) == tuple(input_ids.shape):
+            raise ValueError(
+                f"temperature: expected [B] or [B, T - 1] {tuple(target.shape)} (aligned with the "
+                f"result), got input_ids' shape {tuple(input_ids.shape)}: slice it as the rollout "
+                "aligns it (temperature[:, 1:] when entry t sampled token t)"
+            )
+        check_str("sampler", sampler, SAMPLERS)
+        # shapes and devices; the values too where reading them costs no device sync
+        sampler_options(target, temperature, top_k, top_p, min_p, stats, stats_top_k,
+                        values=target.device.type == "cpu")  # fmt: skip
+    else:
+        check_temperature(temperature)
+        check_sampler_unused(sampler, stats_top_k)
     out = backbone(model)(
         input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
     )
@@ -163,7 +203,6 @@ def causal_lm_logprobs(
     hidden = hidden[:, :-1]
     if hidden.dtype != weight.dtype:  # e.g. autocast: run the head in the weight's dtype
         hidden = hidden.to(weight.dtype)
-    target = (labels if labels is not None else input_ids)[:, 1:]
     if attention_mask is not None:
         target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
     return linear_token_logprobs(
@@ -177,4 +216,10 @@ def causal_lm_logprobs(
         max_chunk_bytes=max_chunk_bytes,
         logits_dtype=logits_dtype,
         softcap=_softcap(model),
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        sampler=sampler,
+        stats=stats,
+        stats_top_k=stats_top_k,
     )

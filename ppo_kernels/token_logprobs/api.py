@@ -194,16 +194,17 @@ def check_sampler_unused(sampler, stats_top_k):
         raise ValueError('stats_top_k: only used with stats=("topk", ...)')
 
 
-def _param(name, x, dtypes, labels, check):
+def _param(name, x, dtypes, labels, check, rows="labels.shape"):
     """A truncation parameter: (scalar, tensor or None). A tensor's shape is a leading part of
-    labels.shape; its values are checked by the registered op."""
+    labels.shape (`rows` names that shape in the messages); its values are checked by the
+    registered op."""
     if isinstance(x, Tensor):
         check_tensor(name, x, dtypes=dtypes)
         if x.device != labels.device:
-            raise device_error(name, x, labels.device, "labels")
+            raise device_error(name, x, labels.device, rows.split(".")[0])
         if tuple(x.shape) != tuple(labels.shape[: x.dim()]):
             raise ValueError(
-                f"{name}: expected a shape that is a leading part of labels.shape "
+                f"{name}: expected a shape that is a leading part of {rows} "
                 f"{tuple(labels.shape)} (per row or per token), got {tuple(x.shape)}"
             )
         return None, x
@@ -258,11 +259,13 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
 
 
-def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k):
+def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k, values=None,
+                    rows="labels.shape"):  # fmt: skip
     """The sampler's options and the statistics asked for, checked (the registered ops check the
-    tensors' values; here too without the compiled extension): (stats names, stats_top_k (0
-    unless "topk"), then the scalar and the tensor (or None) of the temperature, top-k, top-p and
-    min-p, the scalar being the neutral value where a tensor is given)."""
+    tensors' values; here too without the compiled extension, or when `values` is True): (stats
+    names, stats_top_k (0 unless "topk"), then the scalar and the tensor (or None) of the
+    temperature, top-k, top-p and min-p, the scalar being the neutral value where a tensor is
+    given). `rows`: what the messages call labels.shape (the rows the tensors follow)."""
     names = ()
     if stats is not None:
         if isinstance(stats, str):
@@ -277,12 +280,14 @@ def sampler_options(labels, temperature, top_k, top_p, min_p, stats, stats_top_k
             )
     elif stats_top_k:
         raise ValueError('stats_top_k: only used with stats=("topk", ...)')
-    temp, temps = _param("temperature", temperature, FLOAT_DTYPES, labels, check_temperature)
+    temp, temps = _param("temperature", temperature, FLOAT_DTYPES, labels, check_temperature, rows)
     k, ks = _param("top_k", 0 if top_k is None else top_k, INDEX_DTYPES, labels,
-                   lambda x: check_int("top_k", x, min_value=0))  # fmt: skip
-    p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p)
-    mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p)
-    if not _backend.HAS_EXTENSION:  # the registered op's value checks (a host read)
+                   lambda x: check_int("top_k", x, min_value=0), rows)  # fmt: skip
+    p, ps = _param("top_p", 1.0 if top_p is None else top_p, FLOAT_DTYPES, labels, _check_top_p,
+                   rows)  # fmt: skip
+    mp, mps = _param("min_p", 0.0 if min_p is None else min_p, FLOAT_DTYPES, labels, _check_min_p,
+                     rows)  # fmt: skip
+    if values or (values is None and not _backend.HAS_EXTENSION):  # the op's (a host read)
         for name, t, ok in (
             ("temperature", temps, lambda v: (v > 0) & (1.0 / v.double() <= 3.4028234663852886e38)),
             ("top_k", ks, lambda v: v >= 0),

@@ -351,7 +351,7 @@ def _(logits, grad_logprobs, grad_entropy, labels, lse, entropy, cut, cut_index,
     )
 
 
-def _sampler_kernel_args(labels, temperature, temperatures, top_ks, top_ps, min_ps):
+def sampler_kernel_args(labels, temperature, temperatures, top_ks, top_ps, min_ps):
     """The registered op's parameters as the kernels take them: 1 / T, and per-token tensors of
     labels.numel() values (float64 / int64) for the tensors given."""
     inv_ts = None
@@ -409,7 +409,7 @@ def _register_sampler(backend: str):
     def _(logits, labels, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps,
           sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
           with_is_argmax):  # fmt: skip
-        inv, inv_ts, ks, ps, mps = _sampler_kernel_args(
+        inv, inv_ts, ks, ps, mps = sampler_kernel_args(
             labels, temperature, temperatures, top_ks, top_ps, min_ps
         )
         return impls_f[backend](
@@ -420,7 +420,7 @@ def _register_sampler(backend: str):
     @_backend.impl("token_logprobs_sampler_backward", backend)
     def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, cut, cut_index, temperature,
           temperatures, ignore_index):  # fmt: skip
-        inv, inv_ts, *_ = _sampler_kernel_args(labels, temperature, temperatures, None, None, None)
+        inv, inv_ts, *_ = sampler_kernel_args(labels, temperature, temperatures, None, None, None)
         grad = _backend.new_output(logits.shape, logits.dtype, logits.device)
         impls_b[backend](logits, grad_logprobs, grad_entropy, labels, lse, entropy, cut,
                          cut_index, inv, inv_ts, ignore_index, grad)  # fmt: skip

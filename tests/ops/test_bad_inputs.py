@@ -1254,6 +1254,43 @@ CASES = [
         "ops.full_kl_row_temperature_backward(g6, logits, ref, None, kl[:1], lz, lw, torch.ones(2), True)",
         "kl",
     ),
+    # --- full_kl under the sampler's distribution
+    (
+        "fks_top_ks_shape",
+        False,
+        "each",
+        "ops.full_kl_sampler(logits, ref, 1.0, None, 0, torch.ones(3, dtype=torch.long), 1.0, None, 0.0, None, 'vllm', None)",
+        "top_k",
+    ),
+    (
+        "fks_sampler",
+        False,
+        "each",
+        "ops.full_kl_sampler(logits, ref, 1.0, None, 2, None, 1.0, None, 0.0, None, 'hf', None)",
+        "sampler",
+    ),
+    (
+        "fks_bwd_cut_shape",
+        False,
+        "each",
+        "o = ops.full_kl_sampler(logits, ref, 1.0, None, 2, None, 1.0, None, 0.0, None, 'vllm', None)\n"
+        "ops.full_kl_sampler_backward(g6, logits, ref, None, o[0], o[1], o[2], o[3][:1], o[4], 1.0, None, True)",
+        "cut",
+    ),
+    (
+        "C_fk_kept_fwd_cut_index",
+        True,
+        None,
+        "C.full_kl_kept_fwd(logits, ref, None, 1.0, None, torch.zeros(2, 3), torch.zeros(2, 3))",
+        "cut_index",
+    ),
+    (
+        "C_fk_kept_bwd_cut",
+        True,
+        None,
+        "C.full_kl_kept_bwd(g6, logits, ref, None, kl, lz, lw, 1.0, torch.empty_like(logits), None, None, torch.zeros(5), torch.zeros(2, 3, dtype=torch.long))",
+        "cut",
+    ),
     (
         "C_fk_fwd_inv_temperatures",
         True,

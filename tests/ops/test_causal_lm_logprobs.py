@@ -225,3 +225,83 @@ def test_input_logits_dtype_matches_the_bf16_models_own_logits(name, tied):
                 msg=lambda m: f"{n}: {m}",
             )
         model.zero_grad(set_to_none=True)
+
+
+SAMPLER_CASES = {
+    # per-sequence temperatures and top-k under vLLM's rules
+    "rows-topk-vllm": lambda g: dict(
+        temperature=torch.tensor([0.7, 1.3]), top_k=5, sampler="vllm", stats=("outside",)
+    ),
+    # per-position temperatures, per-row top-p, min-p under SGLang's rules, the head's statistics
+    "tokens-topp-minp-sglang": lambda g: dict(
+        temperature=torch.rand(2, 10, generator=g) + 0.5,
+        top_p=torch.tensor([0.8, 0.95]),
+        min_p=0.02,
+        sampler="sglang",
+        stats=("outside", "lse", "topk"),
+        stats_top_k=3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLER_CASES))
+def test_sampler_options_match_token_logprobs_on_the_models_logits(case):
+    """The sampler's options through the LM head: what token_logprobs gives with the same options
+    on model(input_ids).logits[:, :-1] -- values, statistics and every parameter gradient."""
+    model = _build("llama", False)
+    ids, mask = _batch()
+    g = torch.Generator().manual_seed(5)
+    opts = SAMPLER_CASES[case](g)
+    g_lp, g_ent = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g)
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+
+    def loss(lp, ent):  # a label outside the kept set has log-prob -inf and no gradient
+        return (torch.where(lp.isfinite(), lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    ref_lp, ref_ent, ref_st = ppo_kernels.token_logprobs(
+        logits, target, return_entropy=True, **opts
+    )
+    loss(ref_lp, ref_ent).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    lp, ent, st = ppo_kernels.causal_lm_logprobs(model, ids, mask, return_entropy=True, **opts)
+    assert ref_st.num_outside > 0 or case != "rows-topk-vllm"  # the truncation bites
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=1e-5)
+    for name in ("outside", "num_outside", "lse", "top_ids", "top_logprobs"):
+        a, b = getattr(st, name), getattr(ref_st, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    loss(lp, ent).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.grad, ref_grads[n], atol=2e-5, rtol=1e-3, msg=lambda m: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(temperature=torch.ones(2, 11)), "temperature"),  # [B, T]: ambiguous alignment
+        (dict(temperature=torch.tensor([1.0, 0.0])), "temperature"),
+        (dict(top_k=torch.ones(3, dtype=torch.long)), "top_k"),
+        (dict(top_p=torch.tensor([0.5, 1.5])), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(top_k=2, sampler="hf"), "sampler"),
+        (dict(stats=("entropy",)), "stats"),
+        (dict(stats_top_k=2), "stats_top_k"),
+    ],
+)
+def test_sampler_arguments_are_checked_before_the_backbone(kwargs, arg):
+    model = _build("gpt2", True)
+    ids, mask = _batch()
+
+    def refuse(*a, **k):
+        raise AssertionError("the backbone ran before the arguments were checked")
+
+    model.transformer.forward = refuse
+    with pytest.raises(ValueError, match=arg):
+        ppo_kernels.causal_lm_logprobs(model, ids, mask, **kwargs)
