@@ -151,8 +151,10 @@ def _bwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     keep = True
-    if HAS_MASK:
+    n_load = V  # a masked row loads nothing (a bound, not `msk & keep`: the interpreter of
+    if HAS_MASK:  # some Triton releases refuses a load mask combined with a scalar)
         keep = tl.load(MASK + row) != 0
+        n_load = V * keep.to(tl.int32)
     if HAS_TS:  # a temperature per row
         inv_t = tl.load(INV_TS + row).to(tl.float32)
     if HAS_CUT:
@@ -167,7 +169,7 @@ def _bwd_kernel(
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < V
-        ld = msk & keep
+        ld = offs < n_load
         xr = tl.load(xb + offs, mask=ld, other=0.0).to(tl.float32)
         z = xr * inv_t
         if HAS_CUT:
