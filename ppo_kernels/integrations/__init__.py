@@ -5,6 +5,8 @@ GRPO loss, by ppo_kernels ops.
     pki.apply("verl")            # or "trl", "openrlhf", "liger"; strict=True, dtype="peer"
     ...                          # the peer's code now runs our ops, same numbers
     print(pki.report("verl"))    # every replaced function: calls, replaced, fallbacks and why
+    pki.apply("verl", sampling={"top_k": 50, "top_p": 0.9})  # the trainer's log-probs under the
+                                 # rollout's truncation (opt-in; docs/integrations/verl.md)
     pki.revert("verl")           # or: with pki.patched("verl"): ...
 
 In every worker process (Ray actors included):
@@ -16,7 +18,8 @@ In every worker process (Ray actors included):
             "env_vars": {"PPO_KERNELS_PATCH": "openrlhf"},
             "worker_process_setup_hook": "ppo_kernels.integrations.worker_setup"})
     Environment activation uses strict=False (an unsupported call runs the peer's own code and
-    is counted) unless PPO_KERNELS_PATCH_STRICT=1.
+    is counted) unless PPO_KERNELS_PATCH_STRICT=1; verl's `sampling` comes from
+    PPO_KERNELS_VERL_SAMPLING ("top_k=50,top_p=0.9").
 
 strict=True raises `Unsupported` naming the argument when a call uses something our op cannot
 express; strict=False runs the peer's original for that call and counts it in `report`.
@@ -56,7 +59,7 @@ def supported_versions(peer: str) -> tuple[str, ...]:
     return _peer(peer).versions
 
 
-def apply(peer: str, *, strict: bool = True, dtype: str = "peer") -> dict:
+def apply(peer: str, *, strict: bool = True, dtype: str = "peer", sampling=None) -> dict:
     """Replace a peer's per-token functions by ppo_kernels ops, everywhere the peer reaches them.
 
     Every place is patched: the defining module, `from ... import` copies, registries and class
@@ -70,14 +73,17 @@ def apply(peer: str, *, strict: bool = True, dtype: str = "peer") -> dict:
             version is patched with a warning. Default True.
         dtype (str): "peer": return the dtype the peer's function returns. "float32": keep our
             float32 results. Default "peer".
-
-    Returns:
-        dict: `report(peer)` after patching.
+        sampling (dict, optional): verl only. The rollout's truncation, `{"top_k": int,
+            "top_p": float, "min_p": float, "sampler": "vllm" | "sglang"}` (verl's rollout
+            config values; -1 / 1.0 / 0.0 mean off): the actor's log-probs and entropy are then
+            computed under the distribution the rollout sampled from, as vLLM's
+            processed_logprobs are; the reference policy keeps the untruncated softmax. A label
+            outside the kept set gets -inf (counted in `report`). Default None: unchanged.
 
     Why: a drop-in with the peer's exact semantics lets a trainer adopt the fused ops without
     changing its code; strict mode makes every gap visible instead of silent.
     """
-    _peer(peer).apply(strict=strict, dtype=dtype)
+    _peer(peer).apply(strict=strict, dtype=dtype, sampling=sampling)
     return report(peer)
 
 
@@ -91,18 +97,19 @@ def revert(peer: str) -> None:
 
 
 @contextlib.contextmanager
-def patched(peer: str, *, strict: bool = True, dtype: str = "peer"):
+def patched(peer: str, *, strict: bool = True, dtype: str = "peer", sampling=None):
     """Context manager: `apply(peer, ...)` for the `with` block, then `revert(peer)`.
 
     Args:
         peer (str): "verl", "trl", "openrlhf" or "liger".
         strict (bool): as in `apply`. Default True.
         dtype (str): as in `apply`. Default "peer".
+        sampling (dict, optional): as in `apply` (verl only). Default None.
 
     Returns:
         ContextManager: yields the peer's adapter; `report(peer)` reads its counts.
     """
-    apply(peer, strict=strict, dtype=dtype)
+    apply(peer, strict=strict, dtype=dtype, sampling=sampling)
     try:
         yield _peer(peer)
     finally:
@@ -142,6 +149,8 @@ def format_report(peer: str) -> str:
     lines = [
         f"{peer} {r['version']} patched by ppo_kernels (strict={r['strict']}, dtype={r['dtype']})"
     ]
+    if r.get("sampling"):
+        lines.append(f"  rollout sampling: {r['sampling']}")
     for name, s in r["functions"].items():
         lines.append(
             f"  {name}: {s['calls']} calls, {s['replaced']} replaced, {s['fallbacks']} "
@@ -179,13 +188,27 @@ def activate_from_env() -> list[str]:
             done.append(n)
             continue
         try:
-            apply(n, strict=strict)
+            apply(n, strict=strict, **env_options(n))
             done.append(n)
         except (ImportError, UnsupportedVersion) as e:
             if strict:
                 raise
             warnings.warn(f"PPO_KERNELS_PATCH: {n} not patched: {e}", stacklevel=2)
     return done
+
+
+def env_options(peer: str) -> dict:
+    """A peer's own `apply` options from the environment: verl's `sampling` from
+    PPO_KERNELS_VERL_SAMPLING ("top_k=50,top_p=0.9,min_p=0.05,sampler=vllm").
+
+    Args:
+        peer (str): "verl", "trl", "openrlhf" or "liger".
+
+    Returns:
+        dict: keywords for `apply`.
+    """
+    s = os.environ.get("PPO_KERNELS_VERL_SAMPLING", "").strip()
+    return {"sampling": s} if peer == "verl" and s else {}
 
 
 def worker_setup():

@@ -89,6 +89,7 @@ class Noted:
 class Options:
     strict: bool
     dtype: str  # "peer": the dtype the peer's function returns; "float32": ours
+    extras: dict = dataclasses.field(default_factory=dict)  # a peer's own options (Peer.configure)
 
     def out(self, t, dtype):
         """Our float32 result in the dtype the peer would return (dtype="peer")."""
@@ -124,10 +125,21 @@ class _Stats:
 
 
 class Peer:
-    """One peer: its distribution name, supported versions (prefixes) and targets."""
+    """One peer: its distribution name, supported versions (prefixes) and targets. `configure`:
+    the peer's own `apply` options (keywords -> Options.extras, checked), `report_extra` the
+    report's keys they add (extras -> dict)."""
 
-    def __init__(self, name: str, dist: str, versions: tuple[str, ...], targets: list[Target]):
+    def __init__(
+        self,
+        name: str,
+        dist: str,
+        versions: tuple[str, ...],
+        targets: list[Target],
+        configure: Callable[..., dict] | None = None,
+        report_extra: Callable[[dict], dict] | None = None,
+    ):
         self.name, self.dist, self.versions, self.targets = name, dist, versions, targets
+        self.configure, self.report_extra = configure, report_extra
         self.active: dict | None = None  # attr -> (stats, [(holder, key, original, kind)])
         self.options: Options | None = None
         self.generation = 0  # wrappers of an earlier apply run the original
@@ -159,13 +171,17 @@ class Peer:
         return v
 
     # ------------------------------------------------------------------ apply / revert
-    def apply(self, strict: bool, dtype: str):
+    def apply(self, strict: bool, dtype: str, **options):
         if dtype not in ("peer", "float32"):
             raise ValueError(f"dtype: expected 'peer' or 'float32', got {dtype!r}")
+        given = {k: v for k, v in options.items() if v is not None}
+        if given and self.configure is None:
+            raise ValueError(f"{', '.join(given)}: not an option of the {self.name} patch")
+        extras = self.configure(**options) if self.configure is not None else {}
         if self.active is not None:
             self.revert()
         self.check_version(strict)
-        self.options = Options(strict=strict, dtype=dtype)
+        self.options = Options(strict=strict, dtype=dtype, extras=extras)
         self.generation += 1
         self.active = {}
         try:
@@ -261,12 +277,14 @@ class Peer:
             }
             if s.unavailable is not None:
                 functions[f"{t.module}.{t.attr}"]["unavailable"] = s.unavailable
+        extra = self.report_extra(self.options.extras) if self.report_extra is not None else {}
         return {
             "peer": self.name,
             "active": True,
             "version": self.version(),
             "strict": self.options.strict,
             "dtype": self.options.dtype,
+            **extra,
             "functions": functions,
         }
 

@@ -29,12 +29,15 @@ from ._args import (
     temperature_arg,
     tensor,
 )
-from ._fused import FusedPair
+from ._fused import FusedPair, call, swapped
 from ._hidden import half_tiles, linear_logprobs
-from ._patch import Fallback, Passthrough, Peer, Target
+from ._patch import Fallback, Noted, Passthrough, Peer, Target
 from ._verl_engine import SUM_P2, fsdp_model_inputs, fused_sum_p2_outputs
 from ._verl_losses import AGG_MODES, legacy_policy_loss
 from ._verl_losses import targets as loss_targets
+from ._verl_sampling import STATE as SAMPLED
+from ._verl_sampling import Truncated, configure, count_response, disable_adapter, for_engine
+from ._verl_sampling import report_section as sampling_report
 
 CORE = "verl.trainer.ppo.core_algos"
 TF = "verl.utils.torch_functional"
@@ -252,9 +255,13 @@ def fsdp_model_outputs(a, orig, o):
     the model): with remove-padding and entropy asked for, verl calls the engine's
     `compute_entropy_from_logits` then `logprobs_from_logits` on the same temperature-scaled
     logits; here one token_logprobs pass gives both. Everything else is verl's own code. With
-    use_fused_kernels and calculate_sum_pi_squared (verl raises), the fused kernel's Σπ²."""
+    use_fused_kernels and calculate_sum_pi_squared (verl raises), the fused kernel's Σπ². With
+    `apply(..., sampling=)`, the actor's outputs under the rollout's truncation."""
     self, mb = a["self"], a["micro_batch"]
     flag = sys.modules[FSDP].tu.get_non_tensor_data
+    sampling = for_engine(self, o, count=True)
+    if sampling is not None:
+        return _sampled_outputs(a, orig, o, sampling)
     if flag(data=mb, key="use_fused_kernels", default=False):
         if flag(data=mb, key="calculate_sum_pi_squared", default=False):
             return fused_sum_p2_outputs(a, orig)
@@ -305,6 +312,41 @@ def fsdp_model_outputs(a, orig, o):
     )
 
 
+def _sampled_outputs(a, orig, o, sampling):
+    """prepare_model_outputs for the actor under the rollout's truncation: with fused kernels,
+    verl's own outputs of a fused forward whose patched kernel applied it (checked); on the
+    logits path, verl's code with every entropy / log-prob / Σπ² of its logits on
+    token_logprobs with the truncation. The response tokens that got -inf are counted."""
+    self, mb = a["self"], a["micro_batch"]
+    flag = sys.modules[FSDP].tu.get_non_tensor_data
+    fused_lp = SAMPLED.take(getattr(a["output"], "log_probs", None))
+    if flag(data=mb, key="distillation_only", default=False):
+        raise Passthrough("distillation_only: no log-probs")
+    if flag(data=mb, key="use_fused_kernels", default=False):
+        need(
+            fused_lp,
+            "use_fused_kernels",
+            "the fused forward's log-probs are not from a patched fused kernel that applied the "
+            "rollout's truncation (asked by prepare_model_inputs)",
+        )
+        if flag(data=mb, key="calculate_sum_pi_squared", default=False):
+            out = fused_sum_p2_outputs(a, orig).result
+        else:
+            out = call(orig, a)
+    else:
+        mod, tf = sys.modules[FSDP], sys.modules[TF]
+        t = Truncated(sampling, a["output_args"].get("input_ids_rmpad_rolled"))
+        with (
+            swapped(self, "compute_entropy_from_logits", t.entropy),
+            swapped(mod, "logprobs_from_logits", t.logprobs),
+            swapped(tf, "entropy_from_logits", t.entropy),
+            swapped(tf, "calculate_sum_pi_squared_from_logits", t.sum_p2),
+        ):
+            out = call(orig, a)
+    count_response(o, out, mb)
+    return Noted(out, "the rollout's truncation (top_k / top_p / min_p)")
+
+
 # ------------------------------------------------------------------ use_fused_kernels (hidden states)
 
 
@@ -345,9 +387,11 @@ def fused_linear_for_ppo(a, orig, o):
         ignore_index=-100 if liger else NO_IGNORE,
         logits_dtype=half_tiles(dt),
         stats=SUM_P2.stats(),
+        **SAMPLED.kwargs(),
     )
     lp = o.out(out[0], torch.float32)  # verl's output buffers' dtypes
     SUM_P2.keep(lp, out)
+    SAMPLED.keep(lp)
     return lp, o.out(out[1], h.dtype)
 
 
@@ -374,7 +418,12 @@ def linear_cross_entropy(a, orig, o):
         "reduction",
         f"{red!r} (verl: 'none', 'sum' or 'mean')",
     )
-    pg, kw = a["dist_process_group"], {}
+    pg, kw = a["dist_process_group"], SAMPLED.kwargs()
+    need(
+        pg is None or not kw,
+        "dist_process_group",
+        "the rollout's truncation needs whole vocabulary rows (not the vocab-parallel form)",
+    )
     if pg is not None:
         import torch.distributed as dist
 
@@ -400,6 +449,7 @@ def linear_cross_entropy(a, orig, o):
     lp = o.out(lp, torch.float32)
     if st:  # kept with the log-probs the caller gets
         SUM_P2.keep(lp, st)
+    SAMPLED.keep(lp)
     return lp, o.out(ent, torch.float32)
 
 
@@ -443,9 +493,12 @@ def _targets():
                 fsdp_model_outputs,
                 optional=True,
             ),
+            Target(FSDP, "FSDPEngineWithLMHead.disable_adapter", disable_adapter, optional=True),
         ]
     )
 
 
-PEER = Peer("verl", "verl", ("0.9.",), _targets())
+PEER = Peer(
+    "verl", "verl", ("0.9.",), _targets(), configure=configure, report_extra=sampling_report
+)
 __all__ = ["PEER", "Fallback"]

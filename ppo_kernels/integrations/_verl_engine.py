@@ -17,6 +17,8 @@ import torch
 from ._args import need
 from ._fused import call
 from ._patch import Noted, Passthrough
+from ._verl_sampling import STATE as SAMPLED
+from ._verl_sampling import for_engine
 
 FSDP = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -84,11 +86,13 @@ def fsdp_model_inputs(a, orig, o):
     the temperatures out per token as the model's packed / Ulysses-sliced rows, plus what its fused
     branch adds; the temperatures go to the fused forward as [1, tokens, 1] (remove-padding) or
     [batch, 1, 1], which the patched fused kernels take per row. Also asks the fused kernel for
-    Σπ² where the micro-batch wants it. An engine that overrides prepare_model_inputs (VeOmni's:
+    Σπ² where the micro-batch wants it, and for the rollout's truncation (`apply(...,
+    sampling=)`) where the engine scores for the actor. An engine that overrides prepare_model_inputs (VeOmni's:
     its model's fused forward runs VeOmni's kernels, not verl's) keeps verl's assertion."""
     self, mb = a["self"], a["micro_batch"]
     fused = _flag(mb, "use_fused_kernels")
     SUM_P2.ask(fused and _flag(mb, "calculate_sum_pi_squared"))
+    SAMPLED.ask(for_engine(self, o) if fused else None)
     t = mb["temperature"]
     if not fused:
         raise Passthrough("use_fused_kernels=False: verl takes a per-sample temperature itself")

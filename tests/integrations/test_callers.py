@@ -8,6 +8,7 @@ called."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import types
 
@@ -15,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 from support import BENCH
-from support.integration import ATOL, RTOL
+from support.integration import ATOL, RTOL, actor_config, verl_loss_modules
 from support.peer_stubs import import_peer
 from support.skips import need
 
 import ppo_kernels as pk
 import ppo_kernels.integrations as pki
+from ppo_kernels.token_logprobs import naive
 
 sys.path.insert(0, BENCH)
 V = 48
@@ -638,3 +640,177 @@ def test_trl_grpo_per_token_path_is_one_fused_call():
     assert fns["trl.kernels.chunked_logprob.ChunkedLogProbFunction"]["replaced"] == 2  # 2 chunks
     for n in ("selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy"):
         assert fns[f"trl.trainer.utils.{n}"]["calls"] == 0
+
+
+# ------------------------------------------------------------------ verl 0.9, the rollout's truncation
+
+
+@pytest.fixture(scope="module")
+def verl_rc():
+    with verl_loss_modules() as v:
+        yield v
+
+
+ROLLOUT = {"top_k": 6, "top_p": 0.9}  # the rollout config's values the tests sample with
+PROMPT = 2  # prompt tokens per sequence (random); the rest sampled from the truncated policy
+
+
+def _per_row(temperature, n):
+    t = torch.tensor(PER_SAMPLE) if temperature == "per-sample" else torch.tensor([temperature] * 3)
+    return t.repeat_interleave(torch.tensor(VERL_LENS)) if n else t
+
+
+def _rollout_batch(model, temperature, **flags):
+    """verl's micro-batch of three sequences whose response tokens were sampled, token by token,
+    from the model's packed forward (as the engine runs it) under the rollout's temperature,
+    top-k and top-p (the float64 reference's kept set), with verl's response layout (prompts,
+    responses, response_mask) for its slicing."""
+    g = torch.Generator().manual_seed(7)
+    temps = _per_row(temperature, 0)
+    seqs = [torch.randint(0, V, (PROMPT,), generator=g) for _ in VERL_LENS]
+    pos = torch.cat([torch.arange(n) for n in VERL_LENS]).unsqueeze(0)
+    with torch.no_grad():
+        for b, n in enumerate(VERL_LENS):
+            while seqs[b].numel() < n:
+                ids = torch.cat(seqs[: b + 1]).unsqueeze(0)
+                x = model(input_ids=ids, position_ids=pos[:, : ids.shape[1]], use_cache=False)
+                x = x.logits[0, -1:]
+                kept = naive.sampler_kept(
+                    x.double(), 1 / temps[b : b + 1].double(), *_rollout_params(1)
+                )[0]
+                z = torch.where(kept, x.double() / temps[b], -torch.inf)
+                nxt = torch.multinomial(torch.softmax(z, -1), 1, generator=g)
+                seqs[b] = torch.cat([seqs[b], nxt[0]])
+    nest = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    resp = [n - PROMPT for n in VERL_LENS]
+    mb = _MicroBatch(
+        input_ids=nest(seqs),
+        position_ids=nest([torch.arange(n) for n in VERL_LENS]),
+        temperature=temps if temperature == "per-sample" else temperature,
+        calculate_entropy=True,
+        prompts=nest([s[:PROMPT] for s in seqs]),
+        responses=nest([s[PROMPT:] for s in seqs]),
+        response_mask=(torch.arange(max(resp)) < torch.tensor(resp).unsqueeze(1)).long(),
+        max_response_len=max(resp),
+        **flags,
+    )
+    return mb
+
+
+def _rollout_params(n, top_k=ROLLOUT["top_k"], top_p=ROLLOUT["top_p"]):
+    return torch.full((n,), top_k), torch.full((n,), top_p, dtype=torch.float64), torch.zeros(n)
+
+
+def _materialised(eng, mb):
+    """The engine's packed logits (its model's own forward) and labels, unpatched."""
+    inputs, args = eng.prepare_model_inputs(micro_batch=mb)
+    with torch.no_grad():
+        logits = eng.module(**inputs, use_cache=False).logits[0]
+    return logits, args["input_ids_rmpad_rolled"]
+
+
+def _nested_like(values, mb):
+    return torch.nested.nested_tensor_from_jagged(values, mb["input_ids"].offsets())
+
+
+@pytest.mark.parametrize(
+    "path, temperature",
+    [("logits", 0.8), ("logits", "per-sample"), ("fused", 0.8), ("fused", "per-sample")],
+)
+def test_verl_rollout_sampling(verl_engine, verl_rc, path, temperature):
+    """apply("verl", sampling=rollout's top_k / top_p): the actor's log-probs and entropy are
+    token_logprobs(logits, labels, temperature, top_k, top_p) on the engine's materialised
+    logits (float32: 1e-5 relative + 1e-5 absolute; the fused path's logits come from another
+    matmul order), not the untruncated ones; fed to verl's rollout correction with rollout
+    log-probs simulated as vLLM's processed_logprobs (the float64 reference on the same logits,
+    rounded to float32) they give IS weights of 1 within 1e-4 on every response token, where the
+    untruncated log-probs give weights far from 1. report() shows the truncation ran."""
+    ti, tf = verl_engine
+    pad = import_peer("verl.workers.utils.padding")
+    plain = _verl_setup(ti, tf)
+    fused = path == "fused"
+    eng = _verl_fused_engine(ti, tf, "torch") if fused else plain
+    mb = _rollout_batch(plain.module, temperature, use_fused_kernels=fused)
+    logits, labels = _materialised(plain, _rollout_batch(plain.module, temperature))
+    t = _per_row(temperature, 1).unsqueeze(-1)
+    want_lp, want_ent = pk.token_logprobs(logits / t, labels, return_entropy=True, **ROLLOUT)
+    vllm = naive.sampler_forward(logits.double(), labels, 1 / t.squeeze(-1).double(),
+                                 *_rollout_params(labels.numel()))[0].float()  # fmt: skip
+    keys = ("log_probs", "entropy")
+    untruncated = _verl_run(plain, _rollout_batch(plain.module, temperature), keys)()
+
+    with pki.patched("verl", sampling=ROLLOUT), _passes() as calls:
+        got = _verl_run(eng, mb, keys)()
+        rep = pki.report("verl")
+    assert calls == [("hidden" if fused else "logits", True)]
+    for a, b in zip((want_lp, want_ent), got):
+        torch.testing.assert_close(b.detach(), a, rtol=RTOL, atol=1e-5)
+    assert torch.isneginf(got[0]).any()  # prompt labels the rollout never sampled
+    r = rep["sampling"]
+    assert (r["top_k"], r["top_p"], r["actor_calls"]) == (6, 0.9, 1)
+    assert (r["response_tokens"], r["outside"]) == (sum(VERL_LENS) - 3 * PROMPT, 0)
+    assert rep["functions"][VERL_CALLER]["notes"]
+
+    def weights(lp):
+        w, mask, _ = verl_rc.rch.compute_rollout_correction_and_rejection_mask(
+            pad.no_padding_2_padding(_nested_like(lp.detach(), mb), mb),
+            pad.no_padding_2_padding(_nested_like(vllm, mb), mb),
+            mb["response_mask"],
+            rollout_is="token",
+            rollout_is_threshold=2.0,
+        )
+        return w.batch["rollout_is_weights"][mask.bool()]
+
+    ones = weights(got[0])
+    torch.testing.assert_close(ones, torch.ones_like(ones), rtol=0, atol=1e-4)
+    assert (weights(untruncated[0]) - 1).abs().max() > 0.2
+
+
+def test_verl_rollout_sampling_outside(verl_engine, verl_rc):
+    """Response tokens outside the trainer's kept set (its top_k smaller than the rollout's): their
+    log-probs are -inf (never NaN), counted in report(); verl's rollout correction turns them
+    into a weight of exp(-20) (its log-ratio clamp) and its token_k1 rejection masks them, and
+    the PPO loss over the rejection's mask stays finite. The reference engine (forward_only) and
+    the default (no sampling) score the untruncated softmax."""
+    ti, tf = verl_engine
+    pad = import_peer("verl.workers.utils.padding")
+    eng = _verl_setup(ti, tf)
+    mb = _rollout_batch(eng.module, 0.8)
+    untruncated = _verl_run(eng, mb)()
+    logits, labels = _materialised(eng, mb)
+    want = pk.token_logprobs(logits / 0.8, labels, top_k=2)
+    with pki.patched("verl", sampling={"top_k": 2, "top_p": 1.0}):
+        got = _verl_run(eng, mb)()
+        eng.engine_config.forward_only = True  # the reference policy's engine
+        ref = _verl_run(eng, mb)()
+        del eng.engine_config.forward_only
+        rep = pki.report("verl")["sampling"]
+    torch.testing.assert_close(got[0], want, rtol=RTOL, atol=1e-5)
+    torch.testing.assert_close(ref[0], untruncated[0], rtol=RTOL, atol=ATOL)
+    old = pad.no_padding_2_padding(_nested_like(got[0], mb), mb)
+    mask = mb["response_mask"]
+    out = torch.isneginf(old) & mask.bool()
+    assert rep["outside"] == int(out.sum()) > 0 and rep["reference_calls"] == 1
+    assert not old.isnan().any()
+    roll = pad.no_padding_2_padding(_nested_like(untruncated[0], mb), mb).detach()
+    w, kept, _ = verl_rc.rch.compute_rollout_correction_and_rejection_mask(
+        old.detach(), roll, mask, rollout_is="token", rollout_is_threshold=2.0,
+        rollout_rs="token_k1", rollout_rs_threshold="0.01_100",
+    )  # fmt: skip
+    w = w.batch["rollout_is_weights"]
+    assert not w.isnan().any() and torch.all(w[out] <= math.exp(-20) * 1.01)
+    assert not kept[out].any() and kept.any()
+
+    # the update: old and new log-probs both -inf at those tokens (0 - 0 in the ratio): verl's
+    # vanilla PPO loss over the rejection's mask, forward and model gradients finite; over the
+    # unrejected mask, NaN (what the docs warn of)
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
+    cfg = actor_config(verl_rc, "token-mean")
+    loss_fn = verl_rc.core.compute_policy_loss_vanilla
+    for m, finite in ((kept, True), (mask, False)):
+        with pki.patched("verl", sampling={"top_k": 2}):
+            lp = pad.no_padding_2_padding(_nested_like(_verl_run(eng, mb)()[0], mb), mb)
+        loss = loss_fn(old.detach(), lp, adv, m, "token-mean", cfg)[0]
+        assert bool(loss.isfinite()) is finite
+        if finite:
+            assert all(g.isfinite().all() for g in _grads(eng.module, [loss]))

@@ -58,10 +58,10 @@ def test_apply_reaches_every_copy_and_reverts(verl):
         assert core.get_policy_loss_fn("vanilla") is core.compute_policy_loss_vanilla
         for m in copies:
             assert m.logprobs_from_logits is tf.logprobs_from_logits is not orig_lp
-        # 17 core_algos / torch_functional / fused-kernel / engine targets, 14 policy losses
+        # 18 core_algos / torch_functional / fused-kernel / engine targets, 14 policy losses
         # (the registry's 12, compute_policy_loss_reinforce, the pre-registry compute_policy_loss),
         # 5 rollout helpers
-        assert len(rep["functions"]) == 36 and rep["active"]
+        assert len(rep["functions"]) == 37 and rep["active"]
         for name, fn in core.POLICY_LOSS_REGISTRY.items():  # every registry entry replaced
             assert hasattr(fn, "__ppo_kernels_original__"), name
         places = rep["functions"]["verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage"][
