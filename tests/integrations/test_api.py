@@ -23,6 +23,39 @@ def test_bad_arguments():
     assert pki.supported_versions("verl") == ("0.9.",)
 
 
+@pytest.mark.parametrize(
+    "sampling,match",
+    [
+        ({"top_k": -2}, r"sampling\['top_k'\]"),
+        ({"top_p": 0.0}, r"sampling\['top_p'\]"),
+        ({"min_p": 1.5}, r"sampling\['min_p'\]"),
+        ({"top_k": 2.5}, r"sampling\['top_k'\]"),
+        ({"sampler": "hf"}, r"sampling\['sampler'\]"),
+        ({"temperature": 0.7}, "unknown keys"),
+        ("top_k=50,top_p", "key=value"),
+        ("top_p=high", r"sampling\['top_p'\]"),
+        ([("top_k", 5)], "expected a dict"),
+    ],
+)
+def test_verl_sampling_option_checked(sampling, match):
+    with pytest.raises(ValueError, match=match):
+        pki.apply("verl", sampling=sampling)
+    assert pki.report("verl")["active"] is False  # checked before anything is patched
+
+
+def test_verl_sampling_option_forms():
+    from ppo_kernels.integrations._verl_sampling import RolloutSampling, sampling_option
+
+    # the environment's string form, verl's off values, and the dict form agree
+    want = RolloutSampling(top_k=50, top_p=0.9, min_p=None, sampler="sglang")
+    assert sampling_option("top_k=50, top_p=0.9, min_p=0, sampler=sglang") == want
+    assert sampling_option({"top_k": 50, "top_p": 0.9, "sampler": "sglang"}) == want
+    assert sampling_option({"top_k": -1, "top_p": 1.0, "min_p": 0.0}) is None
+    assert sampling_option("") is None
+    with pytest.raises(ValueError, match="sampling: not an option of the trl patch"):
+        pki.apply("trl", sampling={"top_p": 0.9})
+
+
 def _run(code, **env):
     """Run `code` in a fresh interpreter with the peers' cluster-only imports stubbed."""
     pre = (
