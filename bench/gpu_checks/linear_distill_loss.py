@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from bench_distill import BETA, TEMPERATURE, W_HARD, W_SOFT
+from gpu_checks._heads import four_gemms, fwd_bwd, leaves, profile_fwd_bwd
 
 import ppo_kernels as pk
 from ppo_kernels.distill.naive import eager_linear_distill_loss
@@ -81,28 +82,20 @@ def _liger(compiled=True):
 
 def timing(ctx, N=16384, H=4096, V=152064):
     x = _inputs(N, H, V, torch.bfloat16)
-    h = x["h"].detach().requires_grad_()
-    W = x["W"].detach().requires_grad_()
-
-    def fwd_bwd(f):
-        def run():
-            h.grad = W.grad = None
-            f().backward()
-
-        return run
-
+    h, W = leaves(x)
+    step = fwd_bwd(h, W)
     fns = {
-        "linear_distill_loss": fwd_bwd(lambda: _fused(x, h, W)),
-        'linear_distill_loss logits_dtype="input"': fwd_bwd(
+        "linear_distill_loss": step(lambda: _fused(x, h, W)),
+        'linear_distill_loss logits_dtype="input"': step(
             lambda: _fused(x, h, W, logits_dtype="input")
         ),
     }
     liger = _liger()
     if liger is not None:  # (labels in [0, V): see _inputs)
-        fns["liger FusedLinearJSDLoss (compiled)"] = fwd_bwd(
+        fns["liger FusedLinearJSDLoss (compiled)"] = step(
             lambda: liger(h, W, x["th"], x["tW"], x["labels"])
         )
-    fns["materialised logits (bf16 GEMMs, float32 math)"] = fwd_bwd(
+    fns["materialised logits (bf16 GEMMs, float32 math)"] = step(
         lambda: eager_linear_distill_loss(
             h,
             W,
@@ -115,27 +108,12 @@ def timing(ctx, N=16384, H=4096, V=152064):
             weight_soft_loss=W_SOFT,
         )  # fmt: skip
     )
-    hf, Wd, th, tW = h.detach(), W.detach(), x["th"], x["tW"]
-
-    def four_gemms():
-        z = hf @ Wd.T  # the student's logits, then the same [N, V] tile as the gradient
-        th @ tW.T
-        z @ Wd, z.T @ hf
-
-    fns["cuBLAS: the 4 GEMMs alone (floor)"] = four_gemms
+    fns["cuBLAS: the 4 GEMMs alone (floor)"] = four_gemms(h, W, x["th"], x["tW"])
     ctx.bench(OP, f"N={N} H={H} V={V} bf16 jsd(0.5) fwd+bwd", fns, warmup=1, rep=5)
 
 
 def profile(ctx, N=16384, H=4096, V=152064):
     """The top kernels of one bf16 fwd+bwd of linear_distill_loss (its default backend)."""
-    from gpu_checks._profile import top_kernels
-
     x = _inputs(N, H, V, torch.bfloat16)
-    h = x["h"].detach().requires_grad_()
-    W = x["W"].detach().requires_grad_()
-
-    def run():
-        h.grad = W.grad = None
-        _fused(x, h, W).backward()
-
-    ctx.profile(OP, f"N={N} H={H} V={V} bf16 jsd(0.5) fwd+bwd", top_kernels(run, DEVICE))
+    case = f"N={N} H={H} V={V} bf16 jsd(0.5) fwd+bwd"
+    profile_fwd_bwd(ctx, OP, case, x, lambda h, W: _fused(x, h, W), DEVICE)

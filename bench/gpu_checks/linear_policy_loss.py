@@ -20,6 +20,7 @@ from bench_linear_policy_loss import (
     liger_module,
     trl_bnpo_loss,
 )
+from gpu_checks._heads import fwd_bwd, leaves, profile_fwd_bwd
 
 import ppo_kernels as pk
 
@@ -79,29 +80,21 @@ def _liger():
 
 def timing(ctx, N=32768, H=4096, V=152064):
     x = _inputs(N, H, V, torch.bfloat16)
-    h = x["h"].detach().requires_grad_()
-    W = x["W"].detach().requires_grad_()
-
-    def fwd_bwd(f):
-        def run():
-            h.grad = W.grad = None
-            f().backward()
-
-        return run
-
+    h, W = leaves(x)
+    step = fwd_bwd(h, W)
     fns = {
-        "linear_policy_loss": fwd_bwd(lambda: fused_loss(x, h, W)),
-        'linear_policy_loss logits_dtype="input"': fwd_bwd(
+        "linear_policy_loss": step(lambda: fused_loss(x, h, W)),
+        'linear_policy_loss logits_dtype="input"': step(
             lambda: fused_loss(x, h, W, logits_dtype="input")
         ),
-        'linear_policy_loss logits_dtype="float32"': fwd_bwd(
+        'linear_policy_loss logits_dtype="float32"': step(
             lambda: fused_loss(x, h, W, logits_dtype="float32")
         ),
-        "composition (4 GEMMs)": fwd_bwd(lambda: composition_loss(x, h, W)),
+        "composition (4 GEMMs)": step(lambda: composition_loss(x, h, W)),
     }
     liger = _liger()  # (its eager chunks are the same math, slower)
     if liger is not None:
-        fns["liger FusedLinearGRPOLoss (compiled)"] = fwd_bwd(lambda: liger_loss(liger, x, h, W))
+        fns["liger FusedLinearGRPOLoss (compiled)"] = step(lambda: liger_loss(liger, x, h, W))
     try:
         from gpu_checks.linear_logprobs import _trl_chunked_logprob
 
@@ -109,7 +102,7 @@ def timing(ctx, N=32768, H=4096, V=152064):
     except ImportError:
         trl_head = None
     if trl_head is not None:
-        fns["trl ChunkedLogProbFunction + bnpo loss"] = fwd_bwd(
+        fns["trl ChunkedLogProbFunction + bnpo loss"] = step(
             lambda: trl_bnpo_loss(x, trl_head(h.view(-1, H), W, x["labels"].view(-1))[0])
         )
 
@@ -127,14 +120,6 @@ def timing(ctx, N=32768, H=4096, V=152064):
 def profile(ctx, N=32768, H=4096, V=152064):
     """The top kernels of one bf16 fwd+bwd of linear_policy_loss (bnpo + k3 KL, its default
     backend)."""
-    from gpu_checks._profile import top_kernels
-
     x = _inputs(N, H, V, torch.bfloat16)
-    h = x["h"].detach().requires_grad_()
-    W = x["W"].detach().requires_grad_()
-
-    def run():
-        h.grad = W.grad = None
-        fused_loss(x, h, W).backward()
-
-    ctx.profile(OP, f"N={N} H={H} V={V} bf16 bnpo+k3 fwd+bwd", top_kernels(run, DEVICE))
+    case = f"N={N} H={H} V={V} bf16 bnpo+k3 fwd+bwd"
+    profile_fwd_bwd(ctx, OP, case, x, lambda h, W: fused_loss(x, h, W), DEVICE)
