@@ -270,6 +270,10 @@ struct TopCollector {
       if (z[i] >= zb) push(i);
     if (band.size() > limit) raise();
   }
+  // After the pass: the band cut down to the k largest and their ties.
+  void trim() {
+    if (static_cast<int64_t>(band.size()) > k) raise();
+  }
 
  private:
   void raise() {
@@ -302,7 +306,7 @@ RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* bu
       continue;
     }
     const float m = load_scaled(row + j, n, inv_t, buf);
-    if (top) top->add(buf, n, row + j, j);
+    if (top && m >= top->zb) top->add(buf, n, row + j, j);  // (most blocks' max is below it)
     if (!with_e2) {
       st = stats_merge(st, block_stats(buf, n, m));
       continue;
@@ -562,12 +566,13 @@ class RowSample {
   bool sorted_ = false;
 };
 
-// The k-th largest of n = min(V, kSize) evenly spaced logits of the row (the row's own k-th
+// The k-th largest of n = min(V, size) evenly spaced logits of the row (the row's own k-th
 // largest when n = V), or -inf when k > n: at least k tokens of the row are at or above it. NaN
 // reads as -inf (a row holding one takes the float64 path).
 template <typename scalar_t>
-float sampled_kth_largest(const scalar_t* row, int64_t V, int64_t k, std::vector<float>& tmp) {
-  const int64_t n = std::min(V, RowSample::kSize);
+float sampled_kth_largest(const scalar_t* row, int64_t V, int64_t k, int64_t size,
+                          std::vector<float>& tmp) {
+  const int64_t n = std::min(V, size);
   if (k > n) return -INFINITY;
   tmp.resize(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -1099,10 +1104,11 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   // sure bound on the k-th largest logit (a sample's k-th largest), so no second pass reads the row
   const bool ids_only = !trunc && a.stats_top_k > 0;
   TopCollector top{ws.band, INFINITY, inv_t, a.stats_top_k,
-                   static_cast<size_t>(std::max<int64_t>(512, 4 * a.stats_top_k))};
+                   static_cast<size_t>(std::max<int64_t>(64, 4 * a.stats_top_k))};
   if (ids_only) {
     ws.band.clear();
-    top.zb = scaled(sampled_kth_largest(row, V, a.stats_top_k, ws.sample_nd), inv_t);
+    // a small sample: the bound only has to be sure, the pass raises it (256 >= k <= 64)
+    top.zb = scaled(sampled_kth_largest(row, V, a.stats_top_k, 256, ws.sample_nd), inv_t);
   }
   const RowStatsExt rs = row_stats_ext(
       row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,
@@ -1179,6 +1185,7 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
   }
   if (ids_only) {  // the collected band holds the k largest (and their ties)
+    top.trim();
     const bool scale = inv_t_scales(inv_t);
     for (BandItem<float>& it : ws.band) {
       it.nd = nd_of(it.x, inv_t, m, scale);
