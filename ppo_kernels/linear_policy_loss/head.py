@@ -12,6 +12,11 @@ block holds whole sequences (its rows are a multiple of T); a sequence longer th
 every batch statistic, takes the engine's first pass (log-probs only), then the full pass
 (`passes`).
 
+Under the rollout sampler's distribution (linear_policy_loss_sampler) the reduction flags each label
+outside the kept set (`outside`): masked out of the loss by default -- as mask 0, before any
+coefficient or normaliser, so a first pass of log-probs finds them (`passes`) -- and counted in
+`num_outside` (the tokens of the op's mask whose label is outside).
+
 The per-token terms: the cpp backend's float32 CPU calls reach the registered ops' kernels
 (`ppo_policy_loss`'s backward for the clipped types, `kl_penalty`, `masked_aggregate`); every other
 call runs policy_math's torch ops (batch-invariant mode: on inputs padded as the tiles are, on one
@@ -79,16 +84,18 @@ _NAMES: dict = {}
 
 
 @_backend.constant_result
-def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass):
+def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled=False):
     """stat_names of a configuration given as plain values (torch.compile evaluates it while
     tracing: the names are constants of the graph)."""
-    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass)
+    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled)
     if key in _NAMES:
         return _NAMES[key]
     level = "sequence" if sequence_level else "token"
     cfg = PolicyLossConfig(loss_type, importance_sampling_level=level, dro_beta=dro_beta)
     x = _dummy_inputs()
     names = ["pg_loss", "entropy_loss", "entropy_mean", "masked_fraction"]
+    if sampled:
+        names += ["num_outside"]
     if has_ref:
         names += ["kl_loss", "kl_mean"]
     values = dict.fromkeys(_token_metric_names(cfg), x.m)
@@ -116,6 +123,20 @@ def stat_names(a) -> tuple[str, ...]:
         a.advantages.dim() == 1,
         a.ref_logprobs is not None or a.ref_hidden is not None,
         bypass,
+        hasattr(a, "mask_outside"),
+    )
+
+
+def truncates(a) -> bool:
+    """Whether the sampler's options of the call `a` may leave a label outside the kept set: a
+    truncation on (a per-row tensor counts as on: its values are not read)."""
+    return (
+        a.top_ks is not None
+        or a.top_ps is not None
+        or a.min_ps is not None
+        or 0 < a.top_k < a.weight.shape[0]
+        or a.top_p < 1
+        or a.min_p > 0
     )
 
 
@@ -185,7 +206,7 @@ class PolicyHead(HeadTerm):
     """The policy loss's head term for one call (`a`: the op's arguments): coefficients per token
     for the gradient, per-token values for the statistics, and the loss sums."""
 
-    def __init__(self, a, backend: str, token_stats: Tensor):
+    def __init__(self, a, backend: str, token_stats: Tensor, outside: Tensor | None = None):
         acc = token_stats.dtype
         dev = token_stats.device
         cfg = config(a)
@@ -193,7 +214,11 @@ class PolicyHead(HeadTerm):
         self.bypass = bypass_options(a)
         p = _prepare(a, acc)
         gden = _global_denominator(a, acc, dev)
-        one_pass = self.bypass is None
+        # the sampler's distribution: the outside flags [B, T] the reduction writes, and whether
+        # those tokens leave the mask (then before any coefficient: a first pass finds them)
+        self.outside = outside
+        self.mask_outside = outside is not None and bool(a.mask_outside) and truncates(a)
+        one_pass = self.bypass is None and not self.mask_outside
         cpp = backend == "cpp"
         self.a, self.cfg, self.p, self.gden = a, cfg, p, gden
         # The cpp backend, float32 on the CPU: the per-token terms by the registered ops' kernels
@@ -223,7 +248,11 @@ class PolicyHead(HeadTerm):
         self.extra: dict[str, Tensor] = {}  # statistics computed whole (bypass mode)
         self.pg = torch.zeros((), dtype=p.m.dtype, device=p.m.device)
         bypass = self.bypass
-        self.local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+        self.local = (
+            bypass is not None
+            and not self.mask_outside
+            and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+        )
         # bypass, one pass: the IS weights of gpg / reinforce per block (the clipped types' ratio
         # already is pi / pi_rollout: their loss does not change)
         self.chunk_is = self.local and bypass[1] is not None and cfg.loss_type not in pm.CLIP_TYPES
@@ -236,10 +265,23 @@ class PolicyHead(HeadTerm):
         return rows if self.scope == "token" or T == 0 else max(1, rows // T) * T
 
     def passes(self, rows: int, T: int) -> int:
+        if self.mask_outside:
+            return 2
         return passes(self.cfg, self.bypass is not None and not self.local, T, rows)
 
     def after_first_pass(self, lp: Tensor) -> None:
-        """Every coefficient from every log-prob (and bypass mode's weights and rejection)."""
+        """Every coefficient from every log-prob (and bypass mode's weights and rejection); the
+        labels outside the sampler's kept set first leave the mask (mask_outside)."""
+        if self.mask_outside:  # as mask 0: the inputs zero there too (as _prepare leaves them)
+            keep = ~self.outside
+            zero = torch.zeros((), dtype=self.m.dtype, device=self.m.device)
+
+            def kept(t):
+                return None if t is None else torch.where(keep, t, zero)
+
+            p = self.p
+            self.p = p._replace(old=kept(p.old), adv=kept(p.adv), ref=kept(p.ref), w=kept(p.w))
+            self.set_mask(kept(self.m), kept(self.w))
         if self.bypass is not None:
             _bypass(self, self.bypass)
         lpm = torch.where(self.m != 0, self.lp_all, torch.zeros_like(self.lp_all))
@@ -455,6 +497,8 @@ class PolicyHead(HeadTerm):
         loss = self.pg - a.entropy_coef * ent_agg
         # masked_fraction: the share of the mask's tokens rejected (bypass mode sets it)
         st = {"pg_loss": self.pg, "entropy_loss": ent_agg, "masked_fraction": 0 * ent_agg}
+        if self.outside is not None:  # the op's mask tokens whose label is outside the kept set
+            st["num_outside"] = (self.outside & (self.p.m != 0)).sum().to(m.dtype)
         st["entropy_mean"] = means[0]
         if self.has_kl:
             loss = loss + a.kl_coef * sums[1, 0]
