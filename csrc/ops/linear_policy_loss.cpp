@@ -56,7 +56,8 @@ using torch::jit::Stack;
   "float? dro_beta, float clip_cov_ratio, float clip_cov_lb, float clip_cov_ub, "                \
   "float kl_cov_ratio, float kl_cov_coef, str agg, float scale, float? global_denom_value, "     \
   "float kl_coef, str kl_estimator, bool kl_straight_through, float kl_in_lo, float kl_in_hi, "  \
-  "float kl_out_lo, float kl_out_hi, float entropy_coef, float temperature, float? softcap, "    \
+  "float kl_out_lo, float kl_out_hi, float entropy_coef, float z_loss, float temperature, "      \
+  "float? softcap, "                                                                             \
   "int ignore_index, int max_chunk_bytes, str logits_dtype, bool bypass_mode, str? rollout_is, " \
   "str? rollout_is_threshold, bool rollout_is_batch_normalize, str? rollout_rs, "                \
   "str? rollout_rs_threshold, Generator? generator"
@@ -100,7 +101,7 @@ const c10::OperatorHandle& impl(Backend b) {
 struct Args {
   size_t n, hidden, weight, labels, advantages, old_logprobs, mask, bias, ref_logprobs, weights,
       global_denom, ref_hidden, ref_weight, ref_bias, agg, kl_estimator, kl_in_lo, kl_in_hi,
-      kl_out_lo, kl_out_hi, kl_coef, entropy_coef, temperature, softcap, max_chunk_bytes,
+      kl_out_lo, kl_out_hi, kl_coef, entropy_coef, z_loss, temperature, softcap, max_chunk_bytes,
       logits_dtype, clip_low, clip_high, log_ratio_clamp, scale, loss_type, dual_clip, delta,
       importance_sampling_level, global_denom_value, kl_straight_through, ignore_index, bypass_mode;
 };
@@ -137,6 +138,7 @@ const Args& args_of() {
                 .kl_out_hi = at("kl_out_hi"),
                 .kl_coef = at("kl_coef"),
                 .entropy_coef = at("entropy_coef"),
+                .z_loss = at("z_loss"),
                 .temperature = at("temperature"),
                 .softcap = at("softcap"),
                 .max_chunk_bytes = at("max_chunk_bytes"),
@@ -247,6 +249,9 @@ void check(const Stack& a, const Args& i) {
   expect_bounds("kl clamp value", a[i.kl_out_lo].toDouble(), a[i.kl_out_hi].toDouble());
   expect_finite("kl_coef", a[i.kl_coef].toDouble());
   expect_finite("entropy_coef", a[i.entropy_coef].toDouble());
+  const double z_loss = a[i.z_loss].toDouble();
+  TORCH_CHECK_VALUE(z_loss >= 0 && std::isfinite(z_loss),
+                    "z_loss: expected a finite coefficient >= 0 (0: no term), got ", z_loss);
   expect_finite("clip_low", a[i.clip_low].toDouble());
   expect_finite("clip_high", a[i.clip_high].toDouble());
   expect_finite("scale", a[i.scale].toDouble());
@@ -265,7 +270,7 @@ void check(const Stack& a, const Args& i) {
 // ---- the C++ loop (csrc/cpu/linear_policy_loss.cpp) ----
 // The cpp backend's calls it runs: on the CPU, float32 or bf16 / fp16 with logits_dtype="input",
 // at least one token, a clipped type at token level without delta (policy_math.is_ppo_surrogate),
-// no caller weights, bypass-mode rollout correction, soft-cap or reference head, not
+// no caller weights, bypass-mode rollout correction, soft-cap, reference head or z-loss, not
 // batch-invariant, the compiled kernels (not a test's emulated ones). The rest takes the Python
 // chunk loop (op.py run, `ppo_kernels_cpp::`): the same computation around the token_logprobs
 // kernels (two passes over each tile) at a higher cost per call
@@ -279,7 +284,7 @@ bool cpp_loop(const Stack& a, const Args& i) {
       a[i.weight].toTensor().size(0) == 0)
     return false;
   if (!a[i.weights].isNone() || !a[i.ref_hidden].isNone() || !a[i.softcap].isNone() ||
-      !a[i.delta].isNone() || a[i.bypass_mode].toBool() ||
+      !a[i.delta].isNone() || a[i.bypass_mode].toBool() || a[i.z_loss].toDouble() != 0 ||
       a[i.importance_sampling_level].toStringRef() != "token")
     return false;
   const auto& types = clip_loss_type_names();
@@ -441,6 +446,10 @@ void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack
   const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
   check(args, i);
   const Tensor hidden = args[i.hidden].toTensor();
+  TORCH_CHECK_VALUE(args[i.z_loss].toDouble() == 0,
+                    "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
+                    "top_p, min_p) yet (its gradient is the whole vocabulary's softmax, which the "
+                    "sampler's kernels do not form)");
   TORCH_CHECK_VALUE(args[i.ref_hidden].isNone(),
                     "ref_hidden: the exact KL against a reference head is not supported with the "
                     "sampler's options (temperature tensor, top_k, top_p, min_p) yet; give "

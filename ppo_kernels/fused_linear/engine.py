@@ -120,10 +120,11 @@ class WholeVocab:
         return lp, ent, lse, (None if zr is None else self.ref_fwd(z, zr, lc))
 
     def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
-        """The block's gradient tile from the coefficients (glp, gent, g_full) and the
+        """The block's gradient tile from the coefficients (glp, gent, g_full[, g_label]) and the
         statistics st (lp, ent, lse, klt), multiplied into ghc, gW, gb. The tile of block_stats
         is consumed (or computed here when the statistics were given)."""
-        glp, gent, g_full = coefs
+        glp, gent, g_full, *rest = coefs
+        g_label = rest[0] if rest else None
         _, ent, lse, klt = st
         z, zr = self.z, self.zr
         self.z = self.zr = None
@@ -133,11 +134,22 @@ class WholeVocab:
         if g_full is not None:
             gk = self.ref_bwd(g_full, z, zr, klt, gk_buf[: z.numel()].view(z.shape))
         tiler.softcap_grad(z)
-        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None)
+        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None and g_label is None)
         if gk is not None:
             g += gk
+        if g_label is not None:
+            self.label_grad(g, lc, g_label)
         tiler.apply_softcap_grad(g)
         tiler.grad_matmuls(g, hc, 0, z.shape[1], ghc, gW, gb)
+
+    def label_grad(self, g, lc, g_label):
+        """Adds d(sum(g_label * z_label)) / dx to the gradient tile g: g_label / T at each row's
+        label (z = x / T: the label's own tempered logit, e.g. lse = z_label - lp, the z-loss);
+        nothing on rows without a label."""
+        valid = lc != self.ii
+        safe = torch.where(valid, lc, torch.zeros_like(lc)).long().unsqueeze(-1)
+        c = torch.where(valid, g_label * self.inv_t, torch.zeros_like(g_label))
+        g.scatter_add_(1, safe, c.to(g.dtype).unsqueeze(-1))
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         """The tile's gradient d(sum(glp * lp + gent * ent)) / dz (z is consumed); alone: no
@@ -309,7 +321,9 @@ class HeadTerm:
     - `after_first_pass(lp)`: with every token's log-prob (flat [N]), before the second pass;
     - `coefficients(block)`: the block's (dL/dlogprob, dL/dentropy, dL/dKL) per token, each a
       tensor of the block's (padded) rows or None, after storing what the loss reports;
-      the gradient tile follows from them;
+      the gradient tile follows from them. A fourth, dL/dz_label (the label's own tempered logit
+      besides its log-prob: the z-loss, lse = z_label - lp), is taken by the whole-vocabulary
+      reduction `WholeVocab`;
     - `with_entropy`: whether the reduction computes the entropy;
     - `given(r0, r1, pad)`: (entropy, lse) of a block known before the loop (a backward of saved
       statistics: no reduction runs), or None (the default: the reduction computes them).

@@ -132,11 +132,13 @@ def linear_policy_loss(
     min_p: float | Tensor | None = None,
     sampler: str = "vllm",
     mask_outside: bool = True,
+    z_loss: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The PPO / GRPO policy loss from the hidden states and the LM head in one chunked pass:
     logits, log-probs, entropy, KL, the loss and its gradients, never building the [N, V] logits.
 
     loss = pg - entropy_coef * agg(entropy) + kl_coef * agg(kl)   (verl's actor convention)
+           + z_loss * mean over the mask of lse^2                (with `z_loss`)
 
     pg is `ppo_policy_loss` of the log-probs z = (h W^T + b) / temperature gives, for every loss
     type. The logits are computed once (3 GEMMs: the logits tile, then grad_hidden = G W and
@@ -224,6 +226,13 @@ def linear_policy_loss(
             the loss's coefficient there; its entropy term stays), and the sequence and batch
             statistics clamp or drop the -inf. Either way `num_outside` counts them. Default
             True.
+        z_loss (float): the z-loss coefficient c >= 0 (PaLM's auxiliary loss, keeping the
+            log-normaliser near 0): adds c * sum_t m_t lse_t^2 / sum_t m_t, lse_t the
+            log-sum-exp of the token's tempered (and soft-capped) logits over the whole
+            vocabulary (0 for a label == ignore_index), m the mask after rollout correction;
+            its gradient on the logits is 2 c m_t lse_t softmax(z_t) / (T sum m), formed in the
+            same pass (no extra GEMM). Reported as `z_loss` (the mean of lse^2). Not with the
+            sampler's options or `process_group` yet. Default 0.0: no term.
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
@@ -319,6 +328,13 @@ def linear_policy_loss(
     elif sampler != "vllm" or mask_outside is not True:
         check_sampler_unused(sampler, 0)
         check_bool("mask_outside", mask_outside)
+    if type(z_loss) is not float or z_loss != 0.0:
+        z_loss = check_float("z_loss", z_loss, nonneg=True)
+        if z_loss != 0 and (sampled is not None or process_group is not None):
+            raise ValueError(
+                "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
+                "top_p, min_p) or process_group yet"
+            )
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)
@@ -368,6 +384,7 @@ def linear_policy_loss(
         st,
         *bounds,
         entropy_coef,
+        z_loss,
         float(temperature),
         softcap,
         ignore_index,

@@ -84,10 +84,12 @@ _NAMES: dict = {}
 
 
 @_backend.constant_result
-def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled=False):
+def _stat_names(
+    loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled=False, z=False
+):
     """stat_names of a configuration given as plain values (torch.compile evaluates it while
     tracing: the names are constants of the graph)."""
-    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled)
+    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled, z)
     if key in _NAMES:
         return _NAMES[key]
     level = "sequence" if sequence_level else "token"
@@ -96,6 +98,8 @@ def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypas
     names = ["pg_loss", "entropy_loss", "entropy_mean", "masked_fraction"]
     if sampled:
         names += ["num_outside"]
+    if z:
+        names += ["z_loss"]
     if has_ref:
         names += ["kl_loss", "kl_mean"]
     values = dict.fromkeys(_token_metric_names(cfg), x.m)
@@ -124,6 +128,7 @@ def stat_names(a) -> tuple[str, ...]:
         a.ref_logprobs is not None or a.ref_hidden is not None,
         bypass,
         hasattr(a, "mask_outside"),
+        True if a.z_loss != 0 else False,  # (a branch: torch.compile specialises on it)
     )
 
 
@@ -258,6 +263,8 @@ class PolicyHead(HeadTerm):
         self.chunk_is = self.local and bypass[1] is not None and cfg.loss_type not in pm.CLIP_TYPES
         self.scope = pm.stat_scope(cfg)
         self.coef_all = None  # every token's dL/dlogprob, after a first pass
+        # the z-loss: every token's log-sum-exp (of the tempered logits, 0 without a label)
+        self.lse_all = torch.zeros_like(p.m) if a.z_loss != 0 else None
 
     # ------------------------------------------------------------------ the engine's interface
     def step(self, rows: int, T: int) -> int:
@@ -314,7 +321,10 @@ class PolicyHead(HeadTerm):
         g_full = None
         if self.full_kl:
             g_full = self.full_kl_coef(blk.kl[0], r0, r1)
-        return glp, gent, g_full
+        if self.lse_all is None:
+            return glp, gent, g_full
+        g_z = self.z_loss_coef(blk.lse, r0, r1)  # d/dz_label (lse = z_label - lp)
+        return glp - g_z, gent, g_full, g_z
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(loss, stats) once the loop is done."""
@@ -473,6 +483,16 @@ class PolicyHead(HeadTerm):
     def _entropy_coef(self, k):
         return None if self.a.entropy_coef == 0 else -self.a.entropy_coef * k
 
+    def z_loss_coef(self, lse, t0, t1):
+        """Stores the log-sum-exp of tokens t0:t1 (padded as in kl_and_entropy); returns the
+        z-loss's dL/dlse = 2 z_loss m lse / sum(m) per token (0 for an empty mask)."""
+        n = lse.shape[0]
+        self.lse_all.view(-1)[t0:t1] = lse[: t1 - t0]
+        m = self.m
+        total = m.sum()
+        c = torch.where(total != 0, 2.0 * self.a.z_loss / torch.where(total != 0, total, 1.0), 0.0)
+        return c * self._tok(m, t0, t1, n) * lse
+
     def full_kl_coef(self, kl, t0, t1):
         """Stores the exact KL of tokens t0:t1 (kl: padded as in kl_and_entropy); returns dL/dKL
         per token (None: no KL term)."""
@@ -503,6 +523,10 @@ class PolicyHead(HeadTerm):
         if self.has_kl:
             loss = loss + a.kl_coef * sums[1, 0]
             st["kl_loss"], st["kl_mean"] = sums[1, 0], means[1]
+        if self.lse_all is not None:  # mean over the mask of lse^2 (0 for an empty mask)
+            zsum = (m * self.lse_all * self.lse_all).sum()
+            st["z_loss"] = torch.where(total != 0, zsum / torch.where(total != 0, total, 1.0), 0.0)
+            loss = loss + a.z_loss * st["z_loss"]
         if kernel_stats is not None:
             st.update(kernel_stats)
         else:

@@ -14,7 +14,8 @@ With z = softcap(hidden @ weight.T + bias) / temperature (softcap: cap * tanh(lo
   k = c_b * m (the same aggregation, unweighted), kl[t] = kl_penalty(logprobs, ref_logprobs)[t]
     where m != 0, else 0;
   loss = pg - entropy_coef * sum(k * entropy) + kl_coef * sum(k * kl)   (verl's actor:
-    pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl)).
+    pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl)),
+    + z_loss * sum(m * lse^2) / sum(m) with lse = logsumexp(z) (0 where label == ignore_index).
 Statistics: masked means over m (0 for an empty mask) of policy_math's per-token statistics, of the
 entropy (`entropy_mean`) and of the KL (`kl_mean`), the aggregated terms (`pg_loss`,
 `entropy_loss` = agg(entropy), `kl_loss` = agg(kl)), TRL's per-row summaries, and in bypass mode
@@ -205,6 +206,12 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
         loss = loss + a.kl_coef * kl_agg
         stats["kl_loss"] = kl_agg.detach()
         means["kl_mean"] = kl.detach()
+    if a.z_loss != 0:  # mean over the mask of lse^2, lse of the tempered logits (0 off a label)
+        z = _logits(a, a.hidden, a.weight, a.bias, acc)
+        labels = a.labels.reshape(-1)
+        lse = torch.where(labels != a.ignore_index, torch.logsumexp(z, -1), zero).view(m.shape)
+        means["z_loss"] = (lse * lse).detach()
+        loss = loss + a.z_loss * pm.masked_means({"z": lse * lse}, m)["z"]
     stats.update(pm.masked_means(means, m))
     # policy_math's statistics of the detached values (what ppo_policy_loss reports)
     xd = pm.Inputs(*(t.detach() for t in x))

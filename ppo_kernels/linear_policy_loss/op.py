@@ -87,6 +87,7 @@ ARG_NAMES = (
     "kl_out_lo",
     "kl_out_hi",
     "entropy_coef",
+    "z_loss",
     "temperature",
     "softcap",
     "ignore_index",

@@ -862,6 +862,14 @@ CASES = [
     ),
     ("lpl_mask_shape", False, "each", "ops.linear_policy_loss(*lpl_with(mask=m[:, :2]))", "mask"),
     ("lpl_kl_coef", False, "each", "ops.linear_policy_loss(*lpl_with(kl_coef=inf))", "kl_coef"),
+    ("lpl_z_loss", False, "each", "ops.linear_policy_loss(*lpl_with(z_loss=-1.0))", "z_loss"),
+    (
+        "lps_z_loss",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler(*lps_with(z_loss=0.1))",
+        "z_loss",
+    ),
     (
         "lpl_grads_weight_dtype",
         False,
