@@ -14,6 +14,13 @@
 // below autograd with need_* from requires_grad and saves the gradients; the backward scales them
 // by the upstream gradient (no GEMM). The argument list is long and only forwarded, so the kernels
 // are boxed: they read the arguments they check by name from the schema.
+//
+// linear_policy_loss_sampler (+ _grads): the same loss under the rollout sampler's distribution
+// (a temperature tensor, top-k, top-p, min-p, vLLM's / SGLang's rules): the same arguments, then
+// the sampler's. Its own ops, so that the plain call's path (and its per-call cost) stays as it
+// was. Every backend runs the Python chunk loop with whole-vocabulary tiles reduced by the
+// sampler kernels of token_logprobs (op.py: engine.SamplerVocab); labels outside the kept set are
+// masked out of the loss by default (a first pass finds them) and counted.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -28,6 +35,7 @@
 #include "ops/checks.h"
 #include "ops/fused_loss.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -48,12 +56,19 @@ using torch::jit::Stack;
   "float? dro_beta, float clip_cov_ratio, float clip_cov_lb, float clip_cov_ub, "                \
   "float kl_cov_ratio, float kl_cov_coef, str agg, float scale, float? global_denom_value, "     \
   "float kl_coef, str kl_estimator, bool kl_straight_through, float kl_in_lo, float kl_in_hi, "  \
-  "float kl_out_lo, float kl_out_hi, float entropy_coef, float temperature, float? softcap, "    \
+  "float kl_out_lo, float kl_out_hi, float entropy_coef, float z_loss, float temperature, "      \
+  "float? softcap, "                                                                             \
   "int ignore_index, int max_chunk_bytes, str logits_dtype, bool bypass_mode, str? rollout_is, " \
   "str? rollout_is_threshold, bool rollout_is_batch_normalize, str? rollout_rs, "                \
   "str? rollout_rs_threshold, Generator? generator"
 
-constexpr int64_t kOutputs = 3;  // loss [], stats [K], token_stats [3, B, T]
+// The sampler's arguments after them (linear_policy_loss_sampler).
+#define PPO_LPL_SAMPLER_ARGS                                                         \
+  ", Tensor? temperatures, int top_k, Tensor? top_ks, float top_p, Tensor? top_ps, " \
+  "float min_p, Tensor? min_ps, str sampler, bool mask_outside"
+
+constexpr int64_t kOutputs = 3;         // loss [], stats [K], token_stats [3, B, T]
+constexpr int64_t kSamplerOutputs = 4;  // + outside [B, T] (bool)
 
 c10::OperatorHandle find(const char* name) {
   return fused_loss::find_op(name, "ppo_kernels/linear_policy_loss/op.py");
@@ -86,7 +101,7 @@ const c10::OperatorHandle& impl(Backend b) {
 struct Args {
   size_t n, hidden, weight, labels, advantages, old_logprobs, mask, bias, ref_logprobs, weights,
       global_denom, ref_hidden, ref_weight, ref_bias, agg, kl_estimator, kl_in_lo, kl_in_hi,
-      kl_out_lo, kl_out_hi, kl_coef, entropy_coef, temperature, softcap, max_chunk_bytes,
+      kl_out_lo, kl_out_hi, kl_coef, entropy_coef, z_loss, temperature, softcap, max_chunk_bytes,
       logits_dtype, clip_low, clip_high, log_ratio_clamp, scale, loss_type, dual_clip, delta,
       importance_sampling_level, global_denom_value, kl_straight_through, ignore_index, bypass_mode;
 };
@@ -123,6 +138,7 @@ const Args& args_of() {
                 .kl_out_hi = at("kl_out_hi"),
                 .kl_coef = at("kl_coef"),
                 .entropy_coef = at("entropy_coef"),
+                .z_loss = at("z_loss"),
                 .temperature = at("temperature"),
                 .softcap = at("softcap"),
                 .max_chunk_bytes = at("max_chunk_bytes"),
@@ -233,6 +249,9 @@ void check(const Stack& a, const Args& i) {
   expect_bounds("kl clamp value", a[i.kl_out_lo].toDouble(), a[i.kl_out_hi].toDouble());
   expect_finite("kl_coef", a[i.kl_coef].toDouble());
   expect_finite("entropy_coef", a[i.entropy_coef].toDouble());
+  const double z_loss = a[i.z_loss].toDouble();
+  TORCH_CHECK_VALUE(z_loss >= 0 && std::isfinite(z_loss),
+                    "z_loss: expected a finite coefficient >= 0 (0: no term), got ", z_loss);
   expect_finite("clip_low", a[i.clip_low].toDouble());
   expect_finite("clip_high", a[i.clip_high].toDouble());
   expect_finite("scale", a[i.scale].toDouble());
@@ -251,7 +270,7 @@ void check(const Stack& a, const Args& i) {
 // ---- the C++ loop (csrc/cpu/linear_policy_loss.cpp) ----
 // The cpp backend's calls it runs: on the CPU, float32 or bf16 / fp16 with logits_dtype="input",
 // at least one token, a clipped type at token level without delta (policy_math.is_ppo_surrogate),
-// no caller weights, bypass-mode rollout correction, soft-cap or reference head, not
+// no caller weights, bypass-mode rollout correction, soft-cap, reference head or z-loss, not
 // batch-invariant, the compiled kernels (not a test's emulated ones). The rest takes the Python
 // chunk loop (op.py run, `ppo_kernels_cpp::`): the same computation around the token_logprobs
 // kernels (two passes over each tile) at a higher cost per call
@@ -265,7 +284,7 @@ bool cpp_loop(const Stack& a, const Args& i) {
       a[i.weight].toTensor().size(0) == 0)
     return false;
   if (!a[i.weights].isNone() || !a[i.ref_hidden].isNone() || !a[i.softcap].isNone() ||
-      !a[i.delta].isNone() || a[i.bypass_mode].toBool() ||
+      !a[i.delta].isNone() || a[i.bypass_mode].toBool() || a[i.z_loss].toDouble() != 0 ||
       a[i.importance_sampling_level].toStringRef() != "token")
     return false;
   const auto& types = clip_loss_type_names();
@@ -362,6 +381,98 @@ void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* sta
   fused_loss::autograd_call<grads_op, kOutputs>(stack, i.n, i.hidden, i.weight, i.bias);
 }
 
+// ---- the sampler's distribution: linear_policy_loss_sampler (+ _grads) ----
+c10::OperatorHandle sampler_op() { return find("ppo_kernels::linear_policy_loss_sampler"); }
+
+const c10::OperatorHandle& sampler_grads_op() {
+  static const c10::OperatorHandle h = find("ppo_kernels::linear_policy_loss_sampler_grads");
+  return h;
+}
+
+const c10::OperatorHandle& sampler_impl(Backend b) {
+  switch (b) {
+    case Backend::kCpp: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_cpp::linear_policy_loss_sampler_grads");
+      return h;
+    }
+    case Backend::kTriton: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_triton::linear_policy_loss_sampler_grads");
+      return h;
+    }
+    default: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_eager::linear_policy_loss_sampler_grads");
+      return h;
+    }
+  }
+}
+
+struct SamplerArgs {
+  size_t n, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps, sampler;
+};
+
+// The sampler's argument positions in linear_policy_loss_sampler's schema (the arguments before
+// them are linear_policy_loss's, at the same positions: args_of()).
+const SamplerArgs& sampler_args_of() {
+  static const SamplerArgs a = [] {
+    const auto& s = sampler_op().schema();
+    auto at = [&](const char* name) {
+      const auto i = s.argumentIndexWithName(name);
+      TORCH_CHECK(i.has_value(), "linear_policy_loss_sampler: no argument ", name,
+                  " in the schema");
+      return static_cast<size_t>(*i);
+    };
+    return SamplerArgs{.n = s.arguments().size(),
+                       .temperatures = at("temperatures"),
+                       .top_k = at("top_k"),
+                       .top_ks = at("top_ks"),
+                       .top_p = at("top_p"),
+                       .top_ps = at("top_ps"),
+                       .min_p = at("min_p"),
+                       .min_ps = at("min_ps"),
+                       .sampler = at("sampler")};
+  }();
+  return a;
+}
+
+// linear_policy_loss_sampler_grads on the CPU / CUDA keys: the policy loss's checks, the
+// sampler's (csrc/ops/sampler_checks.h: per-row tensors a leading part of labels' [B, T]), then
+// the backend's chunk loop.
+void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  const SamplerArgs& s = sampler_args_of();
+  const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
+  check(args, i);
+  const Tensor hidden = args[i.hidden].toTensor();
+  TORCH_CHECK_VALUE(args[i.z_loss].toDouble() == 0,
+                    "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
+                    "top_p, min_p) yet (its gradient is the whole vocabulary's softmax, which the "
+                    "sampler's kernels do not form)");
+  TORCH_CHECK_VALUE(args[i.ref_hidden].isNone(),
+                    "ref_hidden: the exact KL against a reference head is not supported with the "
+                    "sampler's options (temperature tensor, top_k, top_p, min_p) yet; give "
+                    "ref_logprobs (the sampled KL estimators)");
+  const std::string& sampler = args[s.sampler].toStringRef();
+  check_sampler_options(
+      hidden, "hidden", args[i.weight].toTensor().size(0), args[i.labels].toTensor(),
+      opt_tensor(args[s.temperatures]), args[s.top_k].toInt(), opt_tensor(args[s.top_ks]),
+      args[s.top_p].toDouble(), opt_tensor(args[s.top_ps]), args[s.min_p].toDouble(),
+      opt_tensor(args[s.min_ps]), c10::string_view(sampler.data(), sampler.size()), 0);
+  sampler_impl(backend_for("linear_policy_loss", hidden)).callBoxed(stack);
+}
+
+void sampler_loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  fused_loss::value(sampler_grads_op(), stack);
+}
+
+void sampler_autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  fused_loss::autograd_call<sampler_grads_op, kSamplerOutputs>(stack, sampler_args_of().n, i.hidden,
+                                                               i.weight, i.bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -374,15 +485,28 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   m.def("linear_policy_loss_grads(" PPO_LPL_ARGS
         ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
         "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+  // under the sampler's distribution: + outside [B, T] (bool: the label is outside the kept set)
+  m.def("linear_policy_loss_sampler(" PPO_LPL_ARGS PPO_LPL_SAMPLER_ARGS
+        ") -> (Tensor loss, Tensor stats, Tensor token_stats, Tensor outside)");
+  m.def("linear_policy_loss_sampler_grads(" PPO_LPL_ARGS PPO_LPL_SAMPLER_ARGS
+        ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+        "Tensor token_stats, Tensor outside, Tensor grad_hidden, Tensor grad_weight, "
+        "Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("linear_policy_loss", torch::CppFunction::makeFromBoxedFunction<&loss_kernel>());
   m.impl("linear_policy_loss_grads", torch::CppFunction::makeFromBoxedFunction<&grads_kernel>());
+  m.impl("linear_policy_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_loss_kernel>());
+  m.impl("linear_policy_loss_sampler_grads",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_grads_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("linear_policy_loss", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  m.impl("linear_policy_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_autograd_kernel>());
 }
 
 }  // namespace ppo_kernels

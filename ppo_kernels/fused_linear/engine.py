@@ -30,6 +30,7 @@ a token's statistics never depend on the rest of the call.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._math import acc_dtype
-from .planner import Plan, _resolve_budget, plan_chunks, plan_invariant
+from .planner import _MIN_ROWS, Plan, _resolve_budget, plan_chunks, plan_invariant
 from .tiler import Tiler
 
 
@@ -119,10 +120,11 @@ class WholeVocab:
         return lp, ent, lse, (None if zr is None else self.ref_fwd(z, zr, lc))
 
     def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
-        """The block's gradient tile from the coefficients (glp, gent, g_full) and the
+        """The block's gradient tile from the coefficients (glp, gent, g_full[, g_label]) and the
         statistics st (lp, ent, lse, klt), multiplied into ghc, gW, gb. The tile of block_stats
         is consumed (or computed here when the statistics were given)."""
-        glp, gent, g_full = coefs
+        glp, gent, g_full, *rest = coefs
+        g_label = rest[0] if rest else None
         _, ent, lse, klt = st
         z, zr = self.z, self.zr
         self.z = self.zr = None
@@ -132,11 +134,22 @@ class WholeVocab:
         if g_full is not None:
             gk = self.ref_bwd(g_full, z, zr, klt, gk_buf[: z.numel()].view(z.shape))
         tiler.softcap_grad(z)
-        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None)
+        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None and g_label is None)
         if gk is not None:
             g += gk
+        if g_label is not None:
+            self.label_grad(g, lc, g_label)
         tiler.apply_softcap_grad(g)
         tiler.grad_matmuls(g, hc, 0, z.shape[1], ghc, gW, gb)
+
+    def label_grad(self, g, lc, g_label):
+        """Adds d(sum(g_label * z_label)) / dx to the gradient tile g: g_label / T at each row's
+        label (z = x / T: the label's own tempered logit, e.g. lse = z_label - lp, the z-loss);
+        nothing on rows without a label."""
+        valid = lc != self.ii
+        safe = torch.where(valid, lc, torch.zeros_like(lc)).long().unsqueeze(-1)
+        c = torch.where(valid, g_label * self.inv_t, torch.zeros_like(g_label))
+        g.scatter_add_(1, safe, c.to(g.dtype).unsqueeze(-1))
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         """The tile's gradient d(sum(glp * lp + gent * ent)) / dz (z is consumed); alone: no
@@ -152,19 +165,26 @@ class SamplerVocab(WholeVocab):
     parameters of its rows (`at_block` slices them), and its gradient goes through the kept set
     only. The forward's extra outputs (the kept set (cut, cut_index), `outside` and the head's
     statistics) are written into `outs` [N] (`extra`: the kernels' flags); the backward takes the
-    kept set of the forward (`kept`: (cut, cut_index) [N]). Only whole-vocabulary tiles: a top-k
-    / top-p selection needs the whole row. The kernels write the gradient into a tile of its own
-    (gbuf): the CPU kernel reads the logits again after writing a row."""
+    kept set of the forward (`kept`: (cut, cut_index) [N]), or, in a loop that forms the gradient
+    in its forward (a fused loss), that of the block's own forward. Only whole-vocabulary tiles: a
+    top-k / top-p selection needs the whole row. The kernels write the gradient into a tile of its
+    own (gbuf): the CPU kernel reads the logits again after writing a row.
+
+    saved: (logprobs, entropy, lse) [N] buffers for a two-pass loop (`outs` then holds the kept
+    set's [N] buffers): the first pass stores each block's statistics (entropy included) and its
+    kept set, and the second reuses them (`after_first_pass`) -- it runs no sampler forward, and
+    computes a tile only for the gradient."""
 
     def __init__(self, backend, inv_t, params, sampler, ignore_index, tl, extra=None,
-                 outs=None, kept=None, gbuf=None):  # fmt: skip
+                 outs=None, kept=None, gbuf=None, saved=None):  # fmt: skip
         super().__init__(backend, 1.0, ignore_index, tl)
         self.inv_t = inv_t
         self.params = params  # (inv_ts, top_k, top_ks, top_p, top_ps, min_p, min_ps): tensors [N]
         self.sampler, self.extra, self.outs, self.kept, self.gbuf = (
-            sampler, extra, outs, kept, gbuf
+            sampler, extra or (False, False, 0, False), outs or (), kept, gbuf
         )  # fmt: skip
-        self.blk = None
+        self.saved, self.reuse = saved, False
+        self.blk = self.blk_kept = None
 
     @property
     def tiler_fused(self):
@@ -181,28 +201,102 @@ class SamplerVocab(WholeVocab):
         if self.kept is not None:
             kept = (rows(self.kept[0], 0.0), rows(self.kept[1], 0))
         self.blk = (r0, r1, rows(inv_ts, 1.0), rows(ks, 0), rows(ps, 1.0), rows(mps, 0.0), kept)
+        self.pad = pad
+
+    def after_first_pass(self):
+        """The engine's hook between the passes: the second pass reuses the first's statistics
+        and kept set (with `saved`)."""
+        if self.saved is not None:
+            self.reuse = True
+            self.kept = (self.outs[0], self.outs[1])
+
+    def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
+        if self.reuse:  # the first pass's statistics; block_grad computes the tile if needed
+            self.z = self.zr = None
+            return self.stats(tiler, None, None, lc, with_entropy)
+        return super().block_stats(tiler, hc, rtiler, r0, r1, lc, with_entropy)
 
     def stats(self, tiler, z, zr, lc, with_entropy):
         r0, r1, inv_ts, ks, ps, mps, _ = self.blk
+        n = r1 - r0
+        if self.reuse:
+            return (*(self.pad(t[r0:r1]) for t in self.saved), None)
         _, k, _, p, _, mp, _ = self.params
         outs = self.fwd(
-            z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii, with_entropy,
-            *self.extra,
+            z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii,
+            with_entropy or self.saved is not None, *self.extra,
         )  # fmt: skip
-        n = r1 - r0
         for i, o in enumerate(self.outs):  # cut, cut_index, outside, then the statistics
             if o is not None and o.numel() > 0:
                 o[r0:r1] = outs[3 + i][:n]
+        if self.saved is not None:
+            for buf, o in zip(self.saved, outs[:3]):
+                buf[r0:r1] = o[:n]
+        self.blk_kept = (outs[3], outs[4])  # the block's kept set, for its gradient
         return outs[0], outs[1], outs[2], None
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
-        _, _, inv_ts, _, _, _, (cut, cut_index) = self.blk
+        _, _, inv_ts, _, _, _, kept = self.blk
+        cut, cut_index = kept if kept is not None else self.blk_kept
         g = self.gbuf[: z.numel()].view(z.shape)
         self.bwd(
             z, glp, gent, lc, lse, ent if gent is not None else lse, cut, cut_index, self.inv_t,
             inv_ts, self.ii, g,
         )  # fmt: skip
         return g
+
+
+def sampler_kernels(hidden, backend):
+    """The backend whose token_logprobs sampler kernels reduce the tiles of an op running on
+    `backend`: cpp / triton where they run, else (float64, no compiled kernels) eager."""
+    if hidden.dtype == torch.float64 or fused_backend(hidden, backend) is None:
+        return "eager"
+    return backend
+
+
+def sampler_plan(hidden, V, max_chunk_bytes, logits_dtype):
+    """Whole-vocabulary row blocks within half the budget (the sampler's gradient tile sits beside
+    the logits tile): as many rows as fit, at least one, else a ValueError naming max_chunk_bytes.
+    A forward and its backward plan alike (the same blocks)."""
+    N, H = hidden.shape
+    dt, dev = hidden.dtype, hidden.device
+    if _backend.invariant():
+        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=2)
+        if p.vocab == V:
+            return p
+        budget = _resolve_budget(0, dev)
+    else:
+        budget = _resolve_budget(max_chunk_bytes, dev)
+        half = max(1, budget // 2)
+        for n in (N, *range(min(N, _MIN_ROWS) - 1, 0, -1)):
+            p = plan_chunks(n, V, H, dt, dev.type, half, "rows", logits_dtype, fused=True)
+            if p.vocab == V:
+                return p
+    raise ValueError(
+        f"max_chunk_bytes: {budget} bytes cannot hold one row's whole-vocabulary logits tile "
+        f"(V = {V}, H = {H}, twice: the tile and its gradient); the sampler's options "
+        "(temperature tensor, top_k, top_p, min_p) and the head's statistics need whole rows. "
+        "Give a larger max_chunk_bytes."
+    )
+
+
+def sampler_params(shape, dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps):
+    """The per-row parameters as the kernels take them: (1 / temperatures, top_k, top_ks, top_p,
+    top_ps, min_p, min_ps), each tensor [N] float64 / int64 or None (the scalar holds). A tensor's
+    shape is a leading part of `shape` (the op's labels, N tokens): it is broadcast over the
+    rest."""
+    N = math.prod(shape)
+
+    def flat(t, dtype):
+        if t is None:
+            return None
+        t = t.to(dtype)
+        t = t.reshape(tuple(t.shape) + (1,) * (len(shape) - t.dim()))
+        return t.expand(shape).reshape(N).contiguous()
+
+    f64, i64 = torch.float64, torch.int64
+    inv_ts = None if temperatures is None else flat(1.0 / temperatures.to(f64), f64)
+    return (inv_ts, top_k, flat(top_ks, i64), top_p, flat(top_ps, f64), min_p, flat(min_ps, f64))
 
 
 class Block(NamedTuple):
@@ -227,7 +321,9 @@ class HeadTerm:
     - `after_first_pass(lp)`: with every token's log-prob (flat [N]), before the second pass;
     - `coefficients(block)`: the block's (dL/dlogprob, dL/dentropy, dL/dKL) per token, each a
       tensor of the block's (padded) rows or None, after storing what the loss reports;
-      the gradient tile follows from them;
+      the gradient tile follows from them. A fourth, dL/dz_label (the label's own tempered logit
+      besides its log-prob: the z-loss, lse = z_label - lp), is taken by the whole-vocabulary
+      reduction `WholeVocab`;
     - `with_entropy`: whether the reduction computes the entropy;
     - `given(r0, r1, pad)`: (entropy, lse) of a block known before the loop (a backward of saved
       statistics: no reduction runs), or None (the default: the reduction computes them).
@@ -356,6 +452,8 @@ def run(
                 at_block(r0, r1, pad)
             hc, lc = tiler.rows(r0, r1), pad(labels[r0:r1], ii)
             lp_out[r0:r1] = vocab.block_stats(tiler, hc, None, r0, r1, lc, False)[0][: r1 - r0]
+        if hasattr(vocab, "after_first_pass"):
+            vocab.after_first_pass()
         head.after_first_pass(lp_out)
         step = plan.rows
     else:

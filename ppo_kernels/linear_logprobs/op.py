@@ -16,13 +16,7 @@ from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args, check_backward_args
-from ..fused_linear.planner import (
-    _MIN_ROWS,
-    _resolve_budget,
-    plan_call,
-    plan_chunks,
-    plan_invariant,
-)
+from ..fused_linear.planner import plan_call
 from ..fused_linear.vocab_chunks import VocabChunks
 from ..token_logprobs import op as tl_op
 
@@ -331,52 +325,6 @@ _backend.fallback("linear_token_logprobs")(_Fallback.apply)
 # (float64, no compiled kernels) the eager ones.
 
 
-def _sampler_kernels(hidden, backend):
-    """The backend whose sampler kernels reduce the tiles."""
-    if hidden.dtype == torch.float64 or engine.fused_backend(hidden, backend) is None:
-        return "eager"
-    return backend
-
-
-def sampler_plan(hidden, V, max_chunk_bytes, logits_dtype):
-    """Whole-vocabulary row blocks within half the budget (the sampler's gradient tile sits beside
-    the logits tile): as many rows as fit, at least one, else a ValueError naming max_chunk_bytes.
-    The forward and the backward plan alike (the same blocks)."""
-    N, H = hidden.shape
-    dt, dev = hidden.dtype, hidden.device
-    if _backend.invariant():
-        p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=2)
-        if p.vocab == V:
-            return p
-        budget = _resolve_budget(0, dev)
-    else:
-        budget = _resolve_budget(max_chunk_bytes, dev)
-        half = max(1, budget // 2)
-        for n in (N, *range(min(N, _MIN_ROWS) - 1, 0, -1)):
-            p = plan_chunks(n, V, H, dt, dev.type, half, "rows", logits_dtype, fused=True)
-            if p.vocab == V:
-                return p
-    raise ValueError(
-        f"max_chunk_bytes: {budget} bytes cannot hold one row's whole-vocabulary logits tile "
-        f"(V = {V}, H = {H}, twice: the tile and its gradient); the sampler's options "
-        "(temperature tensor, top_k, top_p, min_p, stats) need whole rows. Give a larger "
-        "max_chunk_bytes."
-    )
-
-
-def _sampler_params(N, dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps):
-    """The per-row parameters as the kernels take them ([N] float64 / int64 or None)."""
-
-    def flat(t, dtype):
-        return None if t is None else t.to(dtype).reshape(-1).expand(N).contiguous()
-
-    inv_ts = (
-        None if temperatures is None else flat(1.0 / temperatures.to(torch.float64), torch.float64)
-    )
-    f64, i64 = torch.float64, torch.int64
-    return (inv_ts, top_k, flat(top_ks, i64), top_p, flat(top_ps, f64), min_p, flat(min_ps, f64))
-
-
 def run_sampler_forward(
     hidden, weight, labels, bias, temperature, temperatures, top_k, top_ks, top_p, top_ps, min_p,
     min_ps, sampler, ignore_index, with_entropy, with_sum_p2, with_lse, stats_top_k,
@@ -400,9 +348,11 @@ def run_sampler_forward(
     )  # fmt: skip
     if N == 0:
         return (lp, ent, lse, *extra)
-    kb = _sampler_kernels(hidden, backend)
-    plan = sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
-    params = _sampler_params(N, dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps)
+    kb = engine.sampler_kernels(hidden, backend)
+    plan = engine.sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
+    params = engine.sampler_params(
+        (N,), dev, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps
+    )
     vocab = engine.SamplerVocab(
         kb, 1.0 / temperature, params, sampler, ignore_index,
         (tl_op.sampler_forward.impls[kb], None),
@@ -428,9 +378,9 @@ def run_sampler_backward(
     dev = hidden.device
     if N == 0:
         return _no_rows_grads(hidden, V, bias, need_hidden, need_weight, need_bias)
-    kb = _sampler_kernels(hidden, backend)
-    plan = sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
-    params = _sampler_params(N, dev, temperatures, 0, None, 1.0, None, 0.0, None)
+    kb = engine.sampler_kernels(hidden, backend)
+    plan = engine.sampler_plan(hidden, V, max_chunk_bytes, logits_dtype)
+    params = engine.sampler_params((N,), dev, temperatures, 0, None, 1.0, None, 0.0, None)
     tile_rows = plan.rows if plan.pad else min(plan.rows, N)
     gdt = hidden.dtype if plan.input_tiles else acc
     vocab = engine.SamplerVocab(

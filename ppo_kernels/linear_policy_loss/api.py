@@ -17,6 +17,7 @@ from .._checks import (
     check_float,
     check_int,
     check_same_device,
+    check_str,
     check_temperature,
     check_tensor,
 )
@@ -34,9 +35,12 @@ from ..losses.config import (
     RolloutCorrectionConfig,
     takes_configs,
 )
+from ..token_logprobs.api import check_sampler_unused, sampler_options
+from ..token_logprobs.naive import SAMPLERS
 from . import op
 
 _op = _backend.op("linear_policy_loss")
+_sampler_op = _backend.op("linear_policy_loss_sampler")
 
 
 def _per_token(name, t, shape, rows):
@@ -60,6 +64,28 @@ def _joined(x):
     if isinstance(x, (tuple, list)):
         return ",".join(v if isinstance(v, str) else repr(float(v)) for v in x)
     return x if isinstance(x, str) else repr(float(x))
+
+
+def _sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside):
+    """(the scalar temperature, the op's sampler arguments: op.SAMPLER_NAMES), checked. A
+    per-row tensor (shape a leading part of labels.shape) becomes [B] (one value per sequence)
+    or [B, T] (per token), as the op's [B, T] labels take it."""
+    sampler = check_str("sampler", sampler, SAMPLERS)
+    mask_outside = check_bool("mask_outside", mask_outside)
+    _, _, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
+        labels, temperature, top_k, top_p, min_p, None, 0
+    )
+    L = labels.dim()
+
+    def rows(t):
+        if t is None:
+            return None
+        if t.dim() == L:
+            return t.reshape(B, T)
+        lead = tuple(labels.shape[:-1])
+        return t.reshape(tuple(t.shape) + (1,) * (L - 1 - t.dim())).expand(lead).reshape(B)
+
+    return temp, (rows(temps), k, rows(ks), p, rows(ps), mp, rows(mps), sampler, mask_outside)
 
 
 _CAPTURE: list = []  # arguments(): the calls whose op arguments are kept instead of run
@@ -92,7 +118,7 @@ def linear_policy_loss(
     rollout_config: RolloutCorrectionConfig | None = None,
     kl_config: KLTermConfig | None = None,
     entropy_config: EntropyTermConfig | None = None,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
@@ -101,11 +127,18 @@ def linear_policy_loss(
     process_group=None,
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
+    mask_outside: bool = True,
+    z_loss: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The PPO / GRPO policy loss from the hidden states and the LM head in one chunked pass:
     logits, log-probs, entropy, KL, the loss and its gradients, never building the [N, V] logits.
 
     loss = pg - entropy_coef * agg(entropy) + kl_coef * agg(kl)   (verl's actor convention)
+           + z_loss * mean over the mask of lse^2                (with `z_loss`)
 
     pg is `ppo_policy_loss` of the log-probs z = (h W^T + b) / temperature gives, for every loss
     type. The logits are computed once (3 GEMMs: the logits tile, then grad_hidden = G W and
@@ -145,7 +178,10 @@ def linear_policy_loss(
             too). Default: no KL term.
         entropy_config (EntropyTermConfig, optional): `entropy_coef` (flat field too).
             Default: no entropy term.
-        temperature (float): divides the logits. Default 1.0.
+        temperature (float or Tensor): divides the logits; positive. A float tensor gives
+            per-row values (the rollout's per-request temperatures): its shape is a leading part
+            of labels.shape (`[B]` per sequence or `[B, T]` per token for `[B, T]` labels).
+            Default 1.0.
         softcap (float, optional): `softcap * tanh(z / softcap)` on the logits (Gemma's head).
             Default None.
         ignore_index (int): a label with this value has no log-prob and no loss. Default -100.
@@ -163,13 +199,49 @@ def linear_policy_loss(
             slice sizes, in rank order.
         reduce_hidden_grad (bool): all-reduce the hidden gradient across the group. Default
             True.
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or a per-row int tensor shaped like a per-row temperature. With top_p / min_p / a
+            temperature tensor, the log-probs and entropy of the loss are those of the
+            distribution the engine sampled from (`token_logprobs`' sampler: temperature, then
+            min-p, then top-k and top-p, the kept tokens renormalised; docs/ppo-math.md, "The
+            distribution the rollout sampled from"), and the gradient flows through the kept
+            tokens only. Every tile then holds whole rows of the vocabulary: `max_chunk_bytes`
+            must hold two rows' tiles (the tile and its gradient). Not with `process_group` or
+            the reference head (`ref_hidden`; `ref_logprobs` works). Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang". Default "vllm".
+        mask_outside (bool): a token whose label is outside the kept set (log-prob -inf: the
+            engine could not have sampled it) leaves the loss as if its mask were 0: no loss, no
+            gradient, and out of every normaliser and token count of the aggregation and of the
+            statistics (with a truncation on, a first pass over the head finds these tokens
+            before the normalisers: 4 GEMMs instead of 3). False keeps them in the mask with the -inf log-prob, as
+            `ppo_policy_loss` on `token_logprobs`' sampled log-probs has them (one pass): the
+            clipped types clamp its log-ratio (`log_ratio_clamp`), so the token adds a constant
+            to the loss; the unclipped types (cispo, gpg, reinforce, dppo_*, kl_cov) and the KL
+            term make the loss and the statistics non-finite. The gradients stay finite: the
+            sampler's gradient has no log-prob term for a label outside the kept set (whatever
+            the loss's coefficient there; its entropy term stays), and the sequence and batch
+            statistics clamp or drop the -inf. Either way `num_outside` counts them. Default
+            True.
+        z_loss (float): the z-loss coefficient c >= 0 (PaLM's auxiliary loss, keeping the
+            log-normaliser near 0): adds c * sum_t m_t lse_t^2 / sum_t m_t, lse_t the
+            log-sum-exp of the token's tempered (and soft-capped) logits over the whole
+            vocabulary (0 for a label == ignore_index), m the mask after rollout correction;
+            its gradient on the logits is 2 c m_t lse_t softmax(z_t) / (T sum m), formed in the
+            same pass (no extra GEMM). Reported as `z_loss` (the mean of lse^2). Not with the
+            sampler's options or `process_group` yet. Default 0.0: no term.
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
         and without host syncs: per-token `logprobs`, `entropy` and (with a reference) `kl`
         (labels' shape; kl is 0 off the mask); `pg_loss`, `entropy_loss`, `entropy_mean`,
         `kl_loss`, `kl_mean`; the policy statistics of `ppo_policy_loss` for the type; with
-        rollout correction `masked_fraction`, `is_weight_mean` and `rollout_corr/*`.
+        rollout correction `masked_fraction`, `is_weight_mean` and `rollout_corr/*`. With the
+        sampler's options: `num_outside` (the mask's tokens whose label is outside the kept set)
+        and the per-token bool `outside` (labels' shape; `logprobs` is -inf there).
 
     Why: the loss, its gradients and every statistic in one pass over the head, without the
     N x V logits that dominate a policy step's memory. Statistics of the current log-probs over a
@@ -232,6 +304,37 @@ def linear_policy_loss(
         raise ValueError("kl_coef: a KL term needs ref_logprobs or ref_hidden / ref_weight")
     est, st = parse_estimator(kl_config.kl_estimator)
     bounds = resolve_clamp(kl_config.kl_clamp, est)
+    sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
+    if (
+        top_k is not None
+        or top_p is not None
+        or min_p is not None
+        or isinstance(temperature, Tensor)
+    ):
+        if process_group is not None:
+            raise ValueError(
+                "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) "
+                "are not supported with the vocab-parallel form yet"
+            )
+        if ref_hidden is not None or ref_weight is not None:
+            raise ValueError(
+                "ref_hidden: the exact KL against a reference head is not supported with the "
+                "sampler's options (temperature tensor, top_k, top_p, min_p) yet; give "
+                "ref_logprobs (the sampled KL estimators)"
+            )
+        temperature, sampled = _sampler_args(
+            labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside
+        )
+    elif sampler != "vllm" or mask_outside is not True:
+        check_sampler_unused(sampler, 0)
+        check_bool("mask_outside", mask_outside)
+    if type(z_loss) is not float or z_loss != 0.0:
+        z_loss = check_float("z_loss", z_loss, nonneg=True)
+        if z_loss != 0 and (sampled is not None or process_group is not None):
+            raise ValueError(
+                "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
+                "top_p, min_p) or process_group yet"
+            )
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)
@@ -281,6 +384,7 @@ def linear_policy_loss(
         st,
         *bounds,
         entropy_coef,
+        z_loss,
         float(temperature),
         softcap,
         ignore_index,
@@ -297,22 +401,28 @@ def linear_policy_loss(
         False,
         False,
     )
+    if sampled is not None:
+        call = op.SamplerCall(*call[: len(op.ARG_NAMES)], *sampled, False, False, False)
     if _CAPTURE:
         _CAPTURE[-1] = (call, stats, shape)
         return None
-    args = call[: len(op.ARG_NAMES)]
-    if process_group is not None:
+    outside = None
+    if sampled is not None:
+        loss, st, tok, outside = _sampler_op(*call[: len(op.ARG_NAMES) + len(op.SAMPLER_NAMES)])
+    elif process_group is not None:
         from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
 
         loss, st, tok = vocab_parallel_linear_policy_loss(
-            args, process_group, vocab_start, reduce_hidden_grad
+            call[: len(op.ARG_NAMES)], process_group, vocab_start, reduce_hidden_grad
         )
     else:
-        loss, st, tok = _op(*args)
+        loss, st, tok = _op(*call[: len(op.ARG_NAMES)])
     out = dict(zip(op.stat_names(call), st.unbind(0)))
     out.update(stats)
     out["logprobs"] = tok[0].view(shape)
     out["entropy"] = tok[1].view(shape)
+    if outside is not None:
+        out["outside"] = outside.view(shape)
     if call.ref_logprobs is not None or call.ref_hidden is not None:
         out["kl"] = tok[2].view(shape)
     return loss, out
@@ -320,9 +430,9 @@ def linear_policy_loss(
 
 def arguments(*args, **kwargs) -> tuple[op.Call, dict[str, Tensor], tuple[int, ...]]:
     """What linear_policy_loss(*args, **kwargs) hands the registered op, without running it:
-    (its arguments as op.Call, need_* False; the statistics computed before it (rollout
-    correction from given log-probs); the per-token shape). The tests feed the same Call to
-    naive.linear_policy_loss."""
+    (its arguments as op.Call -- op.SamplerCall with the sampler's options --, need_* False;
+    the statistics computed before it (rollout correction from given log-probs); the per-token
+    shape). The tests feed the same Call to naive.linear_policy_loss."""
     _CAPTURE.append(None)
     try:
         linear_policy_loss(*args, **kwargs)

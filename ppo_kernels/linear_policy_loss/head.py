@@ -12,6 +12,11 @@ block holds whole sequences (its rows are a multiple of T); a sequence longer th
 every batch statistic, takes the engine's first pass (log-probs only), then the full pass
 (`passes`).
 
+Under the rollout sampler's distribution (linear_policy_loss_sampler) the reduction flags each label
+outside the kept set (`outside`): masked out of the loss by default -- as mask 0, before any
+coefficient or normaliser, so a first pass of log-probs finds them (`passes`) -- and counted in
+`num_outside` (the tokens of the op's mask whose label is outside).
+
 The per-token terms: the cpp backend's float32 CPU calls reach the registered ops' kernels
 (`ppo_policy_loss`'s backward for the clipped types, `kl_penalty`, `masked_aggregate`); every other
 call runs policy_math's torch ops (batch-invariant mode: on inputs padded as the tiles are, on one
@@ -79,16 +84,22 @@ _NAMES: dict = {}
 
 
 @_backend.constant_result
-def _stat_names(loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass):
+def _stat_names(
+    loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled=False, z=False
+):
     """stat_names of a configuration given as plain values (torch.compile evaluates it while
     tracing: the names are constants of the graph)."""
-    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass)
+    key = (loss_type, sequence_level, dro_beta, per_row_adv, has_ref, bypass, sampled, z)
     if key in _NAMES:
         return _NAMES[key]
     level = "sequence" if sequence_level else "token"
     cfg = PolicyLossConfig(loss_type, importance_sampling_level=level, dro_beta=dro_beta)
     x = _dummy_inputs()
     names = ["pg_loss", "entropy_loss", "entropy_mean", "masked_fraction"]
+    if sampled:
+        names += ["num_outside"]
+    if z:
+        names += ["z_loss"]
     if has_ref:
         names += ["kl_loss", "kl_mean"]
     values = dict.fromkeys(_token_metric_names(cfg), x.m)
@@ -116,6 +127,21 @@ def stat_names(a) -> tuple[str, ...]:
         a.advantages.dim() == 1,
         a.ref_logprobs is not None or a.ref_hidden is not None,
         bypass,
+        hasattr(a, "mask_outside"),
+        True if a.z_loss != 0 else False,  # (a branch: torch.compile specialises on it)
+    )
+
+
+def truncates(a) -> bool:
+    """Whether the sampler's options of the call `a` may leave a label outside the kept set: a
+    truncation on (a per-row tensor counts as on: its values are not read)."""
+    return (
+        a.top_ks is not None
+        or a.top_ps is not None
+        or a.min_ps is not None
+        or 0 < a.top_k < a.weight.shape[0]
+        or a.top_p < 1
+        or a.min_p > 0
     )
 
 
@@ -185,7 +211,7 @@ class PolicyHead(HeadTerm):
     """The policy loss's head term for one call (`a`: the op's arguments): coefficients per token
     for the gradient, per-token values for the statistics, and the loss sums."""
 
-    def __init__(self, a, backend: str, token_stats: Tensor):
+    def __init__(self, a, backend: str, token_stats: Tensor, outside: Tensor | None = None):
         acc = token_stats.dtype
         dev = token_stats.device
         cfg = config(a)
@@ -193,7 +219,11 @@ class PolicyHead(HeadTerm):
         self.bypass = bypass_options(a)
         p = _prepare(a, acc)
         gden = _global_denominator(a, acc, dev)
-        one_pass = self.bypass is None
+        # the sampler's distribution: the outside flags [B, T] the reduction writes, and whether
+        # those tokens leave the mask (then before any coefficient: a first pass finds them)
+        self.outside = outside
+        self.mask_outside = outside is not None and bool(a.mask_outside) and truncates(a)
+        one_pass = self.bypass is None and not self.mask_outside
         cpp = backend == "cpp"
         self.a, self.cfg, self.p, self.gden = a, cfg, p, gden
         # The cpp backend, float32 on the CPU: the per-token terms by the registered ops' kernels
@@ -223,12 +253,18 @@ class PolicyHead(HeadTerm):
         self.extra: dict[str, Tensor] = {}  # statistics computed whole (bypass mode)
         self.pg = torch.zeros((), dtype=p.m.dtype, device=p.m.device)
         bypass = self.bypass
-        self.local = bypass is not None and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+        self.local = (
+            bypass is not None
+            and not self.mask_outside
+            and token_local_bypass(bypass, a.rollout_is_batch_normalize)
+        )
         # bypass, one pass: the IS weights of gpg / reinforce per block (the clipped types' ratio
         # already is pi / pi_rollout: their loss does not change)
         self.chunk_is = self.local and bypass[1] is not None and cfg.loss_type not in pm.CLIP_TYPES
         self.scope = pm.stat_scope(cfg)
         self.coef_all = None  # every token's dL/dlogprob, after a first pass
+        # the z-loss: every token's log-sum-exp (of the tempered logits, 0 without a label)
+        self.lse_all = torch.zeros_like(p.m) if a.z_loss != 0 else None
 
     # ------------------------------------------------------------------ the engine's interface
     def step(self, rows: int, T: int) -> int:
@@ -236,10 +272,23 @@ class PolicyHead(HeadTerm):
         return rows if self.scope == "token" or T == 0 else max(1, rows // T) * T
 
     def passes(self, rows: int, T: int) -> int:
+        if self.mask_outside:
+            return 2
         return passes(self.cfg, self.bypass is not None and not self.local, T, rows)
 
     def after_first_pass(self, lp: Tensor) -> None:
-        """Every coefficient from every log-prob (and bypass mode's weights and rejection)."""
+        """Every coefficient from every log-prob (and bypass mode's weights and rejection); the
+        labels outside the sampler's kept set first leave the mask (mask_outside)."""
+        if self.mask_outside:  # as mask 0: the inputs zero there too (as _prepare leaves them)
+            keep = ~self.outside
+            zero = torch.zeros((), dtype=self.m.dtype, device=self.m.device)
+
+            def kept(t):
+                return None if t is None else torch.where(keep, t, zero)
+
+            p = self.p
+            self.p = p._replace(old=kept(p.old), adv=kept(p.adv), ref=kept(p.ref), w=kept(p.w))
+            self.set_mask(kept(self.m), kept(self.w))
         if self.bypass is not None:
             _bypass(self, self.bypass)
         lpm = torch.where(self.m != 0, self.lp_all, torch.zeros_like(self.lp_all))
@@ -272,7 +321,10 @@ class PolicyHead(HeadTerm):
         g_full = None
         if self.full_kl:
             g_full = self.full_kl_coef(blk.kl[0], r0, r1)
-        return glp, gent, g_full
+        if self.lse_all is None:
+            return glp, gent, g_full
+        g_z = self.z_loss_coef(blk.lse, r0, r1)  # d/dz_label (lse = z_label - lp)
+        return glp - g_z, gent, g_full, g_z
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(loss, stats) once the loop is done."""
@@ -431,6 +483,16 @@ class PolicyHead(HeadTerm):
     def _entropy_coef(self, k):
         return None if self.a.entropy_coef == 0 else -self.a.entropy_coef * k
 
+    def z_loss_coef(self, lse, t0, t1):
+        """Stores the log-sum-exp of tokens t0:t1 (padded as in kl_and_entropy); returns the
+        z-loss's dL/dlse = 2 z_loss m lse / sum(m) per token (0 for an empty mask)."""
+        n = lse.shape[0]
+        self.lse_all.view(-1)[t0:t1] = lse[: t1 - t0]
+        m = self.m
+        total = m.sum()
+        c = torch.where(total != 0, 2.0 * self.a.z_loss / torch.where(total != 0, total, 1.0), 0.0)
+        return c * self._tok(m, t0, t1, n) * lse
+
     def full_kl_coef(self, kl, t0, t1):
         """Stores the exact KL of tokens t0:t1 (kl: padded as in kl_and_entropy); returns dL/dKL
         per token (None: no KL term)."""
@@ -455,10 +517,16 @@ class PolicyHead(HeadTerm):
         loss = self.pg - a.entropy_coef * ent_agg
         # masked_fraction: the share of the mask's tokens rejected (bypass mode sets it)
         st = {"pg_loss": self.pg, "entropy_loss": ent_agg, "masked_fraction": 0 * ent_agg}
+        if self.outside is not None:  # the op's mask tokens whose label is outside the kept set
+            st["num_outside"] = (self.outside & (self.p.m != 0)).sum().to(m.dtype)
         st["entropy_mean"] = means[0]
         if self.has_kl:
             loss = loss + a.kl_coef * sums[1, 0]
             st["kl_loss"], st["kl_mean"] = sums[1, 0], means[1]
+        if self.lse_all is not None:  # mean over the mask of lse^2 (0 for an empty mask)
+            zsum = (m * self.lse_all * self.lse_all).sum()
+            st["z_loss"] = torch.where(total != 0, zsum / torch.where(total != 0, total, 1.0), 0.0)
+            loss = loss + a.z_loss * st["z_loss"]
         if kernel_stats is not None:
             st.update(kernel_stats)
         else:

@@ -14,11 +14,20 @@ With z = softcap(hidden @ weight.T + bias) / temperature (softcap: cap * tanh(lo
   k = c_b * m (the same aggregation, unweighted), kl[t] = kl_penalty(logprobs, ref_logprobs)[t]
     where m != 0, else 0;
   loss = pg - entropy_coef * sum(k * entropy) + kl_coef * sum(k * kl)   (verl's actor:
-    pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl)).
+    pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl)),
+    + z_loss * sum(m * lse^2) / sum(m) with lse = logsumexp(z) (0 where label == ignore_index).
 Statistics: masked means over m (0 for an empty mask) of policy_math's per-token statistics, of the
 entropy (`entropy_mean`) and of the KL (`kl_mean`), the aggregated terms (`pg_loss`,
 `entropy_loss` = agg(entropy), `kl_loss` = agg(kl)), TRL's per-row summaries, and in bypass mode
 verl's rollout-correction metrics.
+
+Under the rollout sampler's distribution (the arguments of linear_policy_loss_sampler: a
+temperature tensor, top-k, top-p, min-p, `sampler`, `mask_outside`): logprobs and entropy are
+token_logprobs' sampler's (token_logprobs/naive.py: sampler_forward decides the kept set K on the
+detached logits; the renormalised softmax on K is written out here, so autograd gives the gradient
+on K only), a label outside K has logprob -inf; with mask_outside those tokens get m = 0 before
+anything else (the loss, every normaliser and every statistic), and `num_outside` counts the
+tokens of the given mask whose label is outside K.
 """
 
 from __future__ import annotations
@@ -33,12 +42,13 @@ from ..losses import policy_naive
 from ..losses import rollout_correction as rc
 from ..losses.config import PolicyLossConfig, fields
 from ..losses.naive import row_coefficients
+from ..token_logprobs import naive as tl_ref
 
 
-def _logits(a, h, W, b, acc):
-    """softcap(h W^T + b) / temperature in the accumulation dtype. With logits_dtype="input"
-    (bf16 / fp16) the logits are rounded to the input dtype first, as the materialised path (and
-    the op's input-dtype tiles) do."""
+def _logits(a, h, W, b, acc, temperature=True):
+    """softcap(h W^T + b) / temperature in the accumulation dtype (temperature=False: not
+    divided). With logits_dtype="input" (bf16 / fp16) the logits are rounded to the input dtype
+    first, as the materialised path (and the op's input-dtype tiles) do."""
     if a.logits_dtype == "input" and h.dtype in (torch.bfloat16, torch.float16):
         logits = h @ W.T
         if b is not None:
@@ -52,7 +62,51 @@ def _logits(a, h, W, b, acc):
             logits = logits + b.to(acc)
         if a.softcap is not None:
             logits = torch.tanh(logits / a.softcap) * a.softcap
-    return logits / a.temperature
+    return logits / a.temperature if temperature else logits
+
+
+def _per_token(value, t, shape, dtype):
+    """A sampler parameter per token: the tensor t ([B] or [B, T]) broadcast, else the scalar."""
+    if t is None:
+        return torch.full(shape, value, dtype=dtype)
+    t = t.to(dtype)
+    return t.reshape(tuple(t.shape) + (1,) * (len(shape) - t.dim())).expand(shape)
+
+
+def sampled_token_values(a) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, outside) [B, T] under the sampler's distribution, differentiable
+    (autograd) through the kept set: K from token_logprobs' sampler_forward on the detached
+    logits, then logsumexp / softmax restricted to K."""
+    h = a.hidden
+    acc = acc_dtype(h.dtype)
+    x = _logits(a, h, a.weight, a.bias, acc, temperature=False)
+    shape = tuple(a.labels.shape)
+    f64 = torch.float64
+    temps = _per_token(a.temperature, a.temperatures, shape, f64)
+    inv_t = 1.0 / temps
+    r = tl_ref.sampler_forward(
+        x.detach().view(*shape, -1), a.labels, inv_t, _per_token(a.top_k, a.top_ks, shape,
+        torch.int64), _per_token(a.top_p, a.top_ps, shape, f64), _per_token(a.min_p, a.min_ps,
+        shape, f64), a.sampler, a.ignore_index, True,
+    )  # fmt: skip
+    cut, cut_index, outside = (t.reshape(-1) for t in r[3:6])
+    V = x.shape[-1]
+    j = torch.arange(V, device=x.device)
+    xd = x.detach()
+    kept = (xd > cut.unsqueeze(-1)) | ((xd == cut.unsqueeze(-1)) & (j <= cut_index.unsqueeze(-1)))
+    zt = x * inv_t.reshape(-1, 1).to(acc)
+    lse = torch.logsumexp(torch.where(kept, zt, -torch.inf), -1, keepdim=True)
+    logq = torch.where(kept, zt - lse, 0.0)
+    q = torch.where(kept, logq.exp(), 0.0)
+    labels = a.labels.reshape(-1)
+    valid = labels != a.ignore_index
+    safe = torch.where(valid, labels, 0).long().unsqueeze(-1)
+    in_set = kept.gather(-1, safe).squeeze(-1)
+    zero = torch.zeros((), dtype=acc, device=x.device)
+    lp = torch.where(valid & in_set, logq.gather(-1, safe).squeeze(-1), zero)
+    lp = torch.where(valid & ~in_set, -torch.inf, lp)
+    ent = torch.where(valid, -(q * logq).sum(-1), zero)
+    return lp.view(shape), ent.view(shape), outside.view(shape)
 
 
 def token_values(a) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -87,9 +141,17 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
     are not used: autograd gives every gradient). stats holds the op's statistics by name and the
     per-token `logprobs`, `entropy`, `kl` (detached)."""
     cfg = loss_config(a)
-    lp, ent, full_kl = token_values(a)
+    sampled = hasattr(a, "mask_outside")  # a SamplerCall: the sampler's distribution
+    outside, mask = None, a.mask
+    if sampled:
+        lp, ent, outside = sampled_token_values(a)
+        full_kl = None
+        if a.mask_outside:
+            mask = torch.where(outside, torch.zeros_like(mask), mask)
+    else:
+        lp, ent, full_kl = token_values(a)
     acc = lp.dtype
-    x = pm.prepare(lp, a.old_logprobs, a.advantages, a.mask)
+    x = pm.prepare(lp, a.old_logprobs, a.advantages, mask)
     gd = a.global_denom
     if gd is not None:
         gd = gd.reshape(()).to(acc)
@@ -97,6 +159,9 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
         gd = torch.tensor(a.global_denom_value, dtype=acc, device=lp.device)
     w = None if a.weights is None else torch.where(x.m != 0, a.weights.to(acc), 0.0)
     stats: dict[str, Tensor] = {"masked_fraction": torch.zeros((), dtype=acc)}
+    if sampled:
+        stats["num_outside"] = (outside & (a.mask != 0)).sum().to(acc)
+        stats["outside"] = outside
     if a.bypass_mode:
         level, is_spec, rs = rc.check_options(
             a.rollout_is, a.rollout_is_threshold, a.rollout_rs, a.rollout_rs_threshold
@@ -141,6 +206,12 @@ def linear_policy_loss(a, generator=None) -> tuple[Tensor, dict[str, Tensor]]:
         loss = loss + a.kl_coef * kl_agg
         stats["kl_loss"] = kl_agg.detach()
         means["kl_mean"] = kl.detach()
+    if a.z_loss != 0:  # mean over the mask of lse^2, lse of the tempered logits (0 off a label)
+        z = _logits(a, a.hidden, a.weight, a.bias, acc)
+        labels = a.labels.reshape(-1)
+        lse = torch.where(labels != a.ignore_index, torch.logsumexp(z, -1), zero).view(m.shape)
+        means["z_loss"] = (lse * lse).detach()
+        loss = loss + a.z_loss * pm.masked_means({"z": lse * lse}, m)["z"]
     stats.update(pm.masked_means(means, m))
     # policy_math's statistics of the detached values (what ppo_policy_loss reports)
     xd = pm.Inputs(*(t.detach() for t in x))

@@ -11,6 +11,15 @@ calls of the clipped types in float32 or with bf16 / fp16 input tiles (no weight
 soft-cap or reference head) to the same loop written in C++ (csrc/cpu/linear_policy_loss.cpp,
 routed in csrc/ops/linear_policy_loss.cpp): without the small torch ops the Python loop spends
 around the kernels, and with each row reduced in cache, statistics to gradient.
+
+`linear_policy_loss_sampler` (+ `_grads`): the same loss under the rollout sampler's distribution
+(a temperature tensor, top-k, top-p, min-p; its arguments follow the plain op's). The loop's
+tiles hold whole rows and are reduced by token_logprobs' sampler kernels (engine.SamplerVocab):
+log-probs and entropy of the kept set renormalised, the gradient through the kept set only. A label
+outside the kept set is masked out of the loss (mask_outside, the default) -- the aggregation's
+normalisers count the tokens that stay, so a first pass finds the outside labels before any
+coefficient (4 GEMMs; the second pass reuses the first's statistics) -- and counted
+(`num_outside`; the `outside` output flags each token).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from .. import _backend
@@ -77,6 +87,7 @@ ARG_NAMES = (
     "kl_out_lo",
     "kl_out_hi",
     "entropy_coef",
+    "z_loss",
     "temperature",
     "softcap",
     "ignore_index",
@@ -92,11 +103,25 @@ ARG_NAMES = (
 )
 NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
 Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
+# linear_policy_loss_sampler's arguments after ARG_NAMES (then NEED_NAMES for its _grads):
+# temperatures (Tensor? [B] / [B, T], replaces temperature), top_k / top_ks, top_p / top_ps,
+# min_p / min_ps (a scalar, or a per-row tensor that replaces it), sampler, mask_outside.
+SAMPLER_NAMES = (
+    "temperatures", "top_k", "top_ks", "top_p", "top_ps", "min_p", "min_ps", "sampler",
+    "mask_outside",
+)  # fmt: skip
+SamplerCall = NamedTuple(
+    "SamplerCall", [(n, object) for n in ARG_NAMES + SAMPLER_NAMES + NEED_NAMES]
+)
 
 if _backend.HAS_EXTENSION:
     _schema = _backend.registered("linear_policy_loss_grads").default._schema
     assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + NEED_NAMES, (
         "csrc/ops/linear_policy_loss.cpp and op.ARG_NAMES disagree"
+    )
+    _schema = _backend.registered("linear_policy_loss_sampler_grads").default._schema
+    assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + SAMPLER_NAMES + NEED_NAMES, (
+        "csrc/ops/linear_policy_loss.cpp and op.SAMPLER_NAMES disagree"
     )
 
 # the per-token outputs (token_stats rows)
@@ -141,29 +166,36 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     """linear_policy_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as the
     schema names them (Call). vocab: how a tile is reduced (default whole_vocab; the
     vocab-parallel form passes its shard's, whose labels it has checked against the whole
-    vocabulary)."""
+    vocabulary). A SamplerCall runs linear_policy_loss_sampler_grads: the sampler's reduction,
+    and the `outside` flags [B, T] follow token_stats in the outputs."""
     hidden, labels = a.hidden, a.labels
     B, T = labels.shape
     dev = hidden.device
-    if vocab is None:
-        if dev.type == "cpu" or _backend.strict():
-            check_labels_in_range(labels, a.weight.shape[0], a.ignore_index)
-        vocab = whole_vocab(backend, dev.type, a.temperature, a.ignore_index)
+    sampled = isinstance(a, SamplerCall)
+    if vocab is None and (dev.type == "cpu" or _backend.strict()):
+        check_labels_in_range(labels, a.weight.shape[0], a.ignore_index)
     token_stats = _backend.new_output((3, B, T), acc_dtype(hidden.dtype), dev)
     token_stats[2].zero_()  # the KL row stays 0 without ref_logprobs
-    head = policy_head.PolicyHead(a, backend, token_stats)
+    outside = _backend.new_output((B, T), torch.bool, dev) if sampled else None
+    head = policy_head.PolicyHead(a, backend, token_stats, outside)
     hidden, V = a.hidden, a.weight.shape[0]
     ldt, budget = a.logits_dtype, a.max_chunk_bytes
-    # whole-vocabulary tiles; with the reference head its tile and its gradient tile beside
-    share = 3 if a.ref_hidden is not None else 1
-    plan = engine.plan_rows(hidden, V, ldt, budget, share, vocab.fused)
-    if vocab.rows is not None:
-        plan = dataclasses.replace(plan, rows=vocab.rows)
     ref = ref_plan = None
-    if a.ref_hidden is not None:
-        ref = (a.ref_hidden, a.ref_weight, a.ref_bias)
-        ref_plan = engine.plan_rows(a.ref_hidden, V, ldt, budget, share)
-        ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
+    if sampled:
+        plan = engine.sampler_plan(hidden, V, budget, ldt)
+        vocab = _sampler_vocab(backend, a, plan, head, token_stats, outside)
+    else:
+        if vocab is None:
+            vocab = whole_vocab(backend, dev.type, a.temperature, a.ignore_index)
+        # whole-vocabulary tiles; with the reference head its tile and its gradient tile beside
+        share = 3 if a.ref_hidden is not None else 1
+        plan = engine.plan_rows(hidden, V, ldt, budget, share, vocab.fused)
+        if vocab.rows is not None:
+            plan = dataclasses.replace(plan, rows=vocab.rows)
+        if a.ref_hidden is not None:
+            ref = (a.ref_hidden, a.ref_weight, a.ref_bias)
+            ref_plan = engine.plan_rows(a.ref_hidden, V, ldt, budget, share)
+            ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
     gh, gW, gb = engine.run(
         head,
         vocab,
@@ -177,7 +209,39 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         ent_out=token_stats[1].view(-1),
     )
     loss, stats = head.result()
+    if sampled:
+        return loss, stats, token_stats, outside, gh, gW, gb
     return loss, stats, token_stats, gh, gW, gb
+
+
+def _sampler_vocab(backend, a, plan, head, token_stats, outside) -> engine.SamplerVocab:
+    """The sampler's reduction of the call `a` (a SamplerCall) on `backend`'s sampler kernels
+    (eager for float64 or without compiled ones), writing the outside flags into `outside`. In a
+    two-pass loop (labels outside the kept set masked: head.passes) the first pass keeps every
+    row's statistics and kept set, and the second reuses them."""
+    hidden, V = a.hidden, a.weight.shape[0]
+    B, T = a.labels.shape
+    N, dev = B * T, hidden.device
+    kb = engine.sampler_kernels(hidden, backend)
+    params = engine.sampler_params(
+        (B, T), dev, a.temperatures, a.top_k, a.top_ks, a.top_p, a.top_ps, a.min_p, a.min_ps
+    )
+    acc = acc_dtype(hidden.dtype)
+    outs, saved = (None, None, outside.view(-1)), None
+    if head.passes(plan.rows, T) == 2:
+        outs = (torch.empty(N, dtype=acc, device=dev), torch.empty(N, dtype=torch.int64,
+                device=dev), outside.view(-1))  # fmt: skip
+        saved = (token_stats[0].view(-1), token_stats[1].view(-1), torch.empty_like(outs[0]))
+    gbuf = None
+    if a.need_hidden or a.need_weight or (a.need_bias and a.bias is not None):
+        tile_rows = plan.rows if plan.pad else min(plan.rows, N)
+        gdt = hidden.dtype if plan.input_tiles else acc
+        gbuf = torch.empty(tile_rows * V, dtype=gdt, device=dev)
+    return engine.SamplerVocab(
+        kb, 1.0 / a.temperature, params, a.sampler, a.ignore_index,
+        (tl_op.sampler_forward.impls[kb], tl_op.sampler_backward.impls[kb]), outs=outs,
+        gbuf=gbuf, saved=saved,
+    )  # fmt: skip
 
 
 def _impl(backend):
@@ -188,8 +252,17 @@ def _impl(backend):
     return impl
 
 
+def _sampler_impl(backend):
+    def impl(*args):
+        return run(backend, SamplerCall(*args))
+
+    impl.__name__ = f"linear_policy_loss_sampler_grads_{backend}"
+    return impl
+
+
 for _b in _backend.BACKENDS:
     _backend.impl("linear_policy_loss_grads", _b)(_impl(_b))
+    _backend.impl("linear_policy_loss_sampler_grads", _b)(_sampler_impl(_b))
 
 
 def _fake_outputs(a):
@@ -209,8 +282,12 @@ _ON_HIDDENS_DEVICE = (
 )  # fmt: skip
 
 
+_SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
+
+
 def _check_devices(a):
-    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+    names = _ON_HIDDENS_DEVICE + (_SAMPLER_TENSORS if isinstance(a, SamplerCall) else ())
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
 
 
 @_backend.fake("linear_policy_loss")
@@ -227,6 +304,24 @@ def _(*args):
     return (*_fake_outputs(a), *fused_op.grads_shapes(a))
 
 
+def _fake_outside(a):
+    return a.hidden.new_empty(tuple(a.labels.shape), dtype=torch.bool)
+
+
+@_backend.fake("linear_policy_loss_sampler")
+def _(*args):
+    a = SamplerCall(*args, False, False, False)
+    _check_devices(a)
+    return (*_fake_outputs(a), _fake_outside(a))
+
+
+@_backend.fake("linear_policy_loss_sampler_grads")
+def _(*args):
+    a = SamplerCall(*args)
+    _check_devices(a)
+    return (*_fake_outputs(a), _fake_outside(a), *fused_op.grads_shapes(a))
+
+
 # --------------------------------------------------------------------------- without the extension
 def with_grads(runner, args) -> tuple[Tensor, ...]:
     """(loss, stats, token_stats) of the op's arguments `args` by runner(Call) (run's
@@ -238,3 +333,9 @@ def with_grads(runner, args) -> tuple[Tensor, ...]:
 def _(*args):
     _check_devices(Call(*args, False, False, False))
     return with_grads(lambda call: run("eager", call), args)
+
+
+@_backend.fallback("linear_policy_loss_sampler")
+def _(*args):
+    _check_devices(SamplerCall(*args, False, False, False))
+    return fused_op.with_grads(lambda call: run("eager", call), SamplerCall, 4, args)

@@ -54,6 +54,15 @@ def lpl_with(**kw):
     for k, v in kw.items():
         out[lpl_op.ARG_NAMES.index(k)] = v
     return out
+# linear_policy_loss_sampler: the same, with top_k=3 (its arguments follow the plain op's)
+lps = list(lpl_api.arguments(torch.randn(2, 4, 4), w, torch.randint(0, 5, (2, 4)), a, b, m,
+                             top_k=3)[0])
+lps = lps[: len(lpl_op.ARG_NAMES) + len(lpl_op.SAMPLER_NAMES)]
+def lps_with(**kw):
+    out = list(lps)
+    for k, v in kw.items():
+        out[(lpl_op.ARG_NAMES + lpl_op.SAMPLER_NAMES).index(k)] = v
+    return out
 # linear_preference_loss: one pair of rows of T = 4 tokens (hidden [8, 4]), as the API builds it
 from ppo_kernels.linear_preference_loss import api as lpr_api, op as lpr_op
 lpr = list(lpr_api.arguments(torch.randn(2, 4, 4), w, torch.randint(0, 5, (2, 4)), m)[0])
@@ -853,6 +862,14 @@ CASES = [
     ),
     ("lpl_mask_shape", False, "each", "ops.linear_policy_loss(*lpl_with(mask=m[:, :2]))", "mask"),
     ("lpl_kl_coef", False, "each", "ops.linear_policy_loss(*lpl_with(kl_coef=inf))", "kl_coef"),
+    ("lpl_z_loss", False, "each", "ops.linear_policy_loss(*lpl_with(z_loss=-1.0))", "z_loss"),
+    (
+        "lps_z_loss",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler(*lps_with(z_loss=0.1))",
+        "z_loss",
+    ),
     (
         "lpl_grads_weight_dtype",
         False,
@@ -866,6 +883,49 @@ CASES = [
         "each",
         "ops.linear_policy_loss_grads(*lpl_with(old_logprobs=b[:1]), True, True, False)",
         "old_logprobs",
+    ),
+    # --- linear_policy_loss_sampler (the op and its gradients' op)
+    (
+        "lps_top_ks_negative",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler(*lps_with(top_ks=torch.tensor([1, -1])))",
+        "top_k",
+    ),
+    (
+        "lps_temperatures_shape",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler(*lps_with(temperatures=torch.ones(3)))",
+        "temperature",
+    ),
+    (
+        "lps_labels_1e9",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler(*lps_with(labels=torch.full((2, 4), 10**9)))",
+        "labels",
+    ),
+    (
+        "lps_grads_ref_head",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler_grads(*lps_with(ref_hidden=torch.ones(8, 2), ref_weight=torch.ones(5, 2)), True, True, False)",
+        "ref_hidden",
+    ),
+    (
+        "lps_grads_budget_below_a_row",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler_grads(*lps_with(max_chunk_bytes=8), True, True, False)",
+        "max_chunk_bytes",
+    ),
+    (
+        "lps_grads_sampler_name",
+        False,
+        "each",
+        "ops.linear_policy_loss_sampler_grads(*lps_with(sampler='hf'), True, True, False)",
+        "sampler",
     ),
     # --- linear_preference_loss (the op and its gradients' op)
     (

@@ -258,6 +258,12 @@ def _compile_cases():
             )[0],
             (hid, w, labels, scores, ref, mask),
         ),
+        "linear_policy_loss_sampler": (
+            lambda a, b, y, c, d, m, t: pk.linear_policy_loss(
+                a, b, y, c, d, m, temperature=t, top_k=4, top_p=0.9, entropy_coef=0.1
+            )[0],
+            (hid, w, labels, scores, ref, mask, scores.abs() + 0.5),
+        ),
         "linear_preference_loss": (
             lambda a, b, y, m, r: pk.linear_preference_loss(
                 a, b, y, m, ref_logps=r, loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.5)

@@ -1105,3 +1105,60 @@ def test_cpp_loop_kernel_checks_its_arguments():
             a[7] = x["ref"]
         with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
             kernel(*a)
+
+
+# --------------------------------------------------------------------------- the z-loss
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # ppo: the cpp backend's kernels for the policy term (the C++ loop steps aside)
+        dict(temperature=0.7, softcap=3.0, ref_logprobs="ref", kl_coef=0.1),
+        dict(loss_type="gspo", max_chunk_bytes=SMALL),  # sequences longer than a chunk
+        dict(
+            loss_type="gpg",
+            rollout_is="token",
+            rollout_rs="token_k1",
+            rollout_rs_threshold=3.0,
+            bypass_mode=True,
+        ),
+        dict(agg="seq-mean-token-mean", dp_size=2, global_batch_size=5),
+    ],
+    ids=["ppo", "softcap-kl", "gspo-two-pass", "bypass", "global-denominator"],
+)
+def test_z_loss_matches_the_reference(backend, kw):
+    """z_loss * (the mask's mean of lse^2), lse of the tempered logits: its value, its gradient
+    (2 c m lse softmax / (T sum m), at the label through dL/dz_label) and the `z_loss` stat."""
+    x = _inputs()
+    x["b"] = x["b"] + 2.0  # lse far from 0
+    kw = {k: x["ref"] if v == "ref" else v for k, v in kw.items()}
+    _, stats, _ = _check(x, backend, z_loss=0.01, entropy_coef=0.01, **kw)
+    assert float(stats["z_loss"]) > 1.0
+
+
+def test_z_loss_gradcheck_float64():
+    x = _inputs(torch.float64, shape=(2, 3))
+    h, W, b = [t.clone().requires_grad_() for t in (x["h"][:, :, :4], x["W"][:9, :4], x["b"][:9])]
+    labels = x["labels"] % 9
+    labels[0, 1] = -100
+
+    def f(h, W, b):
+        loss, _ = pk.linear_policy_loss(
+            h, W, labels, x["adv"], x["old"], x["mask"], bias=b, z_loss=0.3, temperature=0.8,
+            softcap=3.0, max_chunk_bytes=150, entropy_coef=0.1,
+        )  # fmt: skip
+        return loss
+
+    assert torch.autograd.gradcheck(f, (h, W, b))
+
+
+def test_z_loss_off_and_bad_values():
+    x = _inputs()
+    _, stats, _ = _run(x)
+    assert "z_loss" not in stats
+    for bad, exc in ((-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError)):
+        with pytest.raises(exc, match="z_loss"):
+            _run(x, z_loss=bad)
+    for kw in (dict(top_k=3), dict(process_group=object())):
+        with pytest.raises(ValueError, match="z_loss"):
+            _run(x, z_loss=0.1, **kw)
