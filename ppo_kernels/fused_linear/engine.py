@@ -113,6 +113,11 @@ class WholeVocab:
         self.zr = rtiler.logits(rtiler.rows(r0, r1), 0, V) if rtiler is not None else None
         return self.stats(tiler, self.z, self.zr, lc, with_entropy)
 
+    def release(self):
+        """Drops the tiles kept for block_grad: views of a Tiler's buffer, they would keep it
+        alive after the run (a run without gradient never consumes them)."""
+        self.z = self.zr = None
+
     def stats(self, tiler, z, zr, lc, with_entropy):
         """(logprobs, entropy, lse, the reference tile's statistics or None) of a row block from
         its logits tile z (and the reference head's zr, or None)."""
@@ -491,4 +496,6 @@ def run(
                 gh_out[r0:r1] = ghc[:n]
             else:
                 gh_out.index_copy_(0, order[r0:r1], ghc[:n].to(gh_out.dtype))
+    if isinstance(vocab, WholeVocab):
+        vocab.release()
     return gh_out, gW, gb

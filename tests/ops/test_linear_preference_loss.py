@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from support.skips import NO_EXTENSION
-from support.utils import cpu_backends, poisoned
+from support.utils import cpu_backends, peak_extra_bytes, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import _backend, batch_invariant, use_backend
@@ -360,6 +360,31 @@ def test_the_default_budget_grows_a_block_to_one_pair():
     assert p.rows == 2 * Tl and not beside
     (p, _), hd = plan(loss_type="aot")  # a batch statistic: a first pass anyway
     assert hd.needs_first_pass(p.rows) and p.rows < 2 * Tl
+
+
+@pytest.mark.skipif(
+    not _backend.HAS_EXTENSION, reason=NO_EXTENSION
+)  # the eager kernels copy the tile
+def test_the_reference_heads_own_pass_keeps_no_tile():
+    """A pair too large for the default budget: the reference head runs its own pass first, and
+    its last tile must not outlive that pass (the peak stays one tile, as with given ref_logps)."""
+    Tl, Vl, H = 600, 30000, 4
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, Tl, H, generator=g, requires_grad=True)
+    W = torch.randn(Vl, H, generator=g, requires_grad=True)
+    rh, rW = torch.randn(2, Tl, H, generator=g), torch.randn(Vl, H, generator=g)
+    labels = torch.randint(0, Vl, (2, Tl), generator=g)
+
+    def step(**ref):
+        loss, _ = pk.linear_preference_loss(h, W, labels, beta=0.1, **ref)
+        loss.backward()
+
+    tile = 2 * Tl * Vl * 4
+    with use_backend("cpp"):
+        given = peak_extra_bytes(lambda: step(ref_logps=torch.zeros(2)))
+        head_ = peak_extra_bytes(lambda: step(ref_hidden=rh, ref_weight=rW))
+    assert given > tile  # (the policy's tile is in both)
+    assert head_ - given < tile / 2, (head_, given, tile)
 
 
 @pytest.mark.parametrize(
