@@ -19,7 +19,12 @@ from .._checks import (
     check_temperature,
     check_tensor,
 )
-from ..fused_linear.planner import _input_tiles, default_logits_dtype, resolve_logits_dtype
+from ..fused_linear.planner import (
+    _input_tiles,
+    _resolve_budget,
+    default_logits_dtype,
+    resolve_logits_dtype,
+)
 from ..token_logprobs.api import (
     check_sampler_unused,
     sampler_options,
@@ -255,6 +260,12 @@ def _sampled(hidden, weight, labels, bias, temperature, ignore_index, return_ent
     )
     logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
+    if not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    ):
+        # no backward can follow: the logits tile may take the whole budget (the op plans for a
+        # gradient tile beside it, half each); fewer, larger blocks read the weight fewer times
+        max_chunk_bytes = 2 * _resolve_budget(max_chunk_bytes or 0, hidden.device)
     outs = _linear_token_logprobs_sampler(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels.reshape(-1), bias, temp,
         _per_row(temps, labels), k, _per_row(ks, labels), p, _per_row(ps, labels), mp,

@@ -283,6 +283,24 @@ def test_other_dtypes(dtype):
     _close(ent, r[1], "entropy", **tol)
 
 
+def test_a_forward_without_backward_takes_the_whole_budget():
+    """No backward can follow (no_grad, or no input requires grad): the logits tile takes the
+    whole budget, not half of it beside a gradient tile. A budget that holds one row's tile but
+    not its gradient tile too then suffices, with the same values."""
+    h, W, b, labels = _inputs()
+    kw = dict(bias=b, top_k=6, top_p=0.9)
+    full = pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=8 * SMALL, **kw)
+    with torch.no_grad():
+        lp = pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=SMALL // 4, **kw)
+    torch.testing.assert_close(lp, full, atol=2e-6, rtol=2e-6)
+    frozen = pk.linear_token_logprobs(h, W, labels, max_chunk_bytes=SMALL // 4, **kw)
+    torch.testing.assert_close(frozen, full, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        pk.linear_token_logprobs(
+            h.clone().requires_grad_(), W, labels, max_chunk_bytes=SMALL // 4, **kw
+        )
+
+
 BAD = [
     (dict(top_k=-1), ValueError, "top_k"),
     (dict(top_k=torch.tensor([1, -2, 3])), ValueError, "top_k"),
