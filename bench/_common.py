@@ -59,9 +59,13 @@ def write_report(lines, out=None):
         print(text)
 
 
-def interleaved_medians(modes, reps):
+def interleaved_medians(modes, reps, warmup=False):
     """({name: median seconds}, (load before, load after)) of the callables in `modes`, run
-    interleaved (each mode once per repetition, in order): a busy machine slows all alike."""
+    interleaved (each mode once per repetition, in order): a busy machine slows all alike. With
+    warmup, each mode runs once first, untimed (its buffers, a compilation)."""
+    if warmup:
+        for fn in modes.values():
+            fn()
     times = {n: [] for n in modes}
     load0 = os.getloadavg()[0]
     for _ in range(reps):

@@ -88,9 +88,7 @@ def main():
         with torch.no_grad(), pk.use_backend("cpp"):
             x, w, y, t = inputs(a.n, a.h, a.v, dtype)
             modes = {name: (lambda kw=kw: call(x, w, y, t, kw)) for name, kw in VARIANTS.items()}
-            for f in modes.values():
-                f()
-            med, load = interleaved_medians(modes, a.reps)
+            med, load = interleaved_medians(modes, a.reps, warmup=True)
             lines += ratio_lines(
                 f"## N={a.n} H={a.h} V={a.v} {dname}, forward: each option vs the plain pass "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
@@ -108,9 +106,7 @@ def main():
                 modes[f"eager {name}"] = lambda kw=kw: naive.eager_sampled_logprobs(
                     F.linear(x, w), y, **kw
                 )
-            for f in modes.values():
-                f()
-            med, load = interleaved_medians(modes, a.reps)
+            med, load = interleaved_medians(modes, a.reps, warmup=True)
             lines += eager_lines(
                 f"## N={a.n_eager} H={a.h} V={a.v} {dname}, forward: fused vs F.linear + eager "
                 f"sort-and-cumsum (load {load[0]:.1f} / {load[1]:.1f})",
@@ -126,9 +122,7 @@ def main():
             modes = {
                 name: (lambda kw=VARIANTS[name]: backward(call(x, w, y, t, kw))) for name in GRAD
             }
-            for f in modes.values():
-                f()
-            med, load = interleaved_medians(modes, a.reps)
+            med, load = interleaved_medians(modes, a.reps, warmup=True)
             lines += ratio_lines(
                 f"## N={a.n_grad} H={a.h} V={a.v} {dname}, forward + backward (load "
                 f"{load[0]:.1f} / {load[1]:.1f})",

@@ -134,9 +134,7 @@ def main():
             x, y, t = inputs(a.n, a.v, dtype)
             xp = (x.float() * 2).to(dtype)
             modes = variants(x, y, t, xp)
-            for f in modes.values():  # warm up (and the buffers of each path)
-                f()
-            med, load = interleaved_medians(modes, a.reps)
+            med, load = interleaved_medians(modes, a.reps, warmup=True)
             lines += ratio_lines(
                 f"## N={a.n} V={a.v} {dname}: each variant vs the plain pass "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
@@ -156,9 +154,7 @@ def main():
                 modes[f"eager {name}"] = lambda kw=kw, x=x, y=y: naive.eager_sampled_logprobs(
                     x, y, **kw
                 )
-            for f in modes.values():
-                f()
-            med, load = interleaved_medians(modes, a.reps)
+            med, load = interleaved_medians(modes, a.reps, warmup=True)
             table, erows = eager_lines(
                 f"## N={a.n_eager} V={a.v} {dname}: fused vs eager sort-and-cumsum "
                 f"(load {load[0]:.1f} / {load[1]:.1f})",
