@@ -356,14 +356,8 @@ std::tuple<Tensor, Tensor> sampler_backward(const Tensor& grad, const Tensor& lo
   check_saved(kl, "kl", logits);
   check_saved(lse_z, "lse_z", logits);
   check_saved(lse_w, "lse_w", logits);
-  TORCH_CHECK_VALUE(cut.defined(), "cut: expected a tensor");
-  expect_dtype(cut, "cut", out_dtype(logits), "the forward's output dtype");
-  expect_device(cut, "cut", logits, "logits");
-  expect_shape(cut, "cut", logits.sizes().slice(0, logits.dim() - 1), kRows);
-  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
-  expect_dtype(cut_index, "cut_index", at::kLong, "as the forward returns it");
-  expect_device(cut_index, "cut_index", logits, "logits");
-  expect_shape(cut_index, "cut_index", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_kept_set(cut, cut_index, logits, "logits", logits.sizes().slice(0, logits.dim() - 1),
+                 kRows);
   const Backend b = backend_for("full_kl", logits);
   return kSamplerBwd.python<SamplerBwdSig>(b).call(grad, logits, ref_logits, mask, kl, lse_z, lse_w,
                                                    cut, cut_index, temperature, temperatures,

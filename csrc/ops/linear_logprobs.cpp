@@ -450,14 +450,7 @@ Out3 sampler_backward(const Tensor& grad_logprobs, const OptTensor& grad_entropy
   check_sampler_temperatures(temperatures, hidden, "hidden", labels);
   check_saved_stats(grad_logprobs, grad_entropy, hidden, labels, lse, entropy);
   const auto rows = labels.sizes();
-  TORCH_CHECK_VALUE(cut.defined(), "cut: expected a tensor");
-  expect_dtype(cut, "cut", out_dtype(hidden), "the forward's cut");
-  expect_device(cut, "cut", hidden, "hidden");
-  expect_shape(cut, "cut", rows, "hidden.shape[:-1]");
-  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
-  expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
-  expect_device(cut_index, "cut_index", hidden, "hidden");
-  expect_shape(cut_index, "cut_index", rows, "hidden.shape[:-1]");
+  check_kept_set(cut, cut_index, hidden, "hidden", rows, "hidden.shape[:-1]");
   return kSamplerBwd.python<SamplerBwdSig>(backend_for(kKey, hidden))
       .call(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, cut, cut_index,
             temperature, temperatures, ignore_index, max_chunk_bytes, need_hidden, need_weight,

@@ -1,6 +1,6 @@
 // The checks of the sampler's parameters (temperature tensor, top-k, top-p, min-p, the sampler's
 // name, stats_top_k), shared by the registered ops that take them: token_logprobs_sampler and
-// linear_token_logprobs_sampler (csrc/ops/token_logprobs.cpp defines them).
+// linear_token_logprobs_sampler, full_kl_sampler (csrc/ops/token_logprobs.cpp defines them).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,5 +24,11 @@ void check_sampler_options(const at::Tensor& like, const char* like_name, int64_
 // A temperature tensor alone (the backward ops).
 void check_sampler_temperatures(const std::optional<at::Tensor>& t, const at::Tensor& like,
                                 const char* like_name, const at::Tensor& labels);
+
+// The kept set a sampler forward returned, handed back to its backward: cut (the forward's
+// output dtype for `like`) and cut_index (int64), each of shape `rows` (`rows_what` in the
+// messages), on like's device.
+void check_kept_set(const at::Tensor& cut, const at::Tensor& cut_index, const at::Tensor& like,
+                    const char* like_name, at::IntArrayRef rows, const char* rows_what);
 
 }  // namespace ppo_kernels

@@ -352,11 +352,8 @@ Tensor sampler_backward(const Tensor& grad_logprobs, const OptTensor& grad_entro
   const int64_t ignore = ignore_index.expect_int();
   const OptTensor gent = check_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy,
                                         temperature, ignore);
-  check_row(cut, "cut", logits, true);
-  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
-  expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
-  expect_device(cut_index, "cut_index", logits, "logits");
-  expect_shape(cut_index, "cut_index", logits.sizes().slice(0, logits.dim() - 1), kRows);
+  check_kept_set(cut, cut_index, logits, "logits", logits.sizes().slice(0, logits.dim() - 1),
+                 kRows);
   check_temperatures(temperatures, logits, "logits", labels);
   const Backend b = backend_for("token_logprobs", logits);
   if (b != Backend::kCpp)
@@ -469,6 +466,18 @@ void check_sampler_options(const Tensor& like, const char* like_name, int64_t V,
                     kMaxStatsTopK, ", got ", stats_top_k);
   TORCH_CHECK_VALUE(stats_top_k <= V || labels.numel() == 0,
                     "stats_top_k: expected at most the vocabulary size ", V, ", got ", stats_top_k);
+}
+
+void check_kept_set(const Tensor& cut, const Tensor& cut_index, const Tensor& like,
+                    const char* like_name, at::IntArrayRef rows, const char* rows_what) {
+  TORCH_CHECK_VALUE(cut.defined(), "cut: expected a tensor");
+  expect_dtype(cut, "cut", out_dtype(like), "the forward's output dtype");
+  expect_device(cut, "cut", like, like_name);
+  expect_shape(cut, "cut", rows, rows_what);
+  TORCH_CHECK_VALUE(cut_index.defined(), "cut_index: expected a tensor");
+  expect_dtype(cut_index, "cut_index", at::kLong, "the forward's int64 output");
+  expect_device(cut_index, "cut_index", like, like_name);
+  expect_shape(cut_index, "cut_index", rows, rows_what);
 }
 
 void check_sampler_temperatures(const OptTensor& t, const Tensor& like, const char* like_name,
