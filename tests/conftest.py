@@ -27,7 +27,13 @@ try:  # the SIMT emulator's ops (torch.ops.ppo_kernels_simt), where built
 except ImportError:
     pass
 
-pytest_plugins = ["support.skip_summary", "support.file_order", "support.state", "support.progress"]
+pytest_plugins = [
+    "support.skip_summary",
+    "support.file_order",
+    "support.state",
+    "support.progress",
+    "support.deadline",
+]
 
 
 @pytest.fixture(autouse=True)

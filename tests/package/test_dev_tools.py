@@ -1,6 +1,6 @@
 """The developer tooling around the suite: scripts/pip_filter.py (what scripts/dev.sh shows of
 pip) and the suite's own pytest plugins (tests/support/): the one-line-per-reason skip summary,
-the file order, the state check and the quiet run's notes."""
+the file order, the state check, the quiet run's notes and the deadline."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 from support import ROOT, TESTS
 
@@ -265,6 +266,43 @@ def test_quiet_run_names_the_running_file(tmp_path):
     for args in (["--quiet-notes=1"], ["-q", "--quiet-notes=0"]):
         out = _pytest(tmp_path, "support.progress", *args).stdout
         assert "s in test_slow.py]" not in out and "2 passed" in out, (args, out)
+
+
+def test_deadline_skips_the_tests_that_would_start_after_it(tmp_path, monkeypatch):
+    """PPO_KERNELS_TEST_DEADLINE: the tests before it run, those after it are skipped with a
+    reason naming it, and a module fixture of a file wholly past it never runs."""
+    _files(
+        tmp_path,
+        test_a="""
+            import time
+
+            def test_first():
+                time.sleep(2)
+
+            def test_second():
+                pass
+            """,
+        test_b="""
+            import pytest
+
+            @pytest.fixture(scope="module")
+            def costly():
+                raise AssertionError("set up past the deadline")
+
+            def test_b(costly):
+                pass
+            """,
+    )
+    monkeypatch.setenv("PPO_KERNELS_TEST_DEADLINE", str(time.time() + 1))
+    p = _pytest(tmp_path, "support.deadline", "-q", "-rs")
+    assert "1 passed, 2 skipped" in p.stdout, p.stdout
+    assert "past PPO_KERNELS_TEST_DEADLINE" in p.stdout, p.stdout
+    monkeypatch.setenv("PPO_KERNELS_TEST_DEADLINE", "soon")
+    p = _pytest(tmp_path, "support.deadline", "-q")
+    assert p.returncode != 0 and "expected seconds since the epoch" in p.stdout + p.stderr
+    monkeypatch.delenv("PPO_KERNELS_TEST_DEADLINE")
+    p = _pytest(tmp_path, "support.deadline", "-q")
+    assert p.returncode != 0 and "set up past the deadline" in p.stdout  # unset: everything runs
 
 
 def test_skip_reasons_come_from_support_skips():
