@@ -15,6 +15,14 @@
 // linear_distill_loss_grads below autograd with need_* from requires_grad and saves the gradients;
 // the backward scales them by the upstream gradient (no GEMM). The kernels are boxed: they forward
 // the arguments and read the ones they check by name from the schema.
+//
+// linear_distill_loss_sampler (+ _grads): the same loss with the student's distribution the one
+// the rollout engine sampled from (a temperature tensor, top-k, top-p, min-p, vLLM's / SGLang's
+// rules): the same arguments, then the sampler's. Its own ops, so that the plain call's path
+// stays as it was. The student's p is tempered, truncated to its kept set and renormalised; the
+// teacher stays whole (a truncated teacher would make every KL infinite where the kept sets
+// differ). Forward KL (and jsd at beta 0) is refused with a truncation on: it is +inf wherever
+// the teacher has mass outside the kept set. A cached teacher is refused too.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -26,6 +34,7 @@
 #include "ops/checks.h"
 #include "ops/fused_loss.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -44,7 +53,13 @@ using torch::jit::Stack;
   "float weight_hard_loss, str topk_tail, int ignore_index, int max_chunk_bytes, "                 \
   "str logits_dtype"
 
-constexpr size_t kOutputs = 3;  // loss [], stats [2], token_stats [3, N]
+// The sampler's arguments after them (linear_distill_loss_sampler).
+#define PPO_LDL_SAMPLER_ARGS                                                         \
+  ", Tensor? temperatures, int top_k, Tensor? top_ks, float top_p, Tensor? top_ps, " \
+  "float min_p, Tensor? min_ps, str sampler"
+
+constexpr size_t kOutputs = 3;         // loss [], stats [2], token_stats [3, N]
+constexpr size_t kSamplerOutputs = 4;  // + outside [N] (bool); stats [3]: + num_outside
 
 c10::OperatorHandle find(const char* name) {
   return fused_loss::find_op(name, "ppo_kernels/distill/op.py");
@@ -221,6 +236,79 @@ void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* sta
   fused_loss::autograd_call<grads_op, kOutputs>(stack, i.n, i.hidden, i.weight, i.bias);
 }
 
+// ---- the sampler's distribution: linear_distill_loss_sampler (+ _grads) ----
+c10::OperatorHandle sampler_op() { return find("ppo_kernels::linear_distill_loss_sampler"); }
+
+const c10::OperatorHandle& sampler_grads_op() {
+  static const c10::OperatorHandle h = find("ppo_kernels::linear_distill_loss_sampler_grads");
+  return h;
+}
+
+const c10::OperatorHandle& sampler_impl(Backend b) {
+  switch (b) {
+    case Backend::kCpp: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_cpp::linear_distill_loss_sampler_grads");
+      return h;
+    }
+    case Backend::kTriton: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_triton::linear_distill_loss_sampler_grads");
+      return h;
+    }
+    default: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_eager::linear_distill_loss_sampler_grads");
+      return h;
+    }
+  }
+}
+
+// The sampler's argument positions in linear_distill_loss_sampler's schema (the arguments before
+// them are linear_distill_loss's, at the same positions: args_of()).
+const SamplerArgs& sampler_args_of() {
+  static const SamplerArgs a = sampler_args(sampler_op().schema());
+  return a;
+}
+
+// linear_distill_loss_sampler_grads on the CPU / CUDA keys: the loss's checks, what the sampler's
+// distribution rules out, the sampler's checks (csrc/ops/sampler_checks.h: per-row tensors a
+// leading part of labels' [N]), then the backend's chunk loop.
+void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  const SamplerArgs& s = sampler_args_of();
+  const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
+  check(args, i);
+  TORCH_CHECK_VALUE(args[i.topk_ids].isNone(),
+                    "topk_ids: a cached teacher is not supported with the sampler's options "
+                    "(temperature tensor, top_k, top_p, min_p); give the teacher's head "
+                    "(teacher_hidden / teacher_weight)");
+  const Tensor hidden = args[i.hidden].toTensor();
+  const int64_t V = args[i.weight].toTensor().size(0);
+  const int64_t top_k = args[s.top_k].toInt();
+  const bool truncated = (top_k > 0 && top_k < V) || !args[s.top_ks].isNone() ||
+                         args[s.top_p].toDouble() < 1 || !args[s.top_ps].isNone() ||
+                         args[s.min_p].toDouble() > 0 || !args[s.min_ps].isNone();
+  const auto& div = args[i.divergence].toStringRef();
+  TORCH_CHECK_VALUE(
+      !truncated || !(div == "forward_kl" || (div == "jsd" && args[i.beta].toDouble() == 0)),
+      "divergence: forward_kl (and jsd with beta 0) is +inf under the sampler's "
+      "truncation (top_k, top_p, min_p) wherever the teacher has mass outside the "
+      "student's kept set; use reverse_kl, jsd with beta > 0 or tv");
+  check_sampler_args(args, s, hidden, "hidden", V, args[i.labels].toTensor());
+  sampler_impl(backend_for("linear_distill_loss", hidden)).callBoxed(stack);
+}
+
+void sampler_loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  fused_loss::value(sampler_grads_op(), stack);
+}
+
+void sampler_autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  fused_loss::autograd_call<sampler_grads_op, kSamplerOutputs>(stack, sampler_args_of().n, i.hidden,
+                                                               i.weight, i.bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -233,15 +321,29 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   m.def("linear_distill_loss_grads(" PPO_LDL_ARGS
         ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
         "Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+  // under the sampler's distribution: stats [3] (+ num_outside), + outside [N] (bool: a kept
+  // token whose label is outside the student's kept set)
+  m.def("linear_distill_loss_sampler(" PPO_LDL_ARGS PPO_LDL_SAMPLER_ARGS
+        ") -> (Tensor loss, Tensor stats, Tensor token_stats, Tensor outside)");
+  m.def("linear_distill_loss_sampler_grads(" PPO_LDL_ARGS PPO_LDL_SAMPLER_ARGS
+        ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+        "Tensor token_stats, Tensor outside, Tensor grad_hidden, Tensor grad_weight, "
+        "Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("linear_distill_loss", torch::CppFunction::makeFromBoxedFunction<&loss_kernel>());
   m.impl("linear_distill_loss_grads", torch::CppFunction::makeFromBoxedFunction<&grads_kernel>());
+  m.impl("linear_distill_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_loss_kernel>());
+  m.impl("linear_distill_loss_sampler_grads",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_grads_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("linear_distill_loss", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  m.impl("linear_distill_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_autograd_kernel>());
 }
 
 }  // namespace ppo_kernels

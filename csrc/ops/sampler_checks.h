@@ -1,9 +1,12 @@
 // The checks of the sampler's parameters (temperature tensor, top-k, top-p, min-p, the sampler's
 // name, stats_top_k), shared by the registered ops that take them: token_logprobs_sampler and
-// linear_token_logprobs_sampler, full_kl_sampler (csrc/ops/token_logprobs.cpp defines them).
+// linear_token_logprobs_sampler, full_kl_sampler, the fused losses' `<op>_sampler` ops
+// (csrc/ops/token_logprobs.cpp defines them).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/core/stack.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
@@ -30,5 +33,16 @@ void check_sampler_temperatures(const std::optional<at::Tensor>& t, const at::Te
 // messages), on like's device.
 void check_kept_set(const at::Tensor& cut, const at::Tensor& cut_index, const at::Tensor& like,
                     const char* like_name, at::IntArrayRef rows, const char* rows_what);
+
+// The sampler's argument positions in a fused loss's boxed `<op>_sampler` schema (the sampler's
+// arguments after the plain op's); n: the schema's argument count.
+struct SamplerArgs {
+  size_t n, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps, sampler;
+};
+SamplerArgs sampler_args(const c10::FunctionSchema& schema);
+
+// check_sampler_options of those arguments on a boxed stack `a` (no stats_top_k).
+void check_sampler_args(const torch::jit::Stack& a, const SamplerArgs& s, const at::Tensor& like,
+                        const char* like_name, int64_t V, const at::Tensor& labels);
 
 }  // namespace ppo_kernels

@@ -480,6 +480,34 @@ void check_kept_set(const Tensor& cut, const Tensor& cut_index, const Tensor& li
   expect_shape(cut_index, "cut_index", rows, rows_what);
 }
 
+SamplerArgs sampler_args(const c10::FunctionSchema& schema) {
+  auto at = [&](const char* name) {
+    const auto i = schema.argumentIndexWithName(name);
+    TORCH_CHECK(i.has_value(), schema.name(), ": no argument ", name, " in the schema");
+    return static_cast<size_t>(*i);
+  };
+  SamplerArgs r{};
+  r.n = schema.arguments().size();
+  r.temperatures = at("temperatures");
+  r.top_k = at("top_k");
+  r.top_ks = at("top_ks");
+  r.top_p = at("top_p");
+  r.top_ps = at("top_ps");
+  r.min_p = at("min_p");
+  r.min_ps = at("min_ps");
+  r.sampler = at("sampler");
+  return r;
+}
+
+void check_sampler_args(const torch::jit::Stack& a, const SamplerArgs& s, const Tensor& like,
+                        const char* like_name, int64_t V, const Tensor& labels) {
+  auto opt = [&](size_t i) { return a[i].isNone() ? OptTensor() : OptTensor(a[i].toTensor()); };
+  const std::string& sampler = a[s.sampler].toStringRef();
+  check_sampler_options(like, like_name, V, labels, opt(s.temperatures), a[s.top_k].toInt(),
+                        opt(s.top_ks), a[s.top_p].toDouble(), opt(s.top_ps), a[s.min_p].toDouble(),
+                        opt(s.min_ps), c10::string_view(sampler.data(), sampler.size()), 0);
+}
+
 void check_sampler_temperatures(const OptTensor& t, const Tensor& like, const char* like_name,
                                 const Tensor& labels) {
   check_temperatures(t, like, like_name, labels);

@@ -10,13 +10,17 @@ import math
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_int, check_same_device, check_tensor
+from .._checks import check_int, check_same_device, check_str, check_tensor
 from ..fused_linear.planner import resolve_logits_dtype
+from ..losses import distill_math as dm
 from ..losses.config import fields, takes_configs
 from ..losses.distill_config import DistillLossConfig
+from ..token_logprobs.api import check_sampler_unused, sampler_options
+from ..token_logprobs.naive import SAMPLERS
 from . import op
 
 _op = _backend.op("linear_distill_loss")
+_sampler_op = _backend.op("linear_distill_loss_sampler")
 _FIELDS = fields(DistillLossConfig)  # (a constant: torch.compile does not trace dataclasses.fields)
 
 
@@ -28,6 +32,37 @@ def _like_labels(name, t, shape, n, extra=()):
         what = "labels.shape + " + repr(tuple(extra)) if extra else "like labels"
         raise ValueError(f"{name}: expected shape {want} ({what}), got {tuple(t.shape)}")
     return t.reshape((n,) + tuple(extra))
+
+
+def _sampler_args(labels, n, V, cfg, top_k, top_p, min_p, sampler, cached):
+    """The op's sampler arguments (op.SAMPLER_NAMES) of a call with the sampler's options (the
+    config's temperature a tensor, or top_k / top_p / min_p given), checked; per-row tensors
+    broadcast to one value per token [n]."""
+    if cached:
+        raise ValueError(
+            "topk_ids: a cached teacher is not supported with the sampler's options (temperature "
+            "tensor, top_k, top_p, min_p); give the teacher's head (teacher_hidden / "
+            "teacher_weight)"
+        )
+    sampler = check_str("sampler", sampler, SAMPLERS)
+    _, _, _, temps, k, ks, p, ps, mp, mps = sampler_options(
+        labels, cfg.temperature, top_k, top_p, min_p, None, 0
+    )
+    truncated = 0 < k < V or p < 1 or mp > 0 or any(t is not None for t in (ks, ps, mps))
+    if truncated and dm.resolve(cfg.divergence, cfg.beta) == "forward_kl":
+        raise ValueError(
+            "divergence: forward_kl (and jsd with beta 0) is +inf under the sampler's truncation "
+            "(top_k, top_p, min_p) wherever the teacher has mass outside the student's kept set; "
+            "use reverse_kl, jsd with beta > 0 or tv"
+        )
+    L = labels.dim()
+
+    def flat(t):
+        if t is None:
+            return None
+        return t.reshape(tuple(t.shape) + (1,) * (L - t.dim())).expand(labels.shape).reshape(n)
+
+    return (flat(temps), k, flat(ks), p, flat(ps), mp, flat(mps), sampler)
 
 
 @takes_configs(distill_config=DistillLossConfig)
@@ -47,6 +82,10 @@ def linear_distill_loss(
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
     logits_dtype: str | None = "auto",
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The distillation loss between a student LM head and a teacher from the hidden states in
     one chunked pass: both logits tiles, the exact full-vocabulary divergence per token, the
@@ -88,12 +127,33 @@ def linear_distill_loss(
             those ids, at temperature T; -inf marks an unused slot. Default None.
         distill_config (DistillLossConfig, optional): `divergence`, `beta`, `temperature`,
             `weight_soft_loss`, `weight_hard_loss`, `topk_tail` (flat fields too). Default:
-            Liger's defaults (jsd, beta 0.5, T 1, weights 0.5 / 0.5).
+            Liger's defaults (jsd, beta 0.5, T 1, weights 0.5 / 0.5). `temperature` may be a
+            float tensor of per-row values, positive, its shape a leading part of labels.shape
+            (per sequence or per token: the rollout's per-request temperatures), dividing both
+            heads' logits per token as the float does; the hard-label term stays at 1. (It is
+            the config's field: giving it flat and a config too is a TypeError.)
         ignore_index (int): a label with this value is not in the loss. Default -100.
         max_chunk_bytes (int, optional): the chunk buffers' memory budget. Default None: 64 MiB
             on the CPU, 2 GiB on a GPU.
         logits_dtype (str, optional): "float32", "input" (GEMMs in the input dtype, float32
             reductions) or "auto" (`default_logits_dtype`). Default "auto".
+        top_k (int or Tensor, optional): on-policy distillation samples from the student with
+            the engine's parameters; with this option (or top_p, min_p, a temperature tensor)
+            the student's distribution is the one the engine sampled from (`token_logprobs`'
+            sampler rules: temperature, then min-p, top-k, top-p): p_K, the tempered softmax
+            truncated to its kept set K and renormalised. The engine's top-k (0 or >= V: off),
+            a scalar or a per-row int tensor shaped like a temperature tensor. The teacher's q
+            stays whole (docs/ppo-math.md, "Distillation losses"). D_t is then the divergence of
+            p_K and q (reverse_kl, jsd, tv: finite; forward_kl and jsd at beta 0, +inf wherever
+            q has mass off K, are refused under a truncation), its gradient on K only;
+            `sampled_reverse_kl` is log p_K(y) - log q(y), -inf for a label outside K. The
+            hard-label term stays the plain temperature-1 cross-entropy. Not with a cached
+            teacher (topk_ids). Default None.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None.
+        sampler (str): whose truncation rules, "vllm" or "sglang". Default "vllm".
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
@@ -101,7 +161,10 @@ def linear_distill_loss(
         per token (labels' shape, 0 off the kept tokens) `divergence` D_t, `hard_logprobs`
         log p_1(y_t) and `sampled_reverse_kl` log p(y_t) - log q(y_t) at temperature T:
         on-policy distillation's one-sample reverse KL, whose negative is the token's
-        advantage (with a cached teacher: NaN where y_t is not among the top-k ids).
+        advantage (with a cached teacher: NaN where y_t is not among the top-k ids). With the
+        sampler's options (a temperature tensor, top_k, top_p, min_p) also `num_outside` (the
+        kept tokens whose label is outside the student's kept set) and `outside` (labels'
+        shape, bool: those tokens).
 
     Why: distillation from a teacher's logits costs two [N, V] logits tensors and their
     softmaxes when materialised; here each row block's two tiles are reduced and turned into
@@ -137,10 +200,19 @@ def linear_distill_loss(
         k = topk_logprobs.shape[-1] if topk_ids is None else topk_ids.shape[-1]
         tlp = _like_labels("topk_logprobs", topk_logprobs, shape, n, (k,)).detach()
     cfg = distill_config
+    temp_tensor = isinstance(cfg.temperature, Tensor)
+    sampled = None  # the op's sampler arguments (op.SAMPLER_NAMES), or None: none given
+    if temp_tensor or top_k is not None or top_p is not None or min_p is not None:
+        cached = topk_ids is not None or topk_logprobs is not None
+        sampled = _sampler_args(
+            labels, n, weight.shape[0], cfg, top_k, top_p, min_p, sampler, cached
+        )
+    elif sampler != "vllm":
+        check_sampler_unused(sampler, 0)
     ignore_index = check_int("ignore_index", ignore_index)
     max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
     logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
-    loss, st, tok = _op(
+    args = (
         h2,
         weight,
         lab,
@@ -151,12 +223,22 @@ def linear_distill_loss(
         None if teacher_bias is None else teacher_bias.detach(),
         ids,
         tlp,
-        *(getattr(cfg, k) for k in _FIELDS),
+        # (a temperature tensor goes as the sampler's `temperatures`, replacing the float)
+        *(1.0 if k == "temperature" and temp_tensor else getattr(cfg, k) for k in _FIELDS),
         ignore_index,
         int(max_chunk_bytes or 0),
         logits_dtype,
     )
-    out = dict(zip(op.STAT_NAMES, st.unbind(0)))
+    outside = None
+    if sampled is None:
+        loss, st, tok = _op(*args)
+        names = op.STAT_NAMES
+    else:
+        loss, st, tok, outside = _sampler_op(*args, *sampled)
+        names = op.STAT_NAMES + ("num_outside",)
+    out = dict(zip(names, st.unbind(0)))
     for name, t in zip(op.TOKEN_STATS, tok.unbind(0)):
         out[name] = t.view(shape)
+    if outside is not None:
+        out["outside"] = outside.view(shape)
     return loss, out

@@ -12,7 +12,16 @@ and the teacher's (no gradient), the divergence, the hard-label log-prob and the
 per row in one kernel call (two passes over the tiles for jsd / tv, one for the KLs), the
 per-token coefficients of Liger's token mean (known before the loop: the kept tokens are counted
 first), then the student's gradient tile written over its logits tile by one more kernel call,
-and its two GEMMs."""
+and its two GEMMs.
+
+`linear_distill_loss_sampler` (+ `_grads`): the same loss with the student's distribution the
+one the rollout engine sampled from (a temperature tensor, top-k, top-p, min-p; its arguments
+follow the plain op's). Whole-row tiles: token_logprobs' sampler kernels find the student's kept
+set K and the sampled token's log-prob under p_K; the student's tempered tile with -inf off K and
+the teacher's tempered tile go through the same distillation tile kernels (at temperature 1: the
+temperatures are applied per row first); the hard-label term stays the plain temperature-1
+cross-entropy (token_logprobs' kernels on the raw tile). A label outside K is counted
+(`num_outside`, the `outside` flags): its sampled reverse KL is -inf."""
 
 from __future__ import annotations
 
@@ -77,11 +86,22 @@ ARG_NAMES = (
 )
 NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
 Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
+# linear_distill_loss_sampler's arguments after ARG_NAMES (then NEED_NAMES for its _grads):
+# temperatures (Tensor? [N], replaces temperature), top_k / top_ks, top_p / top_ps, min_p / min_ps
+# (a scalar, or a per-token tensor that replaces it), sampler.
+SAMPLER_NAMES = ("temperatures", "top_k", "top_ks", "top_p", "top_ps", "min_p", "min_ps", "sampler")
+SamplerCall = NamedTuple(
+    "SamplerCall", [(n, object) for n in ARG_NAMES + SAMPLER_NAMES + NEED_NAMES]
+)
 
 if _backend.HAS_EXTENSION:
     _schema = _backend.registered("linear_distill_loss_grads").default._schema
     assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + NEED_NAMES, (
         "csrc/ops/linear_distill_loss.cpp and op.ARG_NAMES disagree"
+    )
+    _schema = _backend.registered("linear_distill_loss_sampler_grads").default._schema
+    assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + SAMPLER_NAMES + NEED_NAMES, (
+        "csrc/ops/linear_distill_loss.cpp and op.SAMPLER_NAMES disagree"
     )
 
 TOKEN_STATS = distill_head.TOKEN_STATS
@@ -221,6 +241,84 @@ class TopkTiles(engine.WholeVocab):
         tiler.grad_matmuls(z, hc, 0, z.shape[1], ghc, gW, gb)
 
 
+class SamplerTeacherTiles(TeacherTiles):
+    """TeacherTiles with the student's distribution the sampler's: p_K, its tempered softmax
+    truncated to the kept set K (token_logprobs' sampler kernels `sfwd` on the raw tile, with the
+    per-row parameters `params`: engine.sampler_params) and renormalised; the teacher's q stays
+    whole. Both tiles are tempered per row first (a temperature tensor), the student's with -inf
+    off K, and the distillation kernels run on them at temperature 1, so the divergence and its
+    gradient are those of p_K (0 off K). The hard-label term is the plain temperature-1
+    cross-entropy of the raw tile (token_logprobs' kernels `tl`), its gradient added to the
+    divergence's. `outside` [N] gets the kept tokens whose label is outside K."""
+
+    def __init__(self, backend, cfg, ignore_index, keep, teacher, sfwd, tl, params, sampler,
+                 outside):  # fmt: skip
+        super().__init__(backend, cfg, ignore_index, keep, teacher)
+        self.sfwd, (self.hfwd, self.hbwd) = sfwd, tl
+        self.params, self.sampler, self.outside = params, sampler, outside
+        self.blk = None
+
+    def at_block(self, r0, r1, pad):
+        """The per-row parameters of rows r0:r1, padded as the tile."""
+        inv_ts, _, ks, _, ps, _, mps = self.params
+
+        def rows(t, fill):
+            return None if t is None else pad(t[r0:r1], fill)
+
+        self.blk = (rows(inv_ts, 1.0), rows(ks, 0), rows(ps, 1.0), rows(mps, 0.0))
+
+    def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
+        V = tiler.W.shape[0]
+        z = tiler.logits(hc, 0, V)
+        zt = self.teacher.logits(self.teacher.rows(r0, r1), 0, V)
+        km = tiler.pad(self.keep[r0:r1], False)
+        inv_ts, ks, ps, mps = self.blk
+        _, k, _, p, _, mp, _ = self.params
+        lp, _, _, cut, cut_index, out = self.sfwd(
+            z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii, False,
+            False, False, 0, False,
+        )[:6]  # fmt: skip
+        hard, _, lse1 = self.hfwd(z, lc, 1.0, self.ii, False)
+        acc = lse1.dtype
+        it = self.inv_t if inv_ts is None else inv_ts.to(acc).unsqueeze(1)
+        x = z.to(acc)
+        j = torch.arange(V, device=z.device)
+        c = cut.to(acc).unsqueeze(1)
+        kept = (x > c) | ((x == c) & (j <= cut_index.unsqueeze(1)))
+        zs = torch.where(kept, x * it, -math.inf)
+        zq = zt.to(acc) * it
+        val, lse_s, lse_t, aux, _, _ = self.kfwd(
+            zs, zq, None, km, 1.0, self.div, self.beta, self.ii
+        )
+        y = torch.where(lc == self.ii, 0, lc).long().unsqueeze(1)
+        lq = zq.gather(1, y).squeeze(1) - lse_t
+        kr = dm.sampled_reverse_kl(lp, lq)[0]
+        self.outside[r0:r1] = (out & km)[: r1 - r0]
+        self.z, self.zs, self.zq = z, zs, zq
+        self.saved = (km, lse_s, lse_t, aux, lse1, it)
+        return hard, None, lse_s, (val, hard, kr)
+
+    def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
+        d_hard, _, d_value = coefs
+        z, zs, zq = self.z, self.zs, self.zq
+        self.z = self.zs = self.zq = None
+        km, lse_s, lse_t, aux, lse1, it = self.saved
+        if d_value is None:
+            d_value = torch.zeros_like(lse_s)
+        self.kbwd(zs, zq, None, km, lse_s, lse_t, aux, None, d_value, None, 1.0, self.div,
+                  self.beta, self.ii)  # fmt: skip
+        zs.mul_(it)  # (the tiles were tempered per row: d zs / d z = 1 / T)
+        if d_hard is not None:  # d_hard (onehot(y) - softmax(z)), in place, then the divergence's
+            self.hbwd(z, d_hard, None, lc, lse1, lse1, 1.0, self.ii, z)
+            z.add_(zs)
+        else:
+            z.copy_(zs)
+        tiler.grad_matmuls(z, hc, 0, z.shape[1], ghc, gW, gb)
+
+    def release(self):
+        self.z = self.zr = self.zs = self.zq = None
+
+
 def _check_ids(ids, V):
     """IndexError naming the first top-k id outside [0, V) (reads them: the GPU only under
     strict_checks())."""
@@ -268,7 +366,24 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
     token_stats = _backend.new_output((3, N), acc, dev)
     head = distill_head.DistillHead(cfg, keep, token_stats)
     ldt = a.logits_dtype
-    if a.teacher_hidden is not None:
+    sampled = isinstance(a, SamplerCall)
+    outside = _backend.new_output((N,), torch.bool, dev) if sampled else None
+    if sampled:
+        # whole rows: the raw student tile, the tempered one and the teacher's (and its copy)
+        budget = _budget(a.max_chunk_bytes, dev, V, 4)
+        plan = engine.plan_rows(hidden, V, ldt, budget, 4)
+        tplan = engine.plan_rows(a.teacher_hidden, V, ldt, budget, 4)
+        tplan = dataclasses.replace(tplan, rows=plan.rows, pad=plan.pad)
+        teacher = Tiler(a.teacher_hidden, a.teacher_weight, a.teacher_bias, tplan, backend)
+        kb = engine.sampler_kernels(hidden, backend)
+        params = engine.sampler_params(
+            (N,), dev, a.temperatures, a.top_k, a.top_ks, a.top_p, a.top_ps, a.min_p, a.min_ps
+        )
+        tl = (tl_op.forward.impls[backend], tl_op.backward.impls[backend])
+        vocab = SamplerTeacherTiles(backend, cfg, a.ignore_index, keep, teacher,
+                                    tl_op.sampler_forward.impls[kb], tl, params, a.sampler,
+                                    outside)  # fmt: skip
+    elif a.teacher_hidden is not None:
         # the student's tile and the teacher's side by side
         budget = _budget(a.max_chunk_bytes, dev, V, 2)
         plan = engine.plan_rows(hidden, V, ldt, budget, 2)
@@ -290,30 +405,38 @@ def run(backend: str, a) -> tuple[Tensor, ...]:
         need=(a.need_hidden, a.need_weight, a.need_bias),
     )
     loss, stats = head.result()
+    if sampled:
+        stats = torch.cat((stats, outside.sum().to(stats.dtype).unsqueeze(0)))
+        return loss, stats, token_stats, outside, gh, gW, gb
     return loss, stats, token_stats, gh, gW, gb
 
 
-def _impl(backend):
+def _impl(backend, call, name):
     def impl(*args):
-        return run(backend, Call(*args))
+        return run(backend, call(*args))
 
-    impl.__name__ = f"linear_distill_loss_grads_{backend}"
+    impl.__name__ = f"{name}_{backend}"
     return impl
 
 
 for _b in _backend.BACKENDS:
-    _backend.impl("linear_distill_loss_grads", _b)(_impl(_b))
+    _backend.impl("linear_distill_loss_grads", _b)(_impl(_b, Call, "linear_distill_loss_grads"))
+    _backend.impl("linear_distill_loss_sampler_grads", _b)(
+        _impl(_b, SamplerCall, "linear_distill_loss_sampler_grads")
+    )
 
 
 def _fake_outputs(a):
     hidden = a.hidden
     acc = acc_dtype(hidden.dtype)
     N = hidden.shape[0]
-    return (
+    sampled = isinstance(a, SamplerCall)
+    out = (
         hidden.new_empty((), dtype=acc),
-        hidden.new_empty((len(STAT_NAMES),), dtype=acc),
+        hidden.new_empty((len(STAT_NAMES) + sampled,), dtype=acc),
         hidden.new_empty((len(TOKEN_STATS), N), dtype=acc),
     )
+    return out + (hidden.new_empty((N,), dtype=torch.bool),) if sampled else out
 
 
 # The tensor arguments after hidden, each on hidden's device: the fakes and the fallback check it
@@ -324,22 +447,32 @@ _ON_HIDDENS_DEVICE = (
 )  # fmt: skip
 
 
+_SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
+
+
 def _check_devices(a):
-    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+    names = _ON_HIDDENS_DEVICE + (_SAMPLER_TENSORS if isinstance(a, SamplerCall) else ())
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
 
 
-@_backend.fake("linear_distill_loss")
-def _(*args):
-    a = Call(*args, False, False, False)
-    _check_devices(a)
-    return _fake_outputs(a)
+def _register_fakes(name, call):
+    """The fake kernels of `name` and `name`_grads, whose arguments `call` names."""
+
+    @_backend.fake(name)
+    def _(*args):
+        a = call(*args, False, False, False)
+        _check_devices(a)
+        return _fake_outputs(a)
+
+    @_backend.fake(name + "_grads")
+    def _(*args):
+        a = call(*args)
+        _check_devices(a)
+        return (*_fake_outputs(a), *fused_op.grads_shapes(a))
 
 
-@_backend.fake("linear_distill_loss_grads")
-def _(*args):
-    a = Call(*args)
-    _check_devices(a)
-    return (*_fake_outputs(a), *fused_op.grads_shapes(a))
+_register_fakes("linear_distill_loss", Call)
+_register_fakes("linear_distill_loss_sampler", SamplerCall)
 
 
 # --------------------------------------------------------------------------- without the extension
@@ -347,3 +480,9 @@ def _(*args):
 def _(*args):
     _check_devices(Call(*args, False, False, False))
     return fused_op.with_grads(lambda call: run("eager", call), Call, 3, args)
+
+
+@_backend.fallback("linear_distill_loss_sampler")
+def _(*args):
+    _check_devices(SamplerCall(*args, False, False, False))
+    return fused_op.with_grads(lambda call: run("eager", call), SamplerCall, 4, args)

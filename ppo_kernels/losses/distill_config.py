@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._checks import check_float, check_str, check_temperature
+from torch import Tensor
+
+from .._checks import FLOAT_DTYPES, check_float, check_str, check_temperature, check_tensor
 from .config import _set, listed
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")  # = csrc/common/distill_host.h's
@@ -27,7 +29,10 @@ class DistillLossConfig:
         beta: jsd's weight of the teacher, in [0, 1]; as Liger and TRL, beta 0 is forward_kl
             and beta 1 reverse_kl. Ignored by the other divergences. Default 0.5.
         temperature: both heads' logits are divided by it before the divergence (the
-            hard-label term and nothing else stays at temperature 1, as Liger's). Default 1.0.
+            hard-label term and nothing else stays at temperature 1, as Liger's). A float, or a
+            float tensor of per-row values (a leading part of labels.shape: per sequence or per
+            token; values checked by the op), which `linear_distill_loss` applies per token
+            under the sampler's distribution (its `top_k` / `top_p` / `min_p`). Default 1.0.
         weight_soft_loss: the divergence term's weight. Default 0.5.
         weight_hard_loss: the hard-label term's weight (the student's cross-entropy on the
             labels). Default 0.5.
@@ -40,7 +45,7 @@ class DistillLossConfig:
 
     divergence: str = "jsd"
     beta: float = 0.5
-    temperature: float = 1.0
+    temperature: float | Tensor = 1.0
     weight_soft_loss: float = 0.5
     weight_hard_loss: float = 0.5
     topk_tail: str = "bucket"
@@ -50,7 +55,11 @@ class DistillLossConfig:
         beta = check_float("beta", self.beta)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta: expected a value in [0, 1], got {beta!r}")
-        t = check_temperature(self.temperature)
+        t = self.temperature
+        if isinstance(t, Tensor):
+            check_tensor("temperature", t, dtypes=FLOAT_DTYPES)
+        else:
+            t = check_temperature(t)
         ws = check_float("weight_soft_loss", self.weight_soft_loss)
         wh = check_float("weight_hard_loss", self.weight_hard_loss)
         check_str("topk_tail", self.topk_tail, TOPK_TAILS)

@@ -94,6 +94,13 @@ def ldl_with(**kw):
     for k, v in kw.items():
         out[ldl_op.ARG_NAMES.index(k)] = v
     return out
+# linear_distill_loss_sampler: the same, with top_k=3 (its arguments follow the plain op's)
+lds = ldl + [None, 3, None, 1.0, None, 0.0, None, "vllm"]
+def lds_with(**kw):
+    out = list(lds)
+    for k, v in kw.items():
+        out[(ldl_op.ARG_NAMES + ldl_op.SAMPLER_NAMES).index(k)] = v
+    return out
 """
 
 # (id, needs the extension, backend or None, code, the argument the message must name)
@@ -1074,6 +1081,44 @@ CASES = [
         "topk_ids=torch.zeros(3, 2, dtype=torch.long), topk_logprobs=torch.zeros(3, 1)), True, "
         "True, False)",
         "topk_logprobs",
+    ),
+    # --- linear_distill_loss_sampler (the op and its gradients' op)
+    (
+        "lds_top_k_negative",
+        False,
+        "each",
+        "ops.linear_distill_loss_sampler(*lds_with(top_k=-1))",
+        "top_k",
+    ),
+    (
+        "lds_temperatures_shape",
+        False,
+        "each",
+        "ops.linear_distill_loss_sampler(*lds_with(temperatures=torch.ones(4)))",
+        "temperature",
+    ),
+    (
+        "lds_forward_kl_truncated",
+        False,
+        "each",
+        "ops.linear_distill_loss_sampler(*lds_with(divergence='forward_kl'))",
+        "divergence",
+    ),
+    (
+        "lds_grads_top_p",
+        False,
+        "each",
+        "ops.linear_distill_loss_sampler_grads(*lds_with(top_p=0.0), True, True, False)",
+        "top_p",
+    ),
+    (
+        "lds_grads_cached_teacher",
+        False,
+        "each",
+        "ops.linear_distill_loss_sampler_grads(*lds_with(teacher_hidden=None, "
+        "teacher_weight=None, topk_ids=torch.zeros(3, 2, dtype=torch.long), "
+        "topk_logprobs=torch.zeros(3, 2)), True, True, False)",
+        "topk_ids",
     ),
     # --- linear_token_logprobs
     (

@@ -344,6 +344,21 @@ def _compile_cases():
             )[0],
             (hid, w, labels, mask),
         ),
+        "linear_distill_loss_sampler": (
+            lambda a, b, y, m, t: pk.linear_distill_loss(
+                a,
+                b,
+                y,
+                a.detach() * 0.5,
+                b.detach(),
+                mask=m,
+                temperature=t,
+                top_k=4,
+                top_p=0.9,
+                divergence="reverse_kl",
+            )[0],
+            (hid, w, labels, mask, scores.abs() + 0.5),
+        ),
         "linear_distill_loss_topk": (
             lambda a, b, y, i, t: pk.linear_distill_loss(
                 a, b, y, topk_ids=i, topk_logprobs=t, divergence="reverse_kl"
