@@ -14,6 +14,13 @@
 // linear_preference_loss_grads below autograd with need_* from requires_grad and saves the
 // gradients; the backward scales them by the upstream gradient (no GEMM). The kernels are boxed
 // (the argument list is long and only forwarded): they read the arguments they check by name.
+//
+// linear_preference_loss_sampler (+ _grads): the same loss under the rollout sampler's
+// distribution (a temperature tensor, top-k, top-p, min-p, vLLM's / SGLang's rules): the same
+// arguments, then the sampler's. Ops of their own, so that the plain call's path stays as it was.
+// Each head's tiles hold whole rows, reduced by token_logprobs' sampler kernels (op.py:
+// engine.SamplerVocab); a label outside either head's kept set leaves its completion's sums by
+// default, and is counted.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -24,6 +31,7 @@
 #include "ops/checks.h"
 #include "ops/fused_loss.h"
 #include "ops/route.h"
+#include "ops/sampler_checks.h"
 
 namespace ppo_kernels {
 namespace {
@@ -45,7 +53,13 @@ using torch::jit::Stack;
   "int ignore_index, int max_chunk_bytes, str logits_dtype, bool with_entropy, "               \
   "bool with_logit_stats"
 
+// The sampler's arguments after them (linear_preference_loss_sampler).
+#define PPO_LPREF_SAMPLER_ARGS                                                       \
+  ", Tensor? temperatures, int top_k, Tensor? top_ks, float top_p, Tensor? top_ps, " \
+  "float min_p, Tensor? min_ps, str sampler, bool mask_outside"
+
 constexpr int64_t kOutputs = 4;  // loss [], stats [K], row_stats [3, R], token_stats [5, R, T]
+constexpr int64_t kSamplerOutputs = 5;  // + outside [R, T] (bool)
 
 // The unpaired types (rows flagged desirable or not, no pairs): preference_math.UNPAIRED_TYPES.
 bool is_unpaired(const std::string& t) { return t == "kto" || t == "apo_zero_unpaired"; }
@@ -279,6 +293,90 @@ void autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* sta
   fused_loss::autograd_call<grads_op, kOutputs>(stack, i.n, i.hidden, i.weight, i.bias);
 }
 
+// ---- the sampler's distribution: linear_preference_loss_sampler (+ _grads) ----
+c10::OperatorHandle sampler_op() { return find("ppo_kernels::linear_preference_loss_sampler"); }
+
+const c10::OperatorHandle& sampler_grads_op() {
+  static const c10::OperatorHandle h = find("ppo_kernels::linear_preference_loss_sampler_grads");
+  return h;
+}
+
+const c10::OperatorHandle& sampler_impl(Backend b) {
+  switch (b) {
+    case Backend::kCpp: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_cpp::linear_preference_loss_sampler_grads");
+      return h;
+    }
+    case Backend::kTriton: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_triton::linear_preference_loss_sampler_grads");
+      return h;
+    }
+    default: {
+      static const c10::OperatorHandle h =
+          find("ppo_kernels_eager::linear_preference_loss_sampler_grads");
+      return h;
+    }
+  }
+}
+
+struct SamplerArgs {
+  size_t n, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps, sampler;
+};
+
+// The sampler's argument positions in linear_preference_loss_sampler's schema (the arguments
+// before them are linear_preference_loss's, at the same positions: args_of()).
+const SamplerArgs& sampler_args_of() {
+  static const SamplerArgs a = [] {
+    const auto& s = sampler_op().schema();
+    auto at = [&](const char* name) {
+      const auto i = s.argumentIndexWithName(name);
+      TORCH_CHECK(i.has_value(), "linear_preference_loss_sampler: no argument ", name,
+                  " in the schema");
+      return static_cast<size_t>(*i);
+    };
+    return SamplerArgs{.n = s.arguments().size(),
+                       .temperatures = at("temperatures"),
+                       .top_k = at("top_k"),
+                       .top_ks = at("top_ks"),
+                       .top_p = at("top_p"),
+                       .top_ps = at("top_ps"),
+                       .min_p = at("min_p"),
+                       .min_ps = at("min_ps"),
+                       .sampler = at("sampler")};
+  }();
+  return a;
+}
+
+// linear_preference_loss_sampler_grads on the CPU / CUDA keys: the preference loss's checks, the
+// sampler's (csrc/ops/sampler_checks.h: per-row tensors a leading part of labels' [R, T]), then
+// the backend's chunk loop.
+void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  const SamplerArgs& s = sampler_args_of();
+  const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
+  check(args, i);
+  const Tensor hidden = args[i.hidden].toTensor();
+  const std::string& sampler = args[s.sampler].toStringRef();
+  check_sampler_options(
+      hidden, "hidden", args[i.weight].toTensor().size(0), args[i.labels].toTensor(),
+      opt_tensor(args[s.temperatures]), args[s.top_k].toInt(), opt_tensor(args[s.top_ks]),
+      args[s.top_p].toDouble(), opt_tensor(args[s.top_ps]), args[s.min_p].toDouble(),
+      opt_tensor(args[s.min_ps]), c10::string_view(sampler.data(), sampler.size()), 0);
+  sampler_impl(backend_for("linear_preference_loss", hidden)).callBoxed(stack);
+}
+
+void sampler_loss_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  fused_loss::value(sampler_grads_op(), stack);
+}
+
+void sampler_autograd_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
+  const Args& i = args_of();
+  fused_loss::autograd_call<sampler_grads_op, kSamplerOutputs>(stack, sampler_args_of().n, i.hidden,
+                                                               i.weight, i.bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -294,16 +392,30 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
         ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
         "Tensor row_stats, Tensor token_stats, Tensor grad_hidden, Tensor grad_weight, "
         "Tensor grad_bias)");
+  // under the sampler's distribution: + outside [R, T] (bool: the label is outside the policy's
+  // or the reference head's kept set)
+  m.def("linear_preference_loss_sampler(" PPO_LPREF_ARGS PPO_LPREF_SAMPLER_ARGS
+        ") -> (Tensor loss, Tensor stats, Tensor row_stats, Tensor token_stats, Tensor outside)");
+  m.def("linear_preference_loss_sampler_grads(" PPO_LPREF_ARGS PPO_LPREF_SAMPLER_ARGS
+        ", bool need_hidden, bool need_weight, bool need_bias) -> (Tensor loss, Tensor stats, "
+        "Tensor row_stats, Tensor token_stats, Tensor outside, Tensor grad_hidden, "
+        "Tensor grad_weight, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CompositeExplicitAutograd, m) {
   m.impl("linear_preference_loss", torch::CppFunction::makeFromBoxedFunction<&loss_kernel>());
   m.impl("linear_preference_loss_grads",
          torch::CppFunction::makeFromBoxedFunction<&grads_kernel>());
+  m.impl("linear_preference_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_loss_kernel>());
+  m.impl("linear_preference_loss_sampler_grads",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_grads_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(ppo_kernels, Autograd, m) {
   m.impl("linear_preference_loss", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  m.impl("linear_preference_loss_sampler",
+         torch::CppFunction::makeFromBoxedFunction<&sampler_autograd_kernel>());
 }
 
 }  // namespace ppo_kernels

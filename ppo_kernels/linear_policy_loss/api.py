@@ -66,7 +66,7 @@ def _joined(x):
     return x if isinstance(x, str) else repr(float(x))
 
 
-def _sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside):
+def sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside):
     """(the scalar temperature, the op's sampler arguments: op.SAMPLER_NAMES), checked. A
     per-row tensor (shape a leading part of labels.shape) becomes [B] (one value per sequence)
     or [B, T] (per token), as the op's [B, T] labels take it."""
@@ -86,6 +86,28 @@ def _sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_
         return t.reshape(tuple(t.shape) + (1,) * (L - 1 - t.dim())).expand(lead).reshape(B)
 
     return temp, (rows(temps), k, rows(ks), p, rows(ps), mp, rows(mps), sampler, mask_outside)
+
+
+def wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group) -> bool:
+    """Whether a fused loss's call gives one of the sampler's options (a temperature tensor,
+    top_k, top_p, min_p): then the vocab-parallel form is refused; else `sampler` and
+    `mask_outside` are checked, unused."""
+    if (
+        top_k is not None
+        or top_p is not None
+        or min_p is not None
+        or isinstance(temperature, Tensor)
+    ):
+        if process_group is not None:
+            raise ValueError(
+                "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) "
+                "are not supported with the vocab-parallel form yet"
+            )
+        return True
+    if sampler != "vllm" or mask_outside is not True:
+        check_sampler_unused(sampler, 0)
+        check_bool("mask_outside", mask_outside)
+    return False
 
 
 _CAPTURE: list = []  # arguments(): the calls whose op arguments are kept instead of run
@@ -305,29 +327,16 @@ def linear_policy_loss(
     est, st = parse_estimator(kl_config.kl_estimator)
     bounds = resolve_clamp(kl_config.kl_clamp, est)
     sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
-    if (
-        top_k is not None
-        or top_p is not None
-        or min_p is not None
-        or isinstance(temperature, Tensor)
-    ):
-        if process_group is not None:
-            raise ValueError(
-                "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) "
-                "are not supported with the vocab-parallel form yet"
-            )
+    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group):
         if ref_hidden is not None or ref_weight is not None:
             raise ValueError(
                 "ref_hidden: the exact KL against a reference head is not supported with the "
                 "sampler's options (temperature tensor, top_k, top_p, min_p) yet; give "
                 "ref_logprobs (the sampled KL estimators)"
             )
-        temperature, sampled = _sampler_args(
+        temperature, sampled = sampler_args(
             labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside
         )
-    elif sampler != "vllm" or mask_outside is not True:
-        check_sampler_unused(sampler, 0)
-        check_bool("mask_outside", mask_outside)
     if type(z_loss) is not float or z_loss != 0.0:
         z_loss = check_float("z_loss", z_loss, nonneg=True)
         if z_loss != 0 and (sampled is not None or process_group is not None):

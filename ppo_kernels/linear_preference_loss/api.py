@@ -21,12 +21,14 @@ from .._checks import (
     check_tensor,
 )
 from ..fused_linear.planner import resolve_logits_dtype
+from ..linear_policy_loss.api import sampler_args, wants_sampler
 from ..losses.config import takes_configs
 from ..losses.preference_config import PreferenceLossConfig
 from . import op
 from .head import check_reference
 
 _op = _backend.op("linear_preference_loss")
+_sampler_op = _backend.op("linear_preference_loss_sampler")
 _CAPTURE: list = []  # arguments(): the calls whose op arguments are kept instead of run
 
 
@@ -56,7 +58,7 @@ def linear_preference_loss(
     ref_bias: Tensor | None = None,
     reference_point: Tensor | float | None = None,
     loss_config: PreferenceLossConfig | None = None,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
     max_chunk_bytes: int | None = None,
@@ -66,6 +68,11 @@ def linear_preference_loss(
     process_group=None,
     vocab_start: int | None = None,
     reduce_hidden_grad: bool = True,
+    top_k: int | Tensor | None = None,
+    top_p: float | Tensor | None = None,
+    min_p: float | Tensor | None = None,
+    sampler: str = "vllm",
+    mask_outside: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """A preference loss (DPO and TRL's other paired types, ORPO / SimPO / CPO, KTO) from the
     hidden states and the LM head in one chunked pass: logits, token log-probs, the completions'
@@ -113,7 +120,9 @@ def linear_preference_loss(
         loss_config (PreferenceLossConfig, optional): the loss types and their options; its
             fields are accepted as flat keyword arguments (`loss_type="ipo", beta=0.5`, ...).
             Default: sigmoid (DPO), beta 0.1.
-        temperature (float): divides the logits (both heads). Default 1.0.
+        temperature (float or Tensor): divides the logits (both heads); positive. A float
+            tensor gives per-row values (the rollout's per-request temperatures): one per
+            completion (`labels.shape[:-1]`) or per token (labels' shape). Default 1.0.
         softcap (float, optional): `softcap * tanh(z / softcap)` on the logits (both heads).
             Default None.
         ignore_index (int): a label with this value has no log-prob and no loss. Default -100.
@@ -134,6 +143,28 @@ def linear_preference_loss(
             slice sizes, in rank order.
         reduce_hidden_grad (bool): all-reduce the hidden gradient across the group. Default
             True.
+        top_k (int or Tensor, optional): the rollout engine's top-k (0 or >= V: off), a scalar
+            or an int tensor of per-row values (shape a leading part of labels.shape). With it
+            (or top_p, min_p, a temperature tensor) each token's log-prob and entropy are those
+            of the distribution the engine sampled from (docs/ppo-math.md, "The distribution the
+            rollout sampled from"), for each head under its own kept set with the same
+            parameters (a given `ref_logps` is used as given); the gradient flows through the
+            kept tokens only. Every tile then holds whole rows: `max_chunk_bytes` must hold two
+            rows' tiles (the tile and its gradient); a reference head runs its pass first. Not
+            with `process_group`. Default None: off.
+        top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
+            row. Default None: off.
+        min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
+            row. Default None: off.
+        sampler (str): whose truncation rules, "vllm" or "sglang". Default "vllm".
+        mask_outside (bool): a token whose label is outside the policy's or the reference
+            head's kept set (log-prob -inf: the engine could not have sampled it) leaves its
+            completion for both heads: out of the sequence log-probs, the token counts and the
+            means' and LD-DPO's lengths (with `sft`, a first pass finds these tokens before the
+            batch's chosen-token count). False keeps it: the -inf enters the sequence log-prob
+            and the loss is what the type's formula gives (often inf or NaN); a pair whose
+            coefficient is not finite gets no gradient, so the gradients stay finite. Either way
+            `num_outside` counts them. Default True.
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
@@ -147,7 +178,9 @@ def linear_preference_loss(
         `rejected_logps`, `chosen_rewards`, `rejected_rewards`; per token (labels' shape)
         `token_logprobs` (0 off the completion), with `return_entropy` `entropy`, with
         `return_logit_stats` `mean_logits` and `is_top1` (bool), with a reference head
-        `ref_token_logprobs`.
+        `ref_token_logprobs`. With the sampler's options: `num_outside` (the completion
+        tokens whose label is outside either head's kept set) and the per-token bool `outside`
+        (labels' shape; `token_logprobs` is -inf there for the policy's).
 
     Why: the preference step's loss, gradients and metrics in one pass over the head, without
     the N x V logits (nor a second model's) that dominate its memory. Semantics:
@@ -209,6 +242,11 @@ def linear_preference_loss(
         else:
             raise TypeError(f"reference_point: expected a tensor or a number, got {rp!r}")
         rp = rp.detach()
+    sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
+    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group):
+        temperature, sampled = sampler_args(
+            labels, R, T, temperature, top_k, top_p, min_p, sampler, mask_outside
+        )
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)
@@ -241,10 +279,19 @@ def linear_preference_loss(
         False,
         False,
     )
+    if sampled is not None:
+        call = op.SamplerCall(*call[: len(op.ARG_NAMES)], *sampled, False, False, False)
     if _CAPTURE:
         _CAPTURE[-1] = (call, shape)
         return None
     args = call[: len(op.ARG_NAMES)]
+    if sampled is not None:
+        loss, st, rows, tok, outside = _sampler_op(
+            *call[: len(op.ARG_NAMES) + len(op.SAMPLER_NAMES)]
+        )
+        out = _outputs(call, st, rows, tok, shape, cfg)
+        out["outside"] = outside.view(shape)
+        return loss, out
     if process_group is not None:
         from ..distributed.vocab_parallel_preference import vocab_parallel_linear_preference_loss
 
@@ -289,7 +336,8 @@ def _pick(t, rows):
 
 def arguments(*args, **kwargs) -> tuple[op.Call, tuple[int, ...]]:
     """What linear_preference_loss(*args, **kwargs) hands the registered op, without running it:
-    (its arguments as op.Call, need_* False; labels' shape). The tests feed the same Call to
+    (its arguments as op.Call -- op.SamplerCall with the sampler's options --, need_* False;
+    labels' shape). The tests feed the same Call to
     naive.linear_preference_loss."""
     _CAPTURE.append(None)
     try:

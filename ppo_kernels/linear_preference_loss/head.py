@@ -14,6 +14,12 @@ token counts, the reference's sequence log-probs when given. A reference head's 
 come from its tile beside the policy tile (engine.WholeVocab's `ref`), reduced by the same
 weights; with a first pass, from a pass over the reference head before it.
 
+Under the rollout sampler's distribution (linear_preference_loss_sampler) each head's reduction
+flags the labels outside its kept set (`outside`, walk order; the reference head's pass runs
+first). With mask_outside such a token leaves its completion -- mask, token weights, counts -- as
+soon as its block's flags are known: a block of whole pairs then still knows its coefficients. The
+SFT term's batch token count needs every block's flags: a first pass.
+
 Batch-invariant mode: every per-row computation (the sequence sums, the per-pair math, the
 rewards) runs on rows padded to a multiple of INVARIANT_ROW_MULTIPLE on one thread, as
 linear_policy_loss's head does, so that a row's outputs do not depend on the rest of the call.
@@ -27,6 +33,7 @@ from torch import Tensor
 from .. import _backend
 from ..fused_linear.engine import Block, HeadTerm, pad_to
 from ..fused_linear.planner import INVARIANT_ROW_MULTIPLE
+from ..linear_policy_loss.head import truncates
 from ..losses import preference_math as prm
 from ..losses import preference_unpaired as prpu
 from ..losses.config import fields, make
@@ -76,20 +83,22 @@ UNPAIRED_STATS = (
 
 
 @_backend.constant_result
-def _stat_names(loss_type: tuple) -> tuple[str, ...]:
+def _stat_names(loss_type: tuple, sampled: bool = False) -> tuple[str, ...]:
     if loss_type[0] in prm.UNPAIRED_TYPES:
-        return UNPAIRED_STATS
-    names = PAIRED_STATS
-    if "sft" in loss_type:
-        names += ("nll_loss",)
-    if "orpo" in loss_type:
-        names += ("log_odds_ratio", "log_odds_chosen")
-    return names
+        names = UNPAIRED_STATS
+    else:
+        names = PAIRED_STATS
+        if "sft" in loss_type:
+            names += ("nll_loss",)
+        if "orpo" in loss_type:
+            names += ("log_odds_ratio", "log_odds_chosen")
+    return names + ("num_outside",) if sampled else names
 
 
 def stat_names(a) -> tuple[str, ...]:
-    """The names of the `stats` output, in order (they depend on the loss types only)."""
-    return _stat_names(tuple(a.loss_type))
+    """The names of the `stats` output, in order (they depend on the loss types, and the
+    sampler's op adds num_outside)."""
+    return _stat_names(tuple(a.loss_type), hasattr(a, "mask_outside"))
 
 
 # row_stats: per row (original order)
@@ -161,7 +170,9 @@ class PreferenceHead(HeadTerm):
     with the mask folded in as `labels`): per block of whole pairs (or rows) the sequence
     log-probs, the math's derivatives and the per-token coefficients."""
 
-    def __init__(self, a, cfg: PreferenceLossConfig, layout: Layout, labels: Tensor, acc):
+    def __init__(
+        self, a, cfg: PreferenceLossConfig, layout: Layout, labels: Tensor, acc, outside=None
+    ):
         self.a, self.cfg, self.L = a, cfg, layout
         self.with_entropy = bool(a.with_entropy)
         R, T = labels.shape
@@ -200,6 +211,11 @@ class PreferenceHead(HeadTerm):
         self.coef_all = None  # every token's dL/dlogprob, after a first pass
         self.group = unit_rows(cfg, T)  # tokens a block holds whole
         self.batch_scope = is_batch_scope(cfg)
+        # the sampler's: (the policy's, the reference head's or None) outside flags [N] (walk
+        # order), and whether those tokens leave their completions
+        self.outside = outside
+        self.mask_outside = outside is not None and bool(a.mask_outside) and truncates(a)
+        self.batch_tokens = self.mask_outside and self.paired and "sft" in cfg.loss_type
 
     # ------------------------------------------------------------------ the engine's interface
     def step(self, rows: int, T: int) -> int:
@@ -209,7 +225,7 @@ class PreferenceHead(HeadTerm):
         return 2 if self.needs_first_pass(rows) else 1
 
     def needs_first_pass(self, rows: int) -> bool:
-        return self.batch_scope or (self.group > rows and self.R > 0)
+        return self.batch_scope or self.batch_tokens or (self.group > rows and self.R > 0)
 
     @property
     def R(self) -> int:
@@ -218,6 +234,10 @@ class PreferenceHead(HeadTerm):
     def after_first_pass(self, lp: Tensor) -> None:
         """Every coefficient from every log-prob (flat [N], walk order)."""
         R, T = self.m.shape
+        if self.mask_outside:
+            self._drop_outside(0, R)
+            if self.paired:
+                self.n_chosen_total = self.n[0::2].sum()
         ref = None if self.ref_tok is None else self.ref_tok.view(R, T)
         coef = self._rows(0, R, lp.view(R, T), ref)
         self.coef_all = coef.reshape(-1)
@@ -233,8 +253,29 @@ class PreferenceHead(HeadTerm):
         if blk.kl is not None:  # the reference tile's token log-probs (else its pass gave them)
             self.ref_tok[r0:r1] = blk.kl[0][:n]
         ref = None if self.ref_tok is None else self.ref_tok[r0:r1].view(-1, T)
+        if self.mask_outside:  # the block's flags are known now (the reference's before)
+            self._drop_outside(w0, w1)
         coef = self._rows(w0, w1, lp, ref)
         return pad(coef.reshape(-1)), None, None
+
+    def _drop_outside(self, w0: int, w1: int) -> None:
+        """Rows w0:w1 (walk order; whole pairs or rows): each token whose label is outside the
+        policy's or the reference head's kept set leaves the mask, the token weights and the
+        counts (LD-DPO's shared length and the means follow)."""
+        T = self.T
+        pol, ref = (None if t is None else t[w0 * T : w1 * T].view(-1, T) for t in self.outside)
+        out = pol if ref is None else pol | ref
+        m = torch.where(out, torch.zeros((), dtype=self.m.dtype, device=out.device), self.m[w0:w1])
+        self.m[w0:w1] = m
+        if self.paired:  # the weights take [chosen; rejected] rows
+            p = m.shape[0] // 2
+            k_cr = prm.sequence_token_weights(
+                torch.cat((m[0::2], m[1::2])), self.cfg.average_log_prob, self.cfg.ld_alpha
+            )
+            self.k[w0:w1] = k_cr.view(2, p, T).transpose(0, 1).reshape(-1, T)
+            self.n[w0:w1] = m.sum(-1)
+        else:
+            self.k[w0:w1] = prm.sequence_token_weights(m, self.cfg.average_log_prob)
 
     # ------------------------------------------------------------------ the loss
     def _rows(self, w0: int, w1: int, lp: Tensor, ref_tok: Tensor | None) -> Tensor:
@@ -251,6 +292,10 @@ class PreferenceHead(HeadTerm):
         with _backend.invariant_threads():
             k, m = sl(self.k), sl(self.m)
             lpp = pad_to(lp.to(acc), kk)
+            if self.outside is not None:  # a dropped token's -inf log-prob: 0 off the mask
+                lpp = torch.where(m != 0, lpp, 0.0)
+                if ref_tok is not None:
+                    ref_tok = torch.where(m[:rows] != 0, ref_tok, 0.0)
             seq = (k * lpp).sum(-1)
             if self.ref_given is not None:
                 ref = sl(self.ref_given)
@@ -286,6 +331,8 @@ class PreferenceHead(HeadTerm):
                     num_rows=max(self.R, 1),
                 )
                 coef = res.d_logps.unsqueeze(-1) * k
+            if self.outside is not None:  # a completion whose loss is not finite: no gradient
+                coef = torch.where(torch.isfinite(coef), coef, 0.0)
         return coef[:rows]
 
     def _paired_loss(self, seq, ref, n, chosen_sum, **totals):

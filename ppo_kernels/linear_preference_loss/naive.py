@@ -17,6 +17,12 @@ With z = softcap(hidden @ weight.T + bias) / temperature and the rows R = comple
     same way (no gradient), or none (0).
 Edge cases: a row without tokens has sequence log-prob 0; the SFT term of a batch without chosen
 tokens is 0; no pairs (or no rows) give loss 0.
+
+Under the rollout sampler's distribution (the arguments of linear_preference_loss_sampler): each
+head's lp is token_logprobs' sampler's under its own kept set (linear_policy_loss/naive.py's
+sampled_token_values on the policy's and on the reference head's logits), -inf for a label
+outside it; with mask_outside a token outside either kept set leaves the mask (before the
+sequence sums, their weights and counts); `num_outside` counts the completion tokens flagged.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._math import acc_dtype
+from ..linear_policy_loss.naive import sampled_token_values
 from ..losses import preference_naive as NV
 from ..losses.config import fields
 from ..losses.preference_config import PreferenceLossConfig
@@ -63,13 +70,20 @@ def linear_preference_loss(a):
     h = a.hidden
     acc = acc_dtype(h.dtype)
     V = a.weight.shape[0]
-    z = logits_of(a, h, a.weight, a.bias, acc).reshape(R, T, V)
-    lp, m = NV.token_logprobs(z, a.labels, a.mask, 1.0, a.ignore_index)
-    zr = None
-    if a.ref_hidden is not None:
-        with torch.no_grad():
-            zr = logits_of(a, a.ref_hidden, a.ref_weight, a.ref_bias, acc).reshape(R, T, V)
-            rlp, _ = NV.token_logprobs(zr, a.labels, a.mask, 1.0, a.ignore_index)
+    sampled = hasattr(a, "mask_outside")  # a SamplerCall: the sampler's distribution
+    extra = {}
+    if sampled:
+        lp, m, rlp, lp_out, extra = _sampled(a, acc)
+        zr = rlp  # (a reference head was given)
+    else:
+        z = logits_of(a, h, a.weight, a.bias, acc).reshape(R, T, V)
+        lp, m = NV.token_logprobs(z, a.labels, a.mask, 1.0, a.ignore_index)
+        zr = None
+        if a.ref_hidden is not None:
+            with torch.no_grad():
+                zr = logits_of(a, a.ref_hidden, a.ref_weight, a.ref_bias, acc).reshape(R, T, V)
+                rlp, _ = NV.token_logprobs(zr, a.labels, a.mask, 1.0, a.ignore_index)
+        lp_out = lp
     beta = cfg.beta
     if cfg.unpaired:
         seq = NV.sequence_logps(lp, m, cfg.average_log_prob)
@@ -115,7 +129,8 @@ def linear_preference_loss(a):
             "ref_logps": torch.zeros_like(seq) if ref is None else ref.detach(),
             "rewards": rw,
         }
-        return loss, stats, rows, lp.detach()
+        stats.update(extra)
+        return loss, stats, rows, lp_out.detach()
     P = R // 2
     if a.pairs is None:
         cr = torch.arange(R)
@@ -158,4 +173,32 @@ def linear_preference_loss(a):
         out[1, cr] = torch.zeros_like(seq) if ref is None else ref.detach()
         out[2, cr] = torch.cat((cw, rw))
     rows = dict(zip(("logps", "ref_logps", "rewards"), out))
-    return loss, stats, rows, lp.detach()
+    stats.update(extra)
+    return loss, stats, rows, lp_out.detach()
+
+
+def _sampled(a, acc):
+    """(lp for the sums, m, the reference head's lp or None, lp as reported, {num_outside,
+    outside}) [R, T] under the sampler's distribution."""
+    keep = a.labels != a.ignore_index
+    if a.mask is not None:
+        keep = keep & (a.mask != 0)
+    labels = torch.where(keep, a.labels, a.ignore_index)  # the op folds the mask into labels
+    b = a._replace(labels=labels)
+    lp, _, outside = sampled_token_values(b)
+    rlp = None
+    if a.ref_hidden is not None:
+        with torch.no_grad():
+            r = b._replace(hidden=a.ref_hidden, weight=a.ref_weight, bias=a.ref_bias)
+            rlp, _, r_out = sampled_token_values(r)
+            outside = outside | r_out
+    outside = outside & keep
+    m = keep.to(acc)
+    if a.mask_outside:
+        m = torch.where(outside, 0.0, m)
+    zero = torch.zeros((), dtype=lp.dtype)
+    lp_sum = torch.where(m != 0, lp, zero)
+    if rlp is not None:
+        rlp = torch.where(m != 0, rlp, zero)
+    extra = {"num_outside": outside.sum().to(acc), "outside": outside}
+    return lp_sum, m, rlp, torch.where(keep, lp, zero), extra

@@ -9,6 +9,15 @@ tile, then grad_hidden = G W and grad_W = G^T h for the logits gradient G formed
 a reference head adds its tile's GEMM, no gradient). A pair longer than a block, and the sorted
 types (aot, aot_unpaired), take the engine's first pass of log-probs (4 GEMMs; a reference head
 then runs one pass of its own before).
+
+`linear_preference_loss_sampler` (+ `_grads`): the same loss under the rollout sampler's
+distribution (a temperature tensor, top-k, top-p, min-p; its arguments follow the plain op's).
+Each head's tiles hold whole rows and are reduced by token_logprobs' sampler kernels
+(engine.SamplerVocab), each head with its own kept set; the reference head always runs its pass
+first, so its outside flags are known when a block's pairs are. A label outside either kept set
+leaves its completion's sums (mask_outside, the default): a block of whole pairs knows its flags
+after its own reduction, so one pass is enough unless the plain op needs a first pass anyway, or
+the SFT term's batch token count depends on every block's flags.
 """
 
 from __future__ import annotations
@@ -73,10 +82,25 @@ ARG_NAMES = (
 NEED_NAMES = ("need_hidden", "need_weight", "need_bias")
 Call = NamedTuple("Call", [(n, object) for n in ARG_NAMES + NEED_NAMES])
 
+# linear_preference_loss_sampler's arguments after ARG_NAMES (then NEED_NAMES for its _grads):
+# temperatures (Tensor? [R] / [R, T], replaces temperature), top_k / top_ks, top_p / top_ps,
+# min_p / min_ps (a scalar, or a per-row tensor that replaces it), sampler, mask_outside.
+SAMPLER_NAMES = (
+    "temperatures", "top_k", "top_ks", "top_p", "top_ps", "min_p", "min_ps", "sampler",
+    "mask_outside",
+)  # fmt: skip
+SamplerCall = NamedTuple(
+    "SamplerCall", [(n, object) for n in ARG_NAMES + SAMPLER_NAMES + NEED_NAMES]
+)
+
 if _backend.HAS_EXTENSION:
     _schema = _backend.registered("linear_preference_loss_grads").default._schema
     assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + NEED_NAMES, (
         "csrc/ops/linear_preference_loss.cpp and op.ARG_NAMES disagree"
+    )
+    _schema = _backend.registered("linear_preference_loss_sampler_grads").default._schema
+    assert tuple(a.name for a in _schema.arguments) == ARG_NAMES + SAMPLER_NAMES + NEED_NAMES, (
+        "csrc/ops/linear_preference_loss.cpp and op.SAMPLER_NAMES disagree"
     )
 
 stat_names = pref_head.stat_names
@@ -107,12 +131,35 @@ class PreferenceVocab(engine.WholeVocab):
     def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
         st = super().block_stats(tiler, hc, rtiler, r0, r1, lc, with_entropy)
         if self.logit_stats is not None:
-            z, n = self.z, r1 - r0
-            keep = (lc[:n] != self.ii).to(self.logit_stats.dtype)
-            mean = z[:n].sum(1, dtype=self.logit_stats.dtype) * (self.inv_t / max(z.shape[1], 1))
-            top1 = (z[:n].argmax(1) == lc[:n]).to(keep.dtype) if z.shape[1] else keep * 0
-            self.logit_stats[0, r0:r1] = mean * keep
-            self.logit_stats[1, r0:r1] = top1 * keep
+            _store_logit_stats(self, r0, r1, lc, self.inv_t)
+        return st
+
+
+def _store_logit_stats(vocab, r0, r1, lc, inv_t):
+    """The block's logit statistics from its tile vocab.z (inv_t: a float, or the block's
+    per-row [n] tensor) into vocab.logit_stats."""
+    z, n, out = vocab.z, r1 - r0, vocab.logit_stats
+    keep = (lc[:n] != vocab.ii).to(out.dtype)
+    mean = z[:n].sum(1, dtype=out.dtype) * (inv_t / max(z.shape[1], 1))
+    top1 = (z[:n].argmax(1) == lc[:n]).to(keep.dtype) if z.shape[1] else keep * 0
+    out[0, r0:r1] = mean * keep
+    out[1, r0:r1] = top1 * keep
+
+
+class SamplerPreferenceVocab(engine.SamplerVocab):
+    """SamplerVocab with PreferenceVocab's logit statistics (the mean at each row's temperature;
+    the tile of a second pass that reuses the first's statistics has them already)."""
+
+    logit_stats: Tensor | None = None
+
+    def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
+        st = super().block_stats(tiler, hc, rtiler, r0, r1, lc, with_entropy)
+        if self.logit_stats is not None and self.z is not None:
+            inv_ts = self.blk[2]
+            if inv_ts is not None:
+                inv_ts = self.inv_t * inv_ts[: r1 - r0].to(self.logit_stats.dtype)
+            inv_t = self.inv_t if inv_ts is None else inv_ts
+            _store_logit_stats(self, r0, r1, lc, inv_t)
         return st
 
 
@@ -180,7 +227,8 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     the schema names them (Call). vocab: how a tile is reduced (default whole_vocab; the
     vocab-parallel form passes its shard's, whose labels it has checked against the whole
     vocabulary). Returns (loss, stats, row_stats, token_stats, grad_hidden, grad_weight,
-    grad_bias)."""
+    grad_bias); a SamplerCall runs linear_preference_loss_sampler_grads: the sampler's
+    reduction, and the `outside` flags [R, T] follow token_stats."""
     hidden, labels = a.hidden, a.labels
     R, T = labels.shape
     N = R * T
@@ -188,10 +236,12 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     acc = acc_dtype(hidden.dtype)
     ii = a.ignore_index
     cpu_or_strict = dev.type == "cpu" or _backend.strict()
+    sampled = isinstance(a, SamplerCall)
     if vocab is None:
         if cpu_or_strict:
             check_labels_in_range(labels, a.weight.shape[0], ii)
-        vocab = whole_vocab(backend, a.temperature, ii)
+        if not sampled:
+            vocab = whole_vocab(backend, a.temperature, ii)
     if a.pairs is not None and cpu_or_strict:
         check_pairs(a.pairs, R)
     cfg = pref_head.config(a)
@@ -201,12 +251,20 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
             a.mask != 0, labels, torch.full((), ii, dtype=labels.dtype, device=dev)
         )
     layout = pref_head.Layout(cfg, a.pairs, R, T, dev)
-    head = pref_head.PreferenceHead(a, cfg, layout, labels, acc)
     V = a.weight.shape[0]
     full = a.ref_hidden is not None
-    plan, beside = plan_blocks(head, a, V, vocab)
     flat = labels.reshape(-1)
     order = layout.order
+    outside = None  # the sampler's: the policy's and the reference head's flags (walk order)
+    if sampled:
+        outside = tuple(
+            torch.zeros(N, dtype=torch.bool, device=dev) if on else None for on in (True, full)
+        )
+    head = pref_head.PreferenceHead(a, cfg, layout, labels, acc, outside)
+    if sampled:  # whole rows; the reference head's pass first (never beside)
+        plan, beside = engine.sampler_plan(hidden, V, a.max_chunk_bytes, a.logits_dtype), False
+    else:
+        plan, beside = plan_blocks(head, a, V, vocab)
     token_stats = _backend.new_output((len(TOKEN_STATS), R, T), acc, dev)
     walked = order is not None
     lp_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[0].view(-1)
@@ -215,9 +273,11 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         ent_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[1].view(-1)
     else:
         token_stats[1].zero_()
+    if sampled:
+        vocab = _sampler_vocab(backend, a, plan, head, order, lp_w, ent_w, outside[0])
     stats_w = logit_stats = None
     if a.with_logit_stats:
-        if not isinstance(vocab, PreferenceVocab):
+        if not isinstance(vocab, (PreferenceVocab, SamplerPreferenceVocab)):
             raise ValueError("return_logit_stats: not in the vocab-parallel form")
         stats_w = torch.empty((2, N), dtype=acc, device=dev) if walked else None
         logit_stats = token_stats[3:5].view(2, N) if stats_w is None else stats_w
@@ -226,21 +286,32 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     ref = ref_plan = None
     if full:
         rhead = (a.ref_hidden, a.ref_weight, a.ref_bias)
-        ref_plan = engine.plan_rows(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes)
-        ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
         head.ref_tok = torch.empty(N, dtype=acc, device=dev)  # (walk order)
-        if not beside:  # the reference head's pass first (the first pass, if any, needs it)
+        if sampled:  # its own kept set, with the same parameters
+            ref_plan = engine.sampler_plan(a.ref_hidden, V, a.max_chunk_bytes, a.logits_dtype)
             engine.run(
                 engine.StoreStats(False),
-                vocab,
+                _sampler_vocab(backend, a, ref_plan, None, order, None, None, outside[1]),
                 engine.Head(*rhead, flat, T, order),
                 ref_plan,
                 softcap=a.softcap,
                 lp_out=head.ref_tok,
             )
         else:
-            ref = rhead
-    if isinstance(vocab, PreferenceVocab):
+            ref_plan = engine.plan_rows(a.ref_hidden, V, a.logits_dtype, a.max_chunk_bytes)
+            ref_plan = dataclasses.replace(ref_plan, rows=plan.rows)
+            if not beside:  # the reference head's pass first (the first pass, if any, needs it)
+                engine.run(
+                    engine.StoreStats(False),
+                    vocab,
+                    engine.Head(*rhead, flat, T, order),
+                    ref_plan,
+                    softcap=a.softcap,
+                    lp_out=head.ref_tok,
+                )
+            else:
+                ref = rhead
+    if isinstance(vocab, (PreferenceVocab, SamplerPreferenceVocab)):
         vocab.logit_stats = logit_stats  # (the policy's tiles only)
     gh, gW, gb = engine.run(
         head,
@@ -268,7 +339,47 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     loss, stats = head.result()
     row_stats = _backend.new_output((3, R), acc, dev)
     layout.unwalk_(row_stats, torch.stack((head.seq, head.ref_seq, head.rewards)))
-    return loss, stats, row_stats, token_stats, gh, gW, gb
+    if not sampled:
+        return loss, stats, row_stats, token_stats, gh, gW, gb
+    out = _backend.new_output((R, T), torch.bool, dev)
+    layout.unwalk_(out.view(-1), outside[0] if outside[1] is None else outside[0] | outside[1])
+    stats = torch.cat((stats, out.sum().to(acc).reshape(1)))  # num_outside
+    return loss, stats, row_stats, token_stats, out, gh, gW, gb
+
+
+def _sampler_vocab(backend, a, plan, head, order, lp_w, ent_w, outside) -> SamplerPreferenceVocab:
+    """The sampler's reduction of one head of the call `a` (a SamplerCall; rows in walk order:
+    `order`) on `backend`'s sampler kernels (eager for float64 or without compiled ones),
+    writing its outside flags into `outside` [N]. head: the policy's (None: the reference head,
+    no gradient); in its two-pass loop the first pass keeps every row's statistics and kept set
+    (into lp_w, ent_w) and the second reuses them."""
+    hidden, V = a.hidden, a.weight.shape[0]
+    R, T = a.labels.shape
+    N, dev = R * T, hidden.device
+    kb = engine.sampler_kernels(hidden if head is not None else a.ref_hidden, backend)
+    params = engine.sampler_params(
+        (R, T), dev, a.temperatures, a.top_k, a.top_ks, a.top_p, a.top_ps, a.min_p, a.min_ps
+    )
+    if order is not None:  # the loop walks the rows pair by pair
+        params = tuple(t.index_select(0, order) if isinstance(t, Tensor) else t for t in params)
+    tl = (tl_op.sampler_forward.impls[kb], tl_op.sampler_backward.impls[kb])
+    acc = acc_dtype(hidden.dtype)
+    outs, saved, gbuf = (None, None, outside), None, None
+    if head is not None and head.passes(plan.rows, T) == 2:
+        outs = (torch.empty(N, dtype=acc, device=dev), torch.empty(N, dtype=torch.int64,
+                device=dev), outside)  # fmt: skip
+        ent = ent_w if ent_w is not None else torch.empty_like(outs[0])
+        saved = (lp_w, ent, torch.empty_like(outs[0]))
+    if head is not None and (
+        a.need_hidden or a.need_weight or (a.need_bias and a.bias is not None)
+    ):
+        tile_rows = plan.rows if plan.pad else min(plan.rows, N)
+        gdt = hidden.dtype if plan.input_tiles else acc
+        gbuf = torch.empty(tile_rows * V, dtype=gdt, device=dev)
+    return SamplerPreferenceVocab(
+        kb, 1.0 / a.temperature, params, a.sampler, a.ignore_index, tl, outs=outs, gbuf=gbuf,
+        saved=saved,
+    )  # fmt: skip
 
 
 def _impl(backend):
@@ -279,8 +390,17 @@ def _impl(backend):
     return impl
 
 
+def _sampler_impl(backend):
+    def impl(*args):
+        return run(backend, SamplerCall(*args))
+
+    impl.__name__ = f"linear_preference_loss_sampler_grads_{backend}"
+    return impl
+
+
 for _b in _backend.BACKENDS:
     _backend.impl("linear_preference_loss_grads", _b)(_impl(_b))
+    _backend.impl("linear_preference_loss_sampler_grads", _b)(_sampler_impl(_b))
 
 
 def _fake_outputs(a):
@@ -301,8 +421,12 @@ _ON_HIDDENS_DEVICE = (
 )  # fmt: skip
 
 
+_SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
+
+
 def _check_devices(a):
-    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in _ON_HIDDENS_DEVICE})
+    names = _ON_HIDDENS_DEVICE + (_SAMPLER_TENSORS if isinstance(a, SamplerCall) else ())
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
 
 
 @_backend.fake("linear_preference_loss")
@@ -319,6 +443,24 @@ def _(*args):
     return (*_fake_outputs(a), *fused_op.grads_shapes(a))
 
 
+def _fake_outside(a):
+    return a.hidden.new_empty(tuple(a.labels.shape), dtype=torch.bool)
+
+
+@_backend.fake("linear_preference_loss_sampler")
+def _(*args):
+    a = SamplerCall(*args, False, False, False)
+    _check_devices(a)
+    return (*_fake_outputs(a), _fake_outside(a))
+
+
+@_backend.fake("linear_preference_loss_sampler_grads")
+def _(*args):
+    a = SamplerCall(*args)
+    _check_devices(a)
+    return (*_fake_outputs(a), _fake_outside(a), *fused_op.grads_shapes(a))
+
+
 # --------------------------------------------------------------------------- without the extension
 def with_grads(runner, args) -> tuple[Tensor, ...]:
     """(loss, stats, row_stats, token_stats) of the op's arguments `args` by runner(Call) (run's
@@ -330,3 +472,9 @@ def with_grads(runner, args) -> tuple[Tensor, ...]:
 def _(*args):
     _check_devices(Call(*args, False, False, False))
     return with_grads(lambda call: run("eager", call), args)
+
+
+@_backend.fallback("linear_preference_loss_sampler")
+def _(*args):
+    _check_devices(SamplerCall(*args, False, False, False))
+    return fused_op.with_grads(lambda call: run("eager", call), SamplerCall, 5, args)

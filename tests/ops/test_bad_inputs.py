@@ -72,6 +72,15 @@ def lpr_with(**kw):
     for k, v in kw.items():
         out[lpr_op.ARG_NAMES.index(k)] = v
     return out
+# linear_preference_loss_sampler: the same, with top_k=3 (its arguments follow the plain op's)
+lprs = list(lpr_api.arguments(torch.randn(2, 4, 4), w, torch.randint(0, 5, (2, 4)), m,
+                              top_k=3)[0])
+lprs = lprs[: len(lpr_op.ARG_NAMES) + len(lpr_op.SAMPLER_NAMES)]
+def lprs_with(**kw):
+    out = list(lprs)
+    for k, v in kw.items():
+        out[(lpr_op.ARG_NAMES + lpr_op.SAMPLER_NAMES).index(k)] = v
+    return out
 # the vocab-parallel forms' ops (ppo_kernels.distributed) on one rank's states (world 1, no
 # collective): logits [4, 6], hidden [4, 3], weight [6, 3]
 import ppo_kernels.distributed
@@ -991,6 +1000,56 @@ CASES = [
         "each",
         "ops.linear_preference_loss_grads(*lpr_with(ref_logps=sc[:1]), True, True, False)",
         "ref_logps",
+    ),
+    # --- linear_preference_loss_sampler (the op and its gradients' op)
+    (
+        "lprs_top_ks_negative",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler(*lprs_with(top_ks=torch.tensor([1, -1])))",
+        "top_k",
+    ),
+    (
+        "lprs_top_p_zero",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler(*lprs_with(top_p=0.0))",
+        "top_p",
+    ),
+    (
+        "lprs_temperatures_shape",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler(*lprs_with(temperatures=torch.ones(3)))",
+        "temperature",
+    ),
+    (
+        "lprs_temperatures_zero",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler(*lprs_with(temperatures=torch.zeros(2)))",
+        "temperature",
+    ),
+    (
+        "lprs_labels_1e9",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler(*lprs_with(labels=torch.full((2, 4), 10**9)))",
+        "labels",
+    ),
+    (
+        "lprs_grads_budget_below_a_row",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler_grads(*lprs_with(max_chunk_bytes=8), True, True, False)",
+        "max_chunk_bytes",
+    ),
+    (
+        "lprs_grads_sampler_name",
+        False,
+        "each",
+        "ops.linear_preference_loss_sampler_grads(*lprs_with(sampler='hf'), True, True, False)",
+        "sampler",
     ),
     # --- masked statistics
     ("whiten_eps_str", False, None, "pk.masked_whiten(a, m, eps='1e-8')", "eps"),

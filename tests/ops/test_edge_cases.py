@@ -270,6 +270,12 @@ def _compile_cases():
             )[0],
             (hid, w, labels, mask, scores),
         ),
+        "linear_preference_loss_sampler": (
+            lambda a, b, y, m, r, t: pk.linear_preference_loss(
+                a, b, y, m, ref_logps=r, temperature=t, top_k=4, top_p=0.9
+            )[0],
+            (hid, w, labels, mask, scores, scores.abs() + 0.5),
+        ),
         "linear_preference_loss_kto": (
             lambda a, b, y, d: pk.linear_preference_loss(
                 a, b, y, loss_type="kto", desirable=d, reference_point=0.1
