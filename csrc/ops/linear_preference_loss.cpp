@@ -321,31 +321,10 @@ const c10::OperatorHandle& sampler_impl(Backend b) {
   }
 }
 
-struct SamplerArgs {
-  size_t n, temperatures, top_k, top_ks, top_p, top_ps, min_p, min_ps, sampler;
-};
-
 // The sampler's argument positions in linear_preference_loss_sampler's schema (the arguments
 // before them are linear_preference_loss's, at the same positions: args_of()).
 const SamplerArgs& sampler_args_of() {
-  static const SamplerArgs a = [] {
-    const auto& s = sampler_op().schema();
-    auto at = [&](const char* name) {
-      const auto i = s.argumentIndexWithName(name);
-      TORCH_CHECK(i.has_value(), "linear_preference_loss_sampler: no argument ", name,
-                  " in the schema");
-      return static_cast<size_t>(*i);
-    };
-    return SamplerArgs{.n = s.arguments().size(),
-                       .temperatures = at("temperatures"),
-                       .top_k = at("top_k"),
-                       .top_ks = at("top_ks"),
-                       .top_p = at("top_p"),
-                       .top_ps = at("top_ps"),
-                       .min_p = at("min_p"),
-                       .min_ps = at("min_ps"),
-                       .sampler = at("sampler")};
-  }();
+  static const SamplerArgs a = sampler_args(sampler_op().schema());
   return a;
 }
 
@@ -358,12 +337,8 @@ void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack
   const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
   check(args, i);
   const Tensor hidden = args[i.hidden].toTensor();
-  const std::string& sampler = args[s.sampler].toStringRef();
-  check_sampler_options(
-      hidden, "hidden", args[i.weight].toTensor().size(0), args[i.labels].toTensor(),
-      opt_tensor(args[s.temperatures]), args[s.top_k].toInt(), opt_tensor(args[s.top_ks]),
-      args[s.top_p].toDouble(), opt_tensor(args[s.top_ps]), args[s.min_p].toDouble(),
-      opt_tensor(args[s.min_ps]), c10::string_view(sampler.data(), sampler.size()), 0);
+  check_sampler_args(args, s, hidden, "hidden", args[i.weight].toTensor().size(0),
+                     args[i.labels].toTensor());
   sampler_impl(backend_for("linear_preference_loss", hidden)).callBoxed(stack);
 }
 

@@ -304,9 +304,11 @@ def test_opcheck():
     for k in ("hidden", "weight", "bias"):
         args[i(k)] = args[i(k)].clone().requires_grad_()
     with use_backend(linear_distill_loss="cpp"):
-        torch.library.opcheck(ops.linear_distill_loss_sampler.default, args)
+        torch.library.opcheck(torch.ops.ppo_kernels.linear_distill_loss_sampler.default, args)
         d = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        torch.library.opcheck(ops.linear_distill_loss_sampler_grads.default, (*d, True, True, True))
+        torch.library.opcheck(
+            torch.ops.ppo_kernels.linear_distill_loss_sampler_grads.default, (*d, True, True, True)
+        )
 
 
 @requires_extension

@@ -306,10 +306,11 @@ def test_opcheck(backend):
     for k in ("hidden", "weight", "bias"):
         args[i(k)] = args[i(k)].clone().requires_grad_()
     with use_backend(linear_preference_loss=backend):
-        torch.library.opcheck(ops.linear_preference_loss_sampler.default, args)
+        torch.library.opcheck(torch.ops.ppo_kernels.linear_preference_loss_sampler.default, args)
         d = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         torch.library.opcheck(
-            ops.linear_preference_loss_sampler_grads.default, (*d, True, True, True)
+            torch.ops.ppo_kernels.linear_preference_loss_sampler_grads.default,
+            (*d, True, True, True),
         )
 
 
