@@ -20,7 +20,10 @@ Two pieces plug into the loop:
 A head term whose coefficients need statistics of more than a block (a sequence longer than a
 block, a batch statistic) asks for two passes: the first computes the log-probs only (one GEMM
 per block), the head then forms every coefficient, and the second pass makes the gradient tiles
-(4 GEMMs instead of 3).
+(4 GEMMs instead of 3). Where a unit's coefficients are per-row scalars times token weights
+known before (a preference pair: dL/dlogprob = alpha_row * w_t), `run_units` keeps 3 GEMMs
+instead: the gradient GEMMs run on the weights alone into per-row accumulators, scaled by each
+row's alpha once the unit is reduced.
 
 Batch-invariant mode: the blocks come from planner.plan_invariant and the tiler pads each to the
 plan's rows; per-token tensors handed to the head are padded the same way (`Block.pad`), so that
@@ -392,6 +395,29 @@ class Head:
     order: Tensor | None = None
 
 
+def _setup(lm: Head, vocab, plan: Plan, need, softcap):
+    """A loop's (need, the gradients (empty tensors where not needed; grad_hidden in hidden's
+    dtype, or float32 partial sums when the reduction says so), the labels in walk order, the
+    Tiler)."""
+    hidden, weight, bias = lm.hidden, lm.weight, lm.bias
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    acc = acc_dtype(hidden.dtype)
+    need_h, need_w, need_b = need
+    need_b = need_b and bias is not None
+    gh_dtype = acc if vocab.partial else hidden.dtype
+    gh_out = _backend.new_output((N, H) if need_h else (0,), gh_dtype, dev)
+    gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
+    gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
+    labels = lm.labels if lm.order is None else lm.labels[lm.order]
+    tiler = Tiler(
+        hidden, weight, bias, plan, vocab.tiler_fused, backward=need_h or need_w or need_b,
+        softcap=softcap, order=lm.order,
+    )  # fmt: skip
+    return (need_h, need_w, need_b), (gh_out, gW, gb), labels, tiler
+
+
 def run(
     head: HeadTerm,
     vocab,
@@ -414,25 +440,16 @@ def run(
     grad_hidden, grad_weight, grad_bias to form. Returns them (empty tensors where not needed;
     grad_hidden in hidden's dtype, or float32 partial sums when the reduction says so;
     grad_weight / grad_bias float32)."""
-    hidden, weight, bias, labels = lm.hidden, lm.weight, lm.bias, lm.labels
+    hidden, weight = lm.hidden, lm.weight
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     acc = acc_dtype(hidden.dtype)
-    need_h, need_w, need_b = need
-    need_b = need_b and bias is not None
-    gh_dtype = acc if vocab.partial else hidden.dtype
-    gh_out = _backend.new_output((N, H) if need_h else (0,), gh_dtype, dev)
-    gW = torch.zeros((V, H) if need_w else (0,), dtype=acc, device=dev)
-    gb = torch.zeros((V,) if need_b else (0,), dtype=acc, device=dev)
+    (need_h, need_w, need_b), (gh_out, gW, gb), labels, tiler = _setup(
+        lm, vocab, plan, need, softcap
+    )
     any_grad = need_h or need_w or need_b
     order = lm.order
-    if order is not None:
-        labels = labels[order]
-    tiler = Tiler(
-        hidden, weight, bias, plan, vocab.tiler_fused, backward=any_grad, softcap=softcap,
-        order=order,
-    )  # fmt: skip
     pad = tiler.pad  # batch-invariant mode: per-token tensors of a block to the tile's rows
     rtiler = gk_buf = None
     if ref is not None:
@@ -498,4 +515,91 @@ def run(
                 gh_out.index_copy_(0, order[r0:r1], ghc[:n].to(gh_out.dtype))
     if isinstance(vocab, WholeVocab):
         vocab.release()
+    return gh_out, gW, gb
+
+
+def run_units(
+    head: HeadTerm,
+    vocab: WholeVocab,
+    lm: Head,
+    plan: Plan,
+    unit: int,
+    weights: Tensor,
+    *,
+    softcap: float | None = None,
+    need: tuple[bool, bool, bool] = (False, False, False),
+    lp_out: Tensor,
+    ent_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """run's loop for a head whose units (`unit` consecutive tokens: whole rows of lm.T tokens,
+    e.g. a pair's two completions) are longer than a block, and whose coefficients within a row
+    are one scalar times known token weights: dL/dlogprob_t = alpha_row * weights_t (flat [N],
+    walk order), alpha known only once the whole unit is reduced. Each block of a row makes its
+    gradient tile from the weights alone; its GEMMs go into that row's accumulators (grad_weight
+    [V, H] and grad_bias [V] per row of the unit, grad_hidden unscaled); at the unit's end
+    head.coefficients gives the coefficients, each row's alpha is read at its first weighted
+    token, and the accumulators are scaled into the gradients. So the tile never holds a whole
+    unit and no GEMM is repeated (3 GEMMs, not a first pass's 4), at the memory of the per-row
+    accumulators. No reference tile beside (its pass runs first), no batch-invariant padding, no
+    entropy coefficient."""
+    hidden, weight = lm.hidden, lm.weight
+    N, H = hidden.shape
+    V = weight.shape[0]
+    T = lm.T
+    dev = hidden.device
+    acc = acc_dtype(hidden.dtype)
+    (need_h, need_w, need_b), (gh_out, gW, gb), labels, tiler = _setup(
+        lm, vocab, plan, need, softcap
+    )
+    any_grad = need_h or need_w or need_b
+    order = lm.order
+    per = unit // T  # rows per unit
+    slot_w = torch.empty((per, V, H) if need_w else (per, 0), dtype=acc, device=dev)
+    slot_b = torch.empty((per, V) if need_b else (per, 0), dtype=acc, device=dev)
+    gh = torch.empty((unit, H) if need_h else (0,), dtype=acc, device=dev)
+
+    def same(t, fill=0):
+        return t
+
+    for u0 in range(0, N, unit):
+        u1 = min(N, u0 + unit)
+        for j, q0 in enumerate(range(u0, u1, T)):  # a row of the unit, in blocks of plan.rows
+            if need_w:
+                slot_w[j].zero_()
+            if need_b:
+                slot_b[j].zero_()
+            for r0 in range(q0, q0 + T, plan.rows):
+                r1 = min(q0 + T, r0 + plan.rows)
+                hc, lc = tiler.rows(r0, r1), labels[r0:r1]
+                st = vocab.block_stats(tiler, hc, None, r0, r1, lc, head.with_entropy)
+                lp_out[r0:r1] = st[0]
+                if ent_out is not None:
+                    ent_out[r0:r1] = st[1]
+                if not any_grad:
+                    continue
+                ghc = gh[r0 - u0 : r1 - u0].zero_() if need_h else gh
+                w = weights[r0:r1].to(acc)
+                vocab.block_grad(tiler, hc, lc, (w, None, None), st, None, ghc, slot_w[j],
+                                 slot_b[j])  # fmt: skip
+        blk = Block(u0, u1, lp_out[u0:u1], None, None, None, same)
+        coef = head.coefficients(blk)[0].view(-1, T)
+        if not any_grad:
+            continue
+        w = weights[u0:u1].view(-1, T)
+        first = (w != 0).to(torch.int8).argmax(-1, keepdim=True)  # 0 for a row without any
+        alpha = (coef.gather(-1, first) / w.gather(-1, first).to(acc)).squeeze(-1)
+        alpha = torch.where(torch.isfinite(alpha), alpha, torch.zeros_like(alpha))
+        rows = u1 - u0
+        if need_h:
+            ghu = (gh[:rows].view(-1, T, H) * alpha.view(-1, 1, 1)).view(rows, H)
+            if order is None:
+                gh_out[u0:u1] = ghu
+            else:
+                gh_out.index_copy_(0, order[u0:u1], ghu.to(gh_out.dtype))
+        for j in range(rows // T):
+            if need_w:
+                gW.addcmul_(slot_w[j], alpha[j])
+            if need_b:
+                gb.addcmul_(slot_b[j], alpha[j])
+    vocab.release()
     return gh_out, gW, gb

@@ -88,10 +88,14 @@ def linear_preference_loss(
     The gradients of hidden, weight and bias are formed in the same pass (3 GEMMs: the logits
     tile, then grad_hidden = G W and grad_weight = G^T h for the logits gradient G; a reference
     head adds its tile's GEMM, no gradient); `loss.backward()` only scales them. The loop walks a
-    pair's two rows side by side, so a block of whole pairs knows its coefficients at once; a
-    pair longer than a block (2T tokens beyond `max_chunk_bytes`), and the sorted types (aot,
-    aot_unpaired), take a first pass of log-probs only (4 GEMMs; with a reference head, its
-    log-probs in a pass of their own first).
+    pair's two rows side by side, so a block of whole pairs knows its coefficients at once. A
+    pair longer than a block (2T tokens beyond `max_chunk_bytes`): under the default budget the
+    block grows to the pair, or, where that takes less memory (H < T: two [V, H] accumulators
+    instead of the pair's tile), each row's gradient GEMMs go into accumulators of its own,
+    scaled by its coefficient once the pair is reduced (still 3 GEMMs; not with LD-DPO's
+    weights); under a given budget, and for the sorted types (aot, aot_unpaired), a first pass
+    of log-probs only (4 GEMMs). A reference head too large to sit beside the policy's tile runs
+    a pass of its own first.
 
     Args:
         hidden (Tensor): `[..., T, H]`, float32 / bfloat16 / float16 (float64 runs the float64

@@ -5,9 +5,11 @@ from them the per-token coefficients dL/dlogprob of the gradient tile.
 
 The rows are completions of T tokens. Paired types walk the rows pair by pair (engine.Head.order:
 a pair's chosen and rejected rows side by side), so that a block of whole pairs knows every
-coefficient of its tokens; a pair longer than a block, and the types whose coefficients need the
-whole batch (aot / aot_unpaired's sort), take the engine's first pass (log-probs only), then every
-coefficient at once. Unpaired types (KTO) need whole rows only.
+coefficient of its tokens; a pair longer than a block either runs by pairs (engine.run_units: each
+row's coefficient is one scalar times its mask, applied to per-row gradient accumulators once the
+pair is reduced) or, like the types whose coefficients need the whole batch (aot / aot_unpaired's
+sort), takes the engine's first pass (log-probs only), then every coefficient at once. Unpaired
+types (KTO) need whole rows only.
 
 What is known before the loop: the token weights k (the mask, its means, LD-DPO's weights), the
 token counts, the reference's sequence log-probs when given. A reference head's token log-probs

@@ -6,9 +6,11 @@ fallback without the extension. Semantics: naive.py; public function: api.py.
 
 One pass over the hidden-state rows computes the loss and its gradients ("3 GEMMs": the logits
 tile, then grad_hidden = G W and grad_W = G^T h for the logits gradient G formed in the forward;
-a reference head adds its tile's GEMM, no gradient). A pair longer than a block, and the sorted
-types (aot, aot_unpaired), take the engine's first pass of log-probs (4 GEMMs; a reference head
-then runs one pass of its own before).
+a reference head adds its tile's GEMM, no gradient). A pair longer than a block: the default
+budget grows the block to the pair, or runs the loop by pairs (engine.run_units: per-row gradient
+accumulators, 3 GEMMs) where those take less memory than the pair's tile (`by_units`); a given
+budget, and the sorted types (aot, aot_unpaired), take the engine's first pass of log-probs (4
+GEMMs; a reference head then runs one pass of its own before).
 
 `linear_preference_loss_sampler` (+ `_grads`): the same loss under the rollout sampler's
 distribution (a temperature tensor, top-k, top-p, min-p; its arguments follow the plain op's).
@@ -190,24 +192,47 @@ def check_pairs(pairs: Tensor, R: int):
 PAIR_BLOCK_MAX_BYTES = {"cpu": 4 << 30, "cuda": 16 << 30}
 
 
-def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool]:
-    """(the row plan, whether a reference head's tile sits beside the policy tile). The
-    reference tile goes beside the policy tile (WholeVocab's `ref`: both tiles within the
-    budget) when the blocks then still hold whole pairs; otherwise the reference head runs a
-    pass of its own first (the same GEMMs, one tile at a time) and the policy's blocks get the
-    whole budget. vocab.rows (a shard's reduction: the rows common to every rank) fixes the rows
-    and vocab.ref_beside the choice."""
+def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool, bool]:
+    """(the row plan, whether a reference head's tile sits beside the policy tile, whether the
+    loop runs by pairs: engine.run_units). The reference tile goes beside the policy tile
+    (WholeVocab's `ref`: both tiles within the budget) when the blocks then still hold whole
+    pairs; otherwise the reference head runs a pass of its own first (the same GEMMs, one tile
+    at a time) and the policy's blocks get the whole budget. vocab.rows (a shard's reduction:
+    the rows common to every rank) fixes the rows and vocab.ref_beside the choice."""
     hidden, ldt, budget = a.hidden, a.logits_dtype, a.max_chunk_bytes
     full = a.ref_hidden is not None
     if vocab.rows is not None:
         p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
-        return dataclasses.replace(p, rows=vocab.rows), full and getattr(vocab, "ref_beside", False)
+        beside = full and getattr(vocab, "ref_beside", False)
+        return dataclasses.replace(p, rows=vocab.rows), beside, False
     if full:
         p = engine.plan_rows(hidden, V, ldt, budget, 2, vocab.fused)
         if not head.needs_first_pass(p.rows):
-            return p, True
+            return p, True, False
     p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
-    return grown(p, head.group, head.batch_scope, hidden, V, budget), False
+    if by_units(head, a, p, V, vocab):
+        return p, False, True
+    return grown(p, head.group, head.batch_scope, hidden, V, budget), False, False
+
+
+def by_units(head, a, p: Plan, V: int, vocab) -> bool:
+    """Whether the default budget's blocks, smaller than a pair, run by pairs in blocks of the
+    budget (engine.run_units: each row's gradient GEMMs into accumulators of its own, scaled by
+    its coefficient once the pair is reduced) instead of growing to a pair: when those
+    accumulators (a [V, H] grad_weight per row of the pair: none for a frozen head) take less
+    memory than the pair's tile, e.g. H < T. The coefficients must be one scalar per row times
+    its mask (not LD-DPO's weights) and the reduction the plain whole-vocabulary one."""
+    if a.max_chunk_bytes or _backend.invariant() or head.batch_scope or head.group <= p.rows:
+        return False
+    if type(vocab) is not PreferenceVocab or head.cfg.ld_alpha is not None:
+        return False
+    hidden = a.hidden
+    acc = acc_dtype(hidden.dtype).itemsize
+    per_row = V * hidden.shape[1] * acc * bool(a.need_weight)
+    per_row += V * acc * bool(a.need_bias and a.bias is not None)
+    elem = hidden.dtype.itemsize if p.input_tiles else 4
+    cap = PAIR_BLOCK_MAX_BYTES.get(hidden.device.type, PAIR_BLOCK_MAX_BYTES["cuda"])
+    return (head.group // head.T) * per_row < min(head.group * V * elem, cap)
 
 
 def grown(p: Plan, group: int, batch_scope: bool, hidden: Tensor, V: int, budget: int) -> Plan:
@@ -262,9 +287,10 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         )
     head = pref_head.PreferenceHead(a, cfg, layout, labels, acc, outside)
     if sampled:  # whole rows; the reference head's pass first (never beside)
-        plan, beside = engine.sampler_plan(hidden, V, a.max_chunk_bytes, a.logits_dtype), False
+        plan = engine.sampler_plan(hidden, V, a.max_chunk_bytes, a.logits_dtype)
+        beside = units = False
     else:
-        plan, beside = plan_blocks(head, a, V, vocab)
+        plan, beside, units = plan_blocks(head, a, V, vocab)
     token_stats = _backend.new_output((len(TOKEN_STATS), R, T), acc, dev)
     walked = order is not None
     lp_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[0].view(-1)
@@ -313,18 +339,18 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
                 ref = rhead
     if isinstance(vocab, (PreferenceVocab, SamplerPreferenceVocab)):
         vocab.logit_stats = logit_stats  # (the policy's tiles only)
-    gh, gW, gb = engine.run(
-        head,
-        vocab,
-        engine.Head(hidden, a.weight, a.bias, flat, T, order),
-        plan,
-        ref=ref,
-        ref_plan=ref_plan,
-        softcap=a.softcap,
-        need=(a.need_hidden, a.need_weight, a.need_bias),
-        lp_out=lp_w,
-        ent_out=ent_w,
-    )
+    lm = engine.Head(hidden, a.weight, a.bias, flat, T, order)
+    need = (a.need_hidden, a.need_weight, a.need_bias)
+    if units:  # the token weights of engine.run_units: each row's mask (walk order)
+        gh, gW, gb = engine.run_units(
+            head, vocab, lm, plan, head.group, head.m.reshape(-1), softcap=a.softcap,
+            need=need, lp_out=lp_w, ent_out=ent_w,
+        )  # fmt: skip
+    else:
+        gh, gW, gb = engine.run(
+            head, vocab, lm, plan, ref=ref, ref_plan=ref_plan, softcap=a.softcap, need=need,
+            lp_out=lp_w, ent_out=ent_w,
+        )  # fmt: skip
     if walked:
         layout.unwalk_(token_stats[0].view(-1), lp_w)
         if ent_w is not None:

@@ -26,7 +26,7 @@ SMALL = 600
 BIG = 1 << 16
 
 
-def _inputs(dtype=torch.float32, seed=0, rows=R, bias=True):
+def _inputs(dtype=torch.float32, seed=0, rows=R, bias=True, T=T, H=H):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(rows, T, H, generator=g).to(dtype)
     W = (0.7 * torch.randn(V, H, generator=g)).to(dtype)
@@ -78,7 +78,7 @@ def _reference(x, **kw):
         return None if t is None else up(t)
 
     call = call._replace(
-        hidden=h.reshape(-1, H), weight=W, bias=b, ref_hidden=d(call.ref_hidden),
+        hidden=h.reshape(-1, h.shape[-1]), weight=W, bias=b, ref_hidden=d(call.ref_hidden),
         ref_weight=d(call.ref_weight),
         ref_logps=None if call.ref_logps is None else call.ref_logps.double(),
         reference_point=None if call.reference_point is None else call.reference_point.double(),
@@ -340,26 +340,80 @@ def test_the_default_budget_grows_a_block_to_one_pair():
     """A pair whose tile exceeds the default budget: the block grows to hold it (one pass), a
     given budget is kept (a first pass); a reference head then runs its own pass first."""
     Tl, Vl = 600, 30000
-    h = torch.empty(2, Tl, 4)
-    W = torch.empty(Vl, 4)
+    h = torch.empty(2, Tl, 1024)  # H > T: a pair's tile is smaller than its accumulators
+    W = torch.empty(Vl, 1024)
     labels = torch.zeros(2, Tl, dtype=torch.long)
 
     def plan(**kw):
         call, _ = api.arguments(h, W, labels, **kw)
+        call = call._replace(need_hidden=True, need_weight=True, need_bias=False)
         cfg = head.config(call)
         hd = head.PreferenceHead(
             call, cfg, head.Layout(cfg, None, 2, Tl, "cpu"), labels, torch.float32
         )
         return op.plan_blocks(hd, call, Vl, op.whole_vocab("eager", 1.0, -100)), hd
 
-    (p, beside), hd = plan()
-    assert p.rows == 2 * Tl and not hd.needs_first_pass(p.rows) and not beside
-    (p, _), hd = plan(max_chunk_bytes=64 << 20)
-    assert hd.needs_first_pass(p.rows)
-    (p, beside), hd = plan(ref_hidden=h, ref_weight=W)
+    (p, beside, units), hd = plan()
+    assert p.rows == 2 * Tl and not hd.needs_first_pass(p.rows) and not beside and not units
+    (p, _, units), hd = plan(max_chunk_bytes=64 << 20)
+    assert hd.needs_first_pass(p.rows) and not units
+    (p, beside, _), hd = plan(ref_hidden=h, ref_weight=W)
     assert p.rows == 2 * Tl and not beside
-    (p, _), hd = plan(loss_type="aot")  # a batch statistic: a first pass anyway
-    assert hd.needs_first_pass(p.rows) and p.rows < 2 * Tl
+    (p, _, units), hd = plan(loss_type="aot")  # a batch statistic: a first pass anyway
+    assert hd.needs_first_pass(p.rows) and p.rows < 2 * Tl and not units
+
+
+def test_pairs_longer_than_a_block_run_by_pairs_where_that_takes_less_memory():
+    """The default budget with H < T: a pair's two [V, H] gradient accumulators are smaller than
+    its tile, so the blocks keep the budget's rows and the loop runs by pairs (engine.run_units);
+    with H > T, LD-DPO's token weights or a given budget the block grows or a first pass runs."""
+    Tl, Vl = 600, 30000
+
+    def plan(Hd, **kw):
+        h, W = torch.empty(2, Tl, Hd), torch.empty(Vl, Hd)
+        labels = torch.zeros(2, Tl, dtype=torch.long)
+        call, _ = api.arguments(h, W, labels, **kw)
+        call = call._replace(need_hidden=True, need_weight=True, need_bias=False)
+        cfg = head.config(call)
+        hd = head.PreferenceHead(
+            call, cfg, head.Layout(cfg, None, 2, Tl, "cpu"), labels, torch.float32
+        )
+        return op.plan_blocks(hd, call, Vl, op.whole_vocab("eager", 1.0, -100))
+
+    p, _, units = plan(256)
+    assert units and p.rows < 2 * Tl
+    assert not plan(1024)[2] and plan(1024)[0].rows == 2 * Tl  # H > T: the tile is smaller
+    assert not plan(256, ld_alpha=0.5)[2]
+    assert not plan(256, max_chunk_bytes=64 << 20)[2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "types, kw",
+    [(("sigmoid",), dict(ref="head")), (("sigmoid", "sft"), dict(ref="given")),
+     (("ipo",), dict(ref="head", average_log_prob=True)), (("kto",), dict(ref="given")),
+     (("simpo", "sft"), dict(ref=None, frozen=True))],
+    ids=str,
+)  # fmt: skip
+def test_by_pairs_equals_the_float64_reference(backend, types, kw, monkeypatch):
+    """engine.run_units (a budget of 5 rows, pairs of 2 x 12 tokens, H = 4 < T) against float64:
+    the gradient GEMMs on the mask alone into per-row accumulators, scaled once the pair is
+    reduced; with the reference head's own pass first, the SFT term, means, unpaired rows and a
+    frozen head (no weight accumulators)."""
+    from ppo_kernels.fused_linear import planner
+
+    kw = dict(kw)
+    ref, frozen = kw.pop("ref"), kw.pop("frozen", False)
+    x = _inputs(T=12, H=4, seed=3)
+    if frozen:
+        x["W"] = x["W"].detach()
+    calls = []
+    real = engine.run_units
+    monkeypatch.setattr(engine, "run_units", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setitem(planner.DEFAULT_MAX_CHUNK_BYTES, "cpu", 300)
+    extra = dict(desirable=x["y"], reference_point=0.2) if types == ("kto",) else {}
+    _check(x, backend, loss_type=types, **_kw(x, ref), **extra, **kw)
+    assert calls, "the loop did not run by pairs"
 
 
 @pytest.mark.skipif(
@@ -375,16 +429,19 @@ def test_the_reference_heads_own_pass_keeps_no_tile():
     rh, rW = torch.randn(2, Tl, H, generator=g), torch.randn(Vl, H, generator=g)
     labels = torch.randint(0, Vl, (2, Tl), generator=g)
 
-    def step(**ref):
-        loss, _ = pk.linear_preference_loss(h, W, labels, beta=0.1, **ref)
+    def step(**kw):
+        loss, _ = pk.linear_preference_loss(h, W, labels, beta=0.1, **kw)
         loss.backward()
 
     tile = 2 * Tl * Vl * 4
-    with use_backend("cpp"):
-        given = peak_extra_bytes(lambda: step(ref_logps=torch.zeros(2)))
-        head_ = peak_extra_bytes(lambda: step(ref_hidden=rh, ref_weight=rW))
+    with use_backend("cpp"):  # LD-DPO's weights: the block grows to the pair
+        given = peak_extra_bytes(lambda: step(ref_logps=torch.zeros(2), ld_alpha=0.5))
+        head_ = peak_extra_bytes(lambda: step(ref_hidden=rh, ref_weight=rW, ld_alpha=0.5))
+        # H < T: by pairs in blocks of the budget, no pair's tile at all
+        units = peak_extra_bytes(lambda: step(ref_hidden=rh, ref_weight=rW))
     assert given > tile  # (the policy's tile is in both)
     assert head_ - given < tile / 2, (head_, given, tile)
+    assert units < tile / 2, (units, tile)
 
 
 @pytest.mark.parametrize(
