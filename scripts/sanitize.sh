@@ -53,7 +53,7 @@ SKIP=(
   triton   # the Triton interpreter (numpy)
   eager    # the eager backend (torch's own ops)
   compile  # torch.compile: Dynamo, Inductor and its C++ compiler
-  n_65536  # sizes' N=65536 x V=152064 heads: minutes of torch matmuls around the same loops
+  n_16384  # sizes' N=16384 x V=152064 heads: minutes of torch matmuls around the same loops
   more_than_2_pow_31  # 2^31 bf16 elements through one kernel: sizes' rows past 2^31 check the offsets
   fallback_without_the_extension  # no extension loaded
   environment_variable  # fresh interpreters importing torch, to read an environment variable

@@ -5,9 +5,9 @@ storages and runs Python per program, so its large cases run on a GPU: tests/cud
 - token_logprobs on strided views whose element offsets pass 2^31 (a 2^31-element storage costs
   no memory until touched: only the rows read are written);
 - GAE on one packed stream of 2^24 + 1 tokens (positions past float32's exact integers);
-- linear_token_logprobs at N = 65536, V = 152064 (N x V = 10^10 logits, 40 GB as float32; it must
-  run within a few GB) with gradients, checked on rows at both ends of the stream; the fused
-  policy loss linear_policy_loss at the same size.
+- linear_token_logprobs at N = 16384, V = 152064 (N x V = 2.5 x 10^9 logits, past 2^31, 10 GB as
+  float32; it must run within 1 GiB) with gradients, checked on rows at both ends of the
+  stream; the fused policy loss linear_policy_loss at the same size.
 """
 
 import pytest
@@ -93,9 +93,9 @@ def test_gae_packed_stream_of_2_24_tokens(backend):
 # cpp only: the eager backend's chunks through torch ops are far slower at this size (its index
 # arithmetic is torch's); cpp fits the suite's time
 @pytest.mark.parametrize("backend", [b for b in _cpu_large("linear_token_logprobs") if b == "cpp"])
-def test_linear_token_logprobs_at_n_65536_v_152064(backend):
+def test_linear_token_logprobs_at_n_16384_v_152064(backend):
     torch.manual_seed(0)
-    N, V, H = 65536, 152064, 16
+    N, V, H = 16384, 152064, 16
     hidden = (torch.randn(N, H) * 0.5).requires_grad_(True)
     weight = (torch.randn(V, H) * 0.5).requires_grad_(True)
     labels = torch.randint(0, V, (N,))
@@ -115,7 +115,7 @@ def test_linear_token_logprobs_at_n_65536_v_152064(backend):
 
     with use_backend(linear_token_logprobs=backend):
         peak = peak_extra_bytes(run)
-    assert peak < 6 * 2**30, f"peak {peak / 2**30:.1f} GiB"
+    assert peak < 2**30, f"peak {peak / 2**30:.1f} GiB"  # the logits: 9.3 GiB
     h = hidden.detach()[check].double().requires_grad_(True)
     w = weight.detach().double().requires_grad_(True)
     z = h @ w.T
@@ -135,7 +135,7 @@ def test_linear_token_logprobs_at_n_65536_v_152064(backend):
 
 # cpp only, as above (the eager backend's tile math through torch ops is far slower here)
 @pytest.mark.parametrize("backend", [b for b in _cpu_large("linear_policy_loss") if b == "cpp"])
-def test_linear_policy_loss_at_n_65536_v_152064(backend):
+def test_linear_policy_loss_at_n_16384_v_152064(backend):
     """The fused policy loss (default PPO, a sampled KL and an entropy term) at the same size,
     forward + backward. Only 7 tokens at both ends of the stream are on the mask: every row still
     runs through the chunk loop, the others' gradients are exactly zero, and the float64
@@ -143,7 +143,7 @@ def test_linear_policy_loss_at_n_65536_v_152064(backend):
     from ppo_kernels.linear_policy_loss import api, naive
 
     torch.manual_seed(0)
-    B, T, V, H = 64, 1024, 152064, 16
+    B, T, V, H = 16, 1024, 152064, 16
     N = B * T
     hidden = (torch.randn(B, T, H) * 0.5).requires_grad_(True)
     weight = (torch.randn(V, H) * 0.5).requires_grad_(True)
@@ -173,7 +173,7 @@ def test_linear_policy_loss_at_n_65536_v_152064(backend):
 
     with use_backend(linear_policy_loss=backend):
         peak = peak_extra_bytes(run)
-    assert peak < 6 * 2**30, f"peak {peak / 2**30:.1f} GiB"
+    assert peak < 2**30, f"peak {peak / 2**30:.1f} GiB"  # the logits: 9.3 GiB
     hr, wr = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
 
     def sub(t):
