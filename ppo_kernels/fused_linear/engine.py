@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .. import _backend
 from .._math import acc_dtype
-from .planner import _MIN_ROWS, Plan, _resolve_budget, plan_chunks, plan_invariant
+from .planner import _MIN_ROWS, Plan, plan_chunks, plan_invariant, resolve_budget
 from .tiler import Tiler
 
 
@@ -57,7 +57,7 @@ def plan_rows(
     if _backend.invariant():
         p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, fused, budget_share=share)
     else:
-        budget = max(1, _resolve_budget(max_chunk_bytes, dev) // share)
+        budget = max(1, resolve_budget(max_chunk_bytes, dev) // share)
         p = plan_chunks(N, V, H, dt, dev.type, budget, "rows", logits_dtype, fused=fused)
     return p if p.vocab == V else dataclasses.replace(p, vocab=V)
 
@@ -272,9 +272,9 @@ def sampler_plan(hidden, V, max_chunk_bytes, logits_dtype):
         p = plan_invariant(V, H, dt, dev.type, "rows", logits_dtype, True, budget_share=2)
         if p.vocab == V:
             return p
-        budget = _resolve_budget(0, dev)
+        budget = resolve_budget(0, dev)
     else:
-        budget = _resolve_budget(max_chunk_bytes, dev)
+        budget = resolve_budget(max_chunk_bytes, dev)
         half = max(1, budget // 2)
         for n in (N, *range(min(N, _MIN_ROWS) - 1, 0, -1)):
             p = plan_chunks(n, V, H, dt, dev.type, half, "rows", logits_dtype, fused=True)

@@ -240,7 +240,7 @@ def plan_invariant(
     return dataclasses.replace(p, rows=rows, pad=rows)
 
 
-def _resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
+def resolve_budget(max_chunk_bytes: int, device: torch.device) -> int:
     if max_chunk_bytes > 0:
         return max_chunk_bytes
     return DEFAULT_MAX_CHUNK_BYTES.get(device.type, DEFAULT_MAX_CHUNK_BYTES["cuda"])
@@ -251,5 +251,5 @@ def plan_call(N, V, H, dtype, device: torch.device, max_chunk_bytes, logits_dtyp
     mode plan_invariant (which depends on neither N nor the budget)."""
     if _backend.invariant():
         return plan_invariant(V, H, dtype, device.type, logits_dtype=logits_dtype, fused=fused)
-    budget = _resolve_budget(max_chunk_bytes, device)
+    budget = resolve_budget(max_chunk_bytes, device)
     return plan_chunks(N, V, H, dtype, device.type, budget, logits_dtype=logits_dtype, fused=fused)

@@ -21,8 +21,8 @@ from .._checks import (
 )
 from ..fused_linear.planner import (
     _input_tiles,
-    _resolve_budget,
     default_logits_dtype,
+    resolve_budget,
     resolve_logits_dtype,
 )
 from ..token_logprobs.api import (
@@ -265,7 +265,7 @@ def _sampled(hidden, weight, labels, bias, temperature, ignore_index, return_ent
     ):
         # no backward can follow: the logits tile may take the whole budget (the op plans for a
         # gradient tile beside it, half each); fewer, larger blocks read the weight fewer times
-        max_chunk_bytes = 2 * _resolve_budget(max_chunk_bytes or 0, hidden.device)
+        max_chunk_bytes = 2 * resolve_budget(max_chunk_bytes or 0, hidden.device)
     outs = _linear_token_logprobs_sampler(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels.reshape(-1), bias, temp,
         _per_row(temps, labels), k, _per_row(ks, labels), p, _per_row(ps, labels), mp,

@@ -34,7 +34,7 @@ from .. import _backend
 from .._checks import check_devices, check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine, fused_op
-from ..fused_linear.planner import Plan
+from ..fused_linear.planner import Plan, resolve_budget
 from ..token_logprobs import op as tl_op
 from . import head as pref_head
 
@@ -210,29 +210,34 @@ def plan_blocks(head, a, V: int, vocab) -> tuple[Plan, bool, bool]:
         if not head.needs_first_pass(p.rows):
             return p, True, False
     p = engine.plan_rows(hidden, V, ldt, budget, 1, vocab.fused)
-    if by_units(head, a, p, V, vocab):
-        return p, False, True
+    acc_bytes = units_bytes(head, a, p, V, vocab)
+    if acc_bytes is not None:  # the tiles may take what the accumulators take
+        q = engine.plan_rows(hidden, V, ldt, max(acc_bytes, resolve_budget(0, hidden.device)), 1,
+                             vocab.fused)  # fmt: skip
+        return (q if q.rows < head.group else p), False, True
     return grown(p, head.group, head.batch_scope, hidden, V, budget), False, False
 
 
-def by_units(head, a, p: Plan, V: int, vocab) -> bool:
-    """Whether the default budget's blocks, smaller than a pair, run by pairs in blocks of the
-    budget (engine.run_units: each row's gradient GEMMs into accumulators of its own, scaled by
-    its coefficient once the pair is reduced) instead of growing to a pair: when those
-    accumulators (a [V, H] grad_weight per row of the pair: none for a frozen head) take less
-    memory than the pair's tile, e.g. H < T. The coefficients must be one scalar per row times
-    its mask (not LD-DPO's weights) and the reduction the plain whole-vocabulary one."""
+def units_bytes(head, a, p: Plan, V: int, vocab) -> int | None:
+    """The memory of the per-row accumulators when the default budget's blocks, smaller than a
+    pair, run by pairs (engine.run_units: each row's gradient GEMMs into accumulators of its own,
+    scaled by its coefficient once the pair is reduced) instead of growing to a pair, else None:
+    by pairs when those accumulators (a [V, H] grad_weight per row of the pair: none for a
+    frozen head) take less memory than the pair's tile, e.g. H < T. The coefficients must be one
+    scalar per row times its mask (not LD-DPO's weights) and the reduction the plain
+    whole-vocabulary one."""
     if a.max_chunk_bytes or _backend.invariant() or head.batch_scope or head.group <= p.rows:
-        return False
+        return None
     if type(vocab) is not PreferenceVocab or head.cfg.ld_alpha is not None:
-        return False
+        return None
     hidden = a.hidden
     acc = acc_dtype(hidden.dtype).itemsize
     per_row = V * hidden.shape[1] * acc * bool(a.need_weight)
     per_row += V * acc * bool(a.need_bias and a.bias is not None)
     elem = hidden.dtype.itemsize if p.input_tiles else 4
     cap = PAIR_BLOCK_MAX_BYTES.get(hidden.device.type, PAIR_BLOCK_MAX_BYTES["cuda"])
-    return (head.group // head.T) * per_row < min(head.group * V * elem, cap)
+    total = (head.group // head.T) * per_row
+    return total if total < min(head.group * V * elem, cap) else None
 
 
 def grown(p: Plan, group: int, batch_scope: bool, hidden: Tensor, V: int, budget: int) -> Plan:
