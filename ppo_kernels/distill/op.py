@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_devices, check_labels_in_range
+from .._checks import check_labels_in_range
 from .._math import acc_dtype
 from ..fused_linear import engine, fused_op
 from ..fused_linear.planner import DEFAULT_MAX_CHUNK_BYTES
@@ -447,32 +447,17 @@ _ON_HIDDENS_DEVICE = (
 )  # fmt: skip
 
 
-_SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
-
-
 def _check_devices(a):
-    names = _ON_HIDDENS_DEVICE + (_SAMPLER_TENSORS if isinstance(a, SamplerCall) else ())
-    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
+    fused_op.check_on_hiddens_device(a, _ON_HIDDENS_DEVICE)
 
 
-def _register_fakes(name, call):
-    """The fake kernels of `name` and `name`_grads, whose arguments `call` names."""
-
-    @_backend.fake(name)
-    def _(*args):
-        a = call(*args, False, False, False)
-        _check_devices(a)
-        return _fake_outputs(a)
-
-    @_backend.fake(name + "_grads")
-    def _(*args):
-        a = call(*args)
-        _check_devices(a)
-        return (*_fake_outputs(a), *fused_op.grads_shapes(a))
-
-
-_register_fakes("linear_distill_loss", Call)
-_register_fakes("linear_distill_loss_sampler", SamplerCall)
+for _name, _call, _outputs in (
+    ("linear_distill_loss", Call, _fake_outputs),
+    ("linear_distill_loss_sampler", SamplerCall, _fake_outputs),
+):
+    _fake, _fake_grads = fused_op.fake_kernels(_call, _check_devices, _outputs)
+    _backend.fake(_name)(_fake)
+    _backend.fake(_name + "_grads")(_fake_grads)
 
 
 # --------------------------------------------------------------------------- without the extension

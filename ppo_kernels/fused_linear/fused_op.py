@@ -2,7 +2,8 @@
 linear_preference_loss, linear_distill_loss): the shapes of the gradients `<op>_grads` returns
 (for its fake kernel), and a loop's outputs with the gradients it formed attached to the loss, as
 the C++ Autograd-key kernel does (csrc/ops/fused_loss.h) -- for the fallback without the extension
-and the vocab-parallel forms.
+and the vocab-parallel forms --, the device check of their fakes and fallbacks, and the fake
+kernels of an op and its `_grads` (registered by the op's module: torch checks that module).
 
 `Call` is the op's NamedTuple of its arguments plus need_hidden, need_weight, need_bias; a
 runner(call) returns the loop's outputs followed by grad_hidden, grad_weight, grad_bias."""
@@ -12,7 +13,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_devices
 from .._math import acc_dtype
+
+# a sampler op's per-row parameter tensors (`<op>_sampler`'s arguments after the plain op's)
+SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
+
+
+def check_on_hiddens_device(a, names: tuple) -> None:
+    """The tensor arguments `names` of the call `a` (and a sampler call's per-row parameters) on
+    hidden's device, as the C++ checks do (a meta tensor sends a call to its fake whatever the
+    other arguments')."""
+    names = names + (SAMPLER_TENSORS if hasattr(a, "temperatures") else ())
+    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
+
+
+def fake_outside(a) -> Tensor:
+    """The fake of a sampler op's `outside` flags: labels' shape, bool."""
+    return a.hidden.new_empty(tuple(a.labels.shape), dtype=torch.bool)
+
+
+def fake_kernels(Call, check, outputs):
+    """(the fake kernel of an op, that of its `_grads`), whose arguments `Call` names (the
+    latter's with need_hidden / need_weight / need_bias): check(a), then outputs(a) (and the
+    gradients' shapes for _grads)."""
+
+    def fake(*args):
+        a = Call(*args, False, False, False)
+        check(a)
+        return outputs(a)
+
+    def fake_grads(*args):
+        a = Call(*args)
+        check(a)
+        return (*outputs(a), *grads_shapes(a))
+
+    return fake, fake_grads
 
 
 def grads_shapes(a) -> tuple[Tensor, Tensor, Tensor]:

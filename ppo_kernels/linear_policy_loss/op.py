@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._checks import check_devices, check_labels_in_range
+from .._checks import check_labels_in_range
 from .._math import acc_dtype
 from ..full_kl import op as fk_op
 from ..fused_linear import engine, fused_op
@@ -282,44 +282,21 @@ _ON_HIDDENS_DEVICE = (
 )  # fmt: skip
 
 
-_SAMPLER_TENSORS = ("temperatures", "top_ks", "top_ps", "min_ps")
-
-
 def _check_devices(a):
-    names = _ON_HIDDENS_DEVICE + (_SAMPLER_TENSORS if isinstance(a, SamplerCall) else ())
-    check_devices("hidden", a.hidden, **{n: getattr(a, n) for n in names})
+    fused_op.check_on_hiddens_device(a, _ON_HIDDENS_DEVICE)
 
 
-@_backend.fake("linear_policy_loss")
-def _(*args):
-    a = Call(*args, False, False, False)
-    _check_devices(a)
-    return _fake_outputs(a)
+def _fake_sampler_outputs(a):
+    return (*_fake_outputs(a), fused_op.fake_outside(a))
 
 
-@_backend.fake("linear_policy_loss_grads")
-def _(*args):
-    a = Call(*args)
-    _check_devices(a)
-    return (*_fake_outputs(a), *fused_op.grads_shapes(a))
-
-
-def _fake_outside(a):
-    return a.hidden.new_empty(tuple(a.labels.shape), dtype=torch.bool)
-
-
-@_backend.fake("linear_policy_loss_sampler")
-def _(*args):
-    a = SamplerCall(*args, False, False, False)
-    _check_devices(a)
-    return (*_fake_outputs(a), _fake_outside(a))
-
-
-@_backend.fake("linear_policy_loss_sampler_grads")
-def _(*args):
-    a = SamplerCall(*args)
-    _check_devices(a)
-    return (*_fake_outputs(a), _fake_outside(a), *fused_op.grads_shapes(a))
+for _name, _call, _outputs in (
+    ("linear_policy_loss", Call, _fake_outputs),
+    ("linear_policy_loss_sampler", SamplerCall, _fake_sampler_outputs),
+):
+    _fake, _fake_grads = fused_op.fake_kernels(_call, _check_devices, _outputs)
+    _backend.fake(_name)(_fake)
+    _backend.fake(_name + "_grads")(_fake_grads)
 
 
 # --------------------------------------------------------------------------- without the extension
