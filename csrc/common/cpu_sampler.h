@@ -263,9 +263,22 @@ struct TopCollector {
     const auto push = [&](int64_t t) {
       band.push_back({static_cast<float>(x[t]), 0.f, 0.f, static_cast<int32_t>(j0 + t)});
     };
-    for (; i + Vec::size() <= n; i += Vec::size())
-      for (int bits = mask_bits(Vec::loadu(z + i) >= vb); bits; bits &= bits - 1)
-        push(i + __builtin_ctz(bits));
+    const auto scan = [&](int64_t i0) {
+      for (int bits = mask_bits(Vec::loadu(z + i0) >= vb); bits; bits &= bits - 1)
+        push(i0 + __builtin_ctz(bits));
+    };
+    // four vectors behind one comparison of their max: few hold a candidate once the bound rose
+    // (a NaN max skips its vectors: a row holding a NaN takes the float64 path)
+    constexpr int64_t W = 4 * Vec::size();
+    for (; i + W <= n; i += W) {
+      const Vec hi =
+          at::vec::maximum(at::vec::maximum(Vec::loadu(z + i), Vec::loadu(z + i + Vec::size())),
+                           at::vec::maximum(Vec::loadu(z + i + 2 * Vec::size()),
+                                            Vec::loadu(z + i + 3 * Vec::size())));
+      if (mask_bits(hi >= vb) == 0) continue;
+      for (int64_t q = 0; q < W; q += Vec::size()) scan(i + q);
+    }
+    for (; i + Vec::size() <= n; i += Vec::size()) scan(i);
     for (; i < n; ++i)
       if (z[i] >= zb) push(i);
     if (band.size() > limit) raise();
@@ -1107,8 +1120,12 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
                    static_cast<size_t>(std::max<int64_t>(64, 4 * a.stats_top_k))};
   if (ids_only) {
     ws.band.clear();
-    // a small sample: the bound only has to be sure, the pass raises it (256 >= k <= 64)
-    top.zb = scaled(sampled_kth_largest(row, V, a.stats_top_k, 256, ws.sample_nd), inv_t);
+    // the row's first 256 tokens: the bound only has to be sure (the k-th largest of any part of
+    // the row is), the pass raises it; read where the pass starts, not one cache miss per token
+    // scattered over the row (k <= 64 <= 256)
+    top.zb = scaled(
+        sampled_kth_largest(row, std::min<int64_t>(V, 256), a.stats_top_k, 256, ws.sample_nd),
+        inv_t);
   }
   const RowStatsExt rs = row_stats_ext(
       row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,

@@ -116,6 +116,27 @@ def test_flat_and_peaked_rows(backend):
             check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_top_p_sparse_candidates_across_blocks(dtype, T):
+    """Top-p alone (the CPU kernel's mass histogram over its candidates) where they are few and
+    sit in some blocks of the row: spikes at a block's first and last token (2048-token blocks),
+    at the vector tail and the scalar tail, and peaked rows; scaled logits and bf16."""
+    V = 3 * 2048 + 13
+    g = torch.Generator().manual_seed(5)
+    spiky = torch.randn(4, V, generator=g) * 0.5
+    for r, cols in enumerate([[2047], [2048, 4095], [V - 1], [V - 13, 4096]]):
+        spiky[r, cols] = torch.tensor([12.0, 11.5][: len(cols)] if len(cols) == 2 else [12.0])
+    peaked = torch.randn(4, V, generator=g) * 4
+    logits = torch.cat([spiky, peaked]).to(dtype)
+    labels = torch.cat([torch.tensor([2047, 4095, V - 1, 4096]), torch.randint(0, V, (4,))])
+    for sampler in ("vllm", "sglang"):
+        for p in (0.9, 0.5, 0.999):
+            with use_backend("cpp"), poisoned():
+                outs = sampler_op(logits, labels, T, 0, p, 0.0, sampler)
+            check_against_truth(logits.float(), labels, T, 0, p, 0.0, sampler, outs)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_options_off_equal_the_plain_op(backend):
     """No option (or every option off, or a temperature tensor of equal values): the plain
