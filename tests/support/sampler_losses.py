@@ -33,11 +33,13 @@ def per_token(v, default, shape, dtype):
 
 
 def firm_tokens(z, temperature=None, top_k=None, top_p=None, min_p=None, sampler="vllm",
-                rel=1e-4):  # fmt: skip
+                rel=1e-5, gap=1e-5):  # fmt: skip
     """Which tokens of z [B, T, V] (float64 logits) have a kept set that float32 logits give too:
     the set does not move when p and min_p are nudged by `rel` (relative) either way, and the k-th
-    largest logit stands apart from the next by more than `rel` (1 + |max|). A kernel may put a
-    token closer to a boundary on either side; a test leaves such tokens out of its mask."""
+    largest logit stands apart from the next by more than `gap` (1 + |max|). Float32 logits are
+    off by ~1e-6 (1 + |z|), their masses by a few 1e-6 relative: the margins are 5-10x that. A
+    kernel may put a token closer to a boundary on either side; a test leaves such tokens out of
+    its mask."""
     shape, V = tuple(z.shape[:-1]), z.shape[-1]
     z = z.reshape(-1, V).double()
     f64 = torch.float64
@@ -55,9 +57,9 @@ def firm_tokens(z, temperature=None, top_k=None, top_p=None, min_p=None, sampler
     firm = (inner == outer).all(-1)
     s = z.sort(-1, descending=True).values
     kc = k.clamp(1, V - 1).unsqueeze(-1)
-    gap = (s.gather(-1, kc - 1) - s.gather(-1, kc)).squeeze(-1)
+    d = (s.gather(-1, kc - 1) - s.gather(-1, kc)).squeeze(-1)
     k_on = (k > 0) & (k < V)
-    firm &= ~k_on | (gap > rel * (1 + s[:, 0].abs()))
+    firm &= ~k_on | (d > gap * (1 + s[:, 0].abs()))
     return firm.view(shape)
 
 
