@@ -6,7 +6,8 @@ cuBLAS + the Triton ones; eager) against the float64 references of the CPU sampl
 per-row and per-token outputs, `outside` / `num_outside` and the gradients of hidden, weight and
 bias, every output NaN-poisoned. Given reference log-probs and a reference head (its own kept set);
 one block and several (a pair longer than a block); float32 and bf16 (float32 tiles: bf16 ones
-round the logits, and ties at a cut become common); V=152064.
+round the logits, and ties at a cut become common); V=152064 (at H=1024: the sampler's work is
+over the vocabulary). Exact ties at a cut (vLLM and SGLang differ there) are the CPU tests'.
 
 The kept set is piecewise constant in the logits: a token whose set sits within float32 rounding of
 a boundary may fall either way on the GPU. Such tokens (support's firm_tokens) leave the mask of the
