@@ -121,6 +121,12 @@ CUDA_TESTS = ROOT / "tests" / "cuda"
 TEST_TIMEOUT_S = 600  # per op: a hung kernel must not take the whole device time
 
 
+def _selected(name, only):
+    """--only OP runs tests/cuda/test_cuda_OP.py and test_cuda_OP_*.py (e.g. sampler: the
+    sampler's options of the fused losses too)."""
+    return any(name == op or name.startswith(op + "_") for op in only)
+
+
 def _correctness(only):
     """Run the `cuda` tests of each op (tests/cuda/test_cuda_<op>.py) in its own pytest
     subprocess. Yields, op after op, (rows, problems): a row per test (op, test, result, seconds,
@@ -139,7 +145,7 @@ def _correctness(only):
 
     files = sorted(CUDA_TESTS.glob("test_cuda_*.py"))
     if only:
-        files = [f for f in files if f.stem.removeprefix("test_cuda_") in only]
+        files = [f for f in files if _selected(f.stem.removeprefix("test_cuda_"), only)]
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             rows, problems = [], []

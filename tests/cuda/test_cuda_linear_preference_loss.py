@@ -9,12 +9,12 @@ block; float32 and bf16 with both logits dtypes; the production width H=4096, V=
 
 import pytest
 import torch
+from support import sampler_losses as SL
 from support.gpu import DEVICE, MARKS, big, close, require
 from support.utils import GEMM_TOL, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
-from ppo_kernels.linear_preference_loss import api, naive
 
 pytestmark = MARKS
 OP = "linear_preference_loss"
@@ -53,34 +53,7 @@ def _on(x, device):
     return {k: v.to(device) for k, v in x.items()}
 
 
-def _ref_kw(x, ref):
-    """The reference as the call gives it: a head, given sequence log-probs, or none."""
-    if ref == "head":
-        return dict(ref_hidden=x["rh"], ref_weight=x["rW"])
-    if ref == "given":
-        return dict(ref_logps=x["ref"])
-    return {}
-
-
-def _reference(x, **kw):
-    """(loss, stats, rows, token log-probs, grads of h / W / b) of the float64 reference on the
-    call's arguments (CPU); input-dtype tiles: the reference rounds its logits as they are."""
-    call, _ = api.arguments(x["h"], x["W"], x["labels"], x["mask"], bias=x["b"], **kw)
-    keep = call.logits_dtype == "input" and x["h"].dtype in (torch.bfloat16, torch.float16)
-    up = (lambda t: t) if keep else (lambda t: t.double())  # noqa: E731
-    h, W, b = [up(x[k].detach()).requires_grad_() for k in ("h", "W", "b")]
-
-    def d(t):
-        return None if t is None else up(t)
-
-    call = call._replace(
-        hidden=h.reshape(-1, h.shape[-1]), weight=W, bias=b, ref_hidden=d(call.ref_hidden),
-        ref_weight=d(call.ref_weight),
-        ref_logps=None if call.ref_logps is None else call.ref_logps.double(),
-        reference_point=None if call.reference_point is None else call.reference_point.double(),
-    )  # fmt: skip
-    loss, stats, rows, lp = naive.linear_preference_loss(call)
-    return loss, stats, rows, lp, torch.autograd.grad(loss, (h, W, b))
+_ref_kw, _reference = SL.preference_ref_kw, SL.preference_reference
 
 
 def _check(x, backend, tol, grad_rel, extra=None, **kw):

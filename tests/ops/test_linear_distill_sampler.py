@@ -5,18 +5,15 @@ sampler reference, p_K renormalised on it, the teacher's q whole, the divergence
 hard-label term at temperature 1. Small sizes: the Triton interpreter runs the sampler's search
 per element."""
 
-import math
-
 import pytest
 import torch
+from support import sampler_losses as SL
 from support.skips import requires_extension
 from support.utils import cpu_backends, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.distill import api, op
-from ppo_kernels.losses import distill_naive as DN
-from ppo_kernels.token_logprobs import naive as tl_ref
 
 BACKENDS = cpu_backends("linear_distill_loss")
 B, T, H, HT, V = 3, 4, 8, 6, 29
@@ -26,50 +23,10 @@ ops = torch.ops.ppo_kernels
 
 
 def _inputs(seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(B, T, H, generator=g) * 0.9).to(dtype)
-    W = (torch.randn(V, H, generator=g) * 0.7).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype)
-    th = (torch.randn(B, T, HT, generator=g) * 0.9).to(dtype)
-    tW = (torch.randn(V, HT, generator=g) * 0.7).to(dtype)
-    labels = torch.randint(0, V, (B, T), generator=g)
-    labels[0, 1] = -100
-    z = h.double() @ W.double().T + b.double()
-    # the least likely token of some rows: outside any truncation
-    labels[1, :2] = z[1, :2].argmin(-1)
-    labels[2, 3] = z[2, 3].argmin(-1)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 3] = False
-    mask[2, 0] = False
-    return dict(h=h, W=W, b=b, th=th, tW=tW, labels=labels, mask=mask)
+    return SL.distill_inputs(B, T, H, HT, V, dtype=dtype, seed=seed)
 
 
-def _settings():
-    g = torch.Generator().manual_seed(1)
-    return {
-        "topk": dict(temperature=0.8, top_k=5, divergence="reverse_kl"),
-        "topp": dict(temperature=1.2, top_p=0.7, divergence="tv"),
-        "minp": dict(min_p=0.1, divergence="jsd", beta=0.3),
-        "all": dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, divergence="jsd"),
-        "per_row": dict(
-            temperature=torch.rand(B, generator=g) + 0.5,
-            top_k=torch.tensor([3, 0, 10]),
-            top_p=torch.tensor([[0.9, 1.0, 0.5, 0.8]] * B),
-            min_p=torch.tensor([0.0, 0.1, 0.02]),
-            divergence="jsd",
-            beta=1.0,
-        ),
-        "per_token_temperature": dict(
-            temperature=torch.rand(B, T, generator=g) + 0.5, top_p=0.8, divergence="tv"
-        ),
-        # no truncation: forward_kl is finite
-        "temperature_tensor_only": dict(
-            temperature=torch.rand(B, generator=g) + 0.5, divergence="forward_kl"
-        ),
-    }
-
-
-SETTINGS = _settings()
+SETTINGS = SL.distill_settings(B, T)
 
 
 def _run(x, **kw):
@@ -80,46 +37,7 @@ def _run(x, **kw):
     return loss, stats, torch.autograd.grad(loss, (h, W, b))
 
 
-def _per_token(v, default, dtype):
-    if v is None:
-        v = default
-    t = torch.as_tensor(v, dtype=dtype)
-    return t.reshape(tuple(t.shape) + (1,) * (2 - t.dim())).expand(B, T).reshape(-1)
-
-
-def _reference(x, temperature=1.0, top_k=None, top_p=None, min_p=None, sampler="vllm",
-               divergence="jsd", beta=0.5, weight_soft_loss=0.5, weight_hard_loss=0.5, **_):  # fmt: skip
-    """(loss, stats, grads) in float64 from the documented semantics."""
-    h, W, b = [x[k].detach().double().requires_grad_() for k in ("h", "W", "b")]
-    z = (h @ W.T + b).reshape(-1, V)
-    zt = (x["th"].double() @ x["tW"].double().T).reshape(-1, V)
-    t = _per_token(temperature, 1.0, torch.float64)
-    k = _per_token(top_k, 0, torch.int64)
-    p = _per_token(top_p, 1.0, torch.float64)
-    mp = _per_token(min_p, 0.0, torch.float64)
-    kept = tl_ref.sampler_kept(z.detach(), 1.0 / t, k, p, mp, sampler)[0]
-    lp = torch.where(kept, z / t.unsqueeze(1), -math.inf).log_softmax(-1)
-    lq = (zt / t.unsqueeze(1)).log_softmax(-1)
-    D = DN.divergence_from_logprobs(lp, lq, divergence, beta)
-    y = x["labels"].reshape(-1)
-    keep = (y != -100) & x["mask"].reshape(-1)
-    ys = y.clamp(min=0).unsqueeze(1)
-    hard = z.log_softmax(-1).gather(1, ys).squeeze(1)
-    n = keep.sum().clamp(min=1)
-    soft_loss = torch.where(keep, D, 0.0).sum() / n
-    hard_loss = -torch.where(keep, hard, 0.0).sum() / n
-    loss = weight_soft_loss * soft_loss + weight_hard_loss * hard_loss
-    with torch.no_grad():
-        srk = lp.gather(1, ys).squeeze(1) - lq.gather(1, ys).squeeze(1)
-        outside = keep & ~kept.gather(1, ys).squeeze(1)
-    zero = torch.zeros((), dtype=torch.float64)
-    stats = dict(
-        soft_loss=soft_loss.detach(), hard_loss=hard_loss.detach(),
-        divergence=torch.where(keep, D.detach(), zero), hard_logprobs=torch.where(keep, hard, zero),
-        sampled_reverse_kl=torch.where(keep, srk, zero), outside=outside,
-        num_outside=outside.sum().double(),
-    )  # fmt: skip
-    return loss, stats, torch.autograd.grad(loss, (h, W, b))
+_reference = SL.distill_reference
 
 
 def _close(ours, ref, what, atol=2e-5, rtol=2e-5):

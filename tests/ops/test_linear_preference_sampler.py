@@ -6,13 +6,14 @@ Small sizes: the Triton interpreter runs the sampler's search per element."""
 
 import pytest
 import torch
+from support import sampler_losses as SL
 from support.skips import requires_extension
 from support.utils import cpu_backends, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import naive as ll_ref
-from ppo_kernels.linear_preference_loss import api, naive, op
+from ppo_kernels.linear_preference_loss import api, op
 
 BACKENDS = cpu_backends("linear_preference_loss")
 P, T, H, V = 2, 4, 8, 23
@@ -23,56 +24,11 @@ ops = torch.ops.ppo_kernels
 
 
 def _inputs(dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(R, T, H, generator=g) * 0.9).to(dtype)
-    W = (torch.randn(V, H, generator=g) * 0.7).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype)
-    rh = (h.double() + 0.3 * torch.randn(R, T, H, generator=g, dtype=torch.float64)).to(dtype)
-    rW = (W.double() + 0.1 * torch.randn(V, H, generator=g, dtype=torch.float64)).to(dtype)
-    z = ll_ref.logits(h.double(), W.double(), b.double())
-    # labels among each token's likeliest three, and the least likely token of a few: outside
-    # any truncation (rows 1, 2)
-    top3 = z.topk(3, -1).indices
-    labels = top3.gather(-1, torch.randint(0, 3, (R, T, 1), generator=g)).squeeze(-1)
-    labels[1, :2] = z[1, :2].argmin(-1)
-    labels[2, 3] = z[2, 3].argmin(-1)
-    labels[0, 0] = -100
-    mask = torch.ones(R, T, dtype=torch.bool)
-    mask[3, 3] = False
-    with torch.no_grad():
-        lp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    ref = (lp.clamp(min=-4) * mask).sum(-1) + torch.randn(R, generator=g, dtype=torch.float64)
-    y = torch.tensor([True, False, True, False])
-    return dict(h=h, W=W, b=b, labels=labels, mask=mask, rh=rh, rW=rW, ref=ref.float(), y=y)
+    return SL.preference_inputs(P, T, H, V, dtype=dtype, seed=seed)
 
 
-def _settings():
-    g = torch.Generator().manual_seed(1)
-    return {
-        "topk": dict(temperature=0.8, top_k=5),
-        "topp": dict(temperature=1.2, top_p=0.7),
-        "minp": dict(min_p=0.1),
-        "all": dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05),
-        "per_row": dict(
-            temperature=torch.rand(R, generator=g) + 0.5,
-            top_k=torch.tensor([3, 0, 10, 4]),
-            top_p=torch.tensor([0.9, 1.0, 0.5, 0.8]),
-            min_p=torch.tensor([0.0, 0.1, 0.02, 0.0]),
-        ),
-        "per_token_temperature": dict(temperature=torch.rand(R, T, generator=g) + 0.5, top_p=0.8),
-        "temperature_tensor_only": dict(temperature=torch.rand(R, generator=g) + 0.5),
-    }
-
-
-SETTINGS = _settings()
-
-
-def _ref_kw(x, ref):
-    if ref == "given":
-        return dict(ref_logps=x["ref"])
-    if ref == "head":
-        return dict(ref_hidden=x["rh"], ref_weight=x["rW"])
-    return {}
+SETTINGS = SL.preference_settings(R, T)
+_ref_kw = SL.preference_ref_kw
 
 
 def _run(x, **kw):
@@ -82,20 +38,8 @@ def _run(x, **kw):
 
 
 def _reference(x, **kw):
-    h, W, b = [t.detach().double().requires_grad_() for t in (x["h"], x["W"], x["b"])]
-    call, _ = api.arguments(h, W, x["labels"], x["mask"], bias=b, **kw)
-    assert isinstance(call, op.SamplerCall)
-
-    def d(t):
-        return None if t is None else t.double()
-
-    call = call._replace(
-        hidden=h.reshape(-1, H), ref_hidden=d(call.ref_hidden), ref_weight=d(call.ref_weight),
-        ref_logps=d(call.ref_logps),
-    )  # fmt: skip
-    loss, stats, rows, lp = naive.linear_preference_loss(call)
-    grads = torch.autograd.grad(loss, (h, W, b), allow_unused=True)
-    return loss, stats, rows, lp, grads
+    assert isinstance(api.arguments(x["h"], x["W"], x["labels"], **kw)[0], op.SamplerCall)
+    return SL.preference_reference(x, **kw)
 
 
 def _close(ours, ref, what, atol=2e-5, rtol=2e-5):

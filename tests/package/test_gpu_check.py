@@ -51,6 +51,16 @@ def test_correctness_phase_reads_every_result(tmp_path, monkeypatch):
     assert list(gpu_check._correctness(["other"])) == []  # --only: no test file, nothing runs
 
 
+def test_only_selects_an_ops_test_files():
+    """--only OP: test_cuda_OP.py and test_cuda_OP_*.py (the sampler's losses with the sampler),
+    no other op's whose name starts alike."""
+    names = [f.stem for f in sorted(gpu_check.CUDA_TESTS.glob("test_cuda_*.py"))]
+    ops = [n.removeprefix("test_cuda_") for n in names]
+    assert [n for n in ops if gpu_check._selected(n, ["sampler"])] == ["sampler", "sampler_losses"]
+    assert [n for n in ops if gpu_check._selected(n, ["kl"])] == ["kl"]
+    assert [n for n in ops if gpu_check._selected(n, ["linear_logprobs"])] == ["linear_logprobs"]
+
+
 def test_correctness_phase_without_pytest(monkeypatch):
     find = importlib.util.find_spec
     monkeypatch.setattr(

@@ -10,6 +10,7 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `step` | a whole PPO step (ops/test_ppo_step.py, cuda/test_cuda_losses.py) |
 | `simt` | the SIMT emulator's routing (tests/simt, marker `simt`) |
 | `gpu` | the `cuda` tests' marks, sizes and comparisons (tests/cuda) |
+| `sampler_losses` | the fused losses under the sampler: inputs, settings, float64 references (ops, cuda) |
 | `peer_stubs` | the peers imported without their cluster stack (tests, bench/, Ray workers) |
 | `peers` | the peers' functions read from their source files |
 | `integration` | patched-against-unpatched comparisons, verl's loss modules and configs |
