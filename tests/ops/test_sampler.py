@@ -116,6 +116,33 @@ def test_flat_and_peaked_rows(backend):
             check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
 
 
+def test_top_p_where_the_sample_misleads():
+    """Top-p alone on rows built against the CPU kernel's sample (1024 evenly spaced tokens, whose
+    masses give it bounds on the cut): the sampled tokens raised, lowered, or the mass hidden
+    between them. Its bounds then miss -- the tokens it sums as surely kept reach top-p's mass, or
+    the cut lies below its candidates -- and it must retry with its sure bounds, still exact."""
+    V, n = 20000, 1024
+    pos = torch.tensor([(i * V) // n for i in range(n)])
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for shift in (1.0, -3.0):
+        x = torch.randn(V, generator=g) * 0.3
+        x[pos] += shift
+        rows.append(x)
+    x = torch.randn(V, generator=g) * 0.3
+    between = torch.ones(V, dtype=torch.bool)
+    between[pos] = False
+    x[between] += 0.8
+    rows.append(x)
+    logits = torch.stack(rows)
+    labels = torch.randint(0, V, (3,), generator=g)
+    for sampler in ("vllm", "sglang"):
+        for p in (0.9, 0.5):
+            with use_backend("cpp"), poisoned():
+                outs = sampler_op(logits, labels, 1.0, 0, p, 0.0, sampler)
+            check_against_truth(logits, labels, 1.0, 0, p, 0.0, sampler, outs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_top_p_sparse_candidates_across_blocks(dtype, T):
