@@ -327,12 +327,15 @@ def test_sampler_kl_gradcheck_float64():
 @requires_extension
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sampler_kl_opcheck(backend):
+    # the Triton interpreter: the fake-vs-real check only (the registration, autograd and
+    # dispatch checks do not depend on the backend, and cost the interpreter seconds each)
+    only = dict(test_utils=("test_schema", "test_faketensor")) if backend == "triton" else {}
     ops = torch.ops.ppo_kernels
     x, y = torch.randn(2, 3, 17, requires_grad=True), torch.randn(2, 3, 17, requires_grad=True)
     t, ks = torch.rand(2) + 0.5, torch.tensor([3, 0])
     args = (x, y, 1.0, t, 0, ks, 0.9, None, 0.0, None, "vllm")
     with use_backend(full_kl=backend):
-        torch.library.opcheck(torch.ops.ppo_kernels.full_kl_sampler.default, (*args, None))
+        torch.library.opcheck(torch.ops.ppo_kernels.full_kl_sampler.default, (*args, None), **only)
         if backend != "triton":  # (its interpreter: no masked backward, above)
             mask = torch.tensor([[True, False, True], [False, True, True]])
             torch.library.opcheck(torch.ops.ppo_kernels.full_kl_sampler.default, (*args, mask))
@@ -343,6 +346,7 @@ def test_sampler_kl_opcheck(backend):
                 torch.ops.ppo_kernels.full_kl_sampler_backward.default,
                 (torch.randn_like(kl), x.detach(), y.detach(), None, kl, lz, lw, cut, ci, 1.0, t,
                  need_ref),
+                **only,
             )  # fmt: skip
 
 

@@ -160,6 +160,9 @@ def test_gradcheck_float64(budget):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
+    # the Triton interpreter: the fake-vs-real check only (the registration, autograd and
+    # dispatch checks do not depend on the backend, and cost the interpreter seconds each)
+    only = dict(test_utils=("test_schema", "test_faketensor")) if backend == "triton" else {}
     h, W, b, labels = _inputs(torch.float32)
     h, W, b = (t.reshape(-1, H) if t.dim() == 3 else t for t in (h, W, b))
     h.requires_grad_(), W.requires_grad_(), b.requires_grad_()
@@ -168,10 +171,12 @@ def test_opcheck(backend):
             torch.library.opcheck(
                 torch.ops.ppo_kernels.linear_token_logprobs,
                 (h, W, labels.reshape(-1), b, 0.8, -100, True, budget),
+                **only,
             )
         torch.library.opcheck(
             torch.ops.ppo_kernels.linear_token_logprobs,
             (h, W, labels.reshape(-1), None, 1.0, -100, False, 0),
+            **only,
         )
         y = labels.reshape(-1)
         lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(
@@ -196,6 +201,7 @@ def test_opcheck(backend):
                     True,
                     True,
                 ),
+                **only,
             )
 
 
@@ -520,6 +526,9 @@ def test_input_logits_dtype_is_ignored_for_float32_and_float64(dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_input_logits_dtype(backend):
+    # the Triton interpreter: the fake-vs-real check only (the registration, autograd and
+    # dispatch checks do not depend on the backend, and cost the interpreter seconds each)
+    only = dict(test_utils=("test_schema", "test_faketensor")) if backend == "triton" else {}
     h, W, b, labels = _inputs(torch.bfloat16)
     h, y = h.reshape(-1, H), labels.reshape(-1)
     with use_backend(linear_token_logprobs=backend):
@@ -535,7 +544,7 @@ def test_opcheck_input_logits_dtype(backend):
                 budget,
                 "input",
             )
-            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs, args)
+            torch.library.opcheck(torch.ops.ppo_kernels.linear_token_logprobs, args, **only)
             lp, ent, lse = torch.ops.ppo_kernels.linear_token_logprobs(
                 h, W, y, b, 0.8, -100, True, budget, "input"
             )
@@ -558,6 +567,7 @@ def test_opcheck_input_logits_dtype(backend):
                     True,
                     "input",
                 ),
+                **only,
             )
 
 

@@ -98,11 +98,17 @@ def _close(ours, ref, what, atol=2e-5, rtol=2e-5):
 
 # (backend, budget): the Triton interpreter is slow, it runs the several-block budget only
 BUDGETS = [(b, m) for b in BACKENDS for m in (None, SMALL) if b != "triton" or m is not None]
+# The Triton interpreter runs the settings that hand the kernel each kind of parameter (scalars,
+# per-row and per-token tensors, none); the kernel is token_logprobs' sampler, whose rules for each
+# option alone tests/ops/test_sampler.py checks on it (test_kept_set_and_outputs_follow_the_rules)
+TRITON_SETTINGS = ("off", "per_row", "scalar_all", "temperature_tensor_only")
+RUNS = [
+    (b, m, s) for b, m in BUDGETS for s in sorted(SETTINGS) if b != "triton" or s in TRITON_SETTINGS
+]
 
 
-@pytest.mark.parametrize("backend,budget", BUDGETS)
+@pytest.mark.parametrize("backend,budget,setting", RUNS)
 @pytest.mark.parametrize("sampler", ["vllm", "sglang"])
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_forward_matches_the_float64_sampler(backend, sampler, setting, budget):
     h, W, b, labels = _inputs()
     opts = SETTINGS[setting]

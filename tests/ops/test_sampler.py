@@ -52,7 +52,9 @@ SETTINGS = [
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_kept_set_and_outputs_follow_the_rules(backend, V, sampler, setting):
     T, k, p, mp = setting
-    logits, labels = inputs(12, V, ignore_frac=0.2)
+    # (the interpreter runs a program per row: 6 rows there); the last row ignored
+    logits, labels = inputs(12 if backend != "triton" else 6, V, ignore_frac=0.2)
+    labels[-1] = -100
     with use_backend(backend), poisoned():
         outs = sampler_op(logits, labels, T, k, p, mp, sampler, stats_top_k=min(V, 6))
     check_against_truth(logits, labels, T, k, p, mp, sampler, outs)
@@ -61,7 +63,7 @@ def test_kept_set_and_outputs_follow_the_rules(backend, V, sampler, setting):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampler", ["vllm", "sglang"])
 def test_per_row_parameters(backend, sampler):
-    N, V = 16, 300
+    N, V = (16 if backend != "triton" else 8), 300  # (the interpreter: a program per row)
     logits, labels = inputs(N, V, ignore_frac=0.1)
     T = torch.rand(N) + 0.5
     k = torch.randint(0, 40, (N,))
@@ -78,7 +80,7 @@ def test_per_row_parameters(backend, sampler):
 @pytest.mark.parametrize("sampler", ["vllm", "sglang"])
 def test_ties(backend, sampler):
     """Tied logits at every boundary: the k-th value, the top-p crossing, the min-p bound."""
-    N, V = (8 if backend == "triton" else 24), 40  # (the interpreter: element by element)
+    N, V = (4 if backend == "triton" else 24), 40  # (the interpreter: element by element)
     logits = torch.randint(-3, 4, (N, V)).float()  # many ties
     labels = torch.randint(0, V, (N,))
     for k, p, mp in [(3, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.3), (5, 0.7, 0.1), (1, 1.0, 0.0)]:
@@ -97,11 +99,13 @@ def test_dtypes_and_sizes(backend, V, dtype):
         check_against_truth(logits.float(), labels, 0.9, 40, 0.9, 0.01, sampler, outs)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "cpp"])
 def test_flat_and_peaked_rows(backend):
     """Rows where top-p keeps most of a large vocabulary, and rows where it keeps one token: the
     band estimates of the CPU kernel miss on purpose in some of them (its exact fallback). Too
-    large for the Triton interpreter."""
+    large for the Triton interpreter; the eager backend (a sort and a cumulative sum, the same
+    code at any V) meets these rules in the cases above and at V = 32000 in
+    test_dtypes_and_sizes."""
     V = 20000
     flat = torch.randn(3, V) * 0.3
     peaked = torch.randn(3, V)

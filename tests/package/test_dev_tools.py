@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 
 from support import ROOT, TESTS
 
@@ -83,9 +82,16 @@ def test_pip_filter_shows_real_errors_and_keeps_pips_exit_status():
 
 def _pytest(folder, plugin, *args):
     """An inner pytest run of the test files in `folder` with one of the suite's plugins (and
-    none of its conftest)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, ROOT])}
+    none of its conftest). No other installed plugin is loaded (importing hypothesis and the
+    rest is most of an inner run's time), but pytest-xdist where `-n` asks for workers."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TESTS, ROOT]),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
     cmd = [sys.executable, "-m", "pytest", "-p", plugin, "-p", "no:cacheprovider"]
+    if "-n" in args:
+        cmd += ["-p", "xdist"]
     return subprocess.run(
         [*cmd, "--rootdir", str(folder), *args, str(folder)],
         capture_output=True,
@@ -293,8 +299,15 @@ def test_deadline_skips_the_tests_that_would_start_after_it(tmp_path, monkeypatc
                 pass
             """,
     )
-    monkeypatch.setenv("PPO_KERNELS_TEST_DEADLINE", str(time.time() + 1))
+    # the deadline 1 s after the inner run's start (its conftest, read before the plugin's
+    # configure), not this process's clock: the inner interpreter's start on a loaded machine
+    # took longer than that
+    conftest = tmp_path / "conftest.py"
+    conftest.write_text(
+        "import os, time\n\nos.environ['PPO_KERNELS_TEST_DEADLINE'] = str(time.time() + 1)\n"
+    )
     p = _pytest(tmp_path, "support.deadline", "-q", "-rs")
+    conftest.unlink()
     assert "1 passed, 2 skipped" in p.stdout, p.stdout
     assert "past PPO_KERNELS_TEST_DEADLINE" in p.stdout, p.stdout
     monkeypatch.setenv("PPO_KERNELS_TEST_DEADLINE", "soon")

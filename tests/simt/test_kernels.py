@@ -134,8 +134,10 @@ def test_token_logprobs_inplace(seed, dtype):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_token_logprobs_sampler(seed):
-    # every option, both samplers; ties, strided rows, grid-stride: tests/simt/test_sampler.py
-    simt_case(seed, torch.bfloat16, 4, 130, SIMT_SETTINGS)
+    # V under the block's thread count, half of the settings per seed (the emulator runs a
+    # checked row's block in about a second); every option and dtype, ties, strided rows,
+    # grid-stride: tests/simt/test_sampler.py
+    simt_case(seed, torch.bfloat16, 4, 130, SIMT_SETTINGS[seed % 2 :: 2])
 
 
 @pytest.mark.parametrize("seed", SEEDS)

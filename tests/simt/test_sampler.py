@@ -13,13 +13,22 @@ from support.utils import GRAD_TOL
 import ppo_kernels as pk
 
 pytestmark = MARKS
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sampler(seed, dtype):
-    simt_case(seed, dtype, 5, 300, SIMT_SETTINGS)
+# A dtype per case, the seeds in turn; float32 with every setting, the 16-bit dtypes (their
+# loads and gradient stores, the same in every setting) with half of them each: the emulator runs
+# a checked row's block in about a second.
+@pytest.mark.parametrize(
+    "dtype,seed,settings",
+    [
+        (torch.float32, SEEDS[0], SIMT_SETTINGS),
+        (torch.bfloat16, SEEDS[1], SIMT_SETTINGS[0::2]),
+        (torch.float16, SEEDS[0], SIMT_SETTINGS[1::2]),
+    ],
+    ids=["float32", "bfloat16", "float16"],
+)
+def test_sampler(dtype, seed, settings):
+    simt_case(seed, dtype, 4, 300, settings)  # (rows 1 and 2 checked, 0 and 3 ignored)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:1])  # (the emulator's serial tie scan: slow)
@@ -34,7 +43,7 @@ def test_sampler_ties_strided_grid_stride(seed):
         with emulated(seed, max_row_blocks=3, token_logprobs="cpp"):
             outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, stats_top_k=8)
         check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
-    simt_case(seed, torch.float32, 6, 70, SIMT_SETTINGS[:2], strided=True, max_row_blocks=2)
+    simt_case(seed, torch.float32, 5, 70, SIMT_SETTINGS[:2], strided=True, max_row_blocks=2)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
