@@ -1,17 +1,20 @@
-"""linear_preference_loss and linear_distill_loss under a rollout sampler's distribution on the GPU
-(per-row and per-token temperature tensors, top_k, top_p, min_p and a combination, vLLM's and
-SGLang's rules): every backend that runs there (cpp: cuBLAS + the CUDA sampler kernels; triton:
-cuBLAS + the Triton ones; eager) against the float64 references of the CPU sampler tests
-(support/sampler_losses.py, computed on the CPU from the same inputs): the loss, the metrics, the
-per-row and per-token outputs, `outside` / `num_outside` and the gradients of hidden, weight and
-bias, every output NaN-poisoned. Given reference log-probs and a reference head (its own kept set);
-one block and several (a pair longer than a block); float32 and bf16 (float32 tiles: bf16 ones
-round the logits, and ties at a cut become common); V=152064 (at H=1024: the sampler's work is
-over the vocabulary). Exact ties at a cut (vLLM and SGLang differ there) are the CPU tests'.
+"""linear_preference_loss, linear_distill_loss and linear_policy_loss under a rollout sampler's
+distribution on the GPU (per-row and per-token temperature tensors, top_k, top_p, min_p and a
+combination, vLLM's and SGLang's rules): every backend that runs there (cpp: cuBLAS + the CUDA
+sampler kernels; triton: cuBLAS + the Triton ones; eager) against the float64 references of the CPU
+sampler tests (support/sampler_losses.py, computed on the CPU from the same inputs): the loss, the
+metrics, the per-row and per-token outputs, `outside` / `num_outside` and the gradients of hidden,
+weight and bias, every output NaN-poisoned. Given reference log-probs and a reference head (its own
+kept set); policy loss types with sequence and row statistics and a KL term; the outside tokens
+masked out of the loss (no gradient) or kept (mask_outside=False); one block and several (a pair or
+a sequence longer than a block); float32 and bf16 (float32 tiles: bf16 ones round the logits, and
+ties at a cut become common); V=152064 (at H=1024: the sampler's work is over the vocabulary).
+Exact ties at a cut (vLLM and SGLang differ there) are the CPU tests'.
 
 The kept set is piecewise constant in the logits: a token whose set sits within float32 rounding of
 a boundary may fall either way on the GPU. Such tokens (support's firm_tokens) leave the mask of the
-op and of the reference alike; a case may drop only a few."""
+op and of the reference alike (the policy loss: they get the ignored label, as its per-token outputs
+cover the tokens outside the mask too); a case may drop only a few."""
 
 import pytest
 import torch
@@ -275,3 +278,131 @@ def test_distill_production_vocabulary(backend, h_, sampler):
     x = SL.distill_inputs(4, 16, h_, h_, 152064, dtype=torch.bfloat16, seed=3)
     _distill_check(x, backend, most=3, sampler=sampler, logits_dtype="float32",
                    divergence="jsd", **BIG(4))  # fmt: skip
+
+
+# ---- linear_policy_loss ----
+
+PB, PT, PH, PV = 4, 6, 40, 211
+# two rows per block (the tile and its gradient of 2 rows, plus the per-row buffers): a sequence
+# longer than a block
+PSMALL = 2 * 2 * (PV * 4 + PH * 4)
+POLICY_SETTINGS = SL.sampler_settings(PB, PT)
+
+
+def _policy_inputs(dtype=torch.float32, seed=0, **kw):
+    """Labels among each token's likeliest three (most stay in the kept set), the argmin ones."""
+    return SL.policy_inputs(PB, PT, PH, PV, dtype=dtype, seed=seed, top=3, **kw)
+
+
+def _policy_check(x, backend, most=1, **kw):
+    """The op on DEVICE against the float64 reference on the CPU (x: CPU tensors; the sampler's
+    tensors in kw too): loss, every statistic, the per-token log-probs, entropies and `outside`
+    flags, the gradients; returns the op's stats. A token whose kept set is not firm gets the
+    ignored label (its log-prob, entropy and flag no longer depend on that set)."""
+    z = ll_ref.logits(*(x[k].double() for k in ("h", "W", "b")))
+    firm = _firm(z, kw, kw.get("sampler", "vllm"))
+    valid = x["labels"] != -100
+    assert int((valid & ~firm).sum()) <= most, "tokens at a kept-set boundary: change the seed"
+    x = dict(x, labels=torch.where(firm, x["labels"], -100))
+    xd = _on(x, DEVICE)
+    h, W, b = [xd[k].detach().requires_grad_() for k in ("h", "W", "b")]
+    with use_backend(linear_policy_loss=backend), poisoned():
+        loss, st = pk.linear_policy_loss(
+            h, W, xd["labels"], xd["adv"], xd["old"], xd["mask"], bias=b, **_on(kw, DEVICE)
+        )
+        grads = torch.autograd.grad(loss, (h, W, b))
+    rloss, rstats, rgrads = SL.policy_reference(x, **kw)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    close(loss.detach().cpu(), rloss.detach(), **GEMM_TOL)
+    missing = sorted(set(st) - set(rstats))
+    assert not missing, missing
+    for k, v in st.items():
+        assert not v.requires_grad, k
+        if v.dtype == torch.bool:
+            assert torch.equal(v.cpu(), rstats[k].reshape(v.shape)), k
+        else:
+            close(v.cpu(), rstats[k].reshape(v.shape), **GEMM_TOL)
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert g.dtype == x["h"].dtype and torch.isfinite(g).all(), name
+        close_scaled(g.cpu(), r, **GEMM_GRAD_TOL[x["h"].dtype])
+    out = st["outside"].cpu()
+    assert not (out & (x["labels"] == -100)).any()
+    assert int(st["num_outside"]) == int((out & x["mask"]).sum())
+    assert torch.equal(torch.isneginf(st["logprobs"].cpu()), out)
+    if kw.get("mask_outside", True):  # outside the kept set: out of the loss, no gradient
+        live = x["mask"] & (x["labels"] != -100) & ~out
+        assert (grads[0].cpu()[~live] == 0).all()
+    return st
+
+
+@pytest.mark.parametrize(
+    "backend,setting,sampler,budget",
+    _cases(sorted(POLICY_SETTINGS), [None, PSMALL], [("per_token_temperature", "vllm", PSMALL)]),
+)  # fmt: skip
+def test_policy_matches_float64(backend, setting, sampler, budget):
+    """Each setting, both samplers, one block and several; an entropy bonus."""
+    require("linear_policy_loss", backend)
+    x = _policy_inputs()
+    st = _policy_check(x, backend, sampler=sampler, max_chunk_bytes=budget, entropy_coef=0.01,
+                       **POLICY_SETTINGS[setting])  # fmt: skip
+    if setting not in ("temperature_tensor_only", "topp"):
+        assert int(st["num_outside"]) > 0  # the argmin labels fall outside
+
+
+# (loss options, the sampler's setting): a clipped type with a KL term to given reference
+# log-probs and another aggregation, a sequence-level type (a ratio over the row), a row statistic
+# (per-row advantages)
+POLICY_TYPES = {
+    "ppo-k3-all": (
+        dict(loss_type="ppo", dual_clip=3.0, agg="seq-mean-token-mean", kl_coef=0.1,
+             kl_estimator="k3"), "all",
+    ),
+    "gspo-per_row": (dict(loss_type="gspo"), "per_row"),
+    "geo_mean-per_token_temperature": (dict(loss_type="geo_mean"), "per_token_temperature"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend,case,sampler,budget",
+    _cases(sorted(POLICY_TYPES), [None, PSMALL], []),
+)
+def test_policy_loss_types(backend, case, sampler, budget):
+    """Sequence and row statistics, a KL term: all on the tokens left in the mask."""
+    require("linear_policy_loss", backend)
+    kw, setting = POLICY_TYPES[case]
+    x = _policy_inputs(seed=1, per_row_adv=kw["loss_type"] == "geo_mean")
+    if "kl_coef" in kw:
+        kw = dict(kw, ref_logprobs=x["ref"])
+    _policy_check(x, backend, sampler=sampler, max_chunk_bytes=budget, entropy_coef=0.02, **kw,
+                  **POLICY_SETTINGS[setting])  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", GPU_TRITON)
+def test_policy_mask_outside_off(backend):
+    """mask_outside=False: the outside tokens stay in the loss with log-prob -inf (ppo's log-ratio
+    clamp keeps it finite), the gradients stay finite."""
+    require("linear_policy_loss", backend)
+    x = _policy_inputs()
+    st = _policy_check(x, backend, mask_outside=False, entropy_coef=0.01, max_chunk_bytes=PSMALL,
+                       **POLICY_SETTINGS["topk"])  # fmt: skip
+    assert int(st["num_outside"]) > 0
+
+
+@pytest.mark.parametrize("backend", GPU_TRITON)
+def test_policy_bf16(backend):
+    """bf16 heads with float32 tiles: the reference sees the same rounded inputs."""
+    require("linear_policy_loss", backend)
+    x = _policy_inputs(dtype=torch.bfloat16, seed=2)
+    _policy_check(x, backend, sampler="sglang", logits_dtype="float32", max_chunk_bytes=PSMALL * 2,
+                  entropy_coef=0.01, **POLICY_SETTINGS["per_row"])  # fmt: skip
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("h_", [big(1024)])
+def test_policy_production_vocabulary(backend, h_, sampler):
+    """V=152064 (H=1024), bf16, 4 sequences of 16 tokens, the default chunk budget, grpo."""
+    require("linear_policy_loss", backend)
+    x = SL.policy_inputs(4, 16, h_, 152064, dtype=torch.bfloat16, seed=3, top=3)
+    _policy_check(x, backend, most=3, sampler=sampler, logits_dtype="float32", loss_type="grpo",
+                  entropy_coef=0.01, **BIG(4))  # fmt: skip

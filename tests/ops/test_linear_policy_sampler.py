@@ -1,18 +1,20 @@
 """linear_policy_loss under a rollout sampler's distribution (temperature tensor, top-k, top-p,
 min-p, vLLM's / SGLang's rules) on every CPU backend, against the float64 reference: token_logprobs'
 eager sampler on the materialised logits feeding the policy loss's naive composition, with the
-labels outside the kept set masked out (linear_policy_loss/naive.py). Small sizes: the Triton
+labels outside the kept set masked out (linear_policy_loss/naive.py; inputs, settings and
+reference: support/sampler_losses.py, shared with the GPU tests). Small sizes: the Triton
 interpreter runs the sampler's search per element."""
 
 import pytest
 import torch
+from support import sampler_losses as SL
 from support.skips import requires_extension
 from support.utils import cpu_backends, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import use_backend
 from ppo_kernels.linear_logprobs import naive as ll_ref
-from ppo_kernels.linear_policy_loss import api, naive, op
+from ppo_kernels.linear_policy_loss import api, op
 
 BACKENDS = cpu_backends("linear_policy_loss")
 B, T, H, V = 3, 4, 8, 23
@@ -23,47 +25,10 @@ ops = torch.ops.ppo_kernels
 
 
 def _inputs(dtype=torch.float32, seed=0, per_row_adv=False):
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(B, T, H, generator=g) * 0.9).to(dtype)
-    W = (torch.randn(V, H, generator=g) * 0.7).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype)
-    labels = torch.randint(0, V, (B, T), generator=g)
-    labels[0, 1] = -100
-    z = ll_ref.logits(h.double(), W.double(), b.double())
-    # the least likely token of some rows: outside any truncation (rows 1, 2 in the mask)
-    labels[1, :2] = z[1, :2].argmin(-1)
-    labels[2, 3] = z[2, 3].argmin(-1)
-    with torch.no_grad():
-        lp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    lp = lp.clamp(min=-8.0)  # near the sampled distribution's log-probs: ratios near 1
-    old = (lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).float()
-    ref = (lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).float()
-    adv = torch.randn((B,) if per_row_adv else (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 3] = False
-    mask[2, 0] = False
-    return dict(h=h, W=W, b=b, labels=labels, adv=adv, old=old, ref=ref, mask=mask)
+    return SL.policy_inputs(B, T, H, V, dtype, seed, per_row_adv)
 
 
-def _settings():
-    g = torch.Generator().manual_seed(1)
-    return {
-        "topk": dict(temperature=0.8, top_k=5),
-        "topp": dict(temperature=1.2, top_p=0.7),
-        "minp": dict(min_p=0.1),
-        "all": dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05),
-        "per_row": dict(
-            temperature=torch.rand(B, generator=g) + 0.5,
-            top_k=torch.tensor([3, 0, 10]),
-            top_p=torch.tensor([[0.9, 1.0, 0.5, 0.8]] * B),
-            min_p=torch.tensor([0.0, 0.1, 0.02]),
-        ),
-        "per_token_temperature": dict(temperature=torch.rand(B, T, generator=g) + 0.5, top_p=0.8),
-        "temperature_tensor_only": dict(temperature=torch.rand(B, generator=g) + 0.5),
-    }
-
-
-SETTINGS = _settings()
+SETTINGS = SL.sampler_settings(B, T)
 
 
 def _run(x, leaves=None, **kw):
@@ -75,14 +40,7 @@ def _run(x, leaves=None, **kw):
     return loss, stats, grads
 
 
-def _reference(x, **kw):
-    h, W, b = [t.detach().double().requires_grad_() for t in (x["h"], x["W"], x["b"])]
-    call, pre, _ = api.arguments(h, W, x["labels"], x["adv"], x["old"], x["mask"], bias=b, **kw)
-    assert isinstance(call, op.SamplerCall)
-    call = call._replace(hidden=h.reshape(-1, H))
-    loss, stats = naive.linear_policy_loss(call, call.generator)
-    stats.update(pre)
-    return loss, stats, torch.autograd.grad(loss, (h, W, b))
+_reference = SL.policy_reference
 
 
 def _close(ours, ref, what, atol=2e-5, rtol=2e-5):

@@ -1,9 +1,10 @@
 """The fused losses from hidden states under a rollout sampler's distribution (temperature tensors,
 top_k / top_p / min_p, vLLM's / SGLang's rules): the inputs, the settings and the float64
 references shared by the CPU tests (tests/ops/test_linear_preference_sampler.py,
-tests/ops/test_linear_distill_sampler.py) and the GPU ones (tests/cuda/test_cuda_sampler_losses.py;
-tests/cuda/test_cuda_linear_preference_loss.py uses the preference reference too), and which tokens'
-kept sets a float32 GEMM's logits must reproduce (`firm_tokens`).
+tests/ops/test_linear_distill_sampler.py, tests/ops/test_linear_policy_sampler.py) and the GPU ones
+(tests/cuda/test_cuda_sampler_losses.py; tests/cuda/test_cuda_linear_preference_loss.py uses the
+preference reference too), and which tokens' kept sets a float32 GEMM's logits must reproduce
+(`firm_tokens`).
 
 Inputs are CPU tensors; the references run on the CPU. Sizes are arguments: the CPU tests' tiny
 heads and the GPU's larger ones come from the same builders (the weights scaled by 1/sqrt(H), so
@@ -14,6 +15,9 @@ import math
 import torch
 
 from ppo_kernels.linear_logprobs import naive as ll_ref
+from ppo_kernels.linear_policy_loss import api as policy_api
+from ppo_kernels.linear_policy_loss import naive as policy_naive
+from ppo_kernels.linear_policy_loss import op as policy_op
 from ppo_kernels.linear_preference_loss import api as pref_api
 from ppo_kernels.linear_preference_loss import naive as pref_naive
 from ppo_kernels.losses import distill_naive as DN
@@ -63,6 +67,15 @@ def firm_tokens(z, temperature=None, top_k=None, top_p=None, min_p=None, sampler
     return firm.view(shape)
 
 
+def _head(g, r, t, h_, v, dtype):
+    """hidden [r, t, h_], weight [v, h_] (scaled by 1/sqrt(h_): the logits' spread does not grow
+    with the width; 0.7 at the CPU tests' width 8), bias [v]."""
+    h = (torch.randn(r, t, h_, generator=g) * 0.9).to(dtype)
+    W = (torch.randn(v, h_, generator=g) * (0.7 * (8 / h_) ** 0.5)).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype)
+    return h, W, b
+
+
 # ---- linear_preference_loss ----
 
 
@@ -74,9 +87,7 @@ def preference_inputs(p, t, h_, v, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     R = 2 * p
     w_scale = (8 / h_) ** 0.5  # 1 at the CPU tests' width
-    h = (torch.randn(R, t, h_, generator=g) * 0.9).to(dtype)
-    W = (torch.randn(v, h_, generator=g) * (0.7 * w_scale)).to(dtype)
-    b = (torch.randn(v, generator=g) * 0.5).to(dtype)
+    h, W, b = _head(g, R, t, h_, v, dtype)
     rh = (h.double() + 0.3 * torch.randn(R, t, h_, generator=g, dtype=torch.float64)).to(dtype)
     noise = torch.randn(v, h_, generator=g, dtype=torch.float64)
     rW = (W.double() + (0.1 * w_scale) * noise).to(dtype)
@@ -146,6 +157,74 @@ def preference_reference(x, **kw):
     return loss, stats, rows, lp, torch.autograd.grad(loss, (h, W, b), allow_unused=True)
 
 
+# ---- linear_policy_loss ----
+
+
+def sampler_settings(B, T):
+    """The sampler's options by name, for B sequences of T tokens (the policy loss's settings, and
+    the distillation's with a divergence each): scalars, per-row tensors (k = 0 and p = 1 among
+    them: off on those rows) with a per-token top_p, per-token temperatures."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "topk": dict(temperature=0.8, top_k=5),
+        "topp": dict(temperature=1.2, top_p=0.7),
+        "minp": dict(min_p=0.1),
+        "all": dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05),
+        "per_row": dict(
+            temperature=torch.rand(B, generator=g) + 0.5,
+            top_k=cycle([3, 0, 10], B),
+            top_p=cycle([0.9, 1.0, 0.5, 0.8], T).expand(B, T).clone(),  # per token
+            min_p=cycle([0.0, 0.1, 0.02], B),
+        ),
+        "per_token_temperature": dict(temperature=torch.rand(B, T, generator=g) + 0.5, top_p=0.8),
+        "temperature_tensor_only": dict(temperature=torch.rand(B, generator=g) + 0.5),
+    }
+
+
+def policy_inputs(b_, t, h_, v, dtype=torch.float32, seed=0, per_row_adv=False, top=None):
+    """b_ sequences of t tokens (b_ >= 3, t >= 4): labels at random (top=n: among each token's n
+    likeliest, so that most stay in a truncation of a large vocabulary), the least likely token at
+    [1, :2] and [2, 3] (outside any truncation), an ignored label, two masked tokens, old and
+    reference log-probs near the untruncated policy's, advantages per token (per row:
+    per_row_adv)."""
+    g = torch.Generator().manual_seed(seed)
+    h, W, b = _head(g, b_, t, h_, v, dtype)
+    z = ll_ref.logits(h.double(), W.double(), b.double())
+    if top is None:
+        labels = torch.randint(0, v, (b_, t), generator=g)
+    else:
+        pick = torch.randint(0, top, (b_, t, 1), generator=g)
+        labels = z.topk(top, -1).indices.gather(-1, pick).squeeze(-1)
+    labels[0, 1] = -100
+    labels[1, :2] = z[1, :2].argmin(-1)
+    labels[2, 3] = z[2, 3].argmin(-1)
+    with torch.no_grad():
+        lp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    lp = lp.clamp(min=-8.0)  # ratios near 1
+    old = (lp + torch.randn(b_, t, generator=g, dtype=torch.float64) * 0.3).float()
+    ref = (lp + torch.randn(b_, t, generator=g, dtype=torch.float64) * 0.3).float()
+    adv = torch.randn((b_,) if per_row_adv else (b_, t), generator=g)
+    mask = torch.ones(b_, t, dtype=torch.bool)
+    mask[0, 3] = False
+    mask[2, 0] = False
+    return dict(h=h, W=W, b=b, labels=labels, adv=adv, old=old, ref=ref, mask=mask)
+
+
+def policy_reference(x, **kw):
+    """(loss, stats, grads of h / W / b) of the float64 reference (linear_policy_loss/naive.py:
+    token_logprobs' sampler on the materialised logits, the labels outside the kept set masked
+    out) on the call's arguments (CPU tensors)."""
+    h, W, b = [x[k].detach().double().requires_grad_() for k in ("h", "W", "b")]
+    call, pre, _ = policy_api.arguments(
+        h, W, x["labels"], x["adv"], x["old"], x["mask"], bias=b, **kw
+    )
+    assert isinstance(call, policy_op.SamplerCall)
+    call = call._replace(hidden=h.reshape(-1, h.shape[-1]))
+    loss, stats = policy_naive.linear_policy_loss(call, call.generator)
+    stats.update(pre)
+    return loss, stats, torch.autograd.grad(loss, (h, W, b))
+
+
 # ---- linear_distill_loss ----
 
 
@@ -154,9 +233,7 @@ def distill_inputs(b_, t, h_, ht, v, dtype=torch.float32, seed=0):
     labels, the least likely token at [1, :2] and [2, 3] (outside any truncation), an ignored
     label, two masked tokens."""
     g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(b_, t, h_, generator=g) * 0.9).to(dtype)
-    W = (torch.randn(v, h_, generator=g) * (0.7 * (8 / h_) ** 0.5)).to(dtype)
-    b = (torch.randn(v, generator=g) * 0.5).to(dtype)
+    h, W, b = _head(g, b_, t, h_, v, dtype)
     th = (torch.randn(b_, t, ht, generator=g) * 0.9).to(dtype)
     tW = (torch.randn(v, ht, generator=g) * (0.7 * (6 / ht) ** 0.5)).to(dtype)
     labels = torch.randint(0, v, (b_, t), generator=g)
@@ -170,30 +247,22 @@ def distill_inputs(b_, t, h_, ht, v, dtype=torch.float32, seed=0):
     return dict(h=h, W=W, b=b, th=th, tW=tW, labels=labels, mask=mask)
 
 
+# forward_kl only without truncation (it is infinite otherwise)
+DIVERGENCES = {
+    "topk": dict(divergence="reverse_kl"),
+    "topp": dict(divergence="tv"),
+    "minp": dict(divergence="jsd", beta=0.3),
+    "all": dict(divergence="jsd"),
+    "per_row": dict(divergence="jsd", beta=1.0),
+    "per_token_temperature": dict(divergence="tv"),
+    "temperature_tensor_only": dict(divergence="forward_kl"),
+}
+
+
 def distill_settings(B, T):
     """The sampler's options (the student's distribution) and a divergence each, by name, for B
-    sequences of T tokens; forward_kl only without truncation (it is infinite otherwise)."""
-    g = torch.Generator().manual_seed(1)
-    return {
-        "topk": dict(temperature=0.8, top_k=5, divergence="reverse_kl"),
-        "topp": dict(temperature=1.2, top_p=0.7, divergence="tv"),
-        "minp": dict(min_p=0.1, divergence="jsd", beta=0.3),
-        "all": dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, divergence="jsd"),
-        "per_row": dict(
-            temperature=torch.rand(B, generator=g) + 0.5,
-            top_k=cycle([3, 0, 10], B),
-            top_p=cycle([0.9, 1.0, 0.5, 0.8], T).expand(B, T).clone(),  # per token
-            min_p=cycle([0.0, 0.1, 0.02], B),
-            divergence="jsd",
-            beta=1.0,
-        ),
-        "per_token_temperature": dict(
-            temperature=torch.rand(B, T, generator=g) + 0.5, top_p=0.8, divergence="tv"
-        ),
-        "temperature_tensor_only": dict(
-            temperature=torch.rand(B, generator=g) + 0.5, divergence="forward_kl"
-        ),
-    }
+    sequences of T tokens."""
+    return {k: dict(v, **DIVERGENCES[k]) for k, v in sampler_settings(B, T).items()}
 
 
 def distill_reference(x, temperature=1.0, top_k=None, top_p=None, min_p=None, sampler="vllm",
