@@ -857,90 +857,56 @@ inline int64_t for_each_vec(const scalar_t* row, int64_t V, F&& f) {
   return j;
 }
 
-// Estimates of top-p's cut from a sample of the row (1024 evenly spaced tokens, whose masses
-// times V / n estimate the row's, relative to the max token) on a grid of 256 steps over [lo, 0]:
-// the mass below each point, with a standard error (the root of the sum of the squared sampled
-// masses: a bulk of many similar tokens is estimated well, a few heavy ones poorly). lo: the
-// highest point where the mass below stays under `target` by four standard errors (else lo as
-// given); hi (with_hi): the lowest where it exceeds `target` by four (else 0). Estimates, which
-// top_p_hist checks.
-struct MassBounds {
-  float lo, hi;
-};
-
+// The highest nd (at least lo) below which a sample of the row (1024 evenly spaced tokens) puts
+// less than `budget` of mass (relative to the max token; the sampled masses times V / n), on a grid
+// of 256 steps over [lo, 0]: an estimate, which top_p_hist checks.
 template <typename scalar_t>
-MassBounds sampled_mass_bounds(const scalar_t* row, int64_t V, float inv_t, float m, float lo,
-                               float target, bool with_hi) {
+float sampled_mass_bound(const scalar_t* row, int64_t V, float inv_t, float m, float lo,
+                         float budget) {
   constexpr int64_t kSteps = 256, kSample = 1024;
-  MassBounds r{lo, 0.f};
-  if (!(lo > -INFINITY) || !(lo < 0.f)) return r;
+  if (!(lo > -INFINITY) || !(lo < 0.f)) return lo;
   const bool scale = inv_t_scales(inv_t);
   const int64_t n = std::min(V, kSample);
   const float w = -lo / kSteps, wt = static_cast<float>(V) / static_cast<float>(n);
-  float h[kSteps + 1] = {}, h2[kSteps + 1] = {};  // [kSteps]: below lo
+  float h[kSteps + 1] = {};  // h[kSteps]: below lo
   for (int64_t i = 0; i < n; ++i) {
     const float nd = nd_of(static_cast<float>(row[n == V ? i : (i * V) / n]), inv_t, m, scale);
     const float f = -nd / w;
-    const int64_t b = f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps;
-    const float e = std::exp(nd) * wt;
-    h[b] += e;
-    h2[b] += e * e;
+    h[f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps] += std::exp(nd) * wt;
   }
-  // walking up the grid: acc is the mass below the lower edge -(b + 1) w of step b
-  float acc = h[kSteps], acc2 = h2[kSteps];
-  bool lo_open = true;
-  for (int64_t b = kSteps - 1; b >= -1; --b) {
-    const float at = -static_cast<float>(b + 1) * w, se = 4.f * std::sqrt(acc2);
-    if (lo_open && acc + se < target) {
-      r.lo = std::max(lo, at);
-    } else {
-      lo_open = false;
-    }
-    if (!with_hi && !lo_open) break;
-    if (with_hi && acc - se > target) {
-      r.hi = at;
-      break;
-    }
-    if (b >= 0) {
-      acc += h[b];
-      acc2 += h2[b];
-    }
+  float acc = h[kSteps];
+  for (int64_t b = kSteps - 1; b >= 0; --b) {
+    acc += h[b];
+    if (acc > budget) return std::max(lo, -static_cast<float>(b + 1) * w);
   }
-  if (!(r.hi > r.lo)) r.hi = 0.f;
-  return r;
+  return 0.f;
 }
 
-enum class HistResult { kOk, kHiMissed, kLoMissed };
-
 template <typename scalar_t>
-HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m,
-                      float full_mass, float lo, float hi, SamplerWorkspace& ws,
-                      WalkResult<float>& w) {
+bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
+                float lo, SamplerWorkspace& ws, WalkResult<float>& w) {
   const bool scale = inv_t_scales(a.inv_t);
   const float inv_t = a.inv_t;
   const bool minp_ref = !a.sglang && min_p_on(a.min_p);  // tau from what min-p keeps
   const float minp = min_p_bound(a.min_p);
-  if (!(lo > -INFINITY) || (minp_ref && lo < minp)) return HistResult::kLoMissed;
-  if (minp_ref || !(hi > lo)) hi = 0.f;
+  if (!(lo > -INFINITY) || (minp_ref && lo < minp)) return false;
   const int64_t NB = kHistBuckets;
-  // bucket = trunc(clamp((hi - nd) * bscale, 0, NB - 1)): non-increasing in nd, hence in x
-  const float bscale = lo < hi ? static_cast<float>(NB - 1) / (hi - lo) : 0.f;
+  // bucket = trunc(clamp(-nd * bscale, 0, NB - 1)): non-increasing in nd, hence in x
+  const float bscale = lo < 0.f ? static_cast<float>(NB - 1) / -lo : 0.f;
   const auto bucket_of = [&](float nd) {
     return static_cast<int64_t>(
-        std::max(std::min((hi - nd) * bscale, static_cast<float>(NB - 1)), 0.f));
+        std::max(std::min((0.f - nd) * bscale, static_cast<float>(NB - 1)), 0.f));
   };
-  const Vec vt(inv_t), vm(m), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f), vhi(hi);
+  const Vec vt(inv_t), vm(m), vbs(bscale), vtop(static_cast<float>(NB - 1)), vzero(0.f);
   // (a candidate's value is never NaN: plain min / max, which the scalar std::min / max match)
   const auto vbucket = [&](Vec nd) {
 #if defined(CPU_CAPABILITY_AVX2)
-    return Vec(_mm256_max_ps(_mm256_min_ps((vhi - nd) * vbs, vtop), vzero));
+    return Vec(_mm256_max_ps(_mm256_min_ps((vzero - nd) * vbs, vtop), vzero));
 #else
-    return at::vec::maximum(at::vec::minimum((vhi - nd) * vbs, vtop), vzero);
+    return at::vec::maximum(at::vec::minimum((vzero - nd) * vbs, vtop), vzero);
 #endif
   };
   const float xlo = x_threshold(lo, false, inv_t, m);  // candidates: x >= xlo
-  // above hi (kept for sure): summed in vectors, not bucketed; none when hi = 0
-  const float xhi = hi < 0.f ? x_threshold(hi, true, inv_t, m) : INFINITY;
   const float xf = minp_ref ? x_threshold(minp, false, inv_t, m) : INFINITY;
   const float xany = std::min(xlo, xf);
   const float* E = ws.mass.data();
@@ -955,9 +921,8 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
   ws.hu.assign(need_u ? NB : 0, 0.f);
   ws.he2.assign(need_e2 ? NB : 0, 0.f);
   float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
-  const Vec vxlo(xlo), vxf(xf), vxhi(xhi);
-  Vec sref(0.f);                   // the mass min-p keeps (minp_ref)
-  Vec sa(0.f), ua(0.f), e2a(0.f);  // the sums above hi
+  const Vec vxlo(xlo), vxf(xf);
+  Vec sref(0.f);  // the mass min-p keeps (minp_ref)
   // the candidates' (bucket, mass, nd), compacted vector by vector without a branch on how many
   // of its lanes are candidates (data-dependent: a mispredicted branch costs more than the
   // vector's work), then added to their buckets chunk by chunk
@@ -978,35 +943,19 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
     const Vec nd = nd_of(x, vt, vm, scale);
     const Vec e = Vec::loadu(E + j0) * Vec(cb[j0 / kBlock]);
     if (minp_ref) sref = sref + (e & (x >= vxf));
-    // (no branch on whether a lane is above hi: on a flat row that is a coin toss per vector)
-    const Vec up = x >= vxhi;
-    sa = sa + (e & up);
-    if (need_u) ua = ua + ((e * nd) & up);
-    if (need_e2) e2a = e2a + ((e * e) & up);
-    const int in = mask_bits((x >= vxlo) & (x < vxhi));
-    nc += compress_store(vbucket(nd), e, nd, in, cbk + nc, cev + nc, cnd + nc);
+    nc += compress_store(vbucket(nd), e, nd, mask_bits(x >= vxlo), cbk + nc, cev + nc, cnd + nc);
     if (nc >= kChunk) flush();
   });
   flush();
-  const auto vsum = [](Vec v) {
-    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
-  };
-  float ref = minp_ref ? vsum(sref) : full_mass;
-  MassSums<float> above;
-  above.s = vsum(sa);
-  above.u = vsum(ua);
-  above.e2 = vsum(e2a);
+  float ref = minp_ref ? at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, sref)
+                       : full_mass;
   for (int64_t j = jv; j < V; ++j) {
     const float x = static_cast<float>(row[j]);
     if (!(x >= xany)) continue;
     const float nd = nd_of(x, inv_t, m, scale);
     const float e = E[j] * cb[j / kBlock];
     if (minp_ref && x >= xf) ref += e;
-    if (x >= xhi) {
-      above.s += e;
-      above.u += e * nd;
-      above.e2 += e * e;
-    } else if (x >= xlo) {
+    if (x >= xlo) {
       const int64_t b = bucket_of(nd);
       hs[b] += e;
       if (need_u) hu[b] += e * nd;
@@ -1017,10 +966,8 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
   // value is below tau (the bucket where the mass reaches tau); SGLang while the mass before it
   // is at most tau (the bucket where it exceeds tau)
   const float tau = a.top_p * ref;
-  if (!(tau > 0.f)) return HistResult::kLoMissed;
-  // every token above hi is kept only if their mass stays below tau (vLLM: strictly)
-  if (a.sglang ? above.s > tau : !(above.s < tau)) return HistResult::kHiMissed;
-  float acc = above.s;
+  if (!(tau > 0.f)) return false;
+  float acc = 0.f;
   int64_t bstar = -1;
   for (int64_t b = 0; b < NB; ++b) {
     if (a.sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
@@ -1029,7 +976,7 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
     }
     acc += hs[b];
   }
-  if (bstar < 0) return HistResult::kLoMissed;  // the boundary lies below lo
+  if (bstar < 0) return false;  // the boundary lies below lo
   // C: bstar's tokens collected, those of the buckets above it summed from the buckets. bstar's
   // logits are [xc, xa): the bucket is monotone in x, so each bound is a binary search over the
   // floats' keys (as x_threshold's) on the same expression
@@ -1063,7 +1010,7 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
     return value_of(khi);
   };
   const float xc = smallest_with_bucket_at_most(bstar);
-  const float xa = std::min(xhi, smallest_with_bucket_at_most(bstar - 1));
+  const float xa = smallest_with_bucket_at_most(bstar - 1);
   std::vector<BandItem<float>>& items = ws.band;
   items.clear();
   const Vec vxc(xc), vxa(xa);
@@ -1088,8 +1035,6 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
   }
   MassSums<float> k;
   k.s = acc;
-  k.u = above.u;
-  k.e2 = above.e2;
   for (int64_t b = 0; b < bstar; ++b) {
     if (need_u) k.u += hu[b];
     if (need_e2) k.e2 += he2[b];
@@ -1116,13 +1061,13 @@ HistResult top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, f
       i = e;
     }
   }
-  if (last < 0) return HistResult::kLoMissed;
+  if (last < 0) return false;
   w.cut = items[last].x;
   w.cut_index = V - 1;
   if (a.sglang && last + 1 < n && items[last + 1].x == w.cut) w.cut_index = items[last].j;
   for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
   w.kept = k;
-  return HistResult::kOk;
+  return true;
 }
 
 // The rare slow path of a row whose scaled logits overflow float32 (x = 3e38 at temperature
@@ -1252,23 +1197,9 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
         std::max(minp, std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V)));
     // first a higher bound from a sample of the row (the bulk, below the cut, is what a uniform
     // sample estimates well): fewer tokens to bucket, and most vectors skipped on peaked rows
-    // the tokens below hold (1 - p) of it around the cut: the sample's bounds on where, lo below
-    // and (without min-p, whose reference mass the pass computes) hi above, each checked: a missed
-    // one is replaced by its sure bound (lo as above, hi = 0) and the pass runs again
-    const MassBounds est =
-        sampled_mass_bounds(row, V, inv_t, m, lo, (1.f - a.top_p) * ref, !min_p_on(a.min_p));
-    float lo_try = est.lo, hi_try = est.hi;
-    for (int tries = 0; tries < 3 && !ok; ++tries) {
-      const HistResult r = top_p_hist(row, V, a, m, st.s, lo_try, hi_try, ws, w);
-      ok = r == HistResult::kOk;
-      if (r == HistResult::kHiMissed && hi_try < 0.f) {
-        hi_try = 0.f;
-      } else if (r == HistResult::kLoMissed && lo_try > lo) {
-        lo_try = lo;
-      } else {
-        break;
-      }
-    }
+    const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
+    if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
+    if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
   }
   if (ids_only) {  // the collected band holds the k largest (and their ties)
     top.trim();
