@@ -77,6 +77,25 @@ SMALL = 2 * 2 * (V * 4 + H * 4)
 PREF_SETTINGS = SL.preference_settings(R, T)
 
 
+def _close_stats(st, rstats, keys):
+    """The op's statistics `keys` (detached) against the reference's: flags equal, values close."""
+    for k in keys:
+        v = st[k]
+        assert not v.requires_grad, k
+        if v.dtype == torch.bool:
+            assert torch.equal(v.cpu(), rstats[k].reshape(v.shape)), k
+        else:
+            close(v.cpu(), rstats[k].reshape(v.shape), **GEMM_TOL)
+
+
+def _close_grads(grads, rgrads, dtype):
+    """The hidden, weight and bias gradients (in the inputs' dtype, finite) against the
+    reference's, scaled to its largest."""
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        close_scaled(g.cpu(), r, **GEMM_GRAD_TOL[dtype])
+
+
 def _pref_check(x, backend, ref="given", most=1, **kw):
     """The op on DEVICE against the float64 reference on the CPU (x: CPU tensors; the sampler's
     tensors in kw too); returns the op's stats."""
@@ -99,18 +118,11 @@ def _pref_check(x, backend, ref="given", most=1, **kw):
     )
     assert loss.dtype == torch.float32 and loss.dim() == 0
     close(loss.detach().cpu(), rloss.detach(), **GEMM_TOL)
-    for k, v in rstats.items():
-        assert not st[k].requires_grad, k
-        if v.dtype == torch.bool:
-            assert torch.equal(st[k].cpu(), v.reshape(st[k].shape)), k
-        else:
-            close(st[k].cpu(), v, **GEMM_TOL)
+    _close_stats(st, rstats, rstats)
     for k in ("logps", "rewards", "ref_logps"):
         close(st[k].cpu(), rrows[k], **GEMM_TOL)
     close(st["token_logprobs"].cpu(), rlp, **GEMM_TOL)
-    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
-        assert g.dtype == x["h"].dtype and torch.isfinite(g).all(), name
-        close_scaled(g.cpu(), r, **GEMM_GRAD_TOL[x["h"].dtype])
+    _close_grads(grads, rgrads, x["h"].dtype)
     out = st["outside"].cpu()
     assert int(st["num_outside"]) == int(out.sum()) and not (out & ~x["mask"]).any()
     neg = torch.isneginf(st["token_logprobs"].cpu())  # outside the policy's kept set
@@ -230,15 +242,8 @@ def _distill_check(x, backend, most=1, **kw):
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     close(loss.detach().cpu(), rloss.detach(), **GEMM_TOL)
     assert sorted(st) == sorted(rstats)
-    for k, v in st.items():
-        assert not v.requires_grad, k
-        if v.dtype == torch.bool:
-            assert torch.equal(v.cpu(), rstats[k].reshape(v.shape)), k
-        else:
-            close(v.cpu(), rstats[k].reshape(v.shape), **GEMM_TOL)
-    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
-        assert g.dtype == x["h"].dtype and torch.isfinite(g).all(), name
-        close_scaled(g.cpu(), r, **GEMM_GRAD_TOL[x["h"].dtype])
+    _close_stats(st, rstats, st)
+    _close_grads(grads, rgrads, x["h"].dtype)
     out = st["outside"].cpu()
     assert int(st["num_outside"]) == int(out.sum()) and not (out & ~x["mask"]).any()
     assert torch.isneginf(st["sampled_reverse_kl"].cpu()[out]).all()
@@ -316,15 +321,8 @@ def _policy_check(x, backend, most=1, **kw):
     close(loss.detach().cpu(), rloss.detach(), **GEMM_TOL)
     missing = sorted(set(st) - set(rstats))
     assert not missing, missing
-    for k, v in st.items():
-        assert not v.requires_grad, k
-        if v.dtype == torch.bool:
-            assert torch.equal(v.cpu(), rstats[k].reshape(v.shape)), k
-        else:
-            close(v.cpu(), rstats[k].reshape(v.shape), **GEMM_TOL)
-    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
-        assert g.dtype == x["h"].dtype and torch.isfinite(g).all(), name
-        close_scaled(g.cpu(), r, **GEMM_GRAD_TOL[x["h"].dtype])
+    _close_stats(st, rstats, st)
+    _close_grads(grads, rgrads, x["h"].dtype)
     out = st["outside"].cpu()
     assert not (out & (x["labels"] == -100)).any()
     assert int(st["num_outside"]) == int((out & x["mask"]).sum())
