@@ -8,13 +8,14 @@ import math
 
 import pytest
 import torch
+from support import sampler_losses as SL
 from support.skips import NO_EXTENSION
 from support.utils import cpu_backends, peak_extra_bytes, poisoned
 
 import ppo_kernels as pk
 from ppo_kernels import _backend, batch_invariant, use_backend
 from ppo_kernels.fused_linear import engine
-from ppo_kernels.linear_preference_loss import api, head, naive, op
+from ppo_kernels.linear_preference_loss import api, head, op
 from ppo_kernels.losses import preference_math as prm
 
 BACKENDS = cpu_backends("linear_preference_loss")
@@ -65,27 +66,8 @@ def _run(x, **kw):
     return loss, stats, grads
 
 
-def _reference(x, **kw):
-    """(loss, stats, rows, token lp, grads) of the float64 reference on the same call."""
-    call, _ = api.arguments(x["h"], x["W"], x["labels"], x["mask"], bias=x["b"], **kw)
-    # input-dtype tiles: the reference rounds its logits to the input dtype as they are
-    keep = call.logits_dtype == "input" and x["h"].dtype in (torch.bfloat16, torch.float16)
-    up = (lambda t: t) if keep else (lambda t: t.double())  # noqa: E731
-    leaves = [None if t is None else up(t.detach()).requires_grad_() for t in (x["h"], x["W"], x["b"])]  # fmt: skip
-    h, W, b = leaves
-
-    def d(t):
-        return None if t is None else up(t)
-
-    call = call._replace(
-        hidden=h.reshape(-1, h.shape[-1]), weight=W, bias=b, ref_hidden=d(call.ref_hidden),
-        ref_weight=d(call.ref_weight),
-        ref_logps=None if call.ref_logps is None else call.ref_logps.double(),
-        reference_point=None if call.reference_point is None else call.reference_point.double(),
-    )  # fmt: skip
-    loss, stats, rows, lp = naive.linear_preference_loss(call)
-    grads = torch.autograd.grad(loss, [t for t in leaves if t is not None])
-    return loss, stats, rows, lp, grads
+# (loss, stats, rows, token lp, grads) of the float64 reference on the same call
+_reference = SL.preference_reference
 
 
 def _close_scaled(a, b, rel, name):

@@ -136,17 +136,21 @@ def preference_ref_kw(x, ref):
 
 
 def preference_reference(x, **kw):
-    """(loss, stats, rows, token log-probs, grads of h / W / b) of the float64 reference
-    (linear_preference_loss/naive.py) on the call's arguments (CPU tensors); input-dtype tiles of
-    a bf16 / fp16 head: the reference rounds its logits as they are."""
+    """(loss, stats, rows, token log-probs, grads of h / W / b -- the bias's where x["b"] is not
+    None) of the float64 reference (linear_preference_loss/naive.py) on the call's arguments (CPU
+    tensors); input-dtype tiles of a bf16 / fp16 head: the reference rounds its logits as they
+    are."""
     call, _ = pref_api.arguments(x["h"], x["W"], x["labels"], x["mask"], bias=x["b"], **kw)
     keep = call.logits_dtype == "input" and x["h"].dtype in (torch.bfloat16, torch.float16)
     up = (lambda t: t) if keep else (lambda t: t.double())  # noqa: E731
-    h, W, b = [up(x[k].detach()).requires_grad_() for k in ("h", "W", "b")]
 
     def d(t):
         return None if t is None else up(t)
 
+    leaves = [
+        d(x[k].detach()).requires_grad_() if x[k] is not None else None for k in ("h", "W", "b")
+    ]
+    h, W, b = leaves
     call = call._replace(
         hidden=h.reshape(-1, h.shape[-1]), weight=W, bias=b, ref_hidden=d(call.ref_hidden),
         ref_weight=d(call.ref_weight),
@@ -154,7 +158,8 @@ def preference_reference(x, **kw):
         reference_point=None if call.reference_point is None else call.reference_point.double(),
     )  # fmt: skip
     loss, stats, rows, lp = pref_naive.linear_preference_loss(call)
-    return loss, stats, rows, lp, torch.autograd.grad(loss, (h, W, b), allow_unused=True)
+    grads = torch.autograd.grad(loss, [t for t in leaves if t is not None], allow_unused=True)
+    return loss, stats, rows, lp, grads
 
 
 # ---- linear_policy_loss ----
