@@ -15,6 +15,10 @@
 // The bounds are estimates, each checked exactly in step 4 (the k-th token and the mass crossing
 // must lie in the band); when one does not hold, step 3 runs again with the bounds that always
 // hold (theta_hi = +inf, theta_lo = the min-p bound or -inf). The result is exact either way.
+// Top-k up to kCollectTopK (with or without the other truncations) and the top ids skip steps 2, 3:
+// every token they keep lies among the k largest, which the statistics pass collects (the tokens
+// at or above a sure bound on the k-th largest, raised as it reads the row: TopCollector), and the
+// walk of step 4 runs over them.
 // Top-p without top-k or the top ids (the costly case: its cut may keep a large part of a flat row)
 // takes a histogram path instead, top_p_hist: the statistics pass keeps each token's mass, one more
 // pass buckets the masses by nd, and only the bucket where the mass crosses top-p's target is
@@ -302,6 +306,10 @@ struct TopCollector {
     limit = std::max(limit, 2 * band.size());
   }
 };
+
+// The largest top-k whose kept set the collector finds (its starting bound is the k-th largest
+// of the row's first 256 tokens; a larger k takes the sample's band pass).
+constexpr int64_t kCollectTopK = 256;
 
 // keep (V floats, when given): left holding exp(z_j - m_b) for each block b, whose max m_b goes to
 // mb[b] (as row_logprob<true>'s), for top_p_hist. top (when given): the top ids' candidates, read
@@ -1113,23 +1121,25 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     ws.mass.resize(V);
     ws.mass_mb.resize((V + kBlock - 1) / kBlock);
   }
-  // the top ids without a truncation: the statistics pass also collects the tokens at or above a
-  // sure bound on the k-th largest logit (a sample's k-th largest), so no second pass reads the row
-  const bool ids_only = !trunc && a.stats_top_k > 0;
-  TopCollector top{ws.band, INFINITY, inv_t, a.stats_top_k,
-                   static_cast<size_t>(std::max<int64_t>(64, 4 * a.stats_top_k))};
-  if (ids_only) {
+  // The top ids, and a truncation with top-k (k <= kCollectTopK): every token it keeps, and every
+  // top id, is among the kc largest. The statistics pass also collects the tokens at or above a
+  // sure bound on the kc-th largest logit, so no second pass reads the row.
+  const bool k_bounded = top_k_on(a.top_k, V) && a.top_k <= kCollectTopK;
+  const bool collect = k_bounded || (!trunc && a.stats_top_k > 0);
+  const int64_t kc = k_bounded ? std::max(a.top_k, a.stats_top_k) : a.stats_top_k;
+  TopCollector top{ws.band, INFINITY, inv_t, kc,
+                   static_cast<size_t>(std::max<int64_t>(64, 4 * kc))};
+  if (collect) {
     ws.band.clear();
-    // the row's first 256 tokens: the bound only has to be sure (the k-th largest of any part of
+    // the row's first 256 tokens: the bound only has to be sure (the kc-th largest of any part of
     // the row is), the pass raises it; read where the pass starts, not one cache miss per token
-    // scattered over the row (k <= 64 <= 256)
-    top.zb = scaled(
-        sampled_kth_largest(row, std::min<int64_t>(V, 256), a.stats_top_k, 256, ws.sample_nd),
-        inv_t);
+    // scattered over the row (kc <= 256)
+    top.zb =
+        scaled(sampled_kth_largest(row, std::min<int64_t>(V, 256), kc, 256, ws.sample_nd), inv_t);
   }
   const RowStatsExt rs = row_stats_ext(
       row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,
-      p_hist ? ws.mass_mb.data() : nullptr, ids_only ? &top : nullptr);
+      p_hist ? ws.mass_mb.data() : nullptr, collect ? &top : nullptr);
   const SoftmaxStats& st = rs.st;
   const float xl = static_cast<float>(row[label]);
   o.full_lse = stats_lse(st);
@@ -1201,17 +1211,21 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
     if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
   }
-  if (ids_only) {  // the collected band holds the k largest (and their ties)
+  if (collect) {  // the collected band holds the kc largest (and their ties)
     top.trim();
     const bool scale = inv_t_scales(inv_t);
+    float lo = INFINITY;  // the band's lower bound: it holds every token with a larger logit
     for (BandItem<float>& it : ws.band) {
       it.nd = nd_of(it.x, inv_t, m, scale);
       it.e = std::exp(it.nd);
+      lo = std::min(lo, it.nd);
     }
     ws.ranked.build(ws.band);
-    ok = ws.ranked.size() >= a.stats_top_k;
+    ok = ws.ranked.size() >= kc;
     w.cut = -INFINITY;
     w.cut_index = V - 1;
+    // top-k's k-th token lies in the band, so every boundary does (walk_band checks it)
+    if (ok && trunc) ok = walk_band<float>(ws.ranked, {}, {}, false, st.s, V, a, lo, w);
   }
   // else (and where the histogram's bound did not hold): bounds from a sample of the row, tried in
   // turn: the estimates; for top-p without top-k its sure lower bound; then the bounds that always

@@ -53,8 +53,9 @@ Vec vlog(const Vec& x) {
   const __m256 lm = _mm256_fmadd_ps(_mm256_mul_ps(c, z), s, _mm256_add_ps(s, s));
   // k ln 2 in two parts: the low one keeps k ln 2's rounding below half an ulp of the result
   const __m256 fk = _mm256_cvtepi32_ps(k);
-  const __m256 r = _mm256_fmadd_ps(fk, _mm256_set1_ps(0.693145751953125f),
-                                   _mm256_fmadd_ps(fk, _mm256_set1_ps(1.4286068202862268e-06f), lm));
+  const __m256 r =
+      _mm256_fmadd_ps(fk, _mm256_set1_ps(0.693145751953125f),
+                      _mm256_fmadd_ps(fk, _mm256_set1_ps(1.4286068202862268e-06f), lm));
   return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
 #else
   return x.log();

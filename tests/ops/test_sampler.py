@@ -120,6 +120,29 @@ def test_flat_and_peaked_rows(backend):
             check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
 
 
+@pytest.mark.parametrize("k", [1, 50, 256, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_from_the_statistics_pass(k, dtype):
+    """The CPU kernel finds a top-k of at most 256 among the tokens its statistics pass collects
+    (those at or above a bound on the k-th largest, raised as the pass reads the row); 257 takes
+    the band pass. Rows whose every token raises the bound (ascending), whose first tokens are the
+    top k (descending), with ties at the k-th value spread over every block (kept whole by vLLM,
+    by id by SGLang), and random; with top-p and min-p cutting inside the top k, and the top
+    ids."""
+    V = 5000
+    g = torch.Generator().manual_seed(k)
+    asc = torch.linspace(-3.0, 3.0, V)
+    ties = torch.randint(-3, 3, (V,), generator=g).float()
+    rows = torch.stack([asc, asc.flip(0), ties, torch.randn(V, generator=g) * 2])
+    logits = rows.to(dtype)
+    labels = torch.cat([logits.float().argmax(-1)[:2], torch.randint(0, V, (2,), generator=g)])
+    for sampler in ("vllm", "sglang"):
+        for p, mp in [(1.0, 0.0), (0.9, 0.0), (1.0, 0.2), (0.95, 0.02)]:
+            with use_backend("cpp"), poisoned():
+                outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, stats_top_k=min(k, 20))
+            check_against_truth(logits.float(), labels, 1.0, k, p, mp, sampler, outs)
+
+
 def test_top_p_where_the_sample_misleads():
     """Top-p alone on rows built against the CPU kernel's sample (1024 evenly spaced tokens, whose
     masses give it bounds on the cut): the sampled tokens raised, lowered, or the mass hidden
