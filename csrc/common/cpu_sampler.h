@@ -20,9 +20,11 @@
 // at or above a sure bound on the k-th largest, raised as it reads the row: TopCollector), and the
 // walk of step 4 runs over them.
 // Top-p without top-k or the top ids (the costly case: its cut may keep a large part of a flat row)
-// takes a histogram path instead, top_p_hist: the statistics pass keeps each token's mass, one more
-// pass buckets the masses by nd, and only the bucket where the mass crosses top-p's target is
-// collected and sorted (steps 2-4 are its fallback).
+// takes a histogram path instead: the statistics pass keeps each token's mass (and a sample of the
+// row); without the entropy or min-p, top_p_masses reads those masses alone (not the row): the
+// ones above a band around the sample's estimate of the cut are summed, the band's bucketed;
+// else (or when the estimate missed) top_p_hist buckets the masses of every candidate by nd. Only
+// the bucket where the mass crosses top-p's target is sorted (steps 2-4 are their fallback).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -184,9 +186,12 @@ struct SamplerWorkspace {
   RankedBand<float> ranked;
   RankedBand<double> ranked64;
   std::vector<float> sample_nd, sample_e;
-  std::vector<float> hs, hu, he2;            // top_p_hist's buckets: mass, mass * nd, mass^2
-  std::vector<float> mass;                   // top_p_hist's masses of the row (V floats: 4 B x V)
-  std::vector<float> mass_mb, mass_cb;       // its block maxima, exp(m_b - m) (V / kBlock floats)
+  std::vector<int32_t> sample_j;
+  std::vector<float> hs, hu, he2;       // top_p_hist's buckets: mass, mass * nd, mass^2
+  std::vector<float> mass;              // top_p_hist's masses of the row (V floats: 4 B x V)
+  std::vector<float> mass_mb, mass_cb;  // its block maxima, exp(m_b - m) (V / kBlock floats)
+  std::vector<int32_t> band_j, band_b;  // top_p_masses' band: indices, buckets, masses
+  std::vector<float> band_e;
   alignas(32) int32_t chunk_b[kChunk + 16];  // its candidates' buckets and masses (+ a vector)
   alignas(32) float chunk_e[kChunk + 16];
   alignas(32) float chunk_nd[kChunk + 16];
@@ -311,19 +316,45 @@ struct TopCollector {
 // of the row's first 256 tokens; a larger k takes the sample's band pass).
 constexpr int64_t kCollectTopK = 256;
 
+// A sample of the row taken by the statistics pass: tokens (i V) / n for i < n = min(V, 1024),
+// their index, scaled logit z and exp(z - m_b) (m_b: their block's max).
+struct PassSample {
+  std::vector<int32_t>& j;
+  std::vector<float>&z, &e;
+};
+constexpr int64_t kPassSample = 1024;
+
 // keep (V floats, when given): left holding exp(z_j - m_b) for each block b, whose max m_b goes to
-// mb[b] (as row_logprob<true>'s), for top_p_hist. top (when given): the top ids' candidates, read
-// from each block while it is in L1.
+// mb[b] (as row_logprob<true>'s), for top_p_hist / top_p_masses, with a sample of the row in
+// `smp` (read while each block is in L1, not scattered over the row after the pass). top (when
+// given): the top ids' candidates, read from each block while it is in L1.
 template <typename scalar_t>
 RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* buf, bool with_e2,
-                          float* keep = nullptr, float* mb = nullptr, TopCollector* top = nullptr) {
+                          float* keep = nullptr, float* mb = nullptr, TopCollector* top = nullptr,
+                          PassSample* smp = nullptr) {
   SoftmaxStats st = stats_empty();
   float e2 = 0.f;
+  const int64_t ns = std::max<int64_t>(std::min(V, kPassSample), 1), q = V / ns, r = V % ns;
+  int64_t si = 0, sj = 0, rem = 0;  // the next sampled token: i, its index (i V) / ns
+  if (smp) {
+    smp->j.resize(ns);
+    smp->z.resize(ns);
+    smp->e.resize(ns);
+  }
   for (int64_t j = 0, blk = 0; j < V; j += kBlock, ++blk) {
     const int64_t n = std::min(kBlock, V - j);
     if (keep) {
       mb[blk] = load_scaled(row + j, n, inv_t, keep + j);
+      const int64_t s0 = si;
+      for (; smp && si < ns && sj < j + n; ++si) {  // (the index stepped without a division)
+        smp->j[si] = static_cast<int32_t>(sj);
+        smp->z[si] = keep[sj];
+        sj += q;
+        rem += r;
+        if (rem >= ns) ++sj, rem -= ns;
+      }
       st = stats_merge(st, block_stats_impl<true>(keep + j, n, mb[blk]));
+      for (int64_t i = s0; i < si; ++i) smp->e[i] = keep[smp->j[i]];
       continue;
     }
     const float m = load_scaled(row + j, n, inv_t, buf);
@@ -890,6 +921,99 @@ float sampled_mass_bound(const scalar_t* row, int64_t V, float inv_t, float m, f
   return 0.f;
 }
 
+// ws.mass_cb = exp(m_b - m) per block: a block's masses ws.mass (relative to its max m_b) times
+// it are relative to the row's max m.
+inline void mass_factors(SamplerWorkspace& ws, int64_t V, float m) {
+  const int64_t nblk = (V + kBlock - 1) / kBlock;
+  ws.mass_cb.resize(nblk);
+  for (int64_t b = 0; b < nblk; ++b) ws.mass_cb[b] = std::exp(ws.mass_mb[b] - m);
+}
+
+// Bounds (lo, hi) on top-p's cut from the statistics pass's sample of the row (masses relative to
+// the max token, e x cb, times V / n): the estimated mass below a point and its standard error on
+// a grid of 1024 steps over [lo, 0]; lo = the highest point whose estimate stays 4 standard errors
+// below `target` (the mass the cut leaves below it), hi = one step above the lowest point whose
+// estimate exceeds it by 4. Estimates: top_p_masses checks them.
+inline std::pair<float, float> sampled_cut_bounds(const PassSample& smp, const float* cb, int64_t V,
+                                                  float m, float lo, float target) {
+  constexpr int64_t kSteps = 1024;
+  const int64_t n = static_cast<int64_t>(smp.j.size());
+  if (!(lo > -INFINITY) || !(lo < 0.f) || n == 0) return {lo, 0.f};
+  const float inv_w = kSteps / -lo, wt = static_cast<float>(V) / static_cast<float>(n);
+  float h1[kSteps + 1] = {}, h2[kSteps + 1] = {};  // [kSteps]: below lo
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = -(smp.z[i] - m) * inv_w;
+    const int64_t b = f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps;
+    const float y = smp.e[i] * cb[smp.j[i] / kBlock] * wt;
+    h1[b] += y;
+    h2[b] += y * y;
+  }
+  const float w = -lo / kSteps;
+  constexpr float z = 4.f;
+  float a1 = h1[kSteps], a2 = h2[kSteps], blo = lo, bhi = 0.f;
+  bool lo_set = false;
+  for (int64_t b = kSteps - 1; b >= 0; --b) {
+    // a1, a2: the sums over the sampled tokens below -(b + 1) w, the lower edge of step b
+    const float se = std::sqrt(std::max(a2 - a1 * a1 / static_cast<float>(n), 0.f));
+    const float edge = -static_cast<float>(b + 1) * w;
+    if (!lo_set && a1 + z * se < target) blo = edge;
+    if (!(a1 + z * se < target)) lo_set = true;
+    if (a1 - z * se > target) {
+      bhi = std::min(0.f, edge + w);
+      break;
+    }
+    a1 += h1[b];
+    a2 += h2[b];
+  }
+  return {std::max(lo, blo), bhi};
+}
+
+// The first bucket (in rank order) where top-p's boundary falls, from `acc`, the mass above the
+// buckets: vLLM keeps a token while the mass strictly above its value is below tau (the bucket
+// where the mass reaches tau), SGLang while the mass before it is at most tau (where it exceeds
+// tau). -1 when it lies below them; acc ends holding the mass above the bucket.
+inline int64_t crossing_bucket(const float* hs, int64_t nb, float& acc, float tau, bool sglang) {
+  for (int64_t b = 0; b < nb; ++b) {
+    if (sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) return b;
+    acc += hs[b];
+  }
+  return -1;
+}
+
+// The tokens of the bucket where top-p's mass crosses tau, walked in rank order (sorted here) from
+// `acc`, the mass above them, as each engine's rule says (vLLM: whole tie groups while the mass
+// strictly above is below tau; SGLang: up to the first token whose mass up to it exceeds tau).
+// Returns the last kept position (-1: none) with the cut in w; acc ends past the kept tokens.
+inline int64_t walk_crossing_bucket(std::vector<BandItem<float>>& items, float& acc, float tau,
+                                    bool sglang, int64_t V, WalkResult<float>& w) {
+  std::sort(items.begin(), items.end(), rank_before<float>);
+  const int64_t n = static_cast<int64_t>(items.size());
+  int64_t last = -1;
+  if (sglang) {
+    for (int64_t i = 0; i < n; ++i) {
+      acc += items[i].e;
+      if (acc > tau) {
+        last = i;
+        break;
+      }
+    }
+    if (last < 0) last = n - 1;
+  } else {
+    for (int64_t i = 0; i < n;) {
+      if (!top_p_keeps(false, acc, tau)) break;
+      int64_t e = i;
+      while (e < n && items[e].x == items[i].x) acc += items[e++].e;
+      last = e - 1;
+      i = e;
+    }
+  }
+  if (last < 0) return -1;
+  w.cut = items[last].x;
+  w.cut_index = V - 1;
+  if (sglang && last + 1 < n && items[last + 1].x == w.cut) w.cut_index = items[last].j;
+  return last;
+}
+
 template <typename scalar_t>
 bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
                 float lo, SamplerWorkspace& ws, WalkResult<float>& w) {
@@ -918,11 +1042,8 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
   const float xf = minp_ref ? x_threshold(minp, false, inv_t, m) : INFINITY;
   const float xany = std::min(xlo, xf);
   const float* E = ws.mass.data();
-  // exp(m_b - m) per block
-  const int64_t nblk = (V + kBlock - 1) / kBlock;
-  ws.mass_cb.resize(nblk);
-  float* cb = ws.mass_cb.data();
-  for (int64_t b = 0; b < nblk; ++b) cb[b] = std::exp(ws.mass_mb[b] - m);
+  mass_factors(ws, V, m);
+  const float* cb = ws.mass_cb.data();
   // the entropy's and sum_p2's sums per bucket too, when asked
   const bool need_u = a.with_entropy, need_e2 = a.with_sum_p2;
   ws.hs.assign(NB, 0.f);
@@ -970,20 +1091,11 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
       if (need_e2) he2[b] += e * e;
     }
   }
-  // the bucket where top-p's boundary falls: vLLM keeps a token while the mass strictly above its
-  // value is below tau (the bucket where the mass reaches tau); SGLang while the mass before it
-  // is at most tau (the bucket where it exceeds tau)
+  // the bucket where top-p's boundary falls (crossing_bucket)
   const float tau = a.top_p * ref;
   if (!(tau > 0.f)) return false;
   float acc = 0.f;
-  int64_t bstar = -1;
-  for (int64_t b = 0; b < NB; ++b) {
-    if (a.sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
-      bstar = b;
-      break;
-    }
-    acc += hs[b];
-  }
+  const int64_t bstar = crossing_bucket(hs, NB, acc, tau, a.sglang);
   if (bstar < 0) return false;  // the boundary lies below lo
   // C: bstar's tokens collected, those of the buckets above it summed from the buckets. bstar's
   // logits are [xc, xa): the bucket is monotone in x, so each bound is a binary search over the
@@ -1047,33 +1159,167 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
     if (need_u) k.u += hu[b];
     if (need_e2) k.e2 += he2[b];
   }
-  std::sort(items.begin(), items.end(), rank_before<float>);
-  // walk the bucket in rank order from the mass above it
-  const int64_t n = static_cast<int64_t>(items.size());
-  int64_t last = -1;
-  if (a.sglang) {
-    for (int64_t i = 0; i < n; ++i) {
-      acc += items[i].e;
-      if (acc > tau) {
-        last = i;
-        break;
+  const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
+  if (last < 0) return false;
+  for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
+  w.kept = k;
+  return true;
+}
+
+// Top-p alone (no min-p, top-k, top ids or entropy) from the masses alone: one pass over ws.mass
+// (exp(z - m_b) of each block b, as top_p_hist's A leaves it) and not over the row, which with
+// the masses would not fit in L2. Every token whose mass (relative to the row's max) is above
+// exp(hi) is summed as a vector; those in [exp(lo), exp(hi)] (the band: a sample's estimate of
+// where the cut lies, a few percent of a flat row) are compressed as (index, mass); the band's
+// logits are then read by index and its masses bucketed by nd (exact in the logit: tie groups
+// share a bucket), and only the bucket where the mass crosses tau is sorted and walked, as in
+// top_p_hist. The masses are within a few ulp of monotone in the logit (exp_u20, one product), so
+// the result is exact when the cut lies inside the band by a margin far above that: else (an
+// estimate that missed) returns false and the caller runs top_p_hist.
+constexpr float kMassMargin = 1e-4f;  // nd units: the masses' ~3e-6 relative error, 30 times
+
+inline int compress_index_mass(const CompressLut& lut, Vec j, Vec e, int mask, int32_t* jo,
+                               float* eo) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.idx[mask]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(jo),
+                      _mm256_permutevar8x32_epi32(_mm256_cvttps_epi32(__m256(j)), perm));
+  _mm256_storeu_ps(eo, _mm256_permutevar8x32_ps(__m256(e), perm));
+  return __builtin_popcount(mask);
+#else
+  (void)lut;
+  alignas(64) float jl[Vec::size()], el[Vec::size()];
+  j.store(jl);
+  e.store(el);
+  int k = 0;
+  for (int bits = mask; bits; bits &= bits - 1) {
+    const int i = __builtin_ctz(bits);
+    jo[k] = static_cast<int32_t>(jl[i]);
+    eo[k++] = el[i];
+  }
+  return k;
+#endif
+}
+
+template <typename scalar_t>
+bool top_p_masses(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m, float full_mass,
+                  float lo, float hi, SamplerWorkspace& ws, WalkResult<float>& w) {
+  hi = std::min(hi, 0.f);  // 0: no upper bound (the top token has nd = 0)
+  if (!(lo > -INFINITY) || !(hi > lo + 2 * kMassMargin) || V >= (int64_t{1} << 24)) return false;
+  const bool scale = inv_t_scales(a.inv_t);
+  const float inv_t = a.inv_t;
+  const float tau = a.top_p * full_mass;
+  if (!(tau > 0.f)) return false;
+  const float* E = ws.mass.data();
+  const int64_t nblk = (V + kBlock - 1) / kBlock;
+  const float* cb = ws.mass_cb.data();  // (mass_factors)
+  // the pass: the masses above exp(hi) summed, the band's compressed
+  ws.band_j.resize(V + Vec::size());
+  ws.band_e.resize(V + Vec::size());
+  int32_t* bj = ws.band_j.data();
+  float* be = ws.band_e.data();
+  const float ehi = hi < 0.f ? std::exp(hi) : INFINITY, elo = std::exp(lo);
+  const Vec vehi(ehi), velo(elo);
+  Vec vs(0.f), ve2(0.f);
+  float s_tail = 0.f, e2_tail = 0.f;  // the scalar tail's
+  int64_t nb = 0;
+  alignas(32) float iota[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) iota[i] = static_cast<float>(i);
+  const Vec viota = Vec::loadu(iota);
+  const CompressLut& lut = compress_lut();
+  const bool with_e2 = a.with_sum_p2;
+  const Vec vstep(static_cast<float>(Vec::size()));
+  Vec vj = viota;  // the indices of the vector's lanes (exact in float32: V < 2^24)
+  int64_t j = 0;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const Vec vcb(cb[b]);
+    const int64_t end = std::min(V, (b + 1) * kBlock);
+    for (; j + Vec::size() <= end; j += Vec::size()) {
+      const Vec e = Vec::loadu(E + j) * vcb;
+      const Vec above = e > vehi;
+      vs = vs + (e & above);
+      if (with_e2) ve2 = ve2 + ((e * e) & above);
+      // stored whether or not the vector holds a band token: a branch on it mispredicts
+      const int mb = mask_bits((e >= velo) & (e <= vehi));  // (no NaN: the row is finite)
+      nb += compress_index_mass(lut, vj, e, mb, bj + nb, be + nb);
+      vj = vj + vstep;
+    }
+    for (; j < end; ++j, vj = vj + Vec(1.f)) {
+      const float e = E[j] * cb[b];
+      if (e > ehi) {
+        s_tail += e;
+        e2_tail += e * e;
+      } else if (e >= elo) {
+        bj[nb] = static_cast<int32_t>(j);
+        be[nb++] = e;
       }
     }
-    if (last < 0) last = n - 1;
-  } else {
-    for (int64_t i = 0; i < n;) {
-      if (!top_p_keeps(false, acc, tau)) break;
-      int64_t e = i;
-      while (e < n && items[e].x == items[i].x) acc += items[e++].e;
-      last = e - 1;
-      i = e;
+  }
+  const auto sum = [](Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
+  };
+  const float s_above = sum(vs) + s_tail;
+  // vLLM keeps the first band group while the mass above it is below tau; SGLang while the mass
+  // before it is at most tau
+  if (!top_p_keeps(a.sglang, s_above, tau)) return false;  // the cut lies above the band
+  // the band bucketed by nd over [lo, hi]: bucket = trunc(clamp((hi - nd) * bscale, 0, NB - 1)),
+  // non-increasing in nd, hence in x
+  const int64_t NB = kHistBuckets;
+  const float bscale = static_cast<float>(NB - 1) / (hi - lo);
+  const auto bucket_of = [&](float nd) {
+    return static_cast<int64_t>(
+        std::max(std::min((hi - nd) * bscale, static_cast<float>(NB - 1)), 0.f));
+  };
+  ws.hs.assign(NB, 0.f);
+  ws.he2.assign(with_e2 ? NB : 0, 0.f);
+  float *hs = ws.hs.data(), *he2 = ws.he2.data();
+  // each band token's bucket, kept for the collection below
+  ws.band_b.resize(nb + Vec::size());
+  int32_t* bk = ws.band_b.data();
+  int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const Vec vt(inv_t), vm(m), vhi(hi), vbs(bscale), vtop(static_cast<float>(NB - 1)), v0(0.f);
+    for (; i0 + Vec::size() <= nb; i0 += Vec::size()) {
+      const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + i0));
+      const Vec nd = nd_of(Vec(_mm256_i32gather_ps(row, idx, 4)), vt, vm, scale);
+      const Vec f = Vec(_mm256_max_ps(_mm256_min_ps((vhi - nd) * vbs, vtop), v0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bk + i0), _mm256_cvttps_epi32(f));
     }
   }
+#endif
+  for (int64_t i = i0; i < nb; ++i)
+    bk[i] = static_cast<int32_t>(bucket_of(nd_of(static_cast<float>(row[bj[i]]), inv_t, m, scale)));
+  for (int64_t i = 0; i < nb; ++i) hs[bk[i]] += be[i];
+  if (with_e2)
+    for (int64_t i = 0; i < nb; ++i) he2[bk[i]] += be[i] * be[i];
+  float acc = s_above;
+  const int64_t bstar = crossing_bucket(hs, NB, acc, tau, a.sglang);
+  if (bstar < 0) return false;  // the cut lies below the band
+  std::vector<BandItem<float>>& items = ws.band;
+  items.clear();
+  for (int64_t i = 0; i < nb; ++i) {
+    if (bk[i] != bstar) continue;
+    const float x = static_cast<float>(row[bj[i]]);
+    items.push_back({x, nd_of(x, inv_t, m, scale), be[i], bj[i]});
+  }
+  const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
   if (last < 0) return false;
-  w.cut = items[last].x;
-  w.cut_index = V - 1;
-  if (a.sglang && last + 1 < n && items[last + 1].x == w.cut) w.cut_index = items[last].j;
-  for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
+  // the masses decide the band's edges: the cut must lie well inside it
+  const float nd_cut = items[last].nd;
+  if (!(nd_cut > lo + kMassMargin && (hi == 0.f || nd_cut < hi - kMassMargin))) return false;
+  MassSums<float> k;
+  k.s = s_above;
+  k.e2 = a.with_sum_p2 ? sum(ve2) + e2_tail : 0.f;
+  for (int64_t b = 0; b < bstar; ++b) {
+    k.s += hs[b];
+    if (a.with_sum_p2) k.e2 += he2[b];
+  }
+  for (int64_t i = 0; i <= last; ++i) {
+    k.s += items[i].e;
+    k.e2 += items[i].e * items[i].e;
+  }
+  k.xmin = items[last].x;
   w.kept = k;
   return true;
 }
@@ -1137,9 +1383,10 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     top.zb =
         scaled(sampled_kth_largest(row, std::min<int64_t>(V, 256), kc, 256, ws.sample_nd), inv_t);
   }
+  PassSample psmp{ws.sample_j, ws.sample_nd, ws.sample_e};
   const RowStatsExt rs = row_stats_ext(
       row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,
-      p_hist ? ws.mass_mb.data() : nullptr, collect ? &top : nullptr);
+      p_hist ? ws.mass_mb.data() : nullptr, collect ? &top : nullptr, p_hist ? &psmp : nullptr);
   const SoftmaxStats& st = rs.st;
   const float xl = static_cast<float>(row[label]);
   o.full_lse = stats_lse(st);
@@ -1207,8 +1454,19 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
         std::max(minp, std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V)));
     // first a higher bound from a sample of the row (the bulk, below the cut, is what a uniform
     // sample estimates well): fewer tokens to bucket, and most vectors skipped on peaked rows
-    const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
-    if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
+    // without the entropy or min-p: from the masses alone, first in the sample's band, then in
+    // [lo, 0]
+    if (!a.with_entropy && !min_p_on(a.min_p)) {
+      mass_factors(ws, V, m);
+      const auto [blo, bhi] =
+          sampled_cut_bounds(psmp, ws.mass_cb.data(), V, m, lo, (1.f - a.top_p) * ref);
+      ok = top_p_masses(row, V, a, m, st.s, blo, bhi, ws, w);
+      if (!ok) ok = top_p_masses(row, V, a, m, st.s, lo, 0.f, ws, w);
+    }
+    if (!ok) {
+      const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
+      if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
+    }
     if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
   }
   if (collect) {  // the collected band holds the kc largest (and their ties)

@@ -3,6 +3,7 @@ top-p; vLLM's and SGLang's rules) and the head's statistics, on every backend av
 tensors (cpp, Triton through the interpreter, eager) against float64 references written from
 docs/ppo-math.md ("The distribution the rollout sampled from")."""
 
+import itertools
 import math
 
 import pytest
@@ -113,10 +114,11 @@ def test_flat_and_peaked_rows(backend):
     big_k = torch.randn(2, V) * 2
     logits = torch.cat([flat, peaked, big_k])
     labels = torch.randint(0, V, (8,))
-    for sampler in ("vllm", "sglang"):
-        for k, p, mp in [(0, 0.9, 0.0), (0, 0.999, 0.0), (5000, 0.95, 0.0), (0, 0.5, 0.001)]:
+    settings = [(0, 0.9, 0.0), (0, 0.999, 0.0), (5000, 0.95, 0.0), (0, 0.5, 0.001), (0, 1e-6, 0.0)]
+    for sampler, entropy in itertools.product(("vllm", "sglang"), (True, False)):
+        for k, p, mp in settings:
             with use_backend(backend), poisoned():
-                outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler)
+                outs = sampler_op(logits, labels, 1.0, k, p, mp, sampler, entropy=entropy)
             check_against_truth(logits, labels, 1.0, k, p, mp, sampler, outs)
 
 
@@ -143,11 +145,15 @@ def test_top_k_from_the_statistics_pass(k, dtype):
             check_against_truth(logits.float(), labels, 1.0, k, p, mp, sampler, outs)
 
 
-def test_top_p_where_the_sample_misleads():
+@pytest.mark.parametrize("entropy", [True, False])
+def test_top_p_where_the_sample_misleads(entropy):
     """Top-p alone on rows built against the CPU kernel's sample (1024 evenly spaced tokens, whose
     masses give it bounds on the cut): the sampled tokens raised, lowered, or the mass hidden
     between them. Its bounds then miss -- the tokens it sums as surely kept reach top-p's mass, or
-    the cut lies below its candidates -- and it must retry with its sure bounds, still exact."""
+    the cut lies below its candidates -- and it must retry with its sure bounds, still exact.
+    Without the entropy the kernel works from the statistics pass's masses (a band around the
+    sample's estimate of the cut, the masses above it summed), with the entropy from a histogram
+    of the candidates: both paths."""
     V, n = 20000, 1024
     pos = torch.tensor([(i * V) // n for i in range(n)])
     g = torch.Generator().manual_seed(3)
@@ -166,13 +172,30 @@ def test_top_p_where_the_sample_misleads():
     for sampler in ("vllm", "sglang"):
         for p in (0.9, 0.5):
             with use_backend("cpp"), poisoned():
-                outs = sampler_op(logits, labels, 1.0, 0, p, 0.0, sampler)
+                outs = sampler_op(logits, labels, 1.0, 0, p, 0.0, sampler, entropy=entropy)
             check_against_truth(logits, labels, 1.0, 0, p, 0.0, sampler, outs)
 
 
+@pytest.mark.parametrize("sampler", ["vllm", "sglang"])
+def test_top_p_ties_from_the_masses(sampler):
+    """Top-p alone without the entropy (the CPU kernel's path from the statistics pass's masses)
+    where the cut falls in a tie group of thousands of tokens (seven distinct logits; bf16 rows):
+    vLLM keeps the group whole, SGLang up to the token that crosses, by id."""
+    V = 20000
+    g = torch.Generator().manual_seed(11)
+    ints = torch.randint(-3, 4, (2, V), generator=g).float()
+    bf = (torch.randn(2, V, generator=g) * 2).to(torch.bfloat16).float()
+    logits = torch.cat([ints, bf])
+    labels = torch.randint(0, V, (4,), generator=g)
+    for p in (0.9, 0.5, 0.3):
+        with use_backend("cpp"), poisoned():
+            outs = sampler_op(logits, labels, 1.0, 0, p, 0.0, sampler, entropy=False)
+        check_against_truth(logits, labels, 1.0, 0, p, 0.0, sampler, outs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1.0, 0.7])
-def test_top_p_sparse_candidates_across_blocks(dtype, T):
+@pytest.mark.parametrize("T,entropy", [(1.0, True), (0.7, True), (1.0, False), (0.7, False)])
+def test_top_p_sparse_candidates_across_blocks(dtype, T, entropy):
     """Top-p alone (the CPU kernel's mass histogram over its candidates) where they are few and
     sit in some blocks of the row: spikes at a block's first and last token (2048-token blocks),
     at the vector tail and the scalar tail, and peaked rows; scaled logits and bf16."""
@@ -187,7 +210,7 @@ def test_top_p_sparse_candidates_across_blocks(dtype, T):
     for sampler in ("vllm", "sglang"):
         for p in (0.9, 0.5, 0.999):
             with use_backend("cpp"), poisoned():
-                outs = sampler_op(logits, labels, T, 0, p, 0.0, sampler)
+                outs = sampler_op(logits, labels, T, 0, p, 0.0, sampler, entropy=entropy)
             check_against_truth(logits.float(), labels, T, 0, p, 0.0, sampler, outs)
 
 
