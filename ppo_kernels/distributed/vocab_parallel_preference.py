@@ -41,6 +41,7 @@ from .._checks import (
     check_devices,
     check_labels_in_range,
 )
+from .._math import acc_dtype
 from ..fused_linear import engine
 from ..fused_linear.checks import check_args
 from ..fused_linear.vocab_chunks import tile_stats_
@@ -49,8 +50,8 @@ from ..linear_preference_loss import op as pref_op
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import negotiate
-from .vocab_parallel_policy import VocabShard
-from .vocab_states import ROWS, empty_states, merge_rows
+from .vocab_parallel_policy import VocabShard, with_sampler_stats
+from .vocab_states import ROWS, empty_states, merge_rows, row_inverse
 
 
 class PreferenceShard(VocabShard):
@@ -59,15 +60,17 @@ class PreferenceShard(VocabShard):
     the reference adds no gradient."""
 
     def __init__(self, backend, device_type, temperature, ignore_index, start, V, rows, group,
-                 ref_beside):  # fmt: skip
-        super().__init__(backend, device_type, temperature, ignore_index, start, V, rows, group)
+                 ref_beside, inv_ts=None):  # fmt: skip
+        super().__init__(
+            backend, device_type, temperature, ignore_index, start, V, rows, group, inv_ts
+        )
         self.ref_fwd = self.ref_bwd = None  # (stats below; no reference gradient)
         self.ref_beside = ref_beside
 
     def _states(self, tiler, z, lc):
         st = empty_states(lc, self.start, z.shape[1], self.ii, tiler.acc)
         if z.shape[1]:
-            tile = self._acc_tile(tiler, z)
+            tile = self._acc_tile(tiler, z, scale=True)
             tile_stats_(tile, lc, self.start, self.inv_t, self.ii, st[0:3], st[3])
         return st
 
@@ -146,11 +149,14 @@ def _check(a):
 
 
 def vocab_parallel_linear_preference_loss(
-    args: tuple, process_group, vocab_start, reduce_hidden_grad
+    args: tuple, process_group, vocab_start, reduce_hidden_grad, sampled=None
 ):
     """The body of linear_preference_loss(..., process_group=...): args the registered op's
     arguments (op.ARG_NAMES order), weight / bias / ref_weight / ref_bias this rank's vocabulary
-    slice. Returns the op's (loss, stats, row_stats, token_stats), the gradients attached."""
+    slice. Returns the op's (loss, stats, row_stats, token_stats), the gradients attached.
+    sampled: the sampler op's arguments (op.SAMPLER_NAMES) of a call with per-row temperatures
+    and no truncation (checked by the API), applied to both heads: then (loss, stats, row_stats,
+    token_stats, outside), as the sampler op returns them."""
     require_initialized()
     a = pref_op.Call(*args, False, False, False)
     _check(a)
@@ -188,8 +194,14 @@ def vocab_parallel_linear_preference_loss(
         rows = rows_of(1, True)
     backend = _backend.backend_for("linear_preference_loss", hidden)
     rank = dist.get_rank(group)
+    inv_ts = None
+    if sampled is not None:  # each token's 1 / T in the order the loop walks the rows
+        inv_ts = row_inverse(sampled[0], (R, T), acc_dtype(hidden.dtype))
+        order = pref_head.Layout(cfg, a.pairs, R, T, hidden.device).order
+        if order is not None:
+            inv_ts = inv_ts.index_select(0, order)
     vocab = PreferenceShard(backend, hidden.device.type, a.temperature, a.ignore_index,
-                            starts[rank], V, rows, group, beside)  # fmt: skip
+                            starts[rank], V, rows, group, beside, inv_ts)  # fmt: skip
 
     def runner(call):
         out = pref_op.run(backend, call, vocab)
@@ -200,4 +212,11 @@ def vocab_parallel_linear_preference_loss(
             gh = gh.to(hidden.dtype)
         return loss, stats, rows_, tok, gh, gW, gb
 
-    return pref_op.with_grads(runner, args)
+    out = pref_op.with_grads(runner, args)
+    if sampled is None:
+        return out
+    loss, stats, rows_, tok = out
+    names = pref_head.stat_names(a)
+    sampled_names = pref_head.stat_names(pref_op.SamplerCall(*args, *sampled, False, False, False))
+    outside = torch.zeros((R, T), dtype=torch.bool, device=hidden.device)
+    return loss, with_sampler_stats(names, sampled_names, stats), rows_, tok, outside

@@ -17,7 +17,7 @@ from .._checks import (
     check_tensor,
     device_error,
 )
-from ..token_logprobs.api import sampler_options
+from ..token_logprobs.api import check_values_here, sampler_options
 from ..token_logprobs.naive import SAMPLERS
 from . import op  # noqa: F401  (registers the ops' Python side)
 
@@ -76,7 +76,7 @@ def full_kl(
             value (no recompiles). A float tensor gives per-row values: its shape is a leading
             part of `logits.shape[:-1]` (`[B]` per sequence or `[B, T]` per token for
             `[B, T, V]` logits), e.g. a rollout's per-request temperatures; no gradient flows to
-            it. Default 1.0.
+            it (the vocab-parallel form takes it too). Default 1.0.
         mask (Tensor, optional): `logits.shape[:-1]`, bool / integer / float. A row with mask 0
             gives KL 0 and no gradient, and is not read. Default None: every row.
         process_group (ProcessGroup, optional): the vocab-parallel form. Both logits hold this
@@ -142,10 +142,13 @@ def full_kl(
                 f"{rows} (per row or per token), got {tuple(temperature.shape)}"
             )
         if process_group is not None:
-            raise ValueError(
-                "process_group: per-row temperatures are not supported with the vocab-parallel "
-                "form yet"
-            )
+            if check_values_here(temperature):  # before any collective: every rank raises
+                sampler_options(temperature.new_empty(rows, dtype=torch.long), temperature, None,
+                                None, None, None, 0, True)  # fmt: skip
+            _check_args(logits, ref_logits, 1.0, vocab_parallel=True)
+            from ..distributed.vocab_parallel_full_kl import vocab_parallel_full_kl
+
+            return vocab_parallel_full_kl(logits, ref_logits, 1.0, mask, process_group, temperature)
         if not _backend.HAS_EXTENSION:
             _check_args(logits, ref_logits, 1.0, vocab_parallel=False)
             if not bool((temperature > 0).all()):
