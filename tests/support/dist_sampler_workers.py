@@ -294,6 +294,29 @@ def case_sampler_logits(rank, world):
                 got = pk.token_logprobs(logits[..., v0:v1], labels, sampler=sampler,
                                         process_group=grp, **opts)  # fmt: skip
                 torch.testing.assert_close(got, want[0], **tol)
+    # the GPU's path (device-side layout checks, forced on gloo): once the layout is validated,
+    # a call reads nothing back (no host sync), and still matches
+    from ppo_kernels.distributed import vocab_layout as vl
+
+    reads, read = [0], vl.read_header
+
+    def counting(gathered):
+        reads[0] += 1
+        return read(gathered)
+
+    vl.read_header, vl.DEVICE_CHECKS_ON_CPU = counting, True
+    try:
+        opts = dict(top_k=torch.tensor([2, 5, 0]), top_p=0.8, sampler="sglang")
+        for call in range(2):
+            before = reads[0]
+            lp = pk.token_logprobs(logits[..., v0:v1], labels, process_group=grp,
+                                   vocab_start=v0, **opts)  # fmt: skip
+            if call:
+                assert reads[0] == before, reads
+        want = pk.token_logprobs(logits, labels, **opts)
+        torch.testing.assert_close(lp, want, **tol)
+    finally:
+        vl.read_header, vl.DEVICE_CHECKS_ON_CPU = read, False
     # bad inputs: a ValueError naming the argument on every rank
     x, y = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
     for name, kw in (
