@@ -78,7 +78,7 @@ def key_values(k: Tensor, dtype) -> Tensor:
     return b.view(torch.float32)
 
 
-def _rows(logits: Tensor) -> Tensor:
+def rows_of(logits: Tensor) -> Tensor:
     """logits [..., V_rank] as [N, V_rank] (V_rank may be 0)."""
     return logits.reshape(logits.shape[:-1].numel(), logits.shape[-1])
 
@@ -87,11 +87,11 @@ def _check_rows(name, t, n, dev, dtypes):
     check_arg(name, t, dev, like="logits", dtypes=dtypes, shape=(n,), what="one per row")
 
 
-def _check_cut(logits, m, inv_ts, lmp, cut, allow=None, cut_name="cut"):
+def check_cut(logits, m, inv_ts, lmp, cut, allow=None, cut_name="cut"):
     """The per-row tensors of the kept set (one per row of logits); cut_name: the op's name of
     the cut."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    n, dev, acc = _rows(logits).shape[0], logits.device, (acc_dtype(logits.dtype),)
+    n, dev, acc = rows_of(logits).shape[0], logits.device, (acc_dtype(logits.dtype),)
     for name, t in (("m", m), ("inv_ts", inv_ts), ("lmp", lmp)):
         _check_rows(name, t, n, dev, acc)
     _check_rows(cut_name, cut, n, dev, (torch.int64,))
@@ -99,7 +99,7 @@ def _check_cut(logits, m, inv_ts, lmp, cut, allow=None, cut_name="cut"):
         _check_rows("allow", allow, n, dev, (torch.float64,))
 
 
-def _kept(x, m, inv_ts, lmp, cut, allow):
+def kept_mask(x, m, inv_ts, lmp, cut, allow):
     """(z - max z, kept) of a row block x [n, V_rank] in the accumulation dtype: kept where
     min-p keeps the token and it lies above the cut, or on it within the first `allow` of the
     cut's ties on this slice (by id)."""
@@ -122,7 +122,7 @@ def _max_op(logits: Tensor, labels: Tensor) -> Tensor:
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg("labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES,
               shape=logits.shape[:-1])  # fmt: skip
-    x = _rows(logits)
+    x = rows_of(logits)
     acc = acc_dtype(logits.dtype)
     if x.shape[1] == 0:
         return torch.full((x.shape[0],), float("-inf"), dtype=acc, device=x.device)
@@ -132,7 +132,7 @@ def _max_op(logits: Tensor, labels: Tensor) -> Tensor:
 @_max_op.register_fake
 def _(logits, labels):
     check_devices("logits", logits, labels=labels)
-    return logits.new_empty((_rows(logits).shape[0],), dtype=acc_dtype(logits.dtype))
+    return logits.new_empty((rows_of(logits).shape[0],), dtype=acc_dtype(logits.dtype))
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_sampler_hist", mutates_args=())
@@ -151,9 +151,9 @@ def _hist_op(
     candidates whose key matches `prefix` above bit shift + 8, by the 8 bits at `shift` (first:
     the top bits, signed, so no prefix). Candidates: min-p keeps them ((x - m) / T >= lmp) and
     their key is >= floor."""
-    _check_cut(logits, m, inv_ts, lmp, floor, cut_name="floor")
+    check_cut(logits, m, inv_ts, lmp, floor, cut_name="floor")
     _check_rows("prefix", prefix, m.shape[0], logits.device, (torch.int64,))
-    x = _rows(logits)
+    x = rows_of(logits)
     N, V = x.shape
     acc = acc_dtype(logits.dtype)
     out = torch.zeros((N, BUCKETS), dtype=torch.float64, device=x.device)
@@ -179,14 +179,14 @@ def _hist_op(
 @_hist_op.register_fake
 def _(logits, m, inv_ts, lmp, floor, prefix, shift, first, mass):
     check_devices("logits", logits, m=m, inv_ts=inv_ts, lmp=lmp, floor=floor, prefix=prefix)
-    return logits.new_empty((_rows(logits).shape[0], BUCKETS), dtype=torch.float64)
+    return logits.new_empty((rows_of(logits).shape[0], BUCKETS), dtype=torch.float64)
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_sampler_ties", mutates_args=())
 def _ties_op(logits: Tensor, cut: Tensor) -> Tensor:
     """[N] float64: how many of this slice's logits have the cut's key (its ties)."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    x = _rows(logits)
+    x = rows_of(logits)
     _check_rows("cut", cut, x.shape[0], logits.device, (torch.int64,))
     N, V = x.shape
     acc = acc_dtype(logits.dtype)
@@ -202,7 +202,7 @@ def _ties_op(logits: Tensor, cut: Tensor) -> Tensor:
 @_ties_op.register_fake
 def _(logits, cut):
     check_devices("logits", logits, cut=cut)
-    return logits.new_empty((_rows(logits).shape[0],), dtype=torch.float64)
+    return logits.new_empty((rows_of(logits).shape[0],), dtype=torch.float64)
 
 
 @torch.library.custom_op("ppo_kernels::vocab_parallel_sampler_states", mutates_args=())
@@ -217,15 +217,15 @@ def _states_op(
     allow: Tensor,
     ignore_index: int,
 ) -> Tensor:
-    """[SUMS, N] sums of this slice over the kept set (_kept), z = (x - m) / T: sum exp(z),
+    """[SUMS, N] sums of this slice over the kept set (kept_mask), z = (x - m) / T: sum exp(z),
     sum exp(z) z, sum exp(z)^2, the whole slice's sum exp(z), the label's z where this slice
     owns the label (0 elsewhere), 1.0 where it owns the label and keeps it, 1.0 where it owns
     it, 1.0 where it owns it and the label's logit is m. vocab_start: this slice's first id, a
     0-dim tensor (read on the device: no host sync)."""
-    _check_cut(logits, m, inv_ts, lmp, cut, allow)
+    check_cut(logits, m, inv_ts, lmp, cut, allow)
     check_arg("vocab_start", vocab_start, logits.device, like="logits", dtypes=(torch.int64,),
               shape=())  # fmt: skip
-    x = _rows(logits)
+    x = rows_of(logits)
     check_arg("labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES,
               shape=logits.shape[:-1])  # fmt: skip
     N, V = x.shape
@@ -239,7 +239,7 @@ def _states_op(
         r1 = min(N, r0 + rows)
         xb = x[r0:r1].to(acc)
         mb = m[r0:r1]
-        z, kept = _kept(xb, mb, inv_ts[r0:r1], lmp[r0:r1], cut[r0:r1], allow[r0:r1])
+        z, kept = kept_mask(xb, mb, inv_ts[r0:r1], lmp[r0:r1], cut[r0:r1], allow[r0:r1])
         e = z.exp()
         ek = torch.where(kept, e, torch.zeros_like(e))
         out[0, r0:r1] = ek.sum(-1)
@@ -281,7 +281,7 @@ def _finish_op(
     layout), each with labels.shape (layout: int64 [2] on the CPU), from the gathered headers
     (checked: vocab_layout.check_layout) and the kept set's sums over every rank. logits and the
     kept set (m, inv_ts, lmp, cut, allow) are read only by the backward."""
-    _check_cut(logits, m, inv_ts, lmp, cut, allow)
+    check_cut(logits, m, inv_ts, lmp, cut, allow)
     acc = acc_dtype(logits.dtype)
     dev = logits.device
     check_arg("labels", labels, dev, like="logits", dtypes=INDEX_DTYPES, shape=logits.shape[:-1])
@@ -355,7 +355,7 @@ def _backward_op(
     set (g_lp (onehot - q) - g_ent q (log q + H)) / T, q = exp(z - log_s); 0 outside it; no
     log-prob term where the label is outside K; NaN rows where the label is out of range, 0 on
     ignored rows."""
-    _check_cut(logits, m, inv_ts, lmp, cut, allow)
+    check_cut(logits, m, inv_ts, lmp, cut, allow)
     dev, acc = logits.device, acc_dtype(logits.dtype)
     rows = logits.shape[:-1]
     check_arg("labels", labels, dev, like="logits", dtypes=INDEX_DTYPES, shape=rows)
@@ -369,7 +369,7 @@ def _backward_op(
         if t is not None:
             check_arg(name, t, dev, like="logits", dtypes=dt, shape=rows, what="rows")
     start, V = layout_ints(layout)
-    x = _rows(logits)
+    x = rows_of(logits)
     N, Vr = x.shape
     lab = labels.reshape(-1)
     y = lab.long() - start
@@ -383,7 +383,7 @@ def _backward_op(
     for r0 in starts if Vr else ():
         r1 = min(N, r0 + rows_per)
         xb = x[r0:r1].to(acc)
-        z, kept = _kept(xb, m[r0:r1], inv_ts[r0:r1], lmp[r0:r1], cut[r0:r1], allow[r0:r1])
+        z, kept = kept_mask(xb, m[r0:r1], inv_ts[r0:r1], lmp[r0:r1], cut[r0:r1], allow[r0:r1])
         logq = z - ls[r0:r1].unsqueeze(-1)
         q = torch.where(kept, logq.exp(), torch.zeros_like(logq))
         g = -glp[r0:r1].unsqueeze(-1) * q

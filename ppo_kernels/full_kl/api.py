@@ -89,7 +89,8 @@ def full_kl(
             the kept set K of `token_logprobs`' sampler rules on the policy's logits and
             renormalised -- and `KL[t] = sum_{j in K} q_j (log q_j - log r_j)` with r the
             reference's tempered softmax over the whole vocabulary (never truncated). The
-            gradient to logits flows on K only. Not with `process_group`. Default None: off.
+            gradient to logits flows on K only. With `process_group` the kept set is found with
+            the other ranks (the vocab-parallel `token_logprobs`' search). Default None: off.
         top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
             row. Default None: off.
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
@@ -169,15 +170,18 @@ def full_kl(
 def _sampled(logits, ref_logits, temperature, mask, process_group, top_k, top_p, min_p, sampler):
     """full_kl under the sampler's distribution (the registered op full_kl_sampler)."""
     sampler = check_str("sampler", sampler, SAMPLERS)
-    if process_group is not None:
-        raise ValueError(
-            "process_group: top_k / top_p / min_p are not supported with the vocab-parallel "
-            "form yet"
-        )
     rows = logits.new_empty((), dtype=torch.long).expand(logits.shape[:-1])  # shape and device
     _, _, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
-        rows, temperature, top_k, top_p, min_p, None, 0, rows="logits.shape[:-1]"
-    )
+        rows, temperature, top_k, top_p, min_p, None, 0, rows="logits.shape[:-1]",
+        values=check_values_here(logits) if process_group is not None else None,
+    )  # fmt: skip
+    if process_group is not None:
+        _check_args(logits, ref_logits, temp, vocab_parallel=True)
+        from ..distributed.vocab_parallel_full_kl import vocab_parallel_sampled_full_kl
+
+        return vocab_parallel_sampled_full_kl(
+            logits, ref_logits, temp, temps, k, ks, p, ps, mp, mps, sampler, mask, process_group
+        )
     if not _backend.HAS_EXTENSION:
         _check_args(logits, ref_logits, temp, vocab_parallel=False)
     kl = _full_kl_sampler(logits, ref_logits, temp, temps, k, ks, p, ps, mp, mps, sampler, mask)

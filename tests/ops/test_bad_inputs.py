@@ -101,6 +101,9 @@ vst = torch.tensor(0)
 vsums = ops.vocab_parallel_sampler_states(vz, vy, vst, vm, vit, vlmp, vcut, vallow, -100)
 vsg = torch.cat([torch.tensor([0.0, 6, 4, 0.0]), vm]).view(1, -1)
 vsf = ops.vocab_parallel_sampler_finish(vz, vy, vsg, vsums, vm, vit, vlmp, vcut, vallow, 0, -100)
+vmr = vref.amax(-1)
+vkls = ops.vocab_parallel_sampler_kl_sums(vz, vref, vm, vmr, vit, vlmp, vcut, vallow)
+vklo = ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls, vm, vmr, vit, vlmp, vcut, vallow, None)
 # linear_distill_loss: hidden [3, 4], weight [5, 4], a teacher head [3, 2] / [5, 2]
 from ppo_kernels.distill import op as ldl_op
 ldl = [h, w, lab3, None, None, torch.randn(3, 2), torch.randn(5, 2), None, None, None, "jsd", 0.5,
@@ -1686,6 +1689,34 @@ CASES = [
         None,
         "ops.vocab_parallel_sampler_backward(g4, None, vz, vy, vm, vit, vlmp, vcut, vallow, vsf[2], vsf[1], vsf[3].float(), vsf[7], -100)",
         "outside",
+    ),
+    (
+        "vp_sampler_kl_sums_ref_shape",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl_sums(vz, vref[:, :5], vm, vmr, vit, vlmp, vcut, vallow)",
+        "ref_logits",
+    ),
+    (
+        "vp_sampler_kl_kl_sums",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls[:1], vm, vmr, vit, vlmp, vcut, vallow, None)",
+        "kl_sums",
+    ),
+    (
+        "vp_sampler_kl_mask",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls, vm, vmr, vit, vlmp, vcut, vallow, g4)",
+        "mask",
+    ),
+    (
+        "vp_sampler_kl_bwd_kl",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl_backward(g4, vz, vref, vm, vmr, vit, vlmp, vcut, vallow, vklo[0][:2], vklo[1], vklo[2], None, True)",
+        "kl",
     ),
     (
         "vp_sampler_bwd_layout",

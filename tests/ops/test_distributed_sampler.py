@@ -4,7 +4,7 @@ compare against the single-process op on the gathered logits / the unsharded hea
 NaN-poisoned, uneven and empty slices: per-row and per-token temperature tensors in every
 vocab-parallel form (token_logprobs, full_kl, linear_token_logprobs, linear_policy_loss,
 linear_preference_loss); top_k / top_p / min_p under both samplers' rules in token_logprobs,
-linear_token_logprobs and linear_policy_loss (ties across the slices' borders, the edges k = 1,
+full_kl, linear_token_logprobs and linear_policy_loss (ties across the slices' borders, the edges k = 1,
 k >= V, p -> 0, p = 1, min_p = 1, per-row tensors, a NaN row, the statistics, gradients on the
 kept set only, a fixed number of collectives, row blocks, mask_outside, torch.compile); bad
 inputs raising on every rank."""
@@ -15,7 +15,10 @@ from support.skips import requires_gloo
 
 pytestmark = requires_gloo
 
-ALL = "temperature_logits,temperature_linear,sampler_logits,sampler_linear,sampler_policy"
+ALL = (
+    "temperature_logits,temperature_linear,sampler_logits,sampler_full_kl,sampler_linear,"
+    "sampler_policy"
+)
 
 
 # one set of processes per world size (process start-up dominates on a small CPU)
@@ -67,6 +70,20 @@ def test_sampler_ops_opcheck():
     gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
     bwd = (gl, ge, z, y, m, inv_ts, lmp, cut, allow, log_s, ent, outside, layout, -100)
     opcheck(ops.vocab_parallel_sampler_backward.default, bwd)
+    # full_kl under the sampler: the reference's sums, the KL (differentiable in both), backward
+    zr = torch.randn(N, V, generator=g)
+    mr = zr.amax(-1)
+    kl_args = (z, zr, m, mr, inv_ts, lmp, cut, allow)
+    opcheck(ops.vocab_parallel_sampler_kl_sums.default, kl_args)
+    kls = ops.vocab_parallel_sampler_kl_sums(*kl_args)
+    mask = torch.tensor([True, False, True, True])
+    zg, zrg = z.clone().requires_grad_(), zr.clone().requires_grad_()
+    kl_in = (zg, zrg, sums, kls, m, mr, inv_ts, lmp, cut, allow, mask)
+    opcheck(ops.vocab_parallel_sampler_kl.default, kl_in)
+    with torch.no_grad():
+        kl, ls, lsr = ops.vocab_parallel_sampler_kl(*kl_in)
+    bwd = (gl, z, zr, m, mr, inv_ts, lmp, cut, allow, kl, ls, lsr, mask, True)
+    opcheck(ops.vocab_parallel_sampler_kl_backward.default, bwd)
 
 
 def test_keys_keep_the_order():

@@ -454,6 +454,49 @@ def case_sampler_policy(rank, world):
             torch.testing.assert_close(bs.grad, bf.grad[v0:v1], **tol, msg=msg)
 
 
+def case_sampler_full_kl(rank, world):
+    """full_kl(process_group=..., top_k / top_p / min_p, both samplers) against the single-process
+    op on the gathered logits: the KL of the policy truncated to its kept set against the whole
+    reference, a mask, ties across the slices' borders, per-row tensors, both logits' gradients
+    (the policy's on the kept set only), bf16 and float64."""
+    import ppo_kernels as pk
+    from support.utils import GRAD_TOL, TOL, poisoned
+
+    grp = dist.group.WORLD
+    B, T, V = 3, 4, 23
+    for dtype, seed in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float64, 3)):
+        g = torch.Generator().manual_seed(seed)
+        logits = _sampler_logits(g, B, T, V, dtype).nan_to_num(0.0)
+        ref = (torch.randn(B, T, V, generator=g) * 2).to(dtype)
+        mask = torch.rand(B, T, generator=g) > 0.2
+        gk = torch.randn(B, T, generator=g)
+        v0, v1 = _slices(V, world, seed)[rank]
+        tol = TOL.get(dtype, dict(atol=1e-10, rtol=1e-10))
+        gtol = GRAD_TOL.get(dtype, dict(atol=1e-10, rtol=1e-10))
+        opts_all = _sampler_options(B, T, V, g)
+        for sampler in ("vllm", "sglang"):
+            for i in (0, 1, 3, 4, 8) if dtype == torch.float32 else (3, 8):
+                opts = opts_all[i]
+                msg = f"{dtype} {sampler} {i} {sorted(opts)} rank {rank}"
+                full, fref = logits.clone().requires_grad_(), ref.clone().requires_grad_()
+                kl_w = pk.full_kl(full, fref, mask=mask, sampler=sampler, **opts)
+                (kl_w * gk).sum().backward()
+                shard = logits[..., v0:v1].clone().requires_grad_()
+                rshard = ref[..., v0:v1].clone().requires_grad_()
+                with poisoned():
+                    kl = pk.full_kl(shard, rshard, mask=mask, sampler=sampler,
+                                    process_group=grp, **opts)  # fmt: skip
+                    (kl * gk).sum().backward()
+                torch.testing.assert_close(kl, kl_w, **tol, msg=msg)
+                torch.testing.assert_close(shard.grad.float(), full.grad[..., v0:v1].float(),
+                                           **gtol, msg=msg)  # fmt: skip
+                torch.testing.assert_close(rshard.grad.float(), fref.grad[..., v0:v1].float(),
+                                           **gtol, msg=msg)  # fmt: skip
+    x = torch.randn(2, 3, 4)
+    for name, kw in (("top_k", dict(top_k=-1)), ("top_p", dict(top_p=torch.ones(3)))):
+        _raises_everywhere(name, lambda: pk.full_kl(x, x, process_group=grp, **kw))
+
+
 def case_sampler_compile(rank, world):
     """torch.compile (aot_eager, fullgraph=True) of the vocab-parallel token_logprobs with the
     sampler's options and of the plain forms with temperature tensors equals eager, forward and
