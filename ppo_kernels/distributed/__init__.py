@@ -4,9 +4,9 @@ GPUs): vocab-parallel log-probs (`token_logprobs(..., process_group=tp_group)`),
 (`linear_preference_loss(..., process_group=tp_group)`), sequence-parallel GAE (`gae(...,
 process_group=sp_group)`) and data-parallel masked statistics (`masked_mean` /
 `masked_whiten(..., process_group=dp_group)`). Each needs one collective (the losses: one per row
-block). The vocab-parallel forms take the rollout sampler's per-row temperatures; token_logprobs,
-full_kl, linear_token_logprobs and linear_policy_loss its truncation too (top_k / top_p / min_p:
-vocab_parallel_sampler.py, a fixed number of collectives per call or row block)."""
+block). The vocab-parallel forms take the rollout sampler's options: per-row temperatures and its
+truncation (top_k / top_p / min_p: vocab_parallel_sampler.py, a fixed number of collectives per
+call or row block)."""
 
 from .data_parallel import combine_moments, global_moments, local_moments  # noqa: F401
 from .sequence_parallel import sequence_parallel_gae  # noqa: F401

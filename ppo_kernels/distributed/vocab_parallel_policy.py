@@ -220,6 +220,30 @@ def with_sampler_stats(names, sampled_names, stats):
     return torch.stack([got.get(n, zero) for n in sampled_names])
 
 
+def sampler_sizes(sampled) -> tuple[bool, dict]:
+    """(whether the sampler op's arguments `sampled` (or None) truncate, the sizes of them that
+    decide the collectives, for vocab_layout.negotiate to check alike on every rank)."""
+    if sampled is None:
+        return False, {}
+    _, k, ks, p, ps, mp, mps, smp, _ = sampled
+    on = (k != 0 or ks is not None, p != 1.0 or ps is not None, mp != 0.0 or mps is not None)
+    sizes = dict(sampler=("vllm", "sglang").index(smp), top_k=int(on[0]), top_p=int(on[1]),
+                 min_p=int(on[2]))  # fmt: skip
+    return any(on), sizes
+
+
+def global_top_k(sampled, V, rows, device):
+    """The sampler op's arguments with a scalar top-k measured against the whole vocabulary V: a
+    fused loss's head decides its first pass from the call (linear_policy_loss.head.truncates,
+    which reads the weight's rows: a slice here), so a top-k below V becomes a per-row tensor
+    ([rows], the same on every rank) and one at or above V is off."""
+    _, k, ks = sampled[:3]
+    if ks is None and k != 0:
+        ks = torch.full((rows,), k, dtype=torch.int64, device=device) if k < V else None
+        k = 0
+    return (sampled[0], k, ks, *sampled[3:])
+
+
 def vocab_parallel_linear_policy_loss(
     args: tuple, process_group, vocab_start, reduce_hidden_grad, sampled=None
 ):
@@ -238,16 +262,12 @@ def vocab_parallel_linear_policy_loss(
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     reduce_h = need_h and bool(reduce_hidden_grad)
     acc = acc_dtype(hidden.dtype)
-    on = (False, False, False)  # top-k, top-p, min-p given (per-row tensors count as on)
-    if sampled is not None:
-        _, k, ks, p, ps, mp, mps, smp, _ = sampled
-        on = (k != 0 or ks is not None, p != 1.0 or ps is not None, mp != 0.0 or mps is not None)
+    truncated, same = sampler_sizes(sampled)
     starts, sizes = negotiate(
         vocab_start, a.weight.shape[0], group, hidden.device,
         rows=N, T=a.labels.shape[-1], H=H, max_chunk_bytes=a.max_chunk_bytes,
         dtype=FLOAT_DTYPES.index(hidden.dtype), ref_hidden=int(full), reduce_hidden=int(reduce_h),
-        sampler=("vllm", "sglang").index(smp) if any(on) else -1, top_k=int(on[0]),
-        top_p=int(on[1]), min_p=int(on[2]),
+        **same,
     )  # fmt: skip
     V = sum(sizes)
     if hidden.device.type == "cpu" or _backend.strict():
@@ -258,14 +278,8 @@ def vocab_parallel_linear_policy_loss(
     rows = min(engine.plan_rows(hidden, v, ldt, budget, share, fused=False).rows for v in sizes)
     backend = _backend.backend_for("linear_policy_loss", hidden)
     rank = dist.get_rank(group)
-    if any(on):
-        if ks is None and k != 0:
-            # the head decides its first pass from the call (lpl_head.truncates, which reads
-            # the slice's size): a top-k below the whole V as a per-row tensor, the same on
-            # every rank, one at or above it off
-            ks = torch.full((a.labels.shape[0],), k, dtype=torch.int64, device=hidden.device)
-            ks, k = (ks, 0) if k < V else (None, 0)
-        sampled = (sampled[0], k, ks, *sampled[3:])
+    if truncated:
+        sampled = global_top_k(sampled, V, a.labels.shape[0], hidden.device)
         opts = options(a.labels, a.temperature, *sampled[:8], acc)
         return _sampled_loss(a, args, sampled, opts, backend, starts[rank], V, rows, group,
                              reduce_h)  # fmt: skip

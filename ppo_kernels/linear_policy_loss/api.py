@@ -92,19 +92,15 @@ def sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_o
     return temp, (rows(temps), k, rows(ks), p, rows(ps), mp, rows(mps), sampler, mask_outside)
 
 
-def wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group,
-                  vocab_parallel_truncation=False) -> bool:  # fmt: skip
+def wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside) -> bool:
     """Whether a fused loss's call gives one of the sampler's options (a temperature tensor,
-    top_k, top_p, min_p): then the vocab-parallel form is refused for a truncation unless the
-    loss's form takes it (vocab_parallel_truncation); else `sampler` and `mask_outside` are
-    checked, unused."""
-    truncation = top_k is not None or top_p is not None or min_p is not None
-    if truncation or isinstance(temperature, Tensor):
-        if truncation and process_group is not None and not vocab_parallel_truncation:
-            raise ValueError(
-                "process_group: top_k, top_p and min_p are not supported with the vocab-parallel "
-                "form yet (a temperature tensor is)"
-            )
+    top_k, top_p, min_p); else `sampler` and `mask_outside` are checked, unused."""
+    if (
+        top_k is not None
+        or top_p is not None
+        or min_p is not None
+        or isinstance(temperature, Tensor)
+    ):
         return True
     if sampler != "vllm" or mask_outside is not True:
         check_sampler_unused(sampler, 0)
@@ -331,7 +327,7 @@ def linear_policy_loss(
     est, st = parse_estimator(kl_config.kl_estimator)
     bounds = resolve_clamp(kl_config.kl_clamp, est)
     sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
-    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group, True):
+    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside):
         if ref_hidden is not None or ref_weight is not None:
             raise ValueError(
                 "ref_hidden: the exact KL against a reference head is not supported with the "

@@ -3,8 +3,7 @@ the CPU: each world size spawns its processes once (tests/support/dist_sampler_w
 compare against the single-process op on the gathered logits / the unsharded head, outputs
 NaN-poisoned, uneven and empty slices: per-row and per-token temperature tensors in every
 vocab-parallel form (token_logprobs, full_kl, linear_token_logprobs, linear_policy_loss,
-linear_preference_loss); top_k / top_p / min_p under both samplers' rules in token_logprobs,
-full_kl, linear_token_logprobs and linear_policy_loss (ties across the slices' borders, the edges k = 1,
+linear_preference_loss); top_k / top_p / min_p under both samplers' rules in the same forms (ties across the slices' borders, the edges k = 1,
 k >= V, p -> 0, p = 1, min_p = 1, per-row tensors, a NaN row, the statistics, gradients on the
 kept set only, a fixed number of collectives, row blocks, mask_outside, torch.compile); bad
 inputs raising on every rank."""
@@ -17,7 +16,7 @@ pytestmark = requires_gloo
 
 ALL = (
     "temperature_logits,temperature_linear,sampler_logits,sampler_full_kl,sampler_linear,"
-    "sampler_policy"
+    "sampler_policy,sampler_preference"
 )
 
 

@@ -409,6 +409,40 @@ def case_sampler_linear(rank, world):
         _raises_everywhere(name, lambda: pk.linear_token_logprobs(x, w, y, process_group=grp, **kw))
 
 
+def _fused_loss_cases(rank, world, inputs, call, cases, ref_head):
+    """A fused loss's vocab-parallel form (call: dist_workers._policy_call's signature) under the
+    sampler's options against the single-process op: cases(d, g) -> [(options, budget)] on the
+    inputs(dtype) of float32 (all) and float64 (the first two); ref_head: the reference head's
+    weight is sharded too. Loss, statistics, outputs, gradients; some label is outside."""
+    from support.utils import poisoned
+
+    grp = dist.group.WORLD
+    for dtype in (torch.float32, torch.float64):
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+        tol = dict(tol, equal_nan=True)
+        d = inputs(dtype)
+        V = d["weight"].shape[0]
+        all_cases = cases(d, torch.Generator().manual_seed(8))
+        for i, (opts, budget) in enumerate(all_cases if dtype == torch.float32 else all_cases[:2]):
+            v0, v1 = _slices(V, world, seed=i)[rank]
+            msg = f"{i} {dtype} rank {rank}"
+            rw = d["ref_weight"] if ref_head else None
+            hf, wf, bf = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+            want = call(d, dict(opts, max_chunk_bytes=None), wf, bf, rw, hf)
+            want[0].backward()
+            hs = d["hidden"].clone().requires_grad_()
+            ws, bs = (d[k][v0:v1].clone().requires_grad_() for k in ("weight", "bias"))
+            with poisoned():
+                got = call(d, dict(opts, max_chunk_bytes=budget), ws, bs,
+                           None if rw is None else rw[v0:v1], hs, process_group=grp)  # fmt: skip
+                got[0].backward()
+            _compare(msg, got, want, tol)
+            assert int(got[1]["num_outside"]) > 0 or "gspo" in str(opts), (msg, "none outside")
+            torch.testing.assert_close(hs.grad, hf.grad, **tol, msg=msg)
+            torch.testing.assert_close(ws.grad, wf.grad[v0:v1], **tol, msg=msg)
+            torch.testing.assert_close(bs.grad, bf.grad[v0:v1], **tol, msg=msg)
+
+
 def case_sampler_policy(rank, world):
     """linear_policy_loss(process_group=..., top_k / top_p / min_p, both samplers) against the
     single-process op on the unsharded head: loss, every statistic (num_outside), the outside
@@ -416,17 +450,15 @@ def case_sampler_policy(rank, world):
     pass) and off; a sequence longer than a row block; a top-k at or above a slice's size but
     below V (the same first pass on every rank)."""
     from support import dist_workers as dw
-    from support.utils import poisoned
 
-    grp = dist.group.WORLD
-    for dtype in (torch.float32, torch.float64):
-        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
-        tol = dict(tol, equal_nan=True)
-        d = dw._policy_inputs(dtype)
+    def call(d, opts, weight, bias, ref_weight, hidden, **kw):
+        return dw._policy_call(d, opts, weight, bias, ref_weight, hidden,
+                               ref_logprobs=d["ref_logprobs"], **kw)  # fmt: skip
+
+    def cases(d, g):
         B, T = d["labels"].shape
         V = d["weight"].shape[0]
-        g = torch.Generator().manual_seed(8)
-        cases = [
+        return [
             (dict(loss_type="ppo", entropy_coef=0.01, top_k=4, min_p=0.05), 2000),
             (dict(loss_type="grpo", top_p=0.6, temperature=torch.rand(B, generator=g) + 0.5,
                   sampler="sglang", kl_coef=0.1), 2000),
@@ -434,24 +466,31 @@ def case_sampler_policy(rank, world):
                   top_p=torch.rand(B, generator=g) * 0.5 + 0.5, mask_outside=False), 2000),
             (dict(loss_type="gspo", top_k=V - 2, sampler="sglang"), 300),  # blocks < T
         ]  # fmt: skip
-        for i, (opts, budget) in enumerate(cases if dtype == torch.float32 else cases[:2]):
-            v0, v1 = _slices(V, world, seed=i)[rank]
-            msg = f"{i} {dtype} rank {rank}"
-            hf, wf, bf = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-            want = dw._policy_call(d, dict(opts, max_chunk_bytes=None), wf, bf, None, hf,
-                                   ref_logprobs=d["ref_logprobs"])  # fmt: skip
-            want[0].backward()
-            hs = d["hidden"].clone().requires_grad_()
-            ws, bs = (d[k][v0:v1].clone().requires_grad_() for k in ("weight", "bias"))
-            with poisoned():
-                got = dw._policy_call(d, dict(opts, max_chunk_bytes=budget), ws, bs, None, hs,
-                                      ref_logprobs=d["ref_logprobs"], process_group=grp)  # fmt: skip
-                got[0].backward()
-            _compare(msg, got, want, tol)
-            assert int(got[1]["num_outside"]) > 0 or i == 3, (msg, "no label outside")
-            torch.testing.assert_close(hs.grad, hf.grad, **tol, msg=msg)
-            torch.testing.assert_close(ws.grad, wf.grad[v0:v1], **tol, msg=msg)
-            torch.testing.assert_close(bs.grad, bf.grad[v0:v1], **tol, msg=msg)
+
+    _fused_loss_cases(rank, world, dw._policy_inputs, call, cases, ref_head=False)
+
+
+def case_sampler_preference(rank, world):
+    """linear_preference_loss(process_group=..., top_k / top_p / min_p, both samplers) against
+    the single-process op on the unsharded heads: loss, every statistic (num_outside), per-row
+    and per-token outputs, the outside flags, the gradients; each head's own kept set (the
+    reference head sharded, its pass first), pairs walked side by side, sft's batch count (a
+    first pass), mask_outside off, pairs longer than a block."""
+    from support import dist_preference_workers as pw
+
+    def cases(d, g):
+        R, T = d["labels"].shape
+        V = d["weight"].shape[0]
+        return [
+            (dict(loss_type=("sigmoid", "sft"), ref="head", top_k=5, min_p=0.05), None),
+            (dict(loss_type="ipo", ref="given", top_p=0.7, sampler="sglang",
+                  temperature=torch.rand(R, generator=g) + 0.5), None),
+            (dict(loss_type="kto", ref="head", top_k=torch.randint(0, V, (R, T), generator=g),
+                  mask_outside=False), None),
+            (dict(loss_type="sigmoid", ref="head", pairs=True, top_p=0.8), 300),  # pairs > block
+        ]  # fmt: skip
+
+    _fused_loss_cases(rank, world, pw._inputs, pw._call, cases, ref_head=True)
 
 
 def case_sampler_full_kl(rank, world):
