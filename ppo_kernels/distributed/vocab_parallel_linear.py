@@ -31,7 +31,15 @@ from .vocab_layout import (
     layout_ints,
     resolve_vocab_start,
 )
-from .vocab_states import ROWS, check_finish_args, check_grads, empty_states, finish
+from .vocab_parallel_token_logprobs import check_temperatures
+from .vocab_states import (
+    ROWS,
+    check_finish_args,
+    check_grads,
+    empty_states,
+    finish,
+    row_inverse,
+)
 
 # ---- from hidden states: a vocab-sharded LM head (the logits are still never built) ----
 
@@ -54,17 +62,21 @@ def _linear_states_op(
     ignore_index: int,
     max_chunk_bytes: int,
     logits_dtype: str,
+    temperatures: Tensor | None = None,
 ) -> Tensor:
     """[ROWS, N] states of the logits hidden [N, H] @ weight[V_rank, H].T (+ bias) of this
-    rank's vocabulary slice, computed in chunks (linear_logprobs' chunk_states)."""
+    rank's vocabulary slice, computed in chunks (linear_logprobs' chunk_states); temperatures
+    [N]: per-row values that replace temperature."""
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     check_int("vocab_start", vocab_start, min_value=0)
+    check_temperatures(temperatures, labels, hidden.device, "hidden")
     N, H = hidden.shape
     Vr = weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     inv_t = 1.0 / temperature
+    inv_ts = row_inverse(temperatures, (N,), acc)
     local = empty_states(labels, vocab_start, Vr, ignore_index, acc)
     if N and Vr:
         plan = plan_call(
@@ -82,6 +94,7 @@ def _linear_states_op(
                 inv_t,
                 ignore_index,
                 v_offset=vocab_start,
+                inv_ts=None if inv_ts is None else tiler.pad(inv_ts[r0:r1], 1.0),
             )
             local[0:3, r0:r1] = st[:, : r1 - r0]
             local[3, r0:r1] = zl[: r1 - r0]
@@ -89,8 +102,11 @@ def _linear_states_op(
 
 
 @_linear_states_op.register_fake
-def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype):
-    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias)
+def _(hidden, weight, labels, bias, vocab_start, temperature, ignore, budget, logits_dtype,
+      temperatures=None):  # fmt: skip
+    check_devices(
+        "hidden", hidden, weight=weight, labels=labels, bias=bias, temperatures=temperatures
+    )
     return hidden.new_empty((ROWS, hidden.shape[0]), dtype=acc_dtype(hidden.dtype))
 
 
@@ -108,13 +124,16 @@ def _linear_op(
     max_chunk_bytes: int,
     logits_dtype: str,
     reduce_group: str | None,
+    temperatures: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logprobs, entropy or an empty tensor, lse, layout) [N] from the gathered states of every
-    rank; hidden / weight / bias are read only by the backward, which all-reduces the hidden
-    gradient over the process group named reduce_group (None: leave it partial)."""
+    rank; hidden / weight / bias (and the per-row temperatures [N], or None) are read only by the
+    backward, which all-reduces the hidden gradient over the process group named reduce_group
+    (None: leave it partial)."""
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
+    check_temperatures(temperatures, labels, hidden.device, "hidden")
     check_finish_args(
         labels, gathered, rank, labels.shape, hidden.device, acc_dtype(hidden.dtype), "hidden"
     )
@@ -122,8 +141,12 @@ def _linear_op(
 
 
 @_linear_op.register_fake
-def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, *rest):
-    check_devices("hidden", hidden, weight=weight, labels=labels, bias=bias, gathered=gathered)
+def _(hidden, weight, labels, bias, gathered, rank, temperature, ignore, with_entropy, budget, ldt,
+      group, temperatures=None):  # fmt: skip
+    check_devices(
+        "hidden", hidden, weight=weight, labels=labels, bias=bias, gathered=gathered,
+        temperatures=temperatures,
+    )  # fmt: skip
     acc, N = acc_dtype(hidden.dtype), hidden.shape[0]
     ent = hidden.new_empty((N,) if with_entropy else (0,), dtype=acc)
     out = [hidden.new_empty((N,), dtype=acc) for _ in range(2)]
@@ -150,14 +173,17 @@ def _linear_backward_op(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    temperatures: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of this rank's slice, float32 (float64 for float64),
-    an empty tensor where not needed; grad_hidden is this slice's share (partial, not reduced)."""
+    an empty tensor where not needed; grad_hidden is this slice's share (partial, not reduced).
+    temperatures [N]: per row."""
     _check_linear_args(
         hidden, weight, labels, bias, temperature, ignore_index, max_chunk_bytes, logits_dtype
     )
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     check_grads(grad_logprobs, grad_entropy, lse, entropy, labels.shape, dev, acc, "hidden")
+    check_temperatures(temperatures, labels, dev, "hidden")
     vocab_start, V = layout_ints(layout)
     N, H = hidden.shape
     Vr = weight.shape[0]
@@ -169,7 +195,10 @@ def _linear_backward_op(
     gb = torch.zeros((Vr,) if (need_bias and bias is not None) else (0,), dtype=acc, device=dev)
     if N and Vr:
         plan = plan_call(N, Vr, H, hidden.dtype, dev, max_chunk_bytes, logits_dtype, False)
-        vocab = VocabChunks(plan, None, temperature, ignore_index, vocab_start, V, partial=True)
+        inv_ts = row_inverse(temperatures, (N,), acc)
+        vocab = VocabChunks(
+            plan, None, temperature, ignore_index, vocab_start, V, partial=True, inv_ts=inv_ts
+        )
         head = engine.GivenGrads(glp, gent, lse, entropy if with_ent else None)
         lm = engine.Head(hidden, weight, bias, labels)
         gh, gW, gb = engine.run(head, vocab, lm, plan, need=(need_hidden, need_weight, need_bias))
@@ -177,7 +206,8 @@ def _linear_backward_op(
 
 
 @_linear_backward_op.register_fake
-def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb):
+def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, ldt, nh, nw, nb,
+      temperatures=None):  # fmt: skip
     check_layout_device(layout)
     check_devices(
         "hidden",
@@ -189,6 +219,7 @@ def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, 
         bias=bias,
         lse=lse,
         entropy=ent,
+        temperatures=temperatures,
     )
     acc = acc_dtype(hidden.dtype)
     N, H = hidden.shape
@@ -200,16 +231,18 @@ def _(glp, gent, hidden, weight, labels, bias, lse, ent, layout, t, ig, budget, 
 
 
 def _linear_setup(ctx, inputs, output):
-    hidden, weight, labels, bias, _, _, temperature, ignore_index, _, budget, ldt, group = inputs
+    hidden, weight, labels, bias, _, _, temperature, ignore_index, _, budget, ldt, group, ts = (
+        inputs
+    )
     _, ent, lse, layout = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, ent, layout)
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, ent, layout, ts)
     ctx.args = (temperature, ignore_index, budget, ldt)
     ctx.reduce_group = group
     ctx.mark_non_differentiable(lse, layout)
 
 
 def _linear_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
-    hidden, weight, labels, bias, lse, ent, layout = ctx.saved_tensors
+    hidden, weight, labels, bias, lse, ent, layout, temperatures = ctx.saved_tensors
     need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
     need_b = need_b and bias is not None
     if grad_lp is None:
@@ -218,7 +251,7 @@ def _linear_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
         grad_ent = None
     gh, gW, gb = torch.ops.ppo_kernels.vocab_parallel_linear_token_logprobs_backward(
         grad_lp, grad_ent, hidden, weight, labels, bias, lse, ent, layout, *ctx.args,
-        need_h, need_w, need_b,
+        need_h, need_w, need_b, temperatures,
     )  # fmt: skip
     if need_h and ctx.reduce_group is not None:
         # every rank's slice of the vocabulary contributes to dL/dh: the sum is the gradient
@@ -228,7 +261,7 @@ def _linear_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
         gW.to(weight.dtype) if need_w else None,
         None,
         gb.to(bias.dtype) if need_b else None,
-        *(None,) * 8,
+        *(None,) * 9,
     )
 
 
@@ -247,18 +280,21 @@ def vocab_parallel_linear_token_logprobs(
     budget,
     logits_dtype,
     reduce_hidden_grad,
+    temperatures=None,
 ):
     """The body of linear_token_logprobs(..., process_group=...): hidden [N, H] (replicated),
-    weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; arguments checked.
-    Returns (logprobs, entropy) [N]."""
+    weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows; temperatures: per-row
+    values [N] that replace temperature, or None; arguments checked. Returns (logprobs,
+    entropy) [N]."""
     start, derived = resolve_vocab_start(vocab_start, weight.shape[0], process_group)
     temperature, ignore_index, budget = float(temperature), int(ignore_index), int(budget or 0)
     h, w = hidden2d.detach(), weight.detach()  # the states carry no gradient: the finish op does
     b = None if bias is None else bias.detach()
+    ts = None if temperatures is None else temperatures.detach()  # (no gradient to them)
 
     def states(s):
         return torch.ops.ppo_kernels.vocab_parallel_linear_states(
-            h, w, labels, b, s, temperature, ignore_index, budget, logits_dtype
+            h, w, labels, b, s, temperature, ignore_index, budget, logits_dtype, ts
         )
 
     gathered = gather_settled(
@@ -277,6 +313,7 @@ def vocab_parallel_linear_token_logprobs(
         budget,
         logits_dtype,
         process_group.group_name if reduce_hidden_grad else None,
+        ts,
     )
     out = acc_dtype(hidden2d.dtype)
     return lp.to(out), ent.to(out)

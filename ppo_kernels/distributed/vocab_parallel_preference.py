@@ -30,6 +30,8 @@ op's fallback without the extension does), which torch.compile does not trace in
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -41,7 +43,8 @@ from .._checks import (
     check_devices,
     check_labels_in_range,
 )
-from ..fused_linear import engine
+from .._math import acc_dtype
+from ..fused_linear import engine, fused_op
 from ..fused_linear.checks import check_args
 from ..fused_linear.vocab_chunks import tile_stats_
 from ..linear_preference_loss import head as pref_head
@@ -49,8 +52,15 @@ from ..linear_preference_loss import op as pref_op
 from ._comm import all_gather as _all_gather
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import negotiate
-from .vocab_parallel_policy import VocabShard
-from .vocab_states import ROWS, empty_states, merge_rows
+from .vocab_parallel_policy import (
+    SamplerShard,
+    VocabShard,
+    global_top_k,
+    sampler_sizes,
+    with_sampler_stats,
+)
+from .vocab_parallel_sampler import options
+from .vocab_states import ROWS, empty_states, merge_rows, row_inverse
 
 
 class PreferenceShard(VocabShard):
@@ -59,15 +69,17 @@ class PreferenceShard(VocabShard):
     the reference adds no gradient."""
 
     def __init__(self, backend, device_type, temperature, ignore_index, start, V, rows, group,
-                 ref_beside):  # fmt: skip
-        super().__init__(backend, device_type, temperature, ignore_index, start, V, rows, group)
+                 ref_beside, inv_ts=None):  # fmt: skip
+        super().__init__(
+            backend, device_type, temperature, ignore_index, start, V, rows, group, inv_ts
+        )
         self.ref_fwd = self.ref_bwd = None  # (stats below; no reference gradient)
         self.ref_beside = ref_beside
 
     def _states(self, tiler, z, lc):
         st = empty_states(lc, self.start, z.shape[1], self.ii, tiler.acc)
         if z.shape[1]:
-            tile = self._acc_tile(tiler, z)
+            tile = self._acc_tile(tiler, z, scale=True)
             tile_stats_(tile, lc, self.start, self.inv_t, self.ii, st[0:3], st[3])
         return st
 
@@ -80,6 +92,28 @@ class PreferenceShard(VocabShard):
         lp, ent, lse = merge_rows(got[:, :ROWS], lc, self.V, self.ii)
         ref = None if zr is None else (merge_rows(got[:, ROWS:], lc, self.V, self.ii)[0],)
         return lp, ent, lse, ref
+
+
+class SamplerShards:
+    """The sampled run's reductions of this rank's slices (linear_preference_loss/op.py's run
+    asks for them): each head's row blocks, the same on every rank, and each head's
+    SamplerShard (its kept set found with the other ranks per block, its outside flags)."""
+
+    def __init__(self, backend, device_type, ignore_index, start, V, sizes, group, opts):
+        self.args = (backend, device_type, ignore_index, start, V, None, group, opts)
+        self.sizes, self.rank = sizes, dist.get_rank(group)
+
+    def sampler_plan(self, hidden, budget, logits_dtype):
+        rows = min(engine.plan_rows(hidden, v, logits_dtype, budget, fused=False).rows
+                   for v in self.sizes)  # fmt: skip
+        p = engine.plan_rows(hidden, self.sizes[self.rank], logits_dtype, budget, fused=False)
+        return dataclasses.replace(p, rows=rows)
+
+    def head_vocab(self, order, outside):
+        """A head's reduction (order: the walk's, which the options already follow)."""
+        vocab = SamplerShard(*self.args)
+        vocab.bind(outside)
+        return vocab
 
 
 def _check(a):
@@ -146,11 +180,14 @@ def _check(a):
 
 
 def vocab_parallel_linear_preference_loss(
-    args: tuple, process_group, vocab_start, reduce_hidden_grad
+    args: tuple, process_group, vocab_start, reduce_hidden_grad, sampled=None
 ):
     """The body of linear_preference_loss(..., process_group=...): args the registered op's
     arguments (op.ARG_NAMES order), weight / bias / ref_weight / ref_bias this rank's vocabulary
-    slice. Returns the op's (loss, stats, row_stats, token_stats), the gradients attached."""
+    slice. Returns the op's (loss, stats, row_stats, token_stats), the gradients attached.
+    sampled: the sampler op's arguments (op.SAMPLER_NAMES) of a call with per-row temperatures
+    and no truncation (checked by the API), applied to both heads: then (loss, stats, row_stats,
+    token_stats, outside), as the sampler op returns them."""
     require_initialized()
     a = pref_op.Call(*args, False, False, False)
     _check(a)
@@ -160,10 +197,12 @@ def vocab_parallel_linear_preference_loss(
     full = a.ref_hidden is not None
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     reduce_h = need_h and bool(reduce_hidden_grad)
+    truncated, same = sampler_sizes(sampled)
     starts, sizes = negotiate(
         vocab_start, a.weight.shape[0], group, hidden.device,
         rows=N, T=T, H=H, max_chunk_bytes=a.max_chunk_bytes,
         dtype=FLOAT_DTYPES.index(hidden.dtype), ref_hidden=int(full), reduce_hidden=int(reduce_h),
+        **same,
     )  # fmt: skip
     V = sum(sizes)
     if hidden.device.type == "cpu" or _backend.strict():
@@ -188,8 +227,17 @@ def vocab_parallel_linear_preference_loss(
         rows = rows_of(1, True)
     backend = _backend.backend_for("linear_preference_loss", hidden)
     rank = dist.get_rank(group)
+    if truncated:
+        return _sampled_loss(a, args, sampled, cfg, backend, starts[rank], V, sizes, group,
+                             reduce_h)  # fmt: skip
+    inv_ts = None
+    if sampled is not None:  # each token's 1 / T in the order the loop walks the rows
+        inv_ts = row_inverse(sampled[0], (R, T), acc_dtype(hidden.dtype))
+        order = pref_head.Layout(cfg, a.pairs, R, T, hidden.device).order
+        if order is not None:
+            inv_ts = inv_ts.index_select(0, order)
     vocab = PreferenceShard(backend, hidden.device.type, a.temperature, a.ignore_index,
-                            starts[rank], V, rows, group, beside)  # fmt: skip
+                            starts[rank], V, rows, group, beside, inv_ts)  # fmt: skip
 
     def runner(call):
         out = pref_op.run(backend, call, vocab)
@@ -200,4 +248,36 @@ def vocab_parallel_linear_preference_loss(
             gh = gh.to(hidden.dtype)
         return loss, stats, rows_, tok, gh, gW, gb
 
-    return pref_op.with_grads(runner, args)
+    out = pref_op.with_grads(runner, args)
+    if sampled is None:
+        return out
+    loss, stats, rows_, tok = out
+    names = pref_head.stat_names(a)
+    sampled_names = pref_head.stat_names(pref_op.SamplerCall(*args, *sampled, False, False, False))
+    outside = torch.zeros((R, T), dtype=torch.bool, device=hidden.device)
+    return loss, with_sampler_stats(names, sampled_names, stats), rows_, tok, outside
+
+
+def _sampled_loss(a, args, sampled, cfg, backend, start, V, sizes, group, reduce_h):
+    """The loss under the sampler's truncation: the op's sampled run (each head's kept set, the
+    reference head's pass first, mask_outside) on SamplerShards."""
+    hidden = a.hidden
+    R, T = a.labels.shape
+    sampled = global_top_k(sampled, V, R, hidden.device)
+    opts = options(a.labels, a.temperature, *sampled[:8], acc_dtype(hidden.dtype))
+    order = pref_head.Layout(cfg, a.pairs, R, T, hidden.device).order
+    if order is not None:  # the loop walks the rows pair by pair
+        opts = opts._replace(**{f: getattr(opts, f).index_select(0, order)
+                                for f in opts._fields[:4]})  # fmt: skip
+    shards = SamplerShards(backend, hidden.device.type, a.ignore_index, start, V, sizes, group,
+                           opts)  # fmt: skip
+
+    def runner(call):
+        loss, stats, rows_, tok, outside, gh, gW, gb = pref_op.run(backend, call, shards)
+        if call.need_hidden:
+            if reduce_h:  # every slice of the vocabulary contributes to dL/dh: the sum
+                all_reduce_(gh, group)
+            gh = gh.to(hidden.dtype)
+        return loss, stats, rows_, tok, outside, gh, gW, gb
+
+    return fused_op.with_grads(runner, pref_op.SamplerCall, 5, (*args, *sampled))

@@ -65,6 +65,8 @@ from .vocab_states import (
     finish,
     local_states,
     row_blocks,
+    row_inverse,
+    scaled_tile,
 )
 
 # ---- token_logprobs on a vocabulary slice of the logits ----
@@ -73,11 +75,26 @@ from .vocab_states import (
 # finish (checks, merge, finalize; differentiable in the logits) and its backward.
 
 
+def check_temperatures(temperatures, labels, dev, like):
+    """A per-row temperature tensor as the vocab-parallel ops take it: one value per flat row
+    [N] (the public function expands a leading part of labels.shape), or None."""
+    check_arg(
+        "temperatures", temperatures, dev, like=like, dtypes=FLOAT_DTYPES,
+        shape=(labels.numel(),), what="one per row", allow_none=True,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("ppo_kernels::vocab_parallel_states", mutates_args=())
 def _states_op(
-    logits: Tensor, labels: Tensor, vocab_start: int, temperature: float, ignore_index: int
+    logits: Tensor,
+    labels: Tensor,
+    vocab_start: int,
+    temperature: float,
+    ignore_index: int,
+    temperatures: Tensor | None = None,
 ) -> Tensor:
-    """[ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows)."""
+    """[ROWS, N] states (local_states) of this rank's slice logits [..., V_rank] (N rows);
+    temperatures [N]: per-row values that replace temperature."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg(
         "labels", labels, logits.device, like="logits", dtypes=INDEX_DTYPES, shape=logits.shape[:-1]
@@ -85,13 +102,15 @@ def _states_op(
     check_int("vocab_start", vocab_start, min_value=0)
     check_temperature(temperature)
     check_int("ignore_index", ignore_index)
+    check_temperatures(temperatures, labels, logits.device, "logits")
     x = logits.reshape(labels.numel(), logits.shape[-1])
-    return local_states(x, labels.reshape(-1), vocab_start, 1.0 / temperature, ignore_index)
+    inv_ts = row_inverse(temperatures, (labels.numel(),), acc_dtype(logits.dtype))
+    return local_states(x, labels.reshape(-1), vocab_start, 1.0 / temperature, ignore_index, inv_ts)
 
 
 @_states_op.register_fake
-def _(logits, labels, vocab_start, temperature, ignore_index):
-    check_devices("logits", logits, labels=labels)
+def _(logits, labels, vocab_start, temperature, ignore_index, temperatures=None):
+    check_devices("logits", logits, labels=labels, temperatures=temperatures)
     return logits.new_empty((ROWS, labels.numel()), dtype=acc_dtype(logits.dtype))
 
 
@@ -104,13 +123,15 @@ def _token_logprobs_op(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
+    temperatures: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logprobs, entropy or an empty tensor, lse, layout) of labels [...] from the states of
     every rank, gathered [world, HEADER + ROWS * N]; logits [..., V_rank] (this rank's slice)
-    is read only by the backward."""
+    and the per-row temperatures [N] (or None) are read only by the backward."""
     acc = acc_dtype(logits.dtype)
     check_finish_args(labels, gathered, rank, logits.shape[:-1], logits.device, acc, "logits")
     check_temperature(temperature)
+    check_temperatures(temperatures, labels, logits.device, "logits")
     lp, ent, lse, layout = finish(
         gathered, labels.reshape(-1), rank, ignore_index, with_entropy, logits.shape[-1]
     )
@@ -119,8 +140,8 @@ def _token_logprobs_op(
 
 
 @_token_logprobs_op.register_fake
-def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy):
-    check_devices("logits", logits, labels=labels, gathered=gathered)
+def _(logits, labels, gathered, rank, temperature, ignore_index, with_entropy, temperatures=None):
+    check_devices("logits", logits, labels=labels, gathered=gathered, temperatures=temperatures)
     acc, shape = acc_dtype(logits.dtype), labels.shape
     ent = logits.new_empty(shape if with_entropy else (0,), dtype=acc)
     out = [logits.new_empty(shape, dtype=acc) for _ in range(2)]
@@ -138,9 +159,10 @@ def _token_logprobs_backward_op(
     layout: Tensor,
     temperature: float,
     ignore_index: int,
+    temperatures: Tensor | None = None,
 ) -> Tensor:
     """This rank's slice of the unsharded gradient: d(sum(g_lp * lp + g_ent * ent)) / d logits,
-    elementwise given the merged lse and entropy (no collective)."""
+    elementwise given the merged lse and entropy (no collective); temperatures [N]: per row."""
     acc, dev, rows = acc_dtype(logits.dtype), logits.device, logits.shape[:-1]
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     check_arg(
@@ -153,8 +175,12 @@ def _token_logprobs_backward_op(
         what="logits.shape[:-1]",
     )
     check_grads(grad_logprobs, grad_entropy, lse, entropy, rows, dev, acc, "logits")
+    check_temperatures(temperatures, labels, dev, "logits")
     vocab_start, V = layout_ints(layout)
     inv_t = 1.0 / check_temperature(temperature)
+    inv_ts = row_inverse(temperatures, (labels.numel(),), acc)
+    if inv_ts is not None:  # the tile holds z = x / T_row: the kernel runs at temperature 1
+        inv_t = 1.0
     x = logits.reshape(labels.numel(), logits.shape[-1])
     y = labels.reshape(-1)
     N, Vr = x.shape
@@ -168,7 +194,7 @@ def _token_logprobs_backward_op(
         buf = torch.empty(min(rows_per, N) * Vr, dtype=acc, device=dev)
         for r0 in starts:
             r1 = min(N, r0 + rows_per)
-            tile = buf[: (r1 - r0) * Vr].view(r1 - r0, Vr).copy_(x[r0:r1])
+            tile = scaled_tile(buf, x, r0, r1, inv_ts)
             tile_bwd_(
                 tile,
                 y[r0:r1],
@@ -181,12 +207,15 @@ def _token_logprobs_backward_op(
                 ignore_index,
                 V,
             )
+            if inv_ts is not None:  # d/dx = d/dz / T_row
+                tile.mul_(inv_ts[r0:r1].unsqueeze(-1))
             grad[r0:r1] = tile
     return grad.view(logits.shape)
 
 
 @_token_logprobs_backward_op.register_fake
-def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore):
+def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, temperature, ignore,
+      temperatures=None):  # fmt: skip
     check_layout_device(layout)
     check_devices(
         "logits",
@@ -196,28 +225,29 @@ def _(grad_logprobs, grad_entropy, logits, labels, lse, entropy, layout, tempera
         labels=labels,
         lse=lse,
         entropy=entropy,
+        temperatures=temperatures,
     )
     return logits.new_empty(logits.shape)
 
 
 def _token_logprobs_setup(ctx, inputs, output):
-    logits, labels, _, _, temperature, ignore_index, _ = inputs
+    logits, labels, _, _, temperature, ignore_index, _, temperatures = inputs
     _, ent, lse, layout = output
-    ctx.save_for_backward(logits, labels, lse, ent, layout)
+    ctx.save_for_backward(logits, labels, lse, ent, layout, temperatures)
     ctx.args = (temperature, ignore_index)
     ctx.mark_non_differentiable(lse, layout)
 
 
 def _token_logprobs_backward(ctx, grad_lp, grad_ent, _grad_lse, _grad_layout):
-    logits, labels, lse, ent, layout = ctx.saved_tensors
+    logits, labels, lse, ent, layout, temperatures = ctx.saved_tensors
     if grad_lp is None:
         grad_lp = torch.zeros_like(lse)
     if grad_ent is not None and grad_ent.numel() == 0:
         grad_ent = None
     grad = torch.ops.ppo_kernels.vocab_parallel_token_logprobs_backward(
-        grad_lp, grad_ent, logits, labels, lse, ent, layout, *ctx.args
+        grad_lp, grad_ent, logits, labels, lse, ent, layout, *ctx.args, temperatures
     )
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
@@ -231,14 +261,19 @@ def vocab_parallel_token_logprobs(
     return_entropy: bool,
     process_group,
     vocab_start: int | None,
+    temperatures: Tensor | None = None,
 ):
-    """The body of token_logprobs(..., process_group=...); arguments already checked."""
+    """The body of token_logprobs(..., process_group=...); arguments already checked.
+    temperatures: per-row values [N] (one per label) that replace temperature, or None."""
     start, derived = resolve_vocab_start(vocab_start, logits.shape[-1], process_group)
     temperature, ignore_index = float(temperature), int(ignore_index)
     x = logits.detach()  # the states carry no gradient: the finish op does
+    ts = None if temperatures is None else temperatures.detach()  # (no gradient to them)
 
     def states(s):
-        return torch.ops.ppo_kernels.vocab_parallel_states(x, labels, s, temperature, ignore_index)
+        return torch.ops.ppo_kernels.vocab_parallel_states(
+            x, labels, s, temperature, ignore_index, ts
+        )
 
     gathered = gather_settled(
         states, start, derived, logits.shape[-1], labels.numel(), process_group
@@ -251,5 +286,6 @@ def vocab_parallel_token_logprobs(
         temperature,
         ignore_index,
         bool(return_entropy),
+        ts,
     )
     return (lp, ent) if return_entropy else lp

@@ -21,6 +21,7 @@ from .._checks import (
     check_tensor,
 )
 from .._math import acc_dtype
+from ..fused_linear import engine
 from ..fused_linear.vocab_chunks import tile_stats_
 from ..linear_logprobs import naive as lin_ref
 from .vocab_layout import (
@@ -37,22 +38,51 @@ def row_blocks(N, V, acc):
     return range(0, N, rows), rows
 
 
+def row_inverse(temperatures: Tensor | None, shape, acc) -> Tensor | None:
+    """Per-row temperatures (a shape that is a leading part of `shape`) as each flat row's 1 / T
+    [prod(shape)] in the accumulation dtype: the reciprocal taken in float64 as the sampler's
+    kernels take it (engine.sampler_params), or None."""
+    if temperatures is None:
+        return None
+    inv = engine.sampler_params(
+        tuple(shape), temperatures.device, temperatures, 0, None, 1.0, None, 0.0, None
+    )[0]
+    return inv.to(acc)
+
+
+def scaled_tile(buf, x, r0, r1, inv_ts):
+    """Rows r0:r1 of x copied into buf in the accumulation dtype, each row times its 1 / T where
+    per-row temperatures are given (the tile kernels then run at temperature 1: z = x / T_row,
+    the product the sampler's kernels form)."""
+    V = x.shape[1]
+    tile = buf[: (r1 - r0) * V].view(r1 - r0, V).copy_(x[r0:r1])
+    return tile if inv_ts is None else tile.mul_(inv_ts[r0:r1].unsqueeze(-1))
+
+
 def local_states(
-    logits: Tensor, labels: Tensor, vocab_start: int, inv_t: float, ignore_index: int
+    logits: Tensor,
+    labels: Tensor,
+    vocab_start: int,
+    inv_t: float,
+    ignore_index: int,
+    inv_ts: Tensor | None = None,
 ) -> Tensor:
     """[ROWS, N] (m, s, u, zlabel, owned) of this rank's vocabulary slice: the softmax statistics
-    of z = logits * inv_t over the slice, the label's z where this slice owns the label (NaN
-    elsewhere), and 1.0 where it owns it. Ignored rows keep the empty state."""
+    of z = logits * inv_t (or * inv_ts, per row [N]) over the slice, the label's z where this
+    slice owns the label (NaN elsewhere), and 1.0 where it owns it. Ignored rows keep the empty
+    state."""
     N, V = logits.shape
     acc = acc_dtype(logits.dtype)
     st = empty_states(labels, vocab_start, V, ignore_index, acc)
     if V == 0 or N == 0:
         return st
+    if inv_ts is not None:
+        inv_t = 1.0
     starts, rows = row_blocks(N, V, acc)
     buf = torch.empty(min(rows, N) * V, dtype=acc, device=logits.device)
     for r0 in starts:
         r1 = min(N, r0 + rows)
-        tile = buf[: (r1 - r0) * V].view(r1 - r0, V).copy_(logits[r0:r1])
+        tile = scaled_tile(buf, logits, r0, r1, inv_ts)
         state = st[0:3, r0:r1]
         zl = st[3, r0:r1]
         s_tmp, z_tmp = state.contiguous(), zl.contiguous()

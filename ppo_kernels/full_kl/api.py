@@ -17,7 +17,7 @@ from .._checks import (
     check_tensor,
     device_error,
 )
-from ..token_logprobs.api import sampler_options
+from ..token_logprobs.api import check_values_here, sampler_options
 from ..token_logprobs.naive import SAMPLERS
 from . import op  # noqa: F401  (registers the ops' Python side)
 
@@ -76,7 +76,7 @@ def full_kl(
             value (no recompiles). A float tensor gives per-row values: its shape is a leading
             part of `logits.shape[:-1]` (`[B]` per sequence or `[B, T]` per token for
             `[B, T, V]` logits), e.g. a rollout's per-request temperatures; no gradient flows to
-            it. Default 1.0.
+            it (the vocab-parallel form takes it too). Default 1.0.
         mask (Tensor, optional): `logits.shape[:-1]`, bool / integer / float. A row with mask 0
             gives KL 0 and no gradient, and is not read. Default None: every row.
         process_group (ProcessGroup, optional): the vocab-parallel form. Both logits hold this
@@ -89,7 +89,8 @@ def full_kl(
             the kept set K of `token_logprobs`' sampler rules on the policy's logits and
             renormalised -- and `KL[t] = sum_{j in K} q_j (log q_j - log r_j)` with r the
             reference's tempered softmax over the whole vocabulary (never truncated). The
-            gradient to logits flows on K only. Not with `process_group`. Default None: off.
+            gradient to logits flows on K only. With `process_group` the kept set is found with
+            the other ranks (the vocab-parallel `token_logprobs`' search). Default None: off.
         top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
             row. Default None: off.
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
@@ -142,10 +143,13 @@ def full_kl(
                 f"{rows} (per row or per token), got {tuple(temperature.shape)}"
             )
         if process_group is not None:
-            raise ValueError(
-                "process_group: per-row temperatures are not supported with the vocab-parallel "
-                "form yet"
-            )
+            if check_values_here(temperature):  # before any collective: every rank raises
+                sampler_options(temperature.new_empty(rows, dtype=torch.long), temperature, None,
+                                None, None, None, 0, True)  # fmt: skip
+            _check_args(logits, ref_logits, 1.0, vocab_parallel=True)
+            from ..distributed.vocab_parallel_full_kl import vocab_parallel_full_kl
+
+            return vocab_parallel_full_kl(logits, ref_logits, 1.0, mask, process_group, temperature)
         if not _backend.HAS_EXTENSION:
             _check_args(logits, ref_logits, 1.0, vocab_parallel=False)
             if not bool((temperature > 0).all()):
@@ -166,15 +170,18 @@ def full_kl(
 def _sampled(logits, ref_logits, temperature, mask, process_group, top_k, top_p, min_p, sampler):
     """full_kl under the sampler's distribution (the registered op full_kl_sampler)."""
     sampler = check_str("sampler", sampler, SAMPLERS)
-    if process_group is not None:
-        raise ValueError(
-            "process_group: top_k / top_p / min_p are not supported with the vocab-parallel "
-            "form yet"
-        )
     rows = logits.new_empty((), dtype=torch.long).expand(logits.shape[:-1])  # shape and device
     _, _, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
-        rows, temperature, top_k, top_p, min_p, None, 0, rows="logits.shape[:-1]"
-    )
+        rows, temperature, top_k, top_p, min_p, None, 0, rows="logits.shape[:-1]",
+        values=check_values_here(logits) if process_group is not None else None,
+    )  # fmt: skip
+    if process_group is not None:
+        _check_args(logits, ref_logits, temp, vocab_parallel=True)
+        from ..distributed.vocab_parallel_full_kl import vocab_parallel_sampled_full_kl
+
+        return vocab_parallel_sampled_full_kl(
+            logits, ref_logits, temp, temps, k, ks, p, ps, mp, mps, sampler, mask, process_group
+        )
     if not _backend.HAS_EXTENSION:
         _check_args(logits, ref_logits, temp, vocab_parallel=False)
     kl = _full_kl_sampler(logits, ref_logits, temp, temps, k, ks, p, ps, mp, mps, sampler, mask)

@@ -89,19 +89,29 @@ def _(tile, labels, v_start, lse, entropy, grad_logprobs, grad_entropy, inv_t, i
         )
 
 
-def chunk_states(tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0, backend=None):
+def _row_scaled(tile, inv_ts):
+    """The tile times each row's 1 / T (per-row temperatures, [rows] or None), in place."""
+    return tile if inv_ts is None else tile.mul_(inv_ts.unsqueeze(-1))
+
+
+def chunk_states(
+    tiler, plan, hc, lc, V, inv_t, ignore_index, v_offset=0, backend=None, inv_ts=None
+):
     """Softmax state (m, s, u) [3, rows] and label logit [rows] (NaN where the label is not in
     this weight's vocabulary) of one row chunk over the weight's V entries, whose ids start at
     v_offset (a vocab-parallel shard: ppo_kernels/distributed/vocab_parallel_linear.py). backend: the
-    tile kernels' (None: resolved per tile)."""
+    tile kernels' (None: resolved per tile). inv_ts: each row's 1 / T [rows] (per-row
+    temperatures, replacing inv_t: the tile is scaled, the kernels run at temperature 1)."""
     stats = tile_stats_ if backend is None else tile_stats_.impls[backend]
     acc, dev = tiler.acc, hc.device
     state = torch.zeros(3, hc.shape[0], dtype=acc, device=dev)
     state[0] = float("-inf")
     zl = torch.full((hc.shape[0],), float("nan"), dtype=acc, device=dev)
+    inv_t = inv_t if inv_ts is None else 1.0
     for v0 in range(0, V, plan.vocab):
         v1 = min(V, v0 + plan.vocab)
-        stats(tiler.logits_acc(hc, v0, v1), lc, v_offset + v0, inv_t, ignore_index, state, zl)
+        tile = _row_scaled(tiler.logits_acc(hc, v0, v1), inv_ts)
+        stats(tile, lc, v_offset + v0, inv_t, ignore_index, state, zl)
     return state, zl
 
 
@@ -123,18 +133,22 @@ def chunk_backward(
     v_offset=0,
     v_total=None,
     backend=None,
+    inv_ts=None,
 ):
     """Gradients of one row chunk by vocabulary chunks: gh += dL/dh (float32), gW[0:V] += dL/dW,
     gb += dL/db, over the weight's V entries whose ids start at v_offset in a vocabulary of
-    v_total (default V). backend: the tile kernels' (None: resolved per tile)."""
+    v_total (default V). backend: the tile kernels' (None: resolved per tile). inv_ts: each
+    row's 1 / T [rows] (per-row temperatures, replacing inv_t; no softcap)."""
     v_total = V if v_total is None else v_total
     tile_bwd = tile_bwd_ if backend is None else tile_bwd_.impls[backend]
+    inv_t = inv_t if inv_ts is None else 1.0
     for v0 in range(0, V, plan.vocab):
         v1 = min(V, v0 + plan.vocab)
         g = tiler.logits_acc(hc, v0, v1)
         tiler.softcap_grad(g)
+        g = _row_scaled(g, inv_ts)
         tile_bwd(g, lc, v_offset + v0, lse, entropy, glp, gent, inv_t, ignore_index, v_total)
-        g = tiler.to_input(tiler.apply_softcap_grad(g))
+        g = tiler.to_input(tiler.apply_softcap_grad(_row_scaled(g, inv_ts)))
         tiler.grad_matmuls(g, hc, v0, v1, gh, gW, gb)
 
 
@@ -149,17 +163,26 @@ class VocabChunks:
     rows = None
 
     def __init__(
-        self, plan, backend, temperature, ignore_index, v_offset=0, v_total=None, partial=False
-    ):
+        self, plan, backend, temperature, ignore_index, v_offset=0, v_total=None, partial=False,
+        inv_ts=None,
+    ):  # fmt: skip
         self.plan, self.backend = plan, backend
         self.inv_t, self.ii = 1.0 / temperature, ignore_index
         self.v_offset, self.v_total, self.partial = v_offset, v_total, partial
+        self.inv_ts = inv_ts  # each row's 1 / T [N] (per-row temperatures), or None
+        self.blk_inv_ts = None
+
+    def at_block(self, r0, r1, pad):
+        """The engine's hook before each block: the block's per-row 1 / T, padded as its tile."""
+        if self.inv_ts is not None:
+            self.blk_inv_ts = pad(self.inv_ts[r0:r1], 1.0)
 
     def block_stats(self, tiler, hc, rtiler, r0, r1, lc, with_entropy):
         V = tiler.W.shape[0]
         state, zl = chunk_states(
-            tiler, self.plan, hc, lc, V, self.inv_t, self.ii, self.v_offset, self.backend
-        )
+            tiler, self.plan, hc, lc, V, self.inv_t, self.ii, self.v_offset, self.backend,
+            self.blk_inv_ts,
+        )  # fmt: skip
         return (*naive.finalize(state, zl, lc, V, self.ii), None)
 
     def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
@@ -168,4 +191,5 @@ class VocabChunks:
         chunk_backward(
             tiler, self.plan, hc, lc, glp, gent, lse, ent, self.inv_t, self.ii,
             tiler.W.shape[0], ghc, gW, gb, self.v_offset, self.v_total, self.backend,
+            self.blk_inv_ts,
         )  # fmt: skip

@@ -27,6 +27,9 @@ from ..fused_linear.planner import (
 )
 from ..token_logprobs.api import (
     check_sampler_unused,
+    check_values_here,
+    only_temperatures,
+    per_row,
     sampler_options,
     sampler_requested,
     sampler_result,
@@ -102,7 +105,9 @@ def linear_token_logprobs(
             tensor-parallel head). `weight` / `bias` hold this rank's contiguous slice of the
             vocabulary; `hidden` is replicated; labels are global ids. Every rank gets the
             full-vocabulary result from one all-gather of per-row softmax statistics. Each rank's
-            weight / bias gradient is its slice of the unsharded one. Default None.
+            weight / bias gradient is its slice of the unsharded one. It takes a temperature
+            tensor, `top_k`, `top_p`, `min_p`, `sampler` and the statistics but "topk" (the same
+            result as the unsharded call, up to float32 rounding at a cut). Default None.
         vocab_start (int, optional): this rank's first vocabulary id. Default None: from the slice
             sizes, in rank order (see `token_logprobs` for torch.compile).
         reduce_hidden_grad (bool): with `process_group`, all-reduce the hidden gradient so every
@@ -114,8 +119,10 @@ def linear_token_logprobs(
             entropy under the distribution the engine sampled from (temperature, then min-p,
             then top-k and top-p, the kept tokens renormalised; a label outside the kept set
             gets -inf, and no gradient). Every tile then holds whole rows of the vocabulary:
-            `max_chunk_bytes` must hold two rows' tiles (the tile and its gradient). Not with
-            `process_group`. Default None: off.
+            `max_chunk_bytes` must hold two rows' tiles (the tile and its gradient). With
+            `process_group`: whole rows of this rank's slice, the kept set found with the other
+            ranks by a fixed number of collectives per row block (docs/ppo-math.md); eager
+            only. Default None: off.
         top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
             row. Default None: off.
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
@@ -180,8 +187,8 @@ def linear_token_logprobs(
     if sampler_requested(temperature, top_k, top_p, min_p, stats):
         return _sampled(
             hidden, weight, labels, bias, temperature, ignore_index, return_entropy,
-            max_chunk_bytes, logits_dtype, softcap, process_group, top_k, top_p, min_p, sampler,
-            stats, stats_top_k,
+            max_chunk_bytes, logits_dtype, softcap, process_group, vocab_start, reduce_hidden_grad,
+            top_k, top_p, min_p, sampler, stats, stats_top_k,
         )  # fmt: skip
     if sampler != "vllm" or stats_top_k != 0:
         check_sampler_unused(sampler, stats_top_k)
@@ -230,36 +237,30 @@ def linear_token_logprobs(
     return (lp, ent.view(labels.shape)) if return_entropy else lp
 
 
-def _per_row(t, labels):
-    """A per-row parameter tensor (shape a leading part of labels.shape) as the op takes it: one
-    value per flat row [N]."""
-    if t is None:
-        return None
-    return (
-        t.reshape(tuple(t.shape) + (1,) * (labels.dim() - t.dim())).expand(labels.shape).reshape(-1)
-    )
-
-
 def _sampled(hidden, weight, labels, bias, temperature, ignore_index, return_entropy,
-             max_chunk_bytes, logits_dtype, softcap, process_group, top_k, top_p, min_p, sampler,
-             stats, stats_top_k):  # fmt: skip
+             max_chunk_bytes, logits_dtype, softcap, process_group, vocab_start,
+             reduce_hidden_grad, top_k, top_p, min_p, sampler, stats, stats_top_k):  # fmt: skip
     """linear_token_logprobs with the sampler's options or the head's statistics (the registered
     op linear_token_logprobs_sampler)."""
     ignore_index = check_int("ignore_index", ignore_index)
     return_entropy = check_bool("return_entropy", return_entropy)
     sampler = check_str("sampler", sampler, SAMPLERS)
-    if process_group is not None:
-        raise ValueError(
-            "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) and "
-            "stats are not supported with the vocab-parallel form yet"
-        )
     if softcap is not None:
         check_float("softcap", softcap, positive=True)
+        if process_group is not None:
+            raise ValueError("softcap: not supported with process_group (vocab-parallel) yet")
     names, stats_top_k, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
-        labels, temperature, top_k, top_p, min_p, stats, stats_top_k
-    )
+        labels, temperature, top_k, top_p, min_p, stats, stats_top_k,
+        check_values_here(hidden) if process_group is not None else None,
+    )  # fmt: skip
     logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     max_chunk_bytes = check_int("max_chunk_bytes", max_chunk_bytes, min_value=1, allow_none=True)
+    if process_group is not None:
+        return _vocab_parallel_sampled(
+            hidden, weight, labels, bias, ignore_index, return_entropy, max_chunk_bytes,
+            logits_dtype, process_group, vocab_start, reduce_hidden_grad, names, stats_top_k,
+            temp, temps, k, ks, p, ps, mp, mps, sampler, stats,
+        )  # fmt: skip
     if not torch.is_grad_enabled() or not any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     ):
@@ -268,9 +269,41 @@ def _sampled(hidden, weight, labels, bias, temperature, ignore_index, return_ent
         max_chunk_bytes = 2 * resolve_budget(max_chunk_bytes or 0, hidden.device)
     outs = _linear_token_logprobs_sampler(
         hidden.reshape(labels.numel(), hidden.shape[-1]), weight, labels.reshape(-1), bias, temp,
-        _per_row(temps, labels), k, _per_row(ks, labels), p, _per_row(ps, labels), mp,
-        _per_row(mps, labels), sampler, ignore_index, return_entropy, "sum_p2" in names,
+        per_row(temps, labels), k, per_row(ks, labels), p, per_row(ps, labels), mp,
+        per_row(mps, labels), sampler, ignore_index, return_entropy, "sum_p2" in names,
         "lse" in names, stats_top_k, "is_argmax" in names, int(max_chunk_bytes or 0),
         _tiles(hidden.dtype, logits_dtype), None if softcap is None else float(softcap),
     )  # fmt: skip
+    return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
+
+
+def _vocab_parallel_sampled(hidden, weight, labels, bias, ignore_index, return_entropy,
+                            max_chunk_bytes, logits_dtype, process_group, vocab_start,
+                            reduce_hidden_grad, names, stats_top_k, temp, temps, k, ks, p, ps, mp,
+                            mps, sampler, stats):  # fmt: skip
+    """The vocab-parallel linear_token_logprobs with per-row temperatures (the plain form's
+    registered ops), or with the sampler's truncation and statistics
+    (distributed/vocab_parallel_linear_sampler.py)."""
+    tiles = _tiles(hidden.dtype, logits_dtype)
+    h2 = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
+    if only_temperatures(names, k, ks, p, ps, mp, mps):  # the plain form, per-row temperatures
+        from ..distributed.vocab_parallel_linear import vocab_parallel_linear_token_logprobs
+
+        lp, ent = vocab_parallel_linear_token_logprobs(
+            h2, weight, labels.reshape(-1), bias, temp, ignore_index, process_group, vocab_start,
+            max_chunk_bytes, tiles, reduce_hidden_grad, per_row(temps, labels),
+        )  # fmt: skip
+        lp = lp.view(labels.shape)
+        return (lp, ent.view(labels.shape)) if return_entropy else lp
+    if "topk" in names:
+        raise ValueError('stats: "topk" is not supported with process_group (vocab-parallel) yet')
+    from ..distributed.vocab_parallel_linear_sampler import vocab_parallel_linear_sampled
+
+    lp, ent, outside, sum_p2, lse, is_argmax = vocab_parallel_linear_sampled(
+        h2, weight, labels.reshape(-1), bias, temp, per_row(temps, labels), k,
+        per_row(ks, labels), p, per_row(ps, labels), mp, per_row(mps, labels), sampler,
+        ignore_index, process_group, vocab_start, max_chunk_bytes, tiles, reduce_hidden_grad,
+    )  # fmt: skip
+    empty = lp.new_empty(0)
+    outs = (lp, ent, empty, empty, empty, outside, sum_p2, lse, empty, empty, is_argmax)
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)

@@ -35,7 +35,7 @@ from ..losses.config import (
     RolloutCorrectionConfig,
     takes_configs,
 )
-from ..token_logprobs.api import check_sampler_unused, sampler_options
+from ..token_logprobs.api import check_sampler_unused, check_values_here, sampler_options
 from ..token_logprobs.naive import SAMPLERS
 from . import op
 
@@ -66,14 +66,18 @@ def _joined(x):
     return x if isinstance(x, str) else repr(float(x))
 
 
-def sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside):
+def sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside,
+                 process_group=None):  # fmt: skip
     """(the scalar temperature, the op's sampler arguments: op.SAMPLER_NAMES), checked. A
     per-row tensor (shape a leading part of labels.shape) becomes [B] (one value per sequence)
-    or [B, T] (per token), as the op's [B, T] labels take it."""
+    or [B, T] (per token), as the op's [B, T] labels take it. The vocab-parallel form
+    (process_group) runs no registered op to check the tensors' values: they are checked here,
+    before any collective, so that every rank raises alike."""
     sampler = check_str("sampler", sampler, SAMPLERS)
     mask_outside = check_bool("mask_outside", mask_outside)
+    values = None if process_group is None else check_values_here(labels)
     _, _, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
-        labels, temperature, top_k, top_p, min_p, None, 0
+        labels, temperature, top_k, top_p, min_p, None, 0, values
     )
     L = labels.dim()
 
@@ -88,21 +92,15 @@ def sampler_args(labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_o
     return temp, (rows(temps), k, rows(ks), p, rows(ps), mp, rows(mps), sampler, mask_outside)
 
 
-def wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group) -> bool:
+def wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside) -> bool:
     """Whether a fused loss's call gives one of the sampler's options (a temperature tensor,
-    top_k, top_p, min_p): then the vocab-parallel form is refused; else `sampler` and
-    `mask_outside` are checked, unused."""
+    top_k, top_p, min_p); else `sampler` and `mask_outside` are checked, unused."""
     if (
         top_k is not None
         or top_p is not None
         or min_p is not None
         or isinstance(temperature, Tensor)
     ):
-        if process_group is not None:
-            raise ValueError(
-                "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) "
-                "are not supported with the vocab-parallel form yet"
-            )
         return True
     if sampler != "vllm" or mask_outside is not True:
         check_sampler_unused(sampler, 0)
@@ -228,8 +226,10 @@ def linear_policy_loss(
             min-p, then top-k and top-p, the kept tokens renormalised; docs/ppo-math.md, "The
             distribution the rollout sampled from"), and the gradient flows through the kept
             tokens only. Every tile then holds whole rows of the vocabulary: `max_chunk_bytes`
-            must hold two rows' tiles (the tile and its gradient). Not with `process_group` or
-            the reference head (`ref_hidden`; `ref_logprobs` works). Default None: off.
+            must hold two rows' tiles (the tile and its gradient); with `process_group` whole
+            rows of the slice, the kept set found with the other ranks per row block
+            (docs/ppo-math.md). Not with the reference head (`ref_hidden`; `ref_logprobs`
+            works). Default None: off.
         top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
             row. Default None: off.
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
@@ -327,7 +327,7 @@ def linear_policy_loss(
     est, st = parse_estimator(kl_config.kl_estimator)
     bounds = resolve_clamp(kl_config.kl_clamp, est)
     sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
-    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group):
+    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside):
         if ref_hidden is not None or ref_weight is not None:
             raise ValueError(
                 "ref_hidden: the exact KL against a reference head is not supported with the "
@@ -335,7 +335,7 @@ def linear_policy_loss(
                 "ref_logprobs (the sampled KL estimators)"
             )
         temperature, sampled = sampler_args(
-            labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside
+            labels, B, T, temperature, top_k, top_p, min_p, sampler, mask_outside, process_group
         )
     if type(z_loss) is not float or z_loss != 0.0:
         z_loss = check_float("z_loss", z_loss, nonneg=True)
@@ -416,7 +416,13 @@ def linear_policy_loss(
         _CAPTURE[-1] = (call, stats, shape)
         return None
     outside = None
-    if sampled is not None:
+    if sampled is not None and process_group is not None:
+        from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss
+
+        loss, st, tok, outside = vocab_parallel_linear_policy_loss(
+            call[: len(op.ARG_NAMES)], process_group, vocab_start, reduce_hidden_grad, sampled
+        )
+    elif sampled is not None:
         loss, st, tok, outside = _sampler_op(*call[: len(op.ARG_NAMES) + len(op.SAMPLER_NAMES)])
     elif process_group is not None:
         from ..distributed.vocab_parallel_policy import vocab_parallel_linear_policy_loss

@@ -166,8 +166,9 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     """linear_policy_loss_grads on `backend` ("cpp", "triton", "eager"): the arguments as the
     schema names them (Call). vocab: how a tile is reduced (default whole_vocab; the
     vocab-parallel form passes its shard's, whose labels it has checked against the whole
-    vocabulary). A SamplerCall runs linear_policy_loss_sampler_grads: the sampler's reduction,
-    and the `outside` flags [B, T] follow token_stats in the outputs."""
+    vocabulary). A SamplerCall runs linear_policy_loss_sampler_grads: the sampler's reduction
+    (or the given shard's, told the `outside` buffer by its `bind`), and the `outside` flags
+    [B, T] follow token_stats in the outputs."""
     hidden, labels = a.hidden, a.labels
     B, T = labels.shape
     dev = hidden.device
@@ -181,10 +182,12 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     hidden, V = a.hidden, a.weight.shape[0]
     ldt, budget = a.logits_dtype, a.max_chunk_bytes
     ref = ref_plan = None
-    if sampled:
+    if sampled and vocab is None:
         plan = engine.sampler_plan(hidden, V, budget, ldt)
         vocab = _sampler_vocab(backend, a, plan, head, token_stats, outside)
     else:
+        if sampled:  # a vocabulary shard's sampler reduction writes the outside flags
+            vocab.bind(outside.view(-1))
         if vocab is None:
             vocab = whole_vocab(backend, dev.type, a.temperature, a.ignore_index)
         # whole-vocabulary tiles; with the reference head its tile and its gradient tile beside

@@ -154,8 +154,9 @@ def linear_preference_loss(
             rollout sampled from"), for each head under its own kept set with the same
             parameters (a given `ref_logps` is used as given); the gradient flows through the
             kept tokens only. Every tile then holds whole rows: `max_chunk_bytes` must hold two
-            rows' tiles (the tile and its gradient); a reference head runs its pass first. Not
-            with `process_group`. Default None: off.
+            rows' tiles (the tile and its gradient); a reference head runs its pass first. With
+            `process_group` whole rows of each head's slice, the kept set found with the other
+            ranks per row block (docs/ppo-math.md). Default None: off.
         top_p (float or Tensor, optional): the engine's top-p, in (0, 1] (1: off), scalar or per
             row. Default None: off.
         min_p (float or Tensor, optional): the engine's min-p, in [0, 1] (0: off), scalar or per
@@ -247,9 +248,9 @@ def linear_preference_loss(
             raise TypeError(f"reference_point: expected a tensor or a number, got {rp!r}")
         rp = rp.detach()
     sampled = None  # the sampler's arguments of the op (op.SAMPLER_NAMES), or None: none given
-    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside, process_group):
+    if wants_sampler(temperature, top_k, top_p, min_p, sampler, mask_outside):
         temperature, sampled = sampler_args(
-            labels, R, T, temperature, top_k, top_p, min_p, sampler, mask_outside
+            labels, R, T, temperature, top_k, top_p, min_p, sampler, mask_outside, process_group
         )
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
@@ -290,9 +291,18 @@ def linear_preference_loss(
         return None
     args = call[: len(op.ARG_NAMES)]
     if sampled is not None:
-        loss, st, rows, tok, outside = _sampler_op(
-            *call[: len(op.ARG_NAMES) + len(op.SAMPLER_NAMES)]
-        )
+        if process_group is not None:
+            from ..distributed.vocab_parallel_preference import (
+                vocab_parallel_linear_preference_loss,
+            )
+
+            loss, st, rows, tok, outside = vocab_parallel_linear_preference_loss(
+                args, process_group, vocab_start, reduce_hidden_grad, sampled
+            )
+        else:
+            loss, st, rows, tok, outside = _sampler_op(
+                *call[: len(op.ARG_NAMES) + len(op.SAMPLER_NAMES)]
+            )
         out = _outputs(call, st, rows, tok, shape, cfg)
         out["outside"] = outside.view(shape)
         return loss, out

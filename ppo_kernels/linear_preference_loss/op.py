@@ -258,7 +258,9 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     vocab-parallel form passes its shard's, whose labels it has checked against the whole
     vocabulary). Returns (loss, stats, row_stats, token_stats, grad_hidden, grad_weight,
     grad_bias); a SamplerCall runs linear_preference_loss_sampler_grads: the sampler's
-    reduction, and the `outside` flags [R, T] follow token_stats."""
+    reduction, and the `outside` flags [R, T] follow token_stats. With a SamplerCall, `vocab`
+    (the vocab-parallel form's) plans each head's blocks (`sampler_plan(hidden, budget,
+    logits_dtype)`) and gives each head's reduction (`head_vocab(order, outside)`)."""
     hidden, labels = a.hidden, a.labels
     R, T = labels.shape
     N = R * T
@@ -267,6 +269,7 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
     ii = a.ignore_index
     cpu_or_strict = dev.type == "cpu" or _backend.strict()
     sampled = isinstance(a, SamplerCall)
+    shards = vocab if sampled else None  # the vocab-parallel form's sampled reductions
     if vocab is None:
         if cpu_or_strict:
             check_labels_in_range(labels, a.weight.shape[0], ii)
@@ -292,7 +295,8 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         )
     head = pref_head.PreferenceHead(a, cfg, layout, labels, acc, outside)
     if sampled:  # whole rows; the reference head's pass first (never beside)
-        plan = engine.sampler_plan(hidden, V, a.max_chunk_bytes, a.logits_dtype)
+        plan = (engine.sampler_plan(hidden, V, a.max_chunk_bytes, a.logits_dtype) if shards is None
+                else shards.sampler_plan(hidden, a.max_chunk_bytes, a.logits_dtype))  # fmt: skip
         beside = units = False
     else:
         plan, beside, units = plan_blocks(head, a, V, vocab)
@@ -304,8 +308,10 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         ent_w = torch.empty(N, dtype=acc, device=dev) if walked else token_stats[1].view(-1)
     else:
         token_stats[1].zero_()
-    if sampled:
+    if sampled and shards is None:
         vocab = _sampler_vocab(backend, a, plan, head, order, lp_w, ent_w, outside[0])
+    elif sampled:
+        vocab = shards.head_vocab(order, outside[0])
     stats_w = logit_stats = None
     if a.with_logit_stats:
         if not isinstance(vocab, (PreferenceVocab, SamplerPreferenceVocab)):
@@ -319,10 +325,16 @@ def run(backend: str, a, vocab: engine.WholeVocab | None = None) -> tuple[Tensor
         rhead = (a.ref_hidden, a.ref_weight, a.ref_bias)
         head.ref_tok = torch.empty(N, dtype=acc, device=dev)  # (walk order)
         if sampled:  # its own kept set, with the same parameters
-            ref_plan = engine.sampler_plan(a.ref_hidden, V, a.max_chunk_bytes, a.logits_dtype)
+            if shards is None:
+                ref_plan = engine.sampler_plan(a.ref_hidden, V, a.max_chunk_bytes, a.logits_dtype)
+                ref_vocab = _sampler_vocab(backend, a, ref_plan, None, order, None, None,
+                                           outside[1])  # fmt: skip
+            else:
+                ref_plan = shards.sampler_plan(a.ref_hidden, a.max_chunk_bytes, a.logits_dtype)
+                ref_vocab = shards.head_vocab(order, outside[1])
             engine.run(
                 engine.StoreStats(False),
-                _sampler_vocab(backend, a, ref_plan, None, order, None, None, outside[1]),
+                ref_vocab,
                 engine.Head(*rhead, flat, T, order),
                 ref_plan,
                 softcap=a.softcap,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from .. import _backend
@@ -102,7 +103,10 @@ def token_logprobs(
         process_group (ProcessGroup, optional): the vocab-parallel form. `logits` is this rank's
             contiguous slice `[..., V_rank]` of the vocabulary (slices may be uneven); labels are
             global ids. Every rank gets the full-vocabulary result from one all-gather of per-row
-            softmax statistics. Each rank's gradient is its slice of the unsharded one.
+            softmax statistics. Each rank's gradient is its slice of the unsharded one. It takes
+            a temperature tensor, `top_k`, `top_p`, `min_p`, `sampler` and the statistics but
+            "topk": the same result as the single-device op on the gathered logits, up to
+            float32 rounding at a cut, from a fixed number of collectives (docs/ppo-math.md).
             Default None.
         vocab_start (int, optional): this rank's first vocabulary id. Default None: slices
             contiguous in rank order, found by the forward's own gather and then cached. Under
@@ -139,7 +143,7 @@ def token_logprobs(
     if sampler_requested(temperature, top_k, top_p, min_p, stats):
         return _sampled(
             logits, labels, temperature, ignore_index, return_entropy, inplace_backward,
-            process_group, top_k, top_p, min_p, sampler, stats, stats_top_k,
+            process_group, vocab_start, top_k, top_p, min_p, sampler, stats, stats_top_k,
         )  # fmt: skip
     if sampler != "vllm" or stats_top_k != 0:
         check_sampler_unused(sampler, stats_top_k)
@@ -226,7 +230,8 @@ def _check_min_p(x):
 
 
 def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_backward,
-             process_group, top_k, top_p, min_p, sampler, stats, stats_top_k):  # fmt: skip
+             process_group, vocab_start, top_k, top_p, min_p, sampler, stats,
+             stats_top_k):  # fmt: skip
     """token_logprobs with the sampler's options or the head's statistics (the registered op
     token_logprobs_sampler)."""
     ignore_index = check_int("ignore_index", ignore_index)
@@ -237,16 +242,16 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     check_tensor("labels", labels)
     if labels.device != logits.device:
         raise device_error("labels", labels, logits.device, "logits")
-    if process_group is not None:
-        raise ValueError(
-            "process_group: the sampler's options (temperature tensor, top_k, top_p, min_p) and "
-            "stats are not supported with the vocab-parallel form yet"
-        )
     if inplace_backward:
         raise ValueError(
             "inplace_backward: not supported with the sampler's options (temperature tensor, "
             "top_k, top_p, min_p) or stats"
         )
+    if process_group is not None:
+        return _vocab_parallel_sampled(
+            logits, labels, temperature, ignore_index, return_entropy, process_group,
+            vocab_start, top_k, top_p, min_p, sampler, stats, stats_top_k,
+        )  # fmt: skip
     names, stats_top_k, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
         labels, temperature, top_k, top_p, min_p, stats, stats_top_k
     )
@@ -255,6 +260,57 @@ def _sampled(logits, labels, temperature, ignore_index, return_entropy, inplace_
     outs = _token_logprobs_sampler(
         logits, labels, temp, temps, k, ks, p, ps, mp, mps, sampler, ignore_index,
         return_entropy, "sum_p2" in names, "lse" in names, stats_top_k, "is_argmax" in names,
+    )  # fmt: skip
+    return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
+
+
+def per_row(t, labels):
+    """A per-row parameter tensor (shape a leading part of labels.shape) as the ops take it: one
+    value per flat row [N]."""
+    if t is None:
+        return None
+    return (
+        t.reshape(tuple(t.shape) + (1,) * (labels.dim() - t.dim())).expand(labels.shape).reshape(-1)
+    )
+
+
+def only_temperatures(names, k, ks, p, ps, mp, mps) -> bool:
+    """Whether sampler_options' result asks for no truncation and no statistics (at most
+    per-row temperatures: the plain softmax, row by row)."""
+    off = ks is None and ps is None and mps is None
+    return off and not names and k == 0 and p == 1.0 and mp == 0.0
+
+
+def check_values_here(t) -> bool:
+    """Whether the vocab-parallel forms check the values of the per-row parameters in Python
+    (a host read), before any collective, so that every rank raises alike: for CPU tensors and on
+    the GPU under strict_checks(), not while torch.compile traces."""
+    return not torch.compiler.is_compiling() and (t.device.type == "cpu" or _backend.strict())
+
+
+def _vocab_parallel_sampled(logits, labels, temperature, ignore_index, return_entropy,
+                            process_group, vocab_start, top_k, top_p, min_p, sampler, stats,
+                            stats_top_k):  # fmt: skip
+    """The vocab-parallel token_logprobs with per-row temperatures (the plain form's registered
+    ops), or with the sampler's truncation and statistics (distributed/vocab_parallel_sampler.py)."""
+    names, stats_top_k, temp, temps, k, ks, p, ps, mp, mps = sampler_options(
+        labels, temperature, top_k, top_p, min_p, stats, stats_top_k, check_values_here(logits)
+    )
+    _check_args(logits, labels, temp, vocab_parallel=True)
+    if only_temperatures(names, k, ks, p, ps, mp, mps):  # the plain form, per-row temperatures
+        from ..distributed.vocab_parallel_token_logprobs import vocab_parallel_token_logprobs
+
+        return vocab_parallel_token_logprobs(
+            logits, labels, temp, ignore_index, return_entropy, process_group, vocab_start,
+            per_row(temps, labels),
+        )  # fmt: skip
+    if "topk" in names:
+        raise ValueError('stats: "topk" is not supported with process_group (vocab-parallel) yet')
+    from ..distributed.vocab_parallel_sampler import vocab_parallel_sampled_logprobs
+
+    outs = vocab_parallel_sampled_logprobs(
+        logits, labels, temp, temps, k, ks, p, ps, mp, mps, sampler, ignore_index, process_group,
+        vocab_start,
     )  # fmt: skip
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
 

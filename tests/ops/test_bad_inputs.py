@@ -94,6 +94,16 @@ vlg = vgathered(ops.vocab_parallel_linear_states(vh, vw, vy, None, 0, 1.0, -100,
 _, vlent, vllse, vllayout = ops.vocab_parallel_linear_token_logprobs(
     vh, vw, vy, None, vlg, 0, 1.0, -100, True, 0, "float32", None)
 vkl = torch.stack(ops.full_kl(vz, vref, 1.0, None)).reshape(1, -1)
+# the sampler's vocab-parallel ops: the kept set of one rank (every option off)
+vm, vit, vlmp = vz.amax(-1), torch.ones(4), torch.full((4,), float("-inf"))
+vcut, vallow = torch.full((4,), -(2**63)), torch.full((4,), float("inf"), dtype=torch.float64)
+vst = torch.tensor(0)
+vsums = ops.vocab_parallel_sampler_states(vz, vy, vst, vm, vit, vlmp, vcut, vallow, -100)
+vsg = torch.cat([torch.tensor([0.0, 6, 4, 0.0]), vm]).view(1, -1)
+vsf = ops.vocab_parallel_sampler_finish(vz, vy, vsg, vsums, vm, vit, vlmp, vcut, vallow, 0, -100)
+vmr = vref.amax(-1)
+vkls = ops.vocab_parallel_sampler_kl_sums(vz, vref, vm, vmr, vit, vlmp, vcut, vallow)
+vklo = ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls, vm, vmr, vit, vlmp, vcut, vallow, None)
 # linear_distill_loss: hidden [3, 4], weight [5, 4], a teacher head [3, 2] / [5, 2]
 from ppo_kernels.distill import op as ldl_op
 ldl = [h, w, lab3, None, None, torch.randn(3, 2), torch.randn(5, 2), None, None, None, "jsd", 0.5,
@@ -1595,6 +1605,125 @@ CASES = [
         None,
         "ops.vocab_parallel_full_kl(vz, vref, vkl, g4, 1.0)",
         "mask",
+    ),
+    (
+        "vp_states_temperatures_shape",
+        False,
+        None,
+        "ops.vocab_parallel_states(vz, vy, 0, 1.0, -100, torch.ones(3))",
+        "temperatures",
+    ),
+    (
+        "vp_lin_states_temperatures_dtype",
+        False,
+        None,
+        "ops.vocab_parallel_linear_states(vh, vw, vy, None, 0, 1.0, -100, 0, 'float32', torch.ones(4, dtype=torch.long))",
+        "temperatures",
+    ),
+    (
+        "vp_full_kl_temperatures_shape",
+        False,
+        None,
+        "ops.vocab_parallel_full_kl(vz, vref, vkl, None, 1.0, torch.ones(5))",
+        "temperatures",
+    ),
+    (
+        "vp_sampler_max_labels",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_max(vz, vy[:3])",
+        "labels",
+    ),
+    (
+        "vp_sampler_hist_prefix",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_hist(vz, vm, vit, vlmp, vcut, vcut[:2], 24, True, False)",
+        "prefix",
+    ),
+    (
+        "vp_sampler_hist_floor_dtype",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_hist(vz, vm, vit, vlmp, vm, vcut, 24, True, True)",
+        "floor",
+    ),
+    (
+        "vp_sampler_ties_cut",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_ties(vz, vcut[:3])",
+        "cut",
+    ),
+    (
+        "vp_sampler_states_allow",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_states(vz, vy, vst, vm, vit, vlmp, vcut, vallow.float(), -100)",
+        "allow",
+    ),
+    (
+        "vp_sampler_states_vocab_start",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_states(vz, vy, vst.view(1), vm, vit, vlmp, vcut, vallow, -100)",
+        "vocab_start",
+    ),
+    (
+        "vp_sampler_finish_sums",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_finish(vz, vy, vsg, vsums[:3], vm, vit, vlmp, vcut, vallow, 0, -100)",
+        "sums",
+    ),
+    (
+        "vp_sampler_finish_label_range",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_finish(vz, vy + 100, vsg, vsums, vm, vit, vlmp, vcut, vallow, 0, -100)",
+        "labels",
+    ),
+    (
+        "vp_sampler_bwd_outside",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_backward(g4, None, vz, vy, vm, vit, vlmp, vcut, vallow, vsf[2], vsf[1], vsf[3].float(), vsf[7], -100)",
+        "outside",
+    ),
+    (
+        "vp_sampler_kl_sums_ref_shape",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl_sums(vz, vref[:, :5], vm, vmr, vit, vlmp, vcut, vallow)",
+        "ref_logits",
+    ),
+    (
+        "vp_sampler_kl_kl_sums",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls[:1], vm, vmr, vit, vlmp, vcut, vallow, None)",
+        "kl_sums",
+    ),
+    (
+        "vp_sampler_kl_mask",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl(vz, vref, vsums, vkls, vm, vmr, vit, vlmp, vcut, vallow, g4)",
+        "mask",
+    ),
+    (
+        "vp_sampler_kl_bwd_kl",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_kl_backward(g4, vz, vref, vm, vmr, vit, vlmp, vcut, vallow, vklo[0][:2], vklo[1], vklo[2], None, True)",
+        "kl",
+    ),
+    (
+        "vp_sampler_bwd_layout",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_backward(g4, None, vz, vy, vm, vit, vlmp, vcut, vallow, vsf[2], vsf[1], vsf[3], vsf[7][:1], -100)",
+        "layout",
     ),
 ]
 

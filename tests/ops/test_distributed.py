@@ -9,19 +9,12 @@ inside one row, row boundaries on rank borders), data-parallel masked_whiten / m
 with no unmasked position), shapes that differ across ranks (a clear error on every rank), and
 torch.compile of the distributed forms against eager."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch.distributed as dist
-from support import TESTS
-from support.skips import NO_GLOO
+from support.dist_workers import spawn
+from support.skips import requires_gloo
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason=NO_GLOO,
-)
+pytestmark = requires_gloo
 
 
 ALL = (
@@ -42,15 +35,7 @@ ALL = (
     ],
 )
 def test_distributed(cases, world):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
-    r = subprocess.run(
-        [sys.executable, os.path.join(TESTS, "support", "dist_workers.py"), cases, str(world)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    spawn("dist_workers.py", cases, world)
 
 
 def test_merge_states_matches_one_pass():

@@ -5,39 +5,19 @@ as a sharded head (beside the policy tile or in its own pass), first passes (pai
 block, a sorted type), explicit pairs, KTO, softcap, bf16 tiles; loss, statistics, per-row and
 per-token outputs and every gradient; collectives counted; bad inputs on every rank."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch.distributed as dist
-from support import TESTS
-from support.skips import NO_GLOO
+from support.dist_workers import spawn
+from support.skips import requires_gloo
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason=NO_GLOO,
-)
+pytestmark = requires_gloo
 
 ALL = "vocab_parallel_preference,vocab_parallel_preference_partial,vocab_parallel_preference_errors"
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_preference(world):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
-    r = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(TESTS, "support", "dist_preference_workers.py"),
-            ALL,
-            str(world),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    spawn("dist_preference_workers.py", ALL, world)
 
 
 def test_process_group_arguments():

@@ -14,8 +14,9 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `peer_stubs` | the peers imported without their cluster stack (tests, bench/, Ray workers) |
 | `peers` | the peers' functions read from their source files |
 | `integration` | patched-against-unpatched comparisons, verl's loss modules and configs |
-| `dist_workers` | the gloo worker processes of ops/test_distributed.py (run by path) |
+| `dist_workers` | the gloo worker processes of ops/test_distributed.py (run by path), and `spawn`, which runs a workers' script from a test |
 | `dist_preference_workers` | the gloo workers of ops/test_distributed_preference.py (run by path) |
+| `dist_sampler_workers` | the gloo workers of ops/test_distributed_sampler.py (run by path) |
 | `ray_tasks` | what integrations/test_ray.py runs in Ray workers |
 | `trainer_workers` | the spawned ranks of trainer/test_e2e.py's data-parallel helpers test |
 | `skip_summary` | plugin: the skips, one line per reason with its count |

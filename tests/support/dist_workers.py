@@ -3,6 +3,7 @@ WORLD` spawns WORLD processes on gloo (CPU) once; each runs the cases in turn, c
 distributed op against the single-process op on the same seeded data; the script exits non-zero
 if any rank failed (naming the case)."""
 
+import importlib
 import os
 import sys
 import tempfile
@@ -716,20 +717,22 @@ def case_data_parallel_grpo(rank, world):
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 
-def _worker(rank, world, case, init_file, errors):
+def _worker(rank, world, case, init_file, errors, module=None):
     """Runs the cases, then leaves with os._exit: tearing the gloo process group down (or letting
     the interpreter's exit do it) while a peer is still closing its connections can abort the
     process from a gloo thread ("terminate called without an active exception"), which would
-    fail a run whose checks all passed. The exit code carries the verdict."""
+    fail a run whose checks all passed. The exit code carries the verdict. module: the module
+    (under tests/) whose CASES to run (None: this one's)."""
     c = None
     code = 0
     try:
+        cases = CASES if module is None else importlib.import_module(module).CASES
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
         for c in case.split(","):
             torch.manual_seed(0)
-            CASES[c](rank, world)
+            cases[c](rank, world)
             dist.barrier()
         dist.barrier()  # every rank is done with every collective before anyone leaves
     except Exception:
@@ -740,7 +743,25 @@ def _worker(rank, world, case, init_file, errors):
     os._exit(code)
 
 
-def main():
+def spawn(script, cases, world):
+    """Runs `python tests/support/SCRIPT CASES WORLD` in a child process (a test's body): the
+    cases pass on every rank, or the assertion shows the output of the ranks that failed."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+    r = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "support", script), cases, str(world)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def main(module=None):
+    """Runs the cases named by argv[1] (comma-separated) on argv[2] gloo processes; module: the
+    module (under tests/) that holds them (None: this one)."""
     case, world = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
@@ -749,7 +770,7 @@ def main():
         try:
             mp.start_processes(
                 _worker,
-                args=(world, case, os.path.join(d, "init"), errors),
+                args=(world, case, os.path.join(d, "init"), errors, module),
                 nprocs=world,
                 start_method="spawn",
             )

@@ -106,3 +106,7 @@ def requires_backend(op: str, backend: str, device_type: str = "cpu"):
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 requires_extension = pytest.mark.skipif(not _backend.HAS_EXTENSION, reason=NO_EXTENSION)
 requires_triton = pytest.mark.skipif(not _backend.HAS_TRITON, reason=NO_TRITON)
+requires_gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason=NO_GLOO,
+)
