@@ -41,48 +41,50 @@ def test_sampler_ops_opcheck():
     z, h, w = torch.randn(N, V, generator=g), torch.randn(N, H, generator=g), torch.randn(V, H)
     y = torch.randint(0, V, (N,), generator=g)
     ts = torch.rand(N, generator=g) + 0.5
-    opcheck(ops.vocab_parallel_states.default, (z, y, 0, 1.0, -100, ts))
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_states.default, (z, y, 0, 1.0, -100, ts))
     opcheck(
-        ops.vocab_parallel_linear_states.default, (h, w, y, None, 0, 1.0, -100, 0, "float32", ts)
+        torch.ops.ppo_kernels.vocab_parallel_linear_states.default,
+        (h, w, y, None, 0, 1.0, -100, 0, "float32", ts),
     )
     m = z.amax(-1)
     inv_ts, lmp = 1.0 / ts, torch.full((N,), -2.0)
     floor = torch.full((N,), vs.NO_CUT, dtype=torch.long)
     prefix = torch.zeros(N, dtype=torch.long)
-    opcheck(ops.vocab_parallel_sampler_max.default, (z, y))
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_max.default, (z, y))
     for first, mass in ((True, False), (False, True)):
         args = (z, m, inv_ts, lmp, floor, prefix, 24 if first else 16, first, mass)
-        opcheck(ops.vocab_parallel_sampler_hist.default, args)
+        opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_hist.default, args)
     cut = vs.keys(z[:, 2])
-    opcheck(ops.vocab_parallel_sampler_ties.default, (z, cut))
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_ties.default, (z, cut))
     allow = torch.tensor([0.0, 1.0, float("inf"), 2.0], dtype=torch.float64)
     start = torch.tensor(0)
     sums = ops.vocab_parallel_sampler_states(z, y, start, m, inv_ts, lmp, cut, allow, -100)
     opcheck(
-        ops.vocab_parallel_sampler_states.default, (z, y, start, m, inv_ts, lmp, cut, allow, -100)
+        torch.ops.ppo_kernels.vocab_parallel_sampler_states.default,
+        (z, y, start, m, inv_ts, lmp, cut, allow, -100),
     )
     gathered = torch.cat([torch.tensor([0.0, V, N, 0.0]), m]).view(1, -1)
     fin = (z.clone().requires_grad_(), y, gathered, sums, m, inv_ts, lmp, cut, allow, 0, -100)
-    opcheck(ops.vocab_parallel_sampler_finish.default, fin)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_finish.default, fin)
     with torch.no_grad():
         _, ent, log_s, outside, *_, layout = ops.vocab_parallel_sampler_finish(*fin)
     gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
     bwd = (gl, ge, z, y, m, inv_ts, lmp, cut, allow, log_s, ent, outside, layout, -100)
-    opcheck(ops.vocab_parallel_sampler_backward.default, bwd)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_backward.default, bwd)
     # full_kl under the sampler: the reference's sums, the KL (differentiable in both), backward
     zr = torch.randn(N, V, generator=g)
     mr = zr.amax(-1)
     kl_args = (z, zr, m, mr, inv_ts, lmp, cut, allow)
-    opcheck(ops.vocab_parallel_sampler_kl_sums.default, kl_args)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_kl_sums.default, kl_args)
     kls = ops.vocab_parallel_sampler_kl_sums(*kl_args)
     mask = torch.tensor([True, False, True, True])
     zg, zrg = z.clone().requires_grad_(), zr.clone().requires_grad_()
     kl_in = (zg, zrg, sums, kls, m, mr, inv_ts, lmp, cut, allow, mask)
-    opcheck(ops.vocab_parallel_sampler_kl.default, kl_in)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_kl.default, kl_in)
     with torch.no_grad():
         kl, ls, lsr = ops.vocab_parallel_sampler_kl(*kl_in)
     bwd = (gl, z, zr, m, mr, inv_ts, lmp, cut, allow, kl, ls, lsr, mask, True)
-    opcheck(ops.vocab_parallel_sampler_kl_backward.default, bwd)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_kl_backward.default, bwd)
 
 
 def test_keys_keep_the_order():
