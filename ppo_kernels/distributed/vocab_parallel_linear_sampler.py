@@ -21,8 +21,6 @@ blocks), and the header is read on the host: one sync per call on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
@@ -35,6 +33,7 @@ from ..fused_linear.tiler import Tiler
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import GIVEN, negotiate
 from .vocab_parallel_sampler import NO_CUT, kept_set, options
+from .vocab_states import shared_plan
 
 KEPT = ("m", "inv_ts", "lmp", "cut", "allow", "log_s", "ent", "outside")  # saved per row [N]
 _PAD = dict(m=0.0, inv_ts=1.0, lmp=float("-inf"), cut=NO_CUT, allow=float("inf"), log_s=0.0,
@@ -114,10 +113,8 @@ def vocab_parallel_linear_sampled(
     if dev.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, V, ignore_index)
     # the same row blocks on every rank: whole rows of the slice, a tile and its gradient tile
-    rows = min(engine.plan_rows(hidden, v, logits_dtype, budget, 2, fused=False).rows
-               for v in sizes)  # fmt: skip
-    plan = engine.plan_rows(hidden, Vr, logits_dtype, budget, 2, fused=False)
-    plan = dataclasses.replace(plan, rows=rows)
+    plan = shared_plan(hidden, sizes, rank, logits_dtype, budget, 2)
+    rows = plan.rows
     h, w = hidden.detach(), weight.detach()
     b = None if bias is None else bias.detach()
     layout = torch.tensor([starts[rank], V], dtype=torch.int64)

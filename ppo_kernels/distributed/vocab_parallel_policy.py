@@ -47,7 +47,7 @@ from ._comm import all_reduce_, require_initialized
 from .vocab_layout import GIVEN, negotiate
 from .vocab_parallel_full_kl import merge_full_kl
 from .vocab_parallel_sampler import kept_set, options
-from .vocab_states import ROWS, empty_states, merge_rows, row_inverse
+from .vocab_states import ROWS, empty_states, merge_rows, row_inverse, shared_plan
 
 
 class VocabShard(engine.WholeVocab):
@@ -275,9 +275,9 @@ def vocab_parallel_linear_policy_loss(
     # the same row blocks on every rank: the fewest rows any rank's plan takes
     share = 3 if full else 1
     ldt, budget = a.logits_dtype, a.max_chunk_bytes
-    rows = min(engine.plan_rows(hidden, v, ldt, budget, share, fused=False).rows for v in sizes)
-    backend = _backend.backend_for("linear_policy_loss", hidden)
     rank = dist.get_rank(group)
+    rows = shared_plan(hidden, sizes, rank, ldt, budget, share).rows
+    backend = _backend.backend_for("linear_policy_loss", hidden)
     if truncated:
         sampled = global_top_k(sampled, V, a.labels.shape[0], hidden.device)
         opts = options(a.labels, a.temperature, *sampled[:8], acc)

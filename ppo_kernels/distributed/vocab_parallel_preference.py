@@ -30,8 +30,6 @@ op's fallback without the extension does), which torch.compile does not trace in
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
@@ -60,7 +58,7 @@ from .vocab_parallel_policy import (
     with_sampler_stats,
 )
 from .vocab_parallel_sampler import options
-from .vocab_states import ROWS, empty_states, merge_rows, row_inverse
+from .vocab_states import ROWS, empty_states, merge_rows, row_inverse, shared_plan
 
 
 class PreferenceShard(VocabShard):
@@ -104,10 +102,7 @@ class SamplerShards:
         self.sizes, self.rank = sizes, dist.get_rank(group)
 
     def sampler_plan(self, hidden, budget, logits_dtype):
-        rows = min(engine.plan_rows(hidden, v, logits_dtype, budget, fused=False).rows
-                   for v in self.sizes)  # fmt: skip
-        p = engine.plan_rows(hidden, self.sizes[self.rank], logits_dtype, budget, fused=False)
-        return dataclasses.replace(p, rows=rows)
+        return shared_plan(hidden, self.sizes, self.rank, logits_dtype, budget)
 
     def head_vocab(self, order, outside):
         """A head's reduction (order: the walk's, which the options already follow)."""

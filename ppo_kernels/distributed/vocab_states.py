@@ -9,6 +9,8 @@ vocab_parallel_policy.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,14 @@ BLOCK_BYTES = 64 << 20  # float32 row blocks of the shard handed to the tile ker
 def row_blocks(N, V, acc):
     rows = max(1, BLOCK_BYTES // max(V * acc.itemsize, 1))
     return range(0, N, rows), rows
+
+
+def shared_plan(hidden, sizes, rank, logits_dtype, budget, share=1) -> engine.Plan:
+    """This rank's plan of whole-row tiles (engine.plan_rows over its slice of `sizes`) with the
+    row blocks every rank plans alike, the fewest rows any slice's plan takes: the per-block
+    collectives then match."""
+    plans = [engine.plan_rows(hidden, v, logits_dtype, budget, share, fused=False) for v in sizes]
+    return dataclasses.replace(plans[rank], rows=min(p.rows for p in plans))
 
 
 def row_inverse(temperatures: Tensor | None, shape, acc) -> Tensor | None:
