@@ -896,22 +896,20 @@ inline int64_t for_each_vec(const scalar_t* row, int64_t V, F&& f) {
   return j;
 }
 
-// The highest nd (at least lo) below which a sample of the row (1024 evenly spaced tokens) puts
-// less than `budget` of mass (relative to the max token; the sampled masses times V / n), on a grid
-// of 256 steps over [lo, 0]: an estimate, which top_p_hist checks.
-template <typename scalar_t>
-float sampled_mass_bound(const scalar_t* row, int64_t V, float inv_t, float m, float lo,
-                         float budget) {
-  constexpr int64_t kSteps = 256, kSample = 1024;
-  if (!(lo > -INFINITY) || !(lo < 0.f)) return lo;
-  const bool scale = inv_t_scales(inv_t);
-  const int64_t n = std::min(V, kSample);
+// The highest nd (at least lo) below which the statistics pass's sample of the row puts less
+// than `budget` of mass (relative to the max token: e x cb, times V / n), on a grid of 256 steps
+// over [lo, 0]: an estimate, which top_p_hist checks.
+inline float sampled_mass_bound(const PassSample& smp, const float* cb, int64_t V, float m,
+                                float lo, float budget) {
+  constexpr int64_t kSteps = 256;
+  const int64_t n = static_cast<int64_t>(smp.j.size());
+  if (!(lo > -INFINITY) || !(lo < 0.f) || n == 0) return lo;
   const float w = -lo / kSteps, wt = static_cast<float>(V) / static_cast<float>(n);
   float h[kSteps + 1] = {};  // h[kSteps]: below lo
   for (int64_t i = 0; i < n; ++i) {
-    const float nd = nd_of(static_cast<float>(row[n == V ? i : (i * V) / n]), inv_t, m, scale);
-    const float f = -nd / w;
-    h[f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps] += std::exp(nd) * wt;
+    const float f = -(smp.z[i] - m) / w;
+    h[f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps] +=
+        smp.e[i] * cb[smp.j[i] / kBlock] * wt;
   }
   float acc = h[kSteps];
   for (int64_t b = kSteps - 1; b >= 0; --b) {
@@ -1042,8 +1040,7 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
   const float xf = minp_ref ? x_threshold(minp, false, inv_t, m) : INFINITY;
   const float xany = std::min(xlo, xf);
   const float* E = ws.mass.data();
-  mass_factors(ws, V, m);
-  const float* cb = ws.mass_cb.data();
+  const float* cb = ws.mass_cb.data();  // (the caller's mass_factors)
   // the entropy's and sum_p2's sums per bucket too, when asked
   const bool need_u = a.with_entropy, need_e2 = a.with_sum_p2;
   ws.hs.assign(NB, 0.f);
@@ -1309,15 +1306,11 @@ bool top_p_masses(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float
   const float nd_cut = items[last].nd;
   if (!(nd_cut > lo + kMassMargin && (hi == 0.f || nd_cut < hi - kMassMargin))) return false;
   MassSums<float> k;
-  k.s = s_above;
-  k.e2 = a.with_sum_p2 ? sum(ve2) + e2_tail : 0.f;
-  for (int64_t b = 0; b < bstar; ++b) {
-    k.s += hs[b];
-    if (a.with_sum_p2) k.e2 += he2[b];
-  }
-  for (int64_t i = 0; i <= last; ++i) {
-    k.s += items[i].e;
-    k.e2 += items[i].e * items[i].e;
+  k.s = acc;  // (the walk's: the mass above the band, the buckets above bstar, the kept items)
+  if (with_e2) {
+    k.e2 = sum(ve2) + e2_tail;
+    for (int64_t b = 0; b < bstar; ++b) k.e2 += he2[b];
+    for (int64_t i = 0; i <= last; ++i) k.e2 += items[i].e * items[i].e;
   }
   k.xmin = items[last].x;
   w.kept = k;
@@ -1452,19 +1445,20 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
     const float ref = min_p_on(a.min_p) ? 1.f : st.s;
     const float lo =
         std::max(minp, std::log(0.99f * (1.f - a.top_p) * ref / static_cast<float>(V)));
-    // first a higher bound from a sample of the row (the bulk, below the cut, is what a uniform
-    // sample estimates well): fewer tokens to bucket, and most vectors skipped on peaked rows
-    // without the entropy or min-p: from the masses alone, first in the sample's band, then in
-    // [lo, 0]
+    mass_factors(ws, V, m);
+    // without the entropy or min-p: from the masses alone, first in a band around the sample's
+    // estimate of the cut, then in [lo, 0]
     if (!a.with_entropy && !min_p_on(a.min_p)) {
-      mass_factors(ws, V, m);
       const auto [blo, bhi] =
           sampled_cut_bounds(psmp, ws.mass_cb.data(), V, m, lo, (1.f - a.top_p) * ref);
       ok = top_p_masses(row, V, a, m, st.s, blo, bhi, ws, w);
       if (!ok) ok = top_p_masses(row, V, a, m, st.s, lo, 0.f, ws, w);
     }
+    // else a higher bound from the sample (the bulk, below the cut, is what a uniform sample
+    // estimates well): fewer tokens to bucket, and most vectors skipped on peaked rows
     if (!ok) {
-      const float lo_est = sampled_mass_bound(row, V, inv_t, m, lo, 0.5f * (1.f - a.top_p) * ref);
+      const float lo_est =
+          sampled_mass_bound(psmp, ws.mass_cb.data(), V, m, lo, 0.5f * (1.f - a.top_p) * ref);
       if (lo_est > lo) ok = top_p_hist(row, V, a, m, st.s, lo_est, ws, w);
     }
     if (!ok) ok = top_p_hist(row, V, a, m, st.s, lo, ws, w);
