@@ -122,7 +122,7 @@ def _check_rows(ns, N):
 def _check_tiling(starts, sizes) -> int:
     """V, after checking that the slices tile [0, V) contiguously."""
     world = len(starts)
-    order = sorted(range(world), key=lambda r: starts[r])
+    order = sorted(range(world), key=lambda r: (starts[r], sizes[r]))  # an empty slice first
     pos = 0
     for r in order:
         if starts[r] != pos:

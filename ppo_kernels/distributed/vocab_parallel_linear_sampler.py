@@ -32,7 +32,7 @@ from ..fused_linear.checks import check_args
 from ..fused_linear.tiler import Tiler
 from ._comm import all_reduce_, require_initialized
 from .vocab_layout import GIVEN, negotiate
-from .vocab_parallel_sampler import NO_CUT, kept_set, options
+from .vocab_parallel_sampler import NO_CUT, kept_set, options, top_stats
 from .vocab_states import shared_plan
 
 KEPT = ("m", "inv_ts", "lmp", "cut", "allow", "log_s", "ent", "outside")  # saved per row [N]
@@ -90,12 +90,14 @@ class _LinearSampled(torch.autograd.Function):
 def vocab_parallel_linear_sampled(
     hidden, weight, labels, bias, temperature, temps, k, ks, p, ps, mp, mps, sampler,
     ignore_index, process_group, vocab_start, max_chunk_bytes, logits_dtype, reduce_hidden_grad,
+    stats_top_k=0,
 ):  # fmt: skip
     """linear_token_logprobs(..., process_group=..., top_k / top_p / min_p): hidden [N, H]
     (replicated), weight [V_rank, H] and bias [V_rank] this rank's vocabulary rows, labels [N]
     global ids; the options as token_logprobs.api.sampler_options returns them (checked).
-    Returns (logprobs, entropy, outside, sum_p2, lse, is_argmax) [N], the gradients attached to
-    the first two."""
+    Returns (logprobs, entropy, outside, sum_p2, lse, is_argmax) [N] and (top_ids,
+    top_logprobs) [N, stats_top_k] (empty without them), the gradients attached to the first
+    two."""
     require_initialized()
     group = process_group
     budget = int(max_chunk_bytes or 0)
@@ -110,6 +112,10 @@ def vocab_parallel_linear_sampled(
         top_k=int(o.on_k), top_p=int(o.on_p),
     )  # fmt: skip
     V, rank = sum(sizes), dist.get_rank(group)
+    if stats_top_k > V and N > 0:  # (the sizes are every rank's: each raises alike)
+        raise ValueError(
+            f"stats_top_k: expected at most the vocabulary size {V}, got {stats_top_k}"
+        )
     if dev.type == "cpu" or _backend.strict():
         check_labels_in_range(labels, V, ignore_index)
     # the same row blocks on every rank: whole rows of the slice, a tile and its gradient tile
@@ -123,6 +129,9 @@ def vocab_parallel_linear_sampled(
         out = {n: torch.empty(N, dtype=acc, device=dev) for n in ("lp", "ent", "sum_p2", "lse")}
         for n in ("outside", "is_argmax"):
             out[n] = torch.empty(N, dtype=torch.bool, device=dev)
+        kk = stats_top_k
+        out["top_ids"] = torch.full((N, kk) if kk else (0,), -1, dtype=torch.int64, device=dev)
+        out["top_lp"] = torch.empty((N, kk) if kk else (0,), dtype=acc, device=dev)
         kept = {n: torch.empty(N, dtype=acc, device=dev) for n in ("m", "log_s")}
         kept.update(cut=torch.empty(N, dtype=torch.int64, device=dev),
                     allow=torch.empty(N, dtype=torch.float64, device=dev))  # fmt: skip
@@ -147,8 +156,13 @@ def vocab_parallel_linear_sampled(
                 out[name][r0:r1] = t
             for name, t in (("m", m), ("cut", cut), ("allow", allow), ("log_s", log_s)):
                 kept[name][r0:r1] = t
+            if kk:
+                ids, top_lp = top_stats(z, lab, ob, gathered, m, cut, allow, log_s, kk, group,
+                                        ignore_index, check_size=False)  # fmt: skip
+                out["top_ids"][r0:r1], out["top_lp"][r0:r1] = ids, top_lp
         kept.update(inv_ts=o.inv_ts, lmp=o.lmp, ent=out["ent"], outside=out["outside"])
-        outs = tuple(out[n] for n in ("lp", "ent", "outside", "sum_p2", "lse", "is_argmax"))
+        names = ("lp", "ent", "outside", "sum_p2", "lse", "is_argmax", "top_ids", "top_lp")
+        outs = tuple(out[n] for n in names)
         return outs, kept
 
     def backward_fn(grad_lp, grad_ent, kept, need):

@@ -22,6 +22,8 @@ each row's cut with a FIXED number of collectives (torch.compile traces them), w
    increasing ids in the order of their starts).
 3. one all-reduce of the kept set's per-row sums (mass, mass times z, mass squared, the whole
    row's mass, the label's z and flags from the rank that owns the label), then the finish.
+4. the top-k statistics, when asked: one all-gather of each rank's first k tokens in rank order
+   (logit, global id, log q), merged.
 
 The backward is elementwise on each slice given the kept set, the log-normaliser and the entropy
 (no collective): (g_lp (onehot - q) - g_ent q (log q + H)) / T on K, 0 outside, no log-prob term
@@ -334,6 +336,67 @@ def _(logits, labels, gathered, sums, m, inv_ts, lmp, cut, allow, rank, ignore_i
     return f[0], f[1], f[2], b[0], f[3], f[4], b[1], torch.empty(2, dtype=torch.int64)
 
 
+@torch.library.custom_op("ppo_kernels::vocab_parallel_sampler_topk", mutates_args=())
+def _topk_op(
+    logits: Tensor,
+    vocab_start: Tensor,
+    m: Tensor,
+    inv_ts: Tensor,
+    lmp: Tensor,
+    cut: Tensor,
+    allow: Tensor,
+    log_s: Tensor,
+    k: int,
+) -> Tensor:
+    """This slice's candidates for the top-k statistics: float64 [N, k, 3] of (logit, global id,
+    log q) of its k first tokens in rank order (decreasing logit, ties by id), log q = z - log_s
+    on the kept set, -inf off it. A slice of fewer than k tokens pads with (-inf, 2^53, -inf),
+    after every token. Rows whose max m is not finite are read as all zeros (their ids come out
+    in order; the finish gives them -1 and NaN)."""
+    check_cut(logits, m, inv_ts, lmp, cut, allow)
+    check_arg("vocab_start", vocab_start, logits.device, like="logits", dtypes=(torch.int64,),
+              shape=())  # fmt: skip
+    check_arg("log_s", log_s, logits.device, like="logits", dtypes=(m.dtype,), shape=m.shape)
+    if k < 1:
+        raise ValueError(f"k: expected at least 1, got {k}")
+    x = rows_of(logits)
+    N, V = x.shape
+    f64 = torch.float64
+    out = torch.empty((N, k, 3), dtype=f64, device=x.device)
+    out[..., 0], out[..., 1], out[..., 2] = float("-inf"), float(2**53), float("-inf")
+    kk = min(k, V)
+    starts, rows = row_blocks(N, V, acc_dtype(logits.dtype))
+    for r0 in starts if kk else ():
+        r1 = min(N, r0 + rows)
+        mb, ib = m[r0:r1], inv_ts[r0:r1]
+        z, kept = kept_mask(x[r0:r1].to(mb.dtype), mb, ib, lmp[r0:r1], cut[r0:r1], allow[r0:r1])
+        xb = torch.where(mb.isfinite().unsqueeze(-1), x[r0:r1].to(mb.dtype), 0.0)
+        # the kk first in rank order: every token above the kk-th value, then its ties by id
+        v = xb.topk(kk, -1).values[:, -1:]
+        above = xb > v
+        tie = xb == v
+        need = kk - above.sum(-1, keepdim=True)
+        sel = above | (tie & (tie.cumsum(-1) <= need))
+        idx = sel.nonzero()[:, 1].view(r1 - r0, kk)  # by id within each row
+        val, order = xb.gather(-1, idx).sort(dim=-1, descending=True, stable=True)
+        idx = idx.gather(-1, order)
+        zq = z.gather(-1, idx) - log_s[r0:r1].unsqueeze(-1)
+        lq = torch.where(kept.gather(-1, idx), zq, float("-inf"))
+        out[r0:r1, :kk, 0] = val.to(f64)
+        out[r0:r1, :kk, 1] = (idx + vocab_start).to(f64)
+        out[r0:r1, :kk, 2] = lq.to(f64)
+    return out
+
+
+@_topk_op.register_fake
+def _(logits, vocab_start, m, inv_ts, lmp, cut, allow, log_s, k):
+    check_devices(
+        "logits", logits, vocab_start=vocab_start, m=m, inv_ts=inv_ts, lmp=lmp, cut=cut,
+        allow=allow, log_s=log_s,
+    )  # fmt: skip
+    return logits.new_empty((rows_of(logits).shape[0], k, 3), dtype=torch.float64)
+
+
 @torch.library.custom_op("ppo_kernels::vocab_parallel_sampler_backward", mutates_args=())
 def _backward_op(
     grad_logprobs: Tensor,
@@ -592,15 +655,42 @@ def kept_set(x, labels, o: Options, start, derived, group, ignore_index):
     return gathered, all_reduce_(sums, group), m, cut, allow
 
 
+def top_stats(x, labels, o: Options, gathered, m, cut, allow, log_s, k, group, ignore_index,
+              check_size=True):  # fmt: skip
+    """The top-k statistics (top ids int64, their log-probs under the sampler's distribution)
+    [N, k] of every row, from each rank's k first tokens in rank order (one all-gather): merged
+    by decreasing logit, ties by global id, as the single-device op gives them (ids -1 and
+    log-probs 0 on ignored rows, -1 and NaN on undefined ones)."""
+    N, world, rank = labels.numel(), dist.get_world_size(group), dist.get_rank(group)
+    if check_size and cross_checks(x):  # the same on every rank: each raises alike
+        V = int(gathered[:, 1].sum())
+        if k > V and N > 0:
+            raise ValueError(f"stats_top_k: expected at most the vocabulary size {V}, got {k}")
+    start = gathered[rank, 0].to(torch.int64)
+    cand = torch.ops.ppo_kernels.vocab_parallel_sampler_topk(
+        x, start, m, o.inv_ts, o.lmp, cut, allow, log_s.reshape(-1), k
+    )
+    c = _all_gather(cand, group).view(world, N, k, 3).transpose(0, 1).reshape(N, world * k, 3)
+    c = c.gather(1, c[..., 1].argsort(dim=-1, stable=True).unsqueeze(-1).expand_as(c))
+    first = c[..., 0].argsort(dim=-1, descending=True, stable=True)[:, :k]
+    top = c.gather(1, first.unsqueeze(-1).expand(N, k, 3))
+    ids, lq = top[..., 1], top[..., 2].to(m.dtype)
+    bad = ~m.isfinite().unsqueeze(-1)
+    ignored = (labels.reshape(-1) == ignore_index).unsqueeze(-1)
+    ids = torch.where(bad | ignored | (ids >= 2**53), -1.0, ids).to(torch.int64)
+    lq = torch.where(bad, float("nan"), lq).masked_fill(ignored, 0.0)
+    return ids, lq
+
+
 def vocab_parallel_sampled_logprobs(
     logits, labels, temperature, temps, k, ks, p, ps, mp, mps, sampler, ignore_index,
-    process_group, vocab_start,
+    process_group, vocab_start, stats_top_k=0,
 ):  # fmt: skip
     """token_logprobs(..., process_group=..., top_k / top_p / min_p) on this rank's slice
     logits [..., V_rank]; the options as token_logprobs.api.sampler_options returns them
     (checked). Returns the sampler op's outputs (logprobs, entropy, -, -, -, outside, sum_p2,
-    lse, -, -, is_argmax) with labels.shape ("-": empty; the top-k statistics are not
-    available here)."""
+    lse, top_ids, top_logprobs, is_argmax) flat ("-": empty; the top-k statistics [N, k] with
+    stats_top_k = k > 0, else empty)."""
     group, acc = process_group, acc_dtype(logits.dtype)
     start, derived = resolve_vocab_start(vocab_start, logits.shape[-1], group)
     o = options(labels, temperature, temps, k, ks, p, ps, mp, mps, sampler, acc)
@@ -609,7 +699,7 @@ def vocab_parallel_sampled_logprobs(
     gathered, sums, m, cut, allow = kept_set(
         logits.detach(), labels, o, start, derived, group, ignore_index
     )
-    lp, ent, _, outside, sum_p2, lse, is_argmax, _ = (
+    lp, ent, log_s, outside, sum_p2, lse, is_argmax, _ = (
         torch.ops.ppo_kernels.vocab_parallel_sampler_finish(
             logits,
             labels,
@@ -625,4 +715,10 @@ def vocab_parallel_sampled_logprobs(
         )  # fmt: skip
     )
     empty = lp.new_empty(0)
-    return lp, ent, empty, empty, empty, outside, sum_p2, lse, empty, empty, is_argmax
+    ids, top_lp = empty.long(), empty
+    if stats_top_k > 0:
+        ids, top_lp = top_stats(
+            logits.detach(), labels, o, gathered, m, cut, allow, log_s, stats_top_k, group,
+            ignore_index,
+        )  # fmt: skip
+    return lp, ent, empty, empty, empty, outside, sum_p2, lse, ids, top_lp, is_argmax

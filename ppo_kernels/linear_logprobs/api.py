@@ -106,7 +106,7 @@ def linear_token_logprobs(
             vocabulary; `hidden` is replicated; labels are global ids. Every rank gets the
             full-vocabulary result from one all-gather of per-row softmax statistics. Each rank's
             weight / bias gradient is its slice of the unsharded one. It takes a temperature
-            tensor, `top_k`, `top_p`, `min_p`, `sampler` and the statistics but "topk" (the same
+            tensor, `top_k`, `top_p`, `min_p`, `sampler` and every statistic (the same
             result as the unsharded call, up to float32 rounding at a cut). Default None.
         vocab_start (int, optional): this rank's first vocabulary id. Default None: from the slice
             sizes, in rank order (see `token_logprobs` for torch.compile).
@@ -295,15 +295,14 @@ def _vocab_parallel_sampled(hidden, weight, labels, bias, ignore_index, return_e
         )  # fmt: skip
         lp = lp.view(labels.shape)
         return (lp, ent.view(labels.shape)) if return_entropy else lp
-    if "topk" in names:
-        raise ValueError('stats: "topk" is not supported with process_group (vocab-parallel) yet')
     from ..distributed.vocab_parallel_linear_sampler import vocab_parallel_linear_sampled
 
-    lp, ent, outside, sum_p2, lse, is_argmax = vocab_parallel_linear_sampled(
+    lp, ent, outside, sum_p2, lse, is_argmax, top_ids, top_lp = vocab_parallel_linear_sampled(
         h2, weight, labels.reshape(-1), bias, temp, per_row(temps, labels), k,
         per_row(ks, labels), p, per_row(ps, labels), mp, per_row(mps, labels), sampler,
         ignore_index, process_group, vocab_start, max_chunk_bytes, tiles, reduce_hidden_grad,
+        stats_top_k,
     )  # fmt: skip
     empty = lp.new_empty(0)
-    outs = (lp, ent, empty, empty, empty, outside, sum_p2, lse, empty, empty, is_argmax)
+    outs = (lp, ent, empty, empty, empty, outside, sum_p2, lse, top_ids, top_lp, is_argmax)
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)

@@ -104,8 +104,8 @@ def token_logprobs(
             contiguous slice `[..., V_rank]` of the vocabulary (slices may be uneven); labels are
             global ids. Every rank gets the full-vocabulary result from one all-gather of per-row
             softmax statistics. Each rank's gradient is its slice of the unsharded one. It takes
-            a temperature tensor, `top_k`, `top_p`, `min_p`, `sampler` and the statistics but
-            "topk": the same result as the single-device op on the gathered logits, up to
+            a temperature tensor, `top_k`, `top_p`, `min_p`, `sampler` and every statistic:
+            the same result as the single-device op on the gathered logits, up to
             float32 rounding at a cut, from a fixed number of collectives (docs/ppo-math.md).
             Default None.
         vocab_start (int, optional): this rank's first vocabulary id. Default None: slices
@@ -304,13 +304,11 @@ def _vocab_parallel_sampled(logits, labels, temperature, ignore_index, return_en
             logits, labels, temp, ignore_index, return_entropy, process_group, vocab_start,
             per_row(temps, labels),
         )  # fmt: skip
-    if "topk" in names:
-        raise ValueError('stats: "topk" is not supported with process_group (vocab-parallel) yet')
     from ..distributed.vocab_parallel_sampler import vocab_parallel_sampled_logprobs
 
     outs = vocab_parallel_sampled_logprobs(
         logits, labels, temp, temps, k, ks, p, ps, mp, mps, sampler, ignore_index, process_group,
-        vocab_start,
+        vocab_start, stats_top_k,
     )  # fmt: skip
     return sampler_result(outs, labels.shape, return_entropy, stats, names, stats_top_k)
 

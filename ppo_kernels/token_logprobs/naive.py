@@ -188,7 +188,8 @@ def sampler_forward(
     kept set for the backward: x_j > cut, or x_j == cut and j <= cut_index ((-inf, V - 1) for a
     row with every option off; cut_index is V - 1 under "vllm", whose kept set holds whole tie
     groups). Rows with label == ignore_index give 0 (False, -1 for the ids); rows undefined
-    without truncation (NaN / +inf logits, all -inf) give NaN, with the full kept set."""
+    without truncation (NaN / +inf logits, all -inf) give NaN (-1 for the ids), with the full
+    kept set."""
     shape = labels.shape
     V = logits.shape[-1]
     acc = acc_dtype(logits.dtype)
@@ -239,7 +240,7 @@ def sampler_forward(
         full_lse = torch.where(bad, nan, fl).masked_fill(ignored, 0.0).reshape(shape)
     if stats_top_k > 0:
         kk = stats_top_k
-        top_ids = idx[:, :kk].masked_fill(ignored.unsqueeze(-1), -1)
+        top_ids = idx[:, :kk].masked_fill((ignored | bad).unsqueeze(-1), -1)
         tl = torch.where(ks[:, :kk], logq[:, :kk], torch.full_like(logq[:, :kk], -float("inf")))
         tl = torch.where(bad.unsqueeze(-1), torch.full_like(tl, float("nan")), tl)
         top_lp = tl.masked_fill(ignored.unsqueeze(-1), 0.0)

@@ -68,6 +68,9 @@ def test_sampler_ops_opcheck():
     opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_finish.default, fin)
     with torch.no_grad():
         _, ent, log_s, outside, *_, layout = ops.vocab_parallel_sampler_finish(*fin)
+    topk = (z, start, m, inv_ts, lmp, cut, allow, log_s, 3)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_topk.default, topk)
+    opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_topk.default, (*topk[:-1], V + 2))
     gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
     bwd = (gl, ge, z, y, m, inv_ts, lmp, cut, allow, log_s, ent, outside, layout, -100)
     opcheck(torch.ops.ppo_kernels.vocab_parallel_sampler_backward.default, bwd)

@@ -188,11 +188,27 @@ def case_temperature_linear(rank, world):
         process_group=grp))  # fmt: skip
 
 
-def _compare_sampled(msg, got, want, stats, tol):
-    """(log-probs, entropy, HeadStats) of the vocab-parallel form against the single-device's."""
+def _compare_sampled(msg, got, want, stats, tol, exact_ids=True):
+    """(log-probs, entropy, HeadStats) of the vocab-parallel form against the single-device's.
+    The top ids: equal (exact_ids), else where the logits may round apart (the linear forms'
+    GEMMs on a slice and on the whole head), equal but within runs of the single-device's
+    log-probs that lie within tol of each other (near-ties may swap)."""
     for name, x, y in zip(("logprobs", "entropy"), got[:2], want[:2]):
         torch.testing.assert_close(x, y, **tol, msg=f"{msg}: {name}")
     for name in stats:
+        if name == "topk":
+            x, y = got[2].top_logprobs, want[2].top_logprobs
+            torch.testing.assert_close(x, y, **tol, msg=f"{msg}: top_logprobs")
+            ids, ids_w = got[2].top_ids, want[2].top_ids
+            if not exact_ids:
+                d = (y[..., 1:] - y[..., :-1]).abs().nan_to_num(0.0)
+                near = d <= tol["atol"] + tol["rtol"] * y[..., 1:].abs().nan_to_num(0.0)
+                tied = torch.zeros_like(ids, dtype=torch.bool)
+                tied[..., 1:] |= near
+                tied[..., :-1] |= near
+                ids, ids_w = ids.masked_fill(tied, -2), ids_w.masked_fill(tied, -2)
+            assert torch.equal(ids, ids_w), (msg, got[2].top_ids, want[2].top_ids)
+            continue
         x, y = getattr(got[2], name), getattr(want[2], name)
         torch.testing.assert_close(x, y, **tol, msg=f"{msg}: {name}")
     assert int(got[2].num_outside) == int(want[2].num_outside), msg
@@ -243,7 +259,7 @@ def case_sampler_logits(rank, world):
 
     grp = dist.group.WORLD
     B, T, V = 3, 4, 23
-    stats = ("outside", "sum_p2", "lse", "is_argmax")
+    stats = ("outside", "sum_p2", "lse", "is_argmax", "topk")
     for dtype, seed in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float64, 3)):
         g = torch.Generator().manual_seed(seed)
         logits = _sampler_logits(g, B, T, V, dtype)
@@ -257,8 +273,9 @@ def case_sampler_logits(rank, world):
             for i, opts in enumerate(_sampler_options(B, T, V, g)):
                 msg = f"{dtype} {sampler} {i} {sorted(opts)} rank {rank}"
                 full = logits.clone().requires_grad_()
+                top = dict(stats_top_k=(5, 1, V)[i % 3])  # (k = V: every token)
                 lp_w, ent_w, st_w = pk.token_logprobs(
-                    full, labels, return_entropy=True, sampler=sampler, stats=stats, **opts
+                    full, labels, return_entropy=True, sampler=sampler, stats=stats, **top, **opts
                 )
                 # (-inf outside the kept set: the gradient has no log-prob term there)
                 (lp_w * gl + ent_w * ge).sum().backward()
@@ -267,7 +284,7 @@ def case_sampler_logits(rank, world):
                 with poisoned():
                     lp, ent, st = pk.token_logprobs(
                         shard, labels, return_entropy=True, sampler=sampler, stats=stats,
-                        process_group=grp, vocab_start=v0 if i % 2 else None, **opts,
+                        process_group=grp, vocab_start=v0 if i % 2 else None, **top, **opts,
                     )  # fmt: skip
                     (lp * gl + ent * ge).sum().backward()
                 _compare_sampled(msg, (lp, ent, st), (lp_w, ent_w, st_w), stats, tol)
@@ -280,7 +297,7 @@ def case_sampler_logits(rank, world):
                     reduces = _comm.CALLS["all_reduce"] - before["all_reduce"]
                     assert reduces == 2 * rounds + 1, (msg, reduces)
                     checks = 2  # the CPU's cross-rank checks of sizes and options
-                    want = 1 + (sampler == "sglang") + checks
+                    want = 1 + (sampler == "sglang") + checks + 1  # (+1: the top-k candidates)
                     assert gathers in (want, want + 1), (msg, gathers)  # (+1: a layout settled)
         if dtype == torch.float64:  # the float64 reference of the sampler's rules
             from ppo_kernels.token_logprobs import naive
@@ -294,6 +311,16 @@ def case_sampler_logits(rank, world):
                 got = pk.token_logprobs(logits[..., v0:v1], labels, sampler=sampler,
                                         process_group=grp, **opts)  # fmt: skip
                 torch.testing.assert_close(got, want[0], **tol)
+    # slices not in rank order (rank r holds the slice of world - 1 - r): the top-k statistics
+    # still merge ties by global id
+    u0, u1 = _slices(V, world, 2)[world - 1 - rank]
+    x = torch.randint(0, 3, (B, T, V), generator=torch.Generator().manual_seed(7)).float()
+    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8))
+    kw = dict(top_k=6, sampler="sglang", stats=("topk",), stats_top_k=8)
+    _, st = pk.token_logprobs(x[..., u0:u1], y, process_group=grp, vocab_start=u0, **kw)
+    _, st_w = pk.token_logprobs(x, y, **kw)
+    assert torch.equal(st.top_ids, st_w.top_ids), (st.top_ids, st_w.top_ids)
+    torch.testing.assert_close(st.top_logprobs, st_w.top_logprobs)
     # the GPU's path (device-side layout checks, forced on gloo): once the layout is validated,
     # a call reads nothing back (no host sync), and still matches
     from ppo_kernels.distributed import vocab_layout as vl
@@ -327,7 +354,7 @@ def case_sampler_logits(rank, world):
         ("min_p", dict(min_p=1.5)),
         ("temperature", dict(top_k=2, temperature=torch.zeros(2))),
         ("sampler", dict(top_k=2, sampler="hf")),
-        ("stats", dict(stats=("topk",), stats_top_k=2)),
+        ("stats_top_k", dict(stats=("topk",), stats_top_k=4 * world + 1)),  # more than V
     ):
         _raises_everywhere(name, lambda: pk.token_logprobs(x, y, process_group=grp, **kw))
 
@@ -343,7 +370,7 @@ def case_sampler_linear(rank, world):
 
     grp = dist.group.WORLD
     B, T, H, V = 3, 4, 8, 23
-    stats = ("outside", "sum_p2", "lse", "is_argmax")
+    stats = ("outside", "sum_p2", "lse", "is_argmax", "topk")
     for dtype, bias, budget, seed in (
         (torch.float32, True, None, 1),
         (torch.float32, False, 400, 2),
@@ -370,9 +397,10 @@ def case_sampler_linear(rank, world):
                 msg = f"{dtype} {sampler} {i} {sorted(opts)} rank {rank}"
                 hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
                 bf = None if b is None else b.clone().requires_grad_()
+                top = dict(stats_top_k=(4, V)[i % 2])
                 lp_w, ent_w, st_w = pk.linear_token_logprobs(
                     hf, wf, labels, bias=bf, return_entropy=True, sampler=sampler, stats=stats,
-                    **opts,
+                    **top, **opts,
                 )  # fmt: skip
                 (lp_w * gl + ent_w * ge).sum().backward()
                 hs, ws = h.clone().requires_grad_(), w[v0:v1].clone().requires_grad_()
@@ -383,10 +411,10 @@ def case_sampler_linear(rank, world):
                         hs, ws, labels, bias=bs, return_entropy=True, sampler=sampler,
                         stats=stats, process_group=grp, max_chunk_bytes=budget,
                         vocab_start=v0 if i % 2 else None, reduce_hidden_grad=not partial,
-                        **opts,
+                        **top, **opts,
                     )  # fmt: skip
                     (lp * gl + ent * ge).sum().backward()
-                _compare_sampled(msg, (lp, ent, st), (lp_w, ent_w, st_w), stats, tol)
+                _compare_sampled(msg, (lp, ent, st), (lp_w, ent_w, st_w), stats, tol, False)
                 gh = hs.grad
                 if partial:  # each rank's share: their sum is the gradient
                     gh = gh.clone()
@@ -404,7 +432,7 @@ def case_sampler_linear(rank, world):
         ("top_p", dict(top_p=torch.ones(5))),
         ("min_p", dict(min_p=-0.5)),
         ("softcap", dict(top_k=2, softcap=3.0)),
-        ("stats", dict(stats=("topk",), stats_top_k=2)),
+        ("stats_top_k", dict(stats=("topk",), stats_top_k=3 * world + 1)),  # more than V
     ):
         _raises_everywhere(name, lambda: pk.linear_token_logprobs(x, w, y, process_group=grp, **kw))
 
@@ -538,7 +566,7 @@ def case_sampler_full_kl(rank, world):
 
 def case_sampler_compile(rank, world):
     """torch.compile (aot_eager, fullgraph=True) of the vocab-parallel token_logprobs with the
-    sampler's options and of the plain forms with temperature tensors equals eager, forward and
+    sampler's options (and the top-k statistics) and of the plain forms with temperature tensors equals eager, forward and
     gradients: a fixed number of functional collectives and registered ops between them."""
     import ppo_kernels as pk
 
@@ -557,11 +585,12 @@ def case_sampler_compile(rank, world):
         out = []
         for sampler in ("vllm", "sglang"):  # (vLLM: top-k and min-p; SGLang: top-p, its ties)
             opts = dict(top_k=ks, min_p=0.02) if sampler == "vllm" else dict(top_p=pr)
-            lp, ent = pk.token_logprobs(
+            lp, ent, st = pk.token_logprobs(
                 z, labels, temperature=temps, sampler=sampler, return_entropy=True,
-                process_group=grp, vocab_start=v0, **opts,
+                process_group=grp, vocab_start=v0, stats=("topk",), stats_top_k=3, **opts,
             )  # fmt: skip
-            out += [torch.where(lp.isfinite(), lp, 0.0), ent]
+            top = torch.where(st.top_logprobs.isfinite(), st.top_logprobs, 0.0)
+            out += [torch.where(lp.isfinite(), lp, 0.0), ent, (top * st.top_ids).sum(-1)]
         lp, ent = pk.token_logprobs(
             z, labels, temperature=temps, return_entropy=True, process_group=grp, vocab_start=v0
         )
