@@ -425,10 +425,6 @@ void sampler_grads_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, Stack
   const Stack args = arguments(*stack, s.n + 3);  // + need_hidden, need_weight, need_bias
   check(args, i);
   const Tensor hidden = args[i.hidden].toTensor();
-  TORCH_CHECK_VALUE(args[i.z_loss].toDouble() == 0,
-                    "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
-                    "top_p, min_p) yet (its gradient is the whole vocabulary's softmax, which the "
-                    "sampler's kernels do not form)");
   TORCH_CHECK_VALUE(args[i.ref_hidden].isNone(),
                     "ref_hidden: the exact KL against a reference head is not supported with the "
                     "sampler's options (temperature tensor, top_k, top_p, min_p) yet; give "

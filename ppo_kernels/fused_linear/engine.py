@@ -128,11 +128,15 @@ class WholeVocab:
         return lp, ent, lse, (None if zr is None else self.ref_fwd(z, zr, lc))
 
     def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
-        """The block's gradient tile from the coefficients (glp, gent, g_full[, g_label]) and the
+        """The block's gradient tile from the coefficients (glp, gent, g_full[, g_lse]) and the
         statistics st (lp, ent, lse, klt), multiplied into ghc, gW, gb. The tile of block_stats
-        is consumed (or computed here when the statistics were given)."""
+        is consumed (or computed here when the statistics were given). g_lse: dL/dlse of the
+        whole vocabulary's log-sum-exp (the z-loss), through lse = z_label - lp: a log-prob
+        term less and the label's own logit."""
         glp, gent, g_full, *rest = coefs
         g_label = rest[0] if rest else None
+        if g_label is not None:
+            glp = glp - g_label
         _, ent, lse, klt = st
         z, zr = self.z, self.zr
         self.z = self.zr = None
@@ -181,18 +185,27 @@ class SamplerVocab(WholeVocab):
     saved: (logprobs, entropy, lse) [N] buffers for a two-pass loop (`outs` then holds the kept
     set's [N] buffers): the first pass stores each block's statistics (entropy included) and its
     kept set, and the second reuses them (`after_first_pass`) -- it runs no sampler forward, and
-    computes a tile only for the gradient."""
+    computes a tile only for the gradient.
+
+    full_lse: an [N] buffer for the whole vocabulary's log-sum-exp (the z-loss), or None. With
+    it the block's statistics carry that lse (the kernels' `with_lse`) in place of the kept
+    set's, which only the gradient reads, and a fourth coefficient dL/dlse adds
+    g_lse p / T to the gradient tile (p the untruncated softmax of the tempered logits: the
+    sampler's kernels form only q on the kept set)."""
 
     def __init__(self, backend, inv_t, params, sampler, ignore_index, tl, extra=None,
-                 outs=None, kept=None, gbuf=None, saved=None):  # fmt: skip
+                 outs=None, kept=None, gbuf=None, saved=None, full_lse=None):  # fmt: skip
         super().__init__(backend, 1.0, ignore_index, tl)
         self.inv_t = inv_t
         self.params = params  # (inv_ts, top_k, top_ks, top_p, top_ps, min_p, min_ps): tensors [N]
+        extra = extra or (False, False, 0, False)
+        if full_lse is not None:
+            extra = (extra[0], True, *extra[2:])
         self.sampler, self.extra, self.outs, self.kept, self.gbuf = (
-            sampler, extra or (False, False, 0, False), outs or (), kept, gbuf
+            sampler, extra, outs or (), kept, gbuf
         )  # fmt: skip
-        self.saved, self.reuse = saved, False
-        self.blk = self.blk_kept = None
+        self.saved, self.reuse, self.full_lse = saved, False, full_lse
+        self.blk = self.blk_kept = self.blk_lse = self.g_lse = None
 
     @property
     def tiler_fused(self):
@@ -228,7 +241,8 @@ class SamplerVocab(WholeVocab):
         r0, r1, inv_ts, ks, ps, mps, _ = self.blk
         n = r1 - r0
         if self.reuse:
-            return (*(self.pad(t[r0:r1]) for t in self.saved), None)
+            lp, ent, self.blk_lse = (self.pad(t[r0:r1]) for t in self.saved)
+            return lp, ent, self._lse(self.blk_lse, r0, r1), None
         _, k, _, p, _, mp, _ = self.params
         outs = self.fwd(
             z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii,
@@ -241,17 +255,42 @@ class SamplerVocab(WholeVocab):
             for buf, o in zip(self.saved, outs[:3]):
                 buf[r0:r1] = o[:n]
         self.blk_kept = (outs[3], outs[4])  # the block's kept set, for its gradient
-        return outs[0], outs[1], outs[2], None
+        self.blk_lse = outs[2]
+        if self.full_lse is not None:
+            self.full_lse[r0:r1] = outs[7][:n]
+        return outs[0], outs[1], self._lse(outs[2], r0, r1), None
+
+    def _lse(self, lse_kept, r0, r1):
+        """The block's lse as the statistics carry it: the whole vocabulary's with full_lse."""
+        return lse_kept if self.full_lse is None else self.pad(self.full_lse[r0:r1])
+
+    def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
+        glp, gent, g_full, *rest = coefs
+        g_lse = rest[0] if rest else None
+        self.g_lse = None if g_lse is None else (g_lse, st[2])
+        super().block_grad(tiler, hc, lc, (glp, gent, g_full), st, gk_buf, ghc, gW, gb)
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         _, _, inv_ts, _, _, _, kept = self.blk
         cut, cut_index = kept if kept is not None else self.blk_kept
         g = self.gbuf[: z.numel()].view(z.shape)
+        lse_k = self.blk_lse  # the kept set's (the statistics may carry the whole vocabulary's)
         self.bwd(
-            z, glp, gent, lc, lse, ent if gent is not None else lse, cut, cut_index, self.inv_t,
-            inv_ts, self.ii, g,
+            z, glp, gent, lc, lse_k, ent if gent is not None else lse_k, cut, cut_index,
+            self.inv_t, inv_ts, self.ii, g,
         )  # fmt: skip
+        if self.g_lse is not None:
+            self._add_softmax(g, z, *self.g_lse, inv_ts)
         return g
+
+    def _add_softmax(self, g, z, g_lse, lse, inv_ts, sub_rows=8):
+        """g += g_lse exp(z / T - lse) / T, row by row of the block (the untruncated softmax's
+        term of dL/dlse), a few rows at a time: a float32 temporary of sub_rows rows."""
+        it = torch.full_like(lse, self.inv_t) if inv_ts is None else inv_ts.to(lse.dtype)
+        for s0 in range(0, z.shape[0], sub_rows):
+            s1 = min(z.shape[0], s0 + sub_rows)
+            t = (z[s0:s1].to(lse.dtype) * it[s0:s1, None]).sub_(lse[s0:s1, None]).exp_()
+            g[s0:s1] += t.mul_((g_lse[s0:s1] * it[s0:s1])[:, None]).to(g.dtype)
 
 
 def sampler_kernels(hidden, backend):
@@ -315,7 +354,7 @@ class Block(NamedTuple):
     r1: int
     lp: Tensor
     ent: Tensor
-    lse: Tensor
+    lse: Tensor  # of the whole vocabulary (the distribution's own normaliser for a sampler's)
     kl: tuple | None  # (kl, lse_z, lse_w) against the reference head
     pad: object
 
@@ -329,9 +368,9 @@ class HeadTerm:
     - `after_first_pass(lp)`: with every token's log-prob (flat [N]), before the second pass;
     - `coefficients(block)`: the block's (dL/dlogprob, dL/dentropy, dL/dKL) per token, each a
       tensor of the block's (padded) rows or None, after storing what the loss reports;
-      the gradient tile follows from them. A fourth, dL/dz_label (the label's own tempered logit
-      besides its log-prob: the z-loss, lse = z_label - lp), is taken by the whole-vocabulary
-      reduction `WholeVocab`;
+      the gradient tile follows from them. A fourth, dL/dlse (the whole vocabulary's
+      log-sum-exp of the tempered logits: the z-loss), is taken by the whole-vocabulary
+      reductions (`WholeVocab`, `SamplerVocab` told `full_lse`);
     - `with_entropy`: whether the reduction computes the entropy;
     - `given(r0, r1, pad)`: (entropy, lse) of a block known before the loop (a backward of saved
       statistics: no reduction runs), or None (the default: the reduction computes them).

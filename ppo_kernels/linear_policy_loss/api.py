@@ -253,8 +253,10 @@ def linear_policy_loss(
             log-sum-exp of the token's tempered (and soft-capped) logits over the whole
             vocabulary (0 for a label == ignore_index), m the mask after rollout correction;
             its gradient on the logits is 2 c m_t lse_t softmax(z_t) / (T sum m), formed in the
-            same pass (no extra GEMM). Reported as `z_loss` (the mean of lse^2). Not with the
-            sampler's options or `process_group` yet. Default 0.0: no term.
+            same pass (no extra GEMM). Reported as `z_loss` (the mean of lse^2). With the
+            sampler's options lse_t is still the whole vocabulary's (the normaliser the model's
+            head produces, not the kept set's), at the token's temperature, m the mask after
+            `mask_outside`. Not with `process_group` yet. Default 0.0: no term.
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
@@ -339,11 +341,8 @@ def linear_policy_loss(
         )
     if type(z_loss) is not float or z_loss != 0.0:
         z_loss = check_float("z_loss", z_loss, nonneg=True)
-        if z_loss != 0 and (sampled is not None or process_group is not None):
-            raise ValueError(
-                "z_loss: not supported with the sampler's options (temperature tensor, top_k, "
-                "top_p, min_p) or process_group yet"
-            )
+        if z_loss != 0 and process_group is not None:
+            raise ValueError("z_loss: not supported with process_group yet")
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)

@@ -323,8 +323,7 @@ class PolicyHead(HeadTerm):
             g_full = self.full_kl_coef(blk.kl[0], r0, r1)
         if self.lse_all is None:
             return glp, gent, g_full
-        g_z = self.z_loss_coef(blk.lse, r0, r1)  # d/dz_label (lse = z_label - lp)
-        return glp - g_z, gent, g_full, g_z
+        return glp, gent, g_full, self.z_loss_coef(blk.lse, r0, r1)  # dL/dlse
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(loss, stats) once the loop is done."""

@@ -240,10 +240,11 @@ def _sampler_vocab(backend, a, plan, head, token_stats, outside) -> engine.Sampl
         tile_rows = plan.rows if plan.pad else min(plan.rows, N)
         gdt = hidden.dtype if plan.input_tiles else acc
         gbuf = torch.empty(tile_rows * V, dtype=gdt, device=dev)
+    full_lse = torch.empty(N, dtype=acc, device=dev) if a.z_loss != 0 else None  # the z-loss's
     return engine.SamplerVocab(
         kb, 1.0 / a.temperature, params, a.sampler, a.ignore_index,
         (tl_op.sampler_forward.impls[kb], tl_op.sampler_backward.impls[kb]), outs=outs,
-        gbuf=gbuf, saved=saved,
+        gbuf=gbuf, saved=saved, full_lse=full_lse,
     )  # fmt: skip
 
 

@@ -229,6 +229,52 @@ def test_mask_outside_off(backend):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
 
+# the z-loss under the sampler: lse of the whole vocabulary at each token's temperature (the
+# kernels' with_lse), its gradient the untruncated softmax term beside the sampler's on K
+Z_CASES = [
+    (backend, budget, setting, mask_outside)
+    for backend, budget in BUDGETS
+    for setting in ("all", "per_row", "per_token_temperature")
+    for mask_outside in (True, False)
+    if backend != "triton" or (setting == "per_row" and mask_outside)
+]
+
+
+@pytest.mark.parametrize("backend,budget,setting,mask_outside", Z_CASES)
+def test_z_loss_under_the_sampler(backend, budget, setting, mask_outside):
+    x = _inputs()
+    x["b"] = x["b"] + 2.0  # lse far from 0: the term weighs in the loss and the gradients
+    opts = SETTINGS[setting]
+    kw = dict(max_chunk_bytes=budget, entropy_coef=0.01, z_loss=0.05, mask_outside=mask_outside)
+    _, stats, grads = _check(x, backend, **kw, **opts)
+    assert float(stats["z_loss"]) > 1.0
+    # the term is in the gradient: without it the weight's gradient moves
+    _, _, g0 = _run(x, **{**kw, "z_loss": 0.0}, **opts)
+    assert (grads[1] - g0[1]).abs().max() > 1e-3
+
+
+def test_z_loss_gradcheck_under_the_sampler():
+    g = torch.Generator().manual_seed(4)
+    b_, t_, hd, v = 2, 3, 3, 9
+    h = torch.randn(b_, t_, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(v, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([[0, 3, -100], [8, 1, 4]])
+    adv = torch.randn(b_, t_, generator=g, dtype=torch.float64)
+    old = torch.randn(b_, t_, generator=g, dtype=torch.float64) * 0.1 - 2.0
+    mask = torch.ones(b_, t_, dtype=torch.bool)
+    temps = torch.tensor([[0.7, 1.1, 0.9], [1.3, 0.6, 1.0]], dtype=torch.float64)
+
+    def f(h, W, bias):
+        loss, _ = pk.linear_policy_loss(
+            h, W, labels, adv, old, mask, bias=bias, temperature=temps, top_k=5, min_p=0.05,
+            softcap=4.0, z_loss=0.2, entropy_coef=0.1, max_chunk_bytes=2 * 2 * (v * 8 + hd * 8),
+        )  # fmt: skip
+        return loss
+
+    assert torch.autograd.gradcheck(f, (h, W, bias))
+
+
 def test_gradcheck_float64():
     g = torch.Generator().manual_seed(3)
     b_, t_, hd, v = 2, 3, 3, 9
