@@ -253,30 +253,10 @@ def test_z_loss_under_the_sampler(backend, budget, setting, mask_outside):
     assert (grads[1] - g0[1]).abs().max() > 1e-3
 
 
-def test_z_loss_gradcheck_under_the_sampler():
-    g = torch.Generator().manual_seed(4)
-    b_, t_, hd, v = 2, 3, 3, 9
-    h = torch.randn(b_, t_, hd, generator=g, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(v, hd, generator=g, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.tensor([[0, 3, -100], [8, 1, 4]])
-    adv = torch.randn(b_, t_, generator=g, dtype=torch.float64)
-    old = torch.randn(b_, t_, generator=g, dtype=torch.float64) * 0.1 - 2.0
-    mask = torch.ones(b_, t_, dtype=torch.bool)
-    temps = torch.tensor([[0.7, 1.1, 0.9], [1.3, 0.6, 1.0]], dtype=torch.float64)
-
-    def f(h, W, bias):
-        loss, _ = pk.linear_policy_loss(
-            h, W, labels, adv, old, mask, bias=bias, temperature=temps, top_k=5, min_p=0.05,
-            softcap=4.0, z_loss=0.2, entropy_coef=0.1, max_chunk_bytes=2 * 2 * (v * 8 + hd * 8),
-        )  # fmt: skip
-        return loss
-
-    assert torch.autograd.gradcheck(f, (h, W, bias))
-
-
-def test_gradcheck_float64():
-    g = torch.Generator().manual_seed(3)
+def _gradcheck(seed, temps, **kw):
+    """gradcheck in float64 of the loss on a tiny head (2 x 3 tokens, V = 9, blocks of 2 rows):
+    an ignored label, and the least likely one (outside the kept set)."""
+    g = torch.Generator().manual_seed(seed)
     b_, t_, hd, v = 2, 3, 3, 9
     h = torch.randn(b_, t_, hd, generator=g, dtype=torch.float64, requires_grad=True)
     W = torch.randn(v, hd, generator=g, dtype=torch.float64, requires_grad=True)
@@ -288,17 +268,25 @@ def test_gradcheck_float64():
     adv = torch.randn(b_, t_, generator=g, dtype=torch.float64)
     old = torch.randn(b_, t_, generator=g, dtype=torch.float64) * 0.1 - 2.0
     mask = torch.ones(b_, t_, dtype=torch.bool)
-    temps = torch.tensor([0.7, 1.3], dtype=torch.float64)
 
     def f(h, W, bias):
         loss, st = pk.linear_policy_loss(
-            h, W, labels, adv, old, mask, bias=bias, temperature=temps, top_k=5, top_p=0.95,
-            entropy_coef=0.1, max_chunk_bytes=2 * 2 * (v * 8 + hd * 8),
+            h, W, labels, adv, old, mask, bias=bias, temperature=temps, entropy_coef=0.1,
+            max_chunk_bytes=2 * 2 * (v * 8 + hd * 8), **kw,
         )  # fmt: skip
         assert int(st["num_outside"]) >= 1
         return loss
 
     assert torch.autograd.gradcheck(f, (h, W, bias))
+
+
+def test_z_loss_gradcheck_under_the_sampler():
+    temps = torch.tensor([[0.7, 1.1, 0.9], [1.3, 0.6, 1.0]], dtype=torch.float64)
+    _gradcheck(4, temps, top_k=5, min_p=0.05, softcap=4.0, z_loss=0.2)
+
+
+def test_gradcheck_float64():
+    _gradcheck(3, torch.tensor([0.7, 1.3], dtype=torch.float64), top_k=5, top_p=0.95)
 
 
 def _op_args(x, **kw):
