@@ -109,6 +109,16 @@ class VocabShard(engine.WholeVocab):
         lp, ent, lse = merge_rows(got[:, :ROWS], lc, self.V, self.ii)
         return lp, ent, lse, (merge_full_kl(got[:, ROWS:]) if zr is not None else None)
 
+    def label_grad(self, g, lc, g_label):
+        """WholeVocab's term at the label (the z-loss's dL/dlse), on the slice that owns it."""
+        if g.shape[1] == 0:  # an empty slice owns no label
+            return
+        y = lc.long() - self.start
+        owned = (lc != self.ii) & (y >= 0) & (y < g.shape[1])
+        it = self.inv_t if self.inv_ts is None else self.blk_inv_ts.to(g_label.dtype)
+        c = torch.where(owned, g_label * it, torch.zeros_like(g_label))
+        g.scatter_add_(1, torch.where(owned, y, 0).unsqueeze(-1), c.to(g.dtype).unsqueeze(-1))
+
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         g = self._acc_tile(tiler, z)
         its = None if self.inv_ts is None else self.blk_inv_ts.unsqueeze(-1)
@@ -121,14 +131,17 @@ class VocabShard(engine.WholeVocab):
         return tiler.to_input(g)
 
 
-class SamplerShard(VocabShard):
+class SamplerShard(engine.LseBySoftmax, VocabShard):
     """A vocabulary slice's reduction under the rollout sampler's truncation: per row block the
     logits form's kept-set search on this slice's whole rows (vocab_parallel_sampler.kept_set:
     its fixed collectives), the finish, the outside flags written for the head (`bind`); the
-    gradient tile elementwise from the block's kept set (the sampler's backward op)."""
+    gradient tile elementwise from the block's kept set (the sampler's backward op). full_lse:
+    the statistics carry the whole vocabulary's lse (the z-loss) instead of the kept set's."""
 
-    def __init__(self, backend, device_type, ignore_index, start, V, rows, group, opts):
+    def __init__(self, backend, device_type, ignore_index, start, V, rows, group, opts,
+                 full_lse=False):  # fmt: skip
         super().__init__(backend, device_type, 1.0, ignore_index, start, V, rows, group)
+        self.full_lse = full_lse
         self.opts, self.outside, self.blk_opts, self.kept = opts, None, None, None
         self.layout = torch.tensor([start, V], dtype=torch.int64)
         self.rank = dist.get_rank(group)
@@ -150,13 +163,13 @@ class SamplerShard(VocabShard):
         x = self._acc_tile(tiler, z)  # (read only: z is kept for the gradient)
         o = self.blk_opts
         gathered, sums, m, cut, allow = kept_set(x, lc, o, self.start, GIVEN, self.group, self.ii)
-        lp, ent, log_s, outside, *_ = torch.ops.ppo_kernels.vocab_parallel_sampler_finish(
+        lp, ent, log_s, outside, _, lse, *_ = torch.ops.ppo_kernels.vocab_parallel_sampler_finish(
             x, lc, gathered, sums, m, o.inv_ts, o.lmp, cut, allow, self.rank, self.ii
         )
         n = self.r1 - self.r0
         self.outside[self.r0 : self.r1] = outside[:n]
         self.kept = (m, o.inv_ts, o.lmp, cut, allow, log_s, ent, outside)
-        return lp, ent, log_s, None
+        return lp, ent, lse if self.full_lse else log_s, None
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         x = self._acc_tile(tiler, z)
@@ -165,6 +178,8 @@ class SamplerShard(VocabShard):
         g = torch.ops.ppo_kernels.vocab_parallel_sampler_backward(
             glp, gent, x, lc, *self.kept, self.layout, self.ii
         )
+        if self.g_lse is not None:
+            engine.add_softmax_grad(g, x, *self.g_lse, self.blk_opts.inv_ts)
         return tiler.to_input(g)
 
 
@@ -312,7 +327,7 @@ def _sampled_loss(a, args, sampled, opts, backend, start, V, rows, group, reduce
     """The loss under the sampler's truncation: the op's loop (linear_policy_loss_sampler's,
     with its first pass where labels outside the kept set leave the mask) on SamplerShard."""
     vocab = SamplerShard(backend, a.hidden.device.type, a.ignore_index, start, V, rows, group,
-                         opts)  # fmt: skip
+                         opts, a.z_loss != 0)  # fmt: skip
 
     def runner(call):
         loss, stats, tok, outside, gh, gW, gb = lpl_op.run(backend, call, vocab)

@@ -171,7 +171,36 @@ class WholeVocab:
         return g
 
 
-class SamplerVocab(WholeVocab):
+def add_softmax_grad(g, z, g_lse, lse, inv_t, sub_rows=8):
+    """g += g_lse exp(z / T - lse) / T row by row (inv_t: 1 / T, a float or per row): the
+    untruncated softmax's term of dL/dlse, the whole vocabulary's log-sum-exp (the z-loss), for
+    the sampler's reductions, whose backward forms q on the kept set only. A few rows at a time:
+    a float32 temporary of sub_rows rows."""
+    it = torch.full_like(lse, inv_t) if not isinstance(inv_t, Tensor) else inv_t.to(lse.dtype)
+    c = g_lse * it
+    lse = torch.where(c != 0, lse, float("inf"))  # rows without the term (an ignored label's
+    # lse is 0): exp(-inf) = 0, never inf * 0
+    for s0 in range(0, z.shape[0], sub_rows):
+        s1 = min(z.shape[0], s0 + sub_rows)
+        t = (z[s0:s1].to(lse.dtype) * it[s0:s1, None]).sub_(lse[s0:s1, None]).exp_()
+        g[s0:s1] += t.mul_(c[s0:s1, None]).to(g.dtype)
+
+
+class LseBySoftmax:
+    """For a sampler's reduction (before WholeVocab in the bases): the head's fourth coefficient
+    dL/dlse is kept with the block's lse (the statistics' third, the whole vocabulary's when the
+    reduction is told so) for `grad`, which adds it by add_softmax_grad, instead of WholeVocab's
+    route through the label (lse = z_label - lp holds for the untruncated softmax only)."""
+
+    g_lse = None  # (dL/dlse, lse) of the block, or None
+
+    def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
+        glp, gent, g_full, *rest = coefs
+        self.g_lse = (rest[0], st[2]) if rest else None
+        super().block_grad(tiler, hc, lc, (glp, gent, g_full), st, gk_buf, ghc, gW, gb)
+
+
+class SamplerVocab(LseBySoftmax, WholeVocab):
     """The whole-vocabulary reduction under a rollout sampler's distribution: each tile is reduced
     by token_logprobs' sampler kernels (`tl`: forward / backward of one backend) with the per-row
     parameters of its rows (`at_block` slices them), and its gradient goes through the kept set
@@ -205,7 +234,7 @@ class SamplerVocab(WholeVocab):
             sampler, extra, outs or (), kept, gbuf
         )  # fmt: skip
         self.saved, self.reuse, self.full_lse = saved, False, full_lse
-        self.blk = self.blk_kept = self.blk_lse = self.g_lse = None
+        self.blk = self.blk_kept = self.blk_lse = None
 
     @property
     def tiler_fused(self):
@@ -264,12 +293,6 @@ class SamplerVocab(WholeVocab):
         """The block's lse as the statistics carry it: the whole vocabulary's with full_lse."""
         return lse_kept if self.full_lse is None else self.pad(self.full_lse[r0:r1])
 
-    def block_grad(self, tiler, hc, lc, coefs, st, gk_buf, ghc, gW, gb):
-        glp, gent, g_full, *rest = coefs
-        g_lse = rest[0] if rest else None
-        self.g_lse = None if g_lse is None else (g_lse, st[2])
-        super().block_grad(tiler, hc, lc, (glp, gent, g_full), st, gk_buf, ghc, gW, gb)
-
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         _, _, inv_ts, _, _, _, kept = self.blk
         cut, cut_index = kept if kept is not None else self.blk_kept
@@ -280,17 +303,8 @@ class SamplerVocab(WholeVocab):
             self.inv_t, inv_ts, self.ii, g,
         )  # fmt: skip
         if self.g_lse is not None:
-            self._add_softmax(g, z, *self.g_lse, inv_ts)
+            add_softmax_grad(g, z, *self.g_lse, self.inv_t if inv_ts is None else inv_ts)
         return g
-
-    def _add_softmax(self, g, z, g_lse, lse, inv_ts, sub_rows=8):
-        """g += g_lse exp(z / T - lse) / T, row by row of the block (the untruncated softmax's
-        term of dL/dlse), a few rows at a time: a float32 temporary of sub_rows rows."""
-        it = torch.full_like(lse, self.inv_t) if inv_ts is None else inv_ts.to(lse.dtype)
-        for s0 in range(0, z.shape[0], sub_rows):
-            s1 = min(z.shape[0], s0 + sub_rows)
-            t = (z[s0:s1].to(lse.dtype) * it[s0:s1, None]).sub_(lse[s0:s1, None]).exp_()
-            g[s0:s1] += t.mul_((g_lse[s0:s1] * it[s0:s1])[:, None]).to(g.dtype)
 
 
 def sampler_kernels(hidden, backend):

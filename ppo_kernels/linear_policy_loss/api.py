@@ -256,7 +256,7 @@ def linear_policy_loss(
             same pass (no extra GEMM). Reported as `z_loss` (the mean of lse^2). With the
             sampler's options lse_t is still the whole vocabulary's (the normaliser the model's
             head produces, not the kept set's), at the token's temperature, m the mask after
-            `mask_outside`. Not with `process_group` yet. Default 0.0: no term.
+            `mask_outside`. Default 0.0: no term.
 
     Returns:
         `(loss, stats)`: a 0-dim float32 loss (float64 for float64 hidden) and a dict, detached
@@ -341,8 +341,6 @@ def linear_policy_loss(
         )
     if type(z_loss) is not float or z_loss != 0.0:
         z_loss = check_float("z_loss", z_loss, nonneg=True)
-        if z_loss != 0 and process_group is not None:
-            raise ValueError("z_loss: not supported with process_group yet")
     temperature = check_temperature(temperature)
     softcap = check_float("softcap", softcap, positive=True, allow_none=True)
     ignore_index = check_int("ignore_index", ignore_index)

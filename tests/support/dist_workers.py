@@ -285,10 +285,16 @@ POLICY_CASES = [
         ),
     ),
     ("grpo", dict(loss_type="grpo", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.02)),
-    ("dapo", dict(loss_type="dapo", clip_high=0.28, entropy_coef=0.01, temperature=1.3)),
-    ("gspo", dict(loss_type="gspo", kl_coef=0.1, max_chunk_bytes=300)),  # blocks < T: 2 passes
+    (
+        "dapo",
+        dict(loss_type="dapo", clip_high=0.28, entropy_coef=0.01, temperature=1.3, z_loss=0.02),
+    ),
+    ("gspo", dict(loss_type="gspo", kl_coef=0.1, max_chunk_bytes=300, z_loss=0.05)),  # 2 passes
     ("cispo", dict(loss_type="cispo", entropy_coef=0.01, kl_coef=0.02)),
-    ("softcap_ref_head", dict(loss_type="ppo", softcap=2.0, ref_head=True, kl_coef=0.2)),
+    (
+        "softcap_ref_head",
+        dict(loss_type="ppo", softcap=2.0, ref_head=True, kl_coef=0.2, z_loss=0.1),
+    ),
     ("kl_cov", dict(loss_type="kl_cov", kl_cov_ratio=0.2, agg="seq-mean-token-mean")),
     ("bypass", dict(loss_type="ppo", bypass_mode=True, rollout_is="sequence", entropy_coef=0.01)),
 ]
