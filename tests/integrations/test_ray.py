@@ -52,8 +52,9 @@ def ray():
 
 
 def test_peers_patched_in_ray_workers(ray):
-    """verl and TRL in Ray tasks, OpenRLHF in a Ray actor (verl's and OpenRLHF's workers are
-    actors), all at once."""
+    """verl and TRL in a Ray task, OpenRLHF in a Ray actor (verl's and OpenRLHF's workers are
+    actors), both at once: two worker processes, one per CPU of the local Ray (a third would wait
+    for a CPU, and each one starts torch and the peers)."""
     from support import ray_tasks
 
     @ray.remote(num_cpus=1)
@@ -61,9 +62,13 @@ def test_peers_patched_in_ray_workers(ray):
         def run(self):
             return ray_tasks.openrlhf()
 
-    pending = {name: ray.remote(getattr(ray_tasks, name)).remote() for name in ("verl", "trl")}
-    pending["openrlhf"] = Worker.remote().run.remote()
-    got = dict(zip(pending, ray.get(list(pending.values()), timeout=300)))
+    def verl_and_trl():
+        return {"verl": ray_tasks.verl(), "trl": ray_tasks.trl()}
+
+    task = ray.remote(num_cpus=1)(verl_and_trl).remote()
+    actor = Worker.remote().run.remote()
+    got, got["openrlhf"] = ray.get([task, actor], timeout=300)
+    assert got["verl"]["pid"] == got["trl"]["pid"] != got["openrlhf"]["pid"], got
     for peer, rep in got.items():
         assert rep["pid"] != os.getpid(), peer  # a worker process
         assert rep["active"] and rep["strict"] is False, (peer, rep)  # environment activation

@@ -3,6 +3,7 @@ tests/simt/test_sampler.py): token_logprobs under the distribution a rollout eng
 against float64 references written from docs/ppo-math.md ("The distribution the rollout sampled
 from"), token by token (no sort)."""
 
+import functools
 import math
 
 import torch
@@ -20,20 +21,33 @@ STATS = ("outside", "sum_p2", "lse", "topk", "is_argmax")
 # ---- a float64 reference written from the documented rules, token by token (no sort) ----
 
 
-def brute_kept(x, T, k, p, mp, sampler):
-    """The kept set of one row (a list of floats) straight from docs/ppo-math.md, in Python
-    floats: prefix masses over the rank order (decreasing logit, ties by index)."""
-    V = len(x)
+@functools.lru_cache(maxsize=16)
+def rank_order(x):
+    """A row's ids in rank order (decreasing logit, ties by index); x a tuple of floats (cached:
+    the tests check one row under many settings)."""
+    return sorted(range(len(x)), key=lambda j: (-x[j], j))
+
+
+@functools.lru_cache(maxsize=16)
+def _probs(x, T):
     z = [v / T for v in x]
     zmax = max(z)
     w = [math.exp(v - zmax) if v > -math.inf else 0.0 for v in z]
     S = sum(w)
-    prob = [v / S for v in w]
+    return [v / S for v in w]
+
+
+def brute_kept(x, T, k, p, mp, sampler):
+    """The kept set of one row (a tuple of floats) straight from docs/ppo-math.md, in Python
+    floats: prefix masses over the rank order (decreasing logit, ties by index)."""
+    x = tuple(x)
+    V = len(x)
+    prob = _probs(x, T)
     pmax = max(prob)
     minp_keep = [prob[j] >= mp * pmax for j in range(V)]
     k_on = 0 < k < V
     p_on = p < 1
-    order = sorted(range(V), key=lambda j: (-x[j], j))
+    order = rank_order(x)
     if sampler == "vllm":
         A = [j for j in order if minp_keep[j]]
         B = A
@@ -101,7 +115,7 @@ def check_against_truth(logits, labels, T, k, p, mp, sampler, outs, rel=1e-4):
         if int(labels[r]) == -100:
             assert lp[r] == 0 and (ent.numel() == 0 or ent[r] == 0) and not outside[r]
             continue
-        row = [float(v) for v in x64[r]]
+        row = tuple(float(v) for v in x64[r])
         kk, pp, mm = int(ks_[r]), ps_[r], mps_[r]
         inner = brute_kept(row, Ts[r], kk, pp * (1 - rel), min(1.0, mm * (1 + rel)), sampler)
         outer = brute_kept(row, Ts[r], kk, min(1.0, pp * (1 + rel)), mm * (1 - rel), sampler)
@@ -128,7 +142,7 @@ def check_against_truth(logits, labels, T, k, p, mp, sampler, outs, rel=1e-4):
         assert bool(is_argmax[r]) == bool(x64[r, lab] == x64[r].max())
         if top_ids.numel():
             K = top_ids.shape[-1]
-            order = sorted(range(V), key=lambda j: (-row[j], j))[:K]
+            order = rank_order(row)[:K]
             assert top_ids[r].tolist() == order
             for i, j in enumerate(order):
                 want = (z[j] - lsk).item() if kept[r, j] else -math.inf
