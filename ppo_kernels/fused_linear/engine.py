@@ -297,7 +297,8 @@ class SamplerVocab(LseBySoftmax, WholeVocab):
         _, _, inv_ts, _, _, _, kept = self.blk
         cut, cut_index = kept if kept is not None else self.blk_kept
         g = self.gbuf[: z.numel()].view(z.shape)
-        lse_k = self.blk_lse  # the kept set's (the statistics may carry the whole vocabulary's)
+        # the kept set's lse (with full_lse the statistics carry the whole vocabulary's)
+        lse_k = lse if self.full_lse is None else self.blk_lse
         self.bwd(
             z, glp, gent, lc, lse_k, ent if gent is not None else lse_k, cut, cut_index,
             self.inv_t, inv_ts, self.ii, g,

@@ -893,7 +893,7 @@ CASES = [
         "lps_z_loss",
         False,
         "each",
-        "ops.linear_policy_loss_sampler(*lps_with(z_loss=0.1))",
+        "ops.linear_policy_loss_sampler(*lps_with(z_loss=-0.1))",
         "z_loss",
     ),
     (
@@ -1668,6 +1668,20 @@ CASES = [
         None,
         "ops.vocab_parallel_sampler_states(vz, vy, vst.view(1), vm, vit, vlmp, vcut, vallow, -100)",
         "vocab_start",
+    ),
+    (
+        "vp_sampler_topk_log_s",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_topk(vz, vst, vm, vit, vlmp, vcut, vallow, vsf[2][:3], 2)",
+        "log_s",
+    ),
+    (
+        "vp_sampler_topk_k",
+        False,
+        None,
+        "ops.vocab_parallel_sampler_topk(vz, vst, vm, vit, vlmp, vcut, vallow, vsf[2], 0)",
+        "k",
     ),
     (
         "vp_sampler_finish_sums",
