@@ -182,8 +182,8 @@ def add_softmax_grad(g, z, g_lse, lse, inv_t, sub_rows=8):
     # lse is 0): exp(-inf) = 0, never inf * 0
     for s0 in range(0, z.shape[0], sub_rows):
         s1 = min(z.shape[0], s0 + sub_rows)
-        t = (z[s0:s1].to(lse.dtype) * it[s0:s1, None]).sub_(lse[s0:s1, None]).exp_()
-        g[s0:s1] += t.mul_(c[s0:s1, None]).to(g.dtype)
+        t = torch.addcmul(-lse[s0:s1, None], z[s0:s1], it[s0:s1, None]).exp_()  # (acc dtype)
+        g[s0:s1].addcmul_(t, c[s0:s1, None])
 
 
 class LseBySoftmax:

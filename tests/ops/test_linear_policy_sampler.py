@@ -349,15 +349,20 @@ def test_without_options_the_plain_path_runs(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_other_dtypes(dtype):
+@pytest.mark.parametrize("z_loss", [0.0, 0.05])
+def test_other_dtypes(dtype, z_loss):
     x = _inputs(dtype)
+    kw = dict(SETTINGS["all"], z_loss=z_loss)
     with use_backend(linear_policy_loss="cpp"):
-        loss, stats, grads = _run(x, **SETTINGS["all"], max_chunk_bytes=8 * SMALL)
-    rloss, rstats, _ = _reference(x, **SETTINGS["all"])
+        loss, stats, grads = _run(x, **kw, max_chunk_bytes=8 * SMALL)
+    rloss, rstats, rgrads = _reference(x, **kw)
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.bfloat16 else dict(atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(loss.double(), rloss, **tol)
     assert torch.equal(stats["outside"], rstats["outside"])
     assert all(torch.isfinite(g).all() for g in grads)
+    gtol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else tol
+    for g, r in zip(grads, rgrads):
+        torch.testing.assert_close(g.double(), r, **gtol)
 
 
 def test_compile():
