@@ -130,7 +130,7 @@ def vocab_parallel_linear_sampled(
         for n in ("outside", "is_argmax"):
             out[n] = torch.empty(N, dtype=torch.bool, device=dev)
         kk = stats_top_k
-        out["top_ids"] = torch.full((N, kk) if kk else (0,), -1, dtype=torch.int64, device=dev)
+        out["top_ids"] = torch.empty((N, kk) if kk else (0,), dtype=torch.int64, device=dev)
         out["top_lp"] = torch.empty((N, kk) if kk else (0,), dtype=acc, device=dev)
         kept = {n: torch.empty(N, dtype=acc, device=dev) for n in ("m", "log_s")}
         kept.update(cut=torch.empty(N, dtype=torch.int64, device=dev),

@@ -109,15 +109,10 @@ class VocabShard(engine.WholeVocab):
         lp, ent, lse = merge_rows(got[:, :ROWS], lc, self.V, self.ii)
         return lp, ent, lse, (merge_full_kl(got[:, ROWS:]) if zr is not None else None)
 
-    def label_grad(self, g, lc, g_label):
-        """WholeVocab's term at the label (the z-loss's dL/dlse), on the slice that owns it."""
-        if g.shape[1] == 0:  # an empty slice owns no label
-            return
-        y = lc.long() - self.start
-        owned = (lc != self.ii) & (y >= 0) & (y < g.shape[1])
-        it = self.inv_t if self.inv_ts is None else self.blk_inv_ts.to(g_label.dtype)
-        c = torch.where(owned, g_label * it, torch.zeros_like(g_label))
-        g.scatter_add_(1, torch.where(owned, y, 0).unsqueeze(-1), c.to(g.dtype).unsqueeze(-1))
+    def label_inv_t(self, like):
+        """The rows' 1 / T of WholeVocab.label_grad (the z-loss's term at the label, on the
+        slice that holds it): each row's with per-row temperatures."""
+        return self.inv_t if self.inv_ts is None else self.blk_inv_ts.to(like.dtype)
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         g = self._acc_tile(tiler, z)

@@ -368,9 +368,9 @@ def _topk_op(
     starts, rows = row_blocks(N, V, acc_dtype(logits.dtype))
     for r0 in starts if kk else ():
         r1 = min(N, r0 + rows)
-        mb, ib = m[r0:r1], inv_ts[r0:r1]
-        z, kept = kept_mask(x[r0:r1].to(mb.dtype), mb, ib, lmp[r0:r1], cut[r0:r1], allow[r0:r1])
-        xb = torch.where(mb.isfinite().unsqueeze(-1), x[r0:r1].to(mb.dtype), 0.0)
+        mb, xa = m[r0:r1], x[r0:r1].to(m.dtype)
+        z, kept = kept_mask(xa, mb, inv_ts[r0:r1], lmp[r0:r1], cut[r0:r1], allow[r0:r1])
+        xb = torch.where(mb.isfinite().unsqueeze(-1), xa, 0.0)
         # the kk first in rank order: every token above the kk-th value, then its ties by id
         v = xb.topk(kk, -1).values[:, -1:]
         above = xb > v

@@ -96,6 +96,7 @@ class WholeVocab:
 
     fused = True  # the fused whole-vocabulary kernels reduce the tiles (planned as such)
     partial = False  # grad_hidden is a partial sum (reduced by the caller, kept in float32)
+    start = 0  # the tile's first column's id (a vocabulary slice's)
     rows = None  # the plan's rows per block (a shard: the rows common to every rank)
 
     def __init__(self, backend: str, temperature: float, ignore_index: int, tl, ref=None):
@@ -134,9 +135,9 @@ class WholeVocab:
         whole vocabulary's log-sum-exp (the z-loss), through lse = z_label - lp: a log-prob
         term less and the label's own logit."""
         glp, gent, g_full, *rest = coefs
-        g_label = rest[0] if rest else None
-        if g_label is not None:
-            glp = glp - g_label
+        g_lse = rest[0] if rest else None
+        if g_lse is not None:
+            glp = glp - g_lse
         _, ent, lse, klt = st
         z, zr = self.z, self.zr
         self.z = self.zr = None
@@ -146,22 +147,29 @@ class WholeVocab:
         if g_full is not None:
             gk = self.ref_bwd(g_full, z, zr, klt, gk_buf[: z.numel()].view(z.shape))
         tiler.softcap_grad(z)
-        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None and g_label is None)
+        g = self.grad(tiler, z, glp, gent, lc, lse, ent, gk is None and g_lse is None)
         if gk is not None:
             g += gk
-        if g_label is not None:
-            self.label_grad(g, lc, g_label)
+        if g_lse is not None:
+            self.label_grad(g, lc, g_lse)
         tiler.apply_softcap_grad(g)
         tiler.grad_matmuls(g, hc, 0, z.shape[1], ghc, gW, gb)
 
     def label_grad(self, g, lc, g_label):
         """Adds d(sum(g_label * z_label)) / dx to the gradient tile g: g_label / T at each row's
         label (z = x / T: the label's own tempered logit, e.g. lse = z_label - lp, the z-loss);
-        nothing on rows without a label."""
-        valid = lc != self.ii
-        safe = torch.where(valid, lc, torch.zeros_like(lc)).long().unsqueeze(-1)
-        c = torch.where(valid, g_label * self.inv_t, torch.zeros_like(g_label))
-        g.scatter_add_(1, safe, c.to(g.dtype).unsqueeze(-1))
+        nothing on rows without a label, or whose label is not among the tile's columns
+        [start, start + width) (a vocabulary slice's)."""
+        if g.shape[1] == 0:  # an empty slice holds no label
+            return
+        y = lc.long() - self.start
+        owned = (lc != self.ii) & (y >= 0) & (y < g.shape[1])
+        c = torch.where(owned, g_label * self.label_inv_t(g_label), torch.zeros_like(g_label))
+        g.scatter_add_(1, torch.where(owned, y, 0).unsqueeze(-1), c.to(g.dtype).unsqueeze(-1))
+
+    def label_inv_t(self, like):
+        """1 / T of the block's rows for label_grad (a float, or per row like `like`)."""
+        return self.inv_t
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         """The tile's gradient d(sum(glp * lp + gent * ent)) / dz (z is consumed); alone: no
@@ -271,7 +279,8 @@ class SamplerVocab(LseBySoftmax, WholeVocab):
         n = r1 - r0
         if self.reuse:
             lp, ent, self.blk_lse = (self.pad(t[r0:r1]) for t in self.saved)
-            return lp, ent, self._lse(self.blk_lse, r0, r1), None
+            full = None if self.full_lse is None else self.pad(self.full_lse[r0:r1])
+            return lp, ent, self.blk_lse if full is None else full, None
         _, k, _, p, _, mp, _ = self.params
         outs = self.fwd(
             z, lc, self.inv_t, inv_ts, k, ks, p, ps, mp, mps, self.sampler, self.ii,
@@ -285,13 +294,10 @@ class SamplerVocab(LseBySoftmax, WholeVocab):
                 buf[r0:r1] = o[:n]
         self.blk_kept = (outs[3], outs[4])  # the block's kept set, for its gradient
         self.blk_lse = outs[2]
-        if self.full_lse is not None:
-            self.full_lse[r0:r1] = outs[7][:n]
-        return outs[0], outs[1], self._lse(outs[2], r0, r1), None
-
-    def _lse(self, lse_kept, r0, r1):
-        """The block's lse as the statistics carry it: the whole vocabulary's with full_lse."""
-        return lse_kept if self.full_lse is None else self.pad(self.full_lse[r0:r1])
+        if self.full_lse is None:
+            return outs[0], outs[1], outs[2], None
+        self.full_lse[r0:r1] = outs[7][:n]  # (for a second pass)
+        return outs[0], outs[1], outs[7], None
 
     def grad(self, tiler, z, glp, gent, lc, lse, ent, alone):
         _, _, inv_ts, _, _, _, kept = self.blk
