@@ -187,7 +187,7 @@ struct SamplerWorkspace {
   RankedBand<double> ranked64;
   std::vector<float> sample_nd, sample_e;
   std::vector<int32_t> sample_j;
-  std::vector<float> hs, hu, he2;       // top_p_hist's buckets: mass, mass * nd, mass^2
+  std::vector<double> hs, hu, he2;      // the top-p histograms' buckets: mass, mass * nd, mass^2
   std::vector<float> mass;              // top_p_hist's masses of the row (V floats: 4 B x V)
   std::vector<float> mass_mb, mass_cb;  // its block maxima, exp(m_b - m) (V / kBlock floats)
   std::vector<int32_t> band_j, band_b;  // top_p_masses' band: indices, buckets, masses
@@ -197,6 +197,15 @@ struct SamplerWorkspace {
   alignas(32) float chunk_nd[kChunk + 16];
   float buf[kBlock];
 };
+
+// a & ~b on comparison masks.
+inline Vec andnot(Vec a, Vec b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_andnot_ps(__m256(b), __m256(a)));
+#else
+  return a & ~b;
+#endif
+}
 
 // The lanes of a comparison mask as bits.
 inline int mask_bits(Vec m) {
@@ -896,6 +905,21 @@ inline int64_t for_each_vec(const scalar_t* row, int64_t V, F&& f) {
   return j;
 }
 
+// Each sampled token's step on a grid over [lo, 0] (steps of 1 / inv_w from the max down; `steps`
+// for those below lo) and its mass relative to the max token times wt, into bo / yo. Written as
+// two loops so the first has no branch (the compiler vectorises it): which samples lie below lo
+// is random, and a mispredicted branch per sample cost more than the rest of the work.
+inline void sample_steps(const PassSample& smp, const float* cb, float m, float inv_w,
+                         int64_t steps, float wt, int32_t* bo, float* yo) {
+  const int64_t n = static_cast<int64_t>(smp.j.size());
+  const float top = static_cast<float>(steps);
+  for (int64_t i = 0; i < n; ++i) {
+    // (z <= m: f >= 0; a -inf logit gives +inf, clamped to `steps`)
+    bo[i] = static_cast<int32_t>(std::min((m - smp.z[i]) * inv_w, top));
+    yo[i] = smp.e[i] * cb[static_cast<uint32_t>(smp.j[i]) / kBlock] * wt;
+  }
+}
+
 // The highest nd (at least lo) below which the statistics pass's sample of the row puts less
 // than `budget` of mass (relative to the max token: e x cb, times V / n), on a grid of 256 steps
 // over [lo, 0]: an estimate, which top_p_hist checks.
@@ -905,12 +929,11 @@ inline float sampled_mass_bound(const PassSample& smp, const float* cb, int64_t 
   const int64_t n = static_cast<int64_t>(smp.j.size());
   if (!(lo > -INFINITY) || !(lo < 0.f) || n == 0) return lo;
   const float w = -lo / kSteps, wt = static_cast<float>(V) / static_cast<float>(n);
+  int32_t bi[kPassSample];
+  float yi[kPassSample];
+  sample_steps(smp, cb, m, kSteps / -lo, kSteps, wt, bi, yi);
   float h[kSteps + 1] = {};  // h[kSteps]: below lo
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = -(smp.z[i] - m) / w;
-    h[f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps] +=
-        smp.e[i] * cb[smp.j[i] / kBlock] * wt;
-  }
+  for (int64_t i = 0; i < n; ++i) h[bi[i]] += yi[i];
   float acc = h[kSteps];
   for (int64_t b = kSteps - 1; b >= 0; --b) {
     acc += h[b];
@@ -938,26 +961,31 @@ inline std::pair<float, float> sampled_cut_bounds(const PassSample& smp, const f
   const int64_t n = static_cast<int64_t>(smp.j.size());
   if (!(lo > -INFINITY) || !(lo < 0.f) || n == 0) return {lo, 0.f};
   const float inv_w = kSteps / -lo, wt = static_cast<float>(V) / static_cast<float>(n);
+  int32_t bi[kPassSample];
+  float yi[kPassSample];
+  sample_steps(smp, cb, m, inv_w, kSteps, wt, bi, yi);
   float h1[kSteps + 1] = {}, h2[kSteps + 1] = {};  // [kSteps]: below lo
   for (int64_t i = 0; i < n; ++i) {
-    const float f = -(smp.z[i] - m) * inv_w;
-    const int64_t b = f < static_cast<float>(kSteps) ? static_cast<int64_t>(f) : kSteps;
-    const float y = smp.e[i] * cb[smp.j[i] / kBlock] * wt;
-    h1[b] += y;
-    h2[b] += y * y;
+    h1[bi[i]] += yi[i];
+    h2[bi[i]] += yi[i] * yi[i];
   }
-  const float w = -lo / kSteps;
-  constexpr float z = 4.f;
+  const float w = -lo / kSteps, inv_n = 1.f / static_cast<float>(n);
+  constexpr float z2 = 16.f;  // 4 standard errors, squared
+  // z se < d, written without the square root: d > 0 and z^2 var < d^2
+  const auto within = [&](float a1, float a2, float d) {
+    return d > 0.f && z2 * std::max(a2 - a1 * a1 * inv_n, 0.f) < d * d;
+  };
   float a1 = h1[kSteps], a2 = h2[kSteps], blo = lo, bhi = 0.f;
-  bool lo_set = false;
-  for (int64_t b = kSteps - 1; b >= 0; --b) {
-    // a1, a2: the sums over the sampled tokens below -(b + 1) w, the lower edge of step b
-    const float se = std::sqrt(std::max(a2 - a1 * a1 / static_cast<float>(n), 0.f));
-    const float edge = -static_cast<float>(b + 1) * w;
-    if (!lo_set && a1 + z * se < target) blo = edge;
-    if (!(a1 + z * se < target)) lo_set = true;
-    if (a1 - z * se > target) {
-      bhi = std::min(0.f, edge + w);
+  int64_t b = kSteps - 1;
+  // a1, a2: the sums over the sampled tokens below -(b + 1) w, the lower edge of step b
+  for (; b >= 0 && within(a1, a2, target - a1); --b) {  // a1 + z se < target
+    blo = -static_cast<float>(b + 1) * w;
+    a1 += h1[b];
+    a2 += h2[b];
+  }
+  for (; b >= 0; --b) {
+    if (within(a1, a2, a1 - target)) {  // a1 - z se > target
+      bhi = std::min(0.f, -static_cast<float>(b) * w);
       break;
     }
     a1 += h1[b];
@@ -969,10 +997,19 @@ inline std::pair<float, float> sampled_cut_bounds(const PassSample& smp, const f
 // The first bucket (in rank order) where top-p's boundary falls, from `acc`, the mass above the
 // buckets: vLLM keeps a token while the mass strictly above its value is below tau (the bucket
 // where the mass reaches tau), SGLang while the mass before it is at most tau (where it exceeds
-// tau). -1 when it lies below them; acc ends holding the mass above the bucket.
-inline int64_t crossing_bucket(const float* hs, int64_t nb, float& acc, float tau, bool sglang) {
+// tau). -1 when it lies below them; acc ends holding the mass above the bucket, acc_before (when
+// given) the mass above the bucket before it (acc's start for the first). The masses are summed in
+// float64: a bucket can hold a tie group of thousands of equal masses, whose float32 sum rounds
+// the same way at each step (a bias of about n ulp, 1e-4 of the mass at n = 2000).
+inline int64_t crossing_bucket(const double* hs, int64_t nb, double& acc, float tau, bool sglang,
+                               double* acc_before = nullptr) {
+  double before = acc;
   for (int64_t b = 0; b < nb; ++b) {
-    if (sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) return b;
+    if (sglang ? acc + hs[b] > tau : !(acc + hs[b] < tau)) {
+      if (acc_before) *acc_before = before;
+      return b;
+    }
+    before = acc;
     acc += hs[b];
   }
   return -1;
@@ -981,8 +1018,9 @@ inline int64_t crossing_bucket(const float* hs, int64_t nb, float& acc, float ta
 // The tokens of the bucket where top-p's mass crosses tau, walked in rank order (sorted here) from
 // `acc`, the mass above them, as each engine's rule says (vLLM: whole tie groups while the mass
 // strictly above is below tau; SGLang: up to the first token whose mass up to it exceeds tau).
-// Returns the last kept position (-1: none) with the cut in w; acc ends past the kept tokens.
-inline int64_t walk_crossing_bucket(std::vector<BandItem<float>>& items, float& acc, float tau,
+// Returns the last kept position (-1: none) with the cut in w; acc ends past the kept tokens
+// (float64, as crossing_bucket's).
+inline int64_t walk_crossing_bucket(std::vector<BandItem<float>>& items, double& acc, float tau,
                                     bool sglang, int64_t V, WalkResult<float>& w) {
   std::sort(items.begin(), items.end(), rank_before<float>);
   const int64_t n = static_cast<int64_t>(items.size());
@@ -998,7 +1036,7 @@ inline int64_t walk_crossing_bucket(std::vector<BandItem<float>>& items, float& 
     if (last < 0) last = n - 1;
   } else {
     for (int64_t i = 0; i < n;) {
-      if (!top_p_keeps(false, acc, tau)) break;
+      if (!top_p_keeps(false, static_cast<float>(acc), tau)) break;
       int64_t e = i;
       while (e < n && items[e].x == items[i].x) acc += items[e++].e;
       last = e - 1;
@@ -1043,10 +1081,10 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
   const float* cb = ws.mass_cb.data();  // (the caller's mass_factors)
   // the entropy's and sum_p2's sums per bucket too, when asked
   const bool need_u = a.with_entropy, need_e2 = a.with_sum_p2;
-  ws.hs.assign(NB, 0.f);
-  ws.hu.assign(need_u ? NB : 0, 0.f);
-  ws.he2.assign(need_e2 ? NB : 0, 0.f);
-  float *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
+  ws.hs.assign(NB, 0.0);
+  ws.hu.assign(need_u ? NB : 0, 0.0);
+  ws.he2.assign(need_e2 ? NB : 0, 0.0);
+  double *hs = ws.hs.data(), *hu = ws.hu.data(), *he2 = ws.he2.data();
   const Vec vxlo(xlo), vxf(xf);
   Vec sref(0.f);  // the mass min-p keeps (minp_ref)
   // the candidates' (bucket, mass, nd), compacted vector by vector without a branch on how many
@@ -1091,7 +1129,7 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
   // the bucket where top-p's boundary falls (crossing_bucket)
   const float tau = a.top_p * ref;
   if (!(tau > 0.f)) return false;
-  float acc = 0.f;
+  double acc = 0.0;
   const int64_t bstar = crossing_bucket(hs, NB, acc, tau, a.sglang);
   if (bstar < 0) return false;  // the boundary lies below lo
   // C: bstar's tokens collected, those of the buckets above it summed from the buckets. bstar's
@@ -1150,15 +1188,26 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
       items.push_back(
           {x, nd_of(x, inv_t, m, scale), E[j] * cb[j / kBlock], static_cast<int32_t>(j)});
   }
-  MassSums<float> k;
-  k.s = acc;
+  // the kept set's sums in float64 (crossing_bucket's reason): the buckets above bstar, then the
+  // kept items (acc: the walk's)
+  double su = 0.0, se2 = 0.0;
   for (int64_t b = 0; b < bstar; ++b) {
-    if (need_u) k.u += hu[b];
-    if (need_e2) k.e2 += he2[b];
+    if (need_u) su += hu[b];
+    if (need_e2) se2 += he2[b];
   }
   const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
   if (last < 0) return false;
-  for (int64_t i = 0; i <= last; ++i) k.add(items[i].e, items[i].nd, items[i].x);
+  MassSums<float> k;
+  for (int64_t i = 0; i <= last; ++i) {
+    const BandItem<float>& it = items[i];
+    if (it.e > 0.f) su += static_cast<double>(it.e) * it.nd;
+    se2 += static_cast<double>(it.e) * it.e;
+    k.xmin = std::min(k.xmin, it.x);
+  }
+  k.n = last + 1;
+  k.s = static_cast<float>(acc);
+  k.u = static_cast<float>(su);
+  k.e2 = static_cast<float>(se2);
   w.kept = k;
   return true;
 }
@@ -1167,31 +1216,32 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
 // (exp(z - m_b) of each block b, as top_p_hist's A leaves it) and not over the row, which with
 // the masses would not fit in L2. Every token whose mass (relative to the row's max) is above
 // exp(hi) is summed as a vector; those in [exp(lo), exp(hi)] (the band: a sample's estimate of
-// where the cut lies, a few percent of a flat row) are compressed as (index, mass); the band's
-// logits are then read by index and its masses bucketed by nd (exact in the logit: tie groups
-// share a bucket), and only the bucket where the mass crosses tau is sorted and walked, as in
-// top_p_hist. The masses are within a few ulp of monotone in the logit (exp_u20, one product), so
-// the result is exact when the cut lies inside the band by a margin far above that: else (an
-// estimate that missed) returns false and the caller runs top_p_hist.
+// where the cut lies, a few percent of a flat row) are compressed as (index, mass) and bucketed by
+// mass; only the bucket where the mass crosses tau and its two neighbours (a tie group's masses
+// can straddle two buckets) have their logits read, sorted and walked, as in top_p_hist. The
+// masses are within a few ulp of monotone in the logit (exp_u20, one product), so the result is
+// exact when the cut lies inside the band by a margin far above that: else (an estimate that
+// missed) returns false and the caller runs top_p_hist.
 constexpr float kMassMargin = 1e-4f;  // nd units: the masses' ~3e-6 relative error, 30 times
 
-inline int compress_index_mass(const CompressLut& lut, Vec j, Vec e, int mask, int32_t* jo,
+// The lanes of `mask` of (index, mass) stored at the front of jo / eo; returns how many. j0: the
+// first lane's index (the compressed indices are j0 plus the lookup table's row: no shuffle).
+inline int compress_index_mass(const CompressLut& lut, int32_t j0, Vec e, int mask, int32_t* jo,
                                float* eo) {
 #if defined(CPU_CAPABILITY_AVX2)
   const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.idx[mask]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(jo),
-                      _mm256_permutevar8x32_epi32(_mm256_cvttps_epi32(__m256(j)), perm));
+                      _mm256_add_epi32(perm, _mm256_set1_epi32(j0)));
   _mm256_storeu_ps(eo, _mm256_permutevar8x32_ps(__m256(e), perm));
   return __builtin_popcount(mask);
 #else
   (void)lut;
-  alignas(64) float jl[Vec::size()], el[Vec::size()];
-  j.store(jl);
+  alignas(64) float el[Vec::size()];
   e.store(el);
   int k = 0;
   for (int bits = mask; bits; bits &= bits - 1) {
     const int i = __builtin_ctz(bits);
-    jo[k] = static_cast<int32_t>(jl[i]);
+    jo[k] = j0 + i;
     eo[k++] = el[i];
   }
   return k;
@@ -1215,102 +1265,133 @@ bool top_p_masses(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float
   ws.band_e.resize(V + Vec::size());
   int32_t* bj = ws.band_j.data();
   float* be = ws.band_e.data();
+  // each block's masses compared with the thresholds over its factor (no product per token), its
+  // sums above them taken times the factor once
   const float ehi = hi < 0.f ? std::exp(hi) : INFINITY, elo = std::exp(lo);
-  const Vec vehi(ehi), velo(elo);
-  Vec vs(0.f), ve2(0.f);
   float s_tail = 0.f, e2_tail = 0.f;  // the scalar tail's
+  float s_blk = 0.f, e2_blk = 0.f;    // the sums above, over the blocks
   int64_t nb = 0;
-  alignas(32) float iota[Vec::size()];
-  for (int i = 0; i < Vec::size(); ++i) iota[i] = static_cast<float>(i);
-  const Vec viota = Vec::loadu(iota);
   const CompressLut& lut = compress_lut();
   const bool with_e2 = a.with_sum_p2;
-  const Vec vstep(static_cast<float>(Vec::size()));
-  Vec vj = viota;  // the indices of the vector's lanes (exact in float32: V < 2^24)
-  int64_t j = 0;
-  for (int64_t b = 0; b < nblk; ++b) {
-    const Vec vcb(cb[b]);
-    const int64_t end = std::min(V, (b + 1) * kBlock);
+  // the blocks from the last: the statistics pass wrote those last, so they are still in L2 (the
+  // masses of a whole row are larger than it: read from the first, every block would come from
+  // the next level, each read evicting one to be read later)
+  for (int64_t b = nblk - 1; b >= 0; --b) {
+    const float f = cb[b];
+    int64_t j = b * kBlock;
+    const int64_t end = std::min(V, j + kBlock);
+    const int64_t nb0 = nb;
+    // the block's thresholds: E f > ehi and elo <= E f <= ehi, as comparisons of E (a block with
+    // f = 0 holds no mass above or in the band)
+    const float thi = f > 0.f ? ehi / f : INFINITY, tlo = f > 0.f ? elo / f : INFINITY;
+    const Vec vthi(thi), vtlo(tlo);
+    Vec vs(0.f), ve2(0.f);
     for (; j + Vec::size() <= end; j += Vec::size()) {
-      const Vec e = Vec::loadu(E + j) * vcb;
-      const Vec above = e > vehi;
+      const Vec e = Vec::loadu(E + j);
+      const Vec above = e > vthi;
       vs = vs + (e & above);
-      if (with_e2) ve2 = ve2 + ((e * e) & above);
+      if (with_e2) ve2 = at::vec::fmadd(e, e & above, ve2);
       // stored whether or not the vector holds a band token: a branch on it mispredicts
-      const int mb = mask_bits((e >= velo) & (e <= vehi));  // (no NaN: the row is finite)
-      nb += compress_index_mass(lut, vj, e, mb, bj + nb, be + nb);
-      vj = vj + vstep;
+      const int mb = mask_bits(andnot(e >= vtlo, above));  // (no NaN: the row is finite)
+      nb += compress_index_mass(lut, static_cast<int32_t>(j), e, mb, bj + nb, be + nb);
     }
-    for (; j < end; ++j, vj = vj + Vec(1.f)) {
-      const float e = E[j] * cb[b];
-      if (e > ehi) {
-        s_tail += e;
-        e2_tail += e * e;
-      } else if (e >= elo) {
+    for (; j < end; ++j) {
+      const float e = E[j];
+      if (e > thi) {
+        s_tail += e * f;
+        e2_tail += (e * f) * (e * f);
+      } else if (e >= tlo) {
         bj[nb] = static_cast<int32_t>(j);
         be[nb++] = e;
       }
     }
+    const auto red = [](Vec v) {
+      return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
+    };
+    s_blk += red(vs) * f;
+    if (with_e2) e2_blk += red(ve2) * (f * f);
+    for (int64_t i = nb0; i < nb; ++i) be[i] *= f;  // the band's masses relative to the max
   }
-  const auto sum = [](Vec v) {
-    return at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, v);
-  };
-  const float s_above = sum(vs) + s_tail;
+  const float s_above = s_blk + s_tail;
   // vLLM keeps the first band group while the mass above it is below tau; SGLang while the mass
   // before it is at most tau
   if (!top_p_keeps(a.sglang, s_above, tau)) return false;  // the cut lies above the band
-  // the band bucketed by nd over [lo, hi]: bucket = trunc(clamp((hi - nd) * bscale, 0, NB - 1)),
-  // non-increasing in nd, hence in x
+  // the band bucketed by its masses' bits (a positive float's bits are monotone in it: a bucket is
+  // a range of masses, about log-uniform, read without the logits): bucket = clamp((kt - key(e))
+  // >> shift, 0, NB - 1), kt the key of the band's top mass. Equal logits can differ in mass (their
+  // blocks' factors round differently; by far less than kMassMargin, as above), so a bucket is at
+  // least 2^11 ulp wide (more than kMassMargin): a tie group then lies in one bucket or two
+  // adjacent ones, and the walk below takes the crossing bucket's neighbours too.
   const int64_t NB = kHistBuckets;
-  const float bscale = static_cast<float>(NB - 1) / (hi - lo);
-  const auto bucket_of = [&](float nd) {
-    return static_cast<int64_t>(
-        std::max(std::min((hi - nd) * bscale, static_cast<float>(NB - 1)), 0.f));
+  const auto key = [](float e) {
+    int32_t k;
+    std::memcpy(&k, &e, 4);
+    return k;
   };
-  ws.hs.assign(NB, 0.f);
-  ws.he2.assign(with_e2 ? NB : 0, 0.f);
-  float *hs = ws.hs.data(), *he2 = ws.he2.data();
+  const int32_t kt = key(hi < 0.f ? ehi : 2.f);  // (a mass is at most 1 up to rounding)
+  int shift = 11;
+  while ((static_cast<int64_t>(kt) - key(elo)) >> shift >= NB - 1) ++shift;
+  const auto bucket_of = [&](float e) {
+    return static_cast<int32_t>(
+        std::min<int64_t>(std::max<int64_t>((kt - key(e)) >> shift, 0), NB - 1));
+  };
+  ws.hs.assign(NB, 0.0);
+  ws.he2.assign(with_e2 ? NB : 0, 0.0);
+  double *hs = ws.hs.data(), *he2 = ws.he2.data();
   // each band token's bucket, kept for the collection below
   ws.band_b.resize(nb + Vec::size());
   int32_t* bk = ws.band_b.data();
   int64_t i0 = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const Vec vt(inv_t), vm(m), vhi(hi), vbs(bscale), vtop(static_cast<float>(NB - 1)), v0(0.f);
+  {
+    const __m256i vkt = _mm256_set1_epi32(kt),
+                  vtop = _mm256_set1_epi32(static_cast<int32_t>(NB - 1)),
+                  v0 = _mm256_setzero_si256();
+    const __m128i vsh = _mm_cvtsi32_si128(shift);
     for (; i0 + Vec::size() <= nb; i0 += Vec::size()) {
-      const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + i0));
-      const Vec nd = nd_of(Vec(_mm256_i32gather_ps(row, idx, 4)), vt, vm, scale);
-      const Vec f = Vec(_mm256_max_ps(_mm256_min_ps((vhi - nd) * vbs, vtop), v0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bk + i0), _mm256_cvttps_epi32(f));
+      const __m256i k = _mm256_castps_si256(_mm256_loadu_ps(be + i0));
+      const __m256i d = _mm256_sra_epi32(_mm256_sub_epi32(vkt, k), vsh);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bk + i0),
+                          _mm256_min_epi32(_mm256_max_epi32(d, v0), vtop));
     }
   }
 #endif
-  for (int64_t i = i0; i < nb; ++i)
-    bk[i] = static_cast<int32_t>(bucket_of(nd_of(static_cast<float>(row[bj[i]]), inv_t, m, scale)));
+  for (int64_t i = i0; i < nb; ++i) bk[i] = bucket_of(be[i]);
   for (int64_t i = 0; i < nb; ++i) hs[bk[i]] += be[i];
   if (with_e2)
     for (int64_t i = 0; i < nb; ++i) he2[bk[i]] += be[i] * be[i];
-  float acc = s_above;
-  const int64_t bstar = crossing_bucket(hs, NB, acc, tau, a.sglang);
+  // the crossing bucket bstar (crossing_bucket's rule); the walk starts at bstar - 1 from acc, the
+  // mass above it
+  double acc = s_above, acc_prev;
+  const int64_t bstar = crossing_bucket(hs, NB, acc, tau, a.sglang, &acc_prev);
   if (bstar < 0) return false;  // the cut lies below the band
+  const int64_t bfirst = std::max<int64_t>(bstar - 1, 0);
+  acc = acc_prev;
   std::vector<BandItem<float>>& items = ws.band;
   items.clear();
+  const uint32_t span = static_cast<uint32_t>(bstar + 1 - bfirst);
   for (int64_t i = 0; i < nb; ++i) {
-    if (bk[i] != bstar) continue;
+    // (one unsigned comparison: a bucket below bfirst and one above bstar + 1 are equally
+    // likely, and two comparisons would mispredict)
+    if (static_cast<uint32_t>(bk[i] - bfirst) > span) continue;
     const float x = static_cast<float>(row[bj[i]]);
     items.push_back({x, nd_of(x, inv_t, m, scale), be[i], bj[i]});
   }
   const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
+  if (getenv("DBG_TP"))
+    fprintf(stderr, "nb %ld bstar %ld shift %d items %zu last %ld lo %g hi %g\n", (long)nb,
+            (long)bstar, shift, items.size(), (long)last, lo, hi);
   if (last < 0) return false;
   // the masses decide the band's edges: the cut must lie well inside it
   const float nd_cut = items[last].nd;
   if (!(nd_cut > lo + kMassMargin && (hi == 0.f || nd_cut < hi - kMassMargin))) return false;
   MassSums<float> k;
-  k.s = acc;  // (the walk's: the mass above the band, the buckets above bstar, the kept items)
+  k.s = static_cast<float>(acc);  // (the walk's: above the band and bfirst, the kept items)
   if (with_e2) {
-    k.e2 = sum(ve2) + e2_tail;
-    for (int64_t b = 0; b < bstar; ++b) k.e2 += he2[b];
-    for (int64_t i = 0; i <= last; ++i) k.e2 += items[i].e * items[i].e;
+    double se2 = static_cast<double>(e2_blk) + e2_tail;
+    for (int64_t b = 0; b < bfirst; ++b) se2 += he2[b];
+    for (int64_t i = 0; i <= last; ++i) se2 += static_cast<double>(items[i].e) * items[i].e;
+    k.e2 = static_cast<float>(se2);
   }
   k.xmin = items[last].x;
   w.kept = k;

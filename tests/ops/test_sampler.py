@@ -10,12 +10,14 @@ import pytest
 import torch
 from support.sampler import (
     STATS,
+    brute_kept,
     check_against_truth,
     inputs,
     kept_from_cut,
     kl64,
     ops,
     sampler_op,
+    top_p_kept,
 )
 from support.skips import NO_EXTENSION
 from support.utils import GRAD_TOL, cpu_backends, poisoned
@@ -191,6 +193,55 @@ def test_top_p_ties_from_the_masses(sampler):
         with use_backend("cpp"), poisoned():
             outs = sampler_op(logits, labels, 1.0, 0, p, 0.0, sampler, entropy=False)
         check_against_truth(logits, labels, 1.0, 0, p, 0.0, sampler, outs)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_top_p_at_tie_groups_across_blocks(entropy):
+    """Top-p alone where the cut falls in a tie group of thousands of tokens spread over blocks with
+    different maxima, p just above and just below each group's share of the mass above it: equal
+    logits then get masses a few ulp apart (each block's factor rounds its own way), which the
+    CPU kernel's mass buckets must keep together (a group can straddle two buckets: the crossing
+    bucket's neighbours are walked too), and a group's thousands of equal masses summed in
+    float32 drift by ~1e-4 of p (the kernels sum the buckets and the walk in float64)."""
+    V, R = 20000, 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (R, V), generator=g).float()
+    for b in range((V + 2047) // 2048):  # a distinct maximum in each 2048-token block
+        x[:, b * 2048 + 7] = 4 + 0.37 * b + torch.rand(R, generator=g)
+    rows, ps = [], []
+    for r in range(R):
+        prob = torch.softmax(x[r].double(), 0)
+        for v in range(3, -3, -1):
+            above, share = prob[x[r] > v].sum().item(), prob[x[r] == v].sum().item()
+            rows += [r, r]
+            ps += [above + 1e-3 * share, above - 1e-3 * share]
+    xs, p = x[rows], torch.tensor(ps).clamp(1e-3, 1.0)
+    labels = torch.randint(0, V, (len(rows),), generator=g)
+    # the vectorised reference agrees with the token-by-token one (on a small row with ties)
+    small = torch.randint(-2, 3, (300,), generator=g).double()
+    for sampler in ("vllm", "sglang"):
+        want = top_p_kept(small, [0.3, 0.6], sampler)
+        for i, q in enumerate([0.3, 0.6]):
+            assert set(torch.nonzero(want[i]).flatten().tolist()) == brute_kept(
+                tuple(small.tolist()), 1.0, 0, q, 0.0, sampler
+            )
+    rel = 1e-4
+    for sampler in ("vllm", "sglang"):
+        with use_backend("cpp"), poisoned():
+            outs = ops.token_logprobs_sampler(
+                xs, labels, 1.0, None, 0, None, 1.0, p, 0.0, None, sampler, -100, entropy, True,
+                True, 0, True,
+            )  # fmt: skip
+        got = kept_from_cut(xs, outs[3], outs[4])
+        for r in range(R):
+            i = [k for k in range(len(rows)) if rows[k] == r]
+            q = p[i].double()
+            inner = top_p_kept(x[r].double(), q * (1 - rel), sampler)
+            outer = top_p_kept(x[r].double(), (q * (1 + rel)).clamp(max=1.0), sampler)
+            assert not (inner & ~got[i]).any() and not (got[i] & ~outer).any(), (sampler, r)
+        # the values on the kernel's kept set, for a few of the rows
+        few = tuple(o[:8] for o in outs)
+        check_against_truth(xs[:8], labels[:8], 1.0, 0, p[:8], 0.0, sampler, few)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

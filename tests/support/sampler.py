@@ -75,6 +75,29 @@ def brute_kept(x, T, k, p, mp, sampler):
     return kept
 
 
+def top_p_kept(x, ps, sampler):
+    """Top-p alone at temperature 1 for one row (a float64 tensor) at each p of `ps`: [len(ps), V]
+    kept masks by brute_kept's rules, vectorised (one sort of the row for every p: brute_kept is
+    too slow for the thousands of settings a tie-group test needs; a test checks the two agree).
+    vLLM keeps a tie group while the mass strictly above its value is below p; SGLang a token
+    while the mass ranked before it is at most p."""
+    V = x.numel()
+    order = torch.sort(-x, stable=True).indices  # rank order: a stable sort keeps ties by index
+    xs = x[order]
+    pr = torch.softmax(x, 0)[order]
+    excl = torch.cumsum(pr, 0) - pr
+    if sampler == "vllm":
+        first = torch.ones(V, dtype=torch.bool)
+        first[1:] = xs[1:] != xs[:-1]
+        group = torch.cumsum(first.long(), 0) - 1
+        excl = excl[torch.nonzero(first).flatten()][group]
+    p = torch.as_tensor(ps, dtype=torch.float64).unsqueeze(-1)
+    keep_sorted = excl < p if sampler == "vllm" else excl <= p
+    kept = torch.zeros(len(ps), V, dtype=torch.bool)
+    kept[:, order] = keep_sorted
+    return kept
+
+
 def rows_of(t, n):
     return [float(v) for v in t.reshape(n)] if t.dim() else [float(t)] * n
 
