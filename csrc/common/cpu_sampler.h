@@ -207,6 +207,15 @@ inline Vec andnot(Vec a, Vec b) {
 #endif
 }
 
+// max(a, b) in one instruction, where NaN need not propagate.
+inline Vec fast_max(Vec a, Vec b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_max_ps(__m256(a), __m256(b)));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
 // The lanes of a comparison mask as bits.
 inline int mask_bits(Vec m) {
 #if defined(CPU_CAPABILITY_AVX2)
@@ -265,17 +274,27 @@ inline SoftmaxStats block_stats_e2(const float* z, int64_t n, float m, float& e2
 // at least zb, a sure bound on the k-th largest (at least k tokens of the row are at or above it),
 // raised as the pass goes: once the band holds more than `limit` tokens, the k-th largest logit
 // among them becomes the bound and the tokens below it are dropped (ties kept). A row in random
-// order then collects about k ln(V / k) tokens.
+// order then collects about k ln(V / k) tokens. The first bound comes from the first block (any
+// part of the row gives a sure bound), in L1: split into k runs, the smallest of their maxima (at
+// least k tokens, one a run, are at or above it); with runs of fewer than 64 tokens (large k),
+// the k-th largest of its first 256 tokens.
 struct TopCollector {
   std::vector<BandItem<float>>& band;
-  float zb, inv_t;
+  std::vector<float>& tmp;  // the selections' scratch
+  float inv_t;
   int64_t k;
   size_t limit;
+  float zb = -INFINITY;  // (-inf until the first block sets it)
+  bool bound_set = false;
 
   // The block's tokens with z >= zb, with their logit and index (nd and mass are filled in once
   // the row's max is known).
   template <typename scalar_t>
   void add(const float* z, int64_t n, const scalar_t* x, int64_t j0) {
+    if (!bound_set) {
+      zb = first_bound(z, n);
+      bound_set = true;
+    }
     const Vec vb(zb);
     int64_t i = 0;
     const auto push = [&](int64_t t) {
@@ -286,13 +305,12 @@ struct TopCollector {
         push(i0 + __builtin_ctz(bits));
     };
     // four vectors behind one comparison of their max: few hold a candidate once the bound rose
-    // (a NaN max skips its vectors: a row holding a NaN takes the float64 path)
+    // (a plain max, which need not propagate NaN: a row holding one takes the float64 path)
     constexpr int64_t W = 4 * Vec::size();
     for (; i + W <= n; i += W) {
-      const Vec hi =
-          at::vec::maximum(at::vec::maximum(Vec::loadu(z + i), Vec::loadu(z + i + Vec::size())),
-                           at::vec::maximum(Vec::loadu(z + i + 2 * Vec::size()),
-                                            Vec::loadu(z + i + 3 * Vec::size())));
+      const Vec hi = fast_max(
+          fast_max(Vec::loadu(z + i), Vec::loadu(z + i + Vec::size())),
+          fast_max(Vec::loadu(z + i + 2 * Vec::size()), Vec::loadu(z + i + 3 * Vec::size())));
       if (mask_bits(hi >= vb) == 0) continue;
       for (int64_t q = 0; q < W; q += Vec::size()) scan(i + q);
     }
@@ -307,12 +325,37 @@ struct TopCollector {
   }
 
  private:
+  float first_bound(const float* z, int64_t n) {
+    const int64_t run = n / k;
+    if (run >= 64) {  // (a NaN max is as good as any: a row holding one takes the float64 path)
+      float lowest = INFINITY;
+      for (int64_t r = 0; r < k; ++r) {
+        const float* s = z + r * run;
+        Vec vm(-INFINITY);
+        int64_t i = 0;
+        for (; i + Vec::size() <= run; i += Vec::size()) vm = fast_max(vm, Vec::loadu(s + i));
+        float mx = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return fast_max(a, b); }, vm);
+        for (; i < run; ++i) mx = std::max(mx, s[i]);
+        lowest = std::min(lowest, mx);
+      }
+      return lowest;
+    }
+    const int64_t m = std::min<int64_t>(n, 256);
+    tmp.resize(m);
+    for (int64_t i = 0; i < m; ++i) tmp[i] = z[i] == z[i] ? z[i] : -INFINITY;
+    return kth_largest(m);
+  }
+  // The k-th largest of tmp's first m values (-inf when m < k).
+  float kth_largest(int64_t m) {
+    if (m < k) return -INFINITY;
+    std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.begin() + m, std::greater<float>());
+    return tmp[k - 1];
+  }
   void raise() {
-    const auto larger = [](const BandItem<float>& a, const BandItem<float>& b) {
-      return a.x > b.x;
-    };
-    std::nth_element(band.begin(), band.begin() + (k - 1), band.end(), larger);
-    const float xk = band[k - 1].x;
+    // selected among the logits alone (4 bytes moved per swap, not a band item's 16)
+    tmp.resize(band.size());
+    for (size_t i = 0; i < band.size(); ++i) tmp[i] = band[i].x;
+    const float xk = kth_largest(static_cast<int64_t>(band.size()));
     band.erase(std::remove_if(band.begin(), band.end(),
                               [xk](const BandItem<float>& it) { return !(it.x >= xk); }),
                band.end());
@@ -321,8 +364,8 @@ struct TopCollector {
   }
 };
 
-// The largest top-k whose kept set the collector finds (its starting bound is the k-th largest
-// of the row's first 256 tokens; a larger k takes the sample's band pass).
+// The largest top-k whose kept set the collector finds (its starting bound needs k tokens among
+// the first block's first 256; a larger k takes the sample's band pass).
 constexpr int64_t kCollectTopK = 256;
 
 // A sample of the row taken by the statistics pass: tokens (i V) / n for i < n = min(V, 1024),
@@ -626,23 +669,6 @@ class RowSample {
   int64_t n_ = 0, V_ = 1;
   bool sorted_ = false;
 };
-
-// The k-th largest of n = min(V, size) evenly spaced logits of the row (the row's own k-th
-// largest when n = V), or -inf when k > n: at least k tokens of the row are at or above it. NaN
-// reads as -inf (a row holding one takes the float64 path).
-template <typename scalar_t>
-float sampled_kth_largest(const scalar_t* row, int64_t V, int64_t k, int64_t size,
-                          std::vector<float>& tmp) {
-  const int64_t n = std::min(V, size);
-  if (k > n) return -INFINITY;
-  tmp.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = static_cast<float>(row[n == V ? i : (i * V) / n]);
-    tmp[i] = x == x ? x : -INFINITY;
-  }
-  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<float>());
-  return tmp[k - 1];
-}
 
 // Step 4: the walk over the band, in rank order after the tokens `above` it. Returns false when
 // a bound did not hold (a boundary lies above or below the band; the caller widens them).
@@ -1273,10 +1299,7 @@ bool top_p_masses(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float
   int64_t nb = 0;
   const CompressLut& lut = compress_lut();
   const bool with_e2 = a.with_sum_p2;
-  // the blocks from the last: the statistics pass wrote those last, so they are still in L2 (the
-  // masses of a whole row are larger than it: read from the first, every block would come from
-  // the next level, each read evicting one to be read later)
-  for (int64_t b = nblk - 1; b >= 0; --b) {
+  for (int64_t b = 0; b < nblk; ++b) {
     const float f = cb[b];
     int64_t j = b * kBlock;
     const int64_t end = std::min(V, j + kBlock);
@@ -1447,16 +1470,11 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   const bool k_bounded = top_k_on(a.top_k, V) && a.top_k <= kCollectTopK;
   const bool collect = k_bounded || (!trunc && a.stats_top_k > 0);
   const int64_t kc = k_bounded ? std::max(a.top_k, a.stats_top_k) : a.stats_top_k;
-  TopCollector top{ws.band, INFINITY, inv_t, kc,
+  // (raised whenever the band holds twice k: the bound follows the k-th largest so far closely,
+  // and fewer blocks reach it)
+  TopCollector top{ws.band, ws.sample_nd, inv_t, kc,
                    static_cast<size_t>(std::max<int64_t>(64, 4 * kc))};
-  if (collect) {
-    ws.band.clear();
-    // the row's first 256 tokens: the bound only has to be sure (the kc-th largest of any part of
-    // the row is), the pass raises it; read where the pass starts, not one cache miss per token
-    // scattered over the row (kc <= 256)
-    top.zb =
-        scaled(sampled_kth_largest(row, std::min<int64_t>(V, 256), kc, 256, ws.sample_nd), inv_t);
-  }
+  if (collect) ws.band.clear();
   PassSample psmp{ws.sample_j, ws.sample_nd, ws.sample_e};
   const RowStatsExt rs = row_stats_ext(
       row, V, inv_t, ws.buf, a.with_sum_p2 && !trunc, p_hist ? ws.mass.data() : nullptr,
