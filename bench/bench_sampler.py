@@ -125,8 +125,8 @@ def main():
         "Peak memory counts torch allocations; the CPU kernel's own scratch (per thread, reused "
         "across rows) is not among them: for top-p alone the row's masses, 4 B x V (0.6 MB at "
         "V=152064), its band (12 B a token, a few percent of a flat row; at most 12 B x V) and "
-        "3 x 4096 bucket sums; otherwise a 1024-token sample and the band, tens of KB typically, "
-        "at most 16 B x V when a band holds the whole row (2.4 MB at V=152064).",
+        "3 x 4096 bucket sums (float64); otherwise a 1024-token sample and the band, tens of KB "
+        "typically, at most 16 B x V when a band holds the whole row (2.4 MB at V=152064).",
         "",
     ]
     with torch.no_grad(), pk.use_backend("cpp"):
