@@ -364,8 +364,8 @@ struct TopCollector {
   }
 };
 
-// The largest top-k whose kept set the collector finds (its starting bound needs k tokens among
-// the first block's first 256; a larger k takes the sample's band pass).
+// The largest top-k whose kept set the collector finds (for k > 32 its first bound is a selection
+// among the first block's first 256 tokens; a larger k takes the sample's band pass).
 constexpr int64_t kCollectTopK = 256;
 
 // A sample of the row taken by the statistics pass: tokens (i V) / n for i < n = min(V, 1024),
@@ -1215,26 +1215,17 @@ bool top_p_hist(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float m
           {x, nd_of(x, inv_t, m, scale), E[j] * cb[j / kBlock], static_cast<int32_t>(j)});
   }
   // the kept set's sums in float64 (crossing_bucket's reason): the buckets above bstar, then the
-  // kept items (acc: the walk's)
-  double su = 0.0, se2 = 0.0;
+  // kept items; the mass is the walk's acc
+  MassSums<double> d;
   for (int64_t b = 0; b < bstar; ++b) {
-    if (need_u) su += hu[b];
-    if (need_e2) se2 += he2[b];
+    if (need_u) d.u += hu[b];
+    if (need_e2) d.e2 += he2[b];
   }
   const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
   if (last < 0) return false;
-  MassSums<float> k;
-  for (int64_t i = 0; i <= last; ++i) {
-    const BandItem<float>& it = items[i];
-    if (it.e > 0.f) su += static_cast<double>(it.e) * it.nd;
-    se2 += static_cast<double>(it.e) * it.e;
-    k.xmin = std::min(k.xmin, it.x);
-  }
-  k.n = last + 1;
-  k.s = static_cast<float>(acc);
-  k.u = static_cast<float>(su);
-  k.e2 = static_cast<float>(se2);
-  w.kept = k;
+  for (int64_t i = 0; i <= last; ++i) d.add(items[i].e, items[i].nd, items[i].x);
+  w.kept = {d.n, static_cast<float>(acc), static_cast<float>(d.u), static_cast<float>(d.e2),
+            d.xmin};
   return true;
 }
 
@@ -1401,9 +1392,6 @@ bool top_p_masses(const scalar_t* row, int64_t V, const SamplerRowArgs& a, float
     items.push_back({x, nd_of(x, inv_t, m, scale), be[i], bj[i]});
   }
   const int64_t last = walk_crossing_bucket(items, acc, tau, a.sglang, V, w);
-  if (getenv("DBG_TP"))
-    fprintf(stderr, "nb %ld bstar %ld shift %d items %zu last %ld lo %g hi %g\n", (long)nb,
-            (long)bstar, shift, items.size(), (long)last, lo, hi);
   if (last < 0) return false;
   // the masses decide the band's edges: the cut must lie well inside it
   const float nd_cut = items[last].nd;
@@ -1470,8 +1458,6 @@ SamplerRowOut sampler_row(const scalar_t* row, int64_t V, int64_t label, const S
   const bool k_bounded = top_k_on(a.top_k, V) && a.top_k <= kCollectTopK;
   const bool collect = k_bounded || (!trunc && a.stats_top_k > 0);
   const int64_t kc = k_bounded ? std::max(a.top_k, a.stats_top_k) : a.stats_top_k;
-  // (raised whenever the band holds twice k: the bound follows the k-th largest so far closely,
-  // and fewer blocks reach it)
   TopCollector top{ws.band, ws.sample_nd, inv_t, kc,
                    static_cast<size_t>(std::max<int64_t>(64, 4 * kc))};
   if (collect) ws.band.clear();
