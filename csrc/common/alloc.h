@@ -2,7 +2,8 @@
 // any output element a kernel fails to write reads back as NaN (or -1 for integers) instead of
 // whatever the allocator left there.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace ppo_kernels {
 

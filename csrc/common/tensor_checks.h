@@ -1,6 +1,6 @@
 // Host-side helpers shared by the op implementations (CPU and CUDA files).
 #pragma once
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

@@ -9,7 +9,7 @@
 //   Dev::sm_count(), Dev::max_row_blocks()  multiprocessors, the grid-stride threshold of the
 //                                       row kernels (the emulator's are set by its tests)
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #if defined(PPO_SIMT)
 #include "testing/simt.h"

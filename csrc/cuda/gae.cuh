@@ -14,6 +14,7 @@
 // No host synchronisation; all offsets are 64-bit; packed rows find their row by binary search.
 #pragma once
 #include <ATen/Dispatch.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

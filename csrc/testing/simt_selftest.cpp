@@ -1,5 +1,6 @@
 // The emulator's own test kernels (tests/test_simt_emulator.py): small correct kernels that use
 // each emulated feature, and deliberately broken ones, each of which one check must catch.
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include "cuda/device.cuh"
