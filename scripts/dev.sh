@@ -53,12 +53,38 @@ case "$TORCH" in 2.11.*) NUMPY="numpy<2.4" ;; esac
 DEPS=(ninja "$NUMPY" pytest pytest-xdist pytest-benchmark expecttest hypothesis "transformers>=4.45"
       tqdm matplotlib)
 
-# The peers for the drop-in tests, installed by peers() below (names also used by pip_)
+# The peers for the drop-in tests, installed by peers() below (names also used by inst)
 PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
 
-pip_() {  # pip minus the noise scripts/pip_filter.py describes; pip's failures still fail
+# Installs go through uv where it installs (once a venv, with pip): it puts a fresh venv's torch and
+# test stack in place in seconds, where pip unzips and byte-compiles every file for a minute or
+# more (CI creates five venvs). It installs from where pip would (`pip config list`, translated by
+# scripts/uv_args.py; certificates and timeouts through the environment). PPO_KERNELS_PIP=1 keeps
+# pip; an install uv fails is tried again with pip, whose messages name the problem.
+uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it cannot be had
+  [ "${PPO_KERNELS_PIP:-0}" = 1 ] && return 0
+  if [ ! -x "$1/bin/uv" ]; then
+    "$1/bin/pip" install -q uv >/dev/null 2>&1 || return 0
+  fi
+  echo "$1/bin/uv"
+}
+
+inst() {  # inst VENV pip-install-args...: uv, or pip minus the noise scripts/pip_filter.py describes
+  local venv=$1 uv conf cert
+  shift
+  uv=$(uv_for "$venv")
+  if [ -n "$uv" ]; then
+    local args=()
+    conf=$("$venv/bin/pip" config list 2>/dev/null || true)
+    mapfile -t args < <("$PY" scripts/uv_args.py <<< "$conf")
+    cert=$(sed -n "s/^[^=]*[.]cert='\(.*\)'$/\1/p" <<< "$conf" | tail -n 1)
+    env ${cert:+SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"} \
+      UV_HTTP_TIMEOUT="${UV_HTTP_TIMEOUT:-${PIP_DEFAULT_TIMEOUT:-180}}" \
+      "$uv" pip install --python "$venv/bin/python" "${args[@]}" "$@" && return 0
+    say "uv could not install that: pip tries (its messages follow)"
+  fi
   # shellcheck disable=SC2086  # one argument per peer
-  "$VENV/bin/pip" "$@" 2>&1 | "$PY" scripts/pip_filter.py $PEERS
+  "$venv/bin/pip" install "$@" 2>&1 | "$PY" scripts/pip_filter.py $PEERS
 }
 
 build_filter() {  # ninja's [n/m] lines shortened to the source file; other output passes
@@ -84,7 +110,7 @@ setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
     "$PY" -m venv "$VENV"
-    pip_ install -q --upgrade pip setuptools wheel
+    inst "$VENV" -q --upgrade pip setuptools wheel
   fi
   # dependencies: only when the wanted set changed since the last call
   local want
@@ -92,7 +118,7 @@ setup() {
   if [ "$(cat "$VENV/.ppo_deps" 2>/dev/null)" != "$want" ]; then
     say "installing torch $TORCH and the test / trainer dependencies (first time: 1-3 min on a" \
         "CPU machine, more for the 2.5 GB CUDA build)"
-    pip_ install -q "${TORCH_PIP[@]}" "${DEPS[@]}"
+    inst "$VENV" -q "${TORCH_PIP[@]}" "${DEPS[@]}"
     echo "$want" > "$VENV/.ppo_deps"
   fi
   # the package from this checkout (a .pth, no editable-install machinery), compiled in place
@@ -114,29 +140,29 @@ setup() {
 # tensordict, deepspeed, vllm, ...). A peer that does not install (e.g. OpenRLHF ships one wheel
 # per Python) makes its tests skip. The peers go in last: an install with dependencies makes pip
 # list every unmet pin of an installed package that depends on what it installed (for verl: ~20
-# lines), an install --no-deps checks nothing (pip_ folds such a list into one line should a
+# lines), an install --no-deps checks nothing (inst folds such a list into one line should a
 # later install still bring one).
 peers() {
   local p
-  pip_ install -q omegaconf accelerate codetiming orjson \
+  inst "$VENV" -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
   # TRL's GRPOTrainer end to end (tests/integrations/test_trl_e2e.py) needs its data stack
   # (datasets with pandas / pyarrow); the version TRL 1.16.0 was tested with here
-  pip_ install -q datasets==5.2.0 \
+  inst "$VENV" -q datasets==5.2.0 \
     || echo "datasets did not install: the GRPOTrainer end-to-end tests will skip" >&2
   # a local Ray for the worker-activation test (tests/integrations/test_ray.py), the version
   # OpenRLHF 0.11.2 pins; Liger's kernels for verl's use_fused_kernels "liger" backend
-  pip_ install -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
+  inst "$VENV" -q ray==2.55.0 || echo "ray did not install: the Ray worker test will skip" >&2
   # Liger's kernels need triton (the CUDA build of torch brings it); without triton an installed
   # liger-kernel breaks verl's own import of its fused-kernel module, so it is left out
   if "$VENV/bin/python" -c "import triton" >/dev/null 2>&1; then
-    pip_ install -q --no-deps liger-kernel==0.8.5 \
+    inst "$VENV" -q --no-deps liger-kernel==0.8.5 \
       || echo "liger-kernel did not install: verl's liger backend runs its torch route" >&2
   elif "$VENV/bin/python" -c "import liger_kernel" >/dev/null 2>&1; then
     "$VENV/bin/pip" uninstall -q -y liger-kernel  # a venv reused from before
   fi
   for p in $PEERS; do
-    pip_ install -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
+    inst "$VENV" -q --no-deps "$p" || echo "$p did not install: its integration tests will skip" >&2
   done
 }
 
@@ -145,7 +171,7 @@ peers() {
 LINTERS=(ruff==0.17.6 clang-format==23.1.5)
 lint() {
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  pip_ install -q "${LINTERS[@]}"
+  inst "$VENV" -q "${LINTERS[@]}"
   "$VENV/bin/ruff" check .
   "$VENV/bin/ruff" format --check .
   git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' \
@@ -171,7 +197,7 @@ docs() {
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   if [ "$(cat "$venv/.ppo_deps" 2>/dev/null)" != "${DOCS_PKGS[*]}" ]; then
     say "installing the documentation tools into $venv"
-    "$venv/bin/pip" install -q --no-deps "${DOCS_PKGS[@]}" 2>&1 | "$PY" scripts/pip_filter.py
+    inst "$venv" -q --no-deps "${DOCS_PKGS[@]}"
     echo "${DOCS_PKGS[*]}" > "$venv/.ppo_deps"
   fi
   export NO_MKDOCS_2_WARNING=1  # Material's notice about its successor, on every build
@@ -222,6 +248,10 @@ case "$cmd" in
     for a in "${@:2}"; do
       case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
     done
+    # Each worker keeps torch's threads (one per core, so the kernels' threaded paths run), and
+    # their OpenMP threads wait on the cores the other workers use: sleeping instead of spinning
+    # while they wait takes a tenth or more off the suite on two cores.
+    [ ${#xdist[@]} = 0 ] || export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
     "$VENV/bin/python" -m pytest -q -ra ${xdist[@]+"${xdist[@]}"} "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
   wheel) wheel ;;

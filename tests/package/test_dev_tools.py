@@ -1,5 +1,5 @@
 """The developer tooling around the suite: scripts/pip_filter.py (what scripts/dev.sh shows of
-pip) and the suite's own pytest plugins (tests/support/): the one-line-per-reason skip summary,
+pip), scripts/uv_args.py (pip's configuration as uv's arguments) and the suite's own pytest plugins (tests/support/): the one-line-per-reason skip summary,
 the file order, the state check, the quiet run's notes and the deadline."""
 
 from __future__ import annotations
@@ -55,6 +55,41 @@ def test_pip_filter_keeps_a_block_with_any_other_package_and_what_follows():
     # a peer not named is not a peer
     out = list(_filter()(_sample("pip_peer_conflicts.txt"), ["verl", "trl"]))
     assert out[0].startswith("ERROR: pip's dependency resolver") and len(out) == 57
+
+
+def _uv_args(lines):
+    spec = importlib.util.spec_from_file_location(
+        "uv_args", os.path.join(ROOT, "scripts", "uv_args.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.uv_args(lines)
+
+
+def test_uv_args_follow_pips_configuration():
+    # `pip config list` of a machine with local indexes (its files and PIP_* variables)
+    conf = [
+        ":env:.cert='/etc/ssl/certs/ca.crt'",
+        ":env:.find-links='/opt/wheels /opt/more'",
+        "global.constraint='/etc/xdg/pip/constraints.txt'",
+        "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'",
+        "global.find-links='/ignored/by/the/environment'",
+        "global.index-url='https://mirror.example/simple'",
+        "global.no-index='false'",
+        "download.dest='/tmp/not-install'",
+        "install.pre='true'",
+    ]
+    assert _uv_args(conf) == [
+        "--index-strategy", "unsafe-best-match",
+        "--index-url", "https://mirror.example/simple",
+        "--extra-index-url", "file:///opt/pypi/simple",
+        "--extra-index-url", "file:///opt/pypi-more/simple",
+        "--find-links", "/opt/wheels", "--find-links", "/opt/more",
+        "--constraint", "/etc/xdg/pip/constraints.txt",
+        "--prerelease=allow",
+    ]  # fmt: skip
+    assert _uv_args(["global.no-index='true'"])[2:] == ["--no-index"]
+    assert _uv_args([]) == ["--index-strategy", "unsafe-best-match"]
 
 
 def test_pip_filter_shows_real_errors_and_keeps_pips_exit_status():
