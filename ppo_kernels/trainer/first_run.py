@@ -18,12 +18,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Seconds, as (low, high) ranges: one C++ source compiled by one job (its share of a build with
-# the torch headers precompiled: the README's first-run table), one CUDA source by nvcc, the pip
-# installs of the CPU-only and of the CUDA torch.
+# the torch headers precompiled: the README's first-run table), one CUDA source by nvcc, the
+# installs of the CPU-only and of the CUDA torch (uv from a local index at the low end, pip
+# downloading the wheels at the high end).
 CPP_FILE = (12.0, 30.0)
-CU_FILE = (60.0, 180.0)
-INSTALL_CPU = (60.0, 180.0)
-INSTALL_CUDA = (180.0, 600.0)
+CU_FILE = (50.0, 180.0)
+INSTALL_CPU = (10.0, 180.0)
+INSTALL_CUDA = (30.0, 600.0)
 
 
 def cores() -> int:
@@ -105,6 +106,8 @@ def phases(root: str, venv: str, want: str, jobs: int, cuda: bool) -> list[tuple
 def _span(lo: float, hi: float) -> str:
     if hi < 90:
         return f"{max(lo, 1):.0f}-{max(hi, 1):.0f} s"
+    if lo < 60:  # seconds to minutes
+        return f"{max(lo, 1):.0f} s-{hi / 60:.0f} min"
     return f"{lo / 60:.0f}-{hi / 60:.0f} min"
 
 
