@@ -9,6 +9,8 @@
 #   bash scripts/dev.sh docs     # the documentation site on http://127.0.0.1:8000 (--build: build
 #                                # it into build/site with warnings as errors, as CI does)
 #   bash scripts/dev.sh wheel    # a binary wheel of the package into wheels/
+#   bash scripts/dev.sh install ARGS  # pip install's arguments into the venv $VENV, as dev.sh
+#                                # installs (through uv; CI's wheel stage uses it)
 #   bash scripts/dev.sh setup    # only create the venv and build
 # The torch build follows the machine: with an NVIDIA GPU, torch 2.14.1 (CUDA 13.0) and the C++ +
 # CUDA kernels; without one, the CPU-only torch 2.13.0 and the C++ kernels. PPO_KERNELS_FORCE_CUDA=1
@@ -34,7 +36,7 @@ if [ -z "${TORCH:-}" ]; then
     TORCH=$TORCH_CUDA
   else
     TORCH=$TORCH_CPU
-    case "${1:-test}" in docs|lint) ;; *)  # the two that need no torch
+    case "${1:-test}" in docs|lint|install) ;; *)  # those that need no torch
       say "no NVIDIA GPU here: CPU-only torch $TORCH_CPU, C++ kernels only" \
           "(PPO_KERNELS_FORCE_CUDA=1 or TORCH=$TORCH_CUDA for the CUDA build)" ;;
     esac
@@ -59,8 +61,9 @@ PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
 # Installs go through uv where it installs (once a venv, with pip): it puts a fresh venv's torch and
 # test stack in place in seconds, where pip unzips and byte-compiles every file for a minute or
 # more (CI creates five venvs). It installs from where pip would (`pip config list`, translated by
-# scripts/uv_args.py; certificates and timeouts through the environment). PPO_KERNELS_PIP=1 keeps
-# pip; an install uv fails is tried again with pip, whose messages name the problem.
+# scripts/uv_args.py into uv's arguments and, for certificates and timeouts, its environment).
+# PPO_KERNELS_PIP=1 keeps pip; an install uv fails is tried again with pip, whose messages name the
+# problem.
 uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it cannot be had
   [ "${PPO_KERNELS_PIP:-0}" = 1 ] && return 0
   if [ ! -x "$1/bin/uv" ]; then
@@ -70,17 +73,16 @@ uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it canno
 }
 
 inst() {  # inst VENV pip-install-args...: uv, or pip minus the noise scripts/pip_filter.py describes
-  local venv=$1 uv conf cert
+  local venv=$1 uv conf
   shift
   uv=$(uv_for "$venv")
   if [ -n "$uv" ]; then
-    local args=()
+    local args=() vars=()
     conf=$("$venv/bin/pip" config list 2>/dev/null || true)
     mapfile -t args < <("$PY" scripts/uv_args.py <<< "$conf")
-    cert=$(sed -n "s/^[^=]*[.]cert='\(.*\)'$/\1/p" <<< "$conf" | tail -n 1)
-    env ${cert:+SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"} \
-      UV_HTTP_TIMEOUT="${UV_HTTP_TIMEOUT:-${PIP_DEFAULT_TIMEOUT:-180}}" \
-      "$uv" pip install --python "$venv/bin/python" "${args[@]}" "$@" && return 0
+    mapfile -t vars < <("$PY" scripts/uv_args.py --env <<< "$conf")
+    env ${vars[@]+"${vars[@]}"} "$uv" pip install --python "$venv/bin/python" "${args[@]}" "$@" \
+      && return 0
     say "uv could not install that: pip tries (its messages follow)"
   fi
   # shellcheck disable=SC2086  # one argument per peer
@@ -231,8 +233,9 @@ cmd=${1:-test}
 case "$cmd" in
   setup|test|bench|demo|wheel) ;;
   lint) lint; exit 0 ;;
+  install) inst "$VENV" "${@:2}"; exit 0 ;;  # pip install's arguments, into $VENV (an existing venv)
   docs) docs "${@:2}"; exit 0 ;;
-  *) echo "usage: $0 {setup|test|bench|demo|lint|docs|wheel}" >&2; exit 2 ;;
+  *) echo "usage: $0 {setup|test|bench|demo|lint|docs|wheel|install}" >&2; exit 2 ;;
 esac
 if [ "$cmd" = demo ]; then  # the first run's installs and compiling, before they start
   "$PY" -I ppo_kernels/trainer/first_run.py --venv "$VENV" --want "$(deps_want)" --jobs "$MAX_JOBS" \

@@ -6,8 +6,11 @@ Reads `pip config list` on stdin (lines such as `global.find-links='/opt/wheels'
 the extra indexes, find-links, constraints, trusted hosts, --no-index and --pre. An environment
 variable (`:env:`) replaces the configuration files' value of the same key, as in pip. pip merges
 the versions of every index and takes the best; uv by default stops at the first index that has
-the project, so `--index-strategy unsafe-best-match` comes first. Keys with no uv counterpart
-(cert, timeout, ...) are left out: dev.sh passes those through the environment.
+the project, so `--index-strategy unsafe-best-match` comes first.
+
+With --env it prints instead the environment uv reads for the settings it has no option for, one
+`NAME=value` a line: pip's certificate bundle as SSL_CERT_FILE and its timeout as UV_HTTP_TIMEOUT,
+each unless the environment already sets it.
 
 Standard library only (it runs before the venv has anything installed).
 """
@@ -15,6 +18,7 @@ Standard library only (it runs before the venv has anything installed).
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from collections.abc import Iterable
 
@@ -27,6 +31,8 @@ LISTS = {
     "trusted-host": "--allow-insecure-host",
 }
 FLAGS = {"no-index": "--no-index", "pre": "--prerelease=allow"}
+# pip's key -> the variable uv reads for it
+ENV = {"cert": "SSL_CERT_FILE", "default-timeout": "UV_HTTP_TIMEOUT"}
 
 
 def config(lines: Iterable[str]) -> dict[str, str]:
@@ -60,5 +66,11 @@ def uv_args(lines: Iterable[str]) -> list[str]:
     return args
 
 
+def uv_env(lines: Iterable[str], environ=os.environ) -> list[str]:
+    conf = config(lines)
+    return [f"{var}={conf[key]}" for key, var in ENV.items() if key in conf and var not in environ]
+
+
 if __name__ == "__main__":
-    print("\n".join(uv_args(sys.stdin)))
+    out = uv_env(sys.stdin) if sys.argv[1:] == ["--env"] else uv_args(sys.stdin)
+    print("\n".join(out))

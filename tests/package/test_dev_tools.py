@@ -57,13 +57,17 @@ def test_pip_filter_keeps_a_block_with_any_other_package_and_what_follows():
     assert out[0].startswith("ERROR: pip's dependency resolver") and len(out) == 57
 
 
-def _uv_args(lines):
+def _uv_script():
     spec = importlib.util.spec_from_file_location(
         "uv_args", os.path.join(ROOT, "scripts", "uv_args.py")
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.uv_args(lines)
+    return mod
+
+
+def _uv_args(lines):
+    return _uv_script().uv_args(lines)
 
 
 def test_uv_args_follow_pips_configuration():
@@ -90,6 +94,15 @@ def test_uv_args_follow_pips_configuration():
     ]  # fmt: skip
     assert _uv_args(["global.no-index='true'"])[2:] == ["--no-index"]
     assert _uv_args([]) == ["--index-strategy", "unsafe-best-match"]
+    # what uv reads from the environment: pip's certificate bundle and timeout, unless already set
+    conf += [":env:.default-timeout='180'"]
+    uv_env = _uv_script().uv_env
+    assert uv_env(conf, environ={}) == [
+        "SSL_CERT_FILE=/etc/ssl/certs/ca.crt",
+        "UV_HTTP_TIMEOUT=180",
+    ]
+    assert uv_env(conf, environ={"SSL_CERT_FILE": "/mine.pem"}) == ["UV_HTTP_TIMEOUT=180"]
+    assert uv_env([], environ={}) == []
 
 
 def test_pip_filter_shows_real_errors_and_keeps_pips_exit_status():
