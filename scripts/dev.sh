@@ -58,12 +58,12 @@ DEPS=(ninja "$NUMPY" pytest pytest-xdist pytest-benchmark expecttest hypothesis 
 # The peers for the drop-in tests, installed by peers() below (names also used by inst)
 PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
 
-# Installs go through uv where it installs (once a venv, with pip): it puts a fresh venv's torch and
-# test stack in place in seconds, where pip unzips and byte-compiles every file for a minute or
-# more (CI creates five venvs). It installs from where pip would (`pip config list`, translated by
-# scripts/uv_args.py into uv's arguments and, for certificates and timeouts, its environment).
-# PPO_KERNELS_PIP=1 keeps pip; an install uv fails is tried again with pip, whose messages name the
-# problem.
+# Installs go through uv where it installs (once a venv, with pip): pip unzips and byte-compiles
+# every file of torch, uv links them from its cache (CI creates five venvs; DEVELOPING.md "Build
+# while developing" has the times). It installs from where pip would (`pip config list`,
+# translated by scripts/uv_args.py into uv's arguments and, for certificates and timeouts, its
+# environment). PPO_KERNELS_PIP=1 keeps pip; an install uv fails is tried again with pip, whose
+# messages name the problem.
 uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it cannot be had
   [ "${PPO_KERNELS_PIP:-0}" = 1 ] && return 0
   if [ ! -x "$1/bin/uv" ]; then
@@ -72,7 +72,7 @@ uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it canno
   echo "$1/bin/uv"
 }
 
-inst() {  # inst VENV pip-install-args...: uv, or pip minus the noise scripts/pip_filter.py describes
+inst() {  # inst VENV ARGS...: pip install ARGS, through uv or pip (minus pip_filter.py's noise)
   local venv=$1 uv conf
   shift
   uv=$(uv_for "$venv")
@@ -255,8 +255,8 @@ case "$cmd" in
       case "$a" in -n|-n*|--numprocesses|--numprocesses=*) xdist=() ;; esac
     done
     # Each worker keeps torch's threads (one per core, so the kernels' threaded paths run), and
-    # their OpenMP threads wait on the cores the other workers use: sleeping instead of spinning
-    # while they wait takes a tenth or more off the suite on two cores.
+    # their OpenMP threads wait on the cores the other workers use: they sleep instead of spinning
+    # while they wait (DEVELOPING.md "Tests" has the measurement).
     [ ${#xdist[@]} = 0 ] || export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
     "$VENV/bin/python" -m pytest -q -ra ${xdist[@]+"${xdist[@]}"} "${@:2}" ;;
   bench) "$VENV/bin/python" bench/run.py "${@:2}" ;;
