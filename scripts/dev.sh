@@ -63,7 +63,9 @@ PEERS="verl==0.9.1 trl==1.16.0 openrlhf==0.11.2"
 # while developing" has the times). It installs from where pip would (`pip config list`,
 # translated by scripts/uv_args.py into uv's arguments and, for certificates and timeouts, its
 # environment). PPO_KERNELS_PIP=1 keeps pip; an install uv fails is tried again with pip, whose
-# messages name the problem.
+# messages name the problem. uv byte-compiles what it installs, as pip does: left to the first
+# import, where bytecode is not written (PYTHONDONTWRITEBYTECODE, as in CI's image) every process
+# compiles torch's sources again, which doubles its import (the suite starts a hundred of them).
 uv_for() {  # uv for the venv $1 (its path on stdout), or nothing where it cannot be had
   [ "${PPO_KERNELS_PIP:-0}" = 1 ] && return 0
   if [ ! -x "$1/bin/uv" ]; then
@@ -81,7 +83,8 @@ inst() {  # inst VENV ARGS...: pip install ARGS, through uv or pip (minus pip_fi
     conf=$("$venv/bin/pip" config list 2>/dev/null || true)
     mapfile -t args < <("$PY" scripts/uv_args.py <<< "$conf")
     mapfile -t vars < <("$PY" scripts/uv_args.py --env <<< "$conf")
-    env ${vars[@]+"${vars[@]}"} "$uv" pip install --python "$venv/bin/python" "${args[@]}" "$@" \
+    env UV_COMPILE_BYTECODE="${UV_COMPILE_BYTECODE:-1}" ${vars[@]+"${vars[@]}"} \
+      "$uv" pip install --python "$venv/bin/python" "${args[@]}" "$@" \
       && return 0
     say "uv could not install that: pip tries (its messages follow)"
   fi
@@ -146,9 +149,6 @@ setup() {
 # later install still bring one).
 peers() {
   local p
-  # byte-compiled as pip does (uv leaves it to the first import): their sources' invalid escape
-  # sequences warn once, at compile time, which would otherwise fall into a test's warnings
-  local -x UV_COMPILE_BYTECODE=1
   inst "$VENV" -q omegaconf accelerate codetiming orjson \
     || echo "the peers' light imports did not install: integration tests will skip" >&2
   # TRL's GRPOTrainer end to end (tests/integrations/test_trl_e2e.py) needs its data stack

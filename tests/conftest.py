@@ -33,6 +33,7 @@ pytest_plugins = [
     "support.state",
     "support.progress",
     "support.deadline",
+    "support.triton_interpreter",
 ]
 
 

@@ -1,6 +1,7 @@
 """The developer tooling around the suite: scripts/pip_filter.py (what scripts/dev.sh shows of
-pip), scripts/uv_args.py (pip's configuration as uv's arguments) and the suite's own pytest plugins (tests/support/): the one-line-per-reason skip summary,
-the file order, the state check, the quiet run's notes and the deadline."""
+pip), scripts/uv_args.py (pip's configuration as uv's arguments) and the suite's own pytest
+plugins (tests/support/): the one-line-per-reason skip summary, the file order, the state check,
+the quiet run's notes, the deadline and the Triton interpreter's single patch per launch."""
 
 from __future__ import annotations
 
@@ -11,10 +12,32 @@ import subprocess
 import sys
 import textwrap
 
-from support import ROOT, TESTS
+import pytest
+from support import ROOT, TESTS, skips
+from support.skips import requires_triton
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 PEERS = ["verl==0.9.1", "trl==1.16.0", "openrlhf==0.11.2"]  # as scripts/dev.sh passes them
+
+try:  # a kernel that calls a device function in a loop, for the Triton interpreter's plugin
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scaled_exp(x, s):
+        return tl.exp(x) * s
+
+    @triton.jit
+    def _exp_sum_kernel(x_ptr, out_ptr, N: tl.constexpr, STEPS: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(x_ptr + offs)
+        acc = tl.zeros([N], dtype=tl.float32)
+        for i in range(STEPS):
+            acc += _scaled_exp(x, i + 1.0)
+        tl.store(out_ptr + offs, acc)
+
+except ImportError:
+    pass
 
 
 def _filter():
@@ -393,3 +416,31 @@ def test_skip_reasons_come_from_support_skips():
             if any(literal(r) for r in reason) or (name == "pytest.importorskip" and not reason):
                 found.append(f"{os.path.relpath(path, TESTS)}:{node.lineno} {ast.unparse(node)}")
     assert not found, "reasons not from support/skips.py:\n" + "\n".join(found)
+
+
+@requires_triton
+def test_triton_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """support/triton_interpreter.py: under TRITON_INTERPRET=1 (the suite's setting without a
+    GPU) a launch patches triton.language once, not again in each device-function call; the
+    kernel's result is the one its math gives, and the builtins are restored after the launch."""
+    import torch
+    from support import triton_interpreter
+    from triton.runtime import interpreter
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(skips.NOT_INTERPRETED)
+    assert getattr(interpreter._patch_lang, "_ppo_kernels_held", False)  # the suite installed it
+    assert not triton_interpreter.install()  # once per process
+    calls = []
+    wrapped = interpreter._patch_lang.wrapped
+    monkeypatch.setattr(
+        interpreter._patch_lang, "wrapped", lambda fn: calls.append(fn.__name__) or wrapped(fn)
+    )
+    x = torch.linspace(-2, 2, 16)
+    out = torch.full_like(x, float("nan"))
+    _exp_sum_kernel[(1,)](x, out, N=16, STEPS=5)
+    # the launch's patch (and a helper's module that names triton.language.core besides), not
+    # one for each of the 5 calls of _scaled_exp, whose module the launch's patch covers
+    assert calls[0] == "_exp_sum_kernel" and "_scaled_exp" not in calls, calls
+    torch.testing.assert_close(out, x.exp() * 15)
+    assert tl.core.is_builtin(tl.exp)  # restored: the interpreter's patch is gone

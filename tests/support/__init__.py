@@ -23,6 +23,7 @@ that importing one helper (e.g. `support.peer_stubs` from bench/) loads nothing 
 | `file_order` | plugin: `--file-order=reverse` or `shuffle:SEED` |
 | `state` | plugin: a test file leaves the process-wide state as it found it |
 | `progress` | plugin: a quiet run names the running file after 30 s without a result |
+| `triton_interpreter` | plugin: the Triton interpreter without patching its language again in each device-function call |
 """
 
 import os

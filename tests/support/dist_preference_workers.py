@@ -1,21 +1,22 @@
 """Workers of tests/ops/test_distributed_preference.py: `python
-tests/support/dist_preference_workers.py CASE[,CASE...] WORLD` spawns WORLD processes on gloo (CPU) once; each runs the cases in turn,
-checking the vocab-parallel linear_preference_loss against the single-process op on the unsharded
-head with the same seeded data; the script exits non-zero if any rank failed (naming the case)."""
+tests/support/dist_preference_workers.py CASE[,CASE...] WORLD` starts WORLD processes on gloo
+(CPU) once; each runs the cases in turn, checking the vocab-parallel linear_preference_loss
+against the single-process op on the unsharded head with the same seeded data; the script exits
+non-zero if any rank failed (naming the case). The processes and their exit:
+support/dist_workers.py's."""
 
 import os
 import sys
-import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # run by path: the checkout (ppo_kernels) and tests/ (the support package) on the path
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(TESTS))
 sys.path.insert(0, TESTS)
+
+from support.dist_workers import main  # noqa: E402
 
 
 def _split(n, world, seed):
@@ -220,49 +221,5 @@ def case_vocab_parallel_preference_errors(rank, world):
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 
-def _worker(rank, world, case, init_file, errors):
-    """Runs the cases, then leaves with os._exit (as tests/_dist_workers.py: a gloo teardown
-    racing a peer's may abort the process from a gloo thread); the exit code carries the
-    verdict."""
-    c = None
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-        )
-        for c in case.split(","):
-            torch.manual_seed(0)
-            CASES[c](rank, world)
-            dist.barrier()
-        dist.barrier()
-    except Exception:
-        errors.put(f"rank {rank}, case {c}: {traceback.format_exc()}")
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def main():
-    case, world = sys.argv[1], int(sys.argv[2])
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        errors = ctx.SimpleQueue()
-        try:
-            mp.start_processes(
-                _worker,
-                args=(world, case, os.path.join(d, "init"), errors),
-                nprocs=world,
-                start_method="spawn",
-            )
-        except Exception as e:
-            while not errors.empty():
-                print(errors.get(), file=sys.stderr)
-            print(f"FAILED: {e}", file=sys.stderr)
-            sys.exit(1)
-    print("OK")
-
-
 if __name__ == "__main__":
-    main()
+    main("support.dist_preference_workers")

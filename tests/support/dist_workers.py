@@ -1,5 +1,5 @@
 """Workers of tests/ops/test_distributed.py: `python tests/support/dist_workers.py CASE[,CASE...]
-WORLD` spawns WORLD processes on gloo (CPU) once; each runs the cases in turn, checking the
+WORLD` starts WORLD processes on gloo (CPU) once; each runs the cases in turn, checking the
 distributed op against the single-process op on the same seeded data; the script exits non-zero
 if any rank failed (naming the case)."""
 
@@ -770,15 +770,22 @@ def main(module=None):
     module (under tests/) that holds them (None: this one)."""
     case, world = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
+    # Forked workers inherit this process's imports (torch, ppo_kernels, the cases) where spawned
+    # ones would import them again, seconds each. Nothing here holds what a fork breaks: no
+    # parallel region has run, no process group or thread pool exists yet.
+    importlib.import_module("ppo_kernels")
+    if module is not None:
+        importlib.import_module(module)
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(method)
         errors = ctx.SimpleQueue()
         try:
             mp.start_processes(
                 _worker,
                 args=(world, case, os.path.join(d, "init"), errors, module),
                 nprocs=world,
-                start_method="spawn",
+                start_method=method,
             )
         except Exception as e:
             while not errors.empty():

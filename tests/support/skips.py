@@ -21,6 +21,9 @@ NO_SIMT = "ppo_kernels._simt is not built (build with PPO_KERNELS_BUILD_SIMT=1)"
 NO_SANITIZER = "needs the sanitized build: bash scripts/sanitize.sh runs this file under it"
 NO_GLOO = "torch.distributed with gloo is not available"
 NO_GLIBC = "needs glibc (the trainer's heap setting is glibc's mallopt)"
+NOT_INTERPRETED = (
+    "Triton's interpreter only (TRITON_INTERPRET=1, the suite's setting without a GPU)"
+)
 PEER_TESTS_NOT_ON_PYPI = (
     "the peer's own tests are not on PyPI (TRL, OpenRLHF, Liger): "
     "PPO_KERNELS_PEER_SRC_<PEER>=DIR, a checkout or a bare git mirror, runs them"
