@@ -429,7 +429,7 @@ def test_triton_interpreter_patches_the_language_once_per_launch(monkeypatch):
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip(skips.NOT_INTERPRETED)
-    assert getattr(interpreter._patch_lang, "_ppo_kernels_held", False)  # the suite installed it
+    assert hasattr(interpreter._patch_lang, "wrapped")  # the suite installed it
     assert not triton_interpreter.install()  # once per process
     calls = []
     wrapped = interpreter._patch_lang.wrapped

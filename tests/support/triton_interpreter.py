@@ -32,7 +32,7 @@ def install():
     except ImportError:
         return False
     patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or getattr(patch, "_ppo_kernels_held", False):
+    if patch is None or hasattr(patch, "wrapped"):  # absent, or installed already
         return False
     params = list(inspect.signature(patch).parameters)
     if params != ["fn"] or not hasattr(interpreter, "InterpretedFunction"):
@@ -64,8 +64,7 @@ def install():
         scope.restore = _restore
         return scope
 
-    _patch_lang._ppo_kernels_held = True
-    _patch_lang.wrapped = patch
+    _patch_lang.wrapped = patch  # the interpreter's own
     interpreter._patch_lang = _patch_lang
     return True
 
