@@ -107,8 +107,78 @@ std::vector<std::pair<uintptr_t, uintptr_t>> g_stack_guards;  // [lo, hi) of eve
 // ------------------------------------------------------------
 enum class St { kReady, kBarrier, kShuffle, kDone };
 
+// ---- fiber contexts
+// ----------------------------------------------------------------------------------
+// On x86-64 a switch pushes the callee-saved registers, swaps stack pointers and pops the other
+// fiber's: glibc's swapcontext also saves and restores the signal mask (a system call) and the
+// floating-point environment at every switch, which took most of the emulator's time, and nothing
+// changes either while a block runs. Other targets (or -DSIMT_UCONTEXT) keep ucontext.
+#if defined(__x86_64__) && !defined(SIMT_UCONTEXT)
+extern "C" void ppo_simt_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl ppo_simt_switch
+  .hidden ppo_simt_switch
+  .type ppo_simt_switch, @function
+ppo_simt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ppo_simt_switch, .-ppo_simt_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+// The first switch into `c` pops six zero registers and returns into fn, whose own return
+// address is null (fn never returns; backtraces end there). fn starts as if called: rsp + 8 is
+// 16-byte aligned.
+void start_context(Context& c, char* stack, size_t size, void (*fn)()) {
+  void** top = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15));
+  top[-1] = nullptr;
+  top[-2] = reinterpret_cast<void*>(fn);
+  for (int i = 3; i <= 8; ++i) top[-i] = nullptr;
+  c.sp = top - 8;
+}
+
+inline void switch_context(Context& from, Context& to) { ppo_simt_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void start_context(Context& c, char* stack, size_t size, void (*fn)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, fn, 0);
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's swapcontext clears the shadow of the stack a context names at every switch into it,
+  // which would wipe the redzones of a resumed fiber's live frames (run_block clears it once).
+  c.uc.uc_stack = stack_t{};
+#endif
+}
+
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   uint3 idx;
   int tid = 0;
   St st = St::kReady;
@@ -139,7 +209,7 @@ struct Block {
   std::vector<std::pair<void*, size_t>> shared;
   size_t shared_bytes = 0;
   Fiber* cur = nullptr;
-  ucontext_t sched;
+  Context sched;
   std::exception_ptr error;
   uint64_t rng = 0;
   std::vector<uint64_t> prio;  // per warp (the by-warp order)
@@ -234,7 +304,7 @@ void make_ready(Block& B, int tid) {
 
 void yield(Block& B, Fiber& f) {
   switch_to(t_sched_bottom, t_sched_size);
-  swapcontext(&f.ctx, &B.sched);
+  switch_context(f.ctx, B.sched);
   switched();
 }
 
@@ -268,7 +338,7 @@ void fiber_main() {
   }
   f.st = St::kDone;
   switch_to(t_sched_bottom, t_sched_size);
-  swapcontext(&f.ctx, &B.sched);  // never resumed
+  switch_context(f.ctx, B.sched);  // never resumed
 }
 
 [[noreturn]] void diagnose_deadlock(Block& B) {
@@ -304,16 +374,10 @@ void run_block(Block& B, Stacks& stacks) {
   B.shared_bytes = 0;
   for (int t = 0; t < B.n; ++t) {
     Fiber& f = B.fibers[t];
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stacks.get(t);
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_main, 0);
+    start_context(f.ctx, stacks.get(t), kStackBytes, fiber_main);
 #if defined(__SANITIZE_ADDRESS__)
-    // ASan's swapcontext clears the shadow of the stack a context names at every switch into it,
-    // which would wipe the redzones of a resumed fiber's live frames: clear it once, here.
-    __asan_unpoison_memory_region(f.ctx.uc_stack.ss_sp, kStackBytes);
-    f.ctx.uc_stack = stack_t{};
+    // the frames an earlier launch left on this stack: their redzones would read as errors
+    __asan_unpoison_memory_region(stacks.get(t), kStackBytes);
 #endif
     f.st = St::kReady;
     B.ready.push_back(t);
@@ -348,7 +412,7 @@ void run_block(Block& B, Stacks& stacks) {
     B.cur = &f;
     threadIdx = f.idx;
     switch_to(stacks.get(t), kStackBytes);
-    swapcontext(&B.sched, &f.ctx);
+    switch_context(B.sched, f.ctx);
     switched();
     if (B.error) std::rethrow_exception(B.error);
   }

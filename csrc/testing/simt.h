@@ -2,12 +2,12 @@
 // built into ppo_kernels._simt only with PPO_KERNELS_BUILD_SIMT=1). See csrc/testing/README.md.
 //
 // A launch runs its blocks one after another in a shuffled order. Every CUDA thread of a block is
-// a stackful fiber (ucontext); a fiber runs until it reaches __syncthreads, a warp shuffle / vote,
-// or its end, and the scheduler then picks the next fiber at random (seeded): between two
-// synchronisation points the threads of a block run in a random order (per block, either any
-// ready thread at random, or warps by random priority so that one warp runs far ahead of the
-// others), so a missing barrier or a shared-memory race changes the result. Checks that raise
-// simt::Error (category in brackets):
+// a stackful fiber (its own switch on x86-64, else ucontext); a fiber runs until it reaches
+// __syncthreads, a warp shuffle / vote, or its end, and the scheduler then picks the next fiber at
+// random (seeded): between two synchronisation points the threads of a block run in a random order
+// (per block, either any ready thread at random, or warps by random priority so that one warp runs
+// far ahead of the others), so a missing barrier or a shared-memory race changes the result. Checks
+// that raise simt::Error (category in brackets):
 //   [barrier]  a thread exits, or waits at another __syncthreads, while others wait at one;
 //   [shuffle]  a lane named in a shuffle's mask never arrives (exited, at a barrier, at another
 //              shuffle), the calling lane is not in its mask, or a lane reads a lane outside it;
