@@ -399,11 +399,14 @@ void run_block(Block& B, Stacks& stacks) {
       drawn = B.barriers;
     }
     size_t k = mix(B.rng) % B.ready.size();
-    if (by_warp) {
-      for (size_t i = 0; i < B.ready.size(); ++i) {
-        const size_t j = (k + i) % B.ready.size();
-        if (prio[B.ready[j] >> 5] > prio[B.ready[k] >> 5]) k = j;
-      }
+    if (by_warp) {  // the first ready thread of the highest-priority warp, cyclically from k
+      const size_t start = k;
+      uint64_t best = prio[B.ready[k] >> 5];
+      const auto better = [&](size_t j) {
+        if (prio[B.ready[j] >> 5] > best) best = prio[B.ready[j] >> 5], k = j;
+      };
+      for (size_t j = start + 1; j < B.ready.size(); ++j) better(j);  // (no division a step)
+      for (size_t j = 0; j < start; ++j) better(j);
     }
     const int t = B.ready[k];
     B.ready[k] = B.ready.back();
