@@ -33,6 +33,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/cpu_rows.h"
@@ -319,6 +321,60 @@ struct TopCollector {
       if (z[i] >= zb) push(i);
     if (band.size() > limit) raise();
   }
+  // load_scaled (the same values in buf, the same max) and, once the first block set the bound,
+  // add's candidates read while each group of four vectors is still in registers: no second pass
+  // over the block (most blocks' groups hold none). The same tokens in the same order as add. (A
+  // row holding a NaN takes the float64 path, which never reads the band.)
+  template <typename scalar_t>
+  float load_and_add(const scalar_t* x, int64_t n, float inv_t, float* buf, int64_t j0) {
+    if (!bound_set) {
+      const float m = load_scaled(x, n, inv_t, buf);
+      add(buf, n, x, j0);
+      return m;
+    }
+    const Vec vt(inv_t), vb(zb);
+    Vec vmax(-INFINITY);
+    const auto push = [&](int64_t t) {
+      band.push_back({static_cast<float>(x[t]), 0.f, 0.f, static_cast<int32_t>(j0 + t)});
+    };
+    constexpr int64_t W = 4 * Vec::size();
+    int64_t i = 0;
+    if constexpr (std::is_same_v<scalar_t, float> || c10::is_reduced_floating_point_v<scalar_t>) {
+      for (; i + W <= n; i += W) {
+        Vec z[4];
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          for (int q = 0; q < 4; ++q) z[q] = Vec::loadu(x + i + q * Vec::size());
+        } else {
+          using bVec = at::vec::Vectorized<scalar_t>;
+          static_assert(bVec::size() == 2 * Vec::size());
+          std::tie(z[0], z[1]) = at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i));
+          std::tie(z[2], z[3]) =
+              at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i + bVec::size()));
+        }
+        for (int q = 0; q < 4; ++q) {
+          z[q] = z[q] * vt;
+          z[q].store(buf + i + q * Vec::size());
+          vmax = at::vec::maximum(vmax, z[q]);  // propagates NaN
+        }
+        const Vec hi = fast_max(fast_max(z[0], z[1]), fast_max(z[2], z[3]));
+        if (mask_bits(hi >= vb) == 0) continue;
+        for (int q = 0; q < 4; ++q)
+          for (int bits = mask_bits(z[q] >= vb); bits; bits &= bits - 1)
+            push(i + q * Vec::size() + __builtin_ctz(bits));
+      }
+    }
+    float m = -INFINITY;
+    for (; i < n; ++i) {
+      buf[i] = static_cast<float>(x[i]) * inv_t;
+      m = nan_max(m, buf[i]);
+      if (buf[i] >= zb) push(i);
+    }
+    float lanes[Vec::size()];
+    vmax.store(lanes);
+    for (float v : lanes) m = nan_max(m, v);
+    if (band.size() > limit) raise();
+    return m;
+  }
   // After the pass: the band cut down to the k largest and their ties.
   void trim() {
     if (static_cast<int64_t>(band.size()) > k) raise();
@@ -409,8 +465,8 @@ RowStatsExt row_stats_ext(const scalar_t* row, int64_t V, float inv_t, float* bu
       for (int64_t i = s0; i < si; ++i) smp->e[i] = keep[smp->j[i]];
       continue;
     }
-    const float m = load_scaled(row + j, n, inv_t, buf);
-    if (top && m >= top->zb) top->add(buf, n, row + j, j);  // (most blocks' max is below it)
+    const float m =
+        top ? top->load_and_add(row + j, n, inv_t, buf, j) : load_scaled(row + j, n, inv_t, buf);
     if (!with_e2) {
       st = stats_merge(st, block_stats(buf, n, m));
       continue;
