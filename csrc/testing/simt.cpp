@@ -116,7 +116,7 @@ enum class St { kReady, kBarrier, kShuffle, kDone };
 #if defined(__x86_64__) && !defined(SIMT_UCONTEXT)
 extern "C" void ppo_simt_switch(void** save_sp, void* load_sp);
 asm(R"(
-  .text
+  .pushsection .text
   .p2align 4
   .globl ppo_simt_switch
   .hidden ppo_simt_switch
@@ -138,6 +138,7 @@ ppo_simt_switch:
   popq %rbp
   ret
   .size ppo_simt_switch, .-ppo_simt_switch
+  .popsection
 )");
 
 struct Context {
