@@ -289,54 +289,32 @@ struct TopCollector {
   float zb = -INFINITY;  // (-inf until the first block sets it)
   bool bound_set = false;
 
-  // The block's tokens with z >= zb, with their logit and index (nd and mass are filled in once
-  // the row's max is known).
+  // A block of the row loaded into buf (load_scaled's values and max, returned) and its tokens
+  // with z >= zb collected, with their logit and index (nd and mass are filled in once the row's
+  // max is known). The first block sets the bound and is then scanned in buf. Later blocks'
+  // tokens are checked while each group of four vectors is still in registers, behind one
+  // comparison of their max (most groups hold none once the bound rose): load_scaled's loop with
+  // that check inside, as a hook called per vector measured slower (bf16 most). (A row holding a
+  // NaN takes the float64 path, which never reads the band.)
   template <typename scalar_t>
-  void add(const float* z, int64_t n, const scalar_t* x, int64_t j0) {
-    if (!bound_set) {
-      zb = first_bound(z, n);
-      bound_set = true;
-    }
-    const Vec vb(zb);
-    int64_t i = 0;
+  float load_and_add(const scalar_t* x, int64_t n, float inv_t, float* buf, int64_t j0) {
     const auto push = [&](int64_t t) {
       band.push_back({static_cast<float>(x[t]), 0.f, 0.f, static_cast<int32_t>(j0 + t)});
     };
-    const auto scan = [&](int64_t i0) {
-      for (int bits = mask_bits(Vec::loadu(z + i0) >= vb); bits; bits &= bits - 1)
-        push(i0 + __builtin_ctz(bits));
-    };
-    // four vectors behind one comparison of their max: few hold a candidate once the bound rose
-    // (a plain max, which need not propagate NaN: a row holding one takes the float64 path)
-    constexpr int64_t W = 4 * Vec::size();
-    for (; i + W <= n; i += W) {
-      const Vec hi = fast_max(
-          fast_max(Vec::loadu(z + i), Vec::loadu(z + i + Vec::size())),
-          fast_max(Vec::loadu(z + i + 2 * Vec::size()), Vec::loadu(z + i + 3 * Vec::size())));
-      if (mask_bits(hi >= vb) == 0) continue;
-      for (int64_t q = 0; q < W; q += Vec::size()) scan(i + q);
-    }
-    for (; i + Vec::size() <= n; i += Vec::size()) scan(i);
-    for (; i < n; ++i)
-      if (z[i] >= zb) push(i);
-    if (band.size() > limit) raise();
-  }
-  // load_scaled (the same values in buf, the same max) and, once the first block set the bound,
-  // add's candidates read while each group of four vectors is still in registers: no second pass
-  // over the block (most blocks' groups hold none). The same tokens in the same order as add. (A
-  // row holding a NaN takes the float64 path, which never reads the band.)
-  template <typename scalar_t>
-  float load_and_add(const scalar_t* x, int64_t n, float inv_t, float* buf, int64_t j0) {
     if (!bound_set) {
       const float m = load_scaled(x, n, inv_t, buf);
-      add(buf, n, x, j0);
+      zb = first_bound(buf, n);
+      bound_set = true;
+      const Vec vb(zb);
+      int64_t i = 0;
+      for (; i + Vec::size() <= n; i += Vec::size()) take(Vec::loadu(buf + i), vb, i, push);
+      for (; i < n; ++i)
+        if (buf[i] >= zb) push(i);
+      if (band.size() > limit) raise();
       return m;
     }
     const Vec vt(inv_t), vb(zb);
     Vec vmax(-INFINITY);
-    const auto push = [&](int64_t t) {
-      band.push_back({static_cast<float>(x[t]), 0.f, 0.f, static_cast<int32_t>(j0 + t)});
-    };
     constexpr int64_t W = 4 * Vec::size();
     int64_t i = 0;
     if constexpr (std::is_same_v<scalar_t, float> || c10::is_reduced_floating_point_v<scalar_t>) {
@@ -356,11 +334,10 @@ struct TopCollector {
           z[q].store(buf + i + q * Vec::size());
           vmax = at::vec::maximum(vmax, z[q]);  // propagates NaN
         }
+        // (a plain max, which need not propagate NaN)
         const Vec hi = fast_max(fast_max(z[0], z[1]), fast_max(z[2], z[3]));
         if (mask_bits(hi >= vb) == 0) continue;
-        for (int q = 0; q < 4; ++q)
-          for (int bits = mask_bits(z[q] >= vb); bits; bits &= bits - 1)
-            push(i + q * Vec::size() + __builtin_ctz(bits));
+        for (int q = 0; q < 4; ++q) take(z[q], vb, i + q * Vec::size(), push);
       }
     }
     float m = -INFINITY;
@@ -400,6 +377,11 @@ struct TopCollector {
     tmp.resize(m);
     for (int64_t i = 0; i < m; ++i) tmp[i] = z[i] == z[i] ? z[i] : -INFINITY;
     return kth_largest(m);
+  }
+  // push(i0 + lane) for each lane of z at or above vb, in lane order.
+  template <typename Push>
+  static void take(Vec z, Vec vb, int64_t i0, const Push& push) {
+    for (int bits = mask_bits(z >= vb); bits; bits &= bits - 1) push(i0 + __builtin_ctz(bits));
   }
   // The k-th largest of tmp's first m values (-inf when m < k).
   float kth_largest(int64_t m) {
